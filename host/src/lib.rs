@@ -1,0 +1,14 @@
+//! Host side of the fused Linear + epilogue blocks: tensors, chains, the CPU reference,
+//! the autograd tape, the CUDA runtime and the launchers of the kernels in `kernels-gpu`.
+
+pub mod block;
+pub mod chain;
+pub mod check;
+pub mod error;
+pub mod tape;
+pub mod tensor;
+
+pub use block::{BlockSpec, Params};
+pub use chain::{Chain, Op, Preset};
+pub use error::{Error, Result};
+pub use tensor::Tensor;
