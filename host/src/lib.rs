@@ -3,8 +3,11 @@
 
 pub mod block;
 pub mod chain;
+pub mod cli;
 pub mod check;
 pub mod error;
+pub mod gpu;
+pub mod io;
 pub mod tape;
 pub mod tensor;
 

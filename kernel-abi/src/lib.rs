@@ -4,6 +4,14 @@
 //! and shared memory with it, so the two cannot drift apart.
 #![no_std]
 
+/// `(kernel, max threads per block, min blocks per SM)`: CUDA's `__launch_bounds__`,
+/// which rustc cannot express; `host/build.rs` writes them into the PTX so that
+/// ptxas caps each kernel's registers to fit that many blocks.
+pub const LAUNCH_BOUNDS: &[(&str, u32, u32)] = &[
+    ("gemm_f32_fused_vec4", gemm_simt::THREADS as u32, gemm_simt::MIN_BLOCKS_PER_SM),
+    ("gemm_f32_fused_scalar", gemm_simt::THREADS as u32, gemm_simt::MIN_BLOCKS_PER_SM),
+];
+
 /// The shared-memory tiled GEMM with bias (`y = x W^T + b`).
 pub mod gemm_tiled {
     /// Rows of `y` (batch) per block.
@@ -20,4 +28,80 @@ pub mod gemm_tiled {
     pub const SMEM_PAD: usize = 4;
     /// Dynamic shared memory the kernel needs, in bytes.
     pub const SMEM_BYTES: usize = BLOCK_K * ((BLOCK_M + SMEM_PAD) + (BLOCK_N + SMEM_PAD)) * 4;
+}
+
+/// The epilogue chain as the kernels see it: one [`OpDesc`] per op, in a device array.
+pub mod epilogue {
+    pub const OP_BIAS: u32 = 1;
+    pub const OP_MUL: u32 = 2;
+    pub const OP_SCALE: u32 = 3;
+    pub const OP_SWISH: u32 = 4;
+    pub const OP_MISH: u32 = 5;
+    pub const OP_GELU: u32 = 6;
+    pub const OP_LEAKY_RELU: u32 = 7;
+    pub const OP_HARDTANH: u32 = 8;
+    pub const OP_GROUP_NORM: u32 = 9;
+    pub const OP_AVG_POOL: u32 = 10;
+    pub const OP_ROW_MAX: u32 = 11;
+
+    /// One op of an epilogue chain. Fields unused by an op are zero.
+    ///
+    /// | code            | `count`  | `a`   | `b`  | `param0` | `param1` |
+    /// |-----------------|----------|-------|------|----------|----------|
+    /// | `OP_BIAS`       |          |       |      | bias     |          |
+    /// | `OP_MUL`        |          |       |      | w        |          |
+    /// | `OP_SCALE`      |          | s     |      |          |          |
+    /// | `OP_LEAKY_RELU` |          | slope |      |          |          |
+    /// | `OP_HARDTANH`   |          | min   | max  |          |          |
+    /// | `OP_GROUP_NORM` | groups   | eps   |      | gamma    | beta     |
+    /// | `OP_AVG_POOL`   | k        |       |      |          |          |
+    ///
+    /// `param0`/`param1` are device addresses of f32 vectors with one entry per
+    /// feature at that point of the chain.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, Default, PartialEq)]
+    pub struct OpDesc {
+        pub code: u32,
+        pub count: u32,
+        pub a: f32,
+        pub b: f32,
+        pub param0: u64,
+        pub param1: u64,
+    }
+
+    /// Threads per block of the row-wise epilogue kernel (one block per row).
+    pub const ROW_THREADS: usize = 256;
+
+    /// Dynamic shared memory of the row-wise epilogue for rows of `features` floats:
+    /// the row and a second buffer that pooling writes into.
+    pub const fn row_smem_bytes(features: usize) -> usize {
+        2 * features * 4
+    }
+}
+
+/// The register-blocked FP32 GEMM with the fused epilogue (`kernels-gpu/src/gemm/simt.rs`).
+pub mod gemm_simt {
+    /// Rows of `y` per block.
+    pub const BLOCK_M: usize = 128;
+    /// Columns of `y` per block.
+    pub const BLOCK_N: usize = 128;
+    /// Depth of one shared-memory stage.
+    pub const BLOCK_K: usize = 8;
+    pub const THREADS: usize = 256;
+    /// Two resident blocks per SM: caps registers at 128 per thread.
+    pub const MIN_BLOCKS_PER_SM: u32 = 2;
+    /// Floats per `k` row of a staged tile: 4 of padding put the two halves of a
+    /// warp's transposed stores in different banks and keep rows 16-byte aligned.
+    pub const SMEM_STRIDE: usize = BLOCK_M + 4;
+    /// Two stages (double buffering) of the x and w tiles.
+    const PIPELINE_BYTES: usize = 2 * 2 * BLOCK_K * SMEM_STRIDE * 4;
+    /// The output tile staged for the epilogue, rows padded to `BLOCK_N + 4` floats.
+    const STAGE_BYTES: usize = BLOCK_M * (BLOCK_N + 4) * 4;
+    /// Dynamic shared memory: the pipeline, later reused for the staged output tile.
+    pub const SMEM_BYTES: usize = if PIPELINE_BYTES > STAGE_BYTES { PIPELINE_BYTES } else { STAGE_BYTES };
+    /// In the epilogue a lane holds 4 consecutive columns of a 128-column row, so a
+    /// GroupNorm group of `g` channels (a power of two, 4..=128) is `g / 4` lanes.
+    /// Group sizes the fused GroupNorm handles (power of two in this range).
+    pub const MIN_FUSED_GROUP: usize = 4;
+    pub const MAX_FUSED_GROUP: usize = BLOCK_N;
 }

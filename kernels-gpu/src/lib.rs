@@ -11,6 +11,7 @@
 #![feature(abi_ptx, stdarch_nvptx, asm_experimental_arch, core_intrinsics, gpu_intrinsics, gpu_launch_sized_workgroup_mem)]
 #![allow(internal_features)]
 
+pub mod epilogue;
 pub mod gemm;
 pub mod prelude;
 

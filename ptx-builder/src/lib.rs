@@ -39,6 +39,17 @@ pub struct PtxBuilder {
     arch: String,
     ptx_isa: String,
     extra_watch: Vec<PathBuf>,
+    launch_bounds: Vec<LaunchBounds>,
+}
+
+/// `.maxntid` / `.minnctapersm` for one kernel: what `__launch_bounds__(threads, blocks)`
+/// does in CUDA C++. rustc has no attribute for it, so the builder writes the
+/// directives into the PTX; ptxas then caps registers at `65536 / (threads * blocks)`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LaunchBounds {
+    pub kernel: String,
+    pub max_threads: u32,
+    pub min_blocks_per_sm: u32,
 }
 
 impl PtxBuilder {
@@ -49,6 +60,7 @@ impl PtxBuilder {
             arch: "sm_90".into(),
             ptx_isa: "ptx80".into(),
             extra_watch: Vec::new(),
+            launch_bounds: Vec::new(),
         }
     }
 
@@ -67,6 +79,12 @@ impl PtxBuilder {
     /// Another folder whose changes must rebuild the PTX (a path dependency).
     pub fn watch(mut self, path: impl Into<PathBuf>) -> Self {
         self.extra_watch.push(path.into());
+        self
+    }
+
+    /// Declares a kernel's launch bounds (see [`LaunchBounds`]).
+    pub fn launch_bounds(mut self, kernel: &str, max_threads: u32, min_blocks_per_sm: u32) -> Self {
+        self.launch_bounds.push(LaunchBounds { kernel: kernel.into(), max_threads, min_blocks_per_sm });
         self
     }
 
@@ -109,9 +127,28 @@ impl PtxBuilder {
 
         let name = crate_name(&crate_dir)?.replace('-', "_");
         let ptx = target_dir.join(TARGET).join("release").join(format!("{name}.ptx"));
-        fs::copy(&ptx, out).map_err(|e| format!("copying {} to {}: {e}", ptx.display(), out.display()))?;
+        let text = fs::read_to_string(&ptx).map_err(|e| format!("reading {}: {e}", ptx.display()))?;
+        let text = add_launch_bounds(&text, &self.launch_bounds)?;
+        fs::write(out, text).map_err(|e| format!("writing {}: {e}", out.display()))?;
         Ok(())
     }
+}
+
+/// Inserts each kernel's performance directives between its parameter list and body.
+fn add_launch_bounds(ptx: &str, bounds: &[LaunchBounds]) -> Result<String, String> {
+    let mut lines: Vec<String> = ptx.lines().map(String::from).collect();
+    for b in bounds {
+        let header = format!(".entry {}(", b.kernel);
+        let start = lines
+            .iter()
+            .position(|l| l.contains(&header))
+            .ok_or_else(|| format!("launch bounds given for `{}`, which the PTX does not export", b.kernel))?;
+        let close = (start..lines.len())
+            .find(|&i| lines[i].trim_start().starts_with(')'))
+            .ok_or_else(|| format!("no end of `{}`'s parameter list in the PTX", b.kernel))?;
+        lines.insert(close + 1, format!(".maxntid {}, 1, 1\n.minnctapersm {}", b.max_threads, b.min_blocks_per_sm));
+    }
+    Ok(lines.join("\n") + "\n")
 }
 
 fn llvm_tools_dir(rustc: &OsString) -> Result<PathBuf, String> {
@@ -287,6 +324,16 @@ mod tests {
         assert_eq!(req.archives, [PathBuf::from("libcompiler_builtins.rlib")]);
         assert_eq!(req.cpu.as_deref(), Some("sm_90a"));
         assert_eq!(req.output, Some(PathBuf::from("out.ptx")));
+    }
+
+    #[test]
+    fn writes_launch_bounds_after_the_parameter_list() {
+        let ptx = ".visible .entry k(\n\t.param .u64 k_param_0\n)\n{\n\tret;\n}\n";
+        let b = [LaunchBounds { kernel: "k".into(), max_threads: 256, min_blocks_per_sm: 2 }];
+        let out = add_launch_bounds(ptx, &b).unwrap();
+        assert!(out.contains(")\n.maxntid 256, 1, 1\n.minnctapersm 2\n{"), "{out}");
+        let missing = [LaunchBounds { kernel: "other".into(), ..b[0].clone() }];
+        assert!(add_launch_bounds(ptx, &missing).unwrap_err().contains("`other`"));
     }
 
     #[test]

@@ -32,6 +32,8 @@ special_register! {
     grid_dim_x => _grid_dim_x;
     /// `gridDim.y`
     grid_dim_y => _grid_dim_y;
+    /// `gridDim.z`
+    grid_dim_z => _grid_dim_z;
 }
 
 /// Threads per warp on every NVIDIA GPU so far.

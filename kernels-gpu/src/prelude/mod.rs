@@ -10,3 +10,28 @@ pub mod warp;
 pub use index::*;
 pub use shared::dynamic_shared;
 pub use sync::sync_threads;
+
+/// Repeats `$body` with `$i` bound to `0, 1, ..` (`0..2`, `0..4` or `0..8`), unrolled in the
+/// source. Register arrays indexed only this way stay in registers: LLVM declines to
+/// unroll loops whose bodies are large (an activation inlined 64 times), and a
+/// run-time index would send the whole array to local memory.
+#[macro_export]
+macro_rules! unroll {
+    ($i:ident in 0..2 => $body:block) => {{
+        { let $i: usize = 0; $body }
+        { let $i: usize = 1; $body }
+    }};
+    ($i:ident in 0..4 => $body:block) => {{
+        { let $i: usize = 0; $body }
+        { let $i: usize = 1; $body }
+        { let $i: usize = 2; $body }
+        { let $i: usize = 3; $body }
+    }};
+    ($i:ident in 0..8 => $body:block) => {{
+        $crate::unroll!($i in 0..4 => $body);
+        { let $i: usize = 4; $body }
+        { let $i: usize = 5; $body }
+        { let $i: usize = 6; $body }
+        { let $i: usize = 7; $body }
+    }};
+}

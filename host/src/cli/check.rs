@@ -1,0 +1,120 @@
+//! `host check`: every preset and a set of random chains and shapes, run on the GPU
+//! against the f64 CPU reference, on fresh random inputs into NaN-poisoned outputs.
+
+use super::Failure;
+use crate::block::{BlockSpec, Params, random_input};
+use crate::chain::{Chain, Op, Preset};
+use crate::check::{FP32_REL, compare_f32};
+use crate::error::Result;
+use crate::gpu::Gpu;
+use crate::gpu::forward::GpuBlock;
+use crate::reference;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+#[derive(clap::Args, Debug)]
+pub struct CheckArgs {
+    /// Random chains to try besides the presets.
+    #[arg(long, default_value_t = 24)]
+    random: usize,
+    /// Seed of the random chains, shapes and data.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Also check the presets at their seed sizes (slow on the CPU side: minutes).
+    #[arg(long)]
+    seed_sizes: bool,
+}
+
+/// A chain of 1..=5 random ops valid for `out` features, ending in `max` sometimes.
+pub fn random_chain(rng: &mut impl Rng, out: usize) -> Chain {
+    let mut ops = Vec::new();
+    let mut f = out;
+    let len = rng.random_range(1..=5);
+    for i in 0..len {
+        let op = match rng.random_range(0..10) {
+            0 => Op::Bias,
+            1 => Op::ChannelMul,
+            2 => Op::Scale(rng.random_range(-2.0..2.0)),
+            3 => Op::Swish,
+            4 => Op::Mish,
+            5 => Op::Gelu,
+            6 => Op::LeakyRelu(rng.random_range(0.0..0.3)),
+            7 => {
+                let lo = rng.random_range(-2.0f32..0.0);
+                Op::Hardtanh(lo, lo + rng.random_range(0.1..3.0))
+            }
+            8 if f >= 2 && i + 1 < len => Op::AvgPool(rng.random_range(2..=4.min(f))),
+            _ => {
+                let divisors: Vec<usize> = (1..=f).filter(|g| f % g == 0).collect();
+                Op::GroupNorm { groups: divisors[rng.random_range(0..divisors.len())], eps: 1e-5 }
+            }
+        };
+        f = op.out_features(f).expect("generated ops are valid");
+        ops.push(op);
+    }
+    if rng.random_bool(0.2) {
+        ops.push(Op::RowMax);
+    }
+    Chain(ops)
+}
+
+pub fn run(a: &CheckArgs) -> Result<(), Failure> {
+    let gpu = Gpu::open(0)?;
+    let mut rng = StdRng::seed_from_u64(a.seed);
+    let mut cases: Vec<(String, Chain, (usize, usize, usize))> = Vec::new();
+    for p in Preset::ALL {
+        let (g_small, shape) = match p {
+            Preset::M4 => (None, (33, 77, 96)),
+            _ => (Some(4), (33, 77, 96)), // groups of 24: the odd shape of the issue
+        };
+        let chain = g_small.map_or(p.chain(), |g| p.chain().with_groups(g));
+        cases.push((format!("{p} small"), chain, shape));
+        if a.seed_sizes {
+            cases.push((format!("{p} seed"), p.chain(), p.seed_shape()));
+        }
+    }
+    for p in [Preset::M1, Preset::M3, Preset::M5] {
+        cases.push((format!("{p} 256 rows"), p.chain().with_groups(16), (256, 1024, 512)));
+    }
+    for i in 0..a.random {
+        let shape = (
+            [1, 3, 17, 33, 130, 257][rng.random_range(0..6)],
+            [5, 16, 77, 300, 1030][rng.random_range(0..5)],
+            [24, 48, 96, 100, 256, 384, 130][rng.random_range(0..7)],
+        );
+        cases.push((format!("random {i}"), random_chain(&mut rng, shape.2), shape));
+    }
+
+    println!("{:<14} {:<16} {:>9} {:>9}  {:<6} chain / path", "case", "shape", "rel err", "max abs", "result");
+    let mut failed = 0;
+    for (name, chain, (b, i, o)) in cases {
+        let spec = BlockSpec::new(i, o, chain)?;
+        let mut params = Params::init(&spec, &mut rng);
+        // Random GroupNorm affine too, so gamma and beta cannot be swapped unnoticed.
+        for p in params.ops.iter_mut().flatten() {
+            *p = random_input(1, p.len(), &mut rng).reshape(p.shape())?;
+        }
+        let x = random_input(b, i, &mut rng);
+        let block = GpuBlock::new(&gpu, &spec, &params)?;
+        let plan = block.plan(&gpu, b);
+        let y = block.forward(&gpu, &x)?;
+        let want = reference::block_forward(&spec, &x.to_f64(), &params.map(f64::from))?;
+        let c = compare_f32(y.data(), want.data());
+        let ok = c.passes(FP32_REL) && y.shape() == want.shape();
+        failed += usize::from(!ok);
+        println!(
+            "{name:<14} {:<16} {:>9.2e} {:>9.2e}  {:<6} {} / {}",
+            format!("{b}x{i}x{o}"),
+            c.rel,
+            c.max_abs,
+            if ok { "ok" } else { "FAILED" },
+            spec.chain,
+            block.describe(&plan)
+        );
+    }
+    if failed > 0 {
+        return Err(Failure::CheckFailed(format!("{failed} case(s) differ from the reference beyond {FP32_REL:e}")));
+    }
+    println!("all cases within {FP32_REL:e} of the f64 reference");
+    Ok(())
+}

@@ -1,0 +1,133 @@
+//! `host forward`: one block's forward pass, with a one-screen summary.
+
+use super::{Backend, BlockArgs, DeviceChoice, Failure, Problem};
+use crate::check::{FP32_REL, compare_f32};
+use crate::error::Result;
+use crate::gpu::forward::GpuBlock;
+use crate::reference;
+use crate::tensor::Tensor;
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(clap::Args, Debug)]
+pub struct ForwardArgs {
+    #[command(flatten)]
+    block: BlockArgs,
+    /// Backend: auto (GPU if usable, else CPU), cpu or gpu.
+    #[arg(long, value_enum, default_value = "auto")]
+    device: DeviceChoice,
+    /// Write the output to this safetensors file as tensor `y`.
+    #[arg(long)]
+    output: Option<PathBuf>,
+    /// Rows compared against the f64 CPU reference (spread over the batch; 0 skips the check).
+    #[arg(long, default_value_t = 8)]
+    check_rows: usize,
+    /// Timed repetitions on the GPU (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    repeat: usize,
+}
+
+/// What a run produced.
+struct Run {
+    backend: String,
+    path: String,
+    y: Tensor<f32>,
+    ms: f64,
+    timing: String,
+}
+
+pub fn run(a: &ForwardArgs) -> Result<(), Failure> {
+    let p = a.block.problem()?;
+    let backend = Backend::open(a.device)?;
+    let r = match &backend {
+        Backend::Cpu => run_cpu(&p)?,
+        Backend::Gpu(gpu) => {
+            let block = GpuBlock::new(gpu, &p.spec, &p.params)?;
+            let x = gpu.upload(&p.x)?;
+            let batch = p.x.rows();
+            // The checked run writes into NaN-poisoned buffers, so a missed element shows.
+            let mut ws = block.workspace(gpu, batch)?;
+            block.forward_into(gpu, &x, &mut ws)?;
+            let out = gpu.download(&ws.y)?.reshape(&p.spec.output_shape(batch))?;
+            let mut times = Vec::new();
+            for _ in 0..a.repeat.max(1) {
+                times.push(gpu.time_ms(|| block.forward_into(gpu, &x, &mut ws))?);
+            }
+            times.sort_by(f64::total_cmp);
+            let pr = &gpu.props;
+            Run {
+                backend: format!(
+                    "gpu: {} ({} SMs, sm_{}{})",
+                    pr.name, pr.multiprocessors, pr.compute_capability.0, pr.compute_capability.1
+                ),
+                path: block.describe(&ws.plan),
+                y: out,
+                ms: times[times.len() / 2],
+                timing: format!("median of {} after a warm-up run, CUDA events", times.len()),
+            }
+        }
+    };
+
+    let (batch, spec) = (p.x.rows(), &p.spec);
+    let tflops = spec.forward_flops(batch) / (r.ms * 1e-3) / 1e12;
+    let sum: f64 = r.y.data().iter().map(|&v| v as f64).sum();
+    let abs: f64 = r.y.data().iter().map(|&v| (v as f64).abs()).sum();
+    println!("host forward");
+    println!("  backend   {}", r.backend);
+    println!("  model     {}: Linear({}, {}) -> {}", p.name, spec.in_features, spec.out_features, spec.chain);
+    println!("  shape     x [{batch}, {}] -> y {:?}", spec.in_features, r.y.shape());
+    println!("  path      {}", r.path);
+    println!("  time      {:.3} ms, {:.2} TFLOP/s ({})", r.ms, tflops, r.timing);
+    println!("  checksum  sum {sum:.6e}, sum|y| {abs:.6e}");
+
+    let verdict = check_rows(&p, &r.y, a.check_rows)?;
+    if let Some(path) = &a.output {
+        crate::io::write(path, &[("y", &r.y)])?;
+        println!("  output    y written to {}", path.display());
+    }
+    verdict
+}
+
+fn run_cpu(p: &Problem) -> Result<Run> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let t0 = Instant::now();
+    let y = reference::block_forward::<f32>(&p.spec, &p.x, &p.params)?;
+    let ms = t0.elapsed().as_secs_f64() * 1e3;
+    Ok(Run {
+        backend: format!("cpu ({threads} threads available; f32 reference code, nalgebra GEMM)"),
+        path: "CPU reference ops, one pass each".into(),
+        y,
+        ms,
+        timing: "one run, wall clock".into(),
+    })
+}
+
+/// Compares `n` rows of `y`, spread over the batch, with the f64 reference.
+fn check_rows(p: &Problem, y: &Tensor<f32>, n: usize) -> Result<Result<(), Failure>> {
+    if n == 0 {
+        println!("  check     skipped (--check-rows 0)");
+        return Ok(Ok(()));
+    }
+    let batch = p.x.rows();
+    let n = n.min(batch);
+    let rows: Vec<usize> = (0..n).map(|i| if n == 1 { 0 } else { i * (batch - 1) / (n - 1) }).collect();
+    let in_f = p.spec.in_features;
+    let x_rows = Tensor::from_fn(&[n, in_f], |e| p.x.data()[rows[e / in_f] * in_f + e % in_f] as f64);
+    let reference = reference::block_forward::<f64>(&p.spec, &x_rows, &p.params.map(f64::from))?;
+    let width = y.len() / batch;
+    let got: Vec<f32> = rows.iter().flat_map(|&r| y.data()[r * width..(r + 1) * width].iter().copied()).collect();
+    let c = compare_f32(&got, reference.data());
+    let ok = c.passes(FP32_REL);
+    println!(
+        "  check     {n} rows vs f64 CPU reference: rel err {:.2e}, max abs {:.2e}, non-finite {} (tolerance {FP32_REL:e}): {}",
+        c.rel,
+        c.max_abs,
+        c.non_finite,
+        if ok { "ok" } else { "FAILED" }
+    );
+    Ok(if ok {
+        Ok(())
+    } else {
+        Err(Failure::CheckFailed(format!("output differs from the reference: relative error {:.3e}", c.rel)))
+    })
+}

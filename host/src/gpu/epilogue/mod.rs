@@ -1,0 +1,72 @@
+//! Launchers of the epilogue kernels (`kernels-gpu/src/epilogue`).
+
+pub mod rows;
+
+use super::{DeviceTensor, Gpu};
+use crate::block::{BlockSpec, Params};
+use crate::chain::Op;
+use crate::error::{Error, Result};
+use cudarc::driver::{CudaSlice, DevicePtr};
+use kernel_abi::epilogue::*;
+
+/// A chain uploaded for the kernels: its op descriptors and the parameter vectors
+/// they point at (kept alive here as long as the descriptors are).
+pub struct DeviceChain {
+    pub ops: Vec<OpDesc>,
+    pub descs: CudaSlice<u64>,
+    _params: Vec<DeviceTensor>,
+}
+
+impl DeviceChain {
+    pub fn upload(gpu: &Gpu, spec: &BlockSpec, params: &Params<f32>) -> Result<DeviceChain> {
+        let mut kept = Vec::new();
+        let mut ops = Vec::new();
+        for (op, op_params) in spec.chain.0.iter().zip(&params.ops) {
+            let mut ptrs = [0u64; 2];
+            for (slot, p) in ptrs.iter_mut().zip(op_params) {
+                let t = gpu.upload(p)?;
+                *slot = t.buf.device_ptr(gpu.stream()).0;
+                kept.push(t);
+            }
+            let mut d = OpDesc { param0: ptrs[0], param1: ptrs[1], ..OpDesc::default() };
+            match *op {
+                Op::Bias => d.code = OP_BIAS,
+                Op::ChannelMul => d.code = OP_MUL,
+                Op::Scale(s) => (d.code, d.a) = (OP_SCALE, s),
+                Op::Swish => d.code = OP_SWISH,
+                Op::Mish => d.code = OP_MISH,
+                Op::Gelu => d.code = OP_GELU,
+                Op::LeakyRelu(s) => (d.code, d.a) = (OP_LEAKY_RELU, s),
+                Op::Hardtanh(lo, hi) => (d.code, d.a, d.b) = (OP_HARDTANH, lo, hi),
+                Op::GroupNorm { groups, eps } => (d.code, d.count, d.a) = (OP_GROUP_NORM, groups as u32, eps),
+                Op::AvgPool(k) => (d.code, d.count) = (OP_AVG_POOL, k as u32),
+                Op::RowMax => d.code = OP_ROW_MAX,
+            }
+            ops.push(d);
+        }
+        let words: Vec<u64> = ops.iter().flat_map(op_words).collect();
+        // A zero-length allocation is not allowed; an empty chain still gets one word.
+        let words = if words.is_empty() { vec![0] } else { words };
+        let descs = gpu.stream().clone_htod(&words).map_err(|e| Error::cuda("uploading the chain", e))?;
+        Ok(DeviceChain { ops, descs, _params: kept })
+    }
+}
+
+/// The `repr(C)` layout of [`OpDesc`] as four little-endian 64-bit words.
+fn op_words(d: &OpDesc) -> [u64; 4] {
+    [
+        d.code as u64 | (d.count as u64) << 32,
+        d.a.to_bits() as u64 | (d.b.to_bits() as u64) << 32,
+        d.param0,
+        d.param1,
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn op_desc_is_four_words() {
+        assert_eq!(std::mem::size_of::<kernel_abi::epilogue::OpDesc>(), 32);
+        assert_eq!(std::mem::offset_of!(kernel_abi::epilogue::OpDesc, param0), 16);
+    }
+}

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Builds here (the GPU machine has no Rust) what scripts/device-run.sh needs there,
+# into device-carry/ (git-ignored; name it in the device tool's `carry`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rm -rf device-carry && mkdir -p device-carry
+cargo build --release -p host
+cp target/release/host device-carry/
+# Test executables that hold GPU tests (run there with --include-ignored).
+cargo test --release --no-run --message-format=json -p host 2>/dev/null \
+  | python3 -c '
+import json, sys, shutil
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+        if m["target"]["name"] in ("gpu",):
+            shutil.copy(m["executable"], "device-carry/test-" + m["target"]["name"])
+            print("test binary:", m["target"]["name"])
+'
+cp "$(find target/release/build -name kernels_sm90.ptx -newer target/release/host -o -name kernels_sm90.ptx | head -1)" device-carry/
+ls -la device-carry
+du -sh device-carry

@@ -1,0 +1,70 @@
+//! Every kernel in the embedded PTX assembles for sm_90 with no spills and no stack
+//! frame (local memory), read off `ptxas -v`. Needs `ptxas`: CI installs it from
+//! PyPI (`nvidia-cuda-nvcc`); set `PTXAS` to its path, or have it on `PATH`.
+
+use host::gpu::KERNELS_PTX;
+use std::process::Command;
+
+fn ptxas() -> String {
+    std::env::var("PTXAS").unwrap_or_else(|_| "ptxas".into())
+}
+
+/// `(kernel, registers, stack bytes, spill store bytes, spill load bytes)` per entry point.
+fn resources(arch: &str) -> Vec<(String, u32, u32, u32, u32)> {
+    let dir = std::env::temp_dir().join(format!("ptx-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ptx = dir.join("kernels.ptx");
+    std::fs::write(&ptx, KERNELS_PTX).unwrap();
+    let out = Command::new(ptxas())
+        .args([&format!("-arch={arch}"), "-v", "-o", "/dev/null"])
+        .arg(&ptx)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run `{}` ({e}); set PTXAS to the ptxas binary", ptxas()));
+    let log = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(out.status.success(), "ptxas failed:\n{log}");
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    let entries: Vec<String> = KERNELS_PTX
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix(".visible .entry ").map(|r| r.split('(').next().unwrap().to_string()))
+        .collect();
+    let num = |s: &str, before: &str| -> u32 {
+        let i = s.find(before).unwrap_or_else(|| panic!("`{before}` not in `{s}`"));
+        s[..i].split_whitespace().last().unwrap().parse().unwrap()
+    };
+    let lines: Vec<&str> = log.lines().collect();
+    entries
+        .into_iter()
+        .map(|k| {
+            let at = lines
+                .iter()
+                .position(|l| l.contains(&format!("Function properties for {k}")))
+                .unwrap_or_else(|| panic!("no ptxas report for kernel `{k}`:\n{log}"));
+            let frame = lines[at + 1];
+            let used = lines[at + 2..].iter().find(|l| l.contains("Used")).unwrap();
+            (
+                k,
+                num(used, "registers"),
+                num(frame, "bytes stack frame"),
+                num(frame, "bytes spill stores"),
+                num(frame, "bytes spill loads"),
+            )
+        })
+        .collect()
+}
+
+#[test]
+#[ignore = "needs ptxas (pip install nvidia-cuda-nvcc==13.0.88, or a CUDA toolkit)"]
+fn every_kernel_assembles_for_sm90_without_spills() {
+    let kernels = resources("sm_90");
+    assert!(kernels.len() >= 2, "expected the GEMM and epilogue kernels, found {kernels:?}");
+    println!("{:<28} {:>5} {:>6} {:>7} {:>7}", "kernel", "regs", "stack", "spill-st", "spill-ld");
+    for (k, regs, stack, st, ld) in &kernels {
+        println!("{k:<28} {regs:>5} {stack:>6} {st:>7} {ld:>7}");
+    }
+    for (k, regs, stack, st, ld) in &kernels {
+        assert_eq!((*st, *ld), (0, 0), "kernel `{k}` spills");
+        assert_eq!(*stack, 0, "kernel `{k}` uses a stack frame (local memory)");
+        assert!(*regs <= 255, "kernel `{k}` uses {regs} registers");
+    }
+}
