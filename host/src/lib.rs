@@ -5,6 +5,7 @@ pub mod block;
 pub mod chain;
 pub mod check;
 pub mod error;
+pub mod reference;
 pub mod tape;
 pub mod tensor;
 
