@@ -52,7 +52,8 @@ pub fn group_norm_forward<T: Real>(
     let (gamma, beta) = (gamma.data(), beta.data());
     let inv_n = T::ONE / T::from_count(n);
     let mut y = Tensor::full(&[batch, channels], T::ZERO);
-    let mut stats = GroupNormStats { groups, mean: Vec::with_capacity(batch * groups), rstd: Vec::new() };
+    let mut stats =
+        GroupNormStats { groups, mean: Vec::with_capacity(batch * groups), rstd: Vec::with_capacity(batch * groups) };
     for b in 0..batch {
         for g in 0..groups {
             let channels_of_group = g * n..(g + 1) * n;

@@ -181,13 +181,12 @@ pub fn block_forward_taped<T: Real>(
         )));
     }
 
-    let h = linear::linear_forward(x, &params.linear_weight, &params.linear_bias)?;
+    let mut h = linear::linear_forward(x, &params.linear_weight, &params.linear_bias)?;
     let (saved_x, saved_w) = (x.clone(), params.linear_weight.clone());
     let mut h_var = tape.record(&[x_var, param_vars[0], param_vars[1]], move |dy: Tensor<T>| {
         let (dx, dw, db) = linear::linear_backward(&saved_x, &saved_w, &dy)?;
         Ok(vec![Some(dx), Some(dw), Some(db)])
     });
-    let mut h = h;
 
     let mut next_param = 2;
     for (op, op_params) in spec.chain.0.iter().zip(&params.ops) {
