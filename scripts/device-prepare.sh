@@ -17,6 +17,8 @@ for line in sys.stdin:
             shutil.copy(m["executable"], "device-carry/test-" + m["target"]["name"])
             print("test binary:", m["target"]["name"])
 '
-cp "$(find target/release/build -name kernels_sm90.ptx -newer target/release/host -o -name kernels_sm90.ptx | head -1)" device-carry/
+cp "$(ls -t $(find target/release/build -name kernels_sm90.ptx) | head -1)" device-carry/
 ls -la device-carry
 du -sh device-carry
+# The PyTorch peers, timed in the same device call (shared/ beside the checkout does not travel).
+cp ../shared/baselines/pytorch_baselines.py device-carry/

@@ -24,7 +24,9 @@ fn tiled_gemm_matches_reference_at_odd_shapes() {
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(7);
     // Shapes below, at and above the 64x64x16 tile, and not multiples of it.
-    for (m, k, n) in [(1, 1, 1), (33, 77, 96), (64, 16, 64), (65, 17, 63), (127, 300, 129), (1000, 1024, 1000), (256, 8192, 384)] {
+    for (m, k, n) in
+        [(1, 1, 1), (33, 77, 96), (64, 16, 64), (65, 17, 63), (127, 300, 129), (1000, 1024, 1000), (256, 8192, 384)]
+    {
         let spec = BlockSpec::new(k, n, Chain::default()).unwrap();
         let params = Params::init(&spec, &mut rng);
         let x = random_input(m, k, &mut rng);
@@ -35,7 +37,7 @@ fn tiled_gemm_matches_reference_at_odd_shapes() {
         gemm_bias_tiled(&gpu, &dx, &dw, &db, &mut dy).unwrap();
         let y = gpu.download(&dy).unwrap();
         let p64 = params.map(f64::from);
-        let want = reference::linear_forward(&x.to_f64(), &p64.linear_weight, &p64.linear_bias).unwrap();
+        let want = reference::linear::linear_forward(&x.to_f64(), &p64.linear_weight, &p64.linear_bias).unwrap();
         let c = compare_f32(y.data(), want.data());
         println!("gemm_bias_tiled m={m:<5} k={k:<5} n={n:<5} rel {:.2e} max abs {:.2e}", c.rel, c.max_abs);
         assert!(c.passes(GEMM_REL), "({m}, {k}, {n}): {c:?}");
@@ -56,6 +58,13 @@ fn gpu_block_forward_matches_reference() {
         ("M5".into(), Preset::M5.chain().with_groups(4), (33, 77, 96)),
         ("M1 groups of 24".into(), Preset::M1.chain().with_groups(4), (5, 50, 96)),
         ("M2 groups of 48, 1 row".into(), Preset::M2.chain().with_groups(2), (1, 33, 96)),
+        // Enough tiles for the fused kernel, with ragged edges: 16-byte and scalar loads.
+        ("M1 fused, k % 4 == 0".into(), Preset::M1.chain().with_groups(125), (1100, 520, 1000)),
+        ("M5 fused, odd k".into(), Preset::M5.chain().with_groups(125), (1100, 517, 1000)),
+        ("M3 fused, groups of 128".into(), Preset::M3.chain().with_groups(8), (1030, 300, 1024)),
+        // Few tiles, deep k: split-K, then the row-wise epilogue.
+        ("M1 split-K".into(), Preset::M1.chain().with_groups(8), (64, 4096, 256)),
+        ("M4 folded, split-K".into(), Preset::M4.chain(), (100, 2048, 512)),
     ];
     for (text, shape) in [
         ("bias,mish,groupnorm(3),mul,gelu", (17, 45, 30)),
@@ -73,11 +82,12 @@ fn gpu_block_forward_matches_reference() {
         }
         let x = random_input(b, i, &mut rng);
         let block = GpuBlock::new(&gpu, &spec, &params).unwrap();
+        let path = block.describe(&block.plan(&gpu, b));
         let y = block.forward(&gpu, &x).unwrap();
         let want = reference::block_forward(&spec, &x.to_f64(), &params.map(f64::from)).unwrap();
         assert_eq!(y.shape(), want.shape(), "{name}");
         let c = compare_f32(y.data(), want.data());
-        println!("{name:<62} ({b}, {i}, {o}) rel {:.2e} max abs {:.2e}", c.rel, c.max_abs);
+        println!("{name:<40} ({b}, {i}, {o}) rel {:.2e} max abs {:.2e}  [{path}]", c.rel, c.max_abs);
         assert!(c.passes(FP32_REL), "{name}: {c:?}");
     }
 }
@@ -97,4 +107,3 @@ fn opening_the_gpu_never_panics() {
         }
     }
 }
-

@@ -44,7 +44,7 @@ impl Op {
     pub fn out_features(&self, f: usize) -> Result<usize> {
         match *self {
             Op::GroupNorm { groups, eps } => {
-                if groups == 0 || f % groups != 0 {
+                if groups == 0 || !f.is_multiple_of(groups) {
                     return Err(Error::Chain(format!(
                         "groupnorm({groups}): the number of groups must divide the {f} channels"
                     )));
@@ -61,7 +61,7 @@ impl Op {
                 Ok(f / k)
             }
             Op::RowMax => Ok(1),
-            Op::Hardtanh(lo, hi) if !(lo <= hi) => {
+            Op::Hardtanh(lo, hi) if lo.is_nan() || hi.is_nan() || lo > hi => {
                 Err(Error::Chain(format!("hardtanh({lo},{hi}): min must not exceed max")))
             }
             Op::Scale(s) | Op::LeakyRelu(s) if !s.is_finite() => {
@@ -139,7 +139,7 @@ fn split_top_level(s: &str) -> Result<Vec<&str>> {
             }
             _ => {}
         }
-        if depth < 0 || depth > 1 {
+        if !(0..=1).contains(&depth) {
             return Err(Error::Chain(format!("unbalanced parentheses in `{s}`")));
         }
     }

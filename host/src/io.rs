@@ -17,7 +17,8 @@ impl TensorFile {
     /// Reads and validates the file (header, offsets); tensors are read on demand.
     pub fn open(path: &Path) -> Result<TensorFile> {
         let bytes = std::fs::read(path).map_err(|e| Error::file(path, format!("cannot read: {e}")))?;
-        SafeTensors::deserialize(&bytes).map_err(|e| Error::file(path, format!("not a valid safetensors file: {e}")))?;
+        SafeTensors::deserialize(&bytes)
+            .map_err(|e| Error::file(path, format!("not a valid safetensors file: {e}")))?;
         Ok(TensorFile { path: path.to_path_buf(), bytes })
     }
 
@@ -54,10 +55,12 @@ impl TensorFile {
 
 /// Writes named f32 tensors to `path` (replacing it only once all is serialised).
 pub fn write(path: &Path, tensors: &[(&str, &Tensor<f32>)]) -> Result<()> {
-    let bytes: Vec<Vec<u8>> = tensors.iter().map(|(_, t)| t.data().iter().flat_map(|v| v.to_le_bytes()).collect()).collect();
+    let bytes: Vec<Vec<u8>> =
+        tensors.iter().map(|(_, t)| t.data().iter().flat_map(|v| v.to_le_bytes()).collect()).collect();
     let mut views = HashMap::new();
     for ((name, t), b) in tensors.iter().zip(&bytes) {
-        let view = TensorView::new(Dtype::F32, t.shape().to_vec(), b).map_err(|e| Error::tensor(*name, e.to_string()))?;
+        let view =
+            TensorView::new(Dtype::F32, t.shape().to_vec(), b).map_err(|e| Error::tensor(*name, e.to_string()))?;
         views.insert(name.to_string(), view);
     }
     let data = safetensors::serialize(views, None).map_err(|e| Error::file(path, format!("cannot serialise: {e}")))?;

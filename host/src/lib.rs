@@ -3,11 +3,12 @@
 
 pub mod block;
 pub mod chain;
-pub mod cli;
 pub mod check;
+pub mod cli;
 pub mod error;
 pub mod gpu;
 pub mod io;
+pub mod reference;
 pub mod tape;
 pub mod tensor;
 

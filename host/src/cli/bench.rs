@@ -82,8 +82,14 @@ pub fn run(a: &BenchArgs) -> Result<(), Failure> {
         rows.push(Row { model: p.name, shape: (b, i, o), path, ours_ms: ours, cublas_ms, tflops });
     }
 
-    println!("device: {} ({} SMs); strict FP32; median of {} runs, CUDA events", gpu.props.name, gpu.props.multiprocessors, a.repeat);
-    println!("{:<7} {:<20} {:>9} {:>12} {:>7} {:>9}  path", "model", "shape", "ours ms", "cuBLAS ms", "ratio", "TFLOP/s");
+    println!(
+        "device: {} ({} SMs); strict FP32; median of {} runs, CUDA events",
+        gpu.props.name, gpu.props.multiprocessors, a.repeat
+    );
+    println!(
+        "{:<7} {:<20} {:>9} {:>12} {:>7} {:>9}  path",
+        "model", "shape", "ours ms", "cuBLAS ms", "ratio", "TFLOP/s"
+    );
     for r in &rows {
         let shape = format!("{}x{}x{}", r.shape.0, r.shape.1, r.shape.2);
         println!(
@@ -116,7 +122,11 @@ pub fn run(a: &BenchArgs) -> Result<(), Failure> {
                 )
             })
             .collect();
-        let text = format!("{{\"device\": \"{}\", \"precision\": \"fp32\", \"results\": [\n{}\n]}}\n", gpu.props.name, items.join(",\n"));
+        let text = format!(
+            "{{\"device\": \"{}\", \"precision\": \"fp32\", \"results\": [\n{}\n]}}\n",
+            gpu.props.name,
+            items.join(",\n")
+        );
         std::fs::write(path, text).map_err(|e| Error::file(path, e))?;
     }
     Ok(())

@@ -45,7 +45,7 @@ pub fn random_chain(rng: &mut impl Rng, out: usize) -> Chain {
             }
             8 if f >= 2 && i + 1 < len => Op::AvgPool(rng.random_range(2..=4.min(f))),
             _ => {
-                let divisors: Vec<usize> = (1..=f).filter(|g| f % g == 0).collect();
+                let divisors: Vec<usize> = (1..=f).filter(|g| f.is_multiple_of(*g)).collect();
                 Op::GroupNorm { groups: divisors[rng.random_range(0..divisors.len())], eps: 1e-5 }
             }
         };

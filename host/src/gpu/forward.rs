@@ -58,17 +58,14 @@ impl GpuBlock {
                 let rest = Chain(spec.chain.0[1..].to_vec());
                 let kspec = BlockSpec::new(spec.in_features, spec.out_features / k, rest)?;
                 let (w, b) = fold_avg_pool(&params.linear_weight, &params.linear_bias, k)?;
-                let kparams = Params { linear_weight: w.clone(), linear_bias: b.clone(), ops: params.ops[1..].to_vec() };
+                let kparams =
+                    Params { linear_weight: w.clone(), linear_bias: b.clone(), ops: params.ops[1..].to_vec() };
                 (Some(k), w, b, kspec, kparams)
             }
             _ => (None, params.linear_weight.clone(), params.linear_bias.clone(), spec.clone(), params.clone()),
         };
-        let not_fusable = kernel_spec
-            .chain
-            .0
-            .iter()
-            .enumerate()
-            .find_map(|(i, op)| not_fusable(op, kernel_spec.features_at(i)));
+        let not_fusable =
+            kernel_spec.chain.0.iter().enumerate().find_map(|(i, op)| not_fusable(op, kernel_spec.features_at(i)));
         Ok(GpuBlock {
             spec: spec.clone(),
             folded,
@@ -132,7 +129,9 @@ impl GpuBlock {
             return Err(Error::tensor("x", format!("shape {:?} does not fit this workspace", x.shape)));
         }
         match (&ws.plan, ws.z.as_mut()) {
-            (Plan::Fused, _) => gemm_f32_fused(gpu, x, &self.weight, &self.bias, &mut ws.y, Mode::Fused(Some(&self.chain))),
+            (Plan::Fused, _) => {
+                gemm_f32_fused(gpu, x, &self.weight, &self.bias, &mut ws.y, Mode::Fused(Some(&self.chain)))
+            }
             (Plan::GemmThenRows { splits: 1 }, Some(z)) => {
                 gemm_f32_fused(gpu, x, &self.weight, &self.bias, z, Mode::Fused(None))?;
                 epilogue_rows(gpu, &self.chain, z, None, &mut ws.y)
@@ -174,4 +173,3 @@ pub fn fold_avg_pool(w: &Tensor<f32>, b: &Tensor<f32>, k: usize) -> Result<(Tens
     let fb = (0..n_out).map(|j| ((0..k).map(|e| b.data()[j * k + e] as f64).sum::<f64>() / k as f64) as f32).collect();
     Ok((Tensor::new(&[n_out, i], fw)?, Tensor::new(&[n_out], fb)?))
 }
-

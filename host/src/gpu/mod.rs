@@ -60,7 +60,8 @@ impl Gpu {
     }
 
     fn open_unchecked(ordinal: usize) -> Result<Gpu> {
-        let count = CudaContext::device_count().map_err(|e| Error::NoGpu(format!("cuInit/device count failed: {e}")))?;
+        let count =
+            CudaContext::device_count().map_err(|e| Error::NoGpu(format!("cuInit/device count failed: {e}")))?;
         if ordinal >= count.max(0) as usize {
             return Err(Error::NoGpu(format!("device {ordinal} requested, {count} present")));
         }
@@ -88,7 +89,8 @@ impl Gpu {
         // SAFETY: nothing in this crate uses a second stream.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
-        let module = ctx.load_module(Ptx::from_src(KERNELS_PTX)).map_err(|e| Error::cuda("loading the kernel module", e))?;
+        let module =
+            ctx.load_module(Ptx::from_src(KERNELS_PTX)).map_err(|e| Error::cuda("loading the kernel module", e))?;
         Ok(Gpu { ctx, stream, module, props })
     }
 

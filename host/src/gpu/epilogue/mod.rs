@@ -54,12 +54,7 @@ impl DeviceChain {
 
 /// The `repr(C)` layout of [`OpDesc`] as four little-endian 64-bit words.
 fn op_words(d: &OpDesc) -> [u64; 4] {
-    [
-        d.code as u64 | (d.count as u64) << 32,
-        d.a.to_bits() as u64 | (d.b.to_bits() as u64) << 32,
-        d.param0,
-        d.param1,
-    ]
+    [d.code as u64 | (d.count as u64) << 32, d.a.to_bits() as u64 | (d.b.to_bits() as u64) << 32, d.param0, d.param1]
 }
 
 #[cfg(test)]

@@ -32,8 +32,11 @@ pub fn epilogue_rows(
     let smem = row_smem_bytes(n);
     gpu.allow_shared(&func, KERNEL, smem)
         .map_err(|e| Error::Unsupported(format!("{e}: rows of {n} features are too wide for the row-wise epilogue")))?;
-    let cfg =
-        LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (ROW_THREADS as u32, 1, 1), shared_mem_bytes: smem as u32 };
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (ROW_THREADS as u32, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
     let (splits, n, n_ops) = (splits as u32, n as u32, chain.ops.len() as u32);
     let null = 0u64;
     let mut launch = gpu.stream().launch_builder(&func);

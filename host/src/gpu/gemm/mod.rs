@@ -1,4 +1,4 @@
 //! Launchers of the GEMM family (`kernels-gpu/src/gemm`).
 
-pub mod tiled;
 pub mod simt;
+pub mod tiled;

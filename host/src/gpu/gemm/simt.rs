@@ -28,7 +28,7 @@ pub fn not_fusable(op: &Op, features: usize) -> Option<String> {
 
 /// How the GEMM runs: `Fused` applies bias and chain in the kernel; `Split(s)` writes
 /// `s` partial products (`y` must be `(s, m, n)`) and applies nothing.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy)]
 pub enum Mode<'a> {
     Fused(Option<&'a DeviceChain>),
     Split(usize),
@@ -36,7 +36,7 @@ pub enum Mode<'a> {
 
 /// Kernel name for this `k` (16-byte loads need `k % 4 == 0`).
 pub fn kernel_name(k: usize) -> &'static str {
-    if k % 4 == 0 { "gemm_f32_fused_vec4" } else { "gemm_f32_fused_scalar" }
+    if k.is_multiple_of(4) { "gemm_f32_fused_vec4" } else { "gemm_f32_fused_scalar" }
 }
 
 /// Queues the GEMM on the GPU's stream.

@@ -35,7 +35,13 @@ pub fn check_output(y: &DeviceTensor, shape: &[usize]) -> Result<()> {
 }
 
 /// Queues `y = x W^T + b` on the GPU's stream.
-pub fn gemm_bias_tiled(gpu: &Gpu, x: &DeviceTensor, w: &DeviceTensor, b: &DeviceTensor, y: &mut DeviceTensor) -> Result<()> {
+pub fn gemm_bias_tiled(
+    gpu: &Gpu,
+    x: &DeviceTensor,
+    w: &DeviceTensor,
+    b: &DeviceTensor,
+    y: &mut DeviceTensor,
+) -> Result<()> {
     let (m, n, k) = gemm_dims(x, w, b)?;
     check_output(y, &[m, n])?;
     let func = gpu.function(KERNEL)?;

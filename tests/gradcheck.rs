@@ -1,0 +1,292 @@
+//! The reference's backwards against central finite differences in f64: every op
+//! (for its input and each parameter), all five models through the tape
+//! (`block_backward`) for `x` and every parameter, a few other chains, and two
+//! blocks chained on one tape. The loss is `L = sum(y * r)` with a fixed random
+//! `r` (passed as `dy`), so every component of every gradient is exercised.
+//! Inputs are asserted to sit away from the kinks (LeakyReLU's 0, Hardtanh's
+//! bounds, max ties), where a finite difference would straddle two branches.
+
+use host::check::{FD_REL, FD_STEP, compare};
+use host::reference::linear::linear_forward;
+use host::reference::{block_backward, block_forward, block_forward_taped, op_backward, op_forward};
+use host::tape::{Tape, VarId};
+use host::{BlockSpec, Chain, Op, Params, Preset, Tensor};
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use rand_distr::{Distribution, StandardNormal};
+
+/// Closest an input may come to a kink: perturbations of `FD_STEP` move the
+/// intermediate values by about that much, so this leaves a wide margin.
+const KINK_MARGIN: f64 = 1e-4;
+
+fn random_tensor(rng: &mut StdRng, shape: &[usize]) -> Tensor<f64> {
+    Tensor::from_fn(shape, |_| StandardNormal.sample(rng))
+}
+
+/// Normal parameters (GroupNorm's too, so none is trivially 1 or 0); the Linear
+/// weight scaled by 1/sqrt(in) so the chain sees O(1) values.
+fn random_params(spec: &BlockSpec, rng: &mut StdRng) -> Params<f64> {
+    let scale = 1.0 / (spec.in_features as f64).sqrt();
+    let tensors = spec
+        .param_specs()
+        .iter()
+        .map(|s| {
+            let t = random_tensor(rng, &s.shape);
+            if s.name == "lin.weight" { t.map(|v| v * scale) } else { t }
+        })
+        .collect();
+    Params::from_flat(spec, tensors).unwrap()
+}
+
+fn dot(a: &Tensor<f64>, b: &Tensor<f64>) -> f64 {
+    assert_eq!(a.shape(), b.shape(), "loss weights must have the output's shape");
+    a.data().iter().zip(b.data()).map(|(x, y)| x * y).sum()
+}
+
+/// Central differences of `loss` with respect to each element of `t`, which
+/// `loss` reads; `t` is restored afterwards.
+fn fd_gradient<S>(state: &mut S, t: impl Fn(&mut S) -> &mut Tensor<f64>, loss: impl Fn(&S) -> f64) -> Vec<f64> {
+    let n = t(state).len();
+    (0..n)
+        .map(|i| {
+            let v = t(state).data()[i];
+            t(state).data_mut()[i] = v + FD_STEP;
+            let plus = loss(state);
+            t(state).data_mut()[i] = v - FD_STEP;
+            let minus = loss(state);
+            t(state).data_mut()[i] = v;
+            (plus - minus) / (2.0 * FD_STEP)
+        })
+        .collect()
+}
+
+fn assert_gradient(what: &str, analytic: &Tensor<f64>, fd: &[f64]) {
+    let c = compare(analytic.data(), fd);
+    assert!(
+        c.passes(FD_REL),
+        "{what}: analytic vs finite differences {c:?} (analytic {} vs fd {} at {})",
+        analytic.data()[c.worst],
+        fd[c.worst],
+        c.worst
+    );
+    // A gradient that is zero everywhere would make the check vacuous.
+    assert!(fd.iter().any(|&g| g.abs() > 1e-3), "{what}: the gradient is (nearly) zero everywhere");
+}
+
+/// Asserts that `x`, about to enter `op`, is at least `KINK_MARGIN` from its kinks.
+fn assert_away_from_kinks(op: &Op, x: &Tensor<f64>) {
+    match *op {
+        Op::LeakyRelu(_) => {
+            let closest = x.data().iter().map(|v| v.abs()).fold(f64::INFINITY, f64::min);
+            assert!(closest > KINK_MARGIN, "{op}: an input is {closest} from 0");
+        }
+        Op::Hardtanh(lo, hi) => {
+            let closest = x
+                .data()
+                .iter()
+                .map(|v| (v - f64::from(lo)).abs().min((v - f64::from(hi)).abs()))
+                .fold(f64::INFINITY, f64::min);
+            assert!(closest > KINK_MARGIN, "{op}: an input is {closest} from a bound");
+        }
+        Op::RowMax => {
+            let cols = x.shape()[1];
+            for r in x.data().chunks(cols) {
+                let mut sorted = r.to_vec();
+                sorted.sort_by(|a, b| b.total_cmp(a));
+                if cols > 1 {
+                    assert!(sorted[0] - sorted[1] > KINK_MARGIN, "max: the top two of a row are within {KINK_MARGIN}");
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Runs the block op by op (through the public per-op forwards) to check every
+/// kinked op's input; the block's gradients are checked separately.
+fn assert_block_away_from_kinks(spec: &BlockSpec, x: &Tensor<f64>, params: &Params<f64>) {
+    let mut h = linear_forward(x, &params.linear_weight, &params.linear_bias).unwrap();
+    for (op, p) in spec.chain.0.iter().zip(&params.ops) {
+        assert_away_from_kinks(op, &h);
+        h = op_forward(op, &h, p).unwrap().0;
+    }
+}
+
+// ---------------------------------------------------------------- single ops
+
+/// Checks `op`'s backward for its input and each parameter at input `x`.
+fn check_op(op: Op, x: Tensor<f64>, params: Vec<Tensor<f64>>, rng: &mut StdRng) {
+    assert_away_from_kinks(&op, &x);
+    let (y, saved) = op_forward(&op, &x, &params).unwrap();
+    let r = random_tensor(rng, y.shape());
+    let (dx, dparams) = op_backward(&op, &saved, &params, &r).unwrap();
+    assert_eq!(dx.shape(), x.shape(), "{op}: dx shape");
+    assert_eq!(dparams.len(), params.len(), "{op}: one gradient per parameter");
+
+    let mut state = (x, params);
+    let loss = |s: &(Tensor<f64>, Vec<Tensor<f64>>)| dot(&op_forward(&op, &s.0, &s.1).unwrap().0, &r);
+    let fd = fd_gradient(&mut state, |s| &mut s.0, loss);
+    assert_gradient(&format!("{op} dx"), &dx, &fd);
+    for (j, dp) in dparams.iter().enumerate() {
+        assert_eq!(dp.shape(), state.1[j].shape(), "{op}: parameter {j} gradient shape");
+        let fd = fd_gradient(&mut state, |s| &mut s.1[j], loss);
+        assert_gradient(&format!("{op} parameter {j}"), dp, &fd);
+    }
+}
+
+#[test]
+fn every_op_backward_matches_finite_differences() {
+    let mut rng = StdRng::seed_from_u64(21);
+    let (batch, features) = (3, 30);
+    let gn = |groups, eps| Op::GroupNorm { groups, eps };
+    let ops = [
+        Op::Bias,
+        Op::ChannelMul,
+        Op::Scale(-1.5),
+        Op::Scale(2.0),
+        Op::Swish,
+        Op::Mish,
+        Op::Gelu,
+        Op::LeakyRelu(0.01),
+        Op::LeakyRelu(0.2),
+        Op::Hardtanh(-1.0, 1.0),
+        Op::Hardtanh(-0.5, 0.7),
+        gn(5, 1e-5),    // group size 6
+        gn(10, 1e-5),   // 3
+        gn(3, 1e-3),    // 10
+        gn(1, 1e-5),    // the whole row
+        Op::AvgPool(4), // 7 outputs, 2 trailing features
+        Op::AvgPool(1),
+        Op::AvgPool(30),
+        Op::RowMax,
+    ];
+    for op in ops {
+        // Spread 2x wider than a standard normal, so the activations' tails are covered too.
+        let x = random_tensor(&mut rng, &[batch, features]).map(|v| 2.0 * v);
+        let params = op.param_bases().iter().map(|_| random_tensor(&mut rng, &[features])).collect();
+        check_op(op, x, params, &mut rng);
+    }
+}
+
+#[test]
+fn activation_backwards_hold_far_out() {
+    let mut rng = StdRng::seed_from_u64(22);
+    // Large magnitudes, where a naive softplus or sigmoid would overflow.
+    let x = Tensor::new(&[2, 6], vec![-30.0, -15.0, -8.5, 8.5, 15.0, 30.0, -12.3, -4.1, -0.3, 0.2, 3.7, 11.9]).unwrap();
+    for op in [Op::Swish, Op::Mish, Op::Gelu] {
+        check_op(op, x.clone(), vec![], &mut rng);
+    }
+}
+
+// ---------------------------------------------------------------- blocks
+
+/// Checks `block_backward` for `x` and every parameter of a `(batch, in)` input.
+fn check_block(spec: &BlockSpec, batch: usize, rng: &mut StdRng) {
+    let what = format!("`{}` at ({batch},{})->{}", spec.chain, spec.in_features, spec.out_features);
+    let x = random_tensor(rng, &[batch, spec.in_features]);
+    let params = random_params(spec, rng);
+    assert_block_away_from_kinks(spec, &x, &params);
+    let r = random_tensor(rng, &spec.output_shape(batch));
+
+    let (y, grads) = block_backward(spec, &x, &params, &r).unwrap();
+    assert_eq!(y, block_forward(spec, &x, &params).unwrap(), "{what}: taped and plain forward differ");
+
+    let mut state = (x, params);
+    let loss = |s: &(Tensor<f64>, Params<f64>)| dot(&block_forward(spec, &s.0, &s.1).unwrap(), &r);
+    let fd = fd_gradient(&mut state, |s| &mut s.0, loss);
+    assert_gradient(&format!("{what} dx"), &grads.x, &fd);
+    let names: Vec<String> = spec.param_specs().into_iter().map(|s| s.name).collect();
+    for (j, name) in names.iter().enumerate() {
+        let fd = fd_gradient(&mut state, |s| s.1.flat_mut().swap_remove(j), loss);
+        assert_gradient(&format!("{what} d{name}"), grads.params.flat()[j], &fd);
+    }
+}
+
+/// A preset at test size: `groups` GroupNorm groups and M4's pool kernel 4.
+fn small_chain(preset: Preset, groups: usize) -> Chain {
+    let chain = preset.chain().with_groups(groups);
+    Chain(chain.0.into_iter().map(|op| if let Op::AvgPool(_) = op { Op::AvgPool(4) } else { op }).collect())
+}
+
+#[test]
+fn all_five_models_match_finite_differences_for_x_and_every_parameter() {
+    let mut rng = StdRng::seed_from_u64(23);
+    // (batch, in, out, groups): group sizes 6, 15, 3 and 8; batches and widths off any tile.
+    let shapes = [(3, 7, 30, 5), (5, 11, 45, 3), (3, 11, 30, 10), (5, 7, 24, 3)];
+    for preset in Preset::ALL {
+        for (batch, k, n, groups) in shapes {
+            let spec = BlockSpec::new(k, n, small_chain(preset, groups)).unwrap();
+            check_block(&spec, batch, &mut rng);
+        }
+    }
+}
+
+#[test]
+fn other_chains_match_finite_differences() {
+    let mut rng = StdRng::seed_from_u64(24);
+    for (chain, n) in [
+        ("", 30),
+        ("bias,mish,groupnorm(3),mul,gelu", 45),
+        ("leakyrelu(0.2),hardtanh(-0.5,0.7),avgpool(3),scale(-1.5),max", 31),
+        ("swish,gn(5,1e-3),bias,hardtanh,gn(2),scale(0.5),mul", 30),
+        ("gelu,max,scale(3),bias", 24),
+        ("double,mish,avgpool(2),groupnorm(4)", 24),
+        ("mul,mul,bias,swish,bias", 13),
+    ] {
+        let spec = BlockSpec::new(7, n, chain.parse().unwrap()).unwrap();
+        check_block(&spec, 3, &mut rng);
+    }
+}
+
+#[test]
+fn two_blocks_on_one_tape_match_finite_differences() {
+    let mut rng = StdRng::seed_from_u64(25);
+    let a = BlockSpec::new(7, 12, "bias,mish,groupnorm(3),mul,gelu".parse().unwrap()).unwrap();
+    let b = BlockSpec::new(12, 10, "leakyrelu(0.2),hardtanh(-0.5,0.7),avgpool(3),scale(-1.5),max".parse().unwrap())
+        .unwrap();
+    let batch = 5;
+    let x = random_tensor(&mut rng, &[batch, 7]);
+    let (pa, pb) = (random_params(&a, &mut rng), random_params(&b, &mut rng));
+    let r = random_tensor(&mut rng, &b.output_shape(batch));
+    let forward = |x: &Tensor<f64>, pa: &Params<f64>, pb: &Params<f64>| {
+        block_forward(&b, &block_forward(&a, x, pa).unwrap(), pb).unwrap()
+    };
+    assert_block_away_from_kinks(&a, &x, &pa);
+    assert_block_away_from_kinks(&b, &block_forward(&a, &x, &pa).unwrap(), &pb);
+
+    let mut tape = Tape::new();
+    let x_var = tape.leaf();
+    let a_vars: Vec<VarId> = pa.flat().iter().map(|_| tape.leaf()).collect();
+    let b_vars: Vec<VarId> = pb.flat().iter().map(|_| tape.leaf()).collect();
+    let (h, h_var) = block_forward_taped(&mut tape, &a, &x, x_var, &pa, &a_vars).unwrap();
+    let (y, y_var) = block_forward_taped(&mut tape, &b, &h, h_var, &pb, &b_vars).unwrap();
+    assert_eq!(tape.len(), 1 + 5 + 1 + 5 + 1, "one node per op, plus the reshape after max");
+    assert_eq!(y, forward(&x, &pa, &pb));
+    let mut grads = tape.backward(y_var, r.clone()).unwrap();
+
+    let mut state = (x, pa, pb);
+    let loss = |s: &(Tensor<f64>, Params<f64>, Params<f64>)| dot(&forward(&s.0, &s.1, &s.2), &r);
+    let fd = fd_gradient(&mut state, |s| &mut s.0, loss);
+    assert_gradient("two blocks dx", &grads.take(x_var).unwrap(), &fd);
+    for (j, var) in a_vars.iter().enumerate() {
+        let fd = fd_gradient(&mut state, |s| s.1.flat_mut().swap_remove(j), loss);
+        assert_gradient(&format!("two blocks, A parameter {j}"), &grads.take(*var).unwrap(), &fd);
+    }
+    for (j, var) in b_vars.iter().enumerate() {
+        let fd = fd_gradient(&mut state, |s| s.2.flat_mut().swap_remove(j), loss);
+        assert_gradient(&format!("two blocks, B parameter {j}"), &grads.take(*var).unwrap(), &fd);
+    }
+}
+
+#[test]
+fn taped_forward_refuses_a_wrong_number_of_parameter_variables() {
+    let mut rng = StdRng::seed_from_u64(26);
+    let spec = BlockSpec::new(7, 30, small_chain(Preset::M1, 5)).unwrap();
+    let params = random_params(&spec, &mut rng);
+    let x = random_tensor(&mut rng, &[3, 7]);
+    let mut tape = Tape::new();
+    let x_var = tape.leaf();
+    let vars: Vec<VarId> = (0..params.flat().len() - 1).map(|_| tape.leaf()).collect();
+    let err = block_forward_taped(&mut tape, &spec, &x, x_var, &params, &vars).unwrap_err();
+    assert!(matches!(err, host::Error::Argument(_)), "{err}");
+}
