@@ -33,20 +33,20 @@ fi
 
 if has tests; then
   echo "== GPU tests (--include-ignored)"
-  "$C/test-gpu" --include-ignored --nocapture --test-threads 1 2>&1 | tee "$OUT/test-gpu.txt"
+  timeout 300 "$C/test-gpu" --include-ignored --nocapture --test-threads 1 2>&1 | tee "$OUT/test-gpu.txt"
   summary+=("GPU tests: exit ${PIPESTATUS[0]}, $(grep -E '^test result' "$OUT/test-gpu.txt")")
 fi
 
 if has check; then
   echo "== host check"
-  $C/host check --random 32 2>&1 | tee "$OUT/check.txt"
+  timeout 240 $C/host check --random 32 2>&1 | tee "$OUT/check.txt"
   summary+=("host check: exit ${PIPESTATUS[0]}, $(tail -1 "$OUT/check.txt")")
 fi
 
 if has forward; then
   echo "== host forward at seed sizes (64 rows checked against f64)"
   for m in M1 M2 M3 M4 M5; do
-    $C/host forward --device gpu --model $m --repeat 10 --check-rows 64 >"$OUT/forward-$m.txt" 2>&1
+    timeout 120 $C/host forward --device gpu --model $m --repeat 10 --check-rows 64 >"$OUT/forward-$m.txt" 2>&1
     summary+=("forward $m: exit $? | $(grep -o 'rel err [^,]*' "$OUT/forward-$m.txt") | $(grep -o '[0-9.]* ms, [0-9.]* TFLOP/s' "$OUT/forward-$m.txt")")
   done
   cat "$OUT/forward-M1.txt"
@@ -54,12 +54,12 @@ fi
 
 if has bench; then
   echo "== host bench (strict FP32, vs cuBLAS SGEMM in the same process)"
-  $C/host bench --repeat 20 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"
+  timeout 240 $C/host bench --repeat 20 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"
 fi
 
 if has pytorch; then
   echo "== PyTorch baselines (same call)"
-  PYTHONUNBUFFERED=1 python3 $C/pytorch_baselines.py --json "$OUT/torch-fp32.json" 2>&1 | tee "$OUT/torch.txt"
+  PYTHONUNBUFFERED=1 timeout 300 python3 $C/pytorch_baselines.py --json "$OUT/torch-fp32.json" 2>&1 | tee "$OUT/torch.txt"
 fi
 
 echo

@@ -73,9 +73,11 @@ pub mod epilogue {
     pub const ROW_THREADS: usize = 256;
 
     /// Dynamic shared memory of the row-wise epilogue for rows of `features` floats:
-    /// the row and a second buffer that pooling writes into.
+    /// the row, and a second buffer that pooling writes into and the row max uses for
+    /// one partial maximum per warp (so at least `ROW_THREADS / 32` floats).
     pub const fn row_smem_bytes(features: usize) -> usize {
-        2 * features * 4
+        let warps = ROW_THREADS / 32;
+        (features + if features > warps { features } else { warps }) * 4
     }
 }
 

@@ -8,7 +8,7 @@
 //! Layout: `prelude` is the small replacement for rust-cuda's `cuda_std` (indices,
 //! barriers, warp shuffles, shared memory, fast math); `gemm` holds the GEMM family.
 #![no_std]
-#![feature(abi_ptx, stdarch_nvptx, asm_experimental_arch, core_intrinsics, gpu_intrinsics, gpu_launch_sized_workgroup_mem)]
+#![feature(abi_ptx, stdarch_nvptx, asm_experimental_arch, core_intrinsics, gpu_intrinsics, gpu_launch_sized_workgroup_mem, link_llvm_intrinsics)]
 #![allow(internal_features)]
 
 pub mod epilogue;

@@ -1,48 +1,36 @@
 //! Warp shuffles (`shfl.sync`) and the reductions built on them.
 //!
 //! All take the full-warp member mask: every lane of the warp must call them together.
+//! They call the LLVM NVVM intrinsics rather than inline PTX on purpose: the
+//! intrinsics are `convergent`, so LLVM never moves a shuffle into a branch that only
+//! some lanes take. (Inline asm marked `pure` was sunk into an `if lane == 0` block
+//! once — the other 31 lanes never arrived and the kernel hung.)
 
-use core::arch::asm;
+const FULL_MASK: i32 = -1; // 0xffff_ffff
 
-const FULL_MASK: u32 = 0xffff_ffff;
+unsafe extern "C" {
+    #[link_name = "llvm.nvvm.shfl.sync.bfly.i32"]
+    fn shfl_sync_bfly_i32(mask: i32, value: i32, lane_mask: i32, clamp: i32) -> i32;
+    #[link_name = "llvm.nvvm.shfl.sync.idx.i32"]
+    fn shfl_sync_idx_i32(mask: i32, value: i32, src_lane: i32, clamp: i32) -> i32;
+}
 
 /// Value of `v` held by lane `lane_id ^ lane_mask` (butterfly exchange).
 #[inline(always)]
 pub fn shfl_xor(v: f32, lane_mask: u32) -> f32 {
-    let out: u32;
-    // SAFETY: register-only instruction; all 32 lanes participate (full mask).
-    unsafe {
-        asm!(
-            "shfl.sync.bfly.b32 {out}, {v}, {m}, 0x1f, {full};",
-            out = out(reg32) out,
-            v = in(reg32) v.to_bits(),
-            m = in(reg32) lane_mask,
-            full = in(reg32) FULL_MASK,
-            options(pure, nomem, nostack, preserves_flags),
-        );
-    }
-    f32::from_bits(out)
+    // SAFETY: register-only exchange; all 32 lanes participate (full mask).
+    let out = unsafe { shfl_sync_bfly_i32(FULL_MASK, v.to_bits() as i32, lane_mask as i32, 0x1f) };
+    f32::from_bits(out as u32)
 }
 
 /// Value of `v` held by lane `src_lane` (within the segment of `width` lanes, a power of two).
 #[inline(always)]
 pub fn shfl_idx(v: f32, src_lane: u32, width: u32) -> f32 {
-    let out: u32;
     // c operand of shfl: ((32 - width) << 8) | 0x1f keeps the exchange within each segment.
-    let clamp = ((32 - width) << 8) | 0x1f;
-    // SAFETY: register-only instruction; all 32 lanes participate (full mask).
-    unsafe {
-        asm!(
-            "shfl.sync.idx.b32 {out}, {v}, {src}, {c}, {full};",
-            out = out(reg32) out,
-            v = in(reg32) v.to_bits(),
-            src = in(reg32) src_lane,
-            c = in(reg32) clamp,
-            full = in(reg32) FULL_MASK,
-            options(pure, nomem, nostack, preserves_flags),
-        );
-    }
-    f32::from_bits(out)
+    let clamp = (((32 - width) << 8) | 0x1f) as i32;
+    // SAFETY: register-only exchange; all 32 lanes participate (full mask).
+    let out = unsafe { shfl_sync_idx_i32(FULL_MASK, v.to_bits() as i32, src_lane as i32, clamp) };
+    f32::from_bits(out as u32)
 }
 
 /// Sum of `v` over aligned segments of `width` lanes (1, 2, 4, 8, 16 or 32);
