@@ -93,6 +93,11 @@ impl GpuBlock {
         }
     }
 
+    /// Floating-point operations of the GEMM the kernels run (after any folding).
+    pub fn executed_flops(&self, batch: usize) -> f64 {
+        2.0 * batch as f64 * self.spec.in_features as f64 * self.weight.shape[0] as f64
+    }
+
     /// Which kernels run, and why: for the summary line.
     pub fn describe(&self, plan: &Plan) -> String {
         let gemm = kernel_name(self.spec.in_features);
