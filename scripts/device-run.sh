@@ -1,14 +1,26 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, over device-carry/ built by
 # scripts/device-prepare.sh: checks first, then timings, then PyTorch's numbers in the
-# same call. Logs under $OUT; a short table last.
-#   STEPS="ptxas tests check forward bench pytorch" (default: all)
+# same call. Everything goes to $OUT/log.txt (and the JSON tables beside it: the
+# device tool returns at most 8 files); a short summary is printed last.
+#   STEPS="ptxas tests check forward backward bench train pytorch" (default: all)
+#   TORCH_FLAGS="--compile default" etc. are passed to the PyTorch baselines.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 C=device-carry
-STEPS=${STEPS:-"ptxas tests check forward bench pytorch"}
+STEPS=${STEPS:-"ptxas tests check forward backward bench train pytorch"}
+LOG="$OUT/log.txt"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 summary=()
+# run LABEL TIMEOUT CMD...: runs CMD with its output in the log; records the exit code.
+run() {
+  local label=$1 limit=$2; shift 2
+  echo "== $label: $*" | tee -a "$LOG"
+  timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  summary+=("$label: exit $rc")
+  return "$rc"
+}
 
 # cuBLAS for `host bench`: cudarc looks for libcublas.so; point it at CUDA's or PyTorch's copy.
 mkdir -p /tmp/cublas
@@ -22,48 +34,38 @@ for d in /usr/local/cuda/lib64 $(python3 -c 'import nvidia, os; print(os.path.jo
   fi
 done
 
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee -a "$LOG"
 
 if has ptxas; then
-  echo "== ptxas resources (sm_90)"
-  ptxas -arch=sm_90 -v "$C/kernels_sm90.ptx" -o /dev/null 2>&1 | tee "$OUT/ptxas.txt" | grep -E "Function properties|spill|Used" | grep -v panicking
-  spills=$(grep -c "[1-9][0-9]* bytes spill" "$OUT/ptxas.txt")
-  summary+=("ptxas: $(grep -c 'Compiling entry' "$OUT/ptxas.txt") entries, lines with spills: $spills")
+  echo "== ptxas resources (sm_90)" | tee -a "$LOG"
+  ptxas -arch=sm_90 -v "$C/kernels_sm90.ptx" -o /dev/null 2>&1 | grep -v panicking >> "$LOG"
+  summary+=("ptxas: $(grep -c 'Compiling entry' "$LOG") entries, $(grep -cE '[1-9][0-9]* bytes spill' "$LOG") with spills")
 fi
-
-if has tests; then
-  echo "== GPU tests (--include-ignored)"
-  timeout 300 "$C/test-gpu" --include-ignored --nocapture --test-threads 1 2>&1 | tee "$OUT/test-gpu.txt"
-  summary+=("GPU tests: exit ${PIPESTATUS[0]}, $(grep -E '^test result' "$OUT/test-gpu.txt")")
-fi
-
-if has check; then
-  echo "== host check"
-  timeout 240 $C/host check --random 32 2>&1 | tee "$OUT/check.txt"
-  summary+=("host check: exit ${PIPESTATUS[0]}, $(tail -1 "$OUT/check.txt")")
-fi
-
+has tests && run "GPU tests" 400 "$C/test-gpu" --include-ignored --nocapture --test-threads 1
+has check && run "check forward" 300 "$C/host" check --random 32
+has check && run "check backward" 300 "$C/host" check --backward --random 32 --seed 1
 if has forward; then
-  echo "== host forward at seed sizes (64 rows checked against f64)"
   for m in M1 M2 M3 M4 M5; do
-    timeout 120 $C/host forward --device gpu --model $m --repeat 10 --check-rows 64 >"$OUT/forward-$m.txt" 2>&1
-    summary+=("forward $m: exit $? | $(grep -o 'rel err [^,]*' "$OUT/forward-$m.txt") | $(grep -o '[0-9.]* ms, [0-9.]* TFLOP/s' "$OUT/forward-$m.txt")")
+    run "forward $m" 120 "$C/host" forward --device gpu --model $m --repeat 10 --check-rows 64
   done
-  cat "$OUT/forward-M1.txt"
 fi
-
-if has bench; then
-  echo "== host bench (strict FP32, vs cuBLAS SGEMM in the same process)"
-  timeout 240 $C/host bench --repeat 20 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"
+if has backward; then
+  for m in M1 M2 M3 M4 M5; do
+    run "backward $m" 180 "$C/host" backward --device gpu --model $m --repeat 5 --check-rows 16
+  done
 fi
-
+has bench && run "bench forward" 300 "$C/host" bench --repeat 20 --json "$OUT/bench.json"
+has bench && run "bench backward" 400 "$C/host" bench --backward --repeat 10 --json "$OUT/bench-bwd.json"
+has train && run "train" 200 "$C/host" train --device gpu --steps 60
 if has pytorch; then
-  echo "== PyTorch baselines (same call)"
-  PYTHONUNBUFFERED=1 timeout 300 python3 $C/pytorch_baselines.py --json "$OUT/torch-fp32.json" 2>&1 | tee "$OUT/torch.txt"
+  PYTHONUNBUFFERED=1 run "pytorch fp32 ${TORCH_FLAGS:-eager}" 500 python3 "$C/pytorch_baselines.py" --backward \
+    ${TORCH_FLAGS:-} --json "$OUT/torch.json"
 fi
 
 echo
-echo "== summary"
-for s in "${summary[@]}"; do echo "$s"; done | tee "$OUT/summary.txt"
-[ -f "$OUT/bench.txt" ] && grep -A8 "^model" "$OUT/bench.txt"
-[ -f "$OUT/torch.txt" ] && grep -E "^M[1-5] " "$OUT/torch.txt"
+echo "== summary" | tee -a "$LOG"
+for s in "${summary[@]}"; do echo "$s"; done | tee -a "$LOG"
+grep -E "^(test result|all cases|worst relative|done in)|FAILED" "$LOG" | head -20
+grep -E "^== (forward|backward) M|^  (check|time)" "$LOG" | sed 's/(median.*//' | head -60
+grep -B1 -A7 "^model " "$LOG"
+grep -E "^M[1-5] \{" "$LOG"

@@ -4,7 +4,7 @@
 
 use host::block::random_input;
 use host::check::{FP32_REL, compare_f32};
-use host::gpu::forward::GpuBlock;
+use host::gpu::block::GpuBlock;
 use host::gpu::{Gpu, gemm::tiled::gemm_bias_tiled};
 use host::reference;
 use host::{BlockSpec, Chain, Params, Preset};
@@ -89,6 +89,105 @@ fn gpu_block_forward_matches_reference() {
         let c = compare_f32(y.data(), want.data());
         println!("{name:<40} ({b}, {i}, {o}) rel {:.2e} max abs {:.2e}  [{path}]", c.rel, c.max_abs);
         assert!(c.passes(FP32_REL), "{name}: {c:?}");
+    }
+}
+
+/// Gradients of `x` and every parameter against the f64 reference's, for every preset
+/// and chains covering every op, at small odd shapes; both fused and row-wise forwards.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_block_backward_matches_reference() {
+    let gpu = gpu();
+    let mut rng = StdRng::seed_from_u64(13);
+    let mut cases: Vec<(String, Chain, (usize, usize, usize))> = Preset::ALL
+        .iter()
+        .map(|p| {
+            let chain = if *p == Preset::M4 { p.chain() } else { p.chain().with_groups(4) };
+            (p.to_string(), chain, (33, 77, 96))
+        })
+        .collect();
+    for (text, shape) in [
+        ("groupnorm(8),swish,mul,swish", (300, 520, 256)), // fused forward, groups of 32
+        ("bias,mish,groupnorm(3),mul,gelu", (17, 45, 30)),
+        ("leakyrelu(0.2),hardtanh(-0.5,0.7),avgpool(3),scale(-1.5),max", (9, 31, 100)),
+        ("gelu,max,scale(3),bias", (5, 20, 40)),
+        ("", (7, 13, 9)),
+        ("avgpool(4),groupnorm(2),swish", (64, 1024, 64)), // folded, split-K
+    ] {
+        cases.push((format!("`{text}`"), text.parse().unwrap(), shape));
+    }
+    for (name, chain, (b, i, o)) in cases {
+        let spec = BlockSpec::new(i, o, chain).unwrap();
+        let mut params = Params::init(&spec, &mut rng);
+        for p in params.ops.iter_mut().flatten() {
+            *p = random_input(1, p.len(), &mut rng).reshape(p.shape()).unwrap();
+        }
+        let x = random_input(b, i, &mut rng);
+        let dy =
+            random_input(1, spec.output_shape(b).iter().product(), &mut rng).reshape(&spec.output_shape(b)).unwrap();
+        let block = GpuBlock::new(&gpu, &spec, &params).unwrap();
+        let got = block.forward_backward(&gpu, &x, &dy).unwrap();
+        let (_, want) = reference::block_backward(&spec, &x.to_f64(), &params.map(f64::from), &dy.to_f64()).unwrap();
+        let mut report = vec![("x".to_string(), compare_f32(got.x.data(), want.x.data()))];
+        for ((s, g), w) in spec.param_specs().iter().zip(got.params.flat()).zip(want.params.flat()) {
+            assert_eq!(g.shape(), w.shape(), "{name}: {}", s.name);
+            report.push((s.name.clone(), compare_f32(g.data(), w.data())));
+        }
+        let worst = report.iter().map(|(_, c)| c.rel).fold(0.0, f64::max);
+        println!("{name:<66} ({b}, {i}, {o}) worst rel {worst:.2e}");
+        for (what, c) in &report {
+            assert!(c.passes(FP32_REL), "{name}: grad of {what}: {c:?}");
+        }
+    }
+}
+
+/// Blocks chained on one GPU tape, block A used twice (`A(B(A(x)))`), so its
+/// parameters' gradients are sums the tape accumulates: all match the CPU f64 tape.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_tape_chains_blocks_and_accumulates() {
+    use host::gpu::tape::GpuGrad;
+    use host::tape::{Tape, VarId};
+    use std::rc::Rc;
+    let gpu = gpu();
+    let mut rng = StdRng::seed_from_u64(17);
+    let s1 = BlockSpec::new(40, 64, "groupnorm(4),swish".parse().unwrap()).unwrap();
+    let s2 = BlockSpec::new(64, 40, "bias,gelu".parse().unwrap()).unwrap();
+    let (p1, p2) = (Params::init(&s1, &mut rng), Params::init(&s2, &mut rng));
+    let x = random_input(9, 40, &mut rng);
+
+    // GPU: y = B(A(x)); then z = A(y) reuses block A's parameters, so they get two
+    // contributions, summed by the tape.
+    let (a, b) = (Rc::new(GpuBlock::new(&gpu, &s1, &p1).unwrap()), Rc::new(GpuBlock::new(&gpu, &s2, &p2).unwrap()));
+    let mut tape = Tape::<GpuGrad>::new();
+    let x_var = tape.leaf();
+    let v1: Vec<VarId> = p1.flat().iter().map(|_| tape.leaf()).collect();
+    let v2: Vec<VarId> = p2.flat().iter().map(|_| tape.leaf()).collect();
+    let (h, h_var) = a.forward_taped(&gpu, &mut tape, Rc::new(gpu.upload(&x).unwrap()), x_var, &v1).unwrap();
+    let (y, y_var) = b.forward_taped(&gpu, &mut tape, h, h_var, &v2).unwrap();
+    let (_, z_var) = a.forward_taped(&gpu, &mut tape, y, y_var, &v1).unwrap();
+    let dz = random_input(9, 64, &mut rng);
+    let mut grads = tape.backward(z_var, GpuGrad::new(&gpu, gpu.upload(&dz).unwrap())).unwrap();
+    let got_x = gpu.download(&grads.take(x_var).unwrap().t).unwrap();
+    let got_p1: Vec<_> = v1.iter().map(|v| gpu.download(&grads.take(*v).unwrap().t).unwrap()).collect();
+
+    // CPU f64 reference of the same graph.
+    let mut tape = Tape::<host::Tensor<f64>>::new();
+    let x_var = tape.leaf();
+    let (q1, q2) = (p1.map(f64::from), p2.map(f64::from));
+    let v1: Vec<VarId> = q1.flat().iter().map(|_| tape.leaf()).collect();
+    let v2: Vec<VarId> = q2.flat().iter().map(|_| tape.leaf()).collect();
+    let (h, h_var) = reference::block_forward_taped(&mut tape, &s1, &x.to_f64(), x_var, &q1, &v1).unwrap();
+    let (y, y_var) = reference::block_forward_taped(&mut tape, &s2, &h, h_var, &q2, &v2).unwrap();
+    let (_, z_var) = reference::block_forward_taped(&mut tape, &s1, &y, y_var, &q1, &v1).unwrap();
+    let mut want = tape.backward(z_var, dz.to_f64()).unwrap();
+    let c = compare_f32(got_x.data(), want.take(x_var).unwrap().data());
+    println!("two-block tape: grad x rel {:.2e}", c.rel);
+    assert!(c.passes(FP32_REL), "grad x: {c:?}");
+    for ((s, g), v) in s1.param_specs().iter().zip(&got_p1).zip(&v1) {
+        let c = compare_f32(g.data(), want.take(*v).unwrap().data());
+        println!("two-block tape: grad {} (used twice) rel {:.2e}", s.name, c.rel);
+        assert!(c.passes(FP32_REL), "grad {}: {c:?}", s.name);
     }
 }
 

@@ -8,8 +8,12 @@
 /// which rustc cannot express; `host/build.rs` writes them into the PTX so that
 /// ptxas caps each kernel's registers to fit that many blocks.
 pub const LAUNCH_BOUNDS: &[(&str, u32, u32)] = &[
-    ("gemm_f32_fused_vec4", gemm_simt::THREADS as u32, gemm_simt::MIN_BLOCKS_PER_SM),
-    ("gemm_f32_fused_scalar", gemm_simt::THREADS as u32, gemm_simt::MIN_BLOCKS_PER_SM),
+    ("gemm_f32_nt_vec4", gemm_simt::THREADS as u32, gemm_simt::MIN_BLOCKS_PER_SM),
+    ("gemm_f32_nt_scalar", gemm_simt::THREADS as u32, gemm_simt::MIN_BLOCKS_PER_SM),
+    ("gemm_f32_nn_vec4", gemm_simt::THREADS as u32, gemm_simt::MIN_BLOCKS_PER_SM),
+    ("gemm_f32_nn_scalar", gemm_simt::THREADS as u32, gemm_simt::MIN_BLOCKS_PER_SM),
+    ("gemm_f32_tn_vec4", gemm_simt::THREADS as u32, gemm_simt::MIN_BLOCKS_PER_SM),
+    ("gemm_f32_tn_scalar", gemm_simt::THREADS as u32, gemm_simt::MIN_BLOCKS_PER_SM),
 ];
 
 /// The shared-memory tiled GEMM with bias (`y = x W^T + b`).
@@ -73,11 +77,16 @@ pub mod epilogue {
     pub const ROW_THREADS: usize = 256;
 
     /// Dynamic shared memory of the row-wise epilogue for rows of `features` floats:
-    /// the row, and a second buffer that pooling writes into and the row max uses for
-    /// one partial maximum per warp (so at least `ROW_THREADS / 32` floats).
+    /// the row, a second buffer that pooling writes into, and scratch for two values
+    /// per warp (row max and arg-max reductions).
     pub const fn row_smem_bytes(features: usize) -> usize {
-        let warps = ROW_THREADS / 32;
-        (features + if features > warps { features } else { warps }) * 4
+        (2 * features + 2 * (ROW_THREADS / 32)) * 4
+    }
+
+    /// Dynamic shared memory of the row-wise backward: the gradient, the recomputed op
+    /// input, a buffer for ops that change the row's length, and the same scratch.
+    pub const fn row_backward_smem_bytes(features: usize) -> usize {
+        (3 * features + 2 * (ROW_THREADS / 32)) * 4
     }
 }
 

@@ -11,8 +11,10 @@
 #![feature(abi_ptx, stdarch_nvptx, asm_experimental_arch, core_intrinsics, gpu_intrinsics, gpu_launch_sized_workgroup_mem, link_llvm_intrinsics)]
 #![allow(internal_features)]
 
+pub mod elementwise;
 pub mod epilogue;
 pub mod gemm;
+pub mod optim;
 pub mod prelude;
 
 #[panic_handler]

@@ -2,10 +2,13 @@
 //! process, same shapes, strict FP32.
 
 use super::{BlockArgs, Failure};
+use crate::block::random_input;
 use crate::error::{Error, Result};
 use crate::gpu::Gpu;
+use crate::gpu::block::GpuBlock;
 use crate::gpu::cublas::Cublas;
-use crate::gpu::forward::GpuBlock;
+use rand::SeedableRng;
+use rand::rngs::StdRng;
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
@@ -25,6 +28,10 @@ pub struct BenchArgs {
     /// Timed runs per measurement (the median is reported), after 3 warm-up runs.
     #[arg(long, default_value_t = 20)]
     repeat: usize,
+    /// Time forward + backward (all gradients) against cuBLAS's three GEMMs
+    /// (forward, dX, dW) instead of the forward against one.
+    #[arg(long)]
+    backward: bool,
     /// Also write the table as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -69,33 +76,53 @@ pub fn run(a: &BenchArgs) -> Result<(), Failure> {
         let (b, i, o) = (p.x.rows(), p.spec.in_features, p.spec.out_features);
         let block = GpuBlock::new(&gpu, &p.spec, &p.params)?;
         let x = gpu.upload(&p.x)?;
-        let mut ws = block.workspace(&gpu, b)?;
-        let ours = median_ms(&gpu, a.repeat, || block.forward_into(&gpu, &x, &mut ws))?;
+        let ws = block.workspace(&gpu, b)?;
         let path = block.describe(&ws.plan);
-        let flops = block.executed_flops(b);
-        drop((block, ws));
+        let passes = if a.backward { 3.0 } else { 1.0 };
+        // Rate of the arithmetic actually done (a folded avgpool shrinks the GEMMs).
+        let flops = passes * block.executed_flops(b);
+        let mut rng = StdRng::seed_from_u64(2);
+        let ours = if a.backward {
+            drop(ws);
+            let dy = gpu.upload(&random_input(b, p.spec.features_at(p.spec.chain.0.len()), &mut rng))?;
+            median_ms(&gpu, a.repeat, || {
+                let (_, saved) = block.forward_train(&gpu, &x)?;
+                block.backward(&gpu, &x, saved, &dy).map(drop)
+            })?
+        } else {
+            let mut ws = ws;
+            median_ms(&gpu, a.repeat, || block.forward_into(&gpu, &x, &mut ws, None))?
+        };
+        drop(block);
 
         let w = gpu.upload(&p.params.linear_weight)?;
         let mut y = gpu.poisoned(&[b, o])?;
-        let cublas_ms = median_ms(&gpu, a.repeat, || cublas.sgemm(&x, &w, &mut y))?;
-        // Rate of the arithmetic actually done (a folded avgpool shrinks the GEMM).
+        let cublas_ms = if a.backward {
+            let (mut dx, mut dw) = (gpu.poisoned(&[b, i])?, gpu.poisoned(&[o, i])?);
+            let dz = gpu.upload(&random_input(b, o, &mut rng))?;
+            median_ms(&gpu, a.repeat, || {
+                cublas.forward(&x, &w, &mut y)?;
+                cublas.grad_input(&dz, &w, &mut dx)?;
+                cublas.grad_weight(&dz, &x, &mut dw)
+            })?
+        } else {
+            median_ms(&gpu, a.repeat, || cublas.forward(&x, &w, &mut y))?
+        };
         let tflops = flops / (ours * 1e-3) / 1e12;
         eprintln!("{model}: ours {ours:.3} ms, cuBLAS SGEMM {cublas_ms:.3} ms ({path})");
         rows.push(Row { model: p.name, shape: (b, i, o), path, ours_ms: ours, cublas_ms, tflops });
     }
 
+    let (what, peer) = if a.backward { ("forward+backward", "cuBLAS 3 GEMMs") } else { ("forward", "cuBLAS GEMM") };
     println!(
-        "device: {} ({} SMs); strict FP32; median of {} runs, CUDA events",
+        "device: {} ({} SMs); {what}, strict FP32; median of {} runs, CUDA events",
         gpu.props.name, gpu.props.multiprocessors, a.repeat
     );
-    println!(
-        "{:<7} {:<20} {:>9} {:>12} {:>7} {:>9}  path",
-        "model", "shape", "ours ms", "cuBLAS ms", "ratio", "TFLOP/s"
-    );
+    println!("{:<7} {:<20} {:>9} {:>15} {:>7} {:>9}  path", "model", "shape", "ours ms", peer, "ratio", "TFLOP/s");
     for r in &rows {
         let shape = format!("{}x{}x{}", r.shape.0, r.shape.1, r.shape.2);
         println!(
-            "{:<7} {:<20} {:>9.3} {:>12.3} {:>7.2} {:>9.1}  {}",
+            "{:<7} {:<20} {:>9.3} {:>15.3} {:>7.2} {:>9.1}  {}",
             r.model,
             shape,
             r.ours_ms,
@@ -110,7 +137,7 @@ pub fn run(a: &BenchArgs) -> Result<(), Failure> {
             .iter()
             .map(|r| {
                 format!(
-                    "  {{\"model\": \"{}\", \"shape\": [{}, {}, {}], \"ours_ms\": {:.5}, \"cublas_sgemm_ms\": {:.5}, \
+                    "  {{\"model\": \"{}\", \"shape\": [{}, {}, {}], \"ours_ms\": {:.5}, \"cublas_ms\": {:.5}, \
                      \"ratio\": {:.4}, \"tflops\": {:.3}, \"path\": \"{}\"}}",
                     r.model,
                     r.shape.0,
@@ -125,8 +152,9 @@ pub fn run(a: &BenchArgs) -> Result<(), Failure> {
             })
             .collect();
         let text = format!(
-            "{{\"device\": \"{}\", \"precision\": \"fp32\", \"results\": [\n{}\n]}}\n",
+            "{{\"device\": \"{}\", \"precision\": \"fp32\", \"backward\": {}, \"results\": [\n{}\n]}}\n",
             gpu.props.name,
+            a.backward,
             items.join(",\n")
         );
         std::fs::write(path, text).map_err(|e| Error::file(path, e))?;

@@ -7,7 +7,7 @@ use crate::chain::{Chain, Op, Preset};
 use crate::check::{FP32_REL, compare_f32};
 use crate::error::Result;
 use crate::gpu::Gpu;
-use crate::gpu::forward::GpuBlock;
+use crate::gpu::block::GpuBlock;
 use crate::reference;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -23,6 +23,9 @@ pub struct CheckArgs {
     /// Also check the presets at their seed sizes (slow on the CPU side: minutes).
     #[arg(long)]
     seed_sizes: bool,
+    /// Check the gradients of `x` and every parameter instead of the forward output.
+    #[arg(long)]
+    backward: bool,
 }
 
 /// A chain of 1..=5 random ops valid for `out` features, ending in `max` sometimes.
@@ -85,8 +88,11 @@ pub fn run(a: &CheckArgs) -> Result<(), Failure> {
         cases.push((format!("random {i}"), random_chain(&mut rng, shape.2), shape));
     }
 
-    println!("{:<14} {:<16} {:>9} {:>9}  {:<6} chain / path", "case", "shape", "rel err", "max abs", "result");
+    let what = if a.backward { "worst grad" } else { "rel err" };
+    println!("{:<14} {:<16} {:>10} {:>9}  {:<6} chain / path", "case", "shape", what, "max abs", "result");
     let mut failed = 0;
+    // Worst relative error seen per gradient, over all cases.
+    let mut worst: Vec<(String, f64)> = Vec::new();
     for (name, chain, (b, i, o)) in cases {
         let spec = BlockSpec::new(i, o, chain)?;
         let mut params = Params::init(&spec, &mut rng);
@@ -97,21 +103,51 @@ pub fn run(a: &CheckArgs) -> Result<(), Failure> {
         let x = random_input(b, i, &mut rng);
         let block = GpuBlock::new(&gpu, &spec, &params)?;
         let plan = block.plan(&gpu, b);
-        let y = block.forward(&gpu, &x)?;
-        let want = reference::block_forward(&spec, &x.to_f64(), &params.map(f64::from))?;
-        let c = compare_f32(y.data(), want.data());
-        let ok = c.passes(FP32_REL) && y.shape() == want.shape();
+        let comparisons = if a.backward {
+            let out = spec.output_shape(b);
+            let dy = random_input(1, out.iter().product(), &mut rng).reshape(&out)?;
+            let got = block.forward_backward(&gpu, &x, &dy)?;
+            let (_, want) = reference::block_backward(&spec, &x.to_f64(), &params.map(f64::from), &dy.to_f64())?;
+            let mut c = vec![("x".to_string(), compare_f32(got.x.data(), want.x.data()))];
+            for ((s, g), w) in spec.param_specs().iter().zip(got.params.flat()).zip(want.params.flat()) {
+                c.push((s.name.clone(), compare_f32(g.data(), w.data())));
+            }
+            c
+        } else {
+            let y = block.forward(&gpu, &x)?;
+            let want = reference::block_forward(&spec, &x.to_f64(), &params.map(f64::from))?;
+            if y.shape() != want.shape() {
+                return Err(Failure::CheckFailed(format!("{name}: shape {:?} vs {:?}", y.shape(), want.shape())));
+            }
+            vec![("y".to_string(), compare_f32(y.data(), want.data()))]
+        };
+        let ok = comparisons.iter().all(|(_, c)| c.passes(FP32_REL));
         failed += usize::from(!ok);
+        for (what, c) in &comparisons {
+            match worst.iter_mut().find(|(w, _)| w == what) {
+                Some((_, e)) => *e = e.max(c.rel),
+                None => worst.push((what.clone(), c.rel)),
+            }
+        }
+        let (rel, max_abs) =
+            comparisons.iter().fold((0.0f64, 0.0f64), |(r, m), (_, c)| (r.max(c.rel), m.max(c.max_abs)));
         println!(
-            "{name:<14} {:<16} {:>9.2e} {:>9.2e}  {:<6} {} / {}",
+            "{name:<14} {:<16} {:>10.2e} {:>9.2e}  {:<6} {} / {}",
             format!("{b}x{i}x{o}"),
-            c.rel,
-            c.max_abs,
+            rel,
+            max_abs,
             if ok { "ok" } else { "FAILED" },
             spec.chain,
             block.describe(&plan)
         );
+        if !ok {
+            for (what, c) in comparisons.iter().filter(|(_, c)| !c.passes(FP32_REL)) {
+                println!("    {what}: rel {:.3e}, max abs {:.3e}, non-finite {}", c.rel, c.max_abs, c.non_finite);
+            }
+        }
     }
+    let summary: Vec<String> = worst.iter().map(|(w, e)| format!("{w} {e:.2e}")).collect();
+    println!("worst relative error per {}: {}", if a.backward { "gradient" } else { "output" }, summary.join(", "));
     if failed > 0 {
         return Err(Failure::CheckFailed(format!("{failed} case(s) differ from the reference beyond {FP32_REL:e}")));
     }

@@ -3,7 +3,7 @@
 use super::{Backend, BlockArgs, DeviceChoice, Failure, Problem};
 use crate::check::{FP32_REL, compare_f32};
 use crate::error::Result;
-use crate::gpu::forward::GpuBlock;
+use crate::gpu::block::GpuBlock;
 use crate::reference;
 use crate::tensor::Tensor;
 use std::path::PathBuf;
@@ -49,11 +49,11 @@ pub fn run(a: &ForwardArgs) -> Result<(), Failure> {
             let batch = p.x.rows();
             // The checked run writes into NaN-poisoned buffers, so a missed element shows.
             let mut ws = block.workspace(gpu, batch)?;
-            block.forward_into(gpu, &x, &mut ws)?;
+            block.forward_into(gpu, &x, &mut ws, None)?;
             let out = gpu.download(&ws.y)?.reshape(&p.spec.output_shape(batch))?;
             let mut times = Vec::new();
             for _ in 0..a.repeat.max(1) {
-                times.push(gpu.time_ms(|| block.forward_into(gpu, &x, &mut ws))?);
+                times.push(gpu.time_ms(|| block.forward_into(gpu, &x, &mut ws, None))?);
             }
             times.sort_by(f64::total_cmp);
             let pr = &gpu.props;

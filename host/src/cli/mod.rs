@@ -1,9 +1,11 @@
 //! The command line: argument parsing and the commands. `main.rs` only maps the
 //! outcome to an exit code, so tests can call [`run`] directly.
 
+mod backward;
 mod bench;
 mod check;
 mod forward;
+mod train;
 
 use crate::block::{BlockSpec, Params};
 use crate::chain::{Chain, Preset};
@@ -46,8 +48,12 @@ enum Command {
     /// Run one block's forward pass and print a summary (backend, time, checksum,
     /// error against the f64 CPU reference on sample rows).
     Forward(forward::ForwardArgs),
+    /// Run one block's forward and backward; print a summary and write the gradients.
+    Backward(backward::BackwardArgs),
     /// Time blocks on the GPU against cuBLAS's SGEMM alone (same process, strict FP32).
     Bench(bench::BenchArgs),
+    /// Fit a two-block MLP to a teacher network with MSE and Adam/SGD; print the loss.
+    Train(train::TrainArgs),
     /// Check the GPU against the f64 CPU reference: every preset and random chains.
     Check(check::CheckArgs),
 }
@@ -185,7 +191,9 @@ where
     let cli = Cli::try_parse_from(args).map_err(Failure::Usage)?;
     match cli.command {
         Command::Forward(a) => forward::run(&a),
+        Command::Backward(a) => backward::run(&a),
         Command::Bench(a) => bench::run(&a),
         Command::Check(a) => check::run(&a),
+        Command::Train(a) => train::run(&a),
     }
 }

@@ -4,6 +4,10 @@ use super::{DeviceTensor, Gpu};
 use crate::error::{Error, Result};
 use cudarc::cublas::sys::{cublasMath_t, cublasOperation_t};
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
+use cudarc::driver::CudaSlice;
+
+const OP_N: cublasOperation_t = cublasOperation_t::CUBLAS_OP_N;
+const OP_T: cublasOperation_t = cublasOperation_t::CUBLAS_OP_T;
 
 /// A cuBLAS handle on the GPU's stream, in strict FP32 (no TF32 tensor-op math).
 pub struct Cublas {
@@ -26,27 +30,63 @@ impl Cublas {
         Ok(Cublas { blas })
     }
 
-    /// `y = x W^T` (no bias): `x (m, k)`, `w (n, k)`, `y (m, n)`, all row-major.
-    pub fn sgemm(&self, x: &DeviceTensor, w: &DeviceTensor, y: &mut DeviceTensor) -> Result<()> {
+    /// The forward GEMM `y = x W^T` (no bias): `x (m, k)`, `w (n, k)`, `y (m, n)`, all row-major.
+    pub fn forward(&self, x: &DeviceTensor, w: &DeviceTensor, y: &mut DeviceTensor) -> Result<()> {
         let (m, k, n) = (x.shape[0], x.shape[1], w.shape[0]);
         if w.shape != [n, k] || y.shape != [m, n] {
             return Err(Error::Shape(format!("sgemm: x {:?}, w {:?}, y {:?}", x.shape, w.shape, y.shape)));
         }
         // Row-major y (m, n) is column-major y^T (n, m) = W x^T: A = w (column-major k x n,
         // transposed), B = x (column-major k x m), C = y (column-major n x m).
+        self.sgemm((OP_T, OP_N), (n, m, k), (&w.buf, k), (&x.buf, k), (&mut y.buf, n))
+    }
+
+    /// The backward's `dX = dZ W`: `dz (m, n)`, `w (n, k)`, `dx (m, k)`.
+    pub fn grad_input(&self, dz: &DeviceTensor, w: &DeviceTensor, dx: &mut DeviceTensor) -> Result<()> {
+        let (m, n, k) = (dz.shape[0], dz.shape[1], w.shape[1]);
+        if w.shape != [n, k] || dx.shape != [m, k] {
+            return Err(Error::Shape(format!("sgemm: dz {:?}, w {:?}, dx {:?}", dz.shape, w.shape, dx.shape)));
+        }
+        // Column-major: dX^T (k, m) = W^T (k, n) dZ^T (n, m), both buffers as they are.
+        self.sgemm((OP_N, OP_N), (k, m, n), (&w.buf, k), (&dz.buf, n), (&mut dx.buf, k))
+    }
+
+    /// The backward's `dW = dZ^T X`: `dz (m, n)`, `x (m, k)`, `dw (n, k)`.
+    pub fn grad_weight(&self, dz: &DeviceTensor, x: &DeviceTensor, dw: &mut DeviceTensor) -> Result<()> {
+        let (m, n, k) = (dz.shape[0], dz.shape[1], x.shape[1]);
+        if x.shape != [m, k] || dw.shape != [n, k] {
+            return Err(Error::Shape(format!("sgemm: dz {:?}, x {:?}, dw {:?}", dz.shape, x.shape, dw.shape)));
+        }
+        // Column-major: dW^T (k, n) = X^T (k, m) dZ (m, n); dZ's buffer is dZ^T, so transposed.
+        self.sgemm((OP_N, OP_T), (k, n, m), (&x.buf, k), (&dz.buf, n), (&mut dw.buf, k))
+    }
+
+    /// Column-major `C (m, n) = op(A) op(B)` with leading dimensions.
+    #[allow(clippy::type_complexity)]
+    fn sgemm(
+        &self,
+        (transa, transb): (cublasOperation_t, cublasOperation_t),
+        (m, n, k): (usize, usize, usize),
+        (a, lda): (&CudaSlice<f32>, usize),
+        (b, ldb): (&CudaSlice<f32>, usize),
+        (c, ldc): (&mut CudaSlice<f32>, usize),
+    ) -> Result<()> {
+        if [m, n, k, lda, ldb, ldc].iter().any(|&d| d > i32::MAX as usize) {
+            return Err(Error::Shape(format!("sgemm ({m}, {n}, {k}) exceeds cuBLAS's 32-bit sizes")));
+        }
         let cfg = GemmConfig {
-            transa: cublasOperation_t::CUBLAS_OP_T,
-            transb: cublasOperation_t::CUBLAS_OP_N,
-            m: n as i32,
-            n: m as i32,
+            transa,
+            transb,
+            m: m as i32,
+            n: n as i32,
             k: k as i32,
             alpha: 1.0f32,
-            lda: k as i32,
-            ldb: k as i32,
+            lda: lda as i32,
+            ldb: ldb as i32,
             beta: 0.0f32,
-            ldc: n as i32,
+            ldc: ldc as i32,
         };
-        // SAFETY: dimensions and leading dimensions match the buffers checked above.
-        unsafe { self.blas.gemm(cfg, &w.buf, &x.buf, &mut y.buf) }.map_err(|e| Error::cuda("cublasSgemm", e))
+        // SAFETY: the callers checked the buffers against these dimensions.
+        unsafe { self.blas.gemm(cfg, a, b, c) }.map_err(|e| Error::cuda("cublasSgemm", e))
     }
 }

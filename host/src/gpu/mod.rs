@@ -4,15 +4,18 @@
 //! cudarc loads `libcuda` at run time and panics when it is missing, so [`Gpu::open`]
 //! checks for the library first and turns every failure into an [`Error`].
 
+pub mod block;
 pub mod cublas;
+pub mod elementwise;
 pub mod epilogue;
-pub mod forward;
 pub mod gemm;
+pub mod optim;
+pub mod tape;
 
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use cudarc::driver::sys::CUdevice_attribute as Attr;
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig};
 use cudarc::nvrtc::Ptx;
 use std::sync::Arc;
 
@@ -31,7 +34,8 @@ pub struct DeviceProps {
     pub total_memory: usize,
 }
 
-/// An open GPU: context, one stream, the kernel module.
+/// An open GPU: context, one stream, the kernel module. Cloning shares them.
+#[derive(Clone)]
 pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -123,10 +127,39 @@ impl Gpu {
         Ok(())
     }
 
+    /// A kernel and a 1-D launch configuration (256-thread blocks) covering `len` elements.
+    pub fn kernel_1d(&self, name: &str, len: usize, shared_bytes: u32) -> Result<(CudaFunction, LaunchConfig)> {
+        if len > u32::MAX as usize {
+            return Err(Error::Shape(format!("`{name}` over {len} elements exceeds 32-bit indexing")));
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (len.div_ceil(256).max(1) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: shared_bytes,
+        };
+        Ok((self.function(name)?, cfg))
+    }
+
     /// Copies a host tensor to the device.
     pub fn upload(&self, t: &Tensor<f32>) -> Result<DeviceTensor> {
         let buf = self.stream.clone_htod(t.data()).map_err(|e| oom_or("copying to the device", t.len(), e))?;
         Ok(DeviceTensor { shape: t.shape().to_vec(), buf })
+    }
+
+    /// An uninitialised device tensor, for outputs a kernel writes in full.
+    pub fn alloc(&self, shape: &[usize]) -> Result<DeviceTensor> {
+        let len: usize = shape.iter().product();
+        // SAFETY: every caller passes the tensor to a kernel that writes all of it
+        // before anything reads it (outputs and scratch of our launchers).
+        let buf = unsafe { self.stream.alloc::<f32>(len.max(1)) }.map_err(|e| oom_or("allocating", len, e))?;
+        Ok(DeviceTensor { shape: shape.to_vec(), buf })
+    }
+
+    /// A device tensor of zeros.
+    pub fn zeros(&self, shape: &[usize]) -> Result<DeviceTensor> {
+        let len: usize = shape.iter().product();
+        let buf = self.stream.alloc_zeros::<f32>(len.max(1)).map_err(|e| oom_or("allocating", len, e))?;
+        Ok(DeviceTensor { shape: shape.to_vec(), buf })
     }
 
     /// A device tensor filled with NaN, so an element a kernel fails to write shows up.
@@ -154,6 +187,11 @@ impl Gpu {
         let end = self.stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(err)?;
         Ok(start.elapsed_ms(&end).map_err(err)? as f64)
     }
+}
+
+/// Maps a launch's result to the crate's error, naming the kernel.
+pub fn launched<T>(name: &str, r: std::result::Result<T, cudarc::driver::DriverError>) -> Result<()> {
+    r.map(|_| ()).map_err(|e| Error::cuda(format!("launching `{name}`"), e))
 }
 
 fn oom_or(context: &str, elements: usize, e: cudarc::driver::DriverError) -> Error {

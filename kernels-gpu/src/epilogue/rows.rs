@@ -1,16 +1,141 @@
-//! The row-wise epilogue: runs any chain over the rows of a finished GEMM output.
+//! The row-wise epilogue: runs any chain over the rows of a finished GEMM output,
+//! forward (`epilogue_rows`) and backward (`epilogue_rows_backward`), side by side.
 //!
 //! This is the general path, used when the chain cannot be fused into the GEMM's
 //! store (see docs/PERFORMANCE.md for what it costs: one extra read and write of
-//! the GEMM output).
+//! the GEMM output), and for every backward.
 
 use super::pointwise::*;
 use crate::prelude::math::{max_nan, rsqrt};
-use crate::prelude::warp::{warp_max, warp_sum};
+use crate::prelude::warp::{shfl_xor, warp_max, warp_sum};
 use crate::prelude::*;
 use kernel_abi::epilogue::*;
 
 const WARPS: usize = ROW_THREADS / WARP_SIZE as usize;
+const WARP: usize = WARP_SIZE as usize;
+
+/// Features after `op`, given `f` before it (the host validated the chain).
+#[inline(always)]
+fn features_after(op: &OpDesc, f: usize) -> usize {
+    match op.code {
+        OP_AVG_POOL => f / (op.count as usize).max(1),
+        OP_ROW_MAX => 1,
+        _ => f,
+    }
+}
+
+/// Mean and `1 / sqrt(var + eps)` of `s[..size]` (one warp, two passes, biased variance).
+#[inline(always)]
+fn group_stats(s: *const f32, size: usize, eps: f32, lane: usize) -> (f32, f32) {
+    let mut sum = 0.0;
+    let mut j = lane;
+    while j < size {
+        // SAFETY (both loops): j < size, inside the group.
+        sum += unsafe { *s.add(j) };
+        j += WARP;
+    }
+    let mean = warp_sum(sum) / size as f32;
+    let mut sq = 0.0;
+    let mut j = lane;
+    while j < size {
+        let d = unsafe { *s.add(j) } - mean;
+        sq += d * d;
+        j += WARP;
+    }
+    (mean, rsqrt(warp_sum(sq) / size as f32 + eps))
+}
+
+/// Applies `op` forward to the row in `*cur` (`f` features); ops that shrink the row
+/// write into `*alt` and swap the two. `red` is scratch for one value per warp.
+/// Returns the features after the op. Every thread of the block calls it; it ends
+/// with a barrier.
+///
+/// # Safety
+/// `*cur` and `*alt` hold at least `f` floats each, `red` at least `WARPS`; `op`'s
+/// parameter vectors hold `f` floats.
+#[inline(always)]
+unsafe fn op_forward(op: &OpDesc, cur: &mut *mut f32, alt: &mut *mut f32, red: *mut f32, f: usize) -> usize {
+    let t = thread_idx_x() as usize;
+    let (warp, lane) = (warp_id() as usize, lane_id() as usize);
+    let (p0, p1) = (op.param0 as *const f32, op.param1 as *const f32);
+    let x = *cur;
+    let f_out = features_after(op, f);
+    // SAFETY (whole body): every index is below the extent the contract gives.
+    unsafe {
+        match op.code {
+            OP_GROUP_NORM => {
+                let groups = op.count as usize;
+                let size = f / groups;
+                let mut g = warp;
+                while g < groups {
+                    let s = x.add(g * size);
+                    let (mean, rstd) = group_stats(s, size, op.a, lane);
+                    let mut j = lane;
+                    while j < size {
+                        let ch = g * size + j;
+                        *s.add(j) = (*s.add(j) - mean) * rstd * *p0.add(ch) + *p1.add(ch);
+                        j += WARP;
+                    }
+                    g += WARPS;
+                }
+            }
+            OP_AVG_POOL => {
+                let k = op.count as usize;
+                let mut j = t;
+                while j < f_out {
+                    let mut sum = 0.0;
+                    for e in 0..k {
+                        sum += *x.add(j * k + e);
+                    }
+                    *alt.add(j) = sum / k as f32;
+                    j += ROW_THREADS;
+                }
+                core::mem::swap(cur, alt);
+            }
+            OP_ROW_MAX => {
+                let mut m = f32::NEG_INFINITY;
+                let mut j = t;
+                while j < f {
+                    m = max_nan(m, *x.add(j));
+                    j += ROW_THREADS;
+                }
+                let m = warp_max(m);
+                if lane == 0 {
+                    *red.add(warp) = m;
+                }
+                sync_threads();
+                if t == 0 {
+                    let mut m = *red;
+                    for w in 1..WARPS {
+                        m = max_nan(m, *red.add(w));
+                    }
+                    *x = m;
+                }
+            }
+            code => {
+                let mut j = t;
+                while j < f {
+                    let v = *x.add(j);
+                    *x.add(j) = match code {
+                        OP_BIAS => v + *p0.add(j),
+                        OP_MUL => v * *p0.add(j),
+                        OP_SCALE => v * op.a,
+                        OP_SWISH => swish(v),
+                        OP_MISH => mish(v),
+                        OP_GELU => gelu(v),
+                        OP_LEAKY_RELU => leaky_relu(v, op.a),
+                        OP_HARDTANH => hardtanh(v, op.a, op.b),
+                        _ => f32::NAN, // unknown code: poison rather than pass through
+                    };
+                    j += ROW_THREADS;
+                }
+            }
+        }
+        // Makes this op's writes visible to the next op's readers (and frees `red`).
+        sync_threads();
+    }
+    f_out
+}
 
 /// `y[row] = chain(sum_s z[s, row] + bias)` for every row: `splits` partial GEMM
 /// products (split-K) are added first, then the bias (if not null), then the chain.
@@ -25,6 +150,7 @@ const WARPS: usize = ROW_THREADS / WARP_SIZE as usize;
 ///   included or passed as `bias`) or its split-K parts.
 /// * `bias`: `(n,)` or null.
 /// * `y`: `(rows, f_out)` row-major, `f_out` the features left after the chain.
+/// * `save_z`: `(rows, n)` or null: receives the chain's input (what the backward needs).
 ///
 /// # Thread mapping
 /// One block per row; the row sits in shared memory. Elementwise ops stride the
@@ -32,144 +158,314 @@ const WARPS: usize = ROW_THREADS / WARP_SIZE as usize;
 /// and variance with shuffle reductions); pooling writes into the second buffer;
 /// the row max reduces over warps, then across them.
 #[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
 pub unsafe extern "ptx-kernel" fn epilogue_rows(
     z: *const f32,
     splits: u32,
     bias: *const f32,
     y: *mut f32,
+    save_z: *mut f32,
     n: u32,
     ops: *const OpDesc,
     n_ops: u32,
 ) {
     let row = block_idx_x() as usize;
-    let t = thread_idx_x() as usize;
-    let (warp, lane) = (warp_id() as usize, lane_id() as usize);
-    let mut f = n as usize;
-
-    let base = dynamic_shared::<f32>();
-    let (mut cur, mut alt) = (base, unsafe { base.add(f) });
     let rows = grid_dim_x() as usize;
+    let t = thread_idx_x() as usize;
+    let n = n as usize;
+    let base = dynamic_shared::<f32>();
+    // SAFETY: row_smem_bytes(n) covers [cur: n][alt: n][red: 2 * WARPS].
+    let (mut cur, mut alt, red) = unsafe { (base, base.add(n), base.add(2 * n)) };
     let mut c = t;
-    while c < f {
+    while c < n {
         // SAFETY: c < n and s < splits: inside z's (splits, rows, n) and the first buffer.
         unsafe {
             let mut v = if bias.is_null() { 0.0 } else { *bias.add(c) };
             for s in 0..splits as usize {
-                v += *z.add((s * rows + row) * f + c);
+                v += *z.add((s * rows + row) * n + c);
             }
             *cur.add(c) = v;
+            if !save_z.is_null() {
+                *save_z.add(row * n + c) = v;
+            }
         }
         c += ROW_THREADS;
     }
-    // SAFETY: uniform control flow (every branch below is taken by the whole block).
+    // SAFETY: uniform control flow (every op is run by the whole block).
     unsafe { sync_threads() };
-
+    let mut f = n;
     for i in 0..n_ops as usize {
-        // SAFETY: i < n_ops.
-        let op = unsafe { *ops.add(i) };
-        let (p0, p1) = (op.param0 as *const f32, op.param1 as *const f32);
-        match op.code {
-            OP_GROUP_NORM => {
-                let groups = op.count as usize;
-                let size = f / groups;
-                let mut g = warp;
-                while g < groups {
-                    // SAFETY (all accesses): g * size + j < f.
-                    let s = unsafe { cur.add(g * size) };
-                    let mut sum = 0.0;
-                    let mut j = lane;
-                    while j < size {
-                        sum += unsafe { *s.add(j) };
-                        j += WARP_SIZE as usize;
-                    }
-                    let mean = warp_sum(sum) / size as f32;
-                    let mut sq = 0.0;
-                    let mut j = lane;
-                    while j < size {
-                        let d = unsafe { *s.add(j) } - mean;
-                        sq += d * d;
-                        j += WARP_SIZE as usize;
-                    }
-                    let rstd = rsqrt(warp_sum(sq) / size as f32 + op.a);
-                    let mut j = lane;
-                    while j < size {
-                        let ch = g * size + j;
-                        unsafe { *s.add(j) = (*s.add(j) - mean) * rstd * *p0.add(ch) + *p1.add(ch) };
-                        j += WARP_SIZE as usize;
-                    }
-                    g += WARPS;
-                }
-            }
-            OP_AVG_POOL => {
-                let k = op.count as usize;
-                let f_out = f / k;
-                let mut j = t;
-                while j < f_out {
-                    let mut sum = 0.0;
-                    for e in 0..k {
-                        // SAFETY: j * k + e < f_out * k <= f.
-                        sum += unsafe { *cur.add(j * k + e) };
-                    }
-                    // SAFETY: j < f_out <= f, inside the second buffer.
-                    unsafe { *alt.add(j) = sum / k as f32 };
-                    j += ROW_THREADS;
-                }
-                core::mem::swap(&mut cur, &mut alt);
-                f = f_out;
-            }
-            OP_ROW_MAX => {
-                let mut m = f32::NEG_INFINITY;
-                let mut j = t;
-                while j < f {
-                    // SAFETY: j < f.
-                    m = max_nan(m, unsafe { *cur.add(j) });
-                    j += ROW_THREADS;
-                }
-                let m = warp_max(m);
-                // Partial maxima go to the second buffer; every thread has read `cur` by the barrier.
-                if lane == 0 {
-                    unsafe { *alt.add(warp) = m };
-                }
-                unsafe { sync_threads() };
-                if t == 0 {
-                    let mut m = unsafe { *alt };
-                    for w in 1..WARPS {
-                        m = max_nan(m, unsafe { *alt.add(w) });
-                    }
-                    unsafe { *cur = m };
-                }
-                f = 1;
-            }
-            code => {
-                let mut j = t;
-                while j < f {
-                    // SAFETY: j < f; parameter vectors have f entries.
-                    unsafe {
-                        let v = *cur.add(j);
-                        *cur.add(j) = match code {
-                            OP_BIAS => v + *p0.add(j),
-                            OP_MUL => v * *p0.add(j),
-                            OP_SCALE => v * op.a,
-                            OP_SWISH => swish(v),
-                            OP_MISH => mish(v),
-                            OP_GELU => gelu(v),
-                            OP_LEAKY_RELU => leaky_relu(v, op.a),
-                            OP_HARDTANH => hardtanh(v, op.a, op.b),
-                            _ => f32::NAN, // unknown code: poison rather than pass through
-                        };
-                    }
-                    j += ROW_THREADS;
-                }
-            }
-        }
-        // SAFETY: uniform; makes each op's writes visible to the next op's readers.
-        unsafe { sync_threads() };
+        // SAFETY: i < n_ops; buffers as above.
+        f = unsafe { op_forward(&*ops.add(i), &mut cur, &mut alt, red, f) };
     }
-
     let mut j = t;
     while j < f {
         // SAFETY: j < f, the row's output width.
         unsafe { *y.add(row * f + j) = *cur.add(j) };
         j += ROW_THREADS;
+    }
+}
+
+/// `(value, index)` `a` comes before `b` as the row max's pick: the larger value, the
+/// first index on ties, and NaN before any number (PyTorch's `max`).
+#[inline(always)]
+fn max_first(av: f32, ai: u32, bv: f32, bi: u32) -> bool {
+    let (an, bn) = (av != av, bv != bv);
+    if an || bn {
+        return an && (!bn || ai < bi);
+    }
+    av > bv || (av == bv && ai < bi)
+}
+
+/// Index of the row max of `x[..f]` (see [`max_first`]), the same in every thread.
+/// `red` holds `2 * WARPS` floats of scratch.
+///
+/// # Safety
+/// `x` holds `f > 0` floats; called by the whole block.
+#[inline(always)]
+unsafe fn arg_max(x: *const f32, f: usize, red: *mut f32) -> usize {
+    let t = thread_idx_x() as usize;
+    let (warp, lane) = (warp_id() as usize, lane_id() as usize);
+    let (mut bv, mut bi) = (f32::NEG_INFINITY, u32::MAX);
+    let mut j = t;
+    while j < f {
+        // SAFETY (whole body): j < f; red indices < 2 * WARPS.
+        let v = unsafe { *x.add(j) };
+        if max_first(v, j as u32, bv, bi) {
+            (bv, bi) = (v, j as u32);
+        }
+        j += ROW_THREADS;
+    }
+    let mut m = 1;
+    while m < WARP as u32 {
+        let (ov, oi) = (shfl_xor(bv, m), shfl_xor(f32::from_bits(bi), m).to_bits());
+        if max_first(ov, oi, bv, bi) {
+            (bv, bi) = (ov, oi);
+        }
+        m <<= 1;
+    }
+    unsafe {
+        if lane == 0 {
+            *red.add(warp) = bv;
+            *red.add(WARPS + warp) = f32::from_bits(bi);
+        }
+        sync_threads();
+        let (mut bv, mut bi) = (*red, (*red.add(WARPS)).to_bits());
+        for w in 1..WARPS {
+            let (ov, oi) = (*red.add(w), (*red.add(WARPS + w)).to_bits());
+            if max_first(ov, oi, bv, bi) {
+                (bv, bi) = (ov, oi);
+            }
+        }
+        sync_threads(); // everyone has read `red` before it is reused
+        bi as usize
+    }
+}
+
+/// Backward of the chain, row by row: `dz = d(loss)/d(z)` from `dy`, and each block's
+/// sums over its rows of every parameter gradient (the first level of a two-level
+/// reduction; `sum_partials` is the second).
+///
+/// Each op's input is recomputed from the saved `z` (the chain's input) rather than
+/// saved: the forward keeps one `(rows, n)` tensor however long the chain, and the
+/// recomputation runs in shared memory.
+///
+/// # Safety
+/// As [`epilogue_rows`]; `partials` zeroed. Launch: grid `(G, 1, 1)` for any
+/// `G <= rows`, `ROW_THREADS` threads, `row_backward_smem_bytes(n)` shared memory.
+///
+/// # Parameters
+/// * `z`: `(rows, n)`, the chain's input saved by the forward.
+/// * `dy`: `(rows, f_out)`, the gradient of the chain's output.
+/// * `dz`: `(rows, n)`, written.
+/// * `partials`: `(G, slots, n)`: slot 0 sums `dz` (the Linear bias's gradient), then
+///   one slot per op parameter in chain order (`bias`, `w`, GroupNorm `gamma`, `beta`).
+///
+/// # Thread mapping
+/// Block `b` takes rows `b, b + G, ..`. Per row, for each op from the last: rebuild
+/// its input from `z` (ops before it, forward), then turn the gradient of its output
+/// into that of its input in place. A thread always owns the same columns (or, for
+/// GroupNorm, the same lanes of the same groups), so its partial sums need no atomics.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "ptx-kernel" fn epilogue_rows_backward(
+    z: *const f32,
+    dy: *const f32,
+    dz: *mut f32,
+    partials: *mut f32,
+    rows: u32,
+    n: u32,
+    ops: *const OpDesc,
+    n_ops: u32,
+) {
+    let t = thread_idx_x() as usize;
+    let (warp, lane) = (warp_id() as usize, lane_id() as usize);
+    let (n, n_ops) = (n as usize, n_ops as usize);
+    let base = dynamic_shared::<f32>();
+    // SAFETY: row_backward_smem_bytes(n) covers [g: n][x: n][alt: n][red: 2 * WARPS].
+    let (g_buf, x_buf, alt_buf, red) = unsafe { (base, base.add(n), base.add(2 * n), base.add(3 * n)) };
+    // SAFETY: op descriptors are read-only and i < n_ops wherever used.
+    let op_at = |i: usize| unsafe { *ops.add(i) };
+    let mut slots = 1;
+    let mut f_out = n;
+    for i in 0..n_ops {
+        slots += match op_at(i).code {
+            OP_BIAS | OP_MUL => 1,
+            OP_GROUP_NORM => 2,
+            _ => 0,
+        };
+        f_out = features_after(&op_at(i), f_out);
+    }
+    // SAFETY: this block's slice of the partial sums.
+    let part = unsafe { partials.add(block_idx_x() as usize * slots * n) };
+
+    let mut row = block_idx_x() as usize;
+    while row < rows as usize {
+        let (mut g, mut g_alt) = (g_buf, alt_buf);
+        // SAFETY (whole row): indices below the buffer extents; uniform barriers.
+        unsafe {
+            let mut j = t;
+            while j < f_out {
+                *g.add(j) = *dy.add(row * f_out + j);
+                j += ROW_THREADS;
+            }
+            let mut slot_end = slots;
+            for i in (0..n_ops).rev() {
+                let op = op_at(i);
+                // Rebuild op i's input in x (ops 0..i forward from z); shrinking ops
+                // write into the buffer the gradient is not using.
+                let (mut x, mut x_alt) = (x_buf, g_alt);
+                let mut j = t;
+                while j < n {
+                    *x.add(j) = *z.add(row * n + j);
+                    j += ROW_THREADS;
+                }
+                sync_threads();
+                let mut f = n;
+                for p in 0..i {
+                    f = op_forward(&op_at(p), &mut x, &mut x_alt, red, f);
+                }
+                // `g` holds the gradient of op i's output; make it that of its input.
+                let p0 = op.param0 as *const f32;
+                let n_slots = match op.code {
+                    OP_BIAS | OP_MUL => 1,
+                    OP_GROUP_NORM => 2,
+                    _ => 0,
+                };
+                slot_end -= n_slots;
+                let ps = part.add(slot_end * n); // this op's first slot
+                match op.code {
+                    OP_GROUP_NORM => {
+                        let groups = op.count as usize;
+                        let size = f / groups;
+                        let inv = 1.0 / size as f32;
+                        let mut gi = warp;
+                        while gi < groups {
+                            let (xs, gs) = (x.add(gi * size), g.add(gi * size));
+                            let (mean, rstd) = group_stats(xs, size, op.a, lane);
+                            // dx = rstd (dy gamma - mean(dy gamma) - xhat mean(dy gamma xhat))
+                            let (mut s1, mut s2) = (0.0, 0.0);
+                            let mut j = lane;
+                            while j < size {
+                                let ch = gi * size + j;
+                                let xhat = (*xs.add(j) - mean) * rstd;
+                                let dyg = *gs.add(j) * *p0.add(ch);
+                                s1 += dyg;
+                                s2 += dyg * xhat;
+                                j += WARP;
+                            }
+                            let (m1, m2) = (warp_sum(s1) * inv, warp_sum(s2) * inv);
+                            let mut j = lane;
+                            while j < size {
+                                let ch = gi * size + j;
+                                let xhat = (*xs.add(j) - mean) * rstd;
+                                let d = *gs.add(j);
+                                *ps.add(ch) += d * xhat;
+                                *ps.add(n + ch) += d;
+                                *gs.add(j) = rstd * (d * *p0.add(ch) - m1 - xhat * m2);
+                                j += WARP;
+                            }
+                            gi += WARPS;
+                        }
+                    }
+                    OP_AVG_POOL => {
+                        let k = op.count as usize;
+                        let pooled = f / k;
+                        let mut j = t;
+                        while j < f {
+                            *g_alt.add(j) = if j < pooled * k { *g.add(j / k) / k as f32 } else { 0.0 };
+                            j += ROW_THREADS;
+                        }
+                        core::mem::swap(&mut g, &mut g_alt);
+                    }
+                    OP_ROW_MAX => {
+                        let at = arg_max(x, f, red);
+                        let d = *g;
+                        sync_threads(); // g[0] read by all before g_alt is written
+                        let mut j = t;
+                        while j < f {
+                            *g_alt.add(j) = if j == at { d } else { 0.0 };
+                            j += ROW_THREADS;
+                        }
+                        core::mem::swap(&mut g, &mut g_alt);
+                    }
+                    code => {
+                        let mut j = t;
+                        while j < f {
+                            let (v, d) = (*x.add(j), *g.add(j));
+                            *g.add(j) = match code {
+                                OP_BIAS => {
+                                    *ps.add(j) += d;
+                                    d
+                                }
+                                OP_MUL => {
+                                    *ps.add(j) += d * v;
+                                    d * *p0.add(j)
+                                }
+                                OP_SCALE => d * op.a,
+                                OP_SWISH => d * swish_grad(v),
+                                OP_MISH => d * mish_grad(v),
+                                OP_GELU => d * gelu_grad(v),
+                                OP_LEAKY_RELU => d * leaky_relu_grad(v, op.a),
+                                OP_HARDTANH => d * hardtanh_grad(v, op.a, op.b),
+                                _ => f32::NAN,
+                            };
+                            j += ROW_THREADS;
+                        }
+                    }
+                }
+                sync_threads();
+            }
+            // g now holds dz for the row.
+            let mut j = t;
+            while j < n {
+                let d = *g.add(j);
+                *dz.add(row * n + j) = d;
+                *part.add(j) += d;
+                j += ROW_THREADS;
+            }
+            sync_threads();
+        }
+        row += grid_dim_x() as usize;
+    }
+}
+
+/// `out[j] = sum_b partials[b, j]`: the second level of the parameter-gradient
+/// reduction (the first is per block in `epilogue_rows_backward`).
+///
+/// # Safety
+/// `partials` holds `blocks * len` floats, `out` `len`. Launch: 1-D, any grid covering `len`.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn sum_partials(partials: *const f32, blocks: u32, len: u32, out: *mut f32) {
+    let j = (block_idx_x() * block_dim_x() + thread_idx_x()) as usize;
+    let len = len as usize;
+    if j < len {
+        let mut s = 0.0;
+        for b in 0..blocks as usize {
+            // SAFETY: b < blocks, j < len.
+            s += unsafe { *partials.add(b * len + j) };
+        }
+        // SAFETY: j < len.
+        unsafe { *out.add(j) = s };
     }
 }

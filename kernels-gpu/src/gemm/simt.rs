@@ -23,47 +23,62 @@ fn owned(t: usize, i: usize) -> usize {
     (i / 4) * HALF + t * 4 + i % 4
 }
 
-/// `y = chain(x W^T + bias)`, or, when launched with `gridDim.z = S > 1`, split-K
-/// partial products `y[s] = x[:, ks] W[:, ks]^T` with no bias and no chain.
+/// `y = chain(A B^T + bias)` with `A` `(m, k)` and `B` `(n, k)` in either memory
+/// order, or, when launched with `gridDim.z = S > 1`, split-K partial products
+/// `y[s] = A[:, ks] B[:, ks]^T` with no bias and no chain.
+///
+/// The forward pass is `A = x`, `B = W` (both `k`-contiguous). The backward's GEMMs use
+/// the other orders: `dX = dZ W` has `B(j, n) = W[n, j]` (`B` row-contiguous), and
+/// `dW = dZ^T X` has both operands row-contiguous.
 ///
 /// # Safety
 /// Device pointers of the sizes below; `ops[..n_ops]` holds only ops this kernel
 /// fuses (pointwise ops and GroupNorm with groups of 4..=128 channels, a power of
 /// two; the host checks). Launch: `THREADS` threads, grid
 /// `(ceil(n / BLOCK_N), ceil(m / BLOCK_M), S)`, `SMEM_BYTES` of dynamic shared memory;
-/// `k_split` a multiple of `BLOCK_K` with `S * k_split >= k`.
+/// `k_split` a multiple of `BLOCK_K` with `S * k_split >= k`. `VEC` needs `lda` and
+/// `ldb` multiples of 4 (16-byte aligned rows).
 ///
 /// # Parameters
-/// * `x`: `(m, k)` row-major; `w`: `(n, k)` row-major (PyTorch's Linear weight); `bias`: `(n,)`.
-/// * `y`: `(m, n)`, or `(S, m, n)` for split-K.
+/// * `a`: element `(i, kk)` at `a[i * lda + kk]` if `A_K` (k-contiguous), else at `a[kk * lda + i]`.
+/// * `b`: element `(j, kk)` likewise with `ldb` and `B_K`.
+/// * `bias`: `(n,)`, or null for none. `y`: `(m, n)` row-major, or `(S, m, n)` for split-K.
+/// * `save_z`: `(m, n)`, or null: receives `A B^T + bias` before the chain, what the
+///   backward needs; the inference path passes null and pays nothing but a branch.
 ///
 /// # Tiling
-/// A block computes a `128 x 128` tile of `y`, stepping `k` by 8. Each step's `x` and
-/// `w` slices are loaded into registers one step ahead (16-byte loads when `VEC`, which
-/// needs `k % 4 == 0`), then stored transposed (`k` outermost) into the other of two
-/// shared-memory stages, so one barrier per step suffices.
+/// A block computes a `128 x 128` tile of `y`, stepping `k` by 8. Each step's `A` and
+/// `B` slices are loaded into registers one step ahead (16-byte loads when `VEC`), then
+/// stored `k`-outermost into the other of two shared-memory stages (transposing the
+/// `k`-contiguous operands), so one barrier per step suffices.
 ///
 /// # Thread mapping
 /// Warp `w`, lane `l`: `ty = 2w + l / 16`, `tx = l % 16`. The thread owns rows
 /// `ty*4 + {0..3}` and `64 + ty*4 + {0..3}`, columns likewise with `tx`: 64
 /// accumulators. Its fragments come from shared memory as 16-byte loads (a warp reads
-/// 2 distinct `x` vectors and 16 distinct `w` vectors per `k`). In the epilogue, the 16
-/// lanes of a half-warp cover 64 consecutive columns of one row, so a GroupNorm group
-/// of `g` channels is `g / 4` neighbouring lanes: its statistics are shuffle sums.
+/// 2 distinct `A` vectors and 16 distinct `B` vectors per `k`). The finished tile is
+/// staged in shared memory; then each warp walks whole 128-column rows, a lane holding
+/// 4 consecutive columns, so a GroupNorm group of `g` channels is `g / 4` neighbouring
+/// lanes and its statistics are shuffle sums.
 #[inline(always)]
-unsafe fn gemm_f32<const VEC: bool>(
-    x: *const f32,
-    w: *const f32,
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_f32<const VEC: bool, const A_K: bool, const B_K: bool>(
+    a: *const f32,
+    b: *const f32,
     bias: *const f32,
     y: *mut f32,
+    save_z: *mut f32,
     m: u32,
     n: u32,
     k: u32,
+    lda: u32,
+    ldb: u32,
     k_split: u32,
     ops: *const OpDesc,
     n_ops: u32,
 ) {
     let (m, n, k) = (m as usize, n as usize, k as usize);
+    let (lda, ldb) = (lda as usize, ldb as usize);
     let t = thread_idx_x() as usize;
     let lane = t % 32;
     let ty = (t / 32) * 2 + lane / 16;
@@ -74,63 +89,54 @@ unsafe fn gemm_f32<const VEC: bool>(
     let k_begin = split * k_split as usize;
     let k_end = if k_begin + (k_split as usize) < k { k_begin + k_split as usize } else { k };
 
-    let smem = dynamic_shared::<f32>(); // [stage][x tile | w tile][BLOCK_K][SMEM_STRIDE]
+    let smem = dynamic_shared::<f32>(); // [stage][A tile | B tile][BLOCK_K][SMEM_STRIDE]
     let tile = BLOCK_K * SMEM_STRIDE;
 
-    // Global loads: thread t moves 4 consecutive k of tile row t / 2 (of x and of w).
-    let ld_row = t / 2;
-    let ld_k = (t % 2) * 4;
-    let load = |src: *const f32, rows: usize, r: usize, k0: usize| -> [f32; 4] {
-        let mut v = [0.0f32; 4];
-        let gk = k0 + ld_k;
-        if r < rows {
-            if VEC {
-                if gk < k_end {
-                    // SAFETY: k % 4 == 0 makes the 16-byte load aligned and in row r.
-                    v = unsafe { (*(src.add(r * k + gk) as *const F4)).0 };
-                }
-            } else {
-                for e in 0..4 {
-                    if gk + e < k_end {
-                        // SAFETY: r < rows, gk + e < k.
-                        v[e] = unsafe { *src.add(r * k + gk + e) };
-                    }
-                }
-            }
-        }
-        v
-    };
-    let store = |stage: usize, xv: [f32; 4], wv: [f32; 4]| {
-        // SAFETY: (ld_k + e) * SMEM_STRIDE + ld_row < tile for both tiles of a stage.
+    // Each thread moves 4 elements of each operand per k-step: for a k-contiguous
+    // operand, 4 consecutive k of tile row t / 2; for a row-contiguous one, 4
+    // consecutive rows of k-row t / 32. The same 4 land in shared memory at
+    // `slot(e)`, k-outermost.
+    let mut a_src = Loader::new::<A_K>(a, lda, m, row0, k_begin, t);
+    let mut b_src = Loader::new::<B_K>(b, ldb, n, col0, k_begin, t);
+    let store = |dst: *mut f32, k_major: bool, v: [f32; 4]| {
+        // SAFETY: indices < BLOCK_K * SMEM_STRIDE, inside one tile.
         unsafe {
-            let sx = smem.add(stage * 2 * tile);
-            let sw = sx.add(tile);
-            for e in 0..4 {
-                *sx.add((ld_k + e) * SMEM_STRIDE + ld_row) = xv[e];
-                *sw.add((ld_k + e) * SMEM_STRIDE + ld_row) = wv[e];
+            if k_major {
+                let (r, kk) = (t / 2, (t % 2) * 4);
+                unroll!(e in 0..4 => { *dst.add((kk + e) * SMEM_STRIDE + r) = v[e]; });
+            } else {
+                let (r, kk) = ((t % 32) * 4, t / 32);
+                *(dst.add(kk * SMEM_STRIDE + r) as *mut F4) = F4(v);
             }
         }
     };
+    let stage_ptr = |s: usize| unsafe { smem.add(s * 2 * tile) };
 
     let mut acc = [[0.0f32; TN]; TM];
     let mut k0 = k_begin;
-    let (mut xv, mut wv) = (load(x, m, row0 + ld_row, k0), load(w, n, col0 + ld_row, k0));
-    store(0, xv, wv);
+    let (mut av, mut bv) = (a_src.load::<VEC, A_K>(k_end), b_src.load::<VEC, B_K>(k_end));
+    store(stage_ptr(0), A_K, av);
+    store(unsafe { stage_ptr(0).add(tile) }, B_K, bv);
     // SAFETY: uniform control flow throughout the main loop.
     unsafe { sync_threads() };
     let mut stage = 0;
     while k0 < k_end {
         let next = k0 + BLOCK_K;
         if next < k_end {
-            xv = load(x, m, row0 + ld_row, next);
-            wv = load(w, n, col0 + ld_row, next);
+            a_src.advance();
+            b_src.advance();
+            av = a_src.load::<VEC, A_K>(k_end);
+            bv = b_src.load::<VEC, B_K>(k_end);
         }
         // SAFETY: all indices stay inside this stage's two tiles.
         unsafe {
             let sx = smem.add(stage * 2 * tile) as *const F4;
             let sw = smem.add(stage * 2 * tile + tile) as *const F4;
-            unroll!(kk in 0..8 => {
-                let q = kk * SMEM_STRIDE / 4;
+            // Two k at a time in a rolled loop: fully unrolled, ptxas hoists the shared
+            // loads of later k so far ahead that 128 registers no longer suffice.
+            for kk2 in 0..BLOCK_K / 2 {
+            unroll!(h in 0..2 => {
+                let q = (kk2 * 2 + h) * SMEM_STRIDE / 4;
                 let a0 = (*sx.add(q + ty)).0;
                 let a1 = (*sx.add(q + HALF / 4 + ty)).0;
                 let b0 = (*sw.add(q + tx)).0;
@@ -139,9 +145,11 @@ unsafe fn gemm_f32<const VEC: bool>(
                 let b = [b0[0], b0[1], b0[2], b0[3], b1[0], b1[1], b1[2], b1[3]];
                 unroll!(i in 0..8 => { unroll!(j in 0..8 => { acc[i][j] = fma(a[i], b[j], acc[i][j]); }); });
             });
+            }
         }
         if next < k_end {
-            store(stage ^ 1, xv, wv);
+            store(stage_ptr(stage ^ 1), A_K, av);
+            store(unsafe { stage_ptr(stage ^ 1).add(tile) }, B_K, bv);
         }
         // SAFETY: uniform; orders this step's reads before the next step's overwrite.
         unsafe { sync_threads() };
@@ -172,23 +180,89 @@ unsafe fn gemm_f32<const VEC: bool>(
     while r < BLOCK_M && row0 + r < m {
         // SAFETY: r < 128 and lane * 4 + 3 < 128.
         let mut v = unsafe { (*(smem.add(r * STAGE_STRIDE + lane * 4) as *const F4)).0 };
-        if !split_k {
-            epilogue_row(&mut v, bias, ops, n_ops, n, c);
-        }
         let row = row0 + r;
+        if !split_k {
+            epilogue_row(&mut v, bias, save_z, row, ops, n_ops, n, c);
+        }
         // SAFETY: row < m; every written column < n.
+        unsafe { store_row4(out, v, row, n, c) };
+        r += THREADS / 32;
+    }
+}
+
+/// Where one thread reads its 4 elements of an operand for the current k-step.
+struct Loader {
+    /// Address of the thread's first element this step.
+    ptr: *const f32,
+    /// Pointer increment per k-step.
+    step: usize,
+    /// The thread's first k this step.
+    kk: usize,
+    /// k-contiguous: the thread's row is inside the matrix; row-contiguous: all 4 rows are.
+    inside: bool,
+    /// Row-contiguous: how many of the 4 rows are inside (when not all).
+    rows_left: usize,
+}
+
+impl Loader {
+    #[inline(always)]
+    fn new<const K_MAJOR: bool>(src: *const f32, ld: usize, rows: usize, r0: usize, k0: usize, t: usize) -> Loader {
+        let (r, kk) = if K_MAJOR { (r0 + t / 2, k0 + (t % 2) * 4) } else { (r0 + (t % 32) * 4, k0 + t / 32) };
+        let (offset, step) = if K_MAJOR { (r * ld + kk, BLOCK_K) } else { (kk * ld + r, BLOCK_K * ld) };
+        let inside = if K_MAJOR { r < rows } else { r + 4 <= rows };
+        Loader { ptr: src.wrapping_add(offset), step, kk, inside, rows_left: rows.saturating_sub(r) }
+    }
+
+    #[inline(always)]
+    fn advance(&mut self) {
+        self.ptr = self.ptr.wrapping_add(self.step);
+        self.kk += BLOCK_K;
+    }
+
+    /// The 4 elements, zero where outside `rows` x `k_end`.
+    #[inline(always)]
+    fn load<const VEC: bool, const K_MAJOR: bool>(&self, k_end: usize) -> [f32; 4] {
+        let mut v = [0.0f32; 4];
+        let (p, kk) = (self.ptr, self.kk);
+        // SAFETY (all reads): element (r', k') read only when r' < rows and k' < k_end.
         unsafe {
-            if VEC && n % 4 == 0 && c + 4 <= n {
-                *(out.add(row * n + c) as *mut F4) = F4(v);
-            } else {
-                unroll!(e in 0..4 => {
-                    if c + e < n {
-                        *out.add(row * n + c + e) = v[e];
+            if K_MAJOR {
+                if self.inside {
+                    if VEC && kk + 4 <= k_end {
+                        v = (*(p as *const F4)).0;
+                    } else {
+                        unroll!(e in 0..4 => { if kk + e < k_end { v[e] = *p.add(e); } });
                     }
-                });
+                }
+            } else if kk < k_end {
+                if VEC && self.inside {
+                    v = (*(p as *const F4)).0;
+                } else {
+                    unroll!(e in 0..4 => { if e < self.rows_left { v[e] = *p.add(e); } });
+                }
             }
         }
-        r += THREADS / 32;
+        v
+    }
+}
+
+/// Writes columns `c..c+4` of `row` of an `(.., n)` row-major matrix, 16 bytes at a time
+/// when aligned, skipping columns past `n`.
+///
+/// # Safety
+/// `row` and the columns below `n` are inside `dst`.
+#[inline(always)]
+unsafe fn store_row4(dst: *mut f32, v: [f32; 4], row: usize, n: usize, c: usize) {
+    unsafe {
+        if n % 4 == 0 && c + 4 <= n {
+            *(dst.add(row * n + c) as *mut F4) = F4(v);
+        } else {
+            unroll!(e in 0..4 => {
+                if c + e < n {
+                    *dst.add(row * n + c + e) = v[e];
+                }
+            });
+        }
     }
 }
 
@@ -200,10 +274,26 @@ const STAGE_STRIDE: usize = BLOCK_N + 4;
 /// are never stored and must not reach a GroupNorm sum (they cannot: groups divide `n`
 /// and the tile starts at a multiple of 128).
 #[inline(always)]
-fn epilogue_row(v: &mut [f32; 4], bias: *const f32, ops: *const OpDesc, n_ops: u32, n: usize, c: usize) {
+#[allow(clippy::too_many_arguments)]
+fn epilogue_row(
+    v: &mut [f32; 4],
+    bias: *const f32,
+    save_z: *mut f32,
+    row: usize,
+    ops: *const OpDesc,
+    n_ops: u32,
+    n: usize,
+    c: usize,
+) {
     // Per-column parameter `p[c + e]`, 0 past the end.
     let param = |p: *const f32, e: usize| if c + e < n { unsafe { *p.add(c + e) } } else { 0.0 };
-    unroll!(e in 0..4 => { v[e] += param(bias, e); });
+    if !bias.is_null() {
+        unroll!(e in 0..4 => { v[e] += param(bias, e); });
+    }
+    if !save_z.is_null() {
+        // SAFETY: row < m and columns < n, inside save_z's (m, n).
+        unsafe { store_row4(save_z, *v, row, n, c) };
+    }
     for o in 0..n_ops as usize {
         // SAFETY: o < n_ops.
         let op = unsafe { *ops.add(o) };
@@ -242,42 +332,34 @@ fn epilogue_row(v: &mut [f32; 4], bias: *const f32, ops: *const OpDesc, n_ops: u
     }
 }
 
-/// [`gemm_f32`] with 16-byte loads: needs `k % 4 == 0`.
-///
-/// # Safety
-/// See [`gemm_f32`].
-#[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn gemm_f32_fused_vec4(
-    x: *const f32,
-    w: *const f32,
-    bias: *const f32,
-    y: *mut f32,
-    m: u32,
-    n: u32,
-    k: u32,
-    k_split: u32,
-    ops: *const OpDesc,
-    n_ops: u32,
-) {
-    unsafe { gemm_f32::<true>(x, w, bias, y, m, n, k, k_split, ops, n_ops) }
+macro_rules! gemm_entry {
+    ($($(#[$doc:meta])* $name:ident = <$vec:literal, $a_k:literal, $b_k:literal>;)*) => {$(
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// See [`gemm_f32`].
+        #[unsafe(no_mangle)]
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe extern "ptx-kernel" fn $name(
+            a: *const f32, b: *const f32, bias: *const f32, y: *mut f32, save_z: *mut f32,
+            m: u32, n: u32, k: u32, lda: u32, ldb: u32, k_split: u32, ops: *const OpDesc, n_ops: u32,
+        ) {
+            unsafe { gemm_f32::<$vec, $a_k, $b_k>(a, b, bias, y, save_z, m, n, k, lda, ldb, k_split, ops, n_ops) }
+        }
+    )*};
 }
 
-/// [`gemm_f32`] with scalar loads: any `k`.
-///
-/// # Safety
-/// See [`gemm_f32`].
-#[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn gemm_f32_fused_scalar(
-    x: *const f32,
-    w: *const f32,
-    bias: *const f32,
-    y: *mut f32,
-    m: u32,
-    n: u32,
-    k: u32,
-    k_split: u32,
-    ops: *const OpDesc,
-    n_ops: u32,
-) {
-    unsafe { gemm_f32::<false>(x, w, bias, y, m, n, k, k_split, ops, n_ops) }
+gemm_entry! {
+    /// Forward `x W^T` (both operands k-contiguous), 16-byte loads.
+    gemm_f32_nt_vec4 = <true, true, true>;
+    /// Forward `x W^T`, scalar loads (any `k`).
+    gemm_f32_nt_scalar = <false, true, true>;
+    /// `dX = dZ W`: `B` row-contiguous, 16-byte loads.
+    gemm_f32_nn_vec4 = <true, true, false>;
+    /// `dX = dZ W`, scalar loads.
+    gemm_f32_nn_scalar = <false, true, false>;
+    /// `dW = dZ^T X`: both operands row-contiguous, 16-byte loads.
+    gemm_f32_tn_vec4 = <true, false, false>;
+    /// `dW = dZ^T X`, scalar loads.
+    gemm_f32_tn_scalar = <false, false, false>;
 }

@@ -117,3 +117,9 @@ pub fn max_nan(a: f32, b: f32) -> f32 {
 pub fn fma(a: f32, b: f32, c: f32) -> f32 {
     core::intrinsics::fmaf32(a, b, c)
 }
+
+/// Square root, correctly rounded (`sqrt.rn.f32`).
+#[inline(always)]
+pub fn sqrt(x: f32) -> f32 {
+    core::intrinsics::sqrtf32(x)
+}

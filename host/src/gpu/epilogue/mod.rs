@@ -3,30 +3,32 @@
 pub mod rows;
 
 use super::{DeviceTensor, Gpu};
-use crate::block::{BlockSpec, Params};
 use crate::chain::Op;
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaSlice, DevicePtr};
 use kernel_abi::epilogue::*;
 
-/// A chain uploaded for the kernels: its op descriptors and the parameter vectors
-/// they point at (kept alive here as long as the descriptors are).
+/// A chain as the kernels see it: op descriptors in device memory, pointing at
+/// parameter vectors owned elsewhere (by the `GpuBlock` that also owns this chain,
+/// so they outlive it).
 pub struct DeviceChain {
     pub ops: Vec<OpDesc>,
     pub descs: CudaSlice<u64>,
-    _params: Vec<DeviceTensor>,
+    /// Parameter-gradient slots of the backward: 1 (the Linear bias) + one per op parameter.
+    pub grad_slots: usize,
 }
 
 impl DeviceChain {
-    pub fn upload(gpu: &Gpu, spec: &BlockSpec, params: &Params<f32>) -> Result<DeviceChain> {
-        let mut kept = Vec::new();
-        let mut ops = Vec::new();
-        for (op, op_params) in spec.chain.0.iter().zip(&params.ops) {
+    /// `params[i]`: the device parameters of `ops[i]` (see `Params::ops`).
+    pub fn new(gpu: &Gpu, ops: &[Op], params: &[Vec<DeviceTensor>]) -> Result<DeviceChain> {
+        if ops.len() != params.len() {
+            return Err(Error::Chain(format!("{} ops but {} parameter lists", ops.len(), params.len())));
+        }
+        let mut descs = Vec::new();
+        for (op, op_params) in ops.iter().zip(params) {
             let mut ptrs = [0u64; 2];
             for (slot, p) in ptrs.iter_mut().zip(op_params) {
-                let t = gpu.upload(p)?;
-                *slot = t.buf.device_ptr(gpu.stream()).0;
-                kept.push(t);
+                *slot = p.buf.device_ptr(gpu.stream()).0;
             }
             let mut d = OpDesc { param0: ptrs[0], param1: ptrs[1], ..OpDesc::default() };
             match *op {
@@ -42,13 +44,14 @@ impl DeviceChain {
                 Op::AvgPool(k) => (d.code, d.count) = (OP_AVG_POOL, k as u32),
                 Op::RowMax => d.code = OP_ROW_MAX,
             }
-            ops.push(d);
+            descs.push(d);
         }
-        let words: Vec<u64> = ops.iter().flat_map(op_words).collect();
+        let words: Vec<u64> = descs.iter().flat_map(op_words).collect();
         // A zero-length allocation is not allowed; an empty chain still gets one word.
         let words = if words.is_empty() { vec![0] } else { words };
-        let descs = gpu.stream().clone_htod(&words).map_err(|e| Error::cuda("uploading the chain", e))?;
-        Ok(DeviceChain { ops, descs, _params: kept })
+        let buf = gpu.stream().clone_htod(&words).map_err(|e| Error::cuda("uploading the chain", e))?;
+        let grad_slots = 1 + ops.iter().map(|op| op.param_bases().len()).sum::<usize>();
+        Ok(DeviceChain { ops: descs, descs: buf, grad_slots })
     }
 }
 

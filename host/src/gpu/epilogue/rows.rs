@@ -1,36 +1,45 @@
-//! Launcher of `epilogue_rows` (kernels-gpu/src/epilogue/rows.rs): any chain, one block per row.
+//! Launchers of `epilogue_rows`, `epilogue_rows_backward` and `sum_partials`
+//! (kernels-gpu/src/epilogue/rows.rs): any chain, row by row, forward and backward.
 
-use super::super::{DeviceTensor, Gpu};
+use super::super::{DeviceTensor, Gpu, launched};
 use super::DeviceChain;
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
-use kernel_abi::epilogue::{ROW_THREADS, row_smem_bytes};
+use kernel_abi::epilogue::{ROW_THREADS, row_backward_smem_bytes, row_smem_bytes};
 
-const KERNEL: &str = "epilogue_rows";
+const FORWARD: &str = "epilogue_rows";
+const BACKWARD: &str = "epilogue_rows_backward";
+
+fn check_rows(rows: usize, n: usize) -> Result<()> {
+    if rows == 0 || rows > i32::MAX as usize || n == 0 || n > u32::MAX as usize {
+        return Err(Error::Shape(format!("epilogue over {rows} rows of {n} is outside the kernel's range")));
+    }
+    Ok(())
+}
 
 /// Queues `y = chain(sum_s z[s] + bias)` row by row. `z` is `(rows, n)`, or
 /// `(splits, rows, n)` holding split-K parts; `y` has the chain's output width.
+/// `save_z`, if given, receives the chain's input `(rows, n)`.
 pub fn epilogue_rows(
     gpu: &Gpu,
     chain: &DeviceChain,
     z: &DeviceTensor,
     bias: Option<&CudaSlice<f32>>,
     y: &mut DeviceTensor,
+    save_z: Option<&mut DeviceTensor>,
 ) -> Result<()> {
     let (splits, rows, n) = match z.shape[..] {
         [rows, n] => (1, rows, n),
         [splits, rows, n] => (splits, rows, n),
         _ => return Err(Error::Shape(format!("epilogue input must be 2-D or 3-D, got {:?}", z.shape))),
     };
-    if rows == 0 || rows > i32::MAX as usize || n > u32::MAX as usize || splits > 64 {
-        return Err(Error::Shape(format!("epilogue over {splits} x {rows} rows of {n} is outside the kernel's range")));
+    check_rows(rows, n)?;
+    if bias.is_some_and(|b| b.len() != n) || save_z.as_ref().is_some_and(|s| s.shape != [rows, n]) {
+        return Err(Error::Shape(format!("epilogue bias / saved input must have {n} columns")));
     }
-    if bias.is_some_and(|b| b.len() != n) {
-        return Err(Error::Shape(format!("epilogue bias must have {n} entries")));
-    }
-    let func = gpu.function(KERNEL)?;
+    let func = gpu.function(FORWARD)?;
     let smem = row_smem_bytes(n);
-    gpu.allow_shared(&func, KERNEL, smem)
+    gpu.allow_shared(&func, FORWARD, smem)
         .map_err(|e| Error::Unsupported(format!("{e}: rows of {n} features are too wide for the row-wise epilogue")))?;
     let cfg = LaunchConfig {
         grid_dim: (rows as u32, 1, 1),
@@ -45,10 +54,66 @@ pub fn epilogue_rows(
         Some(b) => launch.arg(b),
         None => launch.arg(&null),
     };
-    launch.arg(&mut y.buf).arg(&n).arg(&chain.descs).arg(&n_ops);
+    launch.arg(&mut y.buf);
+    match save_z {
+        Some(s) => launch.arg(&mut s.buf),
+        None => launch.arg(&null),
+    };
+    launch.arg(&n).arg(&chain.descs).arg(&n_ops);
     // SAFETY: matches the kernel's signature; z holds splits * rows * n values; the
     // chain was validated against n when its BlockSpec was built, and its parameter
     // vectors have the matching lengths.
-    unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{KERNEL}`"), e))?;
+    unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{FORWARD}`"), e))?;
     Ok(())
+}
+
+/// Backward of the chain: `dz` from the saved chain input `z (rows, n)` and `dy`, and
+/// the parameter gradients `(grad_slots, n)`: slot 0 the Linear bias, then each op
+/// parameter in chain order (the first `features` entries of each slot are used).
+pub fn epilogue_rows_backward(
+    gpu: &Gpu,
+    chain: &DeviceChain,
+    z: &DeviceTensor,
+    dy: &DeviceTensor,
+    out_width: usize,
+) -> Result<(DeviceTensor, DeviceTensor)> {
+    let [rows, n] = z.shape[..] else {
+        return Err(Error::Shape(format!("saved chain input must be 2-D, got {:?}", z.shape)));
+    };
+    check_rows(rows, n)?;
+    if dy.len() != rows * out_width {
+        return Err(Error::tensor("dy", format!("expected {rows} x {out_width} values, got shape {:?}", dy.shape)));
+    }
+    // Enough blocks to fill the GPU twice over; each sums its rows' parameter gradients.
+    let blocks = rows.min(2 * gpu.props.multiprocessors);
+    let slots = chain.grad_slots;
+    let mut partials = gpu.zeros(&[blocks, slots, n])?;
+    let mut dz = gpu.alloc(&[rows, n])?;
+    let func = gpu.function(BACKWARD)?;
+    let smem = row_backward_smem_bytes(n);
+    gpu.allow_shared(&func, BACKWARD, smem)
+        .map_err(|e| Error::Unsupported(format!("{e}: rows of {n} features are too wide for the row-wise backward")))?;
+    let cfg = LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (ROW_THREADS as u32, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    let (rows32, n32, n_ops) = (rows as u32, n as u32, chain.ops.len() as u32);
+    let mut launch = gpu.stream().launch_builder(&func);
+    launch.arg(&z.buf).arg(&dy.buf).arg(&mut dz.buf).arg(&mut partials.buf);
+    launch.arg(&rows32).arg(&n32).arg(&chain.descs).arg(&n_ops);
+    // SAFETY: matches the kernel's signature; z and dz hold rows * n, dy rows * out_width,
+    // partials blocks * slots * n (zeroed); the chain was validated against n.
+    unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{BACKWARD}`"), e))?;
+
+    let mut grads = gpu.alloc(&[slots, n])?;
+    let (b32, len) = (blocks as u32, (slots * n) as u32);
+    {
+        let (func, cfg) = gpu.kernel_1d("sum_partials", slots * n, 0)?;
+        let mut l = gpu.stream().launch_builder(&func);
+        l.arg(&partials.buf).arg(&b32).arg(&len).arg(&mut grads.buf);
+        // SAFETY: (partials, blocks, len, out) as `sum_partials` takes.
+        launched("sum_partials", unsafe { l.launch(cfg) })
+    }?;
+    Ok((dz, grads))
 }

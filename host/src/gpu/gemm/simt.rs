@@ -1,12 +1,12 @@
-//! Launcher of `gemm_f32_fused_{vec4,scalar}` (kernels-gpu/src/gemm/simt.rs):
-//! `y = chain(x W^T + b)` in one kernel, or split-K partial products.
+//! Launchers of the `gemm_f32_{nt,nn,tn}_{vec4,scalar}` kernels
+//! (kernels-gpu/src/gemm/simt.rs): the forward GEMM with its fused epilogue, split-K
+//! partial products, and the two GEMMs of the backward.
 
 use super::super::epilogue::DeviceChain;
 use super::super::{DeviceTensor, Gpu};
-use super::tiled::{check_output, gemm_dims};
 use crate::chain::Op;
 use crate::error::{Error, Result};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use kernel_abi::gemm_simt::{BLOCK_K, BLOCK_M, BLOCK_N, MAX_FUSED_GROUP, MIN_FUSED_GROUP, SMEM_BYTES, THREADS};
 
 /// Why the fused kernel cannot apply `op` to `features` channels, or `None` if it can.
@@ -26,63 +26,173 @@ pub fn not_fusable(op: &Op, features: usize) -> Option<String> {
     }
 }
 
-/// How the GEMM runs: `Fused` applies bias and chain in the kernel; `Split(s)` writes
-/// `s` partial products (`y` must be `(s, m, n)`) and applies nothing.
-#[derive(Clone, Copy)]
-pub enum Mode<'a> {
-    Fused(Option<&'a DeviceChain>),
-    Split(usize),
+/// Memory order of the operands of `y = A B^T` (see the kernel's documentation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// Both `k`-contiguous: the forward `x W^T`.
+    Nt,
+    /// `B` row-contiguous: `dX = dZ W`.
+    Nn,
+    /// Both row-contiguous: `dW = dZ^T X`.
+    Tn,
 }
 
-/// Kernel name for this `k` (16-byte loads need `k % 4 == 0`).
-pub fn kernel_name(k: usize) -> &'static str {
-    if k.is_multiple_of(4) { "gemm_f32_fused_vec4" } else { "gemm_f32_fused_scalar" }
+/// Kernel name for a layout; 16-byte loads need both leading dimensions divisible by 4.
+pub fn kernel_name(layout: Layout, lda: usize, ldb: usize) -> &'static str {
+    let vec = lda.is_multiple_of(4) && ldb.is_multiple_of(4);
+    match (layout, vec) {
+        (Layout::Nt, true) => "gemm_f32_nt_vec4",
+        (Layout::Nt, false) => "gemm_f32_nt_scalar",
+        (Layout::Nn, true) => "gemm_f32_nn_vec4",
+        (Layout::Nn, false) => "gemm_f32_nn_scalar",
+        (Layout::Tn, true) => "gemm_f32_tn_vec4",
+        (Layout::Tn, false) => "gemm_f32_tn_scalar",
+    }
 }
 
-/// Queues the GEMM on the GPU's stream.
-pub fn gemm_f32_fused(
-    gpu: &Gpu,
-    x: &DeviceTensor,
-    w: &DeviceTensor,
-    b: &DeviceTensor,
-    y: &mut DeviceTensor,
-    mode: Mode,
-) -> Result<()> {
-    let (m, n, k) = gemm_dims(x, w, b)?;
-    match mode {
-        Mode::Fused(_) => check_output(y, &[m, n])?,
-        Mode::Split(s) => check_output(y, &[s, m, n])?,
+/// One GEMM launch: `y (m, n) = chain(A B^T + bias)`, or `splits > 1` partial products
+/// into `y (splits, m, n)` (no bias, no chain, no `save_z`).
+pub struct Gemm<'a> {
+    pub layout: Layout,
+    pub a: &'a CudaSlice<f32>,
+    pub b: &'a CudaSlice<f32>,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub lda: usize,
+    pub ldb: usize,
+    pub bias: Option<&'a CudaSlice<f32>>,
+    pub chain: Option<&'a DeviceChain>,
+    pub splits: usize,
+}
+
+impl Gemm<'_> {
+    /// Queues the GEMM. `save_z`, if given, receives `A B^T + bias` before the chain.
+    pub fn launch(&self, gpu: &Gpu, y: &mut DeviceTensor, save_z: Option<&mut DeviceTensor>) -> Result<()> {
+        let (m, n, k, splits) = (self.m, self.n, self.k, self.splits.max(1));
+        let want: Vec<usize> = if splits > 1 { vec![splits, m, n] } else { vec![m, n] };
+        if y.shape != want {
+            return Err(Error::Shape(format!("GEMM output must be {want:?}, got {:?}", y.shape)));
+        }
+        if save_z.as_ref().is_some_and(|z| z.shape != [m, n]) || (splits > 1 && save_z.is_some()) {
+            return Err(Error::Shape(format!("saved GEMM output must be [{m}, {n}] and not split")));
+        }
+        let (a_len, b_len) = match self.layout {
+            Layout::Nt => (m * self.lda, n * self.ldb),
+            Layout::Nn => (m * self.lda, k * self.ldb),
+            Layout::Tn => (k * self.lda, k * self.ldb),
+        };
+        if self.a.len() < a_len || self.b.len() < b_len || [m, n, k].contains(&0) {
+            return Err(Error::Shape(format!("GEMM operands too small for ({m}, {n}, {k})")));
+        }
+        if [m, n, k, self.lda, self.ldb].iter().any(|&d| d > u32::MAX as usize) {
+            return Err(Error::Shape(format!("GEMM size ({m}, {n}, {k}) exceeds the kernel's 32-bit arguments")));
+        }
+        let k_split = k.div_ceil(splits).div_ceil(BLOCK_K) * BLOCK_K;
+        let name = kernel_name(self.layout, self.lda, self.ldb);
+        let func = gpu.function(name)?;
+        gpu.allow_shared(&func, name, SMEM_BYTES)?;
+        let grid = (n.div_ceil(BLOCK_N), m.div_ceil(BLOCK_M), splits);
+        if grid.1 > 65535 || grid.2 > 65535 {
+            return Err(Error::Shape(format!("GEMM grid {grid:?} exceeds the launch limits")));
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (grid.0 as u32, grid.1 as u32, grid.2 as u32),
+            block_dim: (THREADS as u32, 1, 1),
+            shared_mem_bytes: SMEM_BYTES as u32,
+        };
+        let dims = [m, n, k, self.lda, self.ldb, k_split].map(|d| d as u32);
+        let chain = if splits > 1 { None } else { self.chain };
+        let n_ops = chain.map_or(0, |c| c.ops.len() as u32);
+        let null = 0u64;
+        let mut launch = gpu.stream().launch_builder(&func);
+        launch.arg(self.a).arg(self.b);
+        match self.bias.filter(|_| splits == 1) {
+            Some(b) => launch.arg(b),
+            None => launch.arg(&null),
+        };
+        launch.arg(&mut y.buf);
+        match save_z {
+            Some(z) => launch.arg(&mut z.buf),
+            None => launch.arg(&null),
+        };
+        for d in &dims {
+            launch.arg(d);
+        }
+        match chain {
+            Some(c) => launch.arg(&c.descs),
+            None => launch.arg(&null),
+        };
+        launch.arg(&n_ops);
+        // SAFETY: matches the kernel's signature; operand extents checked above; the
+        // chain's ops were checked fusable by the caller (`not_fusable`); grid, block
+        // and shared memory follow kernel_abi::gemm_simt.
+        unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{name}`"), e))?;
+        Ok(())
     }
-    let (splits, chain) = match mode {
-        Mode::Fused(chain) => (1, chain),
-        Mode::Split(s) => (s.max(1), None),
+}
+
+/// The forward GEMM `x (m, k) W^T` with `w (n, k)`.
+pub fn forward_gemm<'a>(x: &'a DeviceTensor, w: &'a DeviceTensor) -> Result<Gemm<'a>> {
+    let (m, k) = match x.shape[..] {
+        [m, k] => (m, k),
+        _ => return Err(Error::tensor("x", format!("expected 2 dimensions, got {:?}", x.shape))),
     };
-    let k_split = k.div_ceil(splits).div_ceil(BLOCK_K) * BLOCK_K;
-    let name = kernel_name(k);
-    let func = gpu.function(name)?;
-    gpu.allow_shared(&func, name, SMEM_BYTES)?;
-    let grid = (n.div_ceil(BLOCK_N), m.div_ceil(BLOCK_M), splits);
-    if grid.1 > 65535 || grid.2 > 65535 {
-        return Err(Error::Shape(format!("GEMM grid {grid:?} exceeds the launch limits")));
+    let n = match w.shape[..] {
+        [n, wk] if wk == k => n,
+        _ => return Err(Error::tensor("lin.weight", format!("expected shape (out, {k}), got {:?}", w.shape))),
+    };
+    Ok(Gemm { layout: Layout::Nt, a: &x.buf, b: &w.buf, m, n, k, lda: k, ldb: k, bias: None, chain: None, splits: 1 })
+}
+
+/// `dX (m, k) = dZ (m, n) W (n, k)`.
+pub fn grad_input(gpu: &Gpu, dz: &DeviceTensor, w: &DeviceTensor) -> Result<DeviceTensor> {
+    let (&[m, n], &[wn, k]) = (&dz.shape[..], &w.shape[..]) else {
+        return Err(Error::Shape(format!("dX = dZ W: dZ {:?}, W {:?}", dz.shape, w.shape)));
+    };
+    if wn != n {
+        return Err(Error::Shape(format!("dX = dZ W: dZ {:?}, W {:?}", dz.shape, w.shape)));
     }
-    let cfg = LaunchConfig {
-        grid_dim: (grid.0 as u32, grid.1 as u32, grid.2 as u32),
-        block_dim: (THREADS as u32, 1, 1),
-        shared_mem_bytes: SMEM_BYTES as u32,
+    let mut dx = gpu.alloc(&[m, k])?;
+    Gemm {
+        layout: Layout::Nn,
+        a: &dz.buf,
+        b: &w.buf,
+        m,
+        n: k,
+        k: n,
+        lda: n,
+        ldb: k,
+        bias: None,
+        chain: None,
+        splits: 1,
+    }
+    .launch(gpu, &mut dx, None)?;
+    Ok(dx)
+}
+
+/// `dW (n, k) = dZ (m, n)^T X (m, k)`.
+pub fn grad_weight(gpu: &Gpu, dz: &DeviceTensor, x: &DeviceTensor) -> Result<DeviceTensor> {
+    let (&[m, n], &[xm, k]) = (&dz.shape[..], &x.shape[..]) else {
+        return Err(Error::Shape(format!("dW = dZ^T X: dZ {:?}, X {:?}", dz.shape, x.shape)));
     };
-    let (m, n, k, k_split) = (m as u32, n as u32, k as u32, k_split as u32);
-    let n_ops = chain.map_or(0, |c| c.ops.len() as u32);
-    let empty = 0u64;
-    let mut launch = gpu.stream().launch_builder(&func);
-    launch.arg(&x.buf).arg(&w.buf).arg(&b.buf).arg(&mut y.buf).arg(&m).arg(&n).arg(&k).arg(&k_split);
-    match chain {
-        Some(c) => launch.arg(&c.descs),
-        None => launch.arg(&empty),
-    };
-    launch.arg(&n_ops);
-    // SAFETY: matches the kernel's signature; shapes checked above; the chain's ops
-    // were checked fusable by the caller (`not_fusable`); grid, block and shared memory
-    // follow kernel_abi::gemm_simt.
-    unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{name}`"), e))?;
-    Ok(())
+    if xm != m {
+        return Err(Error::Shape(format!("dW = dZ^T X: dZ {:?}, X {:?}", dz.shape, x.shape)));
+    }
+    let mut dw = gpu.alloc(&[n, k])?;
+    Gemm {
+        layout: Layout::Tn,
+        a: &dz.buf,
+        b: &x.buf,
+        m: n,
+        n: k,
+        k: m,
+        lda: n,
+        ldb: k,
+        bias: None,
+        chain: None,
+        splits: 1,
+    }
+    .launch(gpu, &mut dw, None)?;
+    Ok(dw)
 }

@@ -1,0 +1,163 @@
+//! `host backward`: one block's forward and backward, gradients of `x` and of every
+//! parameter, with a one-screen summary and an f64 check.
+
+use super::{Backend, BlockArgs, DeviceChoice, Failure, Problem};
+use crate::block::Params;
+use crate::check::{Comparison, FP32_REL, compare_f32};
+use crate::error::Result;
+use crate::gpu::block::GpuBlock;
+use crate::io::TensorFile;
+use crate::reference;
+use crate::tensor::Tensor;
+use rand::SeedableRng;
+use rand_distr::{Distribution, StandardNormal};
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// Full f64 checks of every gradient only below this many multiply-adds (B x I x O):
+/// the reference's three GEMMs run on one CPU core.
+const FULL_CHECK_MACS: f64 = 3e8;
+
+#[derive(clap::Args, Debug)]
+pub struct BackwardArgs {
+    #[command(flatten)]
+    block: BlockArgs,
+    /// Backend: auto (GPU if usable, else CPU), cpu or gpu.
+    #[arg(long, value_enum, default_value = "auto")]
+    device: DeviceChoice,
+    /// safetensors file with `dy`, the gradient of the output (default: random normal).
+    #[arg(long)]
+    grad_output: Option<PathBuf>,
+    /// Write the gradients here: `grad.x` and `grad.<parameter name>`.
+    #[arg(long)]
+    grads: Option<PathBuf>,
+    /// Write the forward output here as tensor `y`.
+    #[arg(long)]
+    output: Option<PathBuf>,
+    /// Rows of `grad.x` compared against the f64 CPU reference (0 skips the check).
+    #[arg(long, default_value_t = 8)]
+    check_rows: usize,
+    /// Timed repetitions on the GPU (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    repeat: usize,
+}
+
+pub fn run(a: &BackwardArgs) -> Result<(), Failure> {
+    let p = a.block.problem()?;
+    let batch = p.x.rows();
+    let out_shape = p.spec.output_shape(batch);
+    let dy = match &a.grad_output {
+        Some(path) => TensorFile::open(path)?.get("dy", &out_shape)?,
+        None => {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(a.block.seed ^ 0x5eed);
+            Tensor::from_fn(&out_shape, |_| StandardNormal.sample(&mut rng))
+        }
+    };
+    let (backend, y, dx, grads, ms, timing) = match Backend::open(a.device)? {
+        Backend::Cpu => {
+            let t0 = Instant::now();
+            let (y, g) = reference::block_backward::<f32>(&p.spec, &p.x, &p.params, &dy)?;
+            let ms = t0.elapsed().as_secs_f64() * 1e3;
+            ("cpu (f32 reference code, nalgebra GEMMs)".to_string(), y, g.x, g.params, ms, "one run, wall clock".into())
+        }
+        Backend::Gpu(gpu) => {
+            let block = GpuBlock::new(&gpu, &p.spec, &p.params)?;
+            let out = block.forward_backward(&gpu, &p.x, &dy)?;
+            let (x, ddy) = (gpu.upload(&p.x)?, gpu.upload(&dy)?);
+            let mut times = Vec::new();
+            for _ in 0..a.repeat.max(1) {
+                times.push(gpu.time_ms(|| {
+                    let (_, saved) = block.forward_train(&gpu, &x)?;
+                    block.backward(&gpu, &x, saved, &ddy).map(drop)
+                })?);
+            }
+            times.sort_by(f64::total_cmp);
+            let pr = &gpu.props;
+            let backend = format!("gpu: {} ({} SMs)", pr.name, pr.multiprocessors);
+            let path = block.describe(&block.plan(&gpu, batch));
+            let timing = format!("median of {} after a checked run, CUDA events; forward {path}", times.len());
+            (backend, out.y, out.x, out.params, times[times.len() / 2], timing)
+        }
+    };
+
+    let spec = &p.spec;
+    let tflops = 3.0 * spec.forward_flops(batch) / (ms * 1e-3) / 1e12;
+    println!("host backward");
+    println!("  backend   {backend}");
+    println!("  model     {}: Linear({}, {}) -> {}", p.name, spec.in_features, spec.out_features, spec.chain);
+    println!("  shape     x [{batch}, {}] -> y {:?}", spec.in_features, y.shape());
+    println!("  time      {ms:.3} ms forward+backward, {tflops:.2} TFLOP/s of 3 GEMMs ({timing})");
+    let sum = |t: &Tensor<f32>| t.data().iter().map(|&v| v as f64).sum::<f64>();
+    let names: Vec<String> = spec.param_specs().into_iter().map(|s| s.name).collect();
+    let sums: Vec<String> = names.iter().zip(grads.flat()).map(|(n, g)| format!("{n} {:.4e}", sum(g))).collect();
+    println!("  checksums grad.x {:.4e}; {}", sum(&dx), sums.join(", "));
+
+    let verdict = check(&p, &dy, &dx, &grads, a.check_rows)?;
+    if let Some(path) = &a.grads {
+        let mut named = vec![("grad.x".to_string(), &dx)];
+        named.extend(names.iter().map(|n| format!("grad.{n}")).zip(grads.flat()));
+        let refs: Vec<(&str, &Tensor<f32>)> = named.iter().map(|(n, t)| (n.as_str(), *t)).collect();
+        crate::io::write(path, &refs)?;
+        println!("  grads     written to {} (grad.x, grad.<parameter>)", path.display());
+    }
+    if let Some(path) = &a.output {
+        crate::io::write(path, &[("y", &y)])?;
+        println!("  output    y written to {}", path.display());
+    }
+    verdict
+}
+
+/// `grad.x` on sample rows (rows are independent), and every gradient when the
+/// problem is small enough for the f64 reference.
+fn check(
+    p: &Problem,
+    dy: &Tensor<f32>,
+    dx: &Tensor<f32>,
+    grads: &Params<f32>,
+    n: usize,
+) -> Result<Result<(), Failure>> {
+    if n == 0 {
+        println!("  check     skipped (--check-rows 0)");
+        return Ok(Ok(()));
+    }
+    let (batch, in_f) = (p.x.rows(), p.spec.in_features);
+    let macs = batch as f64 * in_f as f64 * p.spec.out_features as f64;
+    let mut failed = Vec::new();
+    let mut report = |what: &str, c: Comparison| {
+        let ok = c.passes(FP32_REL);
+        println!(
+            "  check     {what}: rel err {:.2e}, max abs {:.2e}, non-finite {}: {}",
+            c.rel,
+            c.max_abs,
+            c.non_finite,
+            if ok { "ok" } else { "FAILED" }
+        );
+        if !ok {
+            failed.push(what.to_string());
+        }
+    };
+    if macs <= FULL_CHECK_MACS {
+        let (_, want) = reference::block_backward(&p.spec, &p.x.to_f64(), &p.params.map(f64::from), &dy.to_f64())?;
+        report("grad.x (all rows) vs f64 CPU reference", compare_f32(dx.data(), want.x.data()));
+        for ((s, g), w) in p.spec.param_specs().iter().zip(grads.flat()).zip(want.params.flat()) {
+            report(&format!("grad.{}", s.name), compare_f32(g.data(), w.data()));
+        }
+    } else {
+        let n = n.min(batch);
+        let rows: Vec<usize> = (0..n).map(|i| if n == 1 { 0 } else { i * (batch - 1) / (n - 1) }).collect();
+        let pick = |t: &Tensor<f32>, w: usize| Tensor::from_fn(&[n, w], |e| t.data()[rows[e / w] * w + e % w] as f64);
+        let out_w = dy.len() / batch;
+        let dy_rows = pick(dy, out_w).reshape(&p.spec.output_shape(n))?;
+        let (_, want) = reference::block_backward(&p.spec, &pick(&p.x, in_f), &p.params.map(f64::from), &dy_rows)?;
+        let got: Vec<f32> = rows.iter().flat_map(|&r| dx.row(r).iter().copied()).collect();
+        report(&format!("grad.x ({n} rows) vs f64 CPU reference"), compare_f32(&got, want.x.data()));
+        println!(
+            "  check     parameter gradients: too large for the f64 CPU check here (host check --backward covers them)"
+        );
+    }
+    Ok(if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(Failure::CheckFailed(format!("gradients differ from the reference: {}", failed.join(", "))))
+    })
+}

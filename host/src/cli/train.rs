@@ -1,0 +1,258 @@
+//! `host train`: fits a two-block MLP to a teacher network of the same shape on
+//! synthetic data, with a mean-squared-error loss and Adam or SGD, on the GPU (or the
+//! CPU). Both blocks sit on one autograd tape, so the gradient flows from the loss
+//! through block 2 into block 1.
+
+use super::{Backend, DeviceChoice, Failure};
+use crate::block::{BlockSpec, Params, random_input};
+use crate::chain::{Chain, Preset};
+use crate::error::{Error, Result};
+use crate::gpu::block::GpuBlock;
+use crate::gpu::optim::{AdamState, adam_step, mse_loss_grad, sgd_step};
+use crate::gpu::tape::GpuGrad;
+use crate::gpu::{DeviceTensor, Gpu};
+use crate::reference;
+use crate::tape::{Tape, VarId};
+use crate::tensor::Tensor;
+use clap::ValueEnum;
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use std::rc::Rc;
+use std::time::Instant;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Optimizer {
+    Adam,
+    Sgd,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct TrainArgs {
+    /// Chain of block 1 (a model name M1..M5 or an `--ops` chain).
+    #[arg(long, default_value = "M1")]
+    block1: String,
+    /// Chain of block 2.
+    #[arg(long, default_value = "M5")]
+    block2: String,
+    /// Groups of every GroupNorm.
+    #[arg(long, default_value_t = 16)]
+    groups: usize,
+    /// IN,HIDDEN,OUT features.
+    #[arg(long, default_value = "256,512,256")]
+    dims: String,
+    /// Rows per step.
+    #[arg(long, default_value_t = 256)]
+    batch: usize,
+    /// Batches of synthetic data, cycled through.
+    #[arg(long, default_value_t = 8)]
+    batches: usize,
+    #[arg(long, default_value_t = 100)]
+    steps: usize,
+    #[arg(long, value_enum, default_value = "adam")]
+    optimizer: Optimizer,
+    #[arg(long, default_value_t = 2e-3)]
+    lr: f32,
+    #[arg(long, value_enum, default_value = "auto")]
+    device: DeviceChoice,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+fn chain(text: &str, groups: usize) -> Result<Chain> {
+    let chain = match text.parse::<Preset>() {
+        Ok(p) => p.chain(),
+        Err(_) => text.parse::<Chain>()?,
+    };
+    Ok(chain.with_groups(groups))
+}
+
+/// The two blocks' specs.
+fn specs(a: &TrainArgs) -> Result<(BlockSpec, BlockSpec)> {
+    let dims: Vec<usize> = a
+        .dims
+        .split(',')
+        .map(|d| d.trim().parse().map_err(|_| Error::Argument(format!("--dims {}: expected IN,HIDDEN,OUT", a.dims))))
+        .collect::<Result<_>>()?;
+    let [i, h, o] = dims[..] else {
+        return Err(Error::Argument(format!("--dims {}: expected IN,HIDDEN,OUT", a.dims)));
+    };
+    if a.batch == 0 || a.batches == 0 {
+        return Err(Error::Argument("--batch and --batches must be at least 1".into()));
+    }
+    let s1 = BlockSpec::new(i, h, chain(&a.block1, a.groups)?)?;
+    let hidden = s1.output_shape(1);
+    if hidden.len() != 2 {
+        return Err(Error::Chain(format!("block 1 (`{}`) must keep a feature axis to feed block 2", s1.chain)));
+    }
+    let s2 = BlockSpec::new(hidden[1], o, chain(&a.block2, a.groups)?)?;
+    Ok((s1, s2))
+}
+
+/// A progress bar and the loss, one line per step.
+fn report(step: usize, steps: usize, loss: f64, first: f64) {
+    let width = 30;
+    let done = (step * width).div_ceil(steps.max(1));
+    let bar: String = (0..width).map(|i| if i < done { '#' } else { '.' }).collect();
+    println!("step {step:>5}/{steps} [{bar}] loss {loss:.6} ({:.1}% of the first)", 100.0 * loss / first);
+}
+
+pub fn run(a: &TrainArgs) -> Result<(), Failure> {
+    let (s1, s2) = specs(a)?;
+    let mut rng = StdRng::seed_from_u64(a.seed);
+    let student = (Params::init(&s1, &mut rng), Params::init(&s2, &mut rng));
+    let teacher = (Params::init(&s1, &mut rng), Params::init(&s2, &mut rng));
+    // Synthetic data: inputs from N(0, 1), targets from the teacher (computed in f64).
+    let data: Vec<(Tensor<f32>, Tensor<f32>)> = (0..a.batches)
+        .map(|_| {
+            let x = random_input(a.batch, s1.in_features, &mut rng);
+            let h = reference::block_forward(&s1, &x.to_f64(), &teacher.0.map(f64::from))?;
+            let y = reference::block_forward(&s2, &h, &teacher.1.map(f64::from))?;
+            Ok((x, y.to_f32()))
+        })
+        .collect::<Result<_>>()?;
+
+    let backend = Backend::open(a.device)?;
+    println!(
+        "host train: 2 blocks, Linear({}, {}) -> {} | Linear({}, {}) -> {}",
+        s1.in_features, s1.out_features, s1.chain, s2.in_features, s2.out_features, s2.chain
+    );
+    println!(
+        "  {} x {} rows of synthetic data (teacher of the same shape), MSE loss, {:?} lr {}, {} steps",
+        a.batches, a.batch, a.optimizer, a.lr, a.steps
+    );
+    let t0 = Instant::now();
+    let losses = match &backend {
+        Backend::Gpu(gpu) => {
+            println!("  backend gpu: {}", gpu.props.name);
+            train_gpu(gpu, a, (&s1, &s2), student, &data)?
+        }
+        Backend::Cpu => {
+            println!("  backend cpu (f32 reference code)");
+            train_cpu(a, (&s1, &s2), student, &data)?
+        }
+    };
+    let (first, last) = (losses[0], *losses.last().unwrap());
+    println!(
+        "done in {:.2} s: loss {first:.6} -> {last:.6} ({:.1}% of the first)",
+        t0.elapsed().as_secs_f64(),
+        100.0 * last / first
+    );
+    if last.partial_cmp(&first) != Some(std::cmp::Ordering::Less) {
+        return Err(Failure::CheckFailed(format!("the loss did not fall ({first} -> {last})")));
+    }
+    Ok(())
+}
+
+fn train_gpu(
+    gpu: &Gpu,
+    a: &TrainArgs,
+    (s1, s2): (&BlockSpec, &BlockSpec),
+    student: (Params<f32>, Params<f32>),
+    data: &[(Tensor<f32>, Tensor<f32>)],
+) -> Result<Vec<f64>> {
+    let mut blocks = [Rc::new(GpuBlock::new(gpu, s1, &student.0)?), Rc::new(GpuBlock::new(gpu, s2, &student.1)?)];
+    let data: Vec<(DeviceTensor, DeviceTensor)> = data
+        .iter()
+        .map(|(x, y)| {
+            let y2 = y.clone().reshape(&[y.rows(), y.len() / y.rows()])?;
+            Ok((gpu.upload(x)?, gpu.upload(&y2)?))
+        })
+        .collect::<Result<_>>()?;
+    let mut adam: Vec<Vec<AdamState>> = blocks
+        .iter()
+        .map(|b| {
+            b.params
+                .flat()
+                .iter()
+                .map(|p| Ok(AdamState { m: gpu.zeros(&p.shape)?, v: gpu.zeros(&p.shape)? }))
+                .collect::<Result<_>>()
+        })
+        .collect::<Result<_>>()?;
+    let mut losses = Vec::new();
+    for step in 1..=a.steps {
+        let (x, target) = &data[(step - 1) % data.len()];
+        let mut tape = Tape::<GpuGrad>::new();
+        let x_var = tape.leaf();
+        let vars: Vec<Vec<VarId>> =
+            blocks.iter().map(|b| b.params.flat().iter().map(|_| tape.leaf()).collect()).collect();
+        // The input gets no gradient use here; a copy keeps the dataset's tensor ours.
+        let x_in = Rc::new(DeviceTensor {
+            shape: x.shape.clone(),
+            buf: gpu.stream().clone_dtod(&x.buf).map_err(|e| Error::cuda("copying a batch", e))?,
+        });
+        let (h, h_var) = blocks[0].forward_taped(gpu, &mut tape, x_in, x_var, &vars[0])?;
+        let (y, y_var) = blocks[1].forward_taped(gpu, &mut tape, h, h_var, &vars[1])?;
+        let (loss, dy) = mse_loss_grad(gpu, &y, target)?;
+        drop(y);
+        let mut grads = tape.backward(y_var, GpuGrad::new(gpu, dy))?;
+        for (bi, block) in blocks.iter_mut().enumerate() {
+            // The tape's closures held the only other references; they are gone now.
+            let block = Rc::get_mut(block).ok_or_else(|| Error::Argument("a block is still referenced".into()))?;
+            for (pi, p) in block.params.flat_mut().into_iter().enumerate() {
+                let g =
+                    grads.take(vars[bi][pi]).ok_or_else(|| Error::Argument("a parameter got no gradient".into()))?;
+                match a.optimizer {
+                    Optimizer::Adam => adam_step(gpu, p, &g.t, &mut adam[bi][pi], a.lr, step as i32)?,
+                    Optimizer::Sgd => sgd_step(gpu, p, &g.t, a.lr)?,
+                }
+            }
+            block.refold(gpu)?;
+        }
+        report(step, a.steps, loss, losses.first().copied().unwrap_or(loss));
+        losses.push(loss);
+    }
+    Ok(losses)
+}
+
+fn train_cpu(
+    a: &TrainArgs,
+    (s1, s2): (&BlockSpec, &BlockSpec),
+    mut student: (Params<f32>, Params<f32>),
+    data: &[(Tensor<f32>, Tensor<f32>)],
+) -> Result<Vec<f64>> {
+    let zeros = |p: &Params<f32>| p.map(|_| 0.0f32);
+    let mut moments = [(zeros(&student.0), zeros(&student.0)), (zeros(&student.1), zeros(&student.1))];
+    let mut losses = Vec::new();
+    for step in 1..=a.steps {
+        let (x, target) = &data[(step - 1) % data.len()];
+        let mut tape = Tape::<Tensor<f32>>::new();
+        let x_var = tape.leaf();
+        let v1: Vec<VarId> = student.0.flat().iter().map(|_| tape.leaf()).collect();
+        let v2: Vec<VarId> = student.1.flat().iter().map(|_| tape.leaf()).collect();
+        let (h, h_var) = reference::block_forward_taped(&mut tape, s1, x, x_var, &student.0, &v1)?;
+        let (y, y_var) = reference::block_forward_taped(&mut tape, s2, &h, h_var, &student.1, &v2)?;
+        let n = y.len() as f64;
+        let loss = y.data().iter().zip(target.data()).map(|(&p, &t)| ((p - t) as f64).powi(2)).sum::<f64>() / n;
+        let dy = Tensor::new(
+            y.shape(),
+            y.data().iter().zip(target.data()).map(|(&p, &t)| (2.0 * (p - t) as f64 / n) as f32).collect(),
+        )?;
+        let mut grads = tape.backward(y_var, dy)?;
+        for (bi, (params, vars)) in [(&mut student.0, &v1), (&mut student.1, &v2)].into_iter().enumerate() {
+            let (m, v) = &mut moments[bi];
+            for (((p, var), m), v) in params.flat_mut().into_iter().zip(vars).zip(m.flat_mut()).zip(v.flat_mut()) {
+                let g = grads.take(*var).ok_or_else(|| Error::Argument("a parameter got no gradient".into()))?;
+                step_cpu(a, step, p, &g, m, v);
+            }
+        }
+        report(step, a.steps, loss, losses.first().copied().unwrap_or(loss));
+        losses.push(loss);
+    }
+    Ok(losses)
+}
+
+/// The same update as the GPU's `adam_step` / `sgd_step` kernels.
+fn step_cpu(a: &TrainArgs, t: usize, p: &mut Tensor<f32>, g: &Tensor<f32>, m: &mut Tensor<f32>, v: &mut Tensor<f32>) {
+    let (b1, b2, eps) = (0.9f32, 0.999f32, 1e-8f32);
+    let (c1, c2) = (1.0 / (1.0 - b1.powi(t as i32)), 1.0 / (1.0 - b2.powi(t as i32)));
+    for (((p, &g), m), v) in p.data_mut().iter_mut().zip(g.data()).zip(m.data_mut()).zip(v.data_mut()) {
+        match a.optimizer {
+            Optimizer::Sgd => *p -= a.lr * g,
+            Optimizer::Adam => {
+                *m = b1 * *m + (1.0 - b1) * g;
+                *v = b2 * *v + (1.0 - b2) * g * g;
+                *p -= a.lr * (*m * c1) / ((*v * c2).sqrt() + eps);
+            }
+        }
+    }
+}

@@ -1,0 +1,324 @@
+//! A whole block on the GPU, forward and backward: which kernels run (the plan), the
+//! parameters they read and the state the backward keeps.
+//!
+//! Forward plans:
+//! * **fused** — one kernel: `gemm_f32_nt_*` applies the bias and the whole chain to
+//!   its accumulator tile before storing (pointwise ops; GroupNorm whose groups of
+//!   4..=128 channels, a power of two, fall inside one 128-column tile).
+//! * **gemm + rows** — two kernels: the GEMM (split along `k` into `s` partial
+//!   products when its tiles alone would leave most SMs idle), then `epilogue_rows`,
+//!   which adds the parts and the bias and runs any chain on whole rows: reductions
+//!   across tiles (`max`), pooling, GroupNorm groups of any size.
+//!
+//! A chain that starts with `avgpool(k)` is folded into the weights first: averaging
+//! blocks of `k` outputs of a Linear layer is a Linear layer with the rows of `W` and
+//! `b` averaged in blocks of `k` (exact algebra, see models.md), `k` times less GEMM.
+//! The backward works on the folded layer too and spreads its weight gradients back.
+//!
+//! Backward: the forward saves `z`, the chain's input (the GEMM output with bias);
+//! `epilogue_rows_backward` turns `dy` into `dz` and the chain's parameter gradients
+//! (recomputing each op's input from `z`), `sum_partials` finishes those, and two
+//! GEMMs give `dX = dZ W` and `dW = dZ^T X`.
+
+use super::elementwise::{fold_rows_mean, unfold_rows_mean_grad};
+use super::epilogue::DeviceChain;
+use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
+use super::gemm::simt::{Layout, forward_gemm, grad_input, grad_weight, kernel_name, not_fusable};
+use super::{DeviceTensor, Gpu};
+use crate::block::{BlockSpec, Params};
+use crate::chain::Op;
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+use kernel_abi::gemm_simt::{BLOCK_K, BLOCK_M, BLOCK_N};
+
+/// A block's parameters in device memory, in [`Params`]'s structure.
+pub struct DeviceParams {
+    pub linear_weight: DeviceTensor,
+    pub linear_bias: DeviceTensor,
+    pub ops: Vec<Vec<DeviceTensor>>,
+}
+
+impl DeviceParams {
+    pub fn upload(gpu: &Gpu, p: &Params<f32>) -> Result<DeviceParams> {
+        Ok(DeviceParams {
+            linear_weight: gpu.upload(&p.linear_weight)?,
+            linear_bias: gpu.upload(&p.linear_bias)?,
+            ops: p.ops.iter().map(|v| v.iter().map(|t| gpu.upload(t)).collect()).collect::<Result<_>>()?,
+        })
+    }
+
+    /// All tensors in [`BlockSpec::param_specs`] order.
+    pub fn flat(&self) -> Vec<&DeviceTensor> {
+        let mut v = vec![&self.linear_weight, &self.linear_bias];
+        v.extend(self.ops.iter().flatten());
+        v
+    }
+
+    pub fn flat_mut(&mut self) -> Vec<&mut DeviceTensor> {
+        let mut v = vec![&mut self.linear_weight, &mut self.linear_bias];
+        v.extend(self.ops.iter_mut().flatten());
+        v
+    }
+
+    pub fn download(&self, gpu: &Gpu, spec: &BlockSpec) -> Result<Params<f32>> {
+        Params::from_flat(spec, self.flat().into_iter().map(|t| gpu.download(t)).collect::<Result<_>>()?)
+    }
+}
+
+/// A block resident on the GPU.
+pub struct GpuBlock {
+    pub spec: BlockSpec,
+    pub params: DeviceParams,
+    /// `k` of a leading avgpool folded into the GEMM, with the folded weight and bias.
+    folded: Option<(usize, DeviceTensor, DeviceTensor)>,
+    /// The chain the kernels run (without a folded avgpool). Points into `params`.
+    chain: DeviceChain,
+    /// Why the fused kernel cannot run this chain, if it cannot.
+    not_fusable: Option<String>,
+    /// The chain's first op index the kernels run (1 when an avgpool is folded).
+    first_op: usize,
+}
+
+/// Which kernels run for one batch size.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Plan {
+    Fused,
+    GemmThenRows { splits: usize },
+}
+
+/// Buffers of one forward pass for a batch size, and the plan they serve.
+pub struct Workspace {
+    pub plan: Plan,
+    /// GEMM output or its split-K parts (unused by the fused plan).
+    z: Option<DeviceTensor>,
+    /// The block's output, `(batch, features out)`.
+    pub y: DeviceTensor,
+}
+
+/// What the forward keeps for the backward: the chain's input `(batch, n)`, `n` the
+/// GEMM's width after any fold.
+pub struct Saved {
+    pub z: DeviceTensor,
+}
+
+/// Gradients of one block: of its input and of every parameter.
+pub struct DeviceGrads {
+    pub x: DeviceTensor,
+    pub params: DeviceParams,
+}
+
+impl GpuBlock {
+    pub fn new(gpu: &Gpu, spec: &BlockSpec, params: &Params<f32>) -> Result<GpuBlock> {
+        let params = DeviceParams::upload(gpu, params)?;
+        let first_op = usize::from(matches!(spec.chain.0.first(), Some(Op::AvgPool(_))));
+        let ops = &spec.chain.0[first_op..];
+        let chain = DeviceChain::new(gpu, ops, &params.ops[first_op..])?;
+        let not_fusable = ops.iter().enumerate().find_map(|(i, op)| not_fusable(op, spec.features_at(first_op + i)));
+        let mut block = GpuBlock { spec: spec.clone(), params, folded: None, chain, not_fusable, first_op };
+        block.refold(gpu)?;
+        Ok(block)
+    }
+
+    /// Recomputes the folded weight and bias after the parameters changed (training).
+    pub fn refold(&mut self, gpu: &Gpu) -> Result<()> {
+        if let Some(Op::AvgPool(k)) = self.spec.chain.0.first().copied() {
+            let w = fold_rows_mean(gpu, &self.params.linear_weight, k)?;
+            let b = fold_rows_mean(gpu, &self.params.linear_bias, k)?;
+            self.folded = Some((k, w, b));
+        }
+        Ok(())
+    }
+
+    /// Weight and bias of the GEMM the kernels run (folded or the block's own).
+    fn gemm_params(&self) -> (&DeviceTensor, &DeviceTensor) {
+        match &self.folded {
+            Some((_, w, b)) => (w, b),
+            None => (&self.params.linear_weight, &self.params.linear_bias),
+        }
+    }
+
+    /// Width of the GEMM the kernels run.
+    fn gemm_width(&self) -> usize {
+        self.gemm_params().0.shape[0]
+    }
+
+    /// Chooses the kernels for `batch` rows on this GPU.
+    pub fn plan(&self, gpu: &Gpu, batch: usize) -> Plan {
+        let (n, k) = (self.gemm_width(), self.spec.in_features);
+        let tiles = batch.div_ceil(BLOCK_M) * n.div_ceil(BLOCK_N);
+        let sms = gpu.props.multiprocessors;
+        // Too few tiles to occupy the GPU, and enough k to share out: split k.
+        let splits = if tiles * 2 < sms && k >= 64 * BLOCK_K {
+            (2 * sms).div_ceil(tiles).min(k / (32 * BLOCK_K)).clamp(1, 16)
+        } else {
+            1
+        };
+        match (&self.not_fusable, splits) {
+            (None, 1) => Plan::Fused,
+            _ => Plan::GemmThenRows { splits },
+        }
+    }
+
+    /// Floating-point operations of the GEMM the kernels run (after any folding).
+    pub fn executed_flops(&self, batch: usize) -> f64 {
+        2.0 * batch as f64 * self.spec.in_features as f64 * self.gemm_width() as f64
+    }
+
+    /// Which kernels run, and why: for the summary line.
+    pub fn describe(&self, plan: &Plan) -> String {
+        let k = self.spec.in_features;
+        let gemm = kernel_name(Layout::Nt, k, k);
+        let fold =
+            self.folded.as_ref().map_or(String::new(), |(k, ..)| format!("; avgpool({k}) folded into the weights"));
+        match plan {
+            Plan::Fused => format!("fused: {gemm} with bias and chain in the epilogue (1 kernel{fold})"),
+            Plan::GemmThenRows { splits } => {
+                let why = match (&self.not_fusable, splits) {
+                    (Some(reason), _) => reason.clone(),
+                    (None, s) => format!("{s}-way split-K to fill the GPU"),
+                };
+                let split = if *splits > 1 { format!(" split-K x{splits}") } else { String::new() };
+                format!("{gemm}{split} + epilogue_rows (2 kernels: {why}{fold})")
+            }
+        }
+    }
+
+    fn out_width(&self) -> usize {
+        self.spec.features_at(self.spec.chain.0.len())
+    }
+
+    /// Allocates the buffers for `batch` rows (NaN-poisoned, so a missed element shows).
+    pub fn workspace(&self, gpu: &Gpu, batch: usize) -> Result<Workspace> {
+        let plan = self.plan(gpu, batch);
+        let n = self.gemm_width();
+        let z = match plan {
+            Plan::Fused => None,
+            Plan::GemmThenRows { splits: 1 } => Some(gpu.poisoned(&[batch, n])?),
+            Plan::GemmThenRows { splits } => Some(gpu.poisoned(&[splits, batch, n])?),
+        };
+        let y = gpu.poisoned(&[batch, self.out_width()])?;
+        Ok(Workspace { plan, z, y })
+    }
+
+    /// Queues the forward of `x` into `ws.y`; with `save`, also writes the chain's
+    /// input there (the backward's saved state).
+    pub fn forward_into(
+        &self,
+        gpu: &Gpu,
+        x: &DeviceTensor,
+        ws: &mut Workspace,
+        save: Option<&mut DeviceTensor>,
+    ) -> Result<()> {
+        if x.shape.get(1) != Some(&self.spec.in_features) || x.shape.first() != ws.y.shape.first() {
+            return Err(Error::tensor("x", format!("shape {:?} does not fit this workspace", x.shape)));
+        }
+        let (w, b) = self.gemm_params();
+        let mut gemm = forward_gemm(x, w)?;
+        match (&ws.plan, ws.z.as_mut()) {
+            (Plan::Fused, _) => {
+                gemm.bias = Some(&b.buf);
+                gemm.chain = Some(&self.chain);
+                gemm.launch(gpu, &mut ws.y, save)
+            }
+            (Plan::GemmThenRows { splits: 1 }, Some(z)) => {
+                gemm.bias = Some(&b.buf);
+                gemm.launch(gpu, z, None)?;
+                epilogue_rows(gpu, &self.chain, z, None, &mut ws.y, save)
+            }
+            (Plan::GemmThenRows { splits }, Some(z)) => {
+                gemm.splits = *splits;
+                gemm.launch(gpu, z, None)?;
+                epilogue_rows(gpu, &self.chain, z, Some(&b.buf), &mut ws.y, save)
+            }
+            (Plan::GemmThenRows { .. }, None) => unreachable!("workspace() allocates z for this plan"),
+        }
+    }
+
+    /// Uploads `x`, runs the block and downloads the output (shape as the CPU reference's).
+    pub fn forward(&self, gpu: &Gpu, x: &Tensor<f32>) -> Result<Tensor<f32>> {
+        let batch = self.spec.check_input(x)?;
+        let dx = gpu.upload(x)?;
+        let mut ws = self.workspace(gpu, batch)?;
+        self.forward_into(gpu, &dx, &mut ws, None)?;
+        gpu.download(&ws.y)?.reshape(&self.spec.output_shape(batch))
+    }
+
+    /// The forward of a training step: the output `(batch, features out)` and what the
+    /// backward needs.
+    pub fn forward_train(&self, gpu: &Gpu, x: &DeviceTensor) -> Result<(DeviceTensor, Saved)> {
+        let batch = x.shape[0];
+        let mut ws = self.workspace(gpu, batch)?;
+        let mut z = gpu.alloc(&[batch, self.gemm_width()])?;
+        self.forward_into(gpu, x, &mut ws, Some(&mut z))?;
+        Ok((ws.y, Saved { z }))
+    }
+
+    /// Gradients of the input and of every parameter, given the gradient `dy` of the
+    /// output (shaped `(batch, features out)` or as `output_shape`), the input `x` the
+    /// forward saw and its saved state.
+    pub fn backward(&self, gpu: &Gpu, x: &DeviceTensor, saved: Saved, dy: &DeviceTensor) -> Result<DeviceGrads> {
+        let (w, _) = self.gemm_params();
+        let n = self.gemm_width();
+        let (dz, slots) = epilogue_rows_backward(gpu, &self.chain, &saved.z, dy, self.out_width())?;
+        drop(saved);
+        let dx = grad_input(gpu, &dz, w)?;
+        let dw = grad_weight(gpu, &dz, x)?;
+        drop(dz);
+
+        // Slot 0: the (folded) Linear bias; then each op parameter in chain order.
+        let slot = |s: usize, len: usize| -> Result<DeviceTensor> {
+            let buf = gpu
+                .stream()
+                .clone_dtod(&slots.buf.slice(s * n..s * n + len))
+                .map_err(|e| Error::cuda("copying a gradient", e))?;
+            Ok(DeviceTensor { shape: vec![len], buf })
+        };
+        let db = slot(0, n)?;
+        let (dw, db) = match &self.folded {
+            Some((k, ..)) => {
+                let rows = self.spec.out_features;
+                (unfold_rows_mean_grad(gpu, &dw, rows, *k)?, unfold_rows_mean_grad(gpu, &db, rows, *k)?)
+            }
+            None => (dw, db),
+        };
+        let mut ops: Vec<Vec<DeviceTensor>> = (0..self.first_op).map(|_| Vec::new()).collect();
+        let mut s = 1;
+        for (i, op) in self.spec.chain.0.iter().enumerate().skip(self.first_op) {
+            let f = self.spec.features_at(i);
+            let mut grads = Vec::new();
+            for _ in op.param_bases() {
+                grads.push(slot(s, f)?);
+                s += 1;
+            }
+            ops.push(grads);
+        }
+        Ok(DeviceGrads { x: dx, params: DeviceParams { linear_weight: dw, linear_bias: db, ops } })
+    }
+}
+
+/// Host-side results of [`GpuBlock::forward_backward`].
+pub struct HostGrads {
+    pub y: Tensor<f32>,
+    pub x: Tensor<f32>,
+    pub params: Params<f32>,
+}
+
+impl GpuBlock {
+    /// Uploads `x` and `dy` (the output's gradient, shaped as the output), runs the
+    /// training forward and the backward, and downloads the output and all gradients.
+    pub fn forward_backward(&self, gpu: &Gpu, x: &Tensor<f32>, dy: &Tensor<f32>) -> Result<HostGrads> {
+        let batch = self.spec.check_input(x)?;
+        let out_shape = self.spec.output_shape(batch);
+        if dy.shape() != out_shape.as_slice() {
+            return Err(Error::tensor("dy", format!("expected shape {out_shape:?}, got {:?}", dy.shape())));
+        }
+        let dx = gpu.upload(x)?;
+        let (y, saved) = self.forward_train(gpu, &dx)?;
+        let g = self.backward(gpu, &dx, saved, &gpu.upload(dy)?)?;
+        Ok(HostGrads {
+            y: gpu.download(&y)?.reshape(&out_shape)?,
+            x: gpu.download(&g.x)?,
+            params: g.params.download(gpu, &self.spec)?,
+        })
+    }
+}

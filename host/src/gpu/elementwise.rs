@@ -1,0 +1,62 @@
+//! Launchers of `kernels-gpu/src/elementwise.rs`: gradient accumulation and the
+//! AvgPool fold of a Linear layer (forward) and its transpose (backward).
+
+use super::{DeviceTensor, Gpu, launched};
+use crate::error::{Error, Result};
+use cudarc::driver::PushKernelArg;
+
+/// `a += b` (same shape).
+pub fn add_assign(gpu: &Gpu, a: &mut DeviceTensor, b: &DeviceTensor) -> Result<()> {
+    if a.shape != b.shape {
+        return Err(Error::Shape(format!("adding {:?} to {:?}", b.shape, a.shape)));
+    }
+    let len = a.len() as u32;
+    {
+        let (func, cfg) = gpu.kernel_1d("add_assign", a.len(), 0)?;
+        let mut l = gpu.stream().launch_builder(&func);
+        l.arg(&mut a.buf).arg(&b.buf).arg(&len);
+        // SAFETY: (a, b, len) as the kernel takes; both hold len floats.
+        launched("add_assign", unsafe { l.launch(cfg) })
+    }
+}
+
+/// Rows of `input (rows, cols)` averaged in blocks of `k`: `(rows / k, cols)` (a 1-D
+/// input is one column).
+pub fn fold_rows_mean(gpu: &Gpu, input: &DeviceTensor, k: usize) -> Result<DeviceTensor> {
+    let (rows, cols) = (input.shape[0], input.shape.get(1).copied().unwrap_or(1));
+    if k == 0 || k > rows {
+        return Err(Error::Chain(format!("avgpool({k}) over {rows} features")));
+    }
+    let mut shape = input.shape.clone();
+    shape[0] = rows / k;
+    let mut out = gpu.alloc(&shape)?;
+    let (r, c, k32) = (rows as u32, cols as u32, k as u32);
+    {
+        let (func, cfg) = gpu.kernel_1d("fold_rows_mean", (rows / k) * cols, 0)?;
+        let mut l = gpu.stream().launch_builder(&func);
+        l.arg(&input.buf).arg(&r).arg(&c).arg(&k32).arg(&mut out.buf);
+        // SAFETY: (input, rows, cols, k, out) as the kernel takes; out holds (rows / k) * cols.
+        launched("fold_rows_mean", unsafe { l.launch(cfg) })
+    }?;
+    Ok(out)
+}
+
+/// The gradient of [`fold_rows_mean`]: `g (rows / k, cols)` spread back over `rows` rows.
+pub fn unfold_rows_mean_grad(gpu: &Gpu, g: &DeviceTensor, rows: usize, k: usize) -> Result<DeviceTensor> {
+    let cols = g.shape.get(1).copied().unwrap_or(1);
+    if g.shape[0] != rows / k {
+        return Err(Error::Shape(format!("folded gradient {:?} for {rows} rows pooled by {k}", g.shape)));
+    }
+    let mut shape = g.shape.clone();
+    shape[0] = rows;
+    let mut out = gpu.alloc(&shape)?;
+    let (r, c, k32) = (rows as u32, cols as u32, k as u32);
+    {
+        let (func, cfg) = gpu.kernel_1d("unfold_rows_mean_grad", rows * cols, 0)?;
+        let mut l = gpu.stream().launch_builder(&func);
+        l.arg(&g.buf).arg(&r).arg(&c).arg(&k32).arg(&mut out.buf);
+        // SAFETY: (g, rows, cols, k, out) as the kernel takes; out holds rows * cols.
+        launched("unfold_rows_mean_grad", unsafe { l.launch(cfg) })
+    }?;
+    Ok(out)
+}
