@@ -67,7 +67,7 @@ pub fn run(a: &BackwardArgs) -> Result<(), Failure> {
             let mut times = Vec::new();
             for _ in 0..a.repeat.max(1) {
                 times.push(gpu.time_ms(|| {
-                    let (_, saved) = block.forward_train(&gpu, &x)?;
+                    let (_, saved) = block.forward_train(&gpu, &x, false)?;
                     block.backward(&gpu, &x, saved, &ddy).map(drop)
                 })?);
             }

@@ -4,7 +4,7 @@
 use super::{BlockArgs, Failure};
 use crate::block::random_input;
 use crate::error::{Error, Result};
-use crate::gpu::Gpu;
+use crate::gpu::{Gpu, Phases};
 use crate::gpu::block::GpuBlock;
 use crate::gpu::cublas::Cublas;
 use rand::SeedableRng;
@@ -85,10 +85,18 @@ pub fn run(a: &BenchArgs) -> Result<(), Failure> {
         let ours = if a.backward {
             drop(ws);
             let dy = gpu.upload(&random_input(b, p.spec.features_at(p.spec.chain.0.len()), &mut rng))?;
-            median_ms(&gpu, a.repeat, || {
-                let (_, saved) = block.forward_train(&gpu, &x)?;
+            let ms = median_ms(&gpu, a.repeat, || {
+                let (_, saved) = block.forward_train(&gpu, &x, false)?;
                 block.backward(&gpu, &x, saved, &dy).map(drop)
-            })?
+            })?;
+            // One more run, marked phase by phase, for the breakdown.
+            let mut phases = Phases::start(&gpu)?;
+            let (_, saved) = block.forward_train(&gpu, &x, false)?;
+            phases.mark(&gpu, "forward (saving z)")?;
+            block.backward_timed(&gpu, &x, saved, &dy, Some(&mut phases))?;
+            let parts: Vec<String> = phases.millis()?.iter().map(|(n, t)| format!("{n} {t:.3}")).collect();
+            eprintln!("{model} phases (ms): {}", parts.join(", "));
+            ms
         } else {
             let mut ws = ws;
             median_ms(&gpu, a.repeat, || block.forward_into(&gpu, &x, &mut ws, None))?
@@ -100,6 +108,12 @@ pub fn run(a: &BenchArgs) -> Result<(), Failure> {
         let cublas_ms = if a.backward {
             let (mut dx, mut dw) = (gpu.poisoned(&[b, i])?, gpu.poisoned(&[o, i])?);
             let dz = gpu.upload(&random_input(b, o, &mut rng))?;
+            let each = [
+                median_ms(&gpu, a.repeat, || cublas.forward(&x, &w, &mut y))?,
+                median_ms(&gpu, a.repeat, || cublas.grad_input(&dz, &w, &mut dx))?,
+                median_ms(&gpu, a.repeat, || cublas.grad_weight(&dz, &x, &mut dw))?,
+            ];
+            eprintln!("{model} cuBLAS (ms): forward {:.3}, dX {:.3}, dW {:.3}", each[0], each[1], each[2]);
             median_ms(&gpu, a.repeat, || {
                 cublas.forward(&x, &w, &mut y)?;
                 cublas.grad_input(&dz, &w, &mut dx)?;

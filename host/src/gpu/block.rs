@@ -24,7 +24,7 @@ use super::elementwise::{fold_rows_mean, unfold_rows_mean_grad};
 use super::epilogue::DeviceChain;
 use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
 use super::gemm::simt::{Layout, forward_gemm, grad_input, grad_weight, kernel_name, not_fusable};
-use super::{DeviceTensor, Gpu};
+use super::{DeviceTensor, Gpu, Phases};
 use crate::block::{BlockSpec, Params};
 use crate::chain::Op;
 use crate::error::{Error, Result};
@@ -187,16 +187,22 @@ impl GpuBlock {
         self.spec.features_at(self.spec.chain.0.len())
     }
 
-    /// Allocates the buffers for `batch` rows (NaN-poisoned, so a missed element shows).
+    /// Allocates the buffers for `batch` rows, NaN-poisoned (so a missed element shows).
     pub fn workspace(&self, gpu: &Gpu, batch: usize) -> Result<Workspace> {
+        self.workspace_with(gpu, batch, true)
+    }
+
+    /// Allocates the buffers for `batch` rows, poisoned or left as they come.
+    pub fn workspace_with(&self, gpu: &Gpu, batch: usize, poison: bool) -> Result<Workspace> {
         let plan = self.plan(gpu, batch);
         let n = self.gemm_width();
+        let new = |shape: &[usize]| if poison { gpu.poisoned(shape) } else { gpu.alloc(shape) };
         let z = match plan {
             Plan::Fused => None,
-            Plan::GemmThenRows { splits: 1 } => Some(gpu.poisoned(&[batch, n])?),
-            Plan::GemmThenRows { splits } => Some(gpu.poisoned(&[splits, batch, n])?),
+            Plan::GemmThenRows { splits: 1 } => Some(new(&[batch, n])?),
+            Plan::GemmThenRows { splits } => Some(new(&[splits, batch, n])?),
         };
-        let y = gpu.poisoned(&[batch, self.out_width()])?;
+        let y = new(&[batch, self.out_width()])?;
         Ok(Workspace { plan, z, y })
     }
 
@@ -244,11 +250,12 @@ impl GpuBlock {
     }
 
     /// The forward of a training step: the output `(batch, features out)` and what the
-    /// backward needs.
-    pub fn forward_train(&self, gpu: &Gpu, x: &DeviceTensor) -> Result<(DeviceTensor, Saved)> {
+    /// backward needs. `poison` NaN-fills the buffers first (for checks).
+    pub fn forward_train(&self, gpu: &Gpu, x: &DeviceTensor, poison: bool) -> Result<(DeviceTensor, Saved)> {
         let batch = x.shape[0];
-        let mut ws = self.workspace(gpu, batch)?;
-        let mut z = gpu.alloc(&[batch, self.gemm_width()])?;
+        let mut ws = self.workspace_with(gpu, batch, poison)?;
+        let shape = [batch, self.gemm_width()];
+        let mut z = if poison { gpu.poisoned(&shape)? } else { gpu.alloc(&shape)? };
         self.forward_into(gpu, x, &mut ws, Some(&mut z))?;
         Ok((ws.y, Saved { z }))
     }
@@ -257,12 +264,28 @@ impl GpuBlock {
     /// output (shaped `(batch, features out)` or as `output_shape`), the input `x` the
     /// forward saw and its saved state.
     pub fn backward(&self, gpu: &Gpu, x: &DeviceTensor, saved: Saved, dy: &DeviceTensor) -> Result<DeviceGrads> {
+        self.backward_timed(gpu, x, saved, dy, None)
+    }
+
+    /// [`GpuBlock::backward`], marking its phases on `phases` if given.
+    pub fn backward_timed(
+        &self,
+        gpu: &Gpu,
+        x: &DeviceTensor,
+        saved: Saved,
+        dy: &DeviceTensor,
+        mut phases: Option<&mut Phases>,
+    ) -> Result<DeviceGrads> {
+        let mut mark = |name| phases.as_deref_mut().map_or(Ok(()), |p| p.mark(gpu, name));
         let (w, _) = self.gemm_params();
         let n = self.gemm_width();
         let (dz, slots) = epilogue_rows_backward(gpu, &self.chain, &saved.z, dy, self.out_width())?;
         drop(saved);
+        mark("chain backward")?;
         let dx = grad_input(gpu, &dz, w)?;
+        mark("dX GEMM")?;
         let dw = grad_weight(gpu, &dz, x)?;
+        mark("dW GEMM")?;
         drop(dz);
 
         // Slot 0: the (folded) Linear bias; then each op parameter in chain order.
@@ -292,6 +315,7 @@ impl GpuBlock {
             }
             ops.push(grads);
         }
+        mark("gradient bookkeeping")?;
         Ok(DeviceGrads { x: dx, params: DeviceParams { linear_weight: dw, linear_bias: db, ops } })
     }
 }
@@ -313,7 +337,7 @@ impl GpuBlock {
             return Err(Error::tensor("dy", format!("expected shape {out_shape:?}, got {:?}", dy.shape())));
         }
         let dx = gpu.upload(x)?;
-        let (y, saved) = self.forward_train(gpu, &dx)?;
+        let (y, saved) = self.forward_train(gpu, &dx, true)?;
         let g = self.backward(gpu, &dx, saved, &gpu.upload(dy)?)?;
         Ok(HostGrads {
             y: gpu.download(&y)?.reshape(&out_shape)?,

@@ -15,7 +15,7 @@ pub mod tape;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use cudarc::driver::sys::CUdevice_attribute as Attr;
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig};
 use cudarc::nvrtc::Ptx;
 use std::sync::Arc;
 
@@ -93,6 +93,7 @@ impl Gpu {
         // SAFETY: nothing in this crate uses a second stream.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
+        keep_freed_memory(&ctx)?;
         let module =
             ctx.load_module(Ptx::from_src(KERNELS_PTX)).map_err(|e| Error::cuda("loading the kernel module", e))?;
         Ok(Gpu { ctx, stream, module, props })
@@ -162,9 +163,16 @@ impl Gpu {
         Ok(DeviceTensor { shape: shape.to_vec(), buf })
     }
 
-    /// A device tensor filled with NaN, so an element a kernel fails to write shows up.
+    /// A device tensor filled with NaN (on the device), so an element a kernel fails
+    /// to write shows up.
     pub fn poisoned(&self, shape: &[usize]) -> Result<DeviceTensor> {
-        self.upload(&Tensor::full(shape, f32::NAN))
+        let mut t = self.alloc(shape)?;
+        let ptr = t.buf.device_ptr_mut(&self.stream).0;
+        // SAFETY: fills exactly the allocation's len 32-bit words on our stream.
+        unsafe { cudarc::driver::sys::cuMemsetD32Async(ptr, f32::NAN.to_bits(), t.buf.len(), self.stream.cu_stream()) }
+            .result()
+            .map_err(|e| Error::cuda("filling with NaN", e))?;
+        Ok(t)
     }
 
     /// Copies a device tensor back (waits for the stream: kernel faults surface here).
@@ -189,9 +197,61 @@ impl Gpu {
     }
 }
 
+/// Keeps memory freed to the device's default pool cached in the pool instead of
+/// returning it to the driver at every synchronisation: a training step frees and
+/// reallocates the same large buffers each time (PyTorch's caching allocator does
+/// the same job).
+fn keep_freed_memory(ctx: &CudaContext) -> Result<()> {
+    use cudarc::driver::sys;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut threshold = u64::MAX;
+    // SAFETY: the context's device; the attribute takes a pointer to a u64.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result().map_err(|e| Error::cuda("memory pool", e))?;
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut threshold as *mut u64 as *mut std::ffi::c_void,
+        )
+        .result()
+        .map_err(|e| Error::cuda("memory pool", e))
+    }
+}
+
 /// Maps a launch's result to the crate's error, naming the kernel.
 pub fn launched<T>(name: &str, r: std::result::Result<T, cudarc::driver::DriverError>) -> Result<()> {
     r.map(|_| ()).map_err(|e| Error::cuda(format!("launching `{name}`"), e))
+}
+
+/// CUDA events recorded between the phases of a piece of work, for a breakdown of
+/// where its time goes (`host bench --backward` prints one).
+pub struct Phases {
+    marks: Vec<(&'static str, cudarc::driver::CudaEvent)>,
+}
+
+impl Phases {
+    /// Starts timing at the current point of the GPU's stream.
+    pub fn start(gpu: &Gpu) -> Result<Phases> {
+        let mut p = Phases { marks: Vec::new() };
+        p.mark(gpu, "start")?;
+        Ok(p)
+    }
+
+    /// Ends the phase named `name` here.
+    pub fn mark(&mut self, gpu: &Gpu, name: &'static str) -> Result<()> {
+        use cudarc::driver::sys::CUevent_flags;
+        let e = gpu.stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| Error::cuda("timing", e))?;
+        self.marks.push((name, e));
+        Ok(())
+    }
+
+    /// Milliseconds of each phase, in order (waits for the stream).
+    pub fn millis(&self) -> Result<Vec<(&'static str, f64)>> {
+        self.marks
+            .windows(2)
+            .map(|w| Ok((w[1].0, w[0].1.elapsed_ms(&w[1].1).map_err(|e| Error::cuda("timing", e))? as f64)))
+            .collect()
+    }
 }
 
 fn oom_or(context: &str, elements: usize, e: cudarc::driver::DriverError) -> Error {

@@ -45,7 +45,7 @@ impl GpuBlock {
                 self.params.flat().len()
             )));
         }
-        let (y, saved) = self.forward_train(gpu, &x)?;
+        let (y, saved) = self.forward_train(gpu, &x, false)?;
         let mut inputs = vec![x_var];
         inputs.extend_from_slice(param_vars);
         let (block, gpu_) = (Rc::clone(self), gpu.clone());

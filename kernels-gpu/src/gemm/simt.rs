@@ -62,7 +62,7 @@ fn owned(t: usize, i: usize) -> usize {
 /// lanes and its statistics are shuffle sums.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_f32<const VEC: bool, const A_K: bool, const B_K: bool>(
+unsafe fn gemm_f32<const VEC: bool, const A_K: bool, const B_K: bool, const ROLLED: bool>(
     a: *const f32,
     b: *const f32,
     bias: *const f32,
@@ -96,8 +96,8 @@ unsafe fn gemm_f32<const VEC: bool, const A_K: bool, const B_K: bool>(
     // operand, 4 consecutive k of tile row t / 2; for a row-contiguous one, 4
     // consecutive rows of k-row t / 32. The same 4 land in shared memory at
     // `slot(e)`, k-outermost.
-    let mut a_src = Loader::new::<A_K>(a, lda, m, row0, k_begin, t);
-    let mut b_src = Loader::new::<B_K>(b, ldb, n, col0, k_begin, t);
+    let mut a_src = Loader::new::<A_K>(lda, m, row0, k_begin, t);
+    let mut b_src = Loader::new::<B_K>(ldb, n, col0, k_begin, t);
     let store = |dst: *mut f32, k_major: bool, v: [f32; 4]| {
         // SAFETY: indices < BLOCK_K * SMEM_STRIDE, inside one tile.
         unsafe {
@@ -114,7 +114,7 @@ unsafe fn gemm_f32<const VEC: bool, const A_K: bool, const B_K: bool>(
 
     let mut acc = [[0.0f32; TN]; TM];
     let mut k0 = k_begin;
-    let (mut av, mut bv) = (a_src.load::<VEC, A_K>(k_end), b_src.load::<VEC, B_K>(k_end));
+    let (mut av, mut bv) = (a_src.load::<VEC, A_K>(a, k_end), b_src.load::<VEC, B_K>(b, k_end));
     store(stage_ptr(0), A_K, av);
     store(unsafe { stage_ptr(0).add(tile) }, B_K, bv);
     // SAFETY: uniform control flow throughout the main loop.
@@ -125,18 +125,16 @@ unsafe fn gemm_f32<const VEC: bool, const A_K: bool, const B_K: bool>(
         if next < k_end {
             a_src.advance();
             b_src.advance();
-            av = a_src.load::<VEC, A_K>(k_end);
-            bv = b_src.load::<VEC, B_K>(k_end);
+            av = a_src.load::<VEC, A_K>(a, k_end);
+            bv = b_src.load::<VEC, B_K>(b, k_end);
         }
         // SAFETY: all indices stay inside this stage's two tiles.
         unsafe {
             let sx = smem.add(stage * 2 * tile) as *const F4;
             let sw = smem.add(stage * 2 * tile + tile) as *const F4;
-            // Two k at a time in a rolled loop: fully unrolled, ptxas hoists the shared
-            // loads of later k so far ahead that 128 registers no longer suffice.
-            for kk2 in 0..BLOCK_K / 2 {
-            unroll!(h in 0..2 => {
-                let q = (kk2 * 2 + h) * SMEM_STRIDE / 4;
+            // One k of the step: two 16-byte fragments of each operand, 64 FMAs.
+            let mut step_k = |kk: usize| {
+                let q = kk * SMEM_STRIDE / 4;
                 let a0 = (*sx.add(q + ty)).0;
                 let a1 = (*sx.add(q + HALF / 4 + ty)).0;
                 let b0 = (*sw.add(q + tx)).0;
@@ -144,7 +142,16 @@ unsafe fn gemm_f32<const VEC: bool, const A_K: bool, const B_K: bool>(
                 let a = [a0[0], a0[1], a0[2], a0[3], a1[0], a1[1], a1[2], a1[3]];
                 let b = [b0[0], b0[1], b0[2], b0[3], b1[0], b1[1], b1[2], b1[3]];
                 unroll!(i in 0..8 => { unroll!(j in 0..8 => { acc[i][j] = fma(a[i], b[j], acc[i][j]); }); });
-            });
+            };
+            if ROLLED {
+                // Two k per iteration of a rolled loop: fully unrolled, ptxas hoists the
+                // shared loads of later k so far ahead that some layouts need more than
+                // 128 registers (see `gemm_entry!`).
+                for kk2 in 0..BLOCK_K / 2 {
+                    unroll!(h in 0..2 => { step_k(kk2 * 2 + h); });
+                }
+            } else {
+                unroll!(kk in 0..8 => { step_k(kk); });
             }
         }
         if next < k_end {
@@ -191,39 +198,50 @@ unsafe fn gemm_f32<const VEC: bool, const A_K: bool, const B_K: bool>(
 }
 
 /// Where one thread reads its 4 elements of an operand for the current k-step.
+///
+/// The position is a 32-bit element offset from the operand's base (a kernel
+/// parameter, so it costs no register): two registers fewer per operand than a
+/// 64-bit pointer and stride, which is what keeps every layout within 128 registers.
+/// The host refuses operands of 2^32 elements or more.
 struct Loader {
-    /// Address of the thread's first element this step.
-    ptr: *const f32,
-    /// Pointer increment per k-step.
-    step: usize,
+    /// Offset of the thread's first element this step.
+    off: u32,
+    /// Offset increment per k-step.
+    step: u32,
     /// The thread's first k this step.
-    kk: usize,
+    kk: u32,
     /// k-contiguous: the thread's row is inside the matrix; row-contiguous: all 4 rows are.
     inside: bool,
     /// Row-contiguous: how many of the 4 rows are inside (when not all).
-    rows_left: usize,
+    rows_left: u32,
 }
 
 impl Loader {
     #[inline(always)]
-    fn new<const K_MAJOR: bool>(src: *const f32, ld: usize, rows: usize, r0: usize, k0: usize, t: usize) -> Loader {
+    fn new<const K_MAJOR: bool>(ld: usize, rows: usize, r0: usize, k0: usize, t: usize) -> Loader {
         let (r, kk) = if K_MAJOR { (r0 + t / 2, k0 + (t % 2) * 4) } else { (r0 + (t % 32) * 4, k0 + t / 32) };
-        let (offset, step) = if K_MAJOR { (r * ld + kk, BLOCK_K) } else { (kk * ld + r, BLOCK_K * ld) };
+        let (off, step) = if K_MAJOR { (r * ld + kk, BLOCK_K) } else { (kk * ld + r, BLOCK_K * ld) };
         let inside = if K_MAJOR { r < rows } else { r + 4 <= rows };
-        Loader { ptr: src.wrapping_add(offset), step, kk, inside, rows_left: rows.saturating_sub(r) }
+        Loader {
+            off: off as u32,
+            step: step as u32,
+            kk: kk as u32,
+            inside,
+            rows_left: rows.saturating_sub(r).min(4) as u32,
+        }
     }
 
     #[inline(always)]
     fn advance(&mut self) {
-        self.ptr = self.ptr.wrapping_add(self.step);
-        self.kk += BLOCK_K;
+        self.off = self.off.wrapping_add(self.step);
+        self.kk += BLOCK_K as u32;
     }
 
     /// The 4 elements, zero where outside `rows` x `k_end`.
     #[inline(always)]
-    fn load<const VEC: bool, const K_MAJOR: bool>(&self, k_end: usize) -> [f32; 4] {
+    fn load<const VEC: bool, const K_MAJOR: bool>(&self, src: *const f32, k_end: usize) -> [f32; 4] {
         let mut v = [0.0f32; 4];
-        let (p, kk) = (self.ptr, self.kk);
+        let (p, kk) = (src.wrapping_add(self.off as usize), self.kk as usize);
         // SAFETY (all reads): element (r', k') read only when r' < rows and k' < k_end.
         unsafe {
             if K_MAJOR {
@@ -238,7 +256,7 @@ impl Loader {
                 if VEC && self.inside {
                     v = (*(p as *const F4)).0;
                 } else {
-                    unroll!(e in 0..4 => { if e < self.rows_left { v[e] = *p.add(e); } });
+                    unroll!(e in 0..4 => { if e < self.rows_left as usize { v[e] = *p.add(e); } });
                 }
             }
         }
@@ -333,7 +351,7 @@ fn epilogue_row(
 }
 
 macro_rules! gemm_entry {
-    ($($(#[$doc:meta])* $name:ident = <$vec:literal, $a_k:literal, $b_k:literal>;)*) => {$(
+    ($($(#[$doc:meta])* $name:ident = <$vec:literal, $a_k:literal, $b_k:literal, $rolled:literal>;)*) => {$(
         $(#[$doc])*
         ///
         /// # Safety
@@ -344,22 +362,24 @@ macro_rules! gemm_entry {
             a: *const f32, b: *const f32, bias: *const f32, y: *mut f32, save_z: *mut f32,
             m: u32, n: u32, k: u32, lda: u32, ldb: u32, k_split: u32, ops: *const OpDesc, n_ops: u32,
         ) {
-            unsafe { gemm_f32::<$vec, $a_k, $b_k>(a, b, bias, y, save_z, m, n, k, lda, ldb, k_split, ops, n_ops) }
+            unsafe { gemm_f32::<$vec, $a_k, $b_k, $rolled>(a, b, bias, y, save_z, m, n, k, lda, ldb, k_split, ops, n_ops) }
         }
     )*};
 }
 
+// The last parameter rolls the k-loop for the variants that spill fully unrolled
+// (ptxas -v, checked by tests/ptx.rs): the rolled loop costs time (docs/PERFORMANCE.md).
 gemm_entry! {
     /// Forward `x W^T` (both operands k-contiguous), 16-byte loads.
-    gemm_f32_nt_vec4 = <true, true, true>;
+    gemm_f32_nt_vec4 = <true, true, true, false>;
     /// Forward `x W^T`, scalar loads (any `k`).
-    gemm_f32_nt_scalar = <false, true, true>;
+    gemm_f32_nt_scalar = <false, true, true, false>;
     /// `dX = dZ W`: `B` row-contiguous, 16-byte loads.
-    gemm_f32_nn_vec4 = <true, true, false>;
+    gemm_f32_nn_vec4 = <true, true, false, false>;
     /// `dX = dZ W`, scalar loads.
-    gemm_f32_nn_scalar = <false, true, false>;
+    gemm_f32_nn_scalar = <false, true, false, true>;
     /// `dW = dZ^T X`: both operands row-contiguous, 16-byte loads.
-    gemm_f32_tn_vec4 = <true, false, false>;
+    gemm_f32_tn_vec4 = <true, false, false, true>;
     /// `dW = dZ^T X`, scalar loads.
-    gemm_f32_tn_scalar = <false, false, false>;
+    gemm_f32_tn_scalar = <false, false, false, true>;
 }

@@ -85,7 +85,8 @@ impl Gemm<'_> {
         if self.a.len() < a_len || self.b.len() < b_len || [m, n, k].contains(&0) {
             return Err(Error::Shape(format!("GEMM operands too small for ({m}, {n}, {k})")));
         }
-        if [m, n, k, self.lda, self.ldb].iter().any(|&d| d > u32::MAX as usize) {
+        // The kernel keeps 32-bit element offsets into its operands.
+        if [m, n, k, self.lda, self.ldb, a_len, b_len].iter().any(|&d| d > u32::MAX as usize) {
             return Err(Error::Shape(format!("GEMM size ({m}, {n}, {k}) exceeds the kernel's 32-bit arguments")));
         }
         let k_split = k.div_ceil(splits).div_ceil(BLOCK_K) * BLOCK_K;
