@@ -84,9 +84,10 @@ pub mod epilogue {
     }
 
     /// Dynamic shared memory of the row-wise backward: the gradient, the recomputed op
-    /// input, a buffer for ops that change the row's length, and the same scratch.
-    pub const fn row_backward_smem_bytes(features: usize) -> usize {
-        (3 * features + 2 * (ROW_THREADS / 32)) * 4
+    /// input, a buffer for ops that change the row's length, the same scratch, and
+    /// `sum_slots` rows of parameter-gradient sums when they are kept on chip (else 0).
+    pub const fn row_backward_smem_bytes(features: usize, sum_slots: usize) -> usize {
+        ((3 + sum_slots) * features + 2 * (ROW_THREADS / 32)) * 4
     }
 }
 
@@ -97,7 +98,7 @@ pub mod gemm_simt {
     /// Columns of `y` per block.
     pub const BLOCK_N: usize = 128;
     /// Depth of one shared-memory stage.
-    pub const BLOCK_K: usize = 8;
+    pub const BLOCK_K: usize = 16;
     pub const THREADS: usize = 256;
     /// Two resident blocks per SM: caps registers at 128 per thread.
     pub const MIN_BLOCKS_PER_SM: u32 = 2;

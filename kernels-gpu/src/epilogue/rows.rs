@@ -272,7 +272,8 @@ unsafe fn arg_max(x: *const f32, f: usize, red: *mut f32) -> usize {
 ///
 /// # Safety
 /// As [`epilogue_rows`]; `partials` zeroed. Launch: grid `(G, 1, 1)` for any
-/// `G <= rows`, `ROW_THREADS` threads, `row_backward_smem_bytes(n)` shared memory.
+/// `G <= rows`, `ROW_THREADS` threads, `row_backward_smem_bytes(n, sums_in_smem ? slots : 0)`
+/// shared memory.
 ///
 /// # Parameters
 /// * `z`: `(rows, n)`, the chain's input saved by the forward.
@@ -280,6 +281,8 @@ unsafe fn arg_max(x: *const f32, f: usize, red: *mut f32) -> usize {
 /// * `dz`: `(rows, n)`, written.
 /// * `partials`: `(G, slots, n)`: slot 0 sums `dz` (the Linear bias's gradient), then
 ///   one slot per op parameter in chain order (`bias`, `w`, GroupNorm `gamma`, `beta`).
+/// * `sums_in_smem`: keep the block's sums in shared memory and write them once at the
+///   end (when they fit), instead of adding into `partials` row after row.
 ///
 /// # Thread mapping
 /// Block `b` takes rows `b, b + G, ..`. Per row, for each op from the last: rebuild
@@ -297,6 +300,7 @@ pub unsafe extern "ptx-kernel" fn epilogue_rows_backward(
     n: u32,
     ops: *const OpDesc,
     n_ops: u32,
+    sums_in_smem: u32,
 ) {
     let t = thread_idx_x() as usize;
     let (warp, lane) = (warp_id() as usize, lane_id() as usize);
@@ -317,7 +321,20 @@ pub unsafe extern "ptx-kernel" fn epilogue_rows_backward(
         f_out = features_after(&op_at(i), f_out);
     }
     // SAFETY: this block's slice of the partial sums.
-    let part = unsafe { partials.add(block_idx_x() as usize * slots * n) };
+    let out = unsafe { partials.add(block_idx_x() as usize * slots * n) };
+    // Where the sums accumulate: shared memory after the buffers, or `out` itself.
+    let part = if sums_in_smem != 0 {
+        // SAFETY: the launch provides slots * n floats after the buffers and scratch.
+        let s = unsafe { red.add(2 * WARPS) };
+        let mut j = t;
+        while j < slots * n {
+            unsafe { *s.add(j) = 0.0 };
+            j += ROW_THREADS;
+        }
+        s
+    } else {
+        out
+    };
 
     let mut row = block_idx_x() as usize;
     while row < rows as usize {
@@ -447,6 +464,14 @@ pub unsafe extern "ptx-kernel" fn epilogue_rows_backward(
             sync_threads();
         }
         row += grid_dim_x() as usize;
+    }
+    if sums_in_smem != 0 {
+        // SAFETY: every thread's adds are done (the row loop ends on a barrier).
+        let mut j = t;
+        while j < slots * n {
+            unsafe { *out.add(j) = *part.add(j) };
+            j += ROW_THREADS;
+        }
     }
 }
 

@@ -12,6 +12,8 @@ use kernel_abi::gemm_simt::*;
 const TM: usize = 8; // rows per thread: two runs of 4, 64 apart
 const TN: usize = 8; // columns per thread: two runs of 4, 64 apart
 const HALF: usize = BLOCK_M / 2;
+/// Each thread loads `CHUNKS` 16-byte pieces of each operand per k-step.
+const CHUNKS: usize = BLOCK_K / 8;
 
 #[derive(Clone, Copy)]
 #[repr(C, align(16))]
@@ -92,77 +94,18 @@ unsafe fn gemm_f32<const VEC: bool, const A_K: bool, const B_K: bool, const ROLL
     let smem = dynamic_shared::<f32>(); // [stage][A tile | B tile][BLOCK_K][SMEM_STRIDE]
     let tile = BLOCK_K * SMEM_STRIDE;
 
-    // Each thread moves 4 elements of each operand per k-step: for a k-contiguous
-    // operand, 4 consecutive k of tile row t / 2; for a row-contiguous one, 4
-    // consecutive rows of k-row t / 32. The same 4 land in shared memory at
-    // `slot(e)`, k-outermost.
-    let mut a_src = Loader::new::<A_K>(lda, m, row0, k_begin, t);
-    let mut b_src = Loader::new::<B_K>(ldb, n, col0, k_begin, t);
-    let store = |dst: *mut f32, k_major: bool, v: [f32; 4]| {
-        // SAFETY: indices < BLOCK_K * SMEM_STRIDE, inside one tile.
-        unsafe {
-            if k_major {
-                let (r, kk) = (t / 2, (t % 2) * 4);
-                unroll!(e in 0..4 => { *dst.add((kk + e) * SMEM_STRIDE + r) = v[e]; });
-            } else {
-                let (r, kk) = ((t % 32) * 4, t / 32);
-                *(dst.add(kk * SMEM_STRIDE + r) as *mut F4) = F4(v);
-            }
+    // Blocks whose tile lies inside `m x n` (all but the last row and column of
+    // blocks) take a main loop without row bounds checks.
+    let interior = row0 + BLOCK_M <= m && col0 + BLOCK_N <= n;
+    let dims = Dims { lda, ldb, m, n, row0, col0, k_begin, k_end, t, ty, tx };
+    // SAFETY: forwards this kernel's contract.
+    let acc = unsafe {
+        if interior {
+            main_loop::<VEC, A_K, B_K, ROLLED, false>(a, b, smem, &dims)
+        } else {
+            main_loop::<VEC, A_K, B_K, ROLLED, true>(a, b, smem, &dims)
         }
     };
-    let stage_ptr = |s: usize| unsafe { smem.add(s * 2 * tile) };
-
-    let mut acc = [[0.0f32; TN]; TM];
-    let mut k0 = k_begin;
-    let (mut av, mut bv) = (a_src.load::<VEC, A_K>(a, k_end), b_src.load::<VEC, B_K>(b, k_end));
-    store(stage_ptr(0), A_K, av);
-    store(unsafe { stage_ptr(0).add(tile) }, B_K, bv);
-    // SAFETY: uniform control flow throughout the main loop.
-    unsafe { sync_threads() };
-    let mut stage = 0;
-    while k0 < k_end {
-        let next = k0 + BLOCK_K;
-        if next < k_end {
-            a_src.advance();
-            b_src.advance();
-            av = a_src.load::<VEC, A_K>(a, k_end);
-            bv = b_src.load::<VEC, B_K>(b, k_end);
-        }
-        // SAFETY: all indices stay inside this stage's two tiles.
-        unsafe {
-            let sx = smem.add(stage * 2 * tile) as *const F4;
-            let sw = smem.add(stage * 2 * tile + tile) as *const F4;
-            // One k of the step: two 16-byte fragments of each operand, 64 FMAs.
-            let mut step_k = |kk: usize| {
-                let q = kk * SMEM_STRIDE / 4;
-                let a0 = (*sx.add(q + ty)).0;
-                let a1 = (*sx.add(q + HALF / 4 + ty)).0;
-                let b0 = (*sw.add(q + tx)).0;
-                let b1 = (*sw.add(q + HALF / 4 + tx)).0;
-                let a = [a0[0], a0[1], a0[2], a0[3], a1[0], a1[1], a1[2], a1[3]];
-                let b = [b0[0], b0[1], b0[2], b0[3], b1[0], b1[1], b1[2], b1[3]];
-                unroll!(i in 0..8 => { unroll!(j in 0..8 => { acc[i][j] = fma(a[i], b[j], acc[i][j]); }); });
-            };
-            if ROLLED {
-                // Two k per iteration of a rolled loop: fully unrolled, ptxas hoists the
-                // shared loads of later k so far ahead that some layouts need more than
-                // 128 registers (see `gemm_entry!`).
-                for kk2 in 0..BLOCK_K / 2 {
-                    unroll!(h in 0..2 => { step_k(kk2 * 2 + h); });
-                }
-            } else {
-                unroll!(kk in 0..8 => { step_k(kk); });
-            }
-        }
-        if next < k_end {
-            store(stage_ptr(stage ^ 1), A_K, av);
-            store(unsafe { stage_ptr(stage ^ 1).add(tile) }, B_K, bv);
-        }
-        // SAFETY: uniform; orders this step's reads before the next step's overwrite.
-        unsafe { sync_threads() };
-        stage ^= 1;
-        k0 = next;
-    }
 
     // Stage the accumulator tile in shared memory (the pipeline's stages are done:
     // the loop ended on a barrier), so the epilogue can walk whole rows with a small
@@ -197,6 +140,114 @@ unsafe fn gemm_f32<const VEC: bool, const A_K: bool, const B_K: bool, const ROLL
     }
 }
 
+/// Sizes and the thread's place, shared by the kernel and its main loop.
+#[derive(Clone, Copy)]
+struct Dims {
+    lda: usize,
+    ldb: usize,
+    m: usize,
+    n: usize,
+    row0: usize,
+    col0: usize,
+    k_begin: usize,
+    k_end: usize,
+    t: usize,
+    ty: usize,
+    tx: usize,
+}
+
+/// The k-loop of [`gemm_f32`]: the thread's 8 x 8 accumulators of `A[tile] B[tile]^T`
+/// over `k_begin..k_end`. `EDGE` checks rows against `m` and `n` (the tile crosses an
+/// edge); without it the loads carry only the check for the end of `k`.
+///
+/// # Safety
+/// As [`gemm_f32`]; `smem` is the kernel's dynamic shared memory.
+#[inline(always)]
+unsafe fn main_loop<const VEC: bool, const A_K: bool, const B_K: bool, const ROLLED: bool, const EDGE: bool>(
+    a: *const f32,
+    b: *const f32,
+    smem: *mut f32,
+    d: &Dims,
+) -> [[f32; TN]; TM] {
+    let Dims { lda, ldb, m, n, row0, col0, k_begin, k_end, t, ty, tx } = *d;
+    let tile = BLOCK_K * SMEM_STRIDE;
+    // Each thread moves 4 elements of each operand per k-step: for a k-contiguous
+    // operand, 4 consecutive k of tile row t / 2; for a row-contiguous one, 4
+    // consecutive rows of k-row t / 32. The same 4 land in shared memory at
+    // `slot(e)`, k-outermost.
+    let mut a_src = Loader::new::<A_K>(lda, m, row0, k_begin, t);
+    let mut b_src = Loader::new::<B_K>(ldb, n, col0, k_begin, t);
+    let store = |dst: *mut f32, k_major: bool, v: [[f32; 4]; CHUNKS]| {
+        // SAFETY: indices < BLOCK_K * SMEM_STRIDE, inside one tile.
+        unsafe {
+            unroll!(c in 0..2 => {
+                if k_major {
+                    let (r, kk) = (t / 2, (t % 2) * 4 + 8 * c);
+                    unroll!(e in 0..4 => { *dst.add((kk + e) * SMEM_STRIDE + r) = v[c][e]; });
+                } else {
+                    let (r, kk) = ((t % 32) * 4, t / 32 + 8 * c);
+                    *(dst.add(kk * SMEM_STRIDE + r) as *mut F4) = F4(v[c]);
+                }
+            });
+        }
+    };
+    let stage_ptr = |s: usize| unsafe { smem.add(s * 2 * tile) };
+
+    let mut acc = [[0.0f32; TN]; TM];
+    let (k_end, mut k0) = (k_end as u32, k_begin as u32);
+    let (mut av, mut bv) = (a_src.load::<VEC, A_K, EDGE>(a, k_end), b_src.load::<VEC, B_K, EDGE>(b, k_end));
+    store(stage_ptr(0), A_K, av);
+    store(unsafe { stage_ptr(0).add(tile) }, B_K, bv);
+    // SAFETY: uniform control flow throughout the main loop.
+    unsafe { sync_threads() };
+    let mut stage = 0;
+    while k0 < k_end {
+        let next = k0 + BLOCK_K as u32;
+        if next < k_end {
+            a_src.advance();
+            b_src.advance();
+            av = a_src.load::<VEC, A_K, EDGE>(a, k_end);
+            bv = b_src.load::<VEC, B_K, EDGE>(b, k_end);
+        }
+        // SAFETY: all indices stay inside this stage's two tiles.
+        unsafe {
+            let sx = smem.add(stage * 2 * tile) as *const F4;
+            let sw = smem.add(stage * 2 * tile + tile) as *const F4;
+            // One k of the step: two 16-byte fragments of each operand, 64 FMAs.
+            let mut step_k = |kk: usize| {
+                let q = kk * SMEM_STRIDE / 4;
+                let a0 = (*sx.add(q + ty)).0;
+                let a1 = (*sx.add(q + HALF / 4 + ty)).0;
+                let b0 = (*sw.add(q + tx)).0;
+                let b1 = (*sw.add(q + HALF / 4 + tx)).0;
+                let a = [a0[0], a0[1], a0[2], a0[3], a1[0], a1[1], a1[2], a1[3]];
+                let b = [b0[0], b0[1], b0[2], b0[3], b1[0], b1[1], b1[2], b1[3]];
+                unroll!(i in 0..8 => { unroll!(j in 0..8 => { acc[i][j] = fma(a[i], b[j], acc[i][j]); }); });
+            };
+            if ROLLED {
+                // Two k per iteration of a rolled loop: fully unrolled, ptxas hoists the
+                // shared loads of later k so far ahead that some layouts need more than
+                // 128 registers (see `gemm_entry!`).
+                for kk2 in 0..BLOCK_K / 2 {
+                    unroll!(h in 0..2 => { step_k(kk2 * 2 + h); });
+                }
+            } else {
+                unroll!(kk in 0..16 => { step_k(kk); });
+            }
+        }
+        if next < k_end {
+            store(stage_ptr(stage ^ 1), A_K, av);
+            store(unsafe { stage_ptr(stage ^ 1).add(tile) }, B_K, bv);
+        }
+        // SAFETY: uniform; orders this step's reads before the next step's overwrite.
+        unsafe { sync_threads() };
+        stage ^= 1;
+        k0 = next;
+    }
+
+    acc
+}
+
 /// Where one thread reads its 4 elements of an operand for the current k-step.
 ///
 /// The position is a 32-bit element offset from the operand's base (a kernel
@@ -204,8 +255,10 @@ unsafe fn gemm_f32<const VEC: bool, const A_K: bool, const B_K: bool, const ROLL
 /// 64-bit pointer and stride, which is what keeps every layout within 128 registers.
 /// The host refuses operands of 2^32 elements or more.
 struct Loader {
-    /// Offset of the thread's first element this step.
+    /// Offset of the thread's first element this step (chunk 0; chunk c is `c * chunk` further).
     off: u32,
+    /// Offset from one chunk of 8 k to the next.
+    chunk: u32,
     /// Offset increment per k-step.
     step: u32,
     /// The thread's first k this step.
@@ -220,10 +273,12 @@ impl Loader {
     #[inline(always)]
     fn new<const K_MAJOR: bool>(ld: usize, rows: usize, r0: usize, k0: usize, t: usize) -> Loader {
         let (r, kk) = if K_MAJOR { (r0 + t / 2, k0 + (t % 2) * 4) } else { (r0 + (t % 32) * 4, k0 + t / 32) };
-        let (off, step) = if K_MAJOR { (r * ld + kk, BLOCK_K) } else { (kk * ld + r, BLOCK_K * ld) };
+        let (off, step, chunk) =
+            if K_MAJOR { (r * ld + kk, BLOCK_K, 8) } else { (kk * ld + r, BLOCK_K * ld, 8 * ld) };
         let inside = if K_MAJOR { r < rows } else { r + 4 <= rows };
         Loader {
             off: off as u32,
+            chunk: chunk as u32,
             step: step as u32,
             kk: kk as u32,
             inside,
@@ -237,11 +292,33 @@ impl Loader {
         self.kk += BLOCK_K as u32;
     }
 
-    /// The 4 elements, zero where outside `rows` x `k_end`.
+    /// The 4 elements, zero where outside `rows` x `k_end`. Without `EDGE` the rows are
+    /// known to be inside; with `VEC`, `k_end` and the 4 k or rows are 4-aligned, so
+    /// one compare decides the whole vector.
     #[inline(always)]
-    fn load<const VEC: bool, const K_MAJOR: bool>(&self, src: *const f32, k_end: usize) -> [f32; 4] {
+    fn load<const VEC: bool, const K_MAJOR: bool, const EDGE: bool>(&self, src: *const f32, k_end: u32) -> [[f32; 4]; CHUNKS] {
+        let mut out = [[0.0f32; 4]; CHUNKS];
+        unroll!(c in 0..2 => {
+            out[c] = self.load_chunk::<VEC, K_MAJOR, EDGE>(src, k_end, c as u32);
+        });
+        out
+    }
+
+    #[inline(always)]
+    fn load_chunk<const VEC: bool, const K_MAJOR: bool, const EDGE: bool>(
+        &self,
+        src: *const f32,
+        k_end: u32,
+        c: u32,
+    ) -> [f32; 4] {
+        let p = src.wrapping_add((self.off + c * self.chunk) as usize);
+        let kk = self.kk + 8 * c;
+        if VEC && !EDGE {
+            // SAFETY: rows inside (no EDGE); kk < k_end covers all 4 (aligned).
+            return if kk < k_end { unsafe { (*(p as *const F4)).0 } } else { [0.0; 4] };
+        }
         let mut v = [0.0f32; 4];
-        let (p, kk) = (src.wrapping_add(self.off as usize), self.kk as usize);
+        let (kk, k_end) = (kk as usize, k_end as usize);
         // SAFETY (all reads): element (r', k') read only when r' < rows and k' < k_end.
         unsafe {
             if K_MAJOR {

@@ -11,7 +11,7 @@ pub use index::*;
 pub use shared::dynamic_shared;
 pub use sync::sync_threads;
 
-/// Repeats `$body` with `$i` bound to `0, 1, ..` (`0..2`, `0..4` or `0..8`), unrolled in the
+/// Repeats `$body` with `$i` bound to `0, 1, ..` (`0..2`, `0..4`, `0..8` or `0..16`), unrolled in the
 /// source. Register arrays indexed only this way stay in registers: LLVM declines to
 /// unroll loops whose bodies are large (an activation inlined 64 times), and a
 /// run-time index would send the whole array to local memory.
@@ -33,5 +33,16 @@ macro_rules! unroll {
         { let $i: usize = 5; $body }
         { let $i: usize = 6; $body }
         { let $i: usize = 7; $body }
+    }};
+    ($i:ident in 0..16 => $body:block) => {{
+        $crate::unroll!($i in 0..8 => $body);
+        { let $i: usize = 8; $body }
+        { let $i: usize = 9; $body }
+        { let $i: usize = 10; $body }
+        { let $i: usize = 11; $body }
+        { let $i: usize = 12; $body }
+        { let $i: usize = 13; $body }
+        { let $i: usize = 14; $body }
+        { let $i: usize = 15; $body }
     }};
 }

@@ -84,13 +84,16 @@ pub fn epilogue_rows_backward(
     if dy.len() != rows * out_width {
         return Err(Error::tensor("dy", format!("expected {rows} x {out_width} values, got shape {:?}", dy.shape)));
     }
-    // Enough blocks to fill the GPU twice over; each sums its rows' parameter gradients.
-    let blocks = rows.min(2 * gpu.props.multiprocessors);
     let slots = chain.grad_slots;
-    let mut partials = gpu.zeros(&[blocks, slots, n])?;
+    // The parameter-gradient sums stay in shared memory when they fit beside the rows.
+    let in_smem = row_backward_smem_bytes(n, slots) <= gpu.props.max_shared_per_block_optin;
+    let smem = row_backward_smem_bytes(n, if in_smem { slots } else { 0 });
+    // As many blocks as fit on the GPU at once; each sums its rows' parameter gradients.
+    let per_sm = (gpu.props.shared_per_multiprocessor / smem.max(1)).clamp(1, 8);
+    let blocks = rows.min(per_sm * gpu.props.multiprocessors);
+    let mut partials = if in_smem { gpu.alloc(&[blocks, slots, n])? } else { gpu.zeros(&[blocks, slots, n])? };
     let mut dz = gpu.alloc(&[rows, n])?;
     let func = gpu.function(BACKWARD)?;
-    let smem = row_backward_smem_bytes(n);
     gpu.allow_shared(&func, BACKWARD, smem)
         .map_err(|e| Error::Unsupported(format!("{e}: rows of {n} features are too wide for the row-wise backward")))?;
     let cfg = LaunchConfig {
@@ -98,12 +101,13 @@ pub fn epilogue_rows_backward(
         block_dim: (ROW_THREADS as u32, 1, 1),
         shared_mem_bytes: smem as u32,
     };
-    let (rows32, n32, n_ops) = (rows as u32, n as u32, chain.ops.len() as u32);
+    let (rows32, n32, n_ops, in_smem32) = (rows as u32, n as u32, chain.ops.len() as u32, u32::from(in_smem));
     let mut launch = gpu.stream().launch_builder(&func);
     launch.arg(&z.buf).arg(&dy.buf).arg(&mut dz.buf).arg(&mut partials.buf);
-    launch.arg(&rows32).arg(&n32).arg(&chain.descs).arg(&n_ops);
+    launch.arg(&rows32).arg(&n32).arg(&chain.descs).arg(&n_ops).arg(&in_smem32);
     // SAFETY: matches the kernel's signature; z and dz hold rows * n, dy rows * out_width,
-    // partials blocks * slots * n (zeroed); the chain was validated against n.
+    // partials blocks * slots * n (zeroed unless the kernel sums in shared memory and
+    // writes it whole); the chain was validated against n.
     unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{BACKWARD}`"), e))?;
 
     let mut grads = gpu.alloc(&[slots, n])?;
