@@ -107,7 +107,11 @@ fn gpu_block_backward_matches_reference() {
         })
         .collect();
     for (text, shape) in [
-        ("groupnorm(8),swish,mul,swish", (300, 520, 256)), // fused forward, groups of 32
+        // Fusable chains: fused forward, tile-wise backward (ragged rows and columns).
+        ("groupnorm(8),swish,mul,swish", (300, 520, 256)),
+        ("swish,bias,groupnorm(3)", (70, 33, 96)),
+        ("bias,hardtanh(-1,1),mish,groupnorm(125)", (130, 64, 1000)),
+        ("groupnorm(1),leakyrelu(0.01),scale(2)", (70, 40, 128)),
         ("bias,mish,groupnorm(3),mul,gelu", (17, 45, 30)),
         ("leakyrelu(0.2),hardtanh(-0.5,0.7),avgpool(3),scale(-1.5),max", (9, 31, 100)),
         ("gelu,max,scale(3),bias", (5, 20, 40)),

@@ -83,6 +83,14 @@ pub mod epilogue {
         (2 * features + 2 * (ROW_THREADS / 32)) * 4
     }
 
+    /// Threads per block of the tile-wise backward (`epilogue_tiles_backward`).
+    pub const TILE_THREADS: usize = 256;
+
+    /// Dynamic shared memory of the tile-wise backward: each warp's gradient sums.
+    pub const fn tiles_backward_smem_bytes() -> usize {
+        (TILE_THREADS / 32) * super::gemm_simt::MAX_GRAD_SLOTS * 128 * 4
+    }
+
     /// Dynamic shared memory of the row-wise backward: the gradient, the recomputed op
     /// input, a buffer for ops that change the row's length, the same scratch, and
     /// `sum_slots` rows of parameter-gradient sums when they are kept on chip (else 0).
@@ -113,6 +121,9 @@ pub mod gemm_simt {
     pub const SMEM_BYTES: usize = if PIPELINE_BYTES > STAGE_BYTES { PIPELINE_BYTES } else { STAGE_BYTES };
     /// In the epilogue a lane holds 4 consecutive columns of a 128-column row, so a
     /// GroupNorm group of `g` channels (a power of two, 4..=128) is `g / 4` lanes.
+    /// Gradient slots the tile-wise backward keeps in registers: the Linear bias and
+    /// up to 7 op parameters (a chain with more takes the row-wise backward).
+    pub const MAX_GRAD_SLOTS: usize = 8;
     /// Group sizes the fused GroupNorm handles (power of two in this range).
     pub const MIN_FUSED_GROUP: usize = 4;
     pub const MAX_FUSED_GROUP: usize = BLOCK_N;

@@ -4,9 +4,9 @@
 use super::{BlockArgs, Failure};
 use crate::block::random_input;
 use crate::error::{Error, Result};
-use crate::gpu::{Gpu, Phases};
 use crate::gpu::block::GpuBlock;
 use crate::gpu::cublas::Cublas;
+use crate::gpu::{Gpu, Phases};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use std::path::PathBuf;

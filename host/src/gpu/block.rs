@@ -22,6 +22,7 @@
 
 use super::elementwise::{fold_rows_mean, unfold_rows_mean_grad};
 use super::epilogue::DeviceChain;
+use super::epilogue::lanes::{epilogue_tiles_backward, fits as tiles_fit};
 use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
 use super::gemm::simt::{Layout, forward_gemm, grad_input, grad_weight, kernel_name, not_fusable};
 use super::{DeviceTensor, Gpu, Phases};
@@ -279,7 +280,12 @@ impl GpuBlock {
         let mut mark = |name| phases.as_deref_mut().map_or(Ok(()), |p| p.mark(gpu, name));
         let (w, _) = self.gemm_params();
         let n = self.gemm_width();
-        let (dz, slots) = epilogue_rows_backward(gpu, &self.chain, &saved.z, dy, self.out_width())?;
+        // A chain the GEMM can fuse has a tile-wise backward too; others go row by row.
+        let (dz, slots) = if self.not_fusable.is_none() && tiles_fit(&self.chain) {
+            epilogue_tiles_backward(gpu, &self.chain, &saved.z, dy)?
+        } else {
+            epilogue_rows_backward(gpu, &self.chain, &saved.z, dy, self.out_width())?
+        };
         drop(saved);
         mark("chain backward")?;
         let dx = grad_input(gpu, &dz, w)?;

@@ -207,7 +207,9 @@ fn keep_freed_memory(ctx: &CudaContext) -> Result<()> {
     let mut threshold = u64::MAX;
     // SAFETY: the context's device; the attribute takes a pointer to a u64.
     unsafe {
-        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result().map_err(|e| Error::cuda("memory pool", e))?;
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+            .result()
+            .map_err(|e| Error::cuda("memory pool", e))?;
         sys::cuMemPoolSetAttribute(
             pool,
             sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
@@ -278,5 +280,13 @@ impl DeviceTensor {
     }
     pub fn is_empty(&self) -> bool {
         self.buf.len() == 0
+    }
+
+    /// The same buffer under another shape of equal size.
+    pub fn reshape(self, shape: &[usize]) -> Result<DeviceTensor> {
+        if shape.iter().product::<usize>() != self.buf.len() {
+            return Err(Error::Shape(format!("cannot view {} values as {shape:?}", self.buf.len())));
+        }
+        Ok(DeviceTensor { shape: shape.to_vec(), buf: self.buf })
     }
 }

@@ -1,7 +1,10 @@
 //! Epilogues: the chain of ops applied to a GEMM's output.
 //!
 //! `pointwise` holds each elementwise op's forward (and, beside it, its derivative);
-//! `rows` is the kernel that runs a whole chain over rows of a finished GEMM output.
+//! `lanes` runs a chain on a warp holding whole rows of a 128-column tile (the GEMM's
+//! fused epilogue, and the tile-wise backward); `rows` runs any chain on whole rows
+//! of a finished GEMM output, forward and backward.
 
+pub mod lanes;
 pub mod pointwise;
 pub mod rows;

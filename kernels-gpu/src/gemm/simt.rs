@@ -1,9 +1,8 @@
 //! Register-blocked FP32 GEMM on the FMA units with the epilogue chain fused into its
 //! store: `y = chain(x W^T + b)` in one kernel.
 
-use crate::epilogue::pointwise::*;
-use crate::prelude::math::{fma, rsqrt};
-use crate::prelude::warp::segment_sum;
+use crate::epilogue::lanes::{F4, column_param, lane_forward, store_row4};
+use crate::prelude::math::fma;
 use crate::prelude::*;
 use crate::unroll;
 use kernel_abi::epilogue::*;
@@ -14,10 +13,6 @@ const TN: usize = 8; // columns per thread: two runs of 4, 64 apart
 const HALF: usize = BLOCK_M / 2;
 /// Each thread loads `CHUNKS` 16-byte pieces of each operand per k-step.
 const CHUNKS: usize = BLOCK_K / 8;
-
-#[derive(Clone, Copy)]
-#[repr(C, align(16))]
-struct F4([f32; 4]);
 
 /// Row (or column) of the tile owned by index `i < 8` of thread coordinate `t < 16`.
 #[inline(always)]
@@ -341,33 +336,11 @@ impl Loader {
     }
 }
 
-/// Writes columns `c..c+4` of `row` of an `(.., n)` row-major matrix, 16 bytes at a time
-/// when aligned, skipping columns past `n`.
-///
-/// # Safety
-/// `row` and the columns below `n` are inside `dst`.
-#[inline(always)]
-unsafe fn store_row4(dst: *mut f32, v: [f32; 4], row: usize, n: usize, c: usize) {
-    unsafe {
-        if n % 4 == 0 && c + 4 <= n {
-            *(dst.add(row * n + c) as *mut F4) = F4(v);
-        } else {
-            unroll!(e in 0..4 => {
-                if c + e < n {
-                    *dst.add(row * n + c + e) = v[e];
-                }
-            });
-        }
-    }
-}
-
 /// Floats per row of the staged `128 x 128` output tile (16-byte aligned rows).
 const STAGE_STRIDE: usize = BLOCK_N + 4;
 
-/// Bias, then the chain, on one lane's 4 consecutive columns `c..c+4` of one row; the
-/// warp holds the whole 128-column row of the tile. Columns past `n` carry values that
-/// are never stored and must not reach a GroupNorm sum (they cannot: groups divide `n`
-/// and the tile starts at a multiple of 128).
+/// Bias, then the chain, on one lane's 4 consecutive columns `c..c+4` of one row (the
+/// warp holds the tile's whole 128-column row); `save_z` receives the chain's input.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn epilogue_row(
@@ -380,10 +353,8 @@ fn epilogue_row(
     n: usize,
     c: usize,
 ) {
-    // Per-column parameter `p[c + e]`, 0 past the end.
-    let param = |p: *const f32, e: usize| if c + e < n { unsafe { *p.add(c + e) } } else { 0.0 };
     if !bias.is_null() {
-        unroll!(e in 0..4 => { v[e] += param(bias, e); });
+        unroll!(e in 0..4 => { v[e] += column_param(bias, n, c, e); });
     }
     if !save_z.is_null() {
         // SAFETY: row < m and columns < n, inside save_z's (m, n).
@@ -391,39 +362,7 @@ fn epilogue_row(
     }
     for o in 0..n_ops as usize {
         // SAFETY: o < n_ops.
-        let op = unsafe { *ops.add(o) };
-        let p0 = op.param0 as *const f32;
-        match op.code {
-            OP_GROUP_NORM => {
-                // Groups of g = n / groups channels, g a power of two in 4..=128, are
-                // g / 4 neighbouring lanes: two-pass mean and variance by shuffle sums.
-                let g = n / (op.count as usize).max(1);
-                let lanes = (g / 4) as u32;
-                let inv = 1.0 / g as f32;
-                let mean = segment_sum(v[0] + v[1] + v[2] + v[3], lanes) * inv;
-                let mut q = 0.0;
-                unroll!(e in 0..4 => { let d = v[e] - mean; q += d * d; });
-                let rstd = rsqrt(segment_sum(q, lanes) * inv + op.a);
-                let p1 = op.param1 as *const f32;
-                unroll!(e in 0..4 => { v[e] = (v[e] - mean) * rstd * param(p0, e) + param(p1, e); });
-            }
-            code => {
-                unroll!(e in 0..4 => {
-                    let x = v[e];
-                    v[e] = match code {
-                        OP_BIAS => x + param(p0, e),
-                        OP_MUL => x * param(p0, e),
-                        OP_SCALE => x * op.a,
-                        OP_SWISH => swish(x),
-                        OP_MISH => mish(x),
-                        OP_GELU => gelu(x),
-                        OP_LEAKY_RELU => leaky_relu(x, op.a),
-                        OP_HARDTANH => hardtanh(x, op.a, op.b),
-                        _ => f32::NAN, // not fusable: the host never sends it; poison, never pass through
-                    };
-                });
-            }
-        }
+        lane_forward(unsafe { &*ops.add(o) }, v, n, c);
     }
 }
 

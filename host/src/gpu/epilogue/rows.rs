@@ -110,14 +110,22 @@ pub fn epilogue_rows_backward(
     // writes it whole); the chain was validated against n.
     unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{BACKWARD}`"), e))?;
 
-    let mut grads = gpu.alloc(&[slots, n])?;
-    let (b32, len) = (blocks as u32, (slots * n) as u32);
-    {
-        let (func, cfg) = gpu.kernel_1d("sum_partials", slots * n, 0)?;
-        let mut l = gpu.stream().launch_builder(&func);
-        l.arg(&partials.buf).arg(&b32).arg(&len).arg(&mut grads.buf);
-        // SAFETY: (partials, blocks, len, out) as `sum_partials` takes.
-        launched("sum_partials", unsafe { l.launch(cfg) })
-    }?;
+    let grads = sum_partials(gpu, &partials, blocks, slots * n)?.reshape(&[slots, n])?;
     Ok((dz, grads))
+}
+
+/// `out[j] = sum_b partials[b, j]` over `blocks` rows of `len`: the second level of the
+/// parameter-gradient reduction.
+pub fn sum_partials(gpu: &Gpu, partials: &DeviceTensor, blocks: usize, len: usize) -> Result<DeviceTensor> {
+    if partials.len() < blocks * len {
+        return Err(Error::Shape(format!("{} partial sums for {blocks} x {len}", partials.len())));
+    }
+    let mut out = gpu.alloc(&[len])?;
+    let (b32, len32) = (blocks as u32, len as u32);
+    let (func, cfg) = gpu.kernel_1d("sum_partials", len, 0)?;
+    let mut l = gpu.stream().launch_builder(&func);
+    l.arg(&partials.buf).arg(&b32).arg(&len32).arg(&mut out.buf);
+    // SAFETY: (partials, blocks, len, out) as `sum_partials` takes; sizes checked above.
+    launched("sum_partials", unsafe { l.launch(cfg) })?;
+    Ok(out)
 }

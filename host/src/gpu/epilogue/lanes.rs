@@ -1,0 +1,58 @@
+//! Launcher of `epilogue_tiles_backward` (kernels-gpu/src/epilogue/lanes.rs): the
+//! backward of a chain the GEMM's epilogue can fuse, tile by tile.
+
+use super::super::{DeviceTensor, Gpu, launched};
+use super::DeviceChain;
+use crate::error::{Error, Result};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use kernel_abi::epilogue::{TILE_THREADS, tiles_backward_smem_bytes};
+use kernel_abi::gemm_simt::MAX_GRAD_SLOTS;
+
+const KERNEL: &str = "epilogue_tiles_backward";
+
+/// Whether the tile-wise backward can take `chain` (its ops must also be fusable).
+pub fn fits(chain: &DeviceChain) -> bool {
+    chain.grad_slots <= MAX_GRAD_SLOTS
+}
+
+/// `dz` and the parameter-gradient sums `(grad_slots, n)` (slot 0 the Linear bias, then
+/// each op parameter in chain order), from the saved chain input `z` and `dy`, both `(rows, n)`.
+pub fn epilogue_tiles_backward(
+    gpu: &Gpu,
+    chain: &DeviceChain,
+    z: &DeviceTensor,
+    dy: &DeviceTensor,
+) -> Result<(DeviceTensor, DeviceTensor)> {
+    let [rows, n] = z.shape[..] else {
+        return Err(Error::Shape(format!("saved chain input must be 2-D, got {:?}", z.shape)));
+    };
+    if dy.len() != rows * n || !fits(chain) || rows == 0 || n == 0 || rows * n > u32::MAX as usize {
+        return Err(Error::Shape(format!("tile-wise backward of {rows} x {n} with dy {:?}", dy.shape)));
+    }
+    // About 8 blocks per SM in all; each block's rows share one set of sums.
+    let col_tiles = n.div_ceil(128);
+    let row_blocks = (8 * gpu.props.multiprocessors / col_tiles).clamp(1, rows.div_ceil(8));
+    let rows_per_block = rows.div_ceil(row_blocks);
+    let row_blocks = rows.div_ceil(rows_per_block);
+    let slots = chain.grad_slots;
+    let mut partials = gpu.alloc(&[row_blocks, slots, n])?;
+    let mut dz = gpu.alloc(&[rows, n])?;
+    let func = gpu.function(KERNEL)?;
+    let smem = tiles_backward_smem_bytes();
+    gpu.allow_shared(&func, KERNEL, smem)?;
+    let cfg = LaunchConfig {
+        grid_dim: (col_tiles as u32, row_blocks as u32, 1),
+        block_dim: (TILE_THREADS as u32, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    let args = [rows, n, chain.ops.len(), rows_per_block].map(|v| v as u32);
+    let mut launch = gpu.stream().launch_builder(&func);
+    launch.arg(&z.buf).arg(&dy.buf).arg(&mut dz.buf).arg(&mut partials.buf);
+    launch.arg(&args[0]).arg(&args[1]).arg(&chain.descs).arg(&args[2]).arg(&args[3]);
+    // SAFETY: matches the kernel's signature; z, dy and dz hold rows * n; partials
+    // row_blocks * slots * n, every entry written by the kernel; the chain is fusable
+    // (the caller checked) and validated against n.
+    launched(KERNEL, unsafe { launch.launch(cfg) })?;
+    let grads = super::rows::sum_partials(gpu, &partials, row_blocks, slots * n)?;
+    Ok((dz, grads.reshape(&[slots, n])?))
+}
