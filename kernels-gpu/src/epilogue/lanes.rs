@@ -221,10 +221,14 @@ pub unsafe extern "ptx-kernel" fn epilogue_tiles_backward(
 
     let mut sums = [[0.0f32; 4]; MAX_GRAD_SLOTS];
     let mut row = row0 + warp;
+    // The next row's z and dy are loaded before this row's arithmetic, so their
+    // latency overlaps it.
+    // SAFETY (loads): row < rows; columns checked against n inside.
+    let load = |r: usize| if r < row_end { unsafe { (load_row4(z, r, n, c), load_row4(dy, r, n, c)) } } else { ([0.0; 4], [0.0; 4]) };
+    let mut next = load(row);
     while row < row_end {
-        // SAFETY: row < rows; columns checked against n inside.
-        let zr = unsafe { load_row4(z, row, n, c) };
-        let mut g = unsafe { load_row4(dy, row, n, c) };
+        let (zr, mut g) = next;
+        next = load(row + warps);
         let mut slot_end = slots;
         for i in (0..n_ops).rev() {
             // Op i's input: ops 0..i forward from z, in registers.

@@ -59,7 +59,7 @@ fn owned(t: usize, i: usize) -> usize {
 /// lanes and its statistics are shuffle sums.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_f32<const VEC: bool, const A_K: bool, const B_K: bool, const ROLLED: bool>(
+unsafe fn gemm_f32<const VEC: bool, const A_K: bool, const B_K: bool>(
     a: *const f32,
     b: *const f32,
     bias: *const f32,
@@ -96,9 +96,9 @@ unsafe fn gemm_f32<const VEC: bool, const A_K: bool, const B_K: bool, const ROLL
     // SAFETY: forwards this kernel's contract.
     let acc = unsafe {
         if interior {
-            main_loop::<VEC, A_K, B_K, ROLLED, false>(a, b, smem, &dims)
+            main_loop::<VEC, A_K, B_K, false>(a, b, smem, &dims)
         } else {
-            main_loop::<VEC, A_K, B_K, ROLLED, true>(a, b, smem, &dims)
+            main_loop::<VEC, A_K, B_K, true>(a, b, smem, &dims)
         }
     };
 
@@ -158,7 +158,7 @@ struct Dims {
 /// # Safety
 /// As [`gemm_f32`]; `smem` is the kernel's dynamic shared memory.
 #[inline(always)]
-unsafe fn main_loop<const VEC: bool, const A_K: bool, const B_K: bool, const ROLLED: bool, const EDGE: bool>(
+unsafe fn main_loop<const VEC: bool, const A_K: bool, const B_K: bool, const EDGE: bool>(
     a: *const f32,
     b: *const f32,
     smem: *mut f32,
@@ -219,16 +219,7 @@ unsafe fn main_loop<const VEC: bool, const A_K: bool, const B_K: bool, const ROL
                 let b = [b0[0], b0[1], b0[2], b0[3], b1[0], b1[1], b1[2], b1[3]];
                 unroll!(i in 0..8 => { unroll!(j in 0..8 => { acc[i][j] = fma(a[i], b[j], acc[i][j]); }); });
             };
-            if ROLLED {
-                // Two k per iteration of a rolled loop: fully unrolled, ptxas hoists the
-                // shared loads of later k so far ahead that some layouts need more than
-                // 128 registers (see `gemm_entry!`).
-                for kk2 in 0..BLOCK_K / 2 {
-                    unroll!(h in 0..2 => { step_k(kk2 * 2 + h); });
-                }
-            } else {
-                unroll!(kk in 0..16 => { step_k(kk); });
-            }
+            unroll!(kk in 0..16 => { step_k(kk); });
         }
         if next < k_end {
             store(stage_ptr(stage ^ 1), A_K, av);
@@ -367,7 +358,7 @@ fn epilogue_row(
 }
 
 macro_rules! gemm_entry {
-    ($($(#[$doc:meta])* $name:ident = <$vec:literal, $a_k:literal, $b_k:literal, $rolled:literal>;)*) => {$(
+    ($($(#[$doc:meta])* $name:ident = <$vec:literal, $a_k:literal, $b_k:literal>;)*) => {$(
         $(#[$doc])*
         ///
         /// # Safety
@@ -378,24 +369,22 @@ macro_rules! gemm_entry {
             a: *const f32, b: *const f32, bias: *const f32, y: *mut f32, save_z: *mut f32,
             m: u32, n: u32, k: u32, lda: u32, ldb: u32, k_split: u32, ops: *const OpDesc, n_ops: u32,
         ) {
-            unsafe { gemm_f32::<$vec, $a_k, $b_k, $rolled>(a, b, bias, y, save_z, m, n, k, lda, ldb, k_split, ops, n_ops) }
+            unsafe { gemm_f32::<$vec, $a_k, $b_k>(a, b, bias, y, save_z, m, n, k, lda, ldb, k_split, ops, n_ops) }
         }
     )*};
 }
 
-// The last parameter rolls the k-loop for the variants that spill fully unrolled
-// (ptxas -v, checked by tests/ptx.rs): the rolled loop costs time (docs/PERFORMANCE.md).
 gemm_entry! {
     /// Forward `x W^T` (both operands k-contiguous), 16-byte loads.
-    gemm_f32_nt_vec4 = <true, true, true, false>;
+    gemm_f32_nt_vec4 = <true, true, true>;
     /// Forward `x W^T`, scalar loads (any `k`).
-    gemm_f32_nt_scalar = <false, true, true, false>;
+    gemm_f32_nt_scalar = <false, true, true>;
     /// `dX = dZ W`: `B` row-contiguous, 16-byte loads.
-    gemm_f32_nn_vec4 = <true, true, false, false>;
+    gemm_f32_nn_vec4 = <true, true, false>;
     /// `dX = dZ W`, scalar loads.
-    gemm_f32_nn_scalar = <false, true, false, true>;
+    gemm_f32_nn_scalar = <false, true, false>;
     /// `dW = dZ^T X`: both operands row-contiguous, 16-byte loads.
-    gemm_f32_tn_vec4 = <true, false, false, true>;
+    gemm_f32_tn_vec4 = <true, false, false>;
     /// `dW = dZ^T X`, scalar loads.
-    gemm_f32_tn_scalar = <false, false, false, true>;
+    gemm_f32_tn_scalar = <false, false, false>;
 }
