@@ -106,15 +106,26 @@ pub fn lane_forward(op: &OpDesc, v: &mut [f32; 4], n: usize, c: usize) {
     }
 }
 
-/// Adds `v` into slot `slot` of the lane's parameter-gradient sums (a run-time slot
-/// picked among compile-time indices, so the sums stay in registers).
+/// Adds `v` into slot `slot` of the lane's parameter-gradient sums. The run-time slot
+/// (the same in the whole warp) picks one of eight arms, each indexing with a
+/// constant, so the sums stay in registers.
 #[inline(always)]
 fn add_to_slot(sums: &mut [[f32; 4]; MAX_GRAD_SLOTS], slot: usize, v: [f32; 4]) {
-    unroll!(s in 0..8 => {
-        if s == slot {
-            unroll!(e in 0..4 => { sums[s][e] += v[e]; });
-        }
-    });
+    macro_rules! add {
+        ($s:literal) => {
+            unroll!(e in 0..4 => { sums[$s][e] += v[e]; })
+        };
+    }
+    match slot {
+        0 => add!(0),
+        1 => add!(1),
+        2 => add!(2),
+        3 => add!(3),
+        4 => add!(4),
+        5 => add!(5),
+        6 => add!(6),
+        _ => add!(7),
+    }
 }
 
 /// One op backward on the lane: `g` (the gradient of the op's output) becomes that of
