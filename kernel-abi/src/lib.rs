@@ -86,9 +86,11 @@ pub mod epilogue {
     /// Threads per block of the tile-wise backward (`epilogue_tiles_backward`).
     pub const TILE_THREADS: usize = 256;
 
-    /// Dynamic shared memory of the tile-wise backward: each warp's gradient sums.
+    /// Dynamic shared memory of the tile-wise backward: each warp's gradient sums, then
+    /// the op descriptors.
     pub const fn tiles_backward_smem_bytes() -> usize {
         (TILE_THREADS / 32) * super::gemm_simt::MAX_GRAD_SLOTS * 128 * 4
+            + super::gemm_simt::MAX_TILE_OPS * core::mem::size_of::<OpDesc>()
     }
 
     /// Dynamic shared memory of the row-wise backward: the gradient, the recomputed op
@@ -124,6 +126,8 @@ pub mod gemm_simt {
     /// Gradient slots the tile-wise backward keeps in registers: the Linear bias and
     /// up to 7 op parameters (a chain with more takes the row-wise backward).
     pub const MAX_GRAD_SLOTS: usize = 8;
+    /// Ops of a chain the tile-wise backward takes (their descriptors sit in shared memory).
+    pub const MAX_TILE_OPS: usize = 16;
     /// Group sizes the fused GroupNorm handles (power of two in this range).
     pub const MIN_FUSED_GROUP: usize = 4;
     pub const MAX_FUSED_GROUP: usize = BLOCK_N;

@@ -13,7 +13,7 @@ use crate::prelude::warp::segment_sum;
 use crate::prelude::*;
 use crate::unroll;
 use kernel_abi::epilogue::*;
-use kernel_abi::gemm_simt::MAX_GRAD_SLOTS;
+use kernel_abi::gemm_simt::{MAX_GRAD_SLOTS, MAX_TILE_OPS};
 
 /// 16 bytes, for vector loads and stores.
 #[derive(Clone, Copy)]
@@ -188,8 +188,8 @@ fn op_slots(op: &OpDesc) -> usize {
 /// op's input from the saved `z` in registers; no barrier until the block's sums meet.
 ///
 /// # Safety
-/// Device pointers; `ops[..n_ops]` fusable (the host checks) with at most
-/// `MAX_GRAD_SLOTS - 1` parameters. Launch: grid `(ceil(n / 128), row_blocks)`,
+/// Device pointers; `ops[..n_ops]` fusable (the host checks), at most `MAX_TILE_OPS`
+/// of them, with at most `MAX_GRAD_SLOTS - 1` parameters. Launch: grid `(ceil(n / 128), row_blocks)`,
 /// `TILE_THREADS` threads, `tiles_backward_smem_bytes()` shared memory; block `(bx, by)`
 /// takes rows `by * rows_per_block ..` of its 128 columns.
 ///
@@ -223,8 +223,19 @@ pub unsafe extern "ptx-kernel" fn epilogue_tiles_backward(
     let c = block_idx_x() as usize * 128 + lane * 4;
     let row0 = block_idx_y() as usize * rows_per_block as usize;
     let row_end = if row0 + (rows_per_block as usize) < rows { row0 + rows_per_block as usize } else { rows };
-    // SAFETY: op descriptors are read-only; indices < n_ops.
-    let op_at = |i: usize| unsafe { &*ops.add(i) };
+    // The op descriptors, read at every op of every row, are copied to shared memory
+    // (after the warps' sums): a short, uniform load instead of a global one.
+    let s = dynamic_shared::<f32>(); // [warp][slot][128] sums, then the descriptors
+    let descs = unsafe { s.add(warps * MAX_GRAD_SLOTS * 128) } as *mut OpDesc;
+    let t = thread_idx_x() as usize;
+    if t < n_ops.min(MAX_TILE_OPS) {
+        // SAFETY: t < n_ops; the launch provides MAX_TILE_OPS descriptors of space.
+        unsafe { *descs.add(t) = *ops.add(t) };
+    }
+    // SAFETY: uniform barrier before the descriptors are read.
+    unsafe { sync_threads() };
+    // SAFETY: i < n_ops <= MAX_TILE_OPS (the host checks).
+    let op_at = |i: usize| unsafe { &*descs.add(i) };
     let mut slots = 1;
     for i in 0..n_ops {
         slots += op_slots(op_at(i));
@@ -258,7 +269,6 @@ pub unsafe extern "ptx-kernel" fn epilogue_tiles_backward(
     }
 
     // The 8 warps' sums meet in shared memory; warp 0 writes the block's.
-    let s = dynamic_shared::<f32>(); // [warp][slot][128]
     // SAFETY: indices < warps * MAX_GRAD_SLOTS * 128; uniform barrier.
     unsafe {
         unroll!(k in 0..8 => {

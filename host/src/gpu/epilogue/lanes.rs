@@ -6,13 +6,13 @@ use super::DeviceChain;
 use crate::error::{Error, Result};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use kernel_abi::epilogue::{TILE_THREADS, tiles_backward_smem_bytes};
-use kernel_abi::gemm_simt::MAX_GRAD_SLOTS;
+use kernel_abi::gemm_simt::{MAX_GRAD_SLOTS, MAX_TILE_OPS};
 
 const KERNEL: &str = "epilogue_tiles_backward";
 
 /// Whether the tile-wise backward can take `chain` (its ops must also be fusable).
 pub fn fits(chain: &DeviceChain) -> bool {
-    chain.grad_slots <= MAX_GRAD_SLOTS
+    chain.grad_slots <= MAX_GRAD_SLOTS && chain.ops.len() <= MAX_TILE_OPS
 }
 
 /// `dz` and the parameter-gradient sums `(grad_slots, n)` (slot 0 the Linear bias, then
@@ -29,9 +29,10 @@ pub fn epilogue_tiles_backward(
     if dy.len() != rows * n || !fits(chain) || rows == 0 || n == 0 || rows * n > u32::MAX as usize {
         return Err(Error::Shape(format!("tile-wise backward of {rows} x {n} with dy {:?}", dy.shape)));
     }
-    // About 8 blocks per SM in all; each block's rows share one set of sums.
+    // One wave of blocks (2 fit per SM), each with a long run of rows: its sums and
+    // its final reduction are paid once per block.
     let col_tiles = n.div_ceil(128);
-    let row_blocks = (8 * gpu.props.multiprocessors / col_tiles).clamp(1, rows.div_ceil(8));
+    let row_blocks = (2 * gpu.props.multiprocessors / col_tiles).clamp(1, rows.div_ceil(8));
     let rows_per_block = rows.div_ceil(row_blocks);
     let row_blocks = rows.div_ceil(rows_per_block);
     let slots = chain.grad_slots;
