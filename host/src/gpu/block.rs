@@ -288,10 +288,14 @@ impl GpuBlock {
         };
         drop(saved);
         mark("chain backward")?;
+        // dW on the side stream, overlapping dX: each GEMM's last, partial wave of
+        // tiles leaves SMs idle that the other fills. The main stream waits for the side
+        // stream before anything after (dz's free included) is queued.
+        let side = gpu.side_stream();
+        let dw = grad_weight(gpu, side, &dz, x)?;
         let dx = grad_input(gpu, &dz, w)?;
-        mark("dX GEMM")?;
-        let dw = grad_weight(gpu, &dz, x)?;
-        mark("dW GEMM")?;
+        gpu.order(side, gpu.stream())?;
+        mark("dX and dW GEMMs")?;
         drop(dz);
 
         // Slot 0: the (folded) Linear bias; then each op parameter in chain order.

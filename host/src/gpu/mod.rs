@@ -39,6 +39,9 @@ pub struct DeviceProps {
 pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    /// A second stream for independent work that can overlap the first (the backward's
+    /// two GEMMs); ordered against `stream` with events by whoever uses it.
+    side: Arc<CudaStream>,
     module: Arc<CudaModule>,
     pub props: DeviceProps,
 }
@@ -89,18 +92,30 @@ impl Gpu {
                 props.name
             )));
         }
-        // One stream only: cudarc's cross-stream event tracking would be pure overhead.
-        // SAFETY: nothing in this crate uses a second stream.
+        // cudarc's automatic cross-stream event tracking would be pure overhead: the one
+        // place that uses the side stream orders it explicitly (`Gpu::order`).
+        // SAFETY: see `GpuBlock::backward_timed`, the side stream's only user.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
         keep_freed_memory(&ctx)?;
+        let side = ctx.new_stream().map_err(|e| Error::cuda("creating a stream", e))?;
         let module =
             ctx.load_module(Ptx::from_src(KERNELS_PTX)).map_err(|e| Error::cuda("loading the kernel module", e))?;
-        Ok(Gpu { ctx, stream, module, props })
+        Ok(Gpu { ctx, stream, side, module, props })
     }
 
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    pub fn side_stream(&self) -> &Arc<CudaStream> {
+        &self.side
+    }
+
+    /// Makes `later` wait for everything queued on `earlier` so far.
+    pub fn order(&self, earlier: &CudaStream, later: &CudaStream) -> Result<()> {
+        let e = earlier.record_event(None).map_err(|e| Error::cuda("recording an event", e))?;
+        later.wait(&e).map_err(|e| Error::cuda("waiting for an event", e))
     }
 
     pub fn context(&self) -> &Arc<CudaContext> {

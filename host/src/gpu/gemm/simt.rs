@@ -6,7 +6,7 @@ use super::super::epilogue::DeviceChain;
 use super::super::{DeviceTensor, Gpu};
 use crate::chain::Op;
 use crate::error::{Error, Result};
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use kernel_abi::gemm_simt::{BLOCK_K, BLOCK_M, BLOCK_N, MAX_FUSED_GROUP, MIN_FUSED_GROUP, SMEM_BYTES, THREADS};
 
 /// Why the fused kernel cannot apply `op` to `features` channels, or `None` if it can.
@@ -69,6 +69,17 @@ pub struct Gemm<'a> {
 impl Gemm<'_> {
     /// Queues the GEMM. `save_z`, if given, receives `A B^T + bias` before the chain.
     pub fn launch(&self, gpu: &Gpu, y: &mut DeviceTensor, save_z: Option<&mut DeviceTensor>) -> Result<()> {
+        self.launch_on(gpu, gpu.stream(), y, save_z)
+    }
+
+    /// [`Gemm::launch`] on another stream of the same GPU (the caller orders it).
+    pub fn launch_on(
+        &self,
+        gpu: &Gpu,
+        stream: &CudaStream,
+        y: &mut DeviceTensor,
+        save_z: Option<&mut DeviceTensor>,
+    ) -> Result<()> {
         let (m, n, k, splits) = (self.m, self.n, self.k, self.splits.max(1));
         let want: Vec<usize> = if splits > 1 { vec![splits, m, n] } else { vec![m, n] };
         if y.shape != want {
@@ -106,7 +117,7 @@ impl Gemm<'_> {
         let chain = if splits > 1 { None } else { self.chain };
         let n_ops = chain.map_or(0, |c| c.ops.len() as u32);
         let null = 0u64;
-        let mut launch = gpu.stream().launch_builder(&func);
+        let mut launch = stream.launch_builder(&func);
         launch.arg(self.a).arg(self.b);
         match self.bias.filter(|_| splits == 1) {
             Some(b) => launch.arg(b),
@@ -172,8 +183,10 @@ pub fn grad_input(gpu: &Gpu, dz: &DeviceTensor, w: &DeviceTensor) -> Result<Devi
     Ok(dx)
 }
 
-/// `dW (n, k) = dZ (m, n)^T X (m, k)`.
-pub fn grad_weight(gpu: &Gpu, dz: &DeviceTensor, x: &DeviceTensor) -> Result<DeviceTensor> {
+/// `dW (n, k) = dZ (m, n)^T X (m, k)`, queued on `stream` after all the GPU's stream
+/// holds so far (its output is allocated there first). The caller orders the GPU's
+/// stream after `stream` before using or freeing anything it reads.
+pub fn grad_weight(gpu: &Gpu, stream: &CudaStream, dz: &DeviceTensor, x: &DeviceTensor) -> Result<DeviceTensor> {
     let (&[m, n], &[xm, k]) = (&dz.shape[..], &x.shape[..]) else {
         return Err(Error::Shape(format!("dW = dZ^T X: dZ {:?}, X {:?}", dz.shape, x.shape)));
     };
@@ -194,6 +207,6 @@ pub fn grad_weight(gpu: &Gpu, dz: &DeviceTensor, x: &DeviceTensor) -> Result<Dev
         chain: None,
         splits: 1,
     }
-    .launch(gpu, &mut dw, None)?;
+    .launch_on(gpu, stream, &mut dw, None)?;
     Ok(dw)
 }
