@@ -96,7 +96,9 @@ impl Gpu {
         // place that uses the side stream orders it explicitly (`Gpu::order`).
         // SAFETY: see `GpuBlock::backward_timed`, the side stream's only user.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        // Two explicit streams rather than the legacy default stream, whose implicit
+        // synchronisation rules differ from the events `Gpu::order` relies on.
+        let stream = ctx.new_stream().map_err(|e| Error::cuda("creating a stream", e))?;
         keep_freed_memory(&ctx)?;
         let side = ctx.new_stream().map_err(|e| Error::cuda("creating a stream", e))?;
         let module =

@@ -194,6 +194,8 @@ pub fn grad_weight(gpu: &Gpu, stream: &CudaStream, dz: &DeviceTensor, x: &Device
         return Err(Error::Shape(format!("dW = dZ^T X: dZ {:?}, X {:?}", dz.shape, x.shape)));
     }
     let mut dw = gpu.alloc(&[n, k])?;
+    // `stream` starts after everything queued on the GPU's stream, this allocation included.
+    gpu.order(gpu.stream(), stream)?;
     Gemm {
         layout: Layout::Tn,
         a: &dz.buf,
