@@ -3,12 +3,12 @@
 # scripts/device-prepare.sh: checks first, then timings, then PyTorch's numbers in the
 # same call. Everything goes to $OUT/log.txt (and the JSON tables beside it: the
 # device tool returns at most 8 files); a short summary is printed last.
-#   STEPS="ptxas tests check forward backward bench train pytorch" (default: all)
+#   STEPS="ptxas tests check forward backward bench train pytorch tensor" (default: all)
 #   TORCH_FLAGS="--compile default" etc. are passed to the PyTorch baselines.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 C=device-carry
-STEPS=${STEPS:-"ptxas tests check forward backward bench train pytorch"}
+STEPS=${STEPS:-"ptxas tests check forward backward bench train pytorch tensor"}
 LOG="$OUT/log.txt"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 summary=()
@@ -56,10 +56,21 @@ if has backward; then
 fi
 has bench && run "bench forward" 300 "$C/host" bench --repeat 20 --json "$OUT/bench.json"
 has bench && run "bench backward" 400 "$C/host" bench --backward --repeat 10 --json "$OUT/bench-bwd.json"
+if has tensor; then
+  for p in tf32x3 tf32; do
+    run "check $p" 300 "$C/host" check --precision $p --random 24 --seed 2
+    run "check backward $p" 300 "$C/host" check --backward --precision $p --random 24 --seed 3
+    run "bench $p" 300 "$C/host" bench --precision $p --repeat 20 --json "$OUT/bench-$p.json"
+  done
+  run "bench backward tf32x3" 300 "$C/host" bench --backward --precision tf32x3 --repeat 10 --json "$OUT/bench-tf32x3-bwd.json"
+  run "bench backward tf32" 300 "$C/host" bench --backward --precision tf32 --repeat 10
+fi
 has train && run "train" 200 "$C/host" train --device gpu --steps 60
 if has pytorch; then
   PYTHONUNBUFFERED=1 run "pytorch fp32 ${TORCH_FLAGS:-eager}" 500 python3 "$C/pytorch_baselines.py" --backward \
     ${TORCH_FLAGS:-} --json "$OUT/torch.json"
+  has tensor && PYTHONUNBUFFERED=1 run "pytorch tf32 ${TORCH_FLAGS:-eager}" 500 python3 "$C/pytorch_baselines.py" \
+    --backward --tf32 ${TORCH_FLAGS:-} --json "$OUT/torch-tf32.json"
 fi
 
 echo

@@ -145,6 +145,47 @@ fn gpu_block_backward_matches_reference() {
     }
 }
 
+/// The tensor-core GEMMs (3xTF32 at the FP32 tolerance, TF32 at its own) in the
+/// forward and every gradient, fused and row-wise paths, ragged shapes.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn tensor_core_precisions_match_reference() {
+    use host::gpu::gemm::simt::Precision;
+    let gpu = gpu();
+    let mut rng = StdRng::seed_from_u64(19);
+    let cases: [(&str, (usize, usize, usize)); 4] = [
+        ("groupnorm(8),swish,mul,swish", (300, 520, 256)),
+        ("bias,hardtanh(-1,1),mish,groupnorm(125)", (130, 517, 1000)),
+        ("avgpool(16),gelu,scale(2),max", (100, 2048, 512)),
+        ("swish,bias,groupnorm(4)", (65, 1024, 96)),
+    ];
+    for precision in [Precision::Tf32x3, Precision::Tf32] {
+        for (text, (b, i, o)) in cases {
+            let spec = BlockSpec::new(i, o, text.parse().unwrap()).unwrap();
+            let params = Params::init(&spec, &mut rng);
+            let x = random_input(b, i, &mut rng);
+            let out = spec.output_shape(b);
+            let dy = random_input(1, out.iter().product(), &mut rng).reshape(&out).unwrap();
+            let block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(precision);
+            let y = block.forward(&gpu, &x).unwrap();
+            let got = block.forward_backward(&gpu, &x, &dy).unwrap();
+            let p64 = params.map(f64::from);
+            let want_y = reference::block_forward(&spec, &x.to_f64(), &p64).unwrap();
+            let (_, want) = reference::block_backward(&spec, &x.to_f64(), &p64, &dy.to_f64()).unwrap();
+            let mut report = vec![("y".to_string(), compare_f32(y.data(), want_y.data()))];
+            report.push(("x".into(), compare_f32(got.x.data(), want.x.data())));
+            for ((s, g), w) in spec.param_specs().iter().zip(got.params.flat()).zip(want.params.flat()) {
+                report.push((s.name.clone(), compare_f32(g.data(), w.data())));
+            }
+            let worst = report.iter().map(|(_, c)| c.rel).fold(0.0, f64::max);
+            println!("{precision:<7} {text:<42} ({b}, {i}, {o}) worst rel {worst:.2e}");
+            for (what, c) in &report {
+                assert!(c.passes(precision.tolerance()), "{precision} {text}: {what}: {c:?}");
+            }
+        }
+    }
+}
+
 /// Blocks chained on one GPU tape, block A used twice (`A(B(A(x)))`), so its
 /// parameters' gradients are sums the tape accumulates: all match the CPU f64 tape.
 #[test]

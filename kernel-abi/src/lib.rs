@@ -7,14 +7,34 @@
 /// `(kernel, max threads per block, min blocks per SM)`: CUDA's `__launch_bounds__`,
 /// which rustc cannot express; `host/build.rs` writes them into the PTX so that
 /// ptxas caps each kernel's registers to fit that many blocks.
-pub const LAUNCH_BOUNDS: &[(&str, u32, u32)] = &[
-    ("gemm_f32_nt_vec4", gemm_simt::THREADS as u32, gemm_simt::MIN_BLOCKS_PER_SM),
-    ("gemm_f32_nt_scalar", gemm_simt::THREADS as u32, gemm_simt::MIN_BLOCKS_PER_SM),
-    ("gemm_f32_nn_vec4", gemm_simt::THREADS as u32, gemm_simt::MIN_BLOCKS_PER_SM),
-    ("gemm_f32_nn_scalar", gemm_simt::THREADS as u32, gemm_simt::MIN_BLOCKS_PER_SM),
-    ("gemm_f32_tn_vec4", gemm_simt::THREADS as u32, gemm_simt::MIN_BLOCKS_PER_SM),
-    ("gemm_f32_tn_scalar", gemm_simt::THREADS as u32, gemm_simt::MIN_BLOCKS_PER_SM),
-];
+pub const LAUNCH_BOUNDS: &[(&str, u32, u32)] = &gemm_simt::bounds([
+    "gemm_f32_nt_vec4",
+    "gemm_f32_nt_scalar",
+    "gemm_f32_nn_vec4",
+    "gemm_f32_nn_scalar",
+    "gemm_f32_tn_vec4",
+    "gemm_f32_tn_scalar",
+]);
+
+/// The tensor-core GEMMs need more than 128 registers (3xTF32 keeps high and low
+/// parts of every fragment): one block per SM.
+pub const LAUNCH_BOUNDS_MMA: &[(&str, u32, u32)] = &gemm_simt::bounds_with(
+    1,
+    [
+        "gemm_tf32x3_nt_vec4",
+        "gemm_tf32x3_nt_scalar",
+        "gemm_tf32x3_nn_vec4",
+        "gemm_tf32x3_nn_scalar",
+        "gemm_tf32x3_tn_vec4",
+        "gemm_tf32x3_tn_scalar",
+        "gemm_tf32_nt_vec4",
+        "gemm_tf32_nt_scalar",
+        "gemm_tf32_nn_vec4",
+        "gemm_tf32_nn_scalar",
+        "gemm_tf32_tn_vec4",
+        "gemm_tf32_tn_scalar",
+    ],
+);
 
 /// The shared-memory tiled GEMM with bias (`y = x W^T + b`).
 pub mod gemm_tiled {
@@ -112,9 +132,24 @@ pub mod gemm_simt {
     pub const THREADS: usize = 256;
     /// Two resident blocks per SM: caps registers at 128 per thread.
     pub const MIN_BLOCKS_PER_SM: u32 = 2;
-    /// Floats per `k` row of a staged tile: 4 of padding put the two halves of a
-    /// warp's transposed stores in different banks and keep rows 16-byte aligned.
-    pub const SMEM_STRIDE: usize = BLOCK_M + 4;
+
+    /// Launch bounds of the FMA GEMMs: `THREADS` threads, `MIN_BLOCKS_PER_SM` blocks.
+    pub const fn bounds<const N: usize>(names: [&'static str; N]) -> [(&'static str, u32, u32); N] {
+        bounds_with(MIN_BLOCKS_PER_SM, names)
+    }
+
+    /// Launch bounds with `blocks` resident blocks per SM.
+    pub const fn bounds_with<const N: usize>(blocks: u32, names: [&'static str; N]) -> [(&'static str, u32, u32); N] {
+        let mut out = [("", 0, 0); N];
+        let mut i = 0;
+        while i < N {
+            out[i] = (names[i], THREADS as u32, blocks);
+            i += 1;
+        }
+        out
+    }
+    /// Widest row of a staged operand tile (the tensor-core path pads by 8 floats).
+    pub const SMEM_STRIDE: usize = BLOCK_M + 8;
     /// Two stages (double buffering) of the x and w tiles.
     const PIPELINE_BYTES: usize = 2 * 2 * BLOCK_K * SMEM_STRIDE * 4;
     /// The output tile staged for the epilogue, rows padded to `BLOCK_N + 4` floats.

@@ -3,7 +3,7 @@
 
 use super::{Backend, BlockArgs, DeviceChoice, Failure, Problem};
 use crate::block::Params;
-use crate::check::{Comparison, FP32_REL, compare_f32};
+use crate::check::{Comparison, compare_f32};
 use crate::error::Result;
 use crate::gpu::block::GpuBlock;
 use crate::io::TensorFile;
@@ -61,7 +61,7 @@ pub fn run(a: &BackwardArgs) -> Result<(), Failure> {
             ("cpu (f32 reference code, nalgebra GEMMs)".to_string(), y, g.x, g.params, ms, "one run, wall clock".into())
         }
         Backend::Gpu(gpu) => {
-            let block = GpuBlock::new(&gpu, &p.spec, &p.params)?;
+            let block = GpuBlock::new(&gpu, &p.spec, &p.params)?.with_precision(p.precision);
             let out = block.forward_backward(&gpu, &p.x, &dy)?;
             let (x, ddy) = (gpu.upload(&p.x)?, gpu.upload(&dy)?);
             let mut times = Vec::new();
@@ -73,7 +73,7 @@ pub fn run(a: &BackwardArgs) -> Result<(), Failure> {
             }
             times.sort_by(f64::total_cmp);
             let pr = &gpu.props;
-            let backend = format!("gpu: {} ({} SMs)", pr.name, pr.multiprocessors);
+            let backend = format!("gpu: {} ({} SMs), {} GEMMs", pr.name, pr.multiprocessors, p.precision);
             let path = block.describe(&block.plan(&gpu, batch));
             let timing = format!("median of {} after a checked run, CUDA events; forward {path}", times.len());
             (backend, out.y, out.x, out.params, times[times.len() / 2], timing)
@@ -92,7 +92,8 @@ pub fn run(a: &BackwardArgs) -> Result<(), Failure> {
     let sums: Vec<String> = names.iter().zip(grads.flat()).map(|(n, g)| format!("{n} {:.4e}", sum(g))).collect();
     println!("  checksums grad.x {:.4e}; {}", sum(&dx), sums.join(", "));
 
-    let verdict = check(&p, &dy, &dx, &grads, a.check_rows)?;
+    let tol = if backend.starts_with("gpu") { p.precision.tolerance() } else { crate::check::FP32_REL };
+    let verdict = check(&p, &dy, &dx, &grads, a.check_rows, tol)?;
     if let Some(path) = &a.grads {
         let mut named = vec![("grad.x".to_string(), &dx)];
         named.extend(names.iter().map(|n| format!("grad.{n}")).zip(grads.flat()));
@@ -115,6 +116,7 @@ fn check(
     dx: &Tensor<f32>,
     grads: &Params<f32>,
     n: usize,
+    tol: f64,
 ) -> Result<Result<(), Failure>> {
     if n == 0 {
         println!("  check     skipped (--check-rows 0)");
@@ -124,9 +126,9 @@ fn check(
     let macs = batch as f64 * in_f as f64 * p.spec.out_features as f64;
     let mut failed = Vec::new();
     let mut report = |what: &str, c: Comparison| {
-        let ok = c.passes(FP32_REL);
+        let ok = c.passes(tol);
         println!(
-            "  check     {what}: rel err {:.2e}, max abs {:.2e}, non-finite {}: {}",
+            "  check     {what}: rel err {:.2e}, max abs {:.2e}, non-finite {} (tolerance {tol:e}): {}",
             c.rel,
             c.max_abs,
             c.non_finite,

@@ -6,6 +6,7 @@ use crate::block::random_input;
 use crate::error::{Error, Result};
 use crate::gpu::block::GpuBlock;
 use crate::gpu::cublas::Cublas;
+use crate::gpu::gemm::simt::Precision;
 use crate::gpu::{Gpu, Phases};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -32,6 +33,10 @@ pub struct BenchArgs {
     /// (forward, dX, dW) instead of the forward against one.
     #[arg(long)]
     backward: bool,
+    /// Arithmetic of our GEMMs; cuBLAS runs the same math (SGEMM for fp32 and tf32x3,
+    /// TF32 tensor-op math for tf32).
+    #[arg(long, value_enum, default_value = "fp32")]
+    precision: Precision,
     /// Also write the table as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -59,7 +64,7 @@ fn median_ms(gpu: &Gpu, repeat: usize, mut work: impl FnMut() -> Result<()>) -> 
 
 pub fn run(a: &BenchArgs) -> Result<(), Failure> {
     let gpu = Gpu::open(0)?;
-    let cublas = Cublas::new(&gpu)?;
+    let cublas = Cublas::new(&gpu, a.precision == Precision::Tf32)?;
     let models: Vec<&str> = if a.ops.is_some() { vec!["custom"] } else { a.models.split(',').map(str::trim).collect() };
     let mut rows = Vec::new();
     for model in models {
@@ -71,10 +76,11 @@ pub fn run(a: &BenchArgs) -> Result<(), Failure> {
             seed: 1,
             weights: None,
             input: None,
+            precision: a.precision,
         };
         let p = args.problem()?;
         let (b, i, o) = (p.x.rows(), p.spec.in_features, p.spec.out_features);
-        let block = GpuBlock::new(&gpu, &p.spec, &p.params)?;
+        let block = GpuBlock::new(&gpu, &p.spec, &p.params)?.with_precision(a.precision);
         let x = gpu.upload(&p.x)?;
         let ws = block.workspace(&gpu, b)?;
         let path = block.describe(&ws.plan);
@@ -129,8 +135,12 @@ pub fn run(a: &BenchArgs) -> Result<(), Failure> {
 
     let (what, peer) = if a.backward { ("forward+backward", "cuBLAS 3 GEMMs") } else { ("forward", "cuBLAS GEMM") };
     println!(
-        "device: {} ({} SMs); {what}, strict FP32; median of {} runs, CUDA events",
-        gpu.props.name, gpu.props.multiprocessors, a.repeat
+        "device: {} ({} SMs); {what}, precision {} (cuBLAS: {}); median of {} runs, CUDA events",
+        gpu.props.name,
+        gpu.props.multiprocessors,
+        a.precision,
+        if a.precision == Precision::Tf32 { "TF32 tensor-op math" } else { "SGEMM, FP32" },
+        a.repeat
     );
     println!("{:<7} {:<20} {:>9} {:>15} {:>7} {:>9}  path", "model", "shape", "ours ms", peer, "ratio", "TFLOP/s");
     for r in &rows {
@@ -166,8 +176,9 @@ pub fn run(a: &BenchArgs) -> Result<(), Failure> {
             })
             .collect();
         let text = format!(
-            "{{\"device\": \"{}\", \"precision\": \"fp32\", \"backward\": {}, \"results\": [\n{}\n]}}\n",
+            "{{\"device\": \"{}\", \"precision\": \"{}\", \"backward\": {}, \"results\": [\n{}\n]}}\n",
             gpu.props.name,
+            a.precision,
             a.backward,
             items.join(",\n")
         );

@@ -4,10 +4,11 @@
 use super::Failure;
 use crate::block::{BlockSpec, Params, random_input};
 use crate::chain::{Chain, Op, Preset};
-use crate::check::{FP32_REL, compare_f32};
+use crate::check::compare_f32;
 use crate::error::Result;
 use crate::gpu::Gpu;
 use crate::gpu::block::GpuBlock;
+use crate::gpu::gemm::simt::Precision;
 use crate::reference;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -26,6 +27,9 @@ pub struct CheckArgs {
     /// Check the gradients of `x` and every parameter instead of the forward output.
     #[arg(long)]
     backward: bool,
+    /// Arithmetic of the GEMMs (tolerance: 1e-4 for fp32 and tf32x3, 2e-3 for tf32).
+    #[arg(long, value_enum, default_value = "fp32")]
+    precision: Precision,
 }
 
 /// A chain of 1..=5 random ops valid for `out` features, ending in `max` sometimes.
@@ -88,6 +92,8 @@ pub fn run(a: &CheckArgs) -> Result<(), Failure> {
         cases.push((format!("random {i}"), random_chain(&mut rng, shape.2), shape));
     }
 
+    let tol = a.precision.tolerance();
+    println!("precision {}: tolerance {tol:e} relative to the f64 reference", a.precision);
     let what = if a.backward { "worst grad" } else { "rel err" };
     println!("{:<14} {:<16} {:>10} {:>9}  {:<6} chain / path", "case", "shape", what, "max abs", "result");
     let mut failed = 0;
@@ -101,7 +107,7 @@ pub fn run(a: &CheckArgs) -> Result<(), Failure> {
             *p = random_input(1, p.len(), &mut rng).reshape(p.shape())?;
         }
         let x = random_input(b, i, &mut rng);
-        let block = GpuBlock::new(&gpu, &spec, &params)?;
+        let block = GpuBlock::new(&gpu, &spec, &params)?.with_precision(a.precision);
         let plan = block.plan(&gpu, b);
         let comparisons = if a.backward {
             let out = spec.output_shape(b);
@@ -121,7 +127,7 @@ pub fn run(a: &CheckArgs) -> Result<(), Failure> {
             }
             vec![("y".to_string(), compare_f32(y.data(), want.data()))]
         };
-        let ok = comparisons.iter().all(|(_, c)| c.passes(FP32_REL));
+        let ok = comparisons.iter().all(|(_, c)| c.passes(tol));
         failed += usize::from(!ok);
         for (what, c) in &comparisons {
             match worst.iter_mut().find(|(w, _)| w == what) {
@@ -141,7 +147,7 @@ pub fn run(a: &CheckArgs) -> Result<(), Failure> {
             block.describe(&plan)
         );
         if !ok {
-            for (what, c) in comparisons.iter().filter(|(_, c)| !c.passes(FP32_REL)) {
+            for (what, c) in comparisons.iter().filter(|(_, c)| !c.passes(tol)) {
                 println!("    {what}: rel {:.3e}, max abs {:.3e}, non-finite {}", c.rel, c.max_abs, c.non_finite);
             }
         }
@@ -149,8 +155,8 @@ pub fn run(a: &CheckArgs) -> Result<(), Failure> {
     let summary: Vec<String> = worst.iter().map(|(w, e)| format!("{w} {e:.2e}")).collect();
     println!("worst relative error per {}: {}", if a.backward { "gradient" } else { "output" }, summary.join(", "));
     if failed > 0 {
-        return Err(Failure::CheckFailed(format!("{failed} case(s) differ from the reference beyond {FP32_REL:e}")));
+        return Err(Failure::CheckFailed(format!("{failed} case(s) differ from the reference beyond {tol:e}")));
     }
-    println!("all cases within {FP32_REL:e} of the f64 reference");
+    println!("all cases within {tol:e} of the f64 reference");
     Ok(())
 }

@@ -1,7 +1,7 @@
 //! `host forward`: one block's forward pass, with a one-screen summary.
 
 use super::{Backend, BlockArgs, DeviceChoice, Failure, Problem};
-use crate::check::{FP32_REL, compare_f32};
+use crate::check::compare_f32;
 use crate::error::Result;
 use crate::gpu::block::GpuBlock;
 use crate::reference;
@@ -44,7 +44,7 @@ pub fn run(a: &ForwardArgs) -> Result<(), Failure> {
     let r = match &backend {
         Backend::Cpu => run_cpu(&p)?,
         Backend::Gpu(gpu) => {
-            let block = GpuBlock::new(gpu, &p.spec, &p.params)?;
+            let block = GpuBlock::new(gpu, &p.spec, &p.params)?.with_precision(p.precision);
             let x = gpu.upload(&p.x)?;
             let batch = p.x.rows();
             // The checked run writes into NaN-poisoned buffers, so a missed element shows.
@@ -59,8 +59,8 @@ pub fn run(a: &ForwardArgs) -> Result<(), Failure> {
             let pr = &gpu.props;
             Run {
                 backend: format!(
-                    "gpu: {} ({} SMs, sm_{}{})",
-                    pr.name, pr.multiprocessors, pr.compute_capability.0, pr.compute_capability.1
+                    "gpu: {} ({} SMs, sm_{}{}), {} GEMM",
+                    pr.name, pr.multiprocessors, pr.compute_capability.0, pr.compute_capability.1, p.precision
                 ),
                 path: block.describe(&ws.plan),
                 flops: block.executed_flops(batch),
@@ -83,7 +83,9 @@ pub fn run(a: &ForwardArgs) -> Result<(), Failure> {
     println!("  time      {:.3} ms, {:.2} TFLOP/s ({})", r.ms, tflops, r.timing);
     println!("  checksum  sum {sum:.6e}, sum|y| {abs:.6e}");
 
-    let verdict = check_rows(&p, &r.y, a.check_rows)?;
+    // The CPU backend computes in FP32 whatever --precision says.
+    let tol = if r.backend.starts_with("gpu") { p.precision.tolerance() } else { crate::check::FP32_REL };
+    let verdict = check_rows(&p, &r.y, a.check_rows, tol)?;
     if let Some(path) = &a.output {
         crate::io::write(path, &[("y", &r.y)])?;
         println!("  output    y written to {}", path.display());
@@ -107,7 +109,7 @@ fn run_cpu(p: &Problem) -> Result<Run> {
 }
 
 /// Compares `n` rows of `y`, spread over the batch, with the f64 reference.
-fn check_rows(p: &Problem, y: &Tensor<f32>, n: usize) -> Result<Result<(), Failure>> {
+fn check_rows(p: &Problem, y: &Tensor<f32>, n: usize, tol: f64) -> Result<Result<(), Failure>> {
     if n == 0 {
         println!("  check     skipped (--check-rows 0)");
         return Ok(Ok(()));
@@ -121,9 +123,9 @@ fn check_rows(p: &Problem, y: &Tensor<f32>, n: usize) -> Result<Result<(), Failu
     let width = y.len() / batch;
     let got: Vec<f32> = rows.iter().flat_map(|&r| y.data()[r * width..(r + 1) * width].iter().copied()).collect();
     let c = compare_f32(&got, reference.data());
-    let ok = c.passes(FP32_REL);
+    let ok = c.passes(tol);
     println!(
-        "  check     {n} rows vs f64 CPU reference: rel err {:.2e}, max abs {:.2e}, non-finite {} (tolerance {FP32_REL:e}): {}",
+        "  check     {n} rows vs f64 CPU reference: rel err {:.2e}, max abs {:.2e}, non-finite {} (tolerance {tol:e}): {}",
         c.rel,
         c.max_abs,
         c.non_finite,

@@ -11,6 +11,7 @@ use crate::block::{BlockSpec, Params};
 use crate::chain::{Chain, Preset};
 use crate::error::{Error, Result};
 use crate::gpu::Gpu;
+use crate::gpu::gemm::simt::Precision;
 use crate::io::TensorFile;
 use crate::tensor::Tensor;
 use clap::{Parser, Subcommand, ValueEnum};
@@ -91,11 +92,17 @@ pub struct BlockArgs {
     /// safetensors file with the input tensor `x` (batch, in).
     #[arg(long)]
     input: Option<PathBuf>,
+    /// Arithmetic of the GPU GEMMs: fp32 (FMA units), tf32x3 (tensor cores,
+    /// FP32-accurate), tf32 (tensor cores, TF32 operands). The epilogue is always FP32;
+    /// the CPU backend always computes in FP32.
+    #[arg(long, value_enum, default_value = "fp32")]
+    precision: Precision,
 }
 
 /// A block ready to run: its spec, parameters and input.
 pub struct Problem {
     pub name: String,
+    pub precision: Precision,
     pub spec: BlockSpec,
     pub params: Params<f32>,
     pub x: Tensor<f32>,
@@ -146,7 +153,7 @@ impl BlockArgs {
             None => crate::block::random_input(batch, in_f, &mut rng),
         };
         spec.check_input(&x)?;
-        Ok(Problem { name, spec, params, x })
+        Ok(Problem { name, precision: self.precision, spec, params, x })
     }
 }
 

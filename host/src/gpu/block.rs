@@ -24,7 +24,7 @@ use super::elementwise::{fold_rows_mean, unfold_rows_mean_grad};
 use super::epilogue::DeviceChain;
 use super::epilogue::lanes::{epilogue_tiles_backward, fits as tiles_fit};
 use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
-use super::gemm::simt::{Layout, forward_gemm, grad_input, grad_weight, kernel_name, not_fusable};
+use super::gemm::simt::{Layout, Precision, forward_gemm, grad_input, grad_weight, kernel_name, not_fusable};
 use super::{DeviceTensor, Gpu, Phases};
 use crate::block::{BlockSpec, Params};
 use crate::chain::Op;
@@ -78,6 +78,8 @@ pub struct GpuBlock {
     not_fusable: Option<String>,
     /// The chain's first op index the kernels run (1 when an avgpool is folded).
     first_op: usize,
+    /// Arithmetic of the three GEMMs.
+    pub precision: Precision,
 }
 
 /// Which kernels run for one batch size.
@@ -115,9 +117,23 @@ impl GpuBlock {
         let ops = &spec.chain.0[first_op..];
         let chain = DeviceChain::new(gpu, ops, &params.ops[first_op..])?;
         let not_fusable = ops.iter().enumerate().find_map(|(i, op)| not_fusable(op, spec.features_at(first_op + i)));
-        let mut block = GpuBlock { spec: spec.clone(), params, folded: None, chain, not_fusable, first_op };
+        let mut block = GpuBlock {
+            spec: spec.clone(),
+            params,
+            folded: None,
+            chain,
+            not_fusable,
+            first_op,
+            precision: Precision::Fp32,
+        };
         block.refold(gpu)?;
         Ok(block)
+    }
+
+    /// The same block with its GEMMs in `precision`.
+    pub fn with_precision(mut self, precision: Precision) -> GpuBlock {
+        self.precision = precision;
+        self
     }
 
     /// Recomputes the folded weight and bias after the parameters changed (training).
@@ -168,7 +184,7 @@ impl GpuBlock {
     /// Which kernels run, and why: for the summary line.
     pub fn describe(&self, plan: &Plan) -> String {
         let k = self.spec.in_features;
-        let gemm = kernel_name(Layout::Nt, k, k);
+        let gemm = kernel_name(self.precision, Layout::Nt, k, k);
         let fold =
             self.folded.as_ref().map_or(String::new(), |(k, ..)| format!("; avgpool({k}) folded into the weights"));
         match plan {
@@ -220,7 +236,7 @@ impl GpuBlock {
             return Err(Error::tensor("x", format!("shape {:?} does not fit this workspace", x.shape)));
         }
         let (w, b) = self.gemm_params();
-        let mut gemm = forward_gemm(x, w)?;
+        let mut gemm = forward_gemm(self.precision, x, w)?;
         match (&ws.plan, ws.z.as_mut()) {
             (Plan::Fused, _) => {
                 gemm.bias = Some(&b.buf);
@@ -292,8 +308,8 @@ impl GpuBlock {
         // tiles leaves SMs idle that the other fills. The main stream waits for the side
         // stream before anything after (dz's free included) is queued.
         let side = gpu.side_stream();
-        let dw = grad_weight(gpu, side, &dz, x)?;
-        let dx = grad_input(gpu, &dz, w)?;
+        let dw = grad_weight(gpu, self.precision, side, &dz, x)?;
+        let dx = grad_input(gpu, self.precision, &dz, w)?;
         gpu.order(side, gpu.stream())?;
         mark("dX and dW GEMMs")?;
         drop(dz);

@@ -9,13 +9,13 @@ use cudarc::driver::CudaSlice;
 const OP_N: cublasOperation_t = cublasOperation_t::CUBLAS_OP_N;
 const OP_T: cublasOperation_t = cublasOperation_t::CUBLAS_OP_T;
 
-/// A cuBLAS handle on the GPU's stream, in strict FP32 (no TF32 tensor-op math).
+/// A cuBLAS handle on the GPU's stream: strict FP32, or TF32 tensor-op math.
 pub struct Cublas {
     blas: CudaBlas,
 }
 
 impl Cublas {
-    pub fn new(gpu: &Gpu) -> Result<Cublas> {
+    pub fn new(gpu: &Gpu, tf32: bool) -> Result<Cublas> {
         // SAFETY: only tries to dlopen libcublas under its usual names.
         if !unsafe { cudarc::cublas::sys::is_culib_present() } {
             return Err(Error::NoGpu("libcublas was not found (add its folder to LD_LIBRARY_PATH)".into()));
@@ -23,8 +23,10 @@ impl Cublas {
         let blas = std::panic::catch_unwind(|| CudaBlas::new(gpu.stream().clone()))
             .map_err(|_| Error::NoGpu("libcublas lacks functions cudarc needs".into()))?
             .map_err(|e| Error::cuda("creating the cuBLAS handle", e))?;
-        // SAFETY: a valid handle; DEFAULT_MATH keeps SGEMM on the FP32 FMA path.
-        unsafe { cudarc::cublas::sys::cublasSetMathMode(*blas.handle(), cublasMath_t::CUBLAS_DEFAULT_MATH) }
+        // SAFETY: a valid handle. DEFAULT_MATH keeps SGEMM on the FP32 FMA path;
+        // TF32_TENSOR_OP_MATH lets it round operands to TF32 on the tensor cores.
+        let mode = if tf32 { cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH } else { cublasMath_t::CUBLAS_DEFAULT_MATH };
+        unsafe { cudarc::cublas::sys::cublasSetMathMode(*blas.handle(), mode) }
             .result()
             .map_err(|e| Error::cuda("setting cuBLAS math mode", e))?;
         Ok(Cublas { blas })

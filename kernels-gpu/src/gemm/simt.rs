@@ -59,7 +59,7 @@ fn owned(t: usize, i: usize) -> usize {
 /// lanes and its statistics are shuffle sums.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_f32<const VEC: bool, const A_K: bool, const B_K: bool>(
+unsafe fn gemm_f32<M: TileMath, const VEC: bool, const A_K: bool, const B_K: bool>(
     a: *const f32,
     b: *const f32,
     bias: *const f32,
@@ -78,42 +78,34 @@ unsafe fn gemm_f32<const VEC: bool, const A_K: bool, const B_K: bool>(
     let (lda, ldb) = (lda as usize, ldb as usize);
     let t = thread_idx_x() as usize;
     let lane = t % 32;
-    let ty = (t / 32) * 2 + lane / 16;
-    let tx = lane % 16;
     let row0 = block_idx_y() as usize * BLOCK_M;
     let col0 = block_idx_x() as usize * BLOCK_N;
     let split = block_idx_z() as usize;
     let k_begin = split * k_split as usize;
     let k_end = if k_begin + (k_split as usize) < k { k_begin + k_split as usize } else { k };
 
-    let smem = dynamic_shared::<f32>(); // [stage][A tile | B tile][BLOCK_K][SMEM_STRIDE]
-    let tile = BLOCK_K * SMEM_STRIDE;
+    let smem = dynamic_shared::<f32>(); // [stage][A tile | B tile][BLOCK_K][M::STRIDE]
 
     // Blocks whose tile lies inside `m x n` (all but the last row and column of
     // blocks) take a main loop without row bounds checks.
     let interior = row0 + BLOCK_M <= m && col0 + BLOCK_N <= n;
-    let dims = Dims { lda, ldb, m, n, row0, col0, k_begin, k_end, t, ty, tx };
+    let th = Thread::new(t);
+    let dims = Dims { lda, ldb, m, n, row0, col0, k_begin, k_end, th };
     // SAFETY: forwards this kernel's contract.
     let acc = unsafe {
         if interior {
-            main_loop::<VEC, A_K, B_K, false>(a, b, smem, &dims)
+            main_loop::<M, VEC, A_K, B_K, false>(a, b, smem, &dims)
         } else {
-            main_loop::<VEC, A_K, B_K, true>(a, b, smem, &dims)
+            main_loop::<M, VEC, A_K, B_K, true>(a, b, smem, &dims)
         }
     };
 
     // Stage the accumulator tile in shared memory (the pipeline's stages are done:
     // the loop ended on a barrier), so the epilogue can walk whole rows with a small
     // register footprint and store them coalesced.
-    // SAFETY: rows and columns < 128, inside the STAGE_STRIDE-strided staging tile.
+    // SAFETY: the staging tile fits the dynamic shared memory; uniform barrier.
     unsafe {
-        unroll!(i in 0..8 => {
-            unroll!(h in 0..2 => {
-                let j = h * 4;
-                let v = F4([acc[i][j], acc[i][j + 1], acc[i][j + 2], acc[i][j + 3]]);
-                *(smem.add(owned(ty, i) * STAGE_STRIDE + owned(tx, j)) as *mut F4) = v;
-            });
-        });
+        M::stage(&acc, smem, th);
         sync_threads();
     }
     let split_k = grid_dim_z() > 1;
@@ -146,9 +138,7 @@ struct Dims {
     col0: usize,
     k_begin: usize,
     k_end: usize,
-    t: usize,
-    ty: usize,
-    tx: usize,
+    th: Thread,
 }
 
 /// The k-loop of [`gemm_f32`]: the thread's 8 x 8 accumulators of `A[tile] B[tile]^T`
@@ -158,14 +148,16 @@ struct Dims {
 /// # Safety
 /// As [`gemm_f32`]; `smem` is the kernel's dynamic shared memory.
 #[inline(always)]
-unsafe fn main_loop<const VEC: bool, const A_K: bool, const B_K: bool, const EDGE: bool>(
+unsafe fn main_loop<M: TileMath, const VEC: bool, const A_K: bool, const B_K: bool, const EDGE: bool>(
     a: *const f32,
     b: *const f32,
     smem: *mut f32,
     d: &Dims,
-) -> [[f32; TN]; TM] {
-    let Dims { lda, ldb, m, n, row0, col0, k_begin, k_end, t, ty, tx } = *d;
-    let tile = BLOCK_K * SMEM_STRIDE;
+) -> M::Acc {
+    let Dims { lda, ldb, m, n, row0, col0, k_begin, k_end, th } = *d;
+    let t = th.t;
+    let stride = M::STRIDE;
+    let tile = BLOCK_K * stride;
     // Each thread moves 4 elements of each operand per k-step: for a k-contiguous
     // operand, 4 consecutive k of tile row t / 2; for a row-contiguous one, 4
     // consecutive rows of k-row t / 32. The same 4 land in shared memory at
@@ -173,22 +165,22 @@ unsafe fn main_loop<const VEC: bool, const A_K: bool, const B_K: bool, const EDG
     let mut a_src = Loader::new::<A_K>(lda, m, row0, k_begin, t);
     let mut b_src = Loader::new::<B_K>(ldb, n, col0, k_begin, t);
     let store = |dst: *mut f32, k_major: bool, v: [[f32; 4]; CHUNKS]| {
-        // SAFETY: indices < BLOCK_K * SMEM_STRIDE, inside one tile.
+        // SAFETY: indices < BLOCK_K * stride, inside one tile.
         unsafe {
             unroll!(c in 0..2 => {
                 if k_major {
                     let (r, kk) = (t / 2, (t % 2) * 4 + 8 * c);
-                    unroll!(e in 0..4 => { *dst.add((kk + e) * SMEM_STRIDE + r) = v[c][e]; });
+                    unroll!(e in 0..4 => { *dst.add((kk + e) * stride + r) = v[c][e]; });
                 } else {
                     let (r, kk) = ((t % 32) * 4, t / 32 + 8 * c);
-                    *(dst.add(kk * SMEM_STRIDE + r) as *mut F4) = F4(v[c]);
+                    *(dst.add(kk * stride + r) as *mut F4) = F4(v[c]);
                 }
             });
         }
     };
     let stage_ptr = |s: usize| unsafe { smem.add(s * 2 * tile) };
 
-    let mut acc = [[0.0f32; TN]; TM];
+    let mut acc = M::zero();
     let (k_end, mut k0) = (k_end as u32, k_begin as u32);
     let (mut av, mut bv) = (a_src.load::<VEC, A_K, EDGE>(a, k_end), b_src.load::<VEC, B_K, EDGE>(b, k_end));
     store(stage_ptr(0), A_K, av);
@@ -205,22 +197,7 @@ unsafe fn main_loop<const VEC: bool, const A_K: bool, const B_K: bool, const EDG
             bv = b_src.load::<VEC, B_K, EDGE>(b, k_end);
         }
         // SAFETY: all indices stay inside this stage's two tiles.
-        unsafe {
-            let sx = smem.add(stage * 2 * tile) as *const F4;
-            let sw = smem.add(stage * 2 * tile + tile) as *const F4;
-            // One k of the step: two 16-byte fragments of each operand, 64 FMAs.
-            let mut step_k = |kk: usize| {
-                let q = kk * SMEM_STRIDE / 4;
-                let a0 = (*sx.add(q + ty)).0;
-                let a1 = (*sx.add(q + HALF / 4 + ty)).0;
-                let b0 = (*sw.add(q + tx)).0;
-                let b1 = (*sw.add(q + HALF / 4 + tx)).0;
-                let a = [a0[0], a0[1], a0[2], a0[3], a1[0], a1[1], a1[2], a1[3]];
-                let b = [b0[0], b0[1], b0[2], b0[3], b1[0], b1[1], b1[2], b1[3]];
-                unroll!(i in 0..8 => { unroll!(j in 0..8 => { acc[i][j] = fma(a[i], b[j], acc[i][j]); }); });
-            };
-            unroll!(kk in 0..16 => { step_k(kk); });
-        }
+        unsafe { M::step(&mut acc, smem.add(stage * 2 * tile), smem.add(stage * 2 * tile + tile), th) };
         if next < k_end {
             store(stage_ptr(stage ^ 1), A_K, av);
             store(unsafe { stage_ptr(stage ^ 1).add(tile) }, B_K, bv);
@@ -234,6 +211,193 @@ unsafe fn main_loop<const VEC: bool, const A_K: bool, const B_K: bool, const EDG
     acc
 }
 
+/// The arithmetic of the main loop: how a thread turns one staged k-step of the `A`
+/// and `B` tiles (`[BLOCK_K][STRIDE]`, `k` outermost) into its accumulators, and how
+/// it writes them to the `[128][STAGE_STRIDE]` staging tile for the epilogue.
+trait TileMath {
+    type Acc: Copy;
+    /// Floats per `k` row of a staged operand tile (padding chosen per math for banks).
+    const STRIDE: usize;
+    fn zero() -> Self::Acc;
+    /// # Safety
+    /// `sa` and `sb` point at one stage's staged tiles.
+    unsafe fn step(acc: &mut Self::Acc, sa: *const f32, sb: *const f32, th: Thread);
+    /// # Safety
+    /// `smem` holds the staging tile.
+    unsafe fn stage(acc: &Self::Acc, smem: *mut f32, th: Thread);
+}
+
+/// A thread's index and the FMA path's coordinates, computed once per kernel.
+#[derive(Clone, Copy)]
+struct Thread {
+    t: usize,
+    ty: usize,
+    tx: usize,
+}
+
+impl Thread {
+    #[inline(always)]
+    fn new(t: usize) -> Thread {
+        Thread { t, ty: (t / 32) * 2 + (t % 32) / 16, tx: t % 16 }
+    }
+}
+
+/// Strict FP32 on the FMA units: 8 x 8 outputs per thread, rows `ty*4 + {0..3}` and
+/// `64 + ty*4 + {0..3}` (`ty = 2 warp + lane / 16`), columns likewise with `tx = lane % 16`.
+struct Fma;
+
+impl TileMath for Fma {
+    type Acc = [[f32; TN]; TM];
+    // 4 floats of padding: the two halves of a warp's transposed stores land in
+    // different banks, and rows stay 16-byte aligned for the fragment loads.
+    const STRIDE: usize = BLOCK_M + 4;
+
+    fn zero() -> Self::Acc {
+        [[0.0; TN]; TM]
+    }
+
+    #[inline(always)]
+    unsafe fn step(acc: &mut Self::Acc, sa: *const f32, sb: *const f32, th: Thread) {
+        let (ty, tx) = (th.ty, th.tx);
+        let (sx, sw) = (sa as *const F4, sb as *const F4);
+        // One k of the step: two 16-byte fragments of each operand, 64 FMAs.
+        let mut step_k = |kk: usize| {
+            let q = kk * Self::STRIDE / 4;
+            // SAFETY: q + 16 + 15 < BLOCK_K * STRIDE / 4.
+            let (a0, a1, b0, b1) = unsafe {
+                ((*sx.add(q + ty)).0, (*sx.add(q + HALF / 4 + ty)).0, (*sw.add(q + tx)).0, (*sw.add(q + HALF / 4 + tx)).0)
+            };
+            let a = [a0[0], a0[1], a0[2], a0[3], a1[0], a1[1], a1[2], a1[3]];
+            let b = [b0[0], b0[1], b0[2], b0[3], b1[0], b1[1], b1[2], b1[3]];
+            unroll!(i in 0..8 => { unroll!(j in 0..8 => { acc[i][j] = fma(a[i], b[j], acc[i][j]); }); });
+        };
+        unroll!(kk in 0..16 => { step_k(kk); });
+    }
+
+    #[inline(always)]
+    unsafe fn stage(acc: &Self::Acc, smem: *mut f32, th: Thread) {
+        let (ty, tx) = (th.ty, th.tx);
+        unroll!(i in 0..8 => {
+            unroll!(h in 0..2 => {
+                let j = h * 4;
+                let v = F4([acc[i][j], acc[i][j + 1], acc[i][j + 2], acc[i][j + 3]]);
+                // SAFETY: row and column < 128, inside the staging tile.
+                unsafe { *(smem.add(owned(ty, i) * STAGE_STRIDE + owned(tx, j)) as *mut F4) = v };
+            });
+        });
+    }
+}
+
+/// Tensor cores, `mma.sync.m16n8k8` with TF32 operands and FP32 accumulation. Warp `w`
+/// owns rows `64 (w % 2) ..+64` and columns `32 (w / 2) ..+32` of the tile: 4 x 4
+/// fragments of 16 x 8. With `SPLIT` ("3xTF32"), each operand is a TF32 high part plus
+/// a TF32 low part (the rounding residual) and each product takes three MMAs
+/// (`hi hi + hi lo + lo hi`): FP32-level accuracy at a third of the TF32 rate.
+struct Mma<const SPLIT: bool>;
+
+/// `x` rounded to TF32 (10 mantissa bits, round to nearest away), as an f32 bit pattern.
+#[inline(always)]
+fn to_tf32(x: f32) -> u32 {
+    let out: u32;
+    // SAFETY: register-only conversion.
+    unsafe {
+        core::arch::asm!("cvt.rna.tf32.f32 {o}, {i};", o = out(reg32) out, i = in(reg32) x.to_bits(),
+                         options(pure, nomem, nostack, preserves_flags));
+    }
+    out
+}
+
+/// `d += a b` for one 16 x 8 x 8 TF32 fragment product (a warp-wide instruction).
+#[inline(always)]
+fn mma_tf32(d: &mut [f32; 4], a: [u32; 4], b: [u32; 2]) {
+    let mut c = d.map(f32::to_bits);
+    // SAFETY: register-only; every lane of the warp executes it (not `pure`: it must
+    // not move into divergent code).
+    unsafe {
+        core::arch::asm!(
+            "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {{{d0},{d1},{d2},{d3}}}, {{{a0},{a1},{a2},{a3}}}, {{{b0},{b1}}}, {{{d0},{d1},{d2},{d3}}};",
+            d0 = inout(reg32) c[0], d1 = inout(reg32) c[1], d2 = inout(reg32) c[2], d3 = inout(reg32) c[3],
+            a0 = in(reg32) a[0], a1 = in(reg32) a[1], a2 = in(reg32) a[2], a3 = in(reg32) a[3],
+            b0 = in(reg32) b[0], b1 = in(reg32) b[1],
+            options(nostack, preserves_flags),
+        );
+    }
+    *d = c.map(f32::from_bits);
+}
+
+impl<const SPLIT: bool> TileMath for Mma<SPLIT> {
+    type Acc = [[[f32; 4]; 4]; 4];
+    // 8 floats of padding: a fragment load's 8 rows x 4 k of a warp hit 32 banks.
+    const STRIDE: usize = BLOCK_M + 8;
+
+    fn zero() -> Self::Acc {
+        [[[0.0; 4]; 4]; 4]
+    }
+
+    #[inline(always)]
+    unsafe fn step(acc: &mut Self::Acc, sa: *const f32, sb: *const f32, th: Thread) {
+        let (w, lane) = (th.t / 32, th.t % 32);
+        let (gid, tig) = (lane / 4, lane % 4);
+        let (wm, wn) = ((w % 2) * 64, (w / 2) * 32);
+        let s = Self::STRIDE;
+        // SAFETY (loads): k + 4 < BLOCK_K and rows / columns < 128: inside the stage.
+        unroll!(k8 in 0..2 => {
+            let k = k8 * 8 + tig;
+            let mut b_hi = [[0u32; 2]; 4];
+            let mut b_lo = [[0u32; 2]; 4];
+            unroll!(ni in 0..4 => {
+                let c = wn + ni * 8 + gid;
+                let v = unsafe { [*sb.add(k * s + c), *sb.add((k + 4) * s + c)] };
+                unroll!(e in 0..2 => {
+                    b_hi[ni][e] = to_tf32(v[e]);
+                    if SPLIT {
+                        b_lo[ni][e] = to_tf32(v[e] - f32::from_bits(b_hi[ni][e]));
+                    }
+                });
+            });
+            unroll!(mi in 0..4 => {
+                let r = wm + mi * 16 + gid;
+                let v = unsafe { [*sa.add(k * s + r), *sa.add(k * s + r + 8), *sa.add((k + 4) * s + r), *sa.add((k + 4) * s + r + 8)] };
+                let mut a_hi = [0u32; 4];
+                let mut a_lo = [0u32; 4];
+                unroll!(e in 0..4 => {
+                    a_hi[e] = to_tf32(v[e]);
+                    if SPLIT {
+                        a_lo[e] = to_tf32(v[e] - f32::from_bits(a_hi[e]));
+                    }
+                });
+                unroll!(ni in 0..4 => {
+                    if SPLIT {
+                        mma_tf32(&mut acc[mi][ni], a_lo, b_hi[ni]);
+                        mma_tf32(&mut acc[mi][ni], a_hi, b_lo[ni]);
+                    }
+                    mma_tf32(&mut acc[mi][ni], a_hi, b_hi[ni]);
+                });
+            });
+        });
+    }
+
+    #[inline(always)]
+    unsafe fn stage(acc: &Self::Acc, smem: *mut f32, th: Thread) {
+        let (w, lane) = (th.t / 32, th.t % 32);
+        let (gid, tig) = (lane / 4, lane % 4);
+        let (wm, wn) = ((w % 2) * 64, (w / 2) * 32);
+        unroll!(mi in 0..4 => {
+            unroll!(ni in 0..4 => {
+                let (r, c) = (wm + mi * 16 + gid, wn + ni * 8 + 2 * tig);
+                let f = acc[mi][ni];
+                // SAFETY: rows r, r + 8 and columns c, c + 1 < 128, inside the staging tile.
+                unsafe {
+                    *smem.add(r * STAGE_STRIDE + c) = f[0];
+                    *smem.add(r * STAGE_STRIDE + c + 1) = f[1];
+                    *smem.add((r + 8) * STAGE_STRIDE + c) = f[2];
+                    *smem.add((r + 8) * STAGE_STRIDE + c + 1) = f[3];
+                }
+            });
+        });
+    }
+}
+
 /// Where one thread reads its 4 elements of an operand for the current k-step.
 ///
 /// The position is a 32-bit element offset from the operand's base (a kernel
@@ -241,17 +405,15 @@ unsafe fn main_loop<const VEC: bool, const A_K: bool, const B_K: bool, const EDG
 /// 64-bit pointer and stride, which is what keeps every layout within 128 registers.
 /// The host refuses operands of 2^32 elements or more.
 struct Loader {
-    /// Offset of the thread's first element this step (chunk 0; chunk c is `c * chunk` further).
+    /// Offset of the thread's first element this step (chunk 0 of 8 k; chunk 1, the next
+    /// 8 k, is half a step further).
     off: u32,
-    /// Offset from one chunk of 8 k to the next.
-    chunk: u32,
     /// Offset increment per k-step.
     step: u32,
     /// The thread's first k this step.
     kk: u32,
-    /// k-contiguous: the thread's row is inside the matrix; row-contiguous: all 4 rows are.
-    inside: bool,
-    /// Row-contiguous: how many of the 4 rows are inside (when not all).
+    /// How many of the thread's rows are inside the matrix, at most 4 (k-contiguous:
+    /// its one row is inside when this is not 0; row-contiguous: all 4 are when it is 4).
     rows_left: u32,
 }
 
@@ -259,15 +421,11 @@ impl Loader {
     #[inline(always)]
     fn new<const K_MAJOR: bool>(ld: usize, rows: usize, r0: usize, k0: usize, t: usize) -> Loader {
         let (r, kk) = if K_MAJOR { (r0 + t / 2, k0 + (t % 2) * 4) } else { (r0 + (t % 32) * 4, k0 + t / 32) };
-        let (off, step, chunk) =
-            if K_MAJOR { (r * ld + kk, BLOCK_K, 8) } else { (kk * ld + r, BLOCK_K * ld, 8 * ld) };
-        let inside = if K_MAJOR { r < rows } else { r + 4 <= rows };
+        let (off, step) = if K_MAJOR { (r * ld + kk, BLOCK_K) } else { (kk * ld + r, BLOCK_K * ld) };
         Loader {
             off: off as u32,
-            chunk: chunk as u32,
             step: step as u32,
             kk: kk as u32,
-            inside,
             rows_left: rows.saturating_sub(r).min(4) as u32,
         }
     }
@@ -297,7 +455,7 @@ impl Loader {
         k_end: u32,
         c: u32,
     ) -> [f32; 4] {
-        let p = src.wrapping_add((self.off + c * self.chunk) as usize);
+        let p = src.wrapping_add((self.off + c * (self.step / 2)) as usize);
         let kk = self.kk + 8 * c;
         if VEC && !EDGE {
             // SAFETY: rows inside (no EDGE); kk < k_end covers all 4 (aligned).
@@ -308,7 +466,7 @@ impl Loader {
         // SAFETY (all reads): element (r', k') read only when r' < rows and k' < k_end.
         unsafe {
             if K_MAJOR {
-                if self.inside {
+                if self.rows_left != 0 {
                     if VEC && kk + 4 <= k_end {
                         v = (*(p as *const F4)).0;
                     } else {
@@ -316,7 +474,7 @@ impl Loader {
                     }
                 }
             } else if kk < k_end {
-                if VEC && self.inside {
+                if VEC && self.rows_left == 4 {
                     v = (*(p as *const F4)).0;
                 } else {
                     unroll!(e in 0..4 => { if e < self.rows_left as usize { v[e] = *p.add(e); } });
@@ -358,7 +516,7 @@ fn epilogue_row(
 }
 
 macro_rules! gemm_entry {
-    ($($(#[$doc:meta])* $name:ident = <$vec:literal, $a_k:literal, $b_k:literal>;)*) => {$(
+    ($($(#[$doc:meta])* $name:ident = <$math:ty, $vec:literal, $a_k:literal, $b_k:literal>;)*) => {$(
         $(#[$doc])*
         ///
         /// # Safety
@@ -369,22 +527,46 @@ macro_rules! gemm_entry {
             a: *const f32, b: *const f32, bias: *const f32, y: *mut f32, save_z: *mut f32,
             m: u32, n: u32, k: u32, lda: u32, ldb: u32, k_split: u32, ops: *const OpDesc, n_ops: u32,
         ) {
-            unsafe { gemm_f32::<$vec, $a_k, $b_k>(a, b, bias, y, save_z, m, n, k, lda, ldb, k_split, ops, n_ops) }
+            unsafe { gemm_f32::<$math, $vec, $a_k, $b_k>(a, b, bias, y, save_z, m, n, k, lda, ldb, k_split, ops, n_ops) }
         }
     )*};
 }
 
 gemm_entry! {
-    /// Forward `x W^T` (both operands k-contiguous), 16-byte loads.
-    gemm_f32_nt_vec4 = <true, true, true>;
-    /// Forward `x W^T`, scalar loads (any `k`).
-    gemm_f32_nt_scalar = <false, true, true>;
-    /// `dX = dZ W`: `B` row-contiguous, 16-byte loads.
-    gemm_f32_nn_vec4 = <true, true, false>;
-    /// `dX = dZ W`, scalar loads.
-    gemm_f32_nn_scalar = <false, true, false>;
-    /// `dW = dZ^T X`: both operands row-contiguous, 16-byte loads.
-    gemm_f32_tn_vec4 = <true, false, false>;
-    /// `dW = dZ^T X`, scalar loads.
-    gemm_f32_tn_scalar = <false, false, false>;
+    /// Forward `x W^T` (both operands k-contiguous), FP32 FMA, 16-byte loads.
+    gemm_f32_nt_vec4 = <Fma, true, true, true>;
+    /// Forward `x W^T`, FP32 FMA, scalar loads (any `k`).
+    gemm_f32_nt_scalar = <Fma, false, true, true>;
+    /// `dX = dZ W` (`B` row-contiguous), FP32 FMA, 16-byte loads.
+    gemm_f32_nn_vec4 = <Fma, true, true, false>;
+    /// `dX = dZ W`, FP32 FMA, scalar loads.
+    gemm_f32_nn_scalar = <Fma, false, true, false>;
+    /// `dW = dZ^T X` (both row-contiguous), FP32 FMA, 16-byte loads.
+    gemm_f32_tn_vec4 = <Fma, true, false, false>;
+    /// `dW = dZ^T X`, FP32 FMA, scalar loads.
+    gemm_f32_tn_scalar = <Fma, false, false, false>;
+    /// Forward, 3xTF32 tensor cores, 16-byte loads.
+    gemm_tf32x3_nt_vec4 = <Mma<true>, true, true, true>;
+    /// Forward, 3xTF32 tensor cores, scalar loads.
+    gemm_tf32x3_nt_scalar = <Mma<true>, false, true, true>;
+    /// `dX`, 3xTF32 tensor cores, 16-byte loads.
+    gemm_tf32x3_nn_vec4 = <Mma<true>, true, true, false>;
+    /// `dX`, 3xTF32 tensor cores, scalar loads.
+    gemm_tf32x3_nn_scalar = <Mma<true>, false, true, false>;
+    /// `dW`, 3xTF32 tensor cores, 16-byte loads.
+    gemm_tf32x3_tn_vec4 = <Mma<true>, true, false, false>;
+    /// `dW`, 3xTF32 tensor cores, scalar loads.
+    gemm_tf32x3_tn_scalar = <Mma<true>, false, false, false>;
+    /// Forward, TF32 tensor cores, 16-byte loads.
+    gemm_tf32_nt_vec4 = <Mma<false>, true, true, true>;
+    /// Forward, TF32 tensor cores, scalar loads.
+    gemm_tf32_nt_scalar = <Mma<false>, false, true, true>;
+    /// `dX`, TF32 tensor cores, 16-byte loads.
+    gemm_tf32_nn_vec4 = <Mma<false>, true, true, false>;
+    /// `dX`, TF32 tensor cores, scalar loads.
+    gemm_tf32_nn_scalar = <Mma<false>, false, true, false>;
+    /// `dW`, TF32 tensor cores, 16-byte loads.
+    gemm_tf32_tn_vec4 = <Mma<false>, true, false, false>;
+    /// `dW`, TF32 tensor cores, scalar loads.
+    gemm_tf32_tn_scalar = <Mma<false>, false, false, false>;
 }

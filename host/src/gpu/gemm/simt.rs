@@ -37,22 +37,63 @@ pub enum Layout {
     Tn,
 }
 
-/// Kernel name for a layout; 16-byte loads need both leading dimensions divisible by 4.
-pub fn kernel_name(layout: Layout, lda: usize, ldb: usize) -> &'static str {
-    let vec = lda.is_multiple_of(4) && ldb.is_multiple_of(4);
-    match (layout, vec) {
-        (Layout::Nt, true) => "gemm_f32_nt_vec4",
-        (Layout::Nt, false) => "gemm_f32_nt_scalar",
-        (Layout::Nn, true) => "gemm_f32_nn_vec4",
-        (Layout::Nn, false) => "gemm_f32_nn_scalar",
-        (Layout::Tn, true) => "gemm_f32_tn_vec4",
-        (Layout::Tn, false) => "gemm_f32_tn_scalar",
+/// The arithmetic of the GEMMs (the epilogue is always FP32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Precision {
+    /// Strict FP32 on the FMA units.
+    Fp32,
+    /// Tensor cores, each FP32 operand as a TF32 high and low part, three MMAs per
+    /// product: FP32-level accuracy.
+    Tf32x3,
+    /// Tensor cores, operands rounded to TF32 (10-bit mantissa).
+    Tf32,
+}
+
+impl Precision {
+    /// Relative error against the f64 reference this precision is held to
+    /// (`shared/spec/models.md`, and the tensor-core issue).
+    pub fn tolerance(self) -> f64 {
+        match self {
+            Precision::Fp32 | Precision::Tf32x3 => crate::check::FP32_REL,
+            Precision::Tf32 => crate::check::TF32_REL,
+        }
     }
+
+    fn prefix(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "gemm_f32",
+            Precision::Tf32x3 => "gemm_tf32x3",
+            Precision::Tf32 => "gemm_tf32",
+        }
+    }
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Precision::Fp32 => "fp32",
+            Precision::Tf32x3 => "tf32x3",
+            Precision::Tf32 => "tf32",
+        })
+    }
+}
+
+/// Kernel name for a precision and layout; 16-byte loads need both leading dimensions
+/// divisible by 4.
+pub fn kernel_name(precision: Precision, layout: Layout, lda: usize, ldb: usize) -> String {
+    let vec = if lda.is_multiple_of(4) && ldb.is_multiple_of(4) { "vec4" } else { "scalar" };
+    let layout = match layout {
+        Layout::Nt => "nt",
+        Layout::Nn => "nn",
+        Layout::Tn => "tn",
+    };
+    format!("{}_{layout}_{vec}", precision.prefix())
 }
 
 /// One GEMM launch: `y (m, n) = chain(A B^T + bias)`, or `splits > 1` partial products
 /// into `y (splits, m, n)` (no bias, no chain, no `save_z`).
 pub struct Gemm<'a> {
+    pub precision: Precision,
     pub layout: Layout,
     pub a: &'a CudaSlice<f32>,
     pub b: &'a CudaSlice<f32>,
@@ -101,7 +142,8 @@ impl Gemm<'_> {
             return Err(Error::Shape(format!("GEMM size ({m}, {n}, {k}) exceeds the kernel's 32-bit arguments")));
         }
         let k_split = k.div_ceil(splits).div_ceil(BLOCK_K) * BLOCK_K;
-        let name = kernel_name(self.layout, self.lda, self.ldb);
+        let name = kernel_name(self.precision, self.layout, self.lda, self.ldb);
+        let name = name.as_str();
         let func = gpu.function(name)?;
         gpu.allow_shared(&func, name, SMEM_BYTES)?;
         let grid = (n.div_ceil(BLOCK_N), m.div_ceil(BLOCK_M), splits);
@@ -145,7 +187,7 @@ impl Gemm<'_> {
 }
 
 /// The forward GEMM `x (m, k) W^T` with `w (n, k)`.
-pub fn forward_gemm<'a>(x: &'a DeviceTensor, w: &'a DeviceTensor) -> Result<Gemm<'a>> {
+pub fn forward_gemm<'a>(precision: Precision, x: &'a DeviceTensor, w: &'a DeviceTensor) -> Result<Gemm<'a>> {
     let (m, k) = match x.shape[..] {
         [m, k] => (m, k),
         _ => return Err(Error::tensor("x", format!("expected 2 dimensions, got {:?}", x.shape))),
@@ -154,11 +196,24 @@ pub fn forward_gemm<'a>(x: &'a DeviceTensor, w: &'a DeviceTensor) -> Result<Gemm
         [n, wk] if wk == k => n,
         _ => return Err(Error::tensor("lin.weight", format!("expected shape (out, {k}), got {:?}", w.shape))),
     };
-    Ok(Gemm { layout: Layout::Nt, a: &x.buf, b: &w.buf, m, n, k, lda: k, ldb: k, bias: None, chain: None, splits: 1 })
+    Ok(Gemm {
+        precision,
+        layout: Layout::Nt,
+        a: &x.buf,
+        b: &w.buf,
+        m,
+        n,
+        k,
+        lda: k,
+        ldb: k,
+        bias: None,
+        chain: None,
+        splits: 1,
+    })
 }
 
 /// `dX (m, k) = dZ (m, n) W (n, k)`.
-pub fn grad_input(gpu: &Gpu, dz: &DeviceTensor, w: &DeviceTensor) -> Result<DeviceTensor> {
+pub fn grad_input(gpu: &Gpu, precision: Precision, dz: &DeviceTensor, w: &DeviceTensor) -> Result<DeviceTensor> {
     let (&[m, n], &[wn, k]) = (&dz.shape[..], &w.shape[..]) else {
         return Err(Error::Shape(format!("dX = dZ W: dZ {:?}, W {:?}", dz.shape, w.shape)));
     };
@@ -167,6 +222,7 @@ pub fn grad_input(gpu: &Gpu, dz: &DeviceTensor, w: &DeviceTensor) -> Result<Devi
     }
     let mut dx = gpu.alloc(&[m, k])?;
     Gemm {
+        precision,
         layout: Layout::Nn,
         a: &dz.buf,
         b: &w.buf,
@@ -186,7 +242,13 @@ pub fn grad_input(gpu: &Gpu, dz: &DeviceTensor, w: &DeviceTensor) -> Result<Devi
 /// `dW (n, k) = dZ (m, n)^T X (m, k)`, queued on `stream` after all the GPU's stream
 /// holds so far (its output is allocated there first). The caller orders the GPU's
 /// stream after `stream` before using or freeing anything it reads.
-pub fn grad_weight(gpu: &Gpu, stream: &CudaStream, dz: &DeviceTensor, x: &DeviceTensor) -> Result<DeviceTensor> {
+pub fn grad_weight(
+    gpu: &Gpu,
+    precision: Precision,
+    stream: &CudaStream,
+    dz: &DeviceTensor,
+    x: &DeviceTensor,
+) -> Result<DeviceTensor> {
     let (&[m, n], &[xm, k]) = (&dz.shape[..], &x.shape[..]) else {
         return Err(Error::Shape(format!("dW = dZ^T X: dZ {:?}, X {:?}", dz.shape, x.shape)));
     };
@@ -197,6 +259,7 @@ pub fn grad_weight(gpu: &Gpu, stream: &CudaStream, dz: &DeviceTensor, x: &Device
     // `stream` starts after everything queued on the GPU's stream, this allocation included.
     gpu.order(gpu.stream(), stream)?;
     Gemm {
+        precision,
         layout: Layout::Tn,
         a: &dz.buf,
         b: &x.buf,
