@@ -29,7 +29,7 @@ fn tiled_gemm_matches_reference_at_odd_shapes() {
     {
         let spec = BlockSpec::new(k, n, Chain::default()).unwrap();
         let params = Params::init(&spec, &mut rng);
-        let x = random_input(m, k, &mut rng);
+        let x = random_input(m, k, &mut rng).unwrap();
         let dx = gpu.upload(&x).unwrap();
         let dw = gpu.upload(&params.linear_weight).unwrap();
         let db = gpu.upload(&params.linear_bias).unwrap();
@@ -78,9 +78,9 @@ fn gpu_block_forward_matches_reference() {
         let mut params = Params::init(&spec, &mut rng);
         // Non-trivial GroupNorm affine, so a swapped gamma/beta cannot pass.
         for p in params.ops.iter_mut().flatten() {
-            *p = random_input(1, p.len(), &mut rng).reshape(p.shape()).unwrap();
+            *p = random_input(1, p.len(), &mut rng).unwrap().reshape(p.shape()).unwrap();
         }
-        let x = random_input(b, i, &mut rng);
+        let x = random_input(b, i, &mut rng).unwrap();
         let block = GpuBlock::new(&gpu, &spec, &params).unwrap();
         let path = block.describe(&block.plan(&gpu, b));
         let y = block.forward(&gpu, &x).unwrap();

@@ -92,9 +92,9 @@ pub fn run(a: &CheckArgs) -> Result<(), Failure> {
         let mut params = Params::init(&spec, &mut rng);
         // Random GroupNorm affine too, so gamma and beta cannot be swapped unnoticed.
         for p in params.ops.iter_mut().flatten() {
-            *p = random_input(1, p.len(), &mut rng).reshape(p.shape())?;
+            *p = random_input(1, p.len(), &mut rng)?.reshape(p.shape())?;
         }
-        let x = random_input(b, i, &mut rng);
+        let x = random_input(b, i, &mut rng)?;
         let block = GpuBlock::new(&gpu, &spec, &params)?;
         let plan = block.plan(&gpu, b);
         let y = block.forward(&gpu, &x)?;

@@ -8,6 +8,15 @@ use kernel_abi::epilogue::{ROW_THREADS, row_smem_bytes};
 
 const KERNEL: &str = "epilogue_rows";
 
+/// Refuses what the kernel cannot launch: one block per row (`gridDim.x` < 2^31),
+/// `n` and `splits` as u32 (at most 64 split-K parts).
+fn check_rows_size(splits: usize, rows: usize, n: usize) -> Result<()> {
+    if rows == 0 || rows > i32::MAX as usize || n == 0 || n > u32::MAX as usize || splits == 0 || splits > 64 {
+        return Err(Error::Shape(format!("epilogue over {splits} x {rows} rows of {n} is outside the kernel's range")));
+    }
+    Ok(())
+}
+
 /// Queues `y = chain(sum_s z[s] + bias)` row by row. `z` is `(rows, n)`, or
 /// `(splits, rows, n)` holding split-K parts; `y` has the chain's output width.
 pub fn epilogue_rows(
@@ -22,9 +31,7 @@ pub fn epilogue_rows(
         [splits, rows, n] => (splits, rows, n),
         _ => return Err(Error::Shape(format!("epilogue input must be 2-D or 3-D, got {:?}", z.shape))),
     };
-    if rows == 0 || rows > i32::MAX as usize || n > u32::MAX as usize || splits > 64 {
-        return Err(Error::Shape(format!("epilogue over {splits} x {rows} rows of {n} is outside the kernel's range")));
-    }
+    check_rows_size(splits, rows, n)?;
     if bias.is_some_and(|b| b.len() != n) {
         return Err(Error::Shape(format!("epilogue bias must have {n} entries")));
     }
@@ -51,4 +58,17 @@ pub fn epilogue_rows(
     // vectors have the matching lengths.
     unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{KERNEL}`"), e))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn sizes_outside_the_launch_are_refused() {
+        use super::check_rows_size;
+        assert!(check_rows_size(1, i32::MAX as usize + 1, 8).is_err());
+        assert!(check_rows_size(1, 8, u32::MAX as usize + 1).is_err());
+        assert!(check_rows_size(65, 8, 8).is_err());
+        assert!(check_rows_size(1, 0, 8).is_err());
+        assert!(check_rows_size(16, i32::MAX as usize, u32::MAX as usize).is_ok());
+    }
 }
