@@ -54,7 +54,7 @@ impl Op {
                     )));
                 }
                 if !(eps > 0.0 && eps.is_finite()) {
-                    return Err(Error::Chain(format!("groupnorm: eps must be positive and finite, got {eps}")));
+                    return Err(Error::Chain(format!("groupnorm({groups},{eps}): eps must be positive and finite")));
                 }
                 Ok(f)
             }

@@ -150,23 +150,26 @@ impl BlockArgs {
                 let (sb, si, so) = preset.seed_shape();
                 let x_shape = input.as_ref().and_then(|f| f.shape_of("x"));
                 let w_shape = weights.as_ref().and_then(|f| f.shape_of("lin.weight"));
+                let x_dim = |i: usize| x_shape.as_ref().and_then(|s| s.get(i).copied());
+                let w_dim = |i: usize| w_shape.as_ref().and_then(|s| s.get(i).copied());
+                let batch = x_dim(0).unwrap_or(sb);
+                let in_f = x_dim(1).or(w_dim(1)).unwrap_or(si);
+                let out_f = w_dim(0).unwrap_or(so);
                 let mut origins = Vec::new();
                 if let (Some(s), Some(f)) = (&x_shape, &input) {
+                    if batch == 0 {
+                        return Err(Error::tensor(
+                            "x",
+                            format!("in {} has shape {s:?}: 0 rows; the batch must be at least 1", f.path().display()),
+                        ));
+                    }
                     origins.push(format!("x {s:?} in {}", f.path().display()));
                 }
                 if let (Some(s), Some(f)) = (&w_shape, &weights) {
                     origins.push(format!("lin.weight {s:?} in {}", f.path().display()));
                 }
-                origins.push(format!("the seed size of {preset} ({sb},{si},{so})"));
-                let batch = x_shape.as_ref().and_then(|s| s.first().copied()).unwrap_or(sb);
-                let in_f = x_shape
-                    .as_ref()
-                    .and_then(|s| s.get(1).copied())
-                    .or_else(|| w_shape.as_ref().and_then(|s| s.get(1).copied()))
-                    .unwrap_or(si);
-                let out_f = w_shape.as_ref().and_then(|s| s.first().copied()).unwrap_or(so);
-                if batch == 0 {
-                    return Err(Error::tensor("x", format!("{} has 0 rows; the batch must be at least 1", origins[0])));
+                if x_dim(0).is_none() || x_dim(1).or(w_dim(1)).is_none() || w_dim(0).is_none() {
+                    origins.push(format!("the seed size of {preset} ({sb},{si},{so})"));
                 }
                 (batch, in_f, out_f, origins.join(", "))
             }
