@@ -45,7 +45,7 @@ pub fn run(a: &ForwardArgs) -> Result<(), Failure> {
     }
     let setup = a.block.setup()?;
     if a.device == DeviceChoice::Gpu {
-        setup.check_gpu_limits()?;
+        setup.check_gpu_limits()?; // also where no GPU opens: the sizes are the problem
     }
     let backend = Backend::open(a.device)?;
     let activations = match &backend {
