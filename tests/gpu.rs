@@ -29,7 +29,7 @@ fn tiled_gemm_matches_reference_at_odd_shapes() {
     {
         let spec = BlockSpec::new(k, n, Chain::default()).unwrap();
         let params = Params::init(&spec, &mut rng);
-        let x = random_input(m, k, &mut rng);
+        let x = random_input(m, k, &mut rng).unwrap();
         let dx = gpu.upload(&x).unwrap();
         let dw = gpu.upload(&params.linear_weight).unwrap();
         let db = gpu.upload(&params.linear_bias).unwrap();
@@ -78,9 +78,9 @@ fn gpu_block_forward_matches_reference() {
         let mut params = Params::init(&spec, &mut rng);
         // Non-trivial GroupNorm affine, so a swapped gamma/beta cannot pass.
         for p in params.ops.iter_mut().flatten() {
-            *p = random_input(1, p.len(), &mut rng).reshape(p.shape()).unwrap();
+            *p = random_input(1, p.len(), &mut rng).unwrap().reshape(p.shape()).unwrap();
         }
-        let x = random_input(b, i, &mut rng);
+        let x = random_input(b, i, &mut rng).unwrap();
         let block = GpuBlock::new(&gpu, &spec, &params).unwrap();
         let path = block.describe(&block.plan(&gpu, b));
         let y = block.forward(&gpu, &x).unwrap();
@@ -124,11 +124,13 @@ fn gpu_block_backward_matches_reference() {
         let spec = BlockSpec::new(i, o, chain).unwrap();
         let mut params = Params::init(&spec, &mut rng);
         for p in params.ops.iter_mut().flatten() {
-            *p = random_input(1, p.len(), &mut rng).reshape(p.shape()).unwrap();
+            *p = random_input(1, p.len(), &mut rng).unwrap().reshape(p.shape()).unwrap();
         }
-        let x = random_input(b, i, &mut rng);
-        let dy =
-            random_input(1, spec.output_shape(b).iter().product(), &mut rng).reshape(&spec.output_shape(b)).unwrap();
+        let x = random_input(b, i, &mut rng).unwrap();
+        let dy = random_input(1, spec.output_shape(b).iter().product(), &mut rng)
+            .unwrap()
+            .reshape(&spec.output_shape(b))
+            .unwrap();
         let block = GpuBlock::new(&gpu, &spec, &params).unwrap();
         let got = block.forward_backward(&gpu, &x, &dy).unwrap();
         let (_, want) = reference::block_backward(&spec, &x.to_f64(), &params.map(f64::from), &dy.to_f64()).unwrap();
@@ -165,9 +167,9 @@ fn tensor_core_precisions_match_reference() {
         for (text, (b, i, o)) in cases {
             let spec = BlockSpec::new(i, o, text.parse().unwrap()).unwrap();
             let params = Params::init(&spec, &mut rng);
-            let x = random_input(b, i, &mut rng);
+            let x = random_input(b, i, &mut rng).unwrap();
             let out = spec.output_shape(b);
-            let dy = random_input(1, out.iter().product(), &mut rng).reshape(&out).unwrap();
+            let dy = random_input(1, out.iter().product(), &mut rng).unwrap().reshape(&out).unwrap();
             let block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(precision);
             let y = block.forward(&gpu, &x).unwrap();
             let got = block.forward_backward(&gpu, &x, &dy).unwrap();
@@ -203,7 +205,7 @@ fn gpu_tape_chains_blocks_and_accumulates() {
     let s1 = BlockSpec::new(40, 64, "groupnorm(4),swish".parse().unwrap()).unwrap();
     let s2 = BlockSpec::new(64, 40, "bias,gelu".parse().unwrap()).unwrap();
     let (p1, p2) = (Params::init(&s1, &mut rng), Params::init(&s2, &mut rng));
-    let x = random_input(9, 40, &mut rng);
+    let x = random_input(9, 40, &mut rng).unwrap();
 
     // GPU: y = B(A(x)); then z = A(y) reuses block A's parameters, so they get two
     // contributions, summed by the tape.
@@ -215,7 +217,7 @@ fn gpu_tape_chains_blocks_and_accumulates() {
     let (h, h_var) = a.forward_taped(&gpu, &mut tape, Rc::new(gpu.upload(&x).unwrap()), x_var, &v1).unwrap();
     let (y, y_var) = b.forward_taped(&gpu, &mut tape, h, h_var, &v2).unwrap();
     let (_, z_var) = a.forward_taped(&gpu, &mut tape, y, y_var, &v1).unwrap();
-    let dz = random_input(9, 64, &mut rng);
+    let dz = random_input(9, 64, &mut rng).unwrap();
     let mut grads = tape.backward(z_var, GpuGrad::new(&gpu, gpu.upload(&dz).unwrap())).unwrap();
     let got_x = gpu.download(&grads.take(x_var).unwrap().t).unwrap();
     let got_p1: Vec<_> = v1.iter().map(|v| gpu.download(&grads.take(*v).unwrap().t).unwrap()).collect();

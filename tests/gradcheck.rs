@@ -20,7 +20,7 @@ use rand_distr::{Distribution, StandardNormal};
 const KINK_MARGIN: f64 = 1e-4;
 
 fn random_tensor(rng: &mut StdRng, shape: &[usize]) -> Tensor<f64> {
-    Tensor::from_fn(shape, |_| StandardNormal.sample(rng))
+    Tensor::from_fn(shape, |_| StandardNormal.sample(rng)).unwrap()
 }
 
 /// Normal parameters (GroupNorm's too, so none is trivially 1 or 0); the Linear

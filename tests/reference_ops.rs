@@ -201,13 +201,13 @@ fn linear_matches_naive_loops_forward_and_backward() {
 
 #[test]
 fn linear_refuses_mismatched_shapes() {
-    let x = Tensor::full(&[3, 7], 1.0f64);
-    let w = Tensor::full(&[5, 6], 1.0f64);
-    let b = Tensor::full(&[5], 0.0f64);
+    let x = Tensor::full(&[3, 7], 1.0f64).unwrap();
+    let w = Tensor::full(&[5, 6], 1.0f64).unwrap();
+    let b = Tensor::full(&[5], 0.0f64).unwrap();
     assert!(matches!(linear_forward(&x, &w, &b), Err(Error::Shape(_))));
-    let w = Tensor::full(&[5, 7], 1.0f64);
-    assert!(matches!(linear_forward(&x, &w, &Tensor::full(&[4], 0.0)), Err(Error::Tensor { .. })));
-    assert!(matches!(linear_backward(&x, &w, &Tensor::full(&[3, 4], 0.0)), Err(Error::Tensor { .. })));
+    let w = Tensor::full(&[5, 7], 1.0f64).unwrap();
+    assert!(matches!(linear_forward(&x, &w, &Tensor::full(&[4], 0.0).unwrap()), Err(Error::Tensor { .. })));
+    assert!(matches!(linear_backward(&x, &w, &Tensor::full(&[3, 4], 0.0).unwrap()), Err(Error::Tensor { .. })));
 }
 
 // ---------------------------------------------------------------- group norm
@@ -244,8 +244,8 @@ fn group_norm_matches_naive_loops() {
 
 #[test]
 fn group_norm_refuses_groups_that_do_not_divide() {
-    let x = Tensor::full(&[2, 30], 1.0f64);
-    let ones = Tensor::full(&[30], 1.0f64);
+    let x = Tensor::full(&[2, 30], 1.0f64).unwrap();
+    let ones = Tensor::full(&[30], 1.0f64).unwrap();
     assert!(matches!(group_norm_forward(&x, 7, 1e-5, &ones, &ones), Err(Error::Argument(_))));
     assert!(matches!(group_norm_forward(&x, 0, 1e-5, &ones, &ones), Err(Error::Argument(_))));
     assert!(matches!(group_norm_forward(&x, 5, 0.0, &ones, &ones), Err(Error::Argument(_))));
@@ -366,7 +366,7 @@ fn channel_ops_match_naive_loops() {
     assert_close("mul dx", dx.data(), &flatten(&dx_mul));
     assert_close("mul dw", dw.data(), &sum_dy_x);
 
-    assert!(matches!(bias_forward(&x, &Tensor::full(&[44], 0.0)), Err(Error::Tensor { .. })));
+    assert!(matches!(bias_forward(&x, &Tensor::full(&[44], 0.0).unwrap()), Err(Error::Tensor { .. })));
 }
 
 // ---------------------------------------------------------------- reductions
@@ -393,7 +393,7 @@ fn avg_pool_matches_naive_loops_with_a_zero_gradient_tail() {
             assert!(dx.row(b)[features / k * k..].iter().all(|&g| g == 0.0), "tail gradient must be 0");
         }
     }
-    assert!(avg_pool_forward(&Tensor::full(&[2, 5], 1.0f64), 6).is_err());
+    assert!(avg_pool_forward(&Tensor::full(&[2, 5], 1.0f64).unwrap(), 6).is_err());
 }
 
 #[test]
@@ -447,7 +447,7 @@ fn row_max_ties_go_to_the_first_and_nan_propagates_like_torch() {
     assert_eq!(y.data()[0], 3.0);
     assert!(y.data()[1].is_nan() && y.data()[2].is_nan());
     assert_eq!(y.data()[3], -7.0);
-    let dx = row_max_backward(&Tensor::full(&[4], 2.0), &argmax, 5).unwrap();
+    let dx = row_max_backward(&Tensor::full(&[4], 2.0).unwrap(), &argmax, 5).unwrap();
     assert_eq!(dx.row(0), [0.0, 2.0, 0.0, 0.0, 0.0]);
     assert_eq!(dx.row(1), [0.0, 2.0, 0.0, 0.0, 0.0]);
     assert_eq!(dx.row(3), [2.0, 0.0, 0.0, 0.0, 0.0]);
@@ -478,7 +478,7 @@ fn presets_match_a_naive_composition() {
             let what = format!("{preset} `{}` at ({batch},{k})->{n}", spec.chain);
             assert_close(&what, y.data(), &naive_block(&spec, &rows_of(&x), &params));
             // The taped forward computes the same values.
-            let (y_taped, _) = block_backward(&spec, &x, &params, &Tensor::full(y.shape(), 1.0)).unwrap();
+            let (y_taped, _) = block_backward(&spec, &x, &params, &Tensor::full(y.shape(), 1.0).unwrap()).unwrap();
             assert_eq!(y_taped, y, "{what}: taped forward differs");
         }
     }
@@ -557,12 +557,12 @@ fn blocks_refuse_bad_shapes_with_errors() {
 
     assert!(matches!(block_forward(&spec, &random_tensor(&mut rng, &[3, 8]), &params), Err(Error::Tensor { .. })));
     // M4's output is (batch,): a (batch, 1) dy is refused.
-    let err = block_backward(&spec, &x, &params, &Tensor::full(&[3, 1], 1.0)).unwrap_err();
+    let err = block_backward(&spec, &x, &params, &Tensor::full(&[3, 1], 1.0).unwrap()).unwrap_err();
     assert!(matches!(err, Error::Shape(_)), "{err}");
-    assert!(block_backward(&spec, &x, &params, &Tensor::full(&[3], 1.0)).is_ok());
+    assert!(block_backward(&spec, &x, &params, &Tensor::full(&[3], 1.0).unwrap()).is_ok());
 
     let mut bad = params.clone();
-    bad.linear_bias = Tensor::full(&[29], 0.0);
+    bad.linear_bias = Tensor::full(&[29], 0.0).unwrap();
     assert!(matches!(block_forward(&spec, &x, &bad), Err(Error::Tensor { .. })));
     let mut bad = params.clone();
     bad.ops.pop();

@@ -3,7 +3,7 @@
 
 use crate::chain::{Chain, Op};
 use crate::error::{Error, Result};
-use crate::tensor::Tensor;
+use crate::tensor::{Tensor, numel};
 use rand::Rng;
 use rand_distr::{Distribution, StandardNormal, Uniform};
 
@@ -45,6 +45,12 @@ impl BlockSpec {
                 "Linear({in_features}, {out_features}): feature counts must be at least 1"
             )));
         }
+        // The weight, as f64 for the reference, must be one addressable allocation.
+        numel::<f64>(&[out_features, in_features]).map_err(|_| {
+            Error::Shape(format!(
+                "Linear({in_features}, {out_features}): its weight has more elements than memory can address"
+            ))
+        })?;
         let mut features = vec![out_features];
         for op in &chain.0 {
             let f = op.out_features(*features.last().unwrap())?;
@@ -99,6 +105,19 @@ impl BlockSpec {
             }
         }
         specs
+    }
+
+    /// Checks, before anything is allocated, that `batch` rows of input and of every
+    /// activation of the chain have an addressable size (as f64, for the reference).
+    pub fn check_batch(&self, batch: usize) -> Result<()> {
+        if batch == 0 {
+            return Err(Error::Shape("the batch is empty (0 rows)".into()));
+        }
+        let widest = self.features.iter().copied().max().unwrap_or(self.out_features).max(self.in_features);
+        numel::<f64>(&[batch, widest]).map_err(|_| {
+            Error::Shape(format!("{batch} rows of {widest} features have more elements than memory can address"))
+        })?;
+        Ok(())
     }
 
     /// Checks that `x` is a `(batch, in_features)` input and returns the batch.
@@ -178,6 +197,7 @@ impl Params<f32> {
             .param_specs()
             .iter()
             .map(|s| {
+                // Cannot overflow: `BlockSpec::new` checked the largest, the weight.
                 let n = s.shape.iter().product();
                 let data: Vec<f32> = match s.init {
                     Init::Uniform(b) => {
@@ -196,7 +216,7 @@ impl Params<f32> {
 }
 
 /// A `(batch, in)` input drawn from a standard normal (as `torch.randn`).
-pub fn random_input(batch: usize, in_features: usize, rng: &mut impl Rng) -> Tensor<f32> {
+pub fn random_input(batch: usize, in_features: usize, rng: &mut impl Rng) -> Result<Tensor<f32>> {
     Tensor::from_fn(&[batch, in_features], |_| StandardNormal.sample(rng))
 }
 

@@ -44,13 +44,17 @@ impl Op {
     pub fn out_features(&self, f: usize) -> Result<usize> {
         match *self {
             Op::GroupNorm { groups, eps } => {
-                if groups == 0 || !f.is_multiple_of(groups) {
+                if groups == 0 {
+                    return Err(Error::Chain("groupnorm(0): a GroupNorm needs at least 1 group".into()));
+                }
+                if !f.is_multiple_of(groups) {
                     return Err(Error::Chain(format!(
-                        "groupnorm({groups}): the number of groups must divide the {f} channels"
+                        "groupnorm({groups}): the number of groups must divide the {f} channels; {}",
+                        divisors_hint(f)
                     )));
                 }
                 if !(eps > 0.0 && eps.is_finite()) {
-                    return Err(Error::Chain(format!("groupnorm: eps must be positive and finite, got {eps}")));
+                    return Err(Error::Chain(format!("groupnorm({groups},{eps}): eps must be positive and finite")));
                 }
                 Ok(f)
             }
@@ -98,6 +102,29 @@ impl fmt::Display for Op {
             Op::RowMax => write!(f, "max"),
         }
     }
+}
+
+/// "group counts that divide N: 1, 2, ...", for errors about a GroupNorm's groups.
+pub fn divisors_hint(n: usize) -> String {
+    // Trial division up to sqrt(n): instant below 2^40, too slow to be worth it above.
+    if n > 1 << 40 {
+        return format!("choose a divisor of {n}");
+    }
+    let mut small: Vec<usize> = Vec::new();
+    let mut large: Vec<usize> = Vec::new();
+    let mut d = 1;
+    while d <= n / d {
+        if n.is_multiple_of(d) {
+            small.push(d);
+            if d != n / d {
+                large.push(n / d);
+            }
+        }
+        d += 1;
+    }
+    small.extend(large.into_iter().rev());
+    let list: Vec<String> = small.iter().map(usize::to_string).collect();
+    format!("group counts that divide {n}: {}", list.join(", "))
 }
 
 /// A sequence of ops applied after the Linear layer.
@@ -314,6 +341,10 @@ mod tests {
         assert_eq!(Op::AvgPool(3).out_features(10).unwrap(), 3);
         assert!(Op::AvgPool(11).out_features(10).unwrap_err().to_string().contains("avgpool(11)"));
         let err = Op::GroupNorm { groups: 7, eps: 1e-5 }.out_features(96).unwrap_err().to_string();
-        assert!(err.contains("must divide the 96 channels"), "{err}");
+        assert!(
+            err.contains("must divide the 96 channels") && err.contains("1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96")
+        );
+        let err = Op::GroupNorm { groups: 0, eps: 1e-5 }.out_features(96).unwrap_err().to_string();
+        assert!(err.contains("groupnorm(0): a GroupNorm needs at least 1 group"), "{err}");
     }
 }

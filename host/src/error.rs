@@ -5,8 +5,9 @@ use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// Tensor shapes that do not fit together (input vs weights vs chain).
-    #[error("shape mismatch: {0}")]
+    /// Tensor shapes that do not fit together (input vs weights vs chain), or sizes
+    /// beyond what can be indexed, launched or allocated.
+    #[error("bad shape: {0}")]
     Shape(String),
     /// An epilogue chain that is malformed or cannot be applied to these features.
     #[error("invalid chain: {0}")]

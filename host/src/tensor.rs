@@ -8,22 +8,36 @@ pub struct Tensor<T> {
     data: Vec<T>,
 }
 
+/// Elements of a tensor of `shape`, refusing shapes whose element count overflows
+/// `usize` or whose `T` values would not fit one allocation (`isize::MAX` bytes):
+/// `shape.iter().product()` wraps silently in release builds, and `vec!` panics.
+pub fn numel<T>(shape: &[usize]) -> Result<usize> {
+    let too_large = || Error::Shape(format!("shape {shape:?} has more elements than memory can address"));
+    let n = shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)).ok_or_else(too_large)?;
+    match n.checked_mul(std::mem::size_of::<T>()) {
+        Some(bytes) if bytes <= isize::MAX as usize => Ok(n),
+        _ => Err(too_large()),
+    }
+}
+
 impl<T: Copy> Tensor<T> {
     /// A tensor of `shape` holding `data` (row-major); the lengths must agree.
     pub fn new(shape: &[usize], data: Vec<T>) -> Result<Self> {
-        let expected: usize = shape.iter().product();
+        let expected = numel::<T>(shape)?;
         if expected != data.len() {
             return Err(Error::Shape(format!("shape {shape:?} needs {expected} elements, got {}", data.len())));
         }
         Ok(Tensor { shape: shape.to_vec(), data })
     }
 
-    pub fn full(shape: &[usize], value: T) -> Self {
-        Tensor { shape: shape.to_vec(), data: vec![value; shape.iter().product()] }
+    /// A tensor of `shape` with every element `value`.
+    pub fn full(shape: &[usize], value: T) -> Result<Self> {
+        Ok(Tensor { shape: shape.to_vec(), data: vec![value; numel::<T>(shape)?] })
     }
 
-    pub fn from_fn(shape: &[usize], mut f: impl FnMut(usize) -> T) -> Self {
-        Tensor { shape: shape.to_vec(), data: (0..shape.iter().product()).map(&mut f).collect() }
+    /// A tensor of `shape` whose element at flat index `i` is `f(i)`.
+    pub fn from_fn(shape: &[usize], mut f: impl FnMut(usize) -> T) -> Result<Self> {
+        Ok(Tensor { shape: shape.to_vec(), data: (0..numel::<T>(shape)?).map(&mut f).collect() })
     }
 
     pub fn shape(&self) -> &[usize] {
@@ -78,5 +92,24 @@ impl Tensor<f32> {
 impl Tensor<f64> {
     pub fn to_f32(&self) -> Tensor<f32> {
         self.map(|v| v as f32)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_that_overflow_are_refused_not_wrapped() {
+        // 2^33 * 2^31 wraps to 0 in a plain product, which would accept empty data.
+        let wraps = [1usize << 33, 1 << 31];
+        assert!(matches!(Tensor::<f32>::new(&wraps, vec![]), Err(Error::Shape(_))));
+        assert!(matches!(Tensor::full(&wraps, 0.0f32), Err(Error::Shape(_))));
+        assert!(matches!(Tensor::from_fn(&wraps, |_| 0.0f64), Err(Error::Shape(_))));
+        // Fits usize, but not one allocation of f64.
+        let e = Tensor::full(&[usize::MAX / 4], 0.0f64).unwrap_err().to_string();
+        assert!(e.contains("more elements than memory can address"), "{e}");
+        assert_eq!(numel::<f32>(&[0, usize::MAX]).unwrap(), 0);
+        assert_eq!(Tensor::from_fn(&[2, 3], |i| i as f32).unwrap().data(), [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
     }
 }

@@ -50,7 +50,7 @@ pub fn run(a: &BackwardArgs) -> Result<(), Failure> {
         Some(path) => TensorFile::open(path)?.get("dy", &out_shape)?,
         None => {
             let mut rng = rand::rngs::StdRng::seed_from_u64(a.block.seed ^ 0x5eed);
-            Tensor::from_fn(&out_shape, |_| StandardNormal.sample(&mut rng))
+            Tensor::from_fn(&out_shape, |_| StandardNormal.sample(&mut rng))?
         }
     };
     let (backend, y, dx, grads, ms, timing) = match Backend::open(a.device)? {
@@ -148,9 +148,10 @@ fn check(
         let n = n.min(batch);
         let rows: Vec<usize> = (0..n).map(|i| if n == 1 { 0 } else { i * (batch - 1) / (n - 1) }).collect();
         let pick = |t: &Tensor<f32>, w: usize| Tensor::from_fn(&[n, w], |e| t.data()[rows[e / w] * w + e % w] as f64);
+        let x_rows = pick(&p.x, in_f)?;
         let out_w = dy.len() / batch;
-        let dy_rows = pick(dy, out_w).reshape(&p.spec.output_shape(n))?;
-        let (_, want) = reference::block_backward(&p.spec, &pick(&p.x, in_f), &p.params.map(f64::from), &dy_rows)?;
+        let dy_rows = pick(dy, out_w)?.reshape(&p.spec.output_shape(n))?;
+        let (_, want) = reference::block_backward(&p.spec, &x_rows, &p.params.map(f64::from), &dy_rows)?;
         let got: Vec<f32> = rows.iter().flat_map(|&r| dx.row(r).iter().copied()).collect();
         report(&format!("grad.x ({n} rows) vs f64 CPU reference"), compare_f32(&got, want.x.data()));
         println!(

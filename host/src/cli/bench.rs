@@ -90,7 +90,7 @@ pub fn run(a: &BenchArgs) -> Result<(), Failure> {
         let mut rng = StdRng::seed_from_u64(2);
         let ours = if a.backward {
             drop(ws);
-            let dy = gpu.upload(&random_input(b, p.spec.features_at(p.spec.chain.0.len()), &mut rng))?;
+            let dy = gpu.upload(&random_input(b, p.spec.features_at(p.spec.chain.0.len()), &mut rng)?)?;
             let ms = median_ms(&gpu, a.repeat, || {
                 let (_, saved) = block.forward_train(&gpu, &x, false)?;
                 block.backward(&gpu, &x, saved, &dy).map(drop)
@@ -113,7 +113,7 @@ pub fn run(a: &BenchArgs) -> Result<(), Failure> {
         let mut y = gpu.poisoned(&[b, o])?;
         let cublas_ms = if a.backward {
             let (mut dx, mut dw) = (gpu.poisoned(&[b, i])?, gpu.poisoned(&[o, i])?);
-            let dz = gpu.upload(&random_input(b, o, &mut rng))?;
+            let dz = gpu.upload(&random_input(b, o, &mut rng)?)?;
             let each = [
                 median_ms(&gpu, a.repeat, || cublas.forward(&x, &w, &mut y))?,
                 median_ms(&gpu, a.repeat, || cublas.grad_input(&dz, &w, &mut dx))?,

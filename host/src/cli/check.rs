@@ -104,14 +104,14 @@ pub fn run(a: &CheckArgs) -> Result<(), Failure> {
         let mut params = Params::init(&spec, &mut rng);
         // Random GroupNorm affine too, so gamma and beta cannot be swapped unnoticed.
         for p in params.ops.iter_mut().flatten() {
-            *p = random_input(1, p.len(), &mut rng).reshape(p.shape())?;
+            *p = random_input(1, p.len(), &mut rng)?.reshape(p.shape())?;
         }
-        let x = random_input(b, i, &mut rng);
+        let x = random_input(b, i, &mut rng)?;
         let block = GpuBlock::new(&gpu, &spec, &params)?.with_precision(a.precision);
         let plan = block.plan(&gpu, b);
         let comparisons = if a.backward {
             let out = spec.output_shape(b);
-            let dy = random_input(1, out.iter().product(), &mut rng).reshape(&out)?;
+            let dy = random_input(1, out.iter().product(), &mut rng)?.reshape(&out)?;
             let got = block.forward_backward(&gpu, &x, &dy)?;
             let (_, want) = reference::block_backward(&spec, &x.to_f64(), &params.map(f64::from), &dy.to_f64())?;
             let mut c = vec![("x".to_string(), compare_f32(got.x.data(), want.x.data()))];

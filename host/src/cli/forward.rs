@@ -2,7 +2,7 @@
 
 use super::{Backend, BlockArgs, DeviceChoice, Failure, Problem};
 use crate::check::compare_f32;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::gpu::block::GpuBlock;
 use crate::reference;
 use crate::tensor::Tensor;
@@ -39,8 +39,25 @@ struct Run {
 }
 
 pub fn run(a: &ForwardArgs) -> Result<(), Failure> {
-    let p = a.block.problem()?;
+    // Everything that can be refused is refused before the work (and its allocations).
+    if let Some(path) = &a.output {
+        crate::io::check_output_path(path).map_err(|e| Error::Argument(format!("--output {e}")))?;
+    }
+    let setup = a.block.setup()?;
+    if a.device == DeviceChoice::Gpu {
+        setup.check_gpu_limits()?; // also where no GPU opens: the sizes are the problem
+    }
     let backend = Backend::open(a.device)?;
+    let activations = match &backend {
+        Backend::Cpu => 3, // the GEMM's result, its copy and one op's output
+        Backend::Gpu(gpu) => {
+            setup.check_gpu_limits()?;
+            setup.check_device_memory(gpu)?;
+            1 // the downloaded output
+        }
+    };
+    setup.check_host_memory(activations, a.check_rows)?;
+    let p = setup.load()?;
     let r = match &backend {
         Backend::Cpu => run_cpu(&p)?,
         Backend::Gpu(gpu) => {
@@ -116,9 +133,11 @@ fn check_rows(p: &Problem, y: &Tensor<f32>, n: usize, tol: f64) -> Result<Result
     }
     let batch = p.x.rows();
     let n = n.min(batch);
-    let rows: Vec<usize> = (0..n).map(|i| if n == 1 { 0 } else { i * (batch - 1) / (n - 1) }).collect();
+    // In u128: i * (batch - 1) can exceed u64 for a huge batch checked in full.
+    let spread = |i: usize| (i as u128 * (batch as u128 - 1) / (n as u128 - 1)) as usize;
+    let rows: Vec<usize> = (0..n).map(|i| if n == 1 { 0 } else { spread(i) }).collect();
     let in_f = p.spec.in_features;
-    let x_rows = Tensor::from_fn(&[n, in_f], |e| p.x.data()[rows[e / in_f] * in_f + e % in_f] as f64);
+    let x_rows = Tensor::from_fn(&[n, in_f], |e| p.x.data()[rows[e / in_f] * in_f + e % in_f] as f64)?;
     let reference = reference::block_forward::<f64>(&p.spec, &x_rows, &p.params.map(f64::from))?;
     let width = y.len() / batch;
     let got: Vec<f32> = rows.iter().flat_map(|&r| y.data()[r * width..(r + 1) * width].iter().copied()).collect();

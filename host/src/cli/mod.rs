@@ -8,7 +8,7 @@ mod forward;
 mod train;
 
 use crate::block::{BlockSpec, Params};
-use crate::chain::{Chain, Preset};
+use crate::chain::{Chain, Op, Preset};
 use crate::error::{Error, Result};
 use crate::gpu::Gpu;
 use crate::gpu::gemm::simt::Precision;
@@ -108,62 +108,211 @@ pub struct Problem {
     pub x: Tensor<f32>,
 }
 
+/// A block's chain, sizes and files, all checked, before any tensor is allocated:
+/// commands check what their backend can hold here, then [`Setup::load`] the data.
+pub struct Setup {
+    pub name: String,
+    pub spec: BlockSpec,
+    pub batch: usize,
+    /// Where the sizes came from (`--shape ...`, a file's tensor, a seed size), to name
+    /// in errors about them.
+    pub shape_origin: String,
+    weights: Option<TensorFile>,
+    input: Option<TensorFile>,
+    seed: u64,
+    precision: Precision,
+}
+
 impl BlockArgs {
-    /// Builds the block and its data, checking every file against the shape.
+    /// Builds the block and its data, checking every file against the shape and the
+    /// sizes against this machine's memory.
     pub fn problem(&self) -> Result<Problem> {
-        let preset: Preset = self.model.parse()?;
+        let setup = self.setup()?;
+        setup.check_host_memory(0, 0)?;
+        setup.load()
+    }
+
+    /// Parses the chain and the sizes and opens the files; allocates no tensor.
+    pub fn setup(&self) -> Result<Setup> {
+        let preset: Preset = self.model.parse().map_err(|_| {
+            Error::Argument(format!("--model {}: unknown model; expected M1, M2, M3, M4 or M5", self.model))
+        })?;
         let (chain, name) = match &self.ops {
             Some(ops) => (ops.parse::<Chain>()?, "custom".to_string()),
             None => (preset.chain(), preset.to_string()),
         };
         let chain = match self.groups {
-            Some(0) => return Err(Error::Argument("--groups must be at least 1".into())),
+            Some(0) => return Err(Error::Argument("--groups 0: a GroupNorm needs at least 1 group".into())),
             Some(g) if !chain.has_group_norm() => {
                 return Err(Error::Argument(format!("--groups {g} given, but the chain `{chain}` has no groupnorm")));
             }
             Some(g) => chain.with_groups(g),
             None => chain,
         };
-        let weights = self.weights.as_deref().map(TensorFile::open).transpose()?;
-        let input = self.input.as_deref().map(TensorFile::open).transpose()?;
+        let open = |flag: &str, path: &Option<PathBuf>| {
+            path.as_deref().map(TensorFile::open).transpose().map_err(|e| Error::Argument(format!("{flag} {e}")))
+        };
+        let weights = open("--weights", &self.weights)?;
+        let input = open("--input", &self.input)?;
 
-        let (batch, in_f, out_f) = match &self.shape {
-            Some(s) => parse_shape(s)?,
+        let (batch, in_f, out_f, shape_origin) = match &self.shape {
+            Some(s) => {
+                let (b, i, o) = parse_shape(s)?;
+                (b, i, o, format!("--shape {s}"))
+            }
             None => {
                 let (sb, si, so) = preset.seed_shape();
                 let x_shape = input.as_ref().and_then(|f| f.shape_of("x"));
                 let w_shape = weights.as_ref().and_then(|f| f.shape_of("lin.weight"));
-                let batch = x_shape.as_ref().and_then(|s| s.first().copied()).unwrap_or(sb);
-                let in_f = x_shape.as_ref().and_then(|s| s.get(1).copied()).unwrap_or(si);
-                let out_f = w_shape.as_ref().and_then(|s| s.first().copied()).unwrap_or(so);
-                (batch, in_f, out_f)
+                let x_dim = |i: usize| x_shape.as_ref().and_then(|s| s.get(i).copied());
+                let w_dim = |i: usize| w_shape.as_ref().and_then(|s| s.get(i).copied());
+                let batch = x_dim(0).unwrap_or(sb);
+                let in_f = x_dim(1).or(w_dim(1)).unwrap_or(si);
+                let out_f = w_dim(0).unwrap_or(so);
+                let mut origins = Vec::new();
+                if let (Some(s), Some(f)) = (&x_shape, &input) {
+                    if batch == 0 {
+                        return Err(Error::tensor(
+                            "x",
+                            format!("in {} has shape {s:?}: 0 rows; the batch must be at least 1", f.path().display()),
+                        ));
+                    }
+                    origins.push(format!("x {s:?} in {}", f.path().display()));
+                }
+                if let (Some(s), Some(f)) = (&w_shape, &weights) {
+                    origins.push(format!("lin.weight {s:?} in {}", f.path().display()));
+                }
+                if x_dim(0).is_none() || x_dim(1).or(w_dim(1)).is_none() || w_dim(0).is_none() {
+                    origins.push(format!("the seed size of {preset} ({sb},{si},{so})"));
+                }
+                (batch, in_f, out_f, origins.join(", "))
             }
         };
-        let spec = BlockSpec::new(in_f, out_f, chain)?;
-        let mut rng = StdRng::seed_from_u64(self.seed);
+        if let Some(g) = self.groups {
+            check_groups_flag(g, &chain, out_f)?;
+        }
+        let spec = BlockSpec::new(in_f, out_f, chain).map_err(|e| with_origin(&shape_origin, e))?;
+        spec.check_batch(batch).map_err(|e| with_origin(&shape_origin, e))?;
+        Ok(Setup { name, spec, batch, shape_origin, weights, input, seed: self.seed, precision: self.precision })
+    }
+}
+
+impl Setup {
+    /// Refuses sizes the GPU kernels cannot launch (see [`crate::gpu::check_launch_sizes`]).
+    pub fn check_gpu_limits(&self) -> Result<()> {
+        let s = &self.spec;
+        crate::gpu::check_launch_sizes(self.batch, s.in_features, s.out_features)
+            .map_err(|e| with_origin(&self.shape_origin, e))
+    }
+
+    /// Refuses a block whose input, weight and two activations cannot fit `gpu`'s memory.
+    pub fn check_device_memory(&self, gpu: &Gpu) -> Result<()> {
+        let (b, i, o) = (self.batch as u128, self.spec.in_features as u128, self.spec.out_features as u128);
+        crate::gpu::check_device_memory(4 * (b * i + o * i + 2 * b * o), gpu.props.total_memory)
+    }
+
+    /// Refuses a run that cannot fit in this machine's memory: the f32 input and
+    /// weight, `activations` f32 copies of the widest activation (what the backend
+    /// holds at once) and `check_rows` rows checked in f64. A rough lower bound: it is
+    /// there to turn a certain allocation failure (an abort) into an error.
+    pub fn check_host_memory(&self, activations: usize, check_rows: usize) -> Result<()> {
+        let Some(total) = host_memory_bytes() else { return Ok(()) };
+        let s = &self.spec;
+        let widest = (0..=s.chain.0.len()).map(|i| s.features_at(i)).max().unwrap_or(s.out_features) as u128;
+        let (b, i, o) = (self.batch as u128, s.in_features as u128, s.out_features as u128);
+        let checked = check_rows.min(self.batch) as u128;
+        let needed = 4 * (b * i + o * i + activations as u128 * b * widest) + 8 * checked * (i + 3 * widest);
+        if needed > total {
+            let gib = |bytes: u128| bytes as f64 / (1u64 << 30) as f64;
+            return Err(Error::Shape(format!(
+                "{}: the run needs at least {:.1} GiB of memory; this machine has {:.1} GiB",
+                self.shape_origin,
+                gib(needed),
+                gib(total)
+            )));
+        }
+        Ok(())
+    }
+
+    /// Reads the parameters and `x` from the files (or draws them), checking shapes.
+    pub fn load(self) -> Result<Problem> {
+        let Setup { name, spec, batch, shape_origin, weights, input, seed, precision } = self;
+        // A shape error says where the expected shape came from.
+        let read = |f: &TensorFile, name: &str, shape: &[usize]| match f.shape_of(name) {
+            Some(s) if s != shape => Err(Error::tensor(
+                name,
+                format!("in {} has shape {s:?}; expected {shape:?} (sizes from {shape_origin})", f.path().display()),
+            )),
+            _ => f.get(name, shape),
+        };
+        let mut rng = StdRng::seed_from_u64(seed);
         let params = match &weights {
             Some(f) => {
-                let tensors = spec.param_specs().iter().map(|p| f.get(&p.name, &p.shape)).collect::<Result<_>>()?;
+                let tensors = spec.param_specs().iter().map(|p| read(f, &p.name, &p.shape)).collect::<Result<_>>()?;
                 Params::from_flat(&spec, tensors)?
             }
             None => Params::init(&spec, &mut rng),
         };
         let x = match &input {
-            Some(f) => f.get("x", &[batch, in_f])?,
-            None => crate::block::random_input(batch, in_f, &mut rng),
+            Some(f) => read(f, "x", &[batch, spec.in_features])?,
+            None => crate::block::random_input(batch, spec.in_features, &mut rng)?,
         };
         spec.check_input(&x)?;
-        Ok(Problem { name, precision: self.precision, spec, params, x })
+        Ok(Problem { name, precision, spec, params, x })
     }
 }
 
-fn parse_shape(s: &str) -> Result<(usize, usize, usize)> {
-    let parts: Vec<_> = s.split(',').map(|p| p.trim().parse::<usize>()).collect();
-    match parts[..] {
-        [Ok(b), Ok(i), Ok(o)] if b > 0 && i > 0 && o > 0 => Ok((b, i, o)),
-        [Ok(_), Ok(_), Ok(_)] => Err(Error::Argument(format!("--shape {s}: sizes must be at least 1"))),
-        _ => Err(Error::Argument(format!("--shape {s}: expected BATCH,IN,OUT (three whole numbers)"))),
+/// Prefixes a size error with where the sizes came from.
+fn with_origin(origin: &str, e: Error) -> Error {
+    match e {
+        Error::Shape(m) => Error::Shape(format!("{origin}: {m}")),
+        e => e,
     }
+}
+
+/// `--groups g` must divide the channels at every GroupNorm of the chain (which
+/// `BlockSpec::new` checks too, but without naming the flag).
+fn check_groups_flag(g: usize, chain: &Chain, out_features: usize) -> Result<()> {
+    let mut f = out_features;
+    for (i, op) in chain.0.iter().enumerate() {
+        if matches!(op, Op::GroupNorm { .. }) && !f.is_multiple_of(g) {
+            return Err(Error::Argument(format!(
+                "--groups {g}: the number of groups must divide the {f} channels at op {} (`{op}`); {}",
+                i + 1,
+                crate::chain::divisors_hint(f)
+            )));
+        }
+        match op.out_features(f) {
+            Ok(next) => f = next,
+            Err(_) => return Ok(()), // BlockSpec::new reports it
+        }
+    }
+    Ok(())
+}
+
+/// Total memory of this machine (Linux: `MemTotal` of /proc/meminfo), if known.
+fn host_memory_bytes() -> Option<u128> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u128 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+fn parse_shape(s: &str) -> Result<(usize, usize, usize)> {
+    let parts: Vec<&str> = s.split(',').map(str::trim).collect();
+    if parts.len() != 3 {
+        return Err(Error::Argument(format!("--shape {s}: expected BATCH,IN,OUT (three whole numbers)")));
+    }
+    let mut dims = [0usize; 3];
+    for ((d, part), what) in dims.iter_mut().zip(&parts).zip(["BATCH", "IN", "OUT"]) {
+        *d = part.parse().map_err(|_| {
+            Error::Argument(format!("--shape {s}: {what} `{part}` is not a whole number from 1 to {}", usize::MAX))
+        })?;
+        if *d == 0 {
+            return Err(Error::Argument(format!("--shape {s}: {what} must be at least 1, got 0")));
+        }
+    }
+    Ok((dims[0], dims[1], dims[2]))
 }
 
 /// The backend chosen for a run.

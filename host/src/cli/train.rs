@@ -104,7 +104,7 @@ pub fn run(a: &TrainArgs) -> Result<(), Failure> {
     // Synthetic data: inputs from N(0, 1), targets from the teacher (computed in f64).
     let data: Vec<(Tensor<f32>, Tensor<f32>)> = (0..a.batches)
         .map(|_| {
-            let x = random_input(a.batch, s1.in_features, &mut rng);
+            let x = random_input(a.batch, s1.in_features, &mut rng)?;
             let h = reference::block_forward(&s1, &x.to_f64(), &teacher.0.map(f64::from))?;
             let y = reference::block_forward(&s2, &h, &teacher.1.map(f64::from))?;
             Ok((x, y.to_f32()))

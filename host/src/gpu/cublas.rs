@@ -34,7 +34,10 @@ impl Cublas {
 
     /// The forward GEMM `y = x W^T` (no bias): `x (m, k)`, `w (n, k)`, `y (m, n)`, all row-major.
     pub fn forward(&self, x: &DeviceTensor, w: &DeviceTensor, y: &mut DeviceTensor) -> Result<()> {
-        let (m, k, n) = (x.shape[0], x.shape[1], w.shape[0]);
+        let (m, k, n) = match (&x.shape[..], &w.shape[..]) {
+            ([m, k], [n, _]) => (*m, *k, *n),
+            _ => return Err(Error::Shape(format!("sgemm: x {:?} and w {:?} must be 2-D", x.shape, w.shape))),
+        };
         if w.shape != [n, k] || y.shape != [m, n] {
             return Err(Error::Shape(format!("sgemm: x {:?}, w {:?}, y {:?}", x.shape, w.shape, y.shape)));
         }
@@ -73,22 +76,33 @@ impl Cublas {
         (b, ldb): (&CudaSlice<f32>, usize),
         (c, ldc): (&mut CudaSlice<f32>, usize),
     ) -> Result<()> {
-        if [m, n, k, lda, ldb, ldc].iter().any(|&d| d > i32::MAX as usize) {
-            return Err(Error::Shape(format!("sgemm ({m}, {n}, {k}) exceeds cuBLAS's 32-bit sizes")));
-        }
         let cfg = GemmConfig {
             transa,
             transb,
-            m: m as i32,
-            n: n as i32,
-            k: k as i32,
+            m: cublas_dim(m)?,
+            n: cublas_dim(n)?,
+            k: cublas_dim(k)?,
             alpha: 1.0f32,
-            lda: lda as i32,
-            ldb: ldb as i32,
+            lda: cublas_dim(lda)?,
+            ldb: cublas_dim(ldb)?,
             beta: 0.0f32,
-            ldc: ldc as i32,
+            ldc: cublas_dim(ldc)?,
         };
         // SAFETY: the callers checked the buffers against these dimensions.
         unsafe { self.blas.gemm(cfg, a, b, c) }.map_err(|e| Error::cuda("cublasSgemm", e))
+    }
+}
+
+/// A dimension as cuBLAS's 32-bit signed `int`, refusing one that would truncate.
+fn cublas_dim(d: usize) -> Result<i32> {
+    i32::try_from(d).map_err(|_| Error::Shape(format!("sgemm: dimension {d} exceeds cuBLAS's 32-bit int")))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn dimensions_beyond_i32_are_refused() {
+        assert_eq!(super::cublas_dim(8192).unwrap(), 8192);
+        assert!(super::cublas_dim(i32::MAX as usize + 1).unwrap_err().to_string().contains("32-bit int"));
     }
 }

@@ -51,7 +51,7 @@ pub fn group_norm_forward<T: Real>(
 
     let (gamma, beta) = (gamma.data(), beta.data());
     let inv_n = T::ONE / T::from_count(n);
-    let mut y = Tensor::full(&[batch, channels], T::ZERO);
+    let mut y = Tensor::full(&[batch, channels], T::ZERO)?;
     let mut stats =
         GroupNormStats { groups, mean: Vec::with_capacity(batch * groups), rstd: Vec::with_capacity(batch * groups) };
     for b in 0..batch {
@@ -102,7 +102,7 @@ pub fn group_norm_backward<T: Real>(
 
     let gamma = gamma.data();
     let inv_n = T::ONE / T::from_count(n);
-    let mut dx = Tensor::full(&[batch, channels], T::ZERO);
+    let mut dx = Tensor::full(&[batch, channels], T::ZERO)?;
     let mut dgamma = vec![T::ZERO; channels];
     let mut dbeta = vec![T::ZERO; channels];
     for b in 0..batch {

@@ -235,12 +235,14 @@ pub fn block_backward<T: Real>(
 
     // Every parameter feeds the output, so a missing gradient cannot happen; zeros
     // (the true gradient of an unused value) keep this total anyway.
-    let mut take =
-        |var: VarId, like: &Tensor<T>| grads.take(var).unwrap_or_else(|| Tensor::full(like.shape(), T::ZERO));
-    let dx = take(x_var, x);
+    let mut take = |var: VarId, like: &Tensor<T>| match grads.take(var) {
+        Some(grad) => Ok(grad),
+        None => Tensor::full(like.shape(), T::ZERO),
+    };
+    let dx = take(x_var, x)?;
     let mut dparams = params.clone();
     for (slot, var) in dparams.flat_mut().into_iter().zip(&param_vars) {
-        let grad = take(*var, slot);
+        let grad = take(*var, slot)?;
         *slot = grad;
     }
     Ok((y, BlockGrads { x: dx, params: dparams }))

@@ -42,7 +42,7 @@ pub fn avg_pool_backward<T: Real>(dy: &Tensor<T>, k: usize, in_features: usize) 
         ));
     }
     let inv_k = T::ONE / T::from_count(k);
-    let mut dx = Tensor::full(&[batch, in_features], T::ZERO);
+    let mut dx = Tensor::full(&[batch, in_features], T::ZERO)?;
     for b in 0..batch {
         let dxs = &mut dx.data_mut()[b * in_features..(b + 1) * in_features];
         for j in 0..out {
@@ -86,7 +86,7 @@ pub fn row_max_backward<T: Real>(dy: &Tensor<T>, argmax: &[usize], in_features: 
     if dy.shape() != [batch] {
         return Err(Error::tensor("dy", format!("expected shape [{batch}], got {:?}", dy.shape())));
     }
-    let mut dx = Tensor::full(&[batch, in_features], T::ZERO);
+    let mut dx = Tensor::full(&[batch, in_features], T::ZERO)?;
     for (b, &i) in argmax.iter().enumerate() {
         if i >= in_features {
             return Err(Error::Argument(format!("row max backward: index {i} outside {in_features} features")));

@@ -41,8 +41,8 @@ impl DeviceChain {
                 Op::Gelu => d.code = OP_GELU,
                 Op::LeakyRelu(s) => (d.code, d.a) = (OP_LEAKY_RELU, s),
                 Op::Hardtanh(lo, hi) => (d.code, d.a, d.b) = (OP_HARDTANH, lo, hi),
-                Op::GroupNorm { groups, eps } => (d.code, d.count, d.a) = (OP_GROUP_NORM, groups as u32, eps),
-                Op::AvgPool(k) => (d.code, d.count) = (OP_AVG_POOL, k as u32),
+                Op::GroupNorm { groups, eps } => (d.code, d.count, d.a) = (OP_GROUP_NORM, count_u32(op, groups)?, eps),
+                Op::AvgPool(k) => (d.code, d.count) = (OP_AVG_POOL, count_u32(op, k)?),
                 Op::RowMax => d.code = OP_ROW_MAX,
             }
             descs.push(d);
@@ -54,6 +54,11 @@ impl DeviceChain {
         let grad_slots = 1 + ops.iter().map(|op| op.param_bases().len()).sum::<usize>();
         Ok(DeviceChain { ops: descs, descs: buf, grad_slots })
     }
+}
+
+/// A group count or pooling kernel as the descriptor's 32-bit `count`.
+fn count_u32(op: &Op, count: usize) -> Result<u32> {
+    u32::try_from(count).map_err(|_| Error::Shape(format!("`{op}`: {count} does not fit the kernels' 32-bit count")))
 }
 
 /// The `repr(C)` layout of [`OpDesc`] as four little-endian 64-bit words.

@@ -10,9 +10,11 @@ use kernel_abi::epilogue::{ROW_THREADS, row_backward_smem_bytes, row_smem_bytes}
 const FORWARD: &str = "epilogue_rows";
 const BACKWARD: &str = "epilogue_rows_backward";
 
-fn check_rows(rows: usize, n: usize) -> Result<()> {
-    if rows == 0 || rows > i32::MAX as usize || n == 0 || n > u32::MAX as usize {
-        return Err(Error::Shape(format!("epilogue over {rows} rows of {n} is outside the kernel's range")));
+/// Refuses what the kernel cannot launch: one block per row (`gridDim.x` < 2^31),
+/// `n` and `splits` as u32 (at most 64 split-K parts).
+fn check_rows_size(splits: usize, rows: usize, n: usize) -> Result<()> {
+    if rows == 0 || rows > i32::MAX as usize || n == 0 || n > u32::MAX as usize || splits == 0 || splits > 64 {
+        return Err(Error::Shape(format!("epilogue over {splits} x {rows} rows of {n} is outside the kernel's range")));
     }
     Ok(())
 }
@@ -33,7 +35,7 @@ pub fn epilogue_rows(
         [splits, rows, n] => (splits, rows, n),
         _ => return Err(Error::Shape(format!("epilogue input must be 2-D or 3-D, got {:?}", z.shape))),
     };
-    check_rows(rows, n)?;
+    check_rows_size(splits, rows, n)?;
     if bias.is_some_and(|b| b.len() != n) || save_z.as_ref().is_some_and(|s| s.shape != [rows, n]) {
         return Err(Error::Shape(format!("epilogue bias / saved input must have {n} columns")));
     }
@@ -80,7 +82,7 @@ pub fn epilogue_rows_backward(
     let [rows, n] = z.shape[..] else {
         return Err(Error::Shape(format!("saved chain input must be 2-D, got {:?}", z.shape)));
     };
-    check_rows(rows, n)?;
+    check_rows_size(1, rows, n)?;
     if dy.len() != rows * out_width {
         return Err(Error::tensor("dy", format!("expected {rows} x {out_width} values, got shape {:?}", dy.shape)));
     }
@@ -128,4 +130,17 @@ pub fn sum_partials(gpu: &Gpu, partials: &DeviceTensor, blocks: usize, len: usiz
     // SAFETY: (partials, blocks, len, out) as `sum_partials` takes; sizes checked above.
     launched("sum_partials", unsafe { l.launch(cfg) })?;
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn sizes_outside_the_launch_are_refused() {
+        use super::check_rows_size;
+        assert!(check_rows_size(1, i32::MAX as usize + 1, 8).is_err());
+        assert!(check_rows_size(1, 8, u32::MAX as usize + 1).is_err());
+        assert!(check_rows_size(65, 8, 8).is_err());
+        assert!(check_rows_size(1, 0, 8).is_err());
+        assert!(check_rows_size(16, i32::MAX as usize, u32::MAX as usize).is_ok());
+    }
 }

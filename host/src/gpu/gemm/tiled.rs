@@ -20,10 +20,16 @@ pub fn gemm_dims(x: &DeviceTensor, w: &DeviceTensor, b: &DeviceTensor) -> Result
     if b.shape != [n] {
         return Err(Error::tensor("lin.bias", format!("expected shape ({n},), got {:?}", b.shape)));
     }
-    if [m, n, k].iter().any(|&d| d == 0 || d > u32::MAX as usize) || m.checked_mul(k.max(n)).is_none() {
-        return Err(Error::Shape(format!("GEMM size ({m}, {n}, {k}) outside what the kernel indexes")));
-    }
+    check_gemm_size(m, n, k)?;
     Ok((m, n, k))
+}
+
+/// Refuses GEMM sizes the kernels cannot take: empty, or beyond their u32 `m, n, k`.
+pub fn check_gemm_size(m: usize, n: usize, k: usize) -> Result<()> {
+    if [m, n, k].iter().any(|&d| d == 0 || d > u32::MAX as usize) || m.checked_mul(k.max(n)).is_none() {
+        return Err(Error::Shape(format!("GEMM size ({m}, {n}, {k}) outside what the kernel indexes (1 to 2^32 - 1)")));
+    }
+    Ok(())
 }
 
 /// Checks that `y` has `shape`.
@@ -61,4 +67,18 @@ pub fn gemm_bias_tiled(
     // against (m, n, k) above; grid and shared memory follow kernel_abi::gemm_tiled.
     unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{KERNEL}`"), e))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_gemm_size;
+
+    #[test]
+    fn sizes_that_would_truncate_are_refused() {
+        let big = u32::MAX as usize + 1;
+        for (m, n, k) in [(big, 8, 8), (8, big, 8), (8, 8, big), (0, 8, 8), (8, 0, 8), (8, 8, 0)] {
+            assert!(check_gemm_size(m, n, k).is_err(), "({m}, {n}, {k})");
+        }
+        assert!(check_gemm_size(u32::MAX as usize, 1, 1).is_ok());
+    }
 }

@@ -1,0 +1,419 @@
+#!/usr/bin/env python3
+"""PyTorch parity: the `host` binary against PyTorch on the same weights and inputs.
+
+For every reference model M1..M5 (at small shapes) and a set of seeded random chains
+and shapes, this builds a torch.nn.Module from the chain (the project's `--ops`
+syntax, see host/src/chain.rs), with random parameters (GroupNorm's too), saves its
+state dict under the project's names (lin.weight, lin.bias, gn.weight, gn.bias, w,
+bias, gn2.weight, bias2, w2, ...) and a random input `x` as safetensors, runs
+
+    host forward --device DEV --weights W --input X --output Y [--model M --groups G | --ops CHAIN] --check-rows 0
+
+and compares `y` with the module's output in float64 (the reference) and float32
+(the module as users run it): max abs error, relative error ||a-b||/||b|| and
+torch.allclose(atol=1e-2, rtol=1e-2). With a binary that has `host backward`, the
+gradients (`grad.x`, `grad.<parameter>`) are compared with autograd's `y.backward(dy)`
+the same way; without one, backward is skipped and the script says so.
+
+A row fails when shapes differ, NaN/Inf sit in different places, allclose fails, or
+the relative error against float64 exceeds --rel-tol (1e-4: strict f32 arithmetic).
+
+Usage (on the GPU machine, from the repository root; python3 with torch, safetensors, numpy):
+    python3 scripts/parity.py --host device-carry/host
+    python3 scripts/parity.py --host target/release/host --device cpu --no-backward
+Exit status: 0 when every row passes, 1 when any fails, 2 when the run cannot start.
+"""
+import argparse
+import copy
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+
+try:
+    import numpy as np
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from safetensors.torch import load_file, save_file
+except ImportError as e:  # say what is missing rather than a traceback
+    sys.exit(f"parity.py needs torch, safetensors and numpy: {e}")
+
+PRESETS = {
+    "M1": "groupnorm(256),swish,mul,swish",
+    "M2": "swish,bias,groupnorm(64)",
+    "M3": "groupnorm(512),leakyrelu(0.01),scale(2)",
+    "M4": "avgpool(16),gelu,scale(2),max",
+    "M5": "bias,hardtanh(-1,1),mish,groupnorm(256)",
+}
+# Presets at a small shape, with group counts that divide `out` into groups of 8..32
+# channels (M3's 512 groups of 512 channels would be groups of one: output = beta).
+PRESET_SHAPE = (64, 256, 512)
+PRESET_GROUPS = {"M1": 32, "M2": 16, "M3": 64, "M4": None, "M5": 32}
+
+
+# ---------------------------------------------------------------- chains
+
+
+def split_chain(text):
+    """The ops of a chain, as written: split at commas outside parentheses."""
+    s = "".join(text.split()).lower()
+    if s in ("", "none"):
+        return []
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(s):
+        depth += c == "("
+        depth -= c == ")"
+        if c == "," and depth == 0:
+            parts.append(s[start:i])
+            start = i + 1
+    parts.append(s[start:])
+    return parts
+
+
+def parse_chain(text):
+    """The project's chain syntax (host/src/chain.rs) as a list of tuples."""
+    ops = []
+    for tok in split_chain(text):
+        name, _, rest = tok.partition("(")
+        args = [a for a in rest.rstrip(")").split(",") if a] if rest else []
+        if name == "bias":
+            ops.append(("bias",))
+        elif name == "mul":
+            ops.append(("mul",))
+        elif name == "scale":
+            ops.append(("scale", float(args[0])))
+        elif name == "double":
+            ops.append(("scale", 2.0))
+        elif name in ("swish", "silu"):
+            ops.append(("swish",))
+        elif name in ("mish", "gelu"):
+            ops.append((name,))
+        elif name == "leakyrelu":
+            ops.append(("leakyrelu", float(args[0]) if args else 0.01))
+        elif name == "hardtanh":
+            ops.append(("hardtanh", float(args[0]), float(args[1])) if args else ("hardtanh", -1.0, 1.0))
+        elif name in ("groupnorm", "gn"):
+            ops.append(("groupnorm", int(args[0]), float(args[1]) if len(args) > 1 else 1e-5))
+        elif name == "avgpool":
+            ops.append(("avgpool", int(args[0])))
+        elif name in ("max", "rowmax"):
+            ops.append(("max",))
+        else:
+            raise ValueError(f"unknown op `{name}` in `{text}`")
+    return ops
+
+
+def with_groups(text, groups):
+    """The chain with every groupnorm's group count replaced (the `--groups` flag)."""
+    if groups is None:
+        return text
+    toks = split_chain(text)
+    return ",".join(f"groupnorm({groups})" if op[0] == "groupnorm" else tok
+                    for op, tok in zip(parse_chain(text), toks))
+
+
+class ChainBlock(nn.Module):
+    """Linear(in, out) followed by a chain, parameters named as the project names them."""
+
+    def __init__(self, in_f, out_f, ops):
+        super().__init__()
+        self.lin = nn.Linear(in_f, out_f)
+        self.steps, counts, f = [], {}, out_f
+        for op in ops:
+            kind, name = op[0], None
+            if kind in ("bias", "mul", "groupnorm"):
+                base = {"bias": "bias", "mul": "w", "groupnorm": "gn"}[kind]
+                counts[base] = counts.get(base, 0) + 1
+                name = base if counts[base] == 1 else f"{base}{counts[base]}"
+                if kind == "groupnorm":
+                    gn = nn.GroupNorm(op[1], f, eps=op[2])
+                    with torch.no_grad():  # random affine, so gamma and beta matter
+                        gn.weight.copy_(torch.randn(f))
+                        gn.bias.copy_(torch.randn(f))
+                    self.add_module(name, gn)
+                else:
+                    self.register_parameter(name, nn.Parameter(torch.randn(f)))
+            elif kind == "avgpool":
+                f //= op[1]
+            elif kind == "max":
+                f = 1
+            self.steps.append((op, name))
+        self.reduces = any(op[0] == "max" for op in ops)
+
+    def forward(self, x):
+        h = self.lin(x)
+        for op, name in self.steps:
+            kind = op[0]
+            if kind == "bias":
+                h = h + getattr(self, name)
+            elif kind == "mul":
+                h = h * getattr(self, name)
+            elif kind == "scale":
+                h = h * op[1]
+            elif kind == "swish":
+                h = h * torch.sigmoid(h)
+            elif kind == "mish":
+                h = F.mish(h)
+            elif kind == "gelu":
+                h = F.gelu(h)
+            elif kind == "leakyrelu":
+                h = F.leaky_relu(h, op[1])
+            elif kind == "hardtanh":
+                h = F.hardtanh(h, op[1], op[2])
+            elif kind == "groupnorm":
+                h = getattr(self, name)(h)
+            elif kind == "avgpool":
+                h = F.avg_pool1d(h.unsqueeze(1), op[1]).squeeze(1)
+            elif kind == "max":
+                h = h.max(dim=1, keepdim=True).values
+        return h.squeeze(1) if self.reduces else h
+
+
+def random_chain(rng, out):
+    """1..5 random ops valid for `out` features, sometimes ending in max."""
+    ops, f = [], out
+    n = rng.randint(1, 5)
+    for i in range(n):
+        r = rng.randrange(10)
+        if r == 0:
+            tok = "bias"
+        elif r == 1:
+            tok = "mul"
+        elif r == 2:
+            tok = f"scale({rng.choice([-1.5, 0.5, 2, 3.25])})"
+        elif r in (3, 4, 5):
+            tok = ["swish", "mish", "gelu"][r - 3]
+        elif r == 6:
+            tok = f"leakyrelu({rng.choice([0.01, 0.2, 0])})"
+        elif r == 7:
+            tok = "hardtanh({},{})".format(*rng.choice([(-1, 1), (-0.5, 0.7), (-2, 3)]))
+        elif r == 8 and f >= 2 and i + 1 < n:
+            k = rng.randint(2, min(4, f))
+            tok, f = f"avgpool({k})", f // k
+        else:
+            g = rng.choice([d for d in range(1, f + 1) if f % d == 0])
+            tok = f"groupnorm({g})" if rng.random() < 0.7 else f"groupnorm({g},1e-3)"
+        ops.append(tok)
+    if rng.random() < 0.2:
+        ops.append("max")
+    return ",".join(ops)
+
+
+# ---------------------------------------------------------------- cases
+
+
+class Case:
+    def __init__(self, name, chain, shape, flags, x_transform=None, backward=True, note=""):
+        self.name, self.chain, self.shape, self.flags = name, chain, shape, flags
+        self.x_transform, self.backward, self.note = x_transform, backward, note
+
+
+def inject_nonfinite(x):
+    """NaN in row 1, +Inf in row 2, -Inf in row 3 (one element each)."""
+    x = x.clone()
+    x[1, 3], x[2, 0], x[3, 5] = float("nan"), float("inf"), -float("inf")
+    return x
+
+
+def cases(args):
+    out = []
+    for m, text in PRESETS.items():
+        g = PRESET_GROUPS[m]
+        flags = ["--model", m] + (["--groups", str(g)] if g else [])
+        out.append(Case(m, with_groups(text, g), PRESET_SHAPE, flags))
+    for m in ("M1", "M5"):  # odd sizes: groups of 24 channels, k not a multiple of 4
+        out.append(Case(f"{m} odd", with_groups(PRESETS[m], 4), (33, 77, 96), ["--model", m, "--groups", "4"]))
+    rng = random.Random(args.seed)
+    for i in range(args.random):
+        shape = (rng.choice([1, 3, 17, 64, 130]), rng.choice([5, 16, 77, 300]),
+                 rng.choice([24, 48, 96, 100, 130, 256]))
+        text = random_chain(rng, shape[2])
+        out.append(Case(f"random {i}", text, shape, ["--ops", text]))
+    # NaN/Inf must propagate as in PyTorch. Chains without GELU: torch's own CPU GELU
+    # gives NaN for +Inf on its vectorised path and Inf on its scalar one.
+    for name, text in [("M1 nan/inf", with_groups(PRESETS["M1"], 32)),
+                       ("M5 nan/inf", with_groups(PRESETS["M5"], 32)),
+                       ("clamp nan/inf", "leakyrelu(0.2),hardtanh(-2,2),mish,max")]:
+        out.append(Case(name, text, (16, 64, 128), ["--ops", text], inject_nonfinite, backward=False,
+                        note="backward not compared with NaN/Inf inputs"))
+    # Large inputs: activations far into saturation (sigmoid, softplus, erf tails).
+    text = "swish,mish,bias,gelu,groupnorm(8)"
+    out.append(Case("large x", text, (32, 64, 128), ["--ops", text], lambda x: 30.0 * x))
+    return out
+
+
+# ---------------------------------------------------------------- comparison
+
+
+def compare(got, ref, rel_tol, strict):
+    """One table row's numbers: max abs, rel err over finite entries, allclose, pass."""
+    row = {}
+    if tuple(got.shape) != tuple(ref.shape):
+        row.update(max_abs=float("nan"), rel=float("nan"), allclose=False, ok=False,
+                   why=f"shape {list(got.shape)} vs {list(ref.shape)}")
+        return row
+    a, b = got.detach().double().cpu().numpy(), ref.detach().double().cpu().numpy()
+    same_nan = np.array_equal(np.isnan(a), np.isnan(b))
+    inf = np.isinf(b)
+    same_inf = np.array_equal(np.isinf(a), inf) and np.array_equal(a[inf], b[inf])
+    fin = np.isfinite(a) & np.isfinite(b)
+    d = a[fin] - b[fin]
+    max_abs = float(np.abs(d).max()) if d.size else 0.0
+    norm = float(np.linalg.norm(b[fin]))
+    rel = float(np.linalg.norm(d)) / norm if norm > 0 else float(np.linalg.norm(d))
+    close = bool(torch.allclose(torch.from_numpy(a), torch.from_numpy(b), atol=1e-2, rtol=1e-2, equal_nan=True))
+    why = []
+    if not (same_nan and same_inf):
+        why.append("NaN/Inf in different places")
+    if not close:
+        why.append("allclose fails")
+    if strict and rel > rel_tol:
+        why.append(f"rel err above {rel_tol:g}")
+    row.update(max_abs=max_abs, rel=rel, allclose=close, ok=not why, why="; ".join(why))
+    return row
+
+
+# ---------------------------------------------------------------- running
+
+
+def run_host(cmd, timeout):
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
+        raise RuntimeError(f"exit {p.returncode}: {' | '.join(tail)}")
+    return p
+
+
+def has_backward(host):
+    try:
+        return subprocess.run([host, "backward", "--help"], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def run_case(case, idx, args, work, backward):
+    """Runs one case; returns table rows (dicts)."""
+    b, i, o = case.shape
+    torch.manual_seed(args.seed * 1000 + idx)
+    m32 = ChainBlock(i, o, parse_chain(case.chain))
+    x = torch.randn(b, i)
+    if case.x_transform:
+        x = case.x_transform(x)
+    m64 = copy.deepcopy(m32).double()
+    with torch.no_grad():
+        y32, y64 = m32(x), m64(x.double())
+    dy = torch.randn(y64.shape)
+
+    d = os.path.join(work, f"case{idx}")
+    os.makedirs(d, exist_ok=True)
+    files = {k: os.path.join(d, f"{k}.safetensors") for k in ("w", "x", "y", "dy", "g", "y2")}
+    save_file({k: v.detach().contiguous() for k, v in m32.state_dict().items()}, files["w"])
+    save_file({"x": x.contiguous()}, files["x"])
+    save_file({"dy": dy.float().contiguous()}, files["dy"])
+    common = ["--device", args.device, "--weights", files["w"], "--input", files["x"], "--check-rows", "0"]
+    base = {"case": case.name, "chain": case.chain, "shape": "x".join(map(str, case.shape))}
+    rows = []
+
+    def add(tensor, got, ref64, ref32):
+        for vs, ref, strict in (("f64", ref64, True), ("f32", ref32, False)):
+            r = compare(got, ref, args.rel_tol, strict)
+            rows.append(dict(base, tensor=tensor, vs=vs, **r))
+
+    def failed(tensor, why):
+        rows.append(dict(base, tensor=tensor, vs="-", max_abs=float("nan"), rel=float("nan"),
+                         allclose=False, ok=False, why=why))
+
+    try:
+        run_host([args.host, "forward"] + common + ["--output", files["y"]] + case.flags, args.timeout)
+        add("y", load_file(files["y"])["y"], y64, y32)
+    except (RuntimeError, subprocess.TimeoutExpired, KeyError, OSError) as e:
+        failed("y", f"host forward: {e}")
+
+    if backward and case.backward:
+        grads = {}
+        for name, model, xx, dd in (("f64", m64, x.double(), dy.double()), ("f32", m32, x, dy.float())):
+            xg = xx.clone().requires_grad_(True)
+            model.zero_grad()
+            model(xg).backward(dd)
+            g = {"grad.x": xg.grad}
+            g.update({f"grad.{n}": p.grad for n, p in model.named_parameters()})
+            grads[name] = g
+        try:
+            run_host([args.host, "backward"] + common + ["--grad-output", files["dy"], "--grads", files["g"],
+                                                         "--output", files["y2"]] + case.flags, args.timeout)
+            got = load_file(files["g"])
+            for name in grads["f64"]:
+                if name not in got:
+                    failed(name, f"missing from host's gradients (it wrote: {', '.join(sorted(got))})")
+                else:
+                    add(name, got[name], grads["f64"][name], grads["f32"][name])
+        except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
+            failed("grad.*", f"host backward: {e}")
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--host", default="device-carry/host", help="the host binary (default: device-carry/host)")
+    p.add_argument("--device", choices=["cpu", "gpu"], default="gpu", help="passed to host (default: gpu)")
+    p.add_argument("--backward", action=argparse.BooleanOptionalAction, default=True,
+                   help="also compare gradients (skipped if the binary has no `backward`)")
+    p.add_argument("--random", type=int, default=12, help="random chains besides the presets (default 12)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rel-tol", type=float, default=1e-4, help="max relative error vs float64 (default 1e-4)")
+    p.add_argument("--timeout", type=int, default=300, help="seconds per host call")
+    p.add_argument("--json", help="also write the rows and a summary to this file")
+    p.add_argument("--keep", help="keep the safetensors files in this folder")
+    args = p.parse_args()
+
+    if not (os.path.isfile(args.host) and os.access(args.host, os.X_OK)):
+        print(f"error: host binary `{args.host}` not found or not executable (give --host PATH)", file=sys.stderr)
+        return 2
+    backward = args.backward and has_backward(args.host)
+    print(f"parity: {args.host} --device {args.device} vs torch {torch.__version__} (float64 and float32 modules)")
+    if args.backward and not backward:
+        print("backward: SKIPPED: `host backward --help` fails, this binary has no backward command; "
+              "comparing the forward only")
+    elif not args.backward:
+        print("backward: not compared (--no-backward)")
+
+    work = args.keep or tempfile.mkdtemp(prefix="parity-")
+    os.makedirs(work, exist_ok=True)
+    rows = []
+    try:
+        for idx, case in enumerate(cases(args)):
+            rows.extend(run_case(case, idx, args, work, backward))
+            if case.note and backward:
+                print(f"note: {case.name}: {case.note}")
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+    head = f"{'case':<14} {'chain':<44} {'shape':<12} {'tensor':<16} {'vs':<3} {'max abs':>9} {'rel err':>9} {'allclose':<8} result"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        chain = r["chain"] if len(r["chain"]) <= 44 else r["chain"][:41] + "..."
+        print(f"{r['case']:<14} {chain:<44} {r['shape']:<12} {r['tensor']:<16} {r['vs']:<3} "
+              f"{r['max_abs']:>9.2e} {r['rel']:>9.2e} {str(r['allclose']):<8} "
+              f"{'ok' if r['ok'] else 'FAILED: ' + r['why']}")
+    failed = [r for r in rows if not r["ok"]]
+    n_cases = len({r["case"] for r in rows})
+    summary = {"host": args.host, "device": args.device, "torch": torch.__version__, "backward": backward,
+               "cases": n_cases, "rows": len(rows), "failed": len(failed), "rel_tol": args.rel_tol}
+    print(f"\n{n_cases} cases, {len(rows)} comparisons, {len(failed)} failed"
+          f"{'' if backward else ' (forward only)'}")
+    if args.json:
+        # JSON has no NaN: a missing number (a failed run) is null.
+        clean = [{k: (None if isinstance(v, float) and v != v else v) for k, v in r.items()} for r in rows]
+        with open(args.json, "w") as f:
+            json.dump({"summary": summary, "rows": clean}, f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

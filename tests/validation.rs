@@ -1,0 +1,478 @@
+//! Bad input is refused with an error that names the problem (the tensor and both
+//! shapes, the flag, the op, the file), through the `host` binary: non-zero exit,
+//! `error: ...` on stderr, never a panic. Then what must work: the summary, files
+//! round-tripped through `--weights/--input/--output`, converted dtypes, NaN/Inf
+//! propagated as PyTorch does, and `--device gpu` with and without a driver.
+
+use host::check::{FP32_REL, compare, compare_f32};
+use host::io::{TensorFile, write};
+use host::reference::{self, op_forward};
+use host::{BlockSpec, Op, Params, Preset, Tensor};
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use rand_distr::{Distribution, StandardNormal};
+use safetensors::{Dtype, tensor::TensorView};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+// ---------------------------------------------------------------- helpers
+
+/// A fresh folder under the system's temp dir, removed when dropped.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> TempDir {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+        let dir = std::env::temp_dir().join(format!("host-{tag}-{}-{nanos}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+    fn join(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Runs the `host` binary: exit code, stdout, stderr.
+fn host(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_host")).args(args).output().expect("the host binary runs");
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (out.status.code().expect("exited, not killed by a signal"), text(&out.stdout), text(&out.stderr))
+}
+
+fn normal_tensor(rng: &mut StdRng, shape: &[usize]) -> Tensor<f32> {
+    Tensor::from_fn(shape, |_| StandardNormal.sample(rng)).unwrap()
+}
+
+/// Parameters for `spec`, all random (GroupNorm's too, so they matter).
+fn random_params(spec: &BlockSpec, rng: &mut StdRng) -> Params<f32> {
+    let tensors = spec.param_specs().iter().map(|s| normal_tensor(rng, &s.shape)).collect();
+    Params::from_flat(spec, tensors).unwrap()
+}
+
+/// Writes `params` under their PyTorch names, with `replace` swapped in by name
+/// (`None` drops the tensor).
+fn write_weights(path: &Path, spec: &BlockSpec, params: &Params<f32>, replace: &[(&str, Option<Tensor<f32>>)]) {
+    let names: Vec<String> = spec.param_specs().into_iter().map(|s| s.name).collect();
+    let mut owned: Vec<(String, Tensor<f32>)> = Vec::new();
+    for (name, t) in names.iter().zip(params.flat()) {
+        match replace.iter().find(|(n, _)| n == name) {
+            Some((_, Some(r))) => owned.push((name.clone(), r.clone())),
+            Some((_, None)) => {}
+            None => owned.push((name.clone(), t.clone())),
+        }
+    }
+    let refs: Vec<(&str, &Tensor<f32>)> = owned.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    write(path, &refs).unwrap();
+}
+
+/// A safetensors file of one tensor stored as `dtype` (from f32 values).
+fn write_as(path: &Path, name: &str, t: &Tensor<f32>, dtype: Dtype) {
+    let bytes: Vec<u8> = match dtype {
+        Dtype::F64 => t.data().iter().flat_map(|&v| (v as f64).to_le_bytes()).collect(),
+        // Truncating to bf16 is exact for the values used here (few mantissa bits).
+        Dtype::BF16 => t.data().iter().flat_map(|&v| ((v.to_bits() >> 16) as u16).to_le_bytes()).collect(),
+        Dtype::I32 => t.data().iter().flat_map(|&v| (v as i32).to_le_bytes()).collect(),
+        Dtype::F16 => t.data().iter().flat_map(|&v| f32_to_f16_exact(v).to_le_bytes()).collect(),
+        _ => panic!("write_as: {dtype:?} not supported by this test helper"),
+    };
+    let view = TensorView::new(dtype, t.shape().to_vec(), &bytes).unwrap();
+    safetensors::serialize_to_file([(name, view)], None, path).unwrap();
+}
+
+/// f32 to IEEE half for values that are exactly representable as normal halves.
+fn f32_to_f16_exact(v: f32) -> u16 {
+    if v == 0.0 {
+        return 0;
+    }
+    let bits = v.to_bits();
+    let sign = ((bits >> 16) & 0x8000) as u16;
+    let exponent = ((bits >> 23) & 0xff) as i32 - 127 + 15;
+    assert!((1..31).contains(&exponent) && bits & 0x1fff == 0, "{v} is not exact in f16");
+    sign | ((exponent as u16) << 10) | ((bits >> 13) & 0x3ff) as u16
+}
+
+// ---------------------------------------------------------------- bad input
+
+/// One bad command line: the exit code wanted and what the message must name.
+struct Case {
+    what: &'static str,
+    args: Vec<String>,
+    code: i32,
+    needles: Vec<String>,
+}
+
+fn case(what: &'static str, args: &[&str], code: i32, needles: &[&str]) -> Case {
+    Case {
+        what,
+        args: args.iter().map(|s| s.to_string()).collect(),
+        code,
+        needles: needles.iter().map(|s| s.to_string()).collect(),
+    }
+}
+
+#[test]
+fn bad_input_is_refused_with_an_error_naming_it() {
+    let dir = TempDir::new("validation");
+    let mut rng = StdRng::seed_from_u64(5);
+    // M1 with 4 groups at (4, 16, 32): lin.weight, lin.bias, gn.weight, gn.bias, w.
+    let spec = BlockSpec::new(16, 32, Preset::M1.chain().with_groups(4)).unwrap();
+    let params = random_params(&spec, &mut rng);
+    let p = |name: &str| dir.join(name).to_string_lossy().into_owned();
+
+    write_weights(&dir.join("good.safetensors"), &spec, &params, &[]);
+    write(&dir.join("x.safetensors"), &[("x", &normal_tensor(&mut rng, &[4, 16]))]).unwrap();
+    write(&dir.join("x17.safetensors"), &[("x", &normal_tensor(&mut rng, &[4, 17]))]).unwrap();
+    write(&dir.join("x0.safetensors"), &[("x", &Tensor::new(&[0, 16], vec![]).unwrap())]).unwrap();
+    write_as(&dir.join("x-i32.safetensors"), "x", &Tensor::full(&[4, 16], 1.0).unwrap(), Dtype::I32);
+    fn bad<'a>(name: &'a str, shape: &[usize]) -> (&'a str, Option<Tensor<f32>>) {
+        (name, Some(Tensor::full(shape, 0.5).unwrap()))
+    }
+    write_weights(&dir.join("w15.safetensors"), &spec, &params, &[bad("lin.weight", &[32, 15])]);
+    write_weights(&dir.join("bias31.safetensors"), &spec, &params, &[bad("lin.bias", &[31])]);
+    write_weights(&dir.join("w31.safetensors"), &spec, &params, &[bad("w", &[31])]);
+    write_weights(&dir.join("no-w.safetensors"), &spec, &params, &[("w", None)]);
+    let good = std::fs::read(dir.join("good.safetensors")).unwrap();
+    std::fs::write(dir.join("truncated.safetensors"), &good[..good.len() / 2]).unwrap();
+    std::fs::write(dir.join("text.safetensors"), "lin.weight = [[1, 2], [3, 4]]\n").unwrap();
+
+    let m1 = ["forward", "--device", "cpu", "--groups", "4"];
+    let with = |extra: &[&str]| -> Vec<String> { m1.iter().chain(extra).map(|s| s.to_string()).collect() };
+    #[rustfmt::skip]
+    let mut cases = vec![
+        // Shapes of x, the weights and the chain that disagree.
+        case("x with the wrong in", &to_strs(&with(&["--shape", "4,16,32", "--input", &p("x17.safetensors")])), 1, &["`x`", "[4, 17]", "[4, 16]", "--shape 4,16,32"]),
+        case("x and lin.weight disagree", &to_strs(&with(&["--input", &p("x17.safetensors"), "--weights", &p("good.safetensors")])), 1, &["`lin.weight`", "[32, 16]", "[32, 17]"]),
+        case("lin.weight vs --shape", &to_strs(&with(&["--shape", "4,16,32", "--weights", &p("w15.safetensors")])), 1, &["`lin.weight`", "[32, 15]", "[32, 16]"]),
+        case("lin.bias of the wrong length", &to_strs(&with(&["--shape", "4,16,32", "--weights", &p("bias31.safetensors")])), 1, &["`lin.bias`", "[31]", "[32]"]),
+        case("chain parameter of the wrong length", &to_strs(&with(&["--shape", "4,16,32", "--weights", &p("w31.safetensors")])), 1, &["`w`", "[31]", "[32]"]),
+        case("chain parameter missing", &to_strs(&with(&["--shape", "4,16,32", "--weights", &p("no-w.safetensors")])), 1, &["`w`", "missing", &p("no-w.safetensors")]),
+        // Groups.
+        case("--groups 7 with out 96", &["forward", "--device", "cpu", "--shape", "4,16,96", "--groups", "7"], 1, &["--groups 7", "96 channels", "1, 2, 3, 4, 6, 8"]),
+        case("groupnorm(7) with out 96", &["forward", "--device", "cpu", "--shape", "4,16,96", "--ops", "groupnorm(7)"], 1, &["groupnorm(7)", "96 channels"]),
+        case("groupnorm(0)", &["forward", "--device", "cpu", "--shape", "4,16,96", "--ops", "swish,groupnorm(0)"], 1, &["groupnorm(0)", "at least 1 group"]),
+        case("--groups 0", &["forward", "--device", "cpu", "--shape", "4,16,96", "--groups", "0"], 1, &["--groups 0"]),
+        case("--groups without a groupnorm", &["forward", "--device", "cpu", "--model", "M4", "--shape", "4,16,96", "--groups", "4"], 1, &["--groups 4", "no groupnorm"]),
+        case("groups after a pool", &["forward", "--device", "cpu", "--shape", "4,16,96", "--ops", "avgpool(4),groupnorm(5)"], 1, &["groupnorm(5)", "24 channels"]),
+        // Zero-sized dimensions.
+        case("--shape with batch 0", &["forward", "--device", "cpu", "--shape", "0,16,32"], 1, &["--shape 0,16,32", "BATCH must be at least 1"]),
+        case("--shape with in 0", &["forward", "--device", "cpu", "--shape", "4,0,32"], 1, &["--shape 4,0,32", "IN must be at least 1"]),
+        case("--shape with out 0", &["forward", "--device", "cpu", "--shape", "4,16,0"], 1, &["--shape 4,16,0", "OUT must be at least 1"]),
+        case("x with 0 rows", &to_strs(&with(&["--input", &p("x0.safetensors")])), 1, &["`x`", "0 rows", &p("x0.safetensors")]),
+        case("x with 0 rows vs --shape", &to_strs(&with(&["--shape", "4,16,32", "--input", &p("x0.safetensors")])), 1, &["`x`", "[0, 16]", "[4, 16]"]),
+        // Pooling.
+        case("avgpool(200) with out 96", &["forward", "--device", "cpu", "--shape", "4,16,96", "--ops", "avgpool(200)"], 1, &["avgpool(200)", "96 features"]),
+        case("avgpool(0)", &["forward", "--device", "cpu", "--shape", "4,16,96", "--ops", "avgpool(0)"], 1, &["avgpool(0)"]),
+        // Chains and flags.
+        case("empty op", &["forward", "--device", "cpu", "--shape", "4,16,96", "--ops", "swish,,mish"], 1, &["empty op"]),
+        case("unknown op", &["forward", "--device", "cpu", "--shape", "4,16,96", "--ops", "relu6"], 1, &["relu6"]),
+        case("hardtanh min above max", &["forward", "--device", "cpu", "--shape", "4,16,96", "--ops", "hardtanh(1,0)"], 1, &["hardtanh(1,0)"]),
+        case("infinite scale", &["forward", "--device", "cpu", "--shape", "4,16,96", "--ops", "scale(inf)"], 1, &["scale(inf)", "finite"]),
+        case("negative eps", &["forward", "--device", "cpu", "--shape", "4,16,96", "--ops", "groupnorm(4,-1)"], 1, &["groupnorm", "eps"]),
+        case("unknown model", &["forward", "--device", "cpu", "--model", "M9"], 1, &["--model M9"]),
+        case("--groups not a number", &["forward", "--device", "cpu", "--groups", "abc"], 2, &["--groups"]),
+        case("--device unknown", &["forward", "--device", "tpu"], 2, &["--device", "tpu"]),
+        case("--shape not numbers", &["forward", "--device", "cpu", "--shape", "4,x,8"], 1, &["--shape 4,x,8", "IN `x`"]),
+        case("--shape with two sizes", &["forward", "--device", "cpu", "--shape", "4,8"], 1, &["--shape 4,8", "BATCH,IN,OUT"]),
+        // Files.
+        case("missing file", &to_strs(&with(&["--weights", &p("missing.safetensors")])), 1, &["--weights", &p("missing.safetensors"), "cannot read"]),
+        case("truncated file", &to_strs(&with(&["--weights", &p("truncated.safetensors")])), 1, &[&p("truncated.safetensors"), "not a valid safetensors file"]),
+        case("not safetensors", &to_strs(&with(&["--input", &p("text.safetensors")])), 1, &["--input", &p("text.safetensors"), "not a valid safetensors file"]),
+        case("a directory", &to_strs(&with(&["--weights", &dir.0.to_string_lossy()])), 1, &[&dir.0.to_string_lossy(), "is a directory"]),
+        case("x of dtype I32", &to_strs(&with(&["--shape", "4,16,32", "--input", &p("x-i32.safetensors")])), 1, &["`x`", "I32", "F32"]),
+        case("--output in a missing directory", &to_strs(&with(&["--shape", "4,16,32", "--output", &p("nope/y.safetensors")])), 1, &["--output", &p("nope/y.safetensors"), "does not exist"]),
+        case("--output is a directory", &to_strs(&with(&["--shape", "4,16,32", "--output", &dir.0.to_string_lossy()])), 1, &["--output", "is a directory"]),
+        // Sizes whose arithmetic would overflow, refused before allocating.
+        case("batch beyond 32-bit kernel arguments", &["forward", "--device", "gpu", "--ops", "swish", "--shape", "4294967296,2,2"], 1, &["--shape 4294967296,2,2", "32-bit"]),
+        case("batch beyond the GEMM grid", &["forward", "--device", "gpu", "--ops", "swish", "--shape", "9000000,2,2"], 1, &["--shape 9000000,2,2", "grid"]),
+        case("x beyond usize", &["forward", "--device", "cpu", "--ops", "swish", "--shape", "4294967296,4294967296,2"], 1, &["--shape 4294967296,4294967296,2", "more elements than memory can address"]),
+        case("weight beyond usize", &["forward", "--device", "cpu", "--ops", "swish", "--shape", "2,4294967296,4294967296"], 1, &["Linear(4294967296, 4294967296)", "more elements than memory can address"]),
+        case("batch beyond 64 bits", &["forward", "--device", "cpu", "--shape", "99999999999999999999,2,2"], 1, &["--shape", "BATCH `99999999999999999999` is not a whole number"]),
+    ];
+    // The memory check reads /proc/meminfo; elsewhere there is no total to compare with.
+    if cfg!(target_os = "linux") {
+        #[rustfmt::skip]
+        cases.push(case("beyond this machine's memory", &["forward", "--device", "cpu", "--ops", "swish", "--shape", "1000000000,1000,1000"], 1, &["--shape 1000000000,1000,1000", "GiB of memory"]));
+    }
+
+    let mut failures = Vec::new();
+    for c in &cases {
+        let args: Vec<&str> = c.args.iter().map(String::as_str).collect();
+        let (code, stdout, stderr) = host(&args);
+        let missing: Vec<&String> = c.needles.iter().filter(|n| !stderr.contains(n.as_str())).collect();
+        if code != c.code || !stderr.starts_with("error: ") || !missing.is_empty() || stderr.contains("panicked") {
+            failures.push(format!(
+                "{}: exit {code} (want {}), missing {missing:?}\n  args: {}\n  stderr: {stderr}  stdout: {stdout}",
+                c.what,
+                c.code,
+                args.join(" ")
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{} of {} cases failed:\n{}", failures.len(), cases.len(), failures.join("\n"));
+    // Nothing was written for the refused --output.
+    assert!(!dir.join("nope").exists());
+    let partial =
+        std::fs::read_dir(&dir.0).unwrap().any(|f| f.unwrap().file_name().to_string_lossy().ends_with(".partial"));
+    assert!(!partial, "a .partial file was left behind");
+}
+
+fn to_strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+// ---------------------------------------------------------------- what must work
+
+#[test]
+fn forward_on_the_cpu_prints_the_summary() {
+    let (code, stdout, stderr) = host(&["forward", "--device", "cpu", "--shape", "8,16,32", "--groups", "4"]);
+    assert_eq!(code, 0, "stderr: {stderr}");
+    for line in [
+        "host forward",
+        "  backend   cpu",
+        "  model     M1: Linear(16, 32) -> groupnorm(4,1e-5),swish,mul,swish",
+        "  shape     x [8, 16] -> y [8, 32]",
+        "  time      ",
+        "  checksum  sum ",
+    ] {
+        assert!(stdout.lines().any(|l| l.starts_with(line)), "no line starting `{line}` in:\n{stdout}");
+    }
+    let check = stdout.lines().find(|l| l.starts_with("  check     8 rows vs f64 CPU reference")).unwrap();
+    assert!(check.ends_with(": ok"), "{check}");
+}
+
+/// Weights and x written with `host::io`, run through `--weights/--input/--output`,
+/// and `y` read back: the same as the reference on the same data.
+#[test]
+fn files_round_trip_through_forward() {
+    let dir = TempDir::new("round-trip");
+    let mut rng = StdRng::seed_from_u64(9);
+    for (text, (batch, in_f, out_f)) in [
+        ("groupnorm(4),swish,mul,swish", (5, 16, 32)),
+        ("avgpool(16),gelu,scale(2),max", (3, 16, 64)),
+        ("bias,mish", (4, 7, 9)),
+    ] {
+        let spec = BlockSpec::new(in_f, out_f, text.parse().unwrap()).unwrap();
+        let params = random_params(&spec, &mut rng);
+        let x = normal_tensor(&mut rng, &[batch, in_f]);
+        let (w_path, x_path, y_path) =
+            (dir.join("w.safetensors"), dir.join("x.safetensors"), dir.join("y.safetensors"));
+        write_weights(&w_path, &spec, &params, &[]);
+        write(&x_path, &[("x", &x)]).unwrap();
+        let (code, stdout, stderr) = host(&[
+            "forward",
+            "--device",
+            "cpu",
+            "--ops",
+            text,
+            "--weights",
+            w_path.to_str().unwrap(),
+            "--input",
+            x_path.to_str().unwrap(),
+            "--output",
+            y_path.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 0, "{text}: {stderr}");
+        assert!(stdout.contains(&format!("y written to {}", y_path.display())), "{stdout}");
+        let out_shape = spec.output_shape(batch);
+        let y = TensorFile::open(&y_path).unwrap().get("y", &out_shape).unwrap();
+        // The CPU backend runs the f32 reference: the same bits after the round trip.
+        assert_eq!(y, reference::block_forward::<f32>(&spec, &x, &params).unwrap(), "{text}");
+        let want = reference::block_forward(&spec, &x.to_f64(), &params.map(f64::from)).unwrap();
+        let c = compare_f32(y.data(), want.data());
+        assert!(c.passes(FP32_REL), "{text}: {c:?}");
+    }
+}
+
+/// F64, F16 and BF16 tensors are converted to f32 on reading: with values exact in
+/// all of them, the output is the same as from f32 files.
+#[test]
+fn f64_f16_and_bf16_files_are_converted() {
+    let dir = TempDir::new("dtypes");
+    let spec = BlockSpec::new(8, 12, "bias,swish".parse().unwrap()).unwrap();
+    // Multiples of 1/16 in [-2, 2): exact in f16 and bf16.
+    let mut k = 0i32;
+    let mut exact = |shape: &[usize]| {
+        Tensor::from_fn(shape, |_| {
+            k = (k * 37 + 11) % 64;
+            (k - 32) as f32 / 16.0
+        })
+        .unwrap()
+    };
+    let params = Params::from_flat(&spec, spec.param_specs().iter().map(|s| exact(&s.shape)).collect()).unwrap();
+    let x = exact(&[3, 8]);
+    let run = |weights: &Path, input: &Path| -> Tensor<f32> {
+        let y_path = dir.join("y.safetensors");
+        let args = ["forward", "--device", "cpu", "--ops", "bias,swish", "--output", y_path.to_str().unwrap()];
+        let files = ["--weights", weights.to_str().unwrap(), "--input", input.to_str().unwrap()];
+        let (code, _, stderr) = host(&[&args[..], &files[..]].concat());
+        assert_eq!(code, 0, "{}: {stderr}", weights.display());
+        TensorFile::open(&y_path).unwrap().get("y", &[3, 12]).unwrap()
+    };
+    write_weights(&dir.join("w32.safetensors"), &spec, &params, &[]);
+    write(&dir.join("x32.safetensors"), &[("x", &x)]).unwrap();
+    let want = run(&dir.join("w32.safetensors"), &dir.join("x32.safetensors"));
+    for dtype in [Dtype::F64, Dtype::F16, Dtype::BF16] {
+        // One tensor per file is enough to exercise the reader: x in the dtype.
+        let x_path = dir.join(&format!("x-{dtype:?}.safetensors"));
+        write_as(&x_path, "x", &x, dtype);
+        assert_eq!(run(&dir.join("w32.safetensors"), &x_path), want, "x as {dtype:?}");
+        let f = TensorFile::open(&x_path).unwrap();
+        assert_eq!(f.get("x", &[3, 8]).unwrap(), x, "{dtype:?}");
+    }
+    // Weights as F64: the whole file in another dtype.
+    let w64 = dir.join("w64.safetensors");
+    let names: Vec<String> = spec.param_specs().into_iter().map(|s| s.name).collect();
+    let bytes: Vec<Vec<u8>> =
+        params.flat().iter().map(|t| t.data().iter().flat_map(|&v| (v as f64).to_le_bytes()).collect()).collect();
+    let views: Vec<(&str, TensorView)> = names
+        .iter()
+        .zip(params.flat())
+        .zip(&bytes)
+        .map(|((n, t), b)| (n.as_str(), TensorView::new(Dtype::F64, t.shape().to_vec(), b).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, None, &w64).unwrap();
+    assert_eq!(run(&w64, &dir.join("x32.safetensors")), want, "weights as F64");
+}
+
+/// NaN and Inf in `x` go through like PyTorch's (a group holding NaN is NaN, the
+/// rest finite), and the summary's check counts matching NaN as equal: success.
+#[test]
+fn nan_and_inf_inputs_propagate_through_the_cli() {
+    let dir = TempDir::new("nan");
+    let mut rng = StdRng::seed_from_u64(3);
+    let (batch, in_f, out_f) = (5, 16, 32);
+    // Whether rows whose x holds an Inf end finite: hardtanh clamps the Linear layer's
+    // ±Inf; GroupNorm over mixed infinities gives NaN.
+    for (text, inf_rows_finite) in [
+        ("groupnorm(4),swish,mul,swish", false),
+        ("leakyrelu,hardtanh(-2,2),max", true),
+        ("bias,hardtanh,mish,groupnorm(8)", true),
+    ] {
+        let spec = BlockSpec::new(in_f, out_f, text.parse().unwrap()).unwrap();
+        let params = random_params(&spec, &mut rng);
+        let mut x = normal_tensor(&mut rng, &[batch, in_f]);
+        x.data_mut()[in_f + 3] = f32::NAN; // row 1
+        x.data_mut()[2 * in_f] = f32::INFINITY; // row 2
+        x.data_mut()[3 * in_f + 5] = f32::NEG_INFINITY; // row 3
+        let (w_path, x_path, y_path) =
+            (dir.join("w.safetensors"), dir.join("x.safetensors"), dir.join("y.safetensors"));
+        write_weights(&w_path, &spec, &params, &[]);
+        write(&x_path, &[("x", &x)]).unwrap();
+        let (code, stdout, stderr) = host(&[
+            "forward",
+            "--device",
+            "cpu",
+            "--ops",
+            text,
+            "--check-rows",
+            "5",
+            "--weights",
+            w_path.to_str().unwrap(),
+            "--input",
+            x_path.to_str().unwrap(),
+            "--output",
+            y_path.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 0, "{text}: {stderr}\n{stdout}");
+        let check = stdout.lines().find(|l| l.starts_with("  check ")).unwrap();
+        assert!(check.ends_with(": ok") && check.contains("non-finite 0"), "{text}: {check}");
+        let y = TensorFile::open(&y_path).unwrap().get("y", &spec.output_shape(batch)).unwrap();
+        let width = y.len() / batch;
+        for r in 0..batch {
+            let row = &y.data()[r * width..(r + 1) * width];
+            // The Linear layer spreads x's NaN (row 1) over the whole row.
+            let finite = match r {
+                1 => false,
+                2 | 3 => inf_rows_finite,
+                _ => true,
+            };
+            assert!(row.iter().all(|v| v.is_finite() == finite), "{text}: row {r} {row:?}");
+        }
+        let want = reference::block_forward(&spec, &x.to_f64(), &params.map(f64::from)).unwrap();
+        assert!(compare_f32(y.data(), want.data()).passes(FP32_REL), "{text}");
+    }
+}
+
+/// The CPU reference's NaN/Inf semantics, op by op, as PyTorch's (values checked
+/// against torch 2.x on the CPU).
+#[test]
+fn nan_and_inf_follow_pytorch_op_by_op() {
+    let (nan, inf) = (f64::NAN, f64::INFINITY);
+    let row = |v: &[f64]| Tensor::new(&[1, v.len()], v.to_vec()).unwrap();
+    let apply = |op: Op, v: &[f64]| -> Vec<f64> { op_forward(&op, &row(v), &[]).unwrap().0.into_data() };
+    let same = |got: &[f64], want: &[f64]| {
+        got.len() == want.len() && got.iter().zip(want).all(|(g, w)| g == w || (g.is_nan() && w.is_nan()))
+    };
+    let input = [nan, inf, -inf, 0.0];
+    for (op, want) in [
+        (Op::Hardtanh(-1.0, 1.0), [nan, 1.0, -1.0, 0.0]),
+        (Op::LeakyRelu(0.01), [nan, inf, -inf, 0.0]),
+        (Op::Swish, [nan, inf, nan, 0.0]),
+        (Op::Mish, [nan, inf, nan, 0.0]),
+        // torch.gelu(inf) is inf on its scalar path (and mathematically), NaN on its
+        // vectorised CPU path; the reference keeps the mathematical value.
+        (Op::Gelu, [nan, inf, nan, 0.0]),
+        (Op::Scale(2.0), [nan, inf, -inf, 0.0]),
+    ] {
+        let got = apply(op, &input);
+        assert!(same(&got, &want), "{op}: got {got:?}, want {want:?}");
+    }
+    // Max over a row holding NaN is NaN; Inf without NaN is the max.
+    assert!(apply(Op::RowMax, &[1.0, nan, 3.0])[0].is_nan());
+    assert_eq!(apply(Op::RowMax, &[1.0, inf, 3.0]), [inf]);
+    // AvgPool: only the window holding NaN.
+    assert!(same(&apply(Op::AvgPool(2), &[1.0, nan, 3.0, 4.0]), &[nan, 3.5]));
+    // GroupNorm: the group holding NaN or Inf is NaN, the other group untouched.
+    let gn = Op::GroupNorm { groups: 2, eps: 1e-5 };
+    let ones = Tensor::full(&[6], 1.0).unwrap();
+    let zeros = Tensor::full(&[6], 0.0).unwrap();
+    for bad in [nan, inf] {
+        let y = op_forward(&gn, &row(&[1.0, bad, 3.0, 4.0, 5.0, 6.0]), &[ones.clone(), zeros.clone()]).unwrap().0;
+        assert!(y.data()[..3].iter().all(|v| v.is_nan()), "{bad}: {y:?}");
+        let clean = op_forward(&gn, &row(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]), &[ones.clone(), zeros.clone()]).unwrap().0;
+        assert!(compare(&y.data()[3..], &clean.data()[3..]).passes(0.0), "{bad}: {y:?}");
+    }
+}
+
+/// `--device gpu` without a driver is an error saying so; with one, the run works.
+/// `auto` always runs, falling back to the CPU with a note.
+#[test]
+fn device_choice_with_and_without_a_gpu() {
+    let args = ["forward", "--shape", "8,16,32", "--groups", "4"];
+    let (code, stdout, stderr) = host(&[&args[..], &["--device", "gpu"]].concat());
+    match host::gpu::driver_present() {
+        Err(_) => {
+            assert_eq!(code, 1, "{stdout}");
+            assert!(stderr.starts_with("error: no GPU:"), "{stderr}");
+        }
+        Ok(()) => {
+            assert_eq!(code, 0, "{stderr}");
+            assert!(stdout.contains("  backend   gpu"), "{stdout}");
+        }
+    }
+    let (code, stdout, stderr) = host(&[&args[..], &["--device", "auto"]].concat());
+    assert_eq!(code, 0, "{stderr}");
+    if host::gpu::driver_present().is_err() {
+        assert!(stderr.contains("running on the CPU backend"), "{stderr}");
+        assert!(stdout.contains("  backend   cpu"), "{stdout}");
+    } else {
+        assert!(stdout.contains("  backend   "), "{stdout}");
+    }
+}
+
+/// `host::cli::run` returns the same errors as values (no exit, no panic).
+#[test]
+fn the_library_entry_point_returns_errors() {
+    let r = host::cli::run(["host", "forward", "--device", "cpu", "--shape", "4,16,96", "--groups", "7"]);
+    match r {
+        Err(host::cli::Failure::Run(e)) => assert!(e.to_string().contains("--groups 7"), "{e}"),
+        other => panic!("expected a run error, got {other:?}"),
+    }
+    assert!(matches!(host::cli::run(["host", "forward", "--groups", "x"]), Err(host::cli::Failure::Usage(_))));
+}
