@@ -3,12 +3,12 @@
 # scripts/device-prepare.sh: checks first, then timings, then PyTorch's numbers in the
 # same call. Everything goes to $OUT/log.txt (and the JSON tables beside it: the
 # device tool returns at most 8 files); a short summary is printed last.
-#   STEPS="ptxas tests check forward backward bench train pytorch tensor" (default: all)
+#   STEPS="ptxas tests check forward backward bench train pytorch tensor parity" (default: all)
 #   TORCH_FLAGS="--compile default" etc. are passed to the PyTorch baselines.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 C=device-carry
-STEPS=${STEPS:-"ptxas tests check forward backward bench train pytorch tensor"}
+STEPS=${STEPS:-"ptxas tests check forward backward bench train pytorch tensor parity"}
 LOG="$OUT/log.txt"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 summary=()
@@ -66,6 +66,7 @@ if has tensor; then
   run "bench backward tf32" 300 "$C/host" bench --backward --precision tf32 --repeat 10
 fi
 has train && run "train" 200 "$C/host" train --device gpu --steps 60
+has parity && PYTHONUNBUFFERED=1 run "parity with PyTorch" 400 python3 scripts/parity.py --host "$C/host"
 if has pytorch; then
   PYTHONUNBUFFERED=1 run "pytorch fp32 ${TORCH_FLAGS:-eager}" 500 python3 "$C/pytorch_baselines.py" --backward \
     ${TORCH_FLAGS:-} --json "$OUT/torch.json"
