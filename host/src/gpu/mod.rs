@@ -97,10 +97,14 @@ impl Gpu {
         // SAFETY: see `GpuBlock::backward_timed`, the side stream's only user.
         unsafe { ctx.disable_event_tracking() };
         // Two explicit streams rather than the legacy default stream, whose implicit
-        // synchronisation rules differ from the events `Gpu::order` relies on.
-        let stream = ctx.new_stream().map_err(|e| Error::cuda("creating a stream", e))?;
+        // synchronisation rules differ from the events `Gpu::order` relies on. The main
+        // stream gets the higher priority: the side stream's work (the backward's dW)
+        // fills the SMs the main stream's (dX) leaves idle instead of competing for them.
+        let (least, greatest) =
+            cudarc::driver::result::stream::get_priority_range().map_err(|e| Error::cuda("stream priorities", e))?;
+        let stream = ctx.new_stream_with_priority(greatest).map_err(|e| Error::cuda("creating a stream", e))?;
         keep_freed_memory(&ctx)?;
-        let side = ctx.new_stream().map_err(|e| Error::cuda("creating a stream", e))?;
+        let side = ctx.new_stream_with_priority(least).map_err(|e| Error::cuda("creating a stream", e))?;
         let module =
             ctx.load_module(Ptx::from_src(KERNELS_PTX)).map_err(|e| Error::cuda("loading the kernel module", e))?;
         Ok(Gpu { ctx, stream, side, module, props })
