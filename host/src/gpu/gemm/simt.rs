@@ -188,14 +188,7 @@ impl Gemm<'_> {
 
 /// The forward GEMM `x (m, k) W^T` with `w (n, k)`.
 pub fn forward_gemm<'a>(precision: Precision, x: &'a DeviceTensor, w: &'a DeviceTensor) -> Result<Gemm<'a>> {
-    let (m, k) = match x.shape[..] {
-        [m, k] => (m, k),
-        _ => return Err(Error::tensor("x", format!("expected 2 dimensions, got {:?}", x.shape))),
-    };
-    let n = match w.shape[..] {
-        [n, wk] if wk == k => n,
-        _ => return Err(Error::tensor("lin.weight", format!("expected shape (out, {k}), got {:?}", w.shape))),
-    };
+    let (m, n, k) = super::linear_dims(x, w)?;
     Ok(Gemm {
         precision,
         layout: Layout::Nt,

@@ -9,14 +9,7 @@ const KERNEL: &str = "gemm_bias_tiled";
 
 /// Checks `x (m, k)`, `w (n, k)`, `b (n,)` and returns `(m, n, k)`.
 pub fn gemm_dims(x: &DeviceTensor, w: &DeviceTensor, b: &DeviceTensor) -> Result<(usize, usize, usize)> {
-    let (m, k) = match x.shape[..] {
-        [m, k] => (m, k),
-        _ => return Err(Error::tensor("x", format!("expected 2 dimensions, got {:?}", x.shape))),
-    };
-    let n = match w.shape[..] {
-        [n, wk] if wk == k => n,
-        _ => return Err(Error::tensor("lin.weight", format!("expected shape (out, {k}), got {:?}", w.shape))),
-    };
+    let (m, n, k) = super::linear_dims(x, w)?;
     if b.shape != [n] {
         return Err(Error::tensor("lin.bias", format!("expected shape ({n},), got {:?}", b.shape)));
     }
