@@ -145,8 +145,8 @@ fn check(
             report(&format!("grad.{}", s.name), compare_f32(g.data(), w.data()));
         }
     } else {
-        let n = n.min(batch);
-        let rows: Vec<usize> = (0..n).map(|i| if n == 1 { 0 } else { i * (batch - 1) / (n - 1) }).collect();
+        let rows = super::sample_rows(batch, n);
+        let n = rows.len();
         let pick = |t: &Tensor<f32>, w: usize| Tensor::from_fn(&[n, w], |e| t.data()[rows[e / w] * w + e % w] as f64);
         let x_rows = pick(&p.x, in_f)?;
         let out_w = dy.len() / batch;

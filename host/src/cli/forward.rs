@@ -132,10 +132,8 @@ fn check_rows(p: &Problem, y: &Tensor<f32>, n: usize, tol: f64) -> Result<Result
         return Ok(Ok(()));
     }
     let batch = p.x.rows();
-    let n = n.min(batch);
-    // In u128: i * (batch - 1) can exceed u64 for a huge batch checked in full.
-    let spread = |i: usize| (i as u128 * (batch as u128 - 1) / (n as u128 - 1)) as usize;
-    let rows: Vec<usize> = (0..n).map(|i| if n == 1 { 0 } else { spread(i) }).collect();
+    let rows = super::sample_rows(batch, n);
+    let n = rows.len();
     let in_f = p.spec.in_features;
     let x_rows = Tensor::from_fn(&[n, in_f], |e| p.x.data()[rows[e / in_f] * in_f + e % in_f] as f64)?;
     let reference = reference::block_forward::<f64>(&p.spec, &x_rows, &p.params.map(f64::from))?;

@@ -338,6 +338,15 @@ impl Backend {
     }
 }
 
+/// `n` row indices spread evenly over `batch` rows, first and last included (at most
+/// `batch` of them), for checks against the reference on a sample.
+pub fn sample_rows(batch: usize, n: usize) -> Vec<usize> {
+    let n = n.min(batch);
+    // In u128: i * (batch - 1) can exceed u64 for a huge batch checked in full.
+    let spread = |i: usize| (i as u128 * (batch as u128 - 1) / (n as u128 - 1)) as usize;
+    (0..n).map(|i| if n == 1 { 0 } else { spread(i) }).collect()
+}
+
 /// Parses `args` (program name first) and runs the command.
 pub fn run<I, T>(args: I) -> Result<(), Failure>
 where
