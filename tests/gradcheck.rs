@@ -11,32 +11,14 @@ use host::reference::linear::linear_forward;
 use host::reference::{block_backward, block_forward, block_forward_taped, op_backward, op_forward};
 use host::tape::{Tape, VarId};
 use host::{BlockSpec, Chain, Op, Params, Preset, Tensor};
+mod common;
+use common::{random_params, random_tensor};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
-use rand_distr::{Distribution, StandardNormal};
 
 /// Closest an input may come to a kink: perturbations of `FD_STEP` move the
 /// intermediate values by about that much, so this leaves a wide margin.
 const KINK_MARGIN: f64 = 1e-4;
-
-fn random_tensor(rng: &mut StdRng, shape: &[usize]) -> Tensor<f64> {
-    Tensor::from_fn(shape, |_| StandardNormal.sample(rng)).unwrap()
-}
-
-/// Normal parameters (GroupNorm's too, so none is trivially 1 or 0); the Linear
-/// weight scaled by 1/sqrt(in) so the chain sees O(1) values.
-fn random_params(spec: &BlockSpec, rng: &mut StdRng) -> Params<f64> {
-    let scale = 1.0 / (spec.in_features as f64).sqrt();
-    let tensors = spec
-        .param_specs()
-        .iter()
-        .map(|s| {
-            let t = random_tensor(rng, &s.shape);
-            if s.name == "lin.weight" { t.map(|v| v * scale) } else { t }
-        })
-        .collect();
-    Params::from_flat(spec, tensors).unwrap()
-}
 
 fn dot(a: &Tensor<f64>, b: &Tensor<f64>) -> f64 {
     assert_eq!(a.shape(), b.shape(), "loss weights must have the output's shape");

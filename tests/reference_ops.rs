@@ -15,6 +15,8 @@ use host::reference::linear::{linear_backward, linear_forward};
 use host::reference::reduce::{avg_pool_backward, avg_pool_forward, row_max_backward, row_max_forward};
 use host::reference::{Real, block_backward, block_forward, op_backward, op_forward};
 use host::{BlockSpec, Chain, Error, Op, Params, Preset, Tensor};
+mod common;
+use common::{random_params, random_tensor};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand_distr::{Distribution, StandardNormal};
@@ -27,25 +29,6 @@ type Elementwise = (Op, Box<dyn Fn(f64) -> f64>);
 
 fn normals(rng: &mut StdRng, n: usize) -> Vec<f64> {
     (0..n).map(|_| StandardNormal.sample(rng)).collect()
-}
-
-fn random_tensor(rng: &mut StdRng, shape: &[usize]) -> Tensor<f64> {
-    Tensor::new(shape, normals(rng, shape.iter().product())).unwrap()
-}
-
-/// Normal parameters for every tensor of `spec` (GroupNorm's too, so none is
-/// trivially 1 or 0); the Linear weight scaled by 1/sqrt(in) so activations stay O(1).
-fn random_params(spec: &BlockSpec, rng: &mut StdRng) -> Params<f64> {
-    let scale = 1.0 / (spec.in_features as f64).sqrt();
-    let tensors = spec
-        .param_specs()
-        .iter()
-        .map(|s| {
-            let t = random_tensor(rng, &s.shape);
-            if s.name == "lin.weight" { t.map(|v| v * scale) } else { t }
-        })
-        .collect();
-    Params::from_flat(spec, tensors).unwrap()
 }
 
 fn rows_of(t: &Tensor<f64>) -> Rows {
