@@ -11,7 +11,9 @@ fn main() {
     let out = PathBuf::from(std::env::var_os("OUT_DIR").unwrap()).join("kernels_sm90.ptx");
     let mut builder =
         ptx_builder::PtxBuilder::new(root.join("kernels-gpu")).arch("sm_90").watch(root.join("kernel-abi"));
-    for &(kernel, threads, blocks) in kernel_abi::LAUNCH_BOUNDS.iter().chain(kernel_abi::LAUNCH_BOUNDS_MMA) {
+    for &(kernel, threads, blocks) in
+        kernel_abi::LAUNCH_BOUNDS.iter().chain(kernel_abi::LAUNCH_BOUNDS_MMA).chain(kernel_abi::LAUNCH_BOUNDS_TC)
+    {
         builder = builder.launch_bounds(kernel, threads, blocks);
     }
     if let Err(e) = builder.build(&out) {

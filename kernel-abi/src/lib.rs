@@ -36,6 +36,46 @@ pub const LAUNCH_BOUNDS_MMA: &[(&str, u32, u32)] = &gemm_simt::bounds_with(
     ],
 );
 
+/// The tensor-core GEMMs (`kernels-gpu/src/gemm/tensor_core.rs`): 2 blocks per SM (128
+/// registers), except the 3xTF32 forward: its two `ldmatrix` operands and their
+/// residuals need ~8 registers more (ptxas spills at 128), so it runs 1 block per SM.
+pub const LAUNCH_BOUNDS_TC: &[(&str, u32, u32)] = &[
+    ("gemm_tc_tf32_nt_vec4", gemm_tc::THREADS as u32, 2),
+    ("gemm_tc_tf32_nt_scalar", gemm_tc::THREADS as u32, 2),
+    ("gemm_tc_tf32_nn_vec4", gemm_tc::THREADS as u32, 2),
+    ("gemm_tc_tf32_nn_scalar", gemm_tc::THREADS as u32, 2),
+    ("gemm_tc_tf32_tn_vec4", gemm_tc::THREADS as u32, 2),
+    ("gemm_tc_tf32_tn_scalar", gemm_tc::THREADS as u32, 2),
+    ("gemm_tc_tf32x3_nt_vec4", gemm_tc::THREADS as u32, 1),
+    ("gemm_tc_tf32x3_nt_scalar", gemm_tc::THREADS as u32, 1),
+    ("gemm_tc_tf32x3_nn_vec4", gemm_tc::THREADS as u32, 2),
+    ("gemm_tc_tf32x3_nn_scalar", gemm_tc::THREADS as u32, 2),
+    ("gemm_tc_tf32x3_tn_vec4", gemm_tc::THREADS as u32, 2),
+    ("gemm_tc_tf32x3_tn_scalar", gemm_tc::THREADS as u32, 2),
+];
+
+/// The tensor-core GEMM family: `mma.sync` TF32 fed by a `cp.async` pipeline.
+pub mod gemm_tc {
+    /// Rows and columns of `y` per block (as the FMA family, so the host's tiling,
+    /// split-K and row-wise epilogue logic is shared).
+    pub const BLOCK_M: usize = 128;
+    pub const BLOCK_N: usize = 128;
+    /// Depth of one pipeline stage: 32 floats, one 128-byte row of a `k`-contiguous tile.
+    pub const BLOCK_K: usize = 32;
+    pub const THREADS: usize = 256;
+    /// Stages of the `cp.async` pipeline in flight.
+    pub const STAGES: usize = 3;
+    /// One stage: the `A` and `B` tiles, `BLOCK_M x BLOCK_K` floats each, unpadded (the
+    /// layouts are XOR-swizzled instead).
+    pub const STAGE_BYTES: usize = 2 * BLOCK_M * BLOCK_K * 4;
+    const PIPELINE_BYTES: usize = STAGES * STAGE_BYTES;
+    /// The output tile staged for the epilogue, rows padded to `BLOCK_N + 4` floats.
+    const OUTPUT_BYTES: usize = BLOCK_M * (BLOCK_N + 4) * 4;
+    /// Dynamic shared memory: the pipeline, later reused for the staged output tile.
+    pub const SMEM_BYTES: usize = if PIPELINE_BYTES > OUTPUT_BYTES { PIPELINE_BYTES } else { OUTPUT_BYTES };
+    const _: () = assert!(BLOCK_M == BLOCK_N && BLOCK_M == super::gemm_simt::BLOCK_M && THREADS == 256);
+}
+
 /// The shared-memory tiled GEMM with bias (`y = x W^T + b`).
 pub mod gemm_tiled {
     /// Rows of `y` (batch) per block.

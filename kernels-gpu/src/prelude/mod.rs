@@ -5,6 +5,7 @@ pub mod index;
 pub mod math;
 pub mod shared;
 pub mod sync;
+pub mod tensor_core;
 pub mod warp;
 
 pub use index::*;

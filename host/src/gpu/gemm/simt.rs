@@ -1,13 +1,16 @@
-//! Launchers of the `gemm_f32_{nt,nn,tn}_{vec4,scalar}` kernels
-//! (kernels-gpu/src/gemm/simt.rs): the forward GEMM with its fused epilogue, split-K
-//! partial products, and the two GEMMs of the backward.
+//! Launchers of the GEMM kernels with fused epilogues: `gemm_f32_*` (FP32 FMA,
+//! kernels-gpu/src/gemm/simt.rs) and `gemm_tc_{tf32,tf32x3}_*` (tensor cores,
+//! kernels-gpu/src/gemm/tensor_core.rs), which share one signature and one tiling of
+//! `y`: the forward GEMM with its fused epilogue, split-K partial products, and the two
+//! GEMMs of the backward.
 
 use super::super::epilogue::DeviceChain;
 use super::super::{DeviceTensor, Gpu};
 use crate::chain::Op;
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
-use kernel_abi::gemm_simt::{BLOCK_K, BLOCK_M, BLOCK_N, MAX_FUSED_GROUP, MIN_FUSED_GROUP, SMEM_BYTES, THREADS};
+use kernel_abi::gemm_simt::{BLOCK_M, BLOCK_N, MAX_FUSED_GROUP, MIN_FUSED_GROUP, THREADS};
+use kernel_abi::{gemm_simt, gemm_tc};
 
 /// Why the fused kernel cannot apply `op` to `features` channels, or `None` if it can.
 pub fn not_fusable(op: &Op, features: usize) -> Option<String> {
@@ -62,8 +65,17 @@ impl Precision {
     fn prefix(self) -> &'static str {
         match self {
             Precision::Fp32 => "gemm_f32",
-            Precision::Tf32x3 => "gemm_tf32x3",
-            Precision::Tf32 => "gemm_tf32",
+            Precision::Tf32x3 => "gemm_tc_tf32x3",
+            Precision::Tf32 => "gemm_tc_tf32",
+        }
+    }
+
+    /// The kernel family's `k` depth per stage (split-K slices are multiples of it) and
+    /// dynamic shared memory in bytes.
+    fn stage_k_and_smem(self) -> (usize, usize) {
+        match self {
+            Precision::Fp32 => (gemm_simt::BLOCK_K, gemm_simt::SMEM_BYTES),
+            Precision::Tf32x3 | Precision::Tf32 => (gemm_tc::BLOCK_K, gemm_tc::SMEM_BYTES),
         }
     }
 }
@@ -141,11 +153,12 @@ impl Gemm<'_> {
         if [m, n, k, self.lda, self.ldb, a_len, b_len].iter().any(|&d| d > u32::MAX as usize) {
             return Err(Error::Shape(format!("GEMM size ({m}, {n}, {k}) exceeds the kernel's 32-bit arguments")));
         }
-        let k_split = k.div_ceil(splits).div_ceil(BLOCK_K) * BLOCK_K;
+        let (block_k, smem_bytes) = self.precision.stage_k_and_smem();
+        let k_split = k.div_ceil(splits).div_ceil(block_k) * block_k;
         let name = kernel_name(self.precision, self.layout, self.lda, self.ldb);
         let name = name.as_str();
         let func = gpu.function(name)?;
-        gpu.allow_shared(&func, name, SMEM_BYTES)?;
+        gpu.allow_shared(&func, name, smem_bytes)?;
         let grid = (n.div_ceil(BLOCK_N), m.div_ceil(BLOCK_M), splits);
         if grid.1 > 65535 || grid.2 > 65535 {
             return Err(Error::Shape(format!("GEMM grid {grid:?} exceeds the launch limits")));
@@ -153,7 +166,7 @@ impl Gemm<'_> {
         let cfg = LaunchConfig {
             grid_dim: (grid.0 as u32, grid.1 as u32, grid.2 as u32),
             block_dim: (THREADS as u32, 1, 1),
-            shared_mem_bytes: SMEM_BYTES as u32,
+            shared_mem_bytes: smem_bytes as u32,
         };
         let dims = [m, n, k, self.lda, self.ldb, k_split].map(|d| d as u32);
         let chain = if splits > 1 { None } else { self.chain };
@@ -180,7 +193,7 @@ impl Gemm<'_> {
         launch.arg(&n_ops);
         // SAFETY: matches the kernel's signature; operand extents checked above; the
         // chain's ops were checked fusable by the caller (`not_fusable`); grid, block
-        // and shared memory follow kernel_abi::gemm_simt.
+        // and shared memory follow kernel_abi::gemm_simt / gemm_tc.
         unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{name}`"), e))?;
         Ok(())
     }

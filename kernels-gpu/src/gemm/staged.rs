@@ -1,0 +1,83 @@
+//! The end of every fused GEMM: the block's `128 x 128` output tile, staged in shared
+//! memory by the main loop's arithmetic (whatever its register layout), is walked row
+//! by row — bias, the saved `z`, the epilogue chain, coalesced stores.
+
+use crate::epilogue::lanes::{F4, column_param, lane_forward, store_row4};
+use crate::prelude::*;
+use crate::unroll;
+use kernel_abi::epilogue::OpDesc;
+
+/// Floats per row of the staged `128 x 128` output tile (16-byte aligned rows; the 4
+/// floats of padding spread a warp's row-strided staging stores over banks).
+pub const STAGE_STRIDE: usize = 128 + 4;
+const TILE: usize = 128;
+const THREADS: usize = 256;
+
+/// Writes the staged tile of block `(row0, col0)`: each warp walks whole 128-column
+/// rows, a lane holding 4 consecutive columns, so a GroupNorm group of `g` channels is
+/// `g / 4` neighbouring lanes and its statistics are shuffle sums.
+///
+/// With `gridDim.z = S > 1` (split-K) it writes this split's raw partial product to its
+/// own `(m, n)` slice of `y`; the row-wise epilogue adds the slices, bias and chain.
+///
+/// # Safety
+/// `smem` holds the staged tile (rows of [`STAGE_STRIDE`] floats) and a barrier
+/// separates its writes from this; `y` (and `save_z` if not null) as in the GEMM
+/// kernels; 256 threads per block.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn write_staged_tile(
+    smem: *const f32,
+    y: *mut f32,
+    bias: *const f32,
+    save_z: *mut f32,
+    (m, n): (usize, usize),
+    (row0, col0): (usize, usize),
+    ops: *const OpDesc,
+    n_ops: u32,
+) {
+    let t = thread_idx_x() as usize;
+    let split_k = grid_dim_z() > 1;
+    let out = if split_k { unsafe { y.add(block_idx_z() as usize * m * n) } } else { y };
+    let (warp, lane) = (t / 32, t % 32);
+    let c = col0 + lane * 4;
+    let mut r = warp;
+    while r < TILE && row0 + r < m {
+        // SAFETY: r < 128 and lane * 4 + 3 < 128, inside the staged tile.
+        let mut v = unsafe { (*(smem.add(r * STAGE_STRIDE + lane * 4) as *const F4)).0 };
+        let row = row0 + r;
+        if !split_k {
+            epilogue_row(&mut v, bias, save_z, row, ops, n_ops, n, c);
+        }
+        // SAFETY: row < m; every written column < n.
+        unsafe { store_row4(out, v, row, n, c) };
+        r += THREADS / 32;
+    }
+}
+
+/// Bias, then the chain, on one lane's 4 consecutive columns `c..c+4` of one row (the
+/// warp holds the tile's whole 128-column row); `save_z` receives the chain's input.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn epilogue_row(
+    v: &mut [f32; 4],
+    bias: *const f32,
+    save_z: *mut f32,
+    row: usize,
+    ops: *const OpDesc,
+    n_ops: u32,
+    n: usize,
+    c: usize,
+) {
+    if !bias.is_null() {
+        unroll!(e in 0..4 => { v[e] += column_param(bias, n, c, e); });
+    }
+    if !save_z.is_null() {
+        // SAFETY: row < m and columns < n, inside save_z's (m, n).
+        unsafe { store_row4(save_z, *v, row, n, c) };
+    }
+    for o in 0..n_ops as usize {
+        // SAFETY: o < n_ops.
+        lane_forward(unsafe { &*ops.add(o) }, v, n, c);
+    }
+}

@@ -1,0 +1,126 @@
+//! Tensor-core building blocks (sm_80+): asynchronous global-to-shared copies
+//! (`cp.async`), shared-memory fragment loads (`ldmatrix`, `ld.shared.v4`) and the TF32
+//! `mma.sync`, as inline PTX.
+//!
+//! Shared memory is addressed here by 32-bit `.shared` offsets ([`shared_address`]),
+//! which is what these instructions take and what keeps a tile's address arithmetic to
+//! one register. None of the collective ones (`ldmatrix`, `mma`) is marked `pure`: LLVM
+//! must not move them into code that only some lanes of a warp run.
+
+use core::arch::asm;
+
+/// The `.shared` state-space address of a generic pointer into shared memory.
+#[inline(always)]
+pub fn shared_address<T>(p: *const T) -> u32 {
+    let out: u32;
+    // SAFETY: register-only address conversion.
+    unsafe {
+        asm!("{{ .reg .u64 t; cvta.to.shared.u64 t, {p}; cvt.u32.u64 {o}, t; }}",
+             p = in(reg64) p as u64, o = out(reg32) out, options(pure, nomem, nostack, preserves_flags));
+    }
+    out
+}
+
+/// Starts copying 16 bytes from global `src` to shared `dst`, of which the first
+/// `src_bytes` (0, 4, 8, 12 or 16) are read and the rest are zero-filled: out-of-range
+/// rows or `k` of an edge tile cost no branch.
+///
+/// # Safety
+/// `dst` is a 16-byte aligned shared address inside the block's allocation; `src` is
+/// 16-byte aligned and its first `src_bytes` are readable (nothing is read when 0).
+#[inline(always)]
+pub unsafe fn cp_async_16(dst: u32, src: *const f32, src_bytes: u32) {
+    unsafe {
+        asm!("cp.async.cg.shared.global [{d}], [{s}], 16, {n};",
+             d = in(reg32) dst, s = in(reg64) src as u64, n = in(reg32) src_bytes, options(nostack, preserves_flags));
+    }
+}
+
+/// [`cp_async_16`] for one float (4-byte aligned operands): `src_bytes` 0 or 4.
+///
+/// # Safety
+/// As [`cp_async_16`], with 4-byte alignment.
+#[inline(always)]
+pub unsafe fn cp_async_4(dst: u32, src: *const f32, src_bytes: u32) {
+    unsafe {
+        asm!("cp.async.ca.shared.global [{d}], [{s}], 4, {n};",
+             d = in(reg32) dst, s = in(reg64) src as u64, n = in(reg32) src_bytes, options(nostack, preserves_flags));
+    }
+}
+
+/// Closes the group of copies this thread started since the last commit.
+#[inline(always)]
+pub fn cp_async_commit() {
+    // SAFETY: bookkeeping of this thread's own copies.
+    unsafe { asm!("cp.async.commit_group;", options(nostack, preserves_flags)) };
+}
+
+/// Waits until at most `N` of this thread's committed groups are still in flight. Other
+/// threads' copies become visible only after a barrier that follows.
+#[inline(always)]
+pub fn cp_async_wait<const N: u32>() {
+    // SAFETY: waits on this thread's own copies; a memory clobber for the compiler.
+    unsafe { asm!("cp.async.wait_group {n};", n = const N, options(nostack, preserves_flags)) };
+}
+
+/// `ldmatrix .x4`: lanes `8q..8q+7` give the row addresses of 8 x 16-byte matrix `q`;
+/// every lane gets, from each matrix, the 32-bit word at row `lane / 4`, word `lane % 4`
+/// — an `m16n8k8` TF32 fragment's layout, read in 4 conflict-free phases.
+///
+/// # Safety
+/// `addr` is a 16-byte aligned shared address; every lane of the warp calls it.
+#[inline(always)]
+pub unsafe fn ldmatrix_x4(addr: u32) -> [u32; 4] {
+    let (mut r0, mut r1, mut r2, mut r3): (u32, u32, u32, u32);
+    unsafe {
+        asm!("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{{r0}, {r1}, {r2}, {r3}}}, [{a}];",
+             r0 = out(reg32) r0, r1 = out(reg32) r1, r2 = out(reg32) r2, r3 = out(reg32) r3,
+             a = in(reg32) addr, options(nostack, readonly, preserves_flags));
+    }
+    [r0, r1, r2, r3]
+}
+
+/// Four consecutive 32-bit words of shared memory.
+///
+/// # Safety
+/// `addr` is a 16-byte aligned shared address inside the block's allocation.
+#[inline(always)]
+pub unsafe fn ld_shared_v4(addr: u32) -> [u32; 4] {
+    let (mut r0, mut r1, mut r2, mut r3): (u32, u32, u32, u32);
+    unsafe {
+        asm!("ld.shared.v4.b32 {{{r0}, {r1}, {r2}, {r3}}}, [{a}];",
+             r0 = out(reg32) r0, r1 = out(reg32) r1, r2 = out(reg32) r2, r3 = out(reg32) r3,
+             a = in(reg32) addr, options(pure, readonly, nostack, preserves_flags));
+    }
+    [r0, r1, r2, r3]
+}
+
+const TF32_MASK: u32 = 0xffff_e000;
+
+/// The residual of the "3xTF32" split of `x`: `x = hi + lo` with `hi` the TF32 part
+/// the tensor core reads from `x`'s own bits (it ignores the low 13 — so `x` itself is
+/// passed as the high part, and costs no register), and `lo = x - hi` exact in FP32, of
+/// which the tensor core uses the leading 11 bits: about 2^-21 of `x` is lost.
+/// An infinity gets residual 0 (not `inf - inf`), so it propagates as in an FP32 GEMM.
+#[inline(always)]
+pub fn tf32_residual(x: u32) -> u32 {
+    let lo = f32::from_bits(x) - f32::from_bits(x & TF32_MASK);
+    if lo.is_nan() { 0 } else { lo.to_bits() }
+}
+
+/// `d += a b` for one `m16n8k8` TF32 fragment product (a warp-wide instruction).
+#[inline(always)]
+pub fn mma_tf32(d: &mut [f32; 4], a: [u32; 4], b: [u32; 2]) {
+    let mut c = d.map(f32::to_bits);
+    // SAFETY: register-only; every lane of the warp executes it.
+    unsafe {
+        asm!(
+            "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {{{d0},{d1},{d2},{d3}}}, {{{a0},{a1},{a2},{a3}}}, {{{b0},{b1}}}, {{{d0},{d1},{d2},{d3}}};",
+            d0 = inout(reg32) c[0], d1 = inout(reg32) c[1], d2 = inout(reg32) c[2], d3 = inout(reg32) c[3],
+            a0 = in(reg32) a[0], a1 = in(reg32) a[1], a2 = in(reg32) a[2], a3 = in(reg32) a[3],
+            b0 = in(reg32) b[0], b1 = in(reg32) b[1],
+            options(nostack, preserves_flags),
+        );
+    }
+    *d = c.map(f32::from_bits);
+}
