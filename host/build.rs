@@ -10,9 +10,9 @@ fn main() {
     let root = manifest.parent().unwrap();
     let out = PathBuf::from(std::env::var_os("OUT_DIR").unwrap()).join("kernels_sm90.ptx");
     let mut builder =
-        ptx_builder::PtxBuilder::new(root.join("kernels-gpu")).arch("sm_90").watch(root.join("kernel-abi"));
+        ptx_builder::PtxBuilder::new(root.join("kernels-gpu")).arch("sm_90a").watch(root.join("kernel-abi"));
     for &(kernel, threads, blocks) in
-        kernel_abi::LAUNCH_BOUNDS.iter().chain(kernel_abi::LAUNCH_BOUNDS_MMA).chain(kernel_abi::LAUNCH_BOUNDS_TC)
+        kernel_abi::LAUNCH_BOUNDS.iter().chain(kernel_abi::LAUNCH_BOUNDS_MMA).chain(kernel_abi::LAUNCH_BOUNDS_TC).chain(kernel_abi::LAUNCH_BOUNDS_WG)
     {
         builder = builder.launch_bounds(kernel, threads, blocks);
     }

@@ -3,12 +3,12 @@
 # scripts/device-prepare.sh: checks first, then timings, then PyTorch's numbers in the
 # same call. Everything goes to $OUT/log.txt (and the JSON tables beside it: the
 # device tool returns at most 8 files); a short summary is printed last.
-#   STEPS="ptxas tests check forward backward bench train pytorch tensor parity" (default: all)
+#   STEPS="ptxas sass tests check forward backward bench train pytorch tensor parity" (default: all)
 #   TORCH_FLAGS="--compile default" etc. are passed to the PyTorch baselines.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 C=device-carry
-STEPS=${STEPS:-"ptxas tests check forward backward bench train pytorch tensor parity"}
+STEPS=${STEPS:-"ptxas sass tests check forward backward bench train pytorch tensor parity"}
 LOG="$OUT/log.txt"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 summary=()
@@ -37,9 +37,16 @@ done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee -a "$LOG"
 
 if has ptxas; then
-  echo "== ptxas resources (sm_90)" | tee -a "$LOG"
-  ptxas -arch=sm_90 -v "$C/kernels_sm90.ptx" -o /dev/null 2>&1 | grep -v panicking >> "$LOG"
+  echo "== ptxas resources (sm_90a)" | tee -a "$LOG"
+  ptxas -arch=sm_90a -v "$C/kernels_sm90.ptx" -o /dev/null 2>&1 | grep -v panicking >> "$LOG"
   summary+=("ptxas: $(grep -c 'Compiling entry' "$LOG") entries, $(grep -cE '[1-9][0-9]* bytes spill' "$LOG") with spills")
+fi
+if has sass; then
+  # The tensor-core instructions the fastest GEMMs compile to (HGMMA: wgmma; HMMA: mma.sync).
+  ptxas -arch=sm_90a "$C/kernels_sm90.ptx" -o /tmp/kernels.cubin 2>/dev/null
+  for f in gemm_wg_tf32_nt_vec4 gemm_wg_tf32x3_nt_vec4 gemm_tc_tf32x3_nn_vec4; do
+    echo "$f: $(cuobjdump -sass -fun $f /tmp/kernels.cubin | grep -oE '(HGMMA|HMMA)[.A-Z0-9x]*' | sort | uniq -c | tr '\n' ' ')" | tee -a "$LOG"
+  done
 fi
 has tests && run "GPU tests" 400 "$C/test-gpu" --include-ignored --nocapture --test-threads 1
 has check && run "check forward" 300 "$C/host" check --random 32

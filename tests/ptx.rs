@@ -1,4 +1,4 @@
-//! Every kernel in the embedded PTX assembles for sm_90 with no spills and no stack
+//! Every kernel in the embedded PTX assembles for sm_90a with no spills and no stack
 //! frame (local memory), read off `ptxas -v`. Needs `ptxas`: CI installs it from
 //! PyPI (`nvidia-cuda-nvcc`); set `PTXAS` to its path, or have it on `PATH`.
 
@@ -56,7 +56,7 @@ fn resources(arch: &str) -> Vec<(String, u32, u32, u32, u32)> {
 #[test]
 #[ignore = "needs ptxas (pip install nvidia-cuda-nvcc==13.0.88, or a CUDA toolkit)"]
 fn every_kernel_assembles_for_sm90_without_spills() {
-    let kernels = resources("sm_90");
+    let kernels = resources("sm_90a");
     assert!(kernels.len() >= 2, "expected the GEMM and epilogue kernels, found {kernels:?}");
     println!("{:<28} {:>5} {:>6} {:>7} {:>7}", "kernel", "regs", "stack", "spill-st", "spill-ld");
     for (k, regs, stack, st, ld) in &kernels {

@@ -19,7 +19,8 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStrea
 use cudarc::nvrtc::Ptx;
 use std::sync::Arc;
 
-/// The kernels, compiled to PTX for sm_90 by `build.rs`.
+/// The kernels, compiled to PTX for sm_90a (Hopper: H100, H200) by `build.rs`; the
+/// `a` features (`wgmma`) tie the module to compute capability 9.0 exactly.
 pub const KERNELS_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels_sm90.ptx"));
 
 /// What the backend read off the device at start.
@@ -85,10 +86,10 @@ impl Gpu {
             shared_per_multiprocessor: attr(Attr::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)? as usize,
             total_memory: ctx.total_mem().map_err(|e| Error::cuda("reading the memory size", e))?,
         };
-        if props.compute_capability.0 < 9 {
+        if props.compute_capability != (9, 0) {
             let (major, minor) = props.compute_capability;
             return Err(Error::NoGpu(format!(
-                "{} has compute capability {major}.{minor}; the kernels are built for sm_90 (Hopper) or newer",
+                "{} has compute capability {major}.{minor}; the kernels are built for sm_90a (Hopper, 9.0)",
                 props.name
             )));
         }

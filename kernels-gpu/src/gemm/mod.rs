@@ -4,3 +4,4 @@ pub mod simt;
 pub mod staged;
 pub mod tensor_core;
 pub mod tiled;
+pub mod wgmma;

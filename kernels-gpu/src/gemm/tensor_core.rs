@@ -130,11 +130,11 @@ unsafe fn gemm_tc<const SPLIT: bool, const VEC: bool, const A_K: bool, const B_K
 /// `k`-contiguous (`[row][k]` tile): the thread copies chunk `t % 8` (4 `k`) of rows
 /// `t / 8 + 32 i`. Row-contiguous (`[k][row]`): chunk `t % 32` (4 rows) of `k`-rows
 /// `t / 32 + 8 i`. Either way the 4 chunks are 4096 bytes apart in the tile.
-struct TileCopy {
+pub(super) struct TileCopy {
     /// Element offset of chunk 0 in the operand.
     off: u32,
     /// Byte offset of chunk 0 in the tile.
-    dst: u32,
+    pub(super) dst: u32,
     /// First `k` of chunk 0.
     kk: u32,
     /// Rows of the operand from this thread's (first) row on, saturating at 0: the rows
@@ -145,7 +145,7 @@ struct TileCopy {
 impl TileCopy {
     /// `A_ROLE`: the tile feeds the `A` fragments (selects the row-contiguous swizzle).
     #[inline(always)]
-    fn new<const K_MAJOR: bool, const A_ROLE: bool>(ld: u32, rows: u32, r0: u32, k0: u32, t: u32) -> TileCopy {
+    pub(super) fn new<const K_MAJOR: bool, const A_ROLE: bool>(ld: u32, rows: u32, r0: u32, k0: u32, t: u32) -> TileCopy {
         if K_MAJOR {
             let (r, c) = (t / 8, t % 8);
             TileCopy {
@@ -170,7 +170,7 @@ impl TileCopy {
     /// # Safety
     /// `tile` is a tile of a stage; `src` the operand of the kernel's contract.
     #[inline(always)]
-    unsafe fn issue<const VEC: bool, const K_MAJOR: bool>(&self, src: *const f32, ld: u32, tile: u32, k_end: u32) {
+    pub(super) unsafe fn issue<const VEC: bool, const K_MAJOR: bool>(&self, src: *const f32, ld: u32, tile: u32, k_end: u32) {
         let chunk = if K_MAJOR { 32 * ld } else { 8 * ld };
         unroll!(i in 0..4 => {
             let i = i as u32;

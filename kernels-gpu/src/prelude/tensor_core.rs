@@ -97,6 +97,28 @@ pub unsafe fn ld_shared_v4(addr: u32) -> [u32; 4] {
 
 const TF32_MASK: u32 = 0xffff_e000;
 
+/// Stores four 32-bit words to shared memory.
+///
+/// # Safety
+/// `addr` is a 16-byte aligned shared address inside the block's allocation.
+#[inline(always)]
+pub unsafe fn st_shared_v4(addr: u32, v: [u32; 4]) {
+    unsafe {
+        asm!("st.shared.v4.b32 [{a}], {{{r0}, {r1}, {r2}, {r3}}};",
+             a = in(reg32) addr, r0 = in(reg32) v[0], r1 = in(reg32) v[1], r2 = in(reg32) v[2], r3 = in(reg32) v[3],
+             options(nostack, preserves_flags));
+    }
+}
+
+/// Makes this thread's earlier shared-memory writes (plain stores and completed
+/// `cp.async`) visible to the async proxy, which `wgmma` reads operands through. A
+/// barrier must still follow before other threads' `wgmma`s use them.
+#[inline(always)]
+pub fn fence_proxy_async_shared() {
+    // SAFETY: a memory fence.
+    unsafe { asm!("fence.proxy.async.shared::cta;", options(nostack, preserves_flags)) };
+}
+
 /// The residual of the "3xTF32" split of `x`: `x = hi + lo` with `hi` the TF32 part
 /// the tensor core reads from `x`'s own bits (it ignores the low 13 — so `x` itself is
 /// passed as the high part, and costs no register), and `lo = x - hi` exact in FP32, of

@@ -10,7 +10,7 @@ use crate::chain::Op;
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use kernel_abi::gemm_simt::{BLOCK_M, BLOCK_N, MAX_FUSED_GROUP, MIN_FUSED_GROUP, THREADS};
-use kernel_abi::{gemm_simt, gemm_tc};
+use kernel_abi::{gemm_simt, gemm_tc, gemm_wg};
 
 /// Why the fused kernel cannot apply `op` to `features` channels, or `None` if it can.
 pub fn not_fusable(op: &Op, features: usize) -> Option<String> {
@@ -91,9 +91,14 @@ impl std::fmt::Display for Precision {
 }
 
 /// Kernel name for a precision and layout; 16-byte loads need both leading dimensions
-/// divisible by 4.
+/// divisible by 4. The tensor-core forward with 16-byte loads runs on `wgmma`
+/// (`gemm_wg_*`, kernels-gpu/src/gemm/wgmma.rs); the other tensor-core layouts, whose
+/// row-contiguous operands `wgmma` cannot read for TF32, on `mma.sync` (`gemm_tc_*`).
 pub fn kernel_name(precision: Precision, layout: Layout, lda: usize, ldb: usize) -> String {
     let vec = if lda.is_multiple_of(4) && ldb.is_multiple_of(4) { "vec4" } else { "scalar" };
+    if precision != Precision::Fp32 && layout == Layout::Nt && vec == "vec4" {
+        return format!("gemm_wg_{precision}_nt_vec4");
+    }
     let layout = match layout {
         Layout::Nt => "nt",
         Layout::Nn => "nn",
@@ -153,10 +158,13 @@ impl Gemm<'_> {
         if [m, n, k, self.lda, self.ldb, a_len, b_len].iter().any(|&d| d > u32::MAX as usize) {
             return Err(Error::Shape(format!("GEMM size ({m}, {n}, {k}) exceeds the kernel's 32-bit arguments")));
         }
-        let (block_k, smem_bytes) = self.precision.stage_k_and_smem();
-        let k_split = k.div_ceil(splits).div_ceil(block_k) * block_k;
         let name = kernel_name(self.precision, self.layout, self.lda, self.ldb);
         let name = name.as_str();
+        let (block_k, smem_bytes) = match name.strip_prefix("gemm_wg_") {
+            Some(_) => (gemm_wg::BLOCK_K, gemm_wg::smem_bytes(self.precision == Precision::Tf32x3)),
+            None => self.precision.stage_k_and_smem(),
+        };
+        let k_split = k.div_ceil(splits).div_ceil(block_k) * block_k;
         let func = gpu.function(name)?;
         gpu.allow_shared(&func, name, smem_bytes)?;
         let grid = (n.div_ceil(BLOCK_N), m.div_ceil(BLOCK_M), splits);
@@ -193,7 +201,7 @@ impl Gemm<'_> {
         launch.arg(&n_ops);
         // SAFETY: matches the kernel's signature; operand extents checked above; the
         // chain's ops were checked fusable by the caller (`not_fusable`); grid, block
-        // and shared memory follow kernel_abi::gemm_simt / gemm_tc.
+        // and shared memory follow kernel_abi::gemm_simt / gemm_tc / gemm_wg.
         unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{name}`"), e))?;
         Ok(())
     }

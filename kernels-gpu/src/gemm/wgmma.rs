@@ -1,0 +1,338 @@
+//! `wgmma` (Hopper's warpgroup MMA, sm_90a) TF32 and 3xTF32 GEMM for the forward
+//! `x W^T` (both operands `k`-contiguous), with the epilogue chain fused into its
+//! store.
+//!
+//! Two warpgroups each own 64 rows x 128 columns of the block's `128 x 128` tile of
+//! `y`: one `wgmma.mma_async.m64n128k8` per `k`-step of 8 multiplies a warpgroup's `A`
+//! rows by the whole `B` tile, reading both operands straight from shared memory
+//! through descriptors — no fragment loads at all. The tiles are the same `cp.async`
+//! 3-stage pipeline as [`super::tensor_core`], whose `[row][32 k]` layout with chunk
+//! `c` of row `r` at `c ^ (r % 8)` is exactly the hardware's 128-byte swizzle (given
+//! 1024-byte aligned tiles), so the descriptors describe it directly.
+//!
+//! 3xTF32: the `A` fragments come from registers instead (`ldmatrix`, as in
+//! [`super::tensor_core`]), split into the raw value (the tensor core reads its TF32
+//! part) and the FP32 residual; `B`'s residual is written by each thread for the
+//! chunks it copied into a third tile of the stage. Three `wgmma` per `k`-step:
+//! `A_lo B + A B_lo + A B`.
+
+use super::staged::write_staged_tile;
+use super::tensor_core::TileCopy;
+use crate::prelude::tensor_core::*;
+use crate::prelude::*;
+use crate::unroll;
+use kernel_abi::epilogue::OpDesc;
+use kernel_abi::gemm_wg::*;
+
+/// Bytes of one operand tile (`128 x 32` floats) and of one 128-byte row.
+const TILE_BYTES: u32 = (BLOCK_M * BLOCK_K * 4) as u32;
+const ROW_BYTES: u32 = (BLOCK_K * 4) as u32;
+
+/// A shared-memory matrix descriptor for a `k`-contiguous, 128-byte-swizzled operand
+/// at `addr` (1024-byte aligned, or offset by a multiple of 32 bytes along `k` inside
+/// the swizzle atom): start address, stride between 8-row groups (1024 bytes), mode
+/// "128B swizzle". The leading offset is unused for this layout (conventionally 1).
+#[inline(always)]
+fn descriptor(addr: u32) -> u64 {
+    ((addr as u64 >> 4) & 0x3fff) | (1 << 16) | ((1024u64 >> 4) << 32) | (1 << 62)
+}
+
+/// `y = chain(x W^T + bias)` on `wgmma`. The contract is [`super::simt`]'s `gemm_f32`
+/// for the forward layout (`A_K`, `B_K`, `VEC`), with `kernel_abi::gemm_wg`'s sizes.
+///
+/// # Safety
+/// As `gemm_f32`; `THREADS` threads; dynamic shared memory `smem_bytes(SPLIT)`; `lda`
+/// and `ldb` multiples of 4 and 16-byte aligned operands; an sm_90a device.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_wg<const SPLIT: bool>(
+    a: *const f32,
+    b: *const f32,
+    bias: *const f32,
+    y: *mut f32,
+    save_z: *mut f32,
+    m: u32,
+    n: u32,
+    k: u32,
+    lda: u32,
+    ldb: u32,
+    k_split: u32,
+    ops: *const OpDesc,
+    n_ops: u32,
+) {
+    let t = thread_idx_x();
+    let row0 = block_idx_y() * BLOCK_M as u32;
+    let col0 = block_idx_x() * BLOCK_N as u32;
+    let k_begin = block_idx_z() * k_split;
+    let k_end = if k - k_begin > k_split { k_begin + k_split } else { k };
+    let tiles = (k_end - k_begin).div_ceil(BLOCK_K as u32);
+
+    let smem = dynamic_shared::<f32>();
+    // The swizzle is a function of address bits 7-9: tiles start 1024-byte aligned.
+    let base = (shared_address(smem) + 1023) & !1023;
+    let tiles_per_stage = if SPLIT { 3 } else { 2 };
+    let stage_a = |s: u32| base + s * tiles_per_stage * TILE_BYTES;
+
+    // SAFETY (copies): every chunk lands inside its stage's tile; reads follow the
+    // kernel's contract (out-of-range elements are zero-filled, not read).
+    let issue = |tile: u32, stage: u32| unsafe {
+        let k0 = k_begin + tile * BLOCK_K as u32;
+        TileCopy::new::<true, true>(lda, m, row0, k0, t).issue::<true, true>(a, lda, stage_a(stage), k_end);
+        TileCopy::new::<true, false>(ldb, n, col0, k0, t).issue::<true, true>(b, ldb, stage_a(stage) + TILE_BYTES, k_end);
+    };
+    for s in 0..STAGES as u32 - 1 {
+        if s < tiles {
+            issue(s, s);
+        }
+        cp_async_commit();
+    }
+
+    let (warpgroup, warp, lane) = (t / 128, (t / 32) % 4, t % 32);
+    // This thread's `B` chunks (for the residual tile) and, for the register `A` of
+    // the split, its `ldmatrix` row address (rows of the warp's 16, chunk q / 2).
+    let b_chunk = TileCopy::new::<true, false>(ldb, n, col0, 0, t).dst;
+    let q = lane / 8;
+    let a_row = (warpgroup * 64 + warp * 16 + (q % 2) * 8 + lane % 8) * ROW_BYTES + (((q / 2) ^ (lane % 8)) * 16);
+    let mut acc = [0u32; 64];
+    let (mut read, mut write) = (0u32, STAGES as u32 - 1);
+    for kt in 0..tiles {
+        cp_async_wait::<{ STAGES as u32 - 2 }>();
+        let (sa, sb) = (stage_a(read), stage_a(read) + TILE_BYTES);
+        if SPLIT {
+            // The residual of the B chunks this thread copied (visible to it now).
+            unroll!(i in 0..4 => {
+                let off = b_chunk + i as u32 * 4096;
+                // SAFETY: inside the stage's B and B-residual tiles.
+                unsafe {
+                    let v = ld_shared_v4(sb + off);
+                    st_shared_v4(sb + TILE_BYTES + off, v.map(tf32_residual));
+                }
+            });
+        }
+        // Generic-proxy writes (cp.async, the residual) become visible to wgmma's
+        // async proxy; the barrier makes the stage complete for every warp and frees
+        // stage `write` (its wgmmas were waited for last iteration).
+        fence_proxy_async_shared();
+        // SAFETY: uniform barrier.
+        unsafe { sync_threads() };
+        if kt + (STAGES as u32 - 1) < tiles {
+            issue(kt + STAGES as u32 - 1, write);
+        }
+        cp_async_commit();
+        let da = descriptor(sa + warpgroup * 64 * ROW_BYTES);
+        let db = descriptor(sb);
+        // k-step s: 32 bytes along the swizzled row = start address + 2 (units of 16 B).
+        let (da, db) = ([da, da + 2, da + 4, da + 6], [db, db + 2, db + 4, db + 6]);
+        if SPLIT {
+            let db_lo = descriptor(sb + TILE_BYTES);
+            let db_lo = [db_lo, db_lo + 2, db_lo + 4, db_lo + 6];
+            let mut a_hi = [[0u32; 4]; 4];
+            unroll!(s in 0..4 => {
+                // SAFETY: inside the stage's A tile; warp-uniform.
+                a_hi[s] = unsafe { ldmatrix_x4(sa + (a_row ^ (32 * s as u32))) };
+            });
+            let a_lo = a_hi.map(|f| f.map(tf32_residual));
+            // SAFETY: descriptors of complete, fenced tiles; all 128 threads of each
+            // warpgroup execute it.
+            unsafe { wgmma_split_k_tile(&mut acc, a_hi, a_lo, db, db_lo) };
+        } else {
+            // SAFETY: as above.
+            unsafe { wgmma_k_tile(&mut acc, da, db) };
+        }
+        read = if read + 1 == STAGES as u32 { 0 } else { read + 1 };
+        write = if write + 1 == STAGES as u32 { 0 } else { write + 1 };
+    }
+    cp_async_wait::<0>();
+    // SAFETY: uniform; every warp is done with the pipeline before it is reused.
+    unsafe { sync_threads() };
+    // Accumulator `4 j + e` of a thread: row 16 warp + lane / 4 (+ 8 for e >= 2) of its
+    // warpgroup's 64, column 8 j + 2 (lane % 4) + e % 2.
+    let (gid, tig) = ((lane / 4) as usize, (lane % 4) as usize);
+    let row = (warpgroup * 64 + warp * 16) as usize + gid;
+    // SAFETY: rows < 128 and columns < 128, inside the staging tile.
+    unsafe {
+        unroll!(j in 0..16 => {
+            unroll!(e in 0..4 => {
+                let (r, c) = (row + 8 * (e / 2), 8 * j + 2 * tig + e % 2);
+                *smem.add(r * super::staged::STAGE_STRIDE + c) = f32::from_bits(acc[4 * j + e]);
+            });
+        });
+        sync_threads();
+        write_staged_tile(smem, y, bias, save_z, (m as usize, n as usize), (row0 as usize, col0 as usize), ops, n_ops);
+    }
+}
+
+/// Runs a warpgroup-wide `wgmma` asm block with the 64 accumulators as operands
+/// `d0..d63` (the whole block is one statement, so nothing touches them while the
+/// asynchronous MMAs are in flight).
+macro_rules! wgmma_asm {
+    ($acc:ident; [$($tmpl:expr),* $(,)?]; $($ops:tt)*) => {
+        core::arch::asm!(
+            $($tmpl),*,
+            d0 = inout(reg32) $acc[0],
+            d1 = inout(reg32) $acc[1],
+            d2 = inout(reg32) $acc[2],
+            d3 = inout(reg32) $acc[3],
+            d4 = inout(reg32) $acc[4],
+            d5 = inout(reg32) $acc[5],
+            d6 = inout(reg32) $acc[6],
+            d7 = inout(reg32) $acc[7],
+            d8 = inout(reg32) $acc[8],
+            d9 = inout(reg32) $acc[9],
+            d10 = inout(reg32) $acc[10],
+            d11 = inout(reg32) $acc[11],
+            d12 = inout(reg32) $acc[12],
+            d13 = inout(reg32) $acc[13],
+            d14 = inout(reg32) $acc[14],
+            d15 = inout(reg32) $acc[15],
+            d16 = inout(reg32) $acc[16],
+            d17 = inout(reg32) $acc[17],
+            d18 = inout(reg32) $acc[18],
+            d19 = inout(reg32) $acc[19],
+            d20 = inout(reg32) $acc[20],
+            d21 = inout(reg32) $acc[21],
+            d22 = inout(reg32) $acc[22],
+            d23 = inout(reg32) $acc[23],
+            d24 = inout(reg32) $acc[24],
+            d25 = inout(reg32) $acc[25],
+            d26 = inout(reg32) $acc[26],
+            d27 = inout(reg32) $acc[27],
+            d28 = inout(reg32) $acc[28],
+            d29 = inout(reg32) $acc[29],
+            d30 = inout(reg32) $acc[30],
+            d31 = inout(reg32) $acc[31],
+            d32 = inout(reg32) $acc[32],
+            d33 = inout(reg32) $acc[33],
+            d34 = inout(reg32) $acc[34],
+            d35 = inout(reg32) $acc[35],
+            d36 = inout(reg32) $acc[36],
+            d37 = inout(reg32) $acc[37],
+            d38 = inout(reg32) $acc[38],
+            d39 = inout(reg32) $acc[39],
+            d40 = inout(reg32) $acc[40],
+            d41 = inout(reg32) $acc[41],
+            d42 = inout(reg32) $acc[42],
+            d43 = inout(reg32) $acc[43],
+            d44 = inout(reg32) $acc[44],
+            d45 = inout(reg32) $acc[45],
+            d46 = inout(reg32) $acc[46],
+            d47 = inout(reg32) $acc[47],
+            d48 = inout(reg32) $acc[48],
+            d49 = inout(reg32) $acc[49],
+            d50 = inout(reg32) $acc[50],
+            d51 = inout(reg32) $acc[51],
+            d52 = inout(reg32) $acc[52],
+            d53 = inout(reg32) $acc[53],
+            d54 = inout(reg32) $acc[54],
+            d55 = inout(reg32) $acc[55],
+            d56 = inout(reg32) $acc[56],
+            d57 = inout(reg32) $acc[57],
+            d58 = inout(reg32) $acc[58],
+            d59 = inout(reg32) $acc[59],
+            d60 = inout(reg32) $acc[60],
+            d61 = inout(reg32) $acc[61],
+            d62 = inout(reg32) $acc[62],
+            d63 = inout(reg32) $acc[63],
+            $($ops)*
+            options(nostack)
+        )
+    };
+}
+
+/// The `{d0, .., d63}` accumulator list of a `wgmma` template.
+macro_rules! acc64 {
+    () => {
+        "{{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, {d13}, {d14}, {d15}, {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}, {d32}, {d33}, {d34}, {d35}, {d36}, {d37}, {d38}, {d39}, {d40}, {d41}, {d42}, {d43}, {d44}, {d45}, {d46}, {d47}, {d48}, {d49}, {d50}, {d51}, {d52}, {d53}, {d54}, {d55}, {d56}, {d57}, {d58}, {d59}, {d60}, {d61}, {d62}, {d63}}}"
+    };
+}
+
+/// One k-tile (4 `k`-steps of 8) of a warpgroup: `acc += A B^T` with both operands
+/// from shared memory, issued, committed and waited for.
+///
+/// # Safety
+/// Descriptors of complete tiles made visible to the async proxy; every thread of
+/// the warpgroup calls it.
+#[inline(always)]
+unsafe fn wgmma_k_tile(acc: &mut [u32; 64], da: [u64; 4], db: [u64; 4]) {
+    unsafe {
+        wgmma_asm!(acc; [
+            "{{ .reg .pred p; setp.ne.b32 p, {one}, 0;",
+            "wgmma.fence.sync.aligned;",
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {a0}, {b0}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {a1}, {b1}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {a2}, {b2}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {a3}, {b3}, p, 1, 1;"),
+            "wgmma.commit_group.sync.aligned;",
+            "wgmma.wait_group.sync.aligned 0; }}",
+        ];
+            one = in(reg32) 1u32,
+            a0 = in(reg64) da[0], a1 = in(reg64) da[1], a2 = in(reg64) da[2], a3 = in(reg64) da[3],
+            b0 = in(reg64) db[0], b1 = in(reg64) db[1], b2 = in(reg64) db[2], b3 = in(reg64) db[3],
+        )
+    }
+}
+
+/// One k-tile of the 3xTF32 split: per `k`-step, `A_lo B + A B_lo + A B` with `A`
+/// (raw, and its residual) in registers and `B`, `B_lo` from shared memory.
+///
+/// # Safety
+/// As [`wgmma_k_tile`]; `a`, `a_lo` are the warp's `m16k8` fragments of the 4 steps.
+#[inline(always)]
+unsafe fn wgmma_split_k_tile(acc: &mut [u32; 64], a: [[u32; 4]; 4], a_lo: [[u32; 4]; 4], db: [u64; 4], db_lo: [u64; 4]) {
+    unsafe {
+        wgmma_asm!(acc; [
+            "{{ .reg .pred p; setp.ne.b32 p, {one}, 0;",
+            "wgmma.fence.sync.aligned;",
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{l00}, {l01}, {l02}, {l03}}}, {b0}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{h00}, {h01}, {h02}, {h03}}}, {c0}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{h00}, {h01}, {h02}, {h03}}}, {b0}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{l10}, {l11}, {l12}, {l13}}}, {b1}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{h10}, {h11}, {h12}, {h13}}}, {c1}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{h10}, {h11}, {h12}, {h13}}}, {b1}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{l20}, {l21}, {l22}, {l23}}}, {b2}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{h20}, {h21}, {h22}, {h23}}}, {c2}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{h20}, {h21}, {h22}, {h23}}}, {b2}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{l30}, {l31}, {l32}, {l33}}}, {b3}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{h30}, {h31}, {h32}, {h33}}}, {c3}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{h30}, {h31}, {h32}, {h33}}}, {b3}, p, 1, 1;"),
+            "wgmma.commit_group.sync.aligned;",
+            "wgmma.wait_group.sync.aligned 0; }}",
+        ];
+            one = in(reg32) 1u32,
+            h00 = in(reg32) a[0][0], h01 = in(reg32) a[0][1], h02 = in(reg32) a[0][2], h03 = in(reg32) a[0][3],
+            h10 = in(reg32) a[1][0], h11 = in(reg32) a[1][1], h12 = in(reg32) a[1][2], h13 = in(reg32) a[1][3],
+            h20 = in(reg32) a[2][0], h21 = in(reg32) a[2][1], h22 = in(reg32) a[2][2], h23 = in(reg32) a[2][3],
+            h30 = in(reg32) a[3][0], h31 = in(reg32) a[3][1], h32 = in(reg32) a[3][2], h33 = in(reg32) a[3][3],
+            l00 = in(reg32) a_lo[0][0], l01 = in(reg32) a_lo[0][1], l02 = in(reg32) a_lo[0][2], l03 = in(reg32) a_lo[0][3],
+            l10 = in(reg32) a_lo[1][0], l11 = in(reg32) a_lo[1][1], l12 = in(reg32) a_lo[1][2], l13 = in(reg32) a_lo[1][3],
+            l20 = in(reg32) a_lo[2][0], l21 = in(reg32) a_lo[2][1], l22 = in(reg32) a_lo[2][2], l23 = in(reg32) a_lo[2][3],
+            l30 = in(reg32) a_lo[3][0], l31 = in(reg32) a_lo[3][1], l32 = in(reg32) a_lo[3][2], l33 = in(reg32) a_lo[3][3],
+            b0 = in(reg64) db[0], b1 = in(reg64) db[1], b2 = in(reg64) db[2], b3 = in(reg64) db[3],
+            c0 = in(reg64) db_lo[0], c1 = in(reg64) db_lo[1], c2 = in(reg64) db_lo[2], c3 = in(reg64) db_lo[3],
+        )
+    }
+}
+
+macro_rules! wg_entry {
+    ($($(#[$doc:meta])* $name:ident = <$split:literal>;)*) => {$(
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// See [`gemm_wg`].
+        #[unsafe(no_mangle)]
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe extern "ptx-kernel" fn $name(
+            a: *const f32, b: *const f32, bias: *const f32, y: *mut f32, save_z: *mut f32,
+            m: u32, n: u32, k: u32, lda: u32, ldb: u32, k_split: u32, ops: *const OpDesc, n_ops: u32,
+        ) {
+            unsafe { gemm_wg::<$split>(a, b, bias, y, save_z, m, n, k, lda, ldb, k_split, ops, n_ops) }
+        }
+    )*};
+}
+
+wg_entry! {
+    /// Forward `x W^T`, TF32 on `wgmma`, 16-byte copies.
+    gemm_wg_tf32_nt_vec4 = <false>;
+    /// Forward `x W^T`, 3xTF32 (FP32-accurate) on `wgmma`, 16-byte copies.
+    gemm_wg_tf32x3_nt_vec4 = <true>;
+}
