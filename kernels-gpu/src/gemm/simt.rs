@@ -2,6 +2,7 @@
 //! store: `y = chain(x W^T + b)` in one kernel.
 
 use crate::epilogue::lanes::{F4, column_param, lane_forward, store_row4};
+use crate::prelude::async_copy::{cp_async_16, cp_async_wait_all, shared_addr};
 use crate::prelude::math::fma;
 use crate::prelude::*;
 use crate::unroll;
@@ -47,7 +48,9 @@ fn owned(t: usize, i: usize) -> usize {
 /// A block computes a `128 x 128` tile of `y`, stepping `k` by 8. Each step's `A` and
 /// `B` slices are loaded into registers one step ahead (16-byte loads when `VEC`), then
 /// stored `k`-outermost into the other of two shared-memory stages (transposing the
-/// `k`-contiguous operands), so one barrier per step suffices.
+/// `k`-contiguous operands), so one barrier per step suffices. With `VEC`, a
+/// row-contiguous operand (already `k`-outermost in memory) is copied by `cp.async`
+/// straight into that stage instead, waited for before the barrier.
 ///
 /// # Thread mapping
 /// Warp `w`, lane `l`: `ty = 2w + l / 16`, `tx = l % 16`. The thread owns rows
@@ -164,6 +167,9 @@ unsafe fn main_loop<M: TileMath, const VEC: bool, const A_K: bool, const B_K: bo
     // `slot(e)`, k-outermost.
     let mut a_src = Loader::new::<A_K>(lda, m, row0, k_begin, t);
     let mut b_src = Loader::new::<B_K>(ldb, n, col0, k_begin, t);
+    // With 16-byte loads, a row-contiguous operand's global order is its shared
+    // order: it goes straight to shared memory by `cp.async`, no registers between.
+    let (a_async, b_async) = (VEC && !A_K, VEC && !B_K);
     let store = |dst: *mut f32, k_major: bool, v: [[f32; 4]; CHUNKS]| {
         // SAFETY: indices < BLOCK_K * stride, inside one tile.
         unsafe {
@@ -179,12 +185,34 @@ unsafe fn main_loop<M: TileMath, const VEC: bool, const A_K: bool, const B_K: bo
         }
     };
     let stage_ptr = |s: usize| unsafe { smem.add(s * 2 * tile) };
+    // The shared address of this thread's `cp.async` slot in stage 0's `A` tile (the
+    // row-contiguous layout's `(t / 32, (t % 32) * 4)`).
+    let slot = shared_addr(smem) + (4 * ((t / 32) * stride + (t % 32) * 4)) as u32;
+    let tile_bytes = (4 * tile) as u32;
 
     let mut acc = M::zero();
     let (k_end, mut k0) = (k_end as u32, k_begin as u32);
-    let (mut av, mut bv) = (a_src.load::<VEC, A_K, EDGE>(a, k_end), b_src.load::<VEC, B_K, EDGE>(b, k_end));
-    store(stage_ptr(0), A_K, av);
-    store(unsafe { stage_ptr(0).add(tile) }, B_K, bv);
+    let (mut av, mut bv) = ([[0.0f32; 4]; CHUNKS], [[0.0f32; 4]; CHUNKS]);
+    // SAFETY (copies): stage 0 is not read before the wait and barrier below.
+    if a_async {
+        unsafe { a_src.copy::<EDGE>(a, slot, k_end, stride) };
+    } else {
+        av = a_src.load::<VEC, A_K, EDGE>(a, k_end);
+    }
+    if b_async {
+        unsafe { b_src.copy::<EDGE>(b, slot + tile_bytes, k_end, stride) };
+    } else {
+        bv = b_src.load::<VEC, B_K, EDGE>(b, k_end);
+    }
+    if !a_async {
+        store(stage_ptr(0), A_K, av);
+    }
+    if !b_async {
+        store(unsafe { stage_ptr(0).add(tile) }, B_K, bv);
+    }
+    if a_async || b_async {
+        cp_async_wait_all();
+    }
     // SAFETY: uniform control flow throughout the main loop.
     unsafe { sync_threads() };
     let mut stage = 0;
@@ -193,16 +221,36 @@ unsafe fn main_loop<M: TileMath, const VEC: bool, const A_K: bool, const B_K: bo
         if next < k_end {
             a_src.advance();
             b_src.advance();
-            av = a_src.load::<VEC, A_K, EDGE>(a, k_end);
-            bv = b_src.load::<VEC, B_K, EDGE>(b, k_end);
+            // The other stage was last read before the previous barrier: free.
+            let dst = slot + (stage ^ 1) as u32 * 2 * tile_bytes;
+            if a_async {
+                // SAFETY: the other stage is read only after the wait and barrier below.
+                unsafe { a_src.copy::<EDGE>(a, dst, k_end, stride) };
+            } else {
+                av = a_src.load::<VEC, A_K, EDGE>(a, k_end);
+            }
+            if b_async {
+                // SAFETY: as for `A`.
+                unsafe { b_src.copy::<EDGE>(b, dst + tile_bytes, k_end, stride) };
+            } else {
+                bv = b_src.load::<VEC, B_K, EDGE>(b, k_end);
+            }
         }
         // SAFETY: all indices stay inside this stage's two tiles.
         unsafe { M::step(&mut acc, smem.add(stage * 2 * tile), smem.add(stage * 2 * tile + tile), th) };
         if next < k_end {
-            store(stage_ptr(stage ^ 1), A_K, av);
-            store(unsafe { stage_ptr(stage ^ 1).add(tile) }, B_K, bv);
+            if !a_async {
+                store(stage_ptr(stage ^ 1), A_K, av);
+            }
+            if !b_async {
+                store(unsafe { stage_ptr(stage ^ 1).add(tile) }, B_K, bv);
+            }
         }
-        // SAFETY: uniform; orders this step's reads before the next step's overwrite.
+        if a_async || b_async {
+            cp_async_wait_all();
+        }
+        // SAFETY: uniform; orders this step's reads before the next step's overwrite,
+        // and this step's copies and stores before the next step's reads.
         unsafe { sync_threads() };
         stage ^= 1;
         k0 = next;
@@ -434,6 +482,25 @@ impl Loader {
     fn advance(&mut self) {
         self.off = self.off.wrapping_add(self.step);
         self.kk += BLOCK_K as u32;
+    }
+
+    /// Row-contiguous operands with 16-byte loads: starts the copies of this step's two
+    /// chunks of 4 rows to `dst` (the thread's slot in the stage's tile, a shared
+    /// address; chunk 1 is 8 k rows further), zero-filled outside `rows` x `k_end`.
+    ///
+    /// # Safety
+    /// `dst` as above, not accessed until [`cp_async_wait_all`]; the operand's rows are
+    /// 16-byte aligned.
+    #[inline(always)]
+    unsafe fn copy<const EDGE: bool>(&self, src: *const f32, dst: u32, k_end: u32, stride: usize) {
+        unroll!(c in 0..2 => {
+            let kk = self.kk + 8 * c as u32;
+            let bytes = if kk >= k_end { 0 } else if EDGE { self.rows_left * 4 } else { 16 };
+            // A copy of 0 bytes still gets a valid address: the operand's base.
+            let p = if bytes != 0 { src.wrapping_add((self.off + c as u32 * (self.step / 2)) as usize) } else { src };
+            // SAFETY: reads `bytes` bytes, all inside rows x k_end; the caller's `dst`.
+            unsafe { cp_async_16(dst + (4 * 8 * c * stride) as u32, p, bytes) };
+        });
     }
 
     /// The 4 elements, zero where outside `rows` x `k_end`. Without `EDGE` the rows are

@@ -1,6 +1,7 @@
 //! What the kernels need from the device, in one small documented place: the role
 //! `cuda_std` plays in rust-cuda, which cannot be used with rustc's PTX backend.
 
+pub mod async_copy;
 pub mod index;
 pub mod math;
 pub mod shared;
