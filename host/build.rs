@@ -12,7 +12,7 @@ fn main() {
     let mut builder =
         ptx_builder::PtxBuilder::new(root.join("kernels-gpu")).arch("sm_90a").watch(root.join("kernel-abi"));
     for &(kernel, threads, blocks) in
-        kernel_abi::LAUNCH_BOUNDS.iter().chain(kernel_abi::LAUNCH_BOUNDS_MMA).chain(kernel_abi::LAUNCH_BOUNDS_TC).chain(kernel_abi::LAUNCH_BOUNDS_WG)
+        kernel_abi::LAUNCH_BOUNDS.iter().chain(kernel_abi::LAUNCH_BOUNDS_TC).chain(kernel_abi::LAUNCH_BOUNDS_WG)
     {
         builder = builder.launch_bounds(kernel, threads, blocks);
     }

@@ -16,26 +16,6 @@ pub const LAUNCH_BOUNDS: &[(&str, u32, u32)] = &gemm_simt::bounds([
     "gemm_f32_tn_scalar",
 ]);
 
-/// The tensor-core GEMMs need more than 128 registers (3xTF32 keeps high and low
-/// parts of every fragment): one block per SM.
-pub const LAUNCH_BOUNDS_MMA: &[(&str, u32, u32)] = &gemm_simt::bounds_with(
-    1,
-    [
-        "gemm_tf32x3_nt_vec4",
-        "gemm_tf32x3_nt_scalar",
-        "gemm_tf32x3_nn_vec4",
-        "gemm_tf32x3_nn_scalar",
-        "gemm_tf32x3_tn_vec4",
-        "gemm_tf32x3_tn_scalar",
-        "gemm_tf32_nt_vec4",
-        "gemm_tf32_nt_scalar",
-        "gemm_tf32_nn_vec4",
-        "gemm_tf32_nn_scalar",
-        "gemm_tf32_tn_vec4",
-        "gemm_tf32_tn_scalar",
-    ],
-);
-
 /// The tensor-core GEMMs (`kernels-gpu/src/gemm/tensor_core.rs`): 2 blocks per SM (128
 /// registers), except the 3xTF32 forward: its two `ldmatrix` operands and their
 /// residuals need ~8 registers more (ptxas spills at 128), so it runs 1 block per SM.
@@ -214,8 +194,8 @@ pub mod gemm_simt {
         }
         out
     }
-    /// Widest row of a staged operand tile (the tensor-core path pads by 8 floats).
-    pub const SMEM_STRIDE: usize = BLOCK_M + 8;
+    /// Row of a staged operand tile: 4 floats of padding (see `Fma` in simt.rs).
+    pub const SMEM_STRIDE: usize = BLOCK_M + 4;
     /// Two stages (double buffering) of the x and w tiles.
     const PIPELINE_BYTES: usize = 2 * 2 * BLOCK_K * SMEM_STRIDE * 4;
     /// The output tile staged for the epilogue, rows padded to `BLOCK_N + 4` floats.

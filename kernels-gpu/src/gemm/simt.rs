@@ -1,8 +1,9 @@
 //! Register-blocked FP32 GEMM on the FMA units with the epilogue chain fused into its
 //! store: `y = chain(x W^T + b)` in one kernel.
 
-use crate::epilogue::lanes::{F4, column_param, lane_forward, store_row4};
-use crate::prelude::async_copy::{cp_async_16, cp_async_wait_all, shared_addr};
+use super::staged::{STAGE_STRIDE, epilogue_row};
+use crate::epilogue::lanes::{F4, store_row4};
+use crate::prelude::async_copy::{cp_async_16, cp_async_wait_all, shared_address};
 use crate::prelude::math::fma;
 use crate::prelude::*;
 use crate::unroll;
@@ -105,7 +106,9 @@ unsafe fn gemm_f32<M: TileMath, const VEC: bool, const A_K: bool, const B_K: boo
 
     // Stage the accumulator tile in shared memory (the pipeline's stages are done:
     // the loop ended on a barrier), so the epilogue can walk whole rows with a small
-    // register footprint and store them coalesced.
+    // register footprint and store them coalesced. (The walk is `staged::
+    // write_staged_tile` inlined by hand: calling it moves ptxas's allocation at the
+    // 128-register cap into a 4-byte spill in `nn_vec4`.)
     // SAFETY: the staging tile fits the dynamic shared memory; uniform barrier.
     unsafe {
         M::stage(&acc, smem, th);
@@ -187,7 +190,7 @@ unsafe fn main_loop<M: TileMath, const VEC: bool, const A_K: bool, const B_K: bo
     let stage_ptr = |s: usize| unsafe { smem.add(s * 2 * tile) };
     // The shared address of this thread's `cp.async` slot in stage 0's `A` tile (the
     // row-contiguous layout's `(t / 32, (t % 32) * 4)`).
-    let slot = shared_addr(smem) + (4 * ((t / 32) * stride + (t % 32) * 4)) as u32;
+    let slot = shared_address(smem) + (4 * ((t / 32) * stride + (t % 32) * 4)) as u32;
     let tile_bytes = (4 * tile) as u32;
 
     let mut acc = M::zero();
@@ -336,116 +339,6 @@ impl TileMath for Fma {
     }
 }
 
-/// Tensor cores, `mma.sync.m16n8k8` with TF32 operands and FP32 accumulation. Warp `w`
-/// owns rows `64 (w % 2) ..+64` and columns `32 (w / 2) ..+32` of the tile: 4 x 4
-/// fragments of 16 x 8. With `SPLIT` ("3xTF32"), each operand is a TF32 high part plus
-/// a TF32 low part (the rounding residual) and each product takes three MMAs
-/// (`hi hi + hi lo + lo hi`): FP32-level accuracy at a third of the TF32 rate.
-struct Mma<const SPLIT: bool>;
-
-/// `x` rounded to TF32 (10 mantissa bits, round to nearest away), as an f32 bit pattern.
-#[inline(always)]
-fn to_tf32(x: f32) -> u32 {
-    let out: u32;
-    // SAFETY: register-only conversion.
-    unsafe {
-        core::arch::asm!("cvt.rna.tf32.f32 {o}, {i};", o = out(reg32) out, i = in(reg32) x.to_bits(),
-                         options(pure, nomem, nostack, preserves_flags));
-    }
-    out
-}
-
-/// `d += a b` for one 16 x 8 x 8 TF32 fragment product (a warp-wide instruction).
-#[inline(always)]
-fn mma_tf32(d: &mut [f32; 4], a: [u32; 4], b: [u32; 2]) {
-    let mut c = d.map(f32::to_bits);
-    // SAFETY: register-only; every lane of the warp executes it (not `pure`: it must
-    // not move into divergent code).
-    unsafe {
-        core::arch::asm!(
-            "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {{{d0},{d1},{d2},{d3}}}, {{{a0},{a1},{a2},{a3}}}, {{{b0},{b1}}}, {{{d0},{d1},{d2},{d3}}};",
-            d0 = inout(reg32) c[0], d1 = inout(reg32) c[1], d2 = inout(reg32) c[2], d3 = inout(reg32) c[3],
-            a0 = in(reg32) a[0], a1 = in(reg32) a[1], a2 = in(reg32) a[2], a3 = in(reg32) a[3],
-            b0 = in(reg32) b[0], b1 = in(reg32) b[1],
-            options(nostack, preserves_flags),
-        );
-    }
-    *d = c.map(f32::from_bits);
-}
-
-impl<const SPLIT: bool> TileMath for Mma<SPLIT> {
-    type Acc = [[[f32; 4]; 4]; 4];
-    // 8 floats of padding: a fragment load's 8 rows x 4 k of a warp hit 32 banks.
-    const STRIDE: usize = BLOCK_M + 8;
-
-    fn zero() -> Self::Acc {
-        [[[0.0; 4]; 4]; 4]
-    }
-
-    #[inline(always)]
-    unsafe fn step(acc: &mut Self::Acc, sa: *const f32, sb: *const f32, th: Thread) {
-        let (w, lane) = (th.t / 32, th.t % 32);
-        let (gid, tig) = (lane / 4, lane % 4);
-        let (wm, wn) = ((w % 2) * 64, (w / 2) * 32);
-        let s = Self::STRIDE;
-        // SAFETY (loads): k + 4 < BLOCK_K and rows / columns < 128: inside the stage.
-        unroll!(k8 in 0..2 => {
-            let k = k8 * 8 + tig;
-            let mut b_hi = [[0u32; 2]; 4];
-            let mut b_lo = [[0u32; 2]; 4];
-            unroll!(ni in 0..4 => {
-                let c = wn + ni * 8 + gid;
-                let v = unsafe { [*sb.add(k * s + c), *sb.add((k + 4) * s + c)] };
-                unroll!(e in 0..2 => {
-                    b_hi[ni][e] = to_tf32(v[e]);
-                    if SPLIT {
-                        b_lo[ni][e] = to_tf32(v[e] - f32::from_bits(b_hi[ni][e]));
-                    }
-                });
-            });
-            unroll!(mi in 0..4 => {
-                let r = wm + mi * 16 + gid;
-                let v = unsafe { [*sa.add(k * s + r), *sa.add(k * s + r + 8), *sa.add((k + 4) * s + r), *sa.add((k + 4) * s + r + 8)] };
-                let mut a_hi = [0u32; 4];
-                let mut a_lo = [0u32; 4];
-                unroll!(e in 0..4 => {
-                    a_hi[e] = to_tf32(v[e]);
-                    if SPLIT {
-                        a_lo[e] = to_tf32(v[e] - f32::from_bits(a_hi[e]));
-                    }
-                });
-                unroll!(ni in 0..4 => {
-                    if SPLIT {
-                        mma_tf32(&mut acc[mi][ni], a_lo, b_hi[ni]);
-                        mma_tf32(&mut acc[mi][ni], a_hi, b_lo[ni]);
-                    }
-                    mma_tf32(&mut acc[mi][ni], a_hi, b_hi[ni]);
-                });
-            });
-        });
-    }
-
-    #[inline(always)]
-    unsafe fn stage(acc: &Self::Acc, smem: *mut f32, th: Thread) {
-        let (w, lane) = (th.t / 32, th.t % 32);
-        let (gid, tig) = (lane / 4, lane % 4);
-        let (wm, wn) = ((w % 2) * 64, (w / 2) * 32);
-        unroll!(mi in 0..4 => {
-            unroll!(ni in 0..4 => {
-                let (r, c) = (wm + mi * 16 + gid, wn + ni * 8 + 2 * tig);
-                let f = acc[mi][ni];
-                // SAFETY: rows r, r + 8 and columns c, c + 1 < 128, inside the staging tile.
-                unsafe {
-                    *smem.add(r * STAGE_STRIDE + c) = f[0];
-                    *smem.add(r * STAGE_STRIDE + c + 1) = f[1];
-                    *smem.add((r + 8) * STAGE_STRIDE + c) = f[2];
-                    *smem.add((r + 8) * STAGE_STRIDE + c + 1) = f[3];
-                }
-            });
-        });
-    }
-}
-
 /// Where one thread reads its 4 elements of an operand for the current k-step.
 ///
 /// The position is a 32-bit element offset from the operand's base (a kernel
@@ -552,36 +445,6 @@ impl Loader {
     }
 }
 
-/// Floats per row of the staged `128 x 128` output tile (16-byte aligned rows).
-const STAGE_STRIDE: usize = BLOCK_N + 4;
-
-/// Bias, then the chain, on one lane's 4 consecutive columns `c..c+4` of one row (the
-/// warp holds the tile's whole 128-column row); `save_z` receives the chain's input.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn epilogue_row(
-    v: &mut [f32; 4],
-    bias: *const f32,
-    save_z: *mut f32,
-    row: usize,
-    ops: *const OpDesc,
-    n_ops: u32,
-    n: usize,
-    c: usize,
-) {
-    if !bias.is_null() {
-        unroll!(e in 0..4 => { v[e] += column_param(bias, n, c, e); });
-    }
-    if !save_z.is_null() {
-        // SAFETY: row < m and columns < n, inside save_z's (m, n).
-        unsafe { store_row4(save_z, *v, row, n, c) };
-    }
-    for o in 0..n_ops as usize {
-        // SAFETY: o < n_ops.
-        lane_forward(unsafe { &*ops.add(o) }, v, n, c);
-    }
-}
-
 macro_rules! gemm_entry {
     ($($(#[$doc:meta])* $name:ident = <$math:ty, $vec:literal, $a_k:literal, $b_k:literal>;)*) => {$(
         $(#[$doc])*
@@ -612,28 +475,4 @@ gemm_entry! {
     gemm_f32_tn_vec4 = <Fma, true, false, false>;
     /// `dW = dZ^T X`, FP32 FMA, scalar loads.
     gemm_f32_tn_scalar = <Fma, false, false, false>;
-    /// Forward, 3xTF32 tensor cores, 16-byte loads.
-    gemm_tf32x3_nt_vec4 = <Mma<true>, true, true, true>;
-    /// Forward, 3xTF32 tensor cores, scalar loads.
-    gemm_tf32x3_nt_scalar = <Mma<true>, false, true, true>;
-    /// `dX`, 3xTF32 tensor cores, 16-byte loads.
-    gemm_tf32x3_nn_vec4 = <Mma<true>, true, true, false>;
-    /// `dX`, 3xTF32 tensor cores, scalar loads.
-    gemm_tf32x3_nn_scalar = <Mma<true>, false, true, false>;
-    /// `dW`, 3xTF32 tensor cores, 16-byte loads.
-    gemm_tf32x3_tn_vec4 = <Mma<true>, true, false, false>;
-    /// `dW`, 3xTF32 tensor cores, scalar loads.
-    gemm_tf32x3_tn_scalar = <Mma<true>, false, false, false>;
-    /// Forward, TF32 tensor cores, 16-byte loads.
-    gemm_tf32_nt_vec4 = <Mma<false>, true, true, true>;
-    /// Forward, TF32 tensor cores, scalar loads.
-    gemm_tf32_nt_scalar = <Mma<false>, false, true, true>;
-    /// `dX`, TF32 tensor cores, 16-byte loads.
-    gemm_tf32_nn_vec4 = <Mma<false>, true, true, false>;
-    /// `dX`, TF32 tensor cores, scalar loads.
-    gemm_tf32_nn_scalar = <Mma<false>, false, true, false>;
-    /// `dW`, TF32 tensor cores, 16-byte loads.
-    gemm_tf32_tn_vec4 = <Mma<false>, true, false, false>;
-    /// `dW`, TF32 tensor cores, scalar loads.
-    gemm_tf32_tn_scalar = <Mma<false>, false, false, false>;
 }

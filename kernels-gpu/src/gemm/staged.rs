@@ -59,7 +59,7 @@ pub unsafe fn write_staged_tile(
 /// warp holds the tile's whole 128-column row); `save_z` receives the chain's input.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn epilogue_row(
+pub fn epilogue_row(
     v: &mut [f32; 4],
     bias: *const f32,
     save_z: *mut f32,

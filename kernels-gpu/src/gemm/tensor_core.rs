@@ -22,6 +22,7 @@
 //! (or 4 `ld.shared.v4`), B fragments 2 of either, then 16 MMAs (48 with the split).
 
 use super::staged::{STAGE_STRIDE, write_staged_tile};
+use crate::prelude::async_copy::*;
 use crate::prelude::tensor_core::*;
 use crate::prelude::*;
 use crate::unroll;

@@ -18,6 +18,7 @@
 
 use super::staged::write_staged_tile;
 use super::tensor_core::TileCopy;
+use crate::prelude::async_copy::*;
 use crate::prelude::tensor_core::*;
 use crate::prelude::*;
 use crate::unroll;

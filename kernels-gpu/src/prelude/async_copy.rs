@@ -1,36 +1,64 @@
 //! `cp.async` (sm_80+): global-to-shared copies that do not pass through registers.
 //!
-//! A thread issues copies, then waits for all of its own with [`cp_async_wait_all`];
-//! a barrier after the wait makes every thread's copies visible to the block.
+//! A thread issues copies, then waits for its own ([`cp_async_wait_all`], or per
+//! committed group with [`cp_async_wait`]); a barrier after the wait makes every
+//! thread's copies visible to the block. Shared memory is addressed by 32-bit `.shared`
+//! offsets ([`shared_address`]), which is what these instructions take.
 
 use core::arch::asm;
 
-/// The shared-window address of `p`, a generic pointer into this block's shared memory
-/// (what `cp.async` takes as its destination).
+/// The `.shared` state-space address of a generic pointer into shared memory.
 #[inline(always)]
-pub fn shared_addr<T>(p: *const T) -> u32 {
-    let out: u64;
+pub fn shared_address<T>(p: *const T) -> u32 {
+    let out: u32;
     // SAFETY: register-only address conversion.
     unsafe {
-        asm!("cvta.to.shared.u64 {o}, {i};", o = out(reg64) out, i = in(reg64) p as u64,
-             options(pure, nomem, nostack, preserves_flags));
+        asm!("{{ .reg .u64 t; cvta.to.shared.u64 t, {p}; cvt.u32.u64 {o}, t; }}",
+             p = in(reg64) p as u64, o = out(reg32) out, options(pure, nomem, nostack, preserves_flags));
     }
-    out as u32
+    out
 }
 
-/// Starts a copy of 16 bytes to shared address `dst` (16-byte aligned, from
-/// [`shared_addr`]): the first `src_bytes` (0..=16) from global `src` (16-byte aligned,
-/// valid for `src_bytes`), the rest zero. Done when [`cp_async_wait_all`] returns.
+/// Starts copying 16 bytes from global `src` to shared `dst`, of which the first
+/// `src_bytes` (0, 4, 8, 12 or 16) are read and the rest are zero-filled: out-of-range
+/// rows or `k` of an edge tile cost no branch.
 ///
 /// # Safety
-/// As above; nothing may read or write `dst` until the wait.
+/// `dst` is a 16-byte aligned shared address inside the block's allocation; `src` is
+/// 16-byte aligned and its first `src_bytes` are readable (nothing is read when 0).
 #[inline(always)]
 pub unsafe fn cp_async_16(dst: u32, src: *const f32, src_bytes: u32) {
-    // SAFETY: the caller's contract.
     unsafe {
-        asm!("cp.async.cg.shared.global [{d}], [{s}], 16, {n};", d = in(reg32) dst, s = in(reg64) src,
-             n = in(reg32) src_bytes, options(nostack, preserves_flags));
+        asm!("cp.async.cg.shared.global [{d}], [{s}], 16, {n};",
+             d = in(reg32) dst, s = in(reg64) src as u64, n = in(reg32) src_bytes, options(nostack, preserves_flags));
     }
+}
+
+/// [`cp_async_16`] for one float (4-byte aligned operands): `src_bytes` 0 or 4.
+///
+/// # Safety
+/// As [`cp_async_16`], with 4-byte alignment.
+#[inline(always)]
+pub unsafe fn cp_async_4(dst: u32, src: *const f32, src_bytes: u32) {
+    unsafe {
+        asm!("cp.async.ca.shared.global [{d}], [{s}], 4, {n};",
+             d = in(reg32) dst, s = in(reg64) src as u64, n = in(reg32) src_bytes, options(nostack, preserves_flags));
+    }
+}
+
+/// Closes the group of copies this thread started since the last commit.
+#[inline(always)]
+pub fn cp_async_commit() {
+    // SAFETY: bookkeeping of this thread's own copies.
+    unsafe { asm!("cp.async.commit_group;", options(nostack, preserves_flags)) };
+}
+
+/// Waits until at most `N` of this thread's committed groups are still in flight. Other
+/// threads' copies become visible only after a barrier that follows.
+#[inline(always)]
+pub fn cp_async_wait<const N: u32>() {
+    // SAFETY: waits on this thread's own copies; a memory clobber for the compiler.
+    unsafe { asm!("cp.async.wait_group {n};", n = const N, options(nostack, preserves_flags)) };
 }
 
 /// Waits until every `cp.async` this thread issued has landed in shared memory (other

@@ -1,6 +1,6 @@
-//! Tensor-core building blocks (sm_80+): asynchronous global-to-shared copies
-//! (`cp.async`), shared-memory fragment loads (`ldmatrix`, `ld.shared.v4`) and the TF32
-//! `mma.sync`, as inline PTX.
+//! Tensor-core building blocks: shared-memory fragment loads (`ldmatrix`,
+//! `ld.shared.v4`), the TF32 `mma.sync` (sm_80+) and the split of an operand for
+//! 3xTF32, as inline PTX. (The copies that feed them are in `async_copy`.)
 //!
 //! Shared memory is addressed here by 32-bit `.shared` offsets ([`shared_address`]),
 //! which is what these instructions take and what keeps a tile's address arithmetic to
@@ -8,60 +8,6 @@
 //! must not move them into code that only some lanes of a warp run.
 
 use core::arch::asm;
-
-/// The `.shared` state-space address of a generic pointer into shared memory.
-#[inline(always)]
-pub fn shared_address<T>(p: *const T) -> u32 {
-    let out: u32;
-    // SAFETY: register-only address conversion.
-    unsafe {
-        asm!("{{ .reg .u64 t; cvta.to.shared.u64 t, {p}; cvt.u32.u64 {o}, t; }}",
-             p = in(reg64) p as u64, o = out(reg32) out, options(pure, nomem, nostack, preserves_flags));
-    }
-    out
-}
-
-/// Starts copying 16 bytes from global `src` to shared `dst`, of which the first
-/// `src_bytes` (0, 4, 8, 12 or 16) are read and the rest are zero-filled: out-of-range
-/// rows or `k` of an edge tile cost no branch.
-///
-/// # Safety
-/// `dst` is a 16-byte aligned shared address inside the block's allocation; `src` is
-/// 16-byte aligned and its first `src_bytes` are readable (nothing is read when 0).
-#[inline(always)]
-pub unsafe fn cp_async_16(dst: u32, src: *const f32, src_bytes: u32) {
-    unsafe {
-        asm!("cp.async.cg.shared.global [{d}], [{s}], 16, {n};",
-             d = in(reg32) dst, s = in(reg64) src as u64, n = in(reg32) src_bytes, options(nostack, preserves_flags));
-    }
-}
-
-/// [`cp_async_16`] for one float (4-byte aligned operands): `src_bytes` 0 or 4.
-///
-/// # Safety
-/// As [`cp_async_16`], with 4-byte alignment.
-#[inline(always)]
-pub unsafe fn cp_async_4(dst: u32, src: *const f32, src_bytes: u32) {
-    unsafe {
-        asm!("cp.async.ca.shared.global [{d}], [{s}], 4, {n};",
-             d = in(reg32) dst, s = in(reg64) src as u64, n = in(reg32) src_bytes, options(nostack, preserves_flags));
-    }
-}
-
-/// Closes the group of copies this thread started since the last commit.
-#[inline(always)]
-pub fn cp_async_commit() {
-    // SAFETY: bookkeeping of this thread's own copies.
-    unsafe { asm!("cp.async.commit_group;", options(nostack, preserves_flags)) };
-}
-
-/// Waits until at most `N` of this thread's committed groups are still in flight. Other
-/// threads' copies become visible only after a barrier that follows.
-#[inline(always)]
-pub fn cp_async_wait<const N: u32>() {
-    // SAFETY: waits on this thread's own copies; a memory clobber for the compiler.
-    unsafe { asm!("cp.async.wait_group {n};", n = const N, options(nostack, preserves_flags)) };
-}
 
 /// `ldmatrix .x4`: lanes `8q..8q+7` give the row addresses of 8 x 16-byte matrix `q`;
 /// every lane gets, from each matrix, the 32-bit word at row `lane / 4`, word `lane % 4`
