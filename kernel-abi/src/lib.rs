@@ -36,7 +36,7 @@ pub const LAUNCH_BOUNDS_TC: &[(&str, u32, u32)] = &[
 
 /// The `wgmma` forward GEMMs (`kernels-gpu/src/gemm/wgmma.rs`): TF32 keeps 64
 /// accumulators and no fragments (2 blocks per SM); 3xTF32 also holds `A` fragments
-/// and needs 144 KiB of shared memory (1 block per SM).
+/// and needs 193 KiB of shared memory (1 block per SM).
 pub const LAUNCH_BOUNDS_WG: &[(&str, u32, u32)] =
     &[("gemm_wg_tf32_nt_vec4", gemm_wg::THREADS as u32, 2), ("gemm_wg_tf32x3_nt_vec4", gemm_wg::THREADS as u32, 1)];
 
@@ -47,13 +47,15 @@ pub mod gemm_wg {
     pub const BLOCK_N: usize = 128;
     pub const BLOCK_K: usize = 32;
     pub const THREADS: usize = 256;
-    pub const STAGES: usize = 3;
+    /// Pipeline stages of the TF32 kernel (2 blocks per SM) and of the 3xTF32 one.
+    pub const TF32_STAGES: usize = 3;
+    pub const SPLIT_STAGES: usize = 4;
     const TILE_BYTES: usize = BLOCK_M * BLOCK_K * 4;
-    /// Dynamic shared memory: `STAGES` stages of the `A` and `B` tiles (and, with the
+    /// Dynamic shared memory: `stages` stages of the `A` and `B` tiles (and, with the
     /// 3xTF32 split, `B`'s residual), 1024 bytes of slack to align them for the
     /// hardware swizzle; the staged output tile reuses it.
     pub const fn smem_bytes(split: bool) -> usize {
-        let pipeline = STAGES * (if split { 3 } else { 2 }) * TILE_BYTES + 1024;
+        let pipeline = if split { SPLIT_STAGES * 3 } else { TF32_STAGES * 2 } * TILE_BYTES + 1024;
         let output = BLOCK_M * (BLOCK_N + 4) * 4;
         if pipeline > output { pipeline } else { output }
     }

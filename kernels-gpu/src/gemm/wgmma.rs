@@ -23,7 +23,7 @@ use crate::prelude::tensor_core::*;
 use crate::prelude::*;
 use crate::unroll;
 use kernel_abi::epilogue::OpDesc;
-use kernel_abi::gemm_wg::*;
+use kernel_abi::gemm_wg::{BLOCK_K, BLOCK_M, BLOCK_N, SPLIT_STAGES, TF32_STAGES};
 
 /// Bytes of one operand tile (`128 x 32` floats) and of one 128-byte row.
 const TILE_BYTES: u32 = (BLOCK_M * BLOCK_K * 4) as u32;
@@ -46,7 +46,7 @@ fn descriptor(addr: u32) -> u64 {
 /// and `ldb` multiples of 4 and 16-byte aligned operands; an sm_90a device.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_wg<const SPLIT: bool>(
+unsafe fn gemm_wg<const SPLIT: bool, const STAGES: u32, const INFLIGHT: u32>(
     a: *const f32,
     b: *const f32,
     bias: *const f32,
@@ -81,7 +81,10 @@ unsafe fn gemm_wg<const SPLIT: bool>(
         TileCopy::new::<true, true>(lda, m, row0, k0, t).issue::<true, true>(a, lda, stage_a(stage), k_end);
         TileCopy::new::<true, false>(ldb, n, col0, k0, t).issue::<true, true>(b, ldb, stage_a(stage) + TILE_BYTES, k_end);
     };
-    for s in 0..STAGES as u32 - 1 {
+    // Tiles copied ahead of the one multiplied: one stage is read by the MMAs of this
+    // k-tile and, with `INFLIGHT`, one by the previous k-tile's, still running.
+    let ahead = STAGES - 1 - INFLIGHT;
+    for s in 0..ahead {
         if s < tiles {
             issue(s, s);
         }
@@ -95,9 +98,14 @@ unsafe fn gemm_wg<const SPLIT: bool>(
     let q = lane / 8;
     let a_row = (warpgroup * 64 + warp * 16 + (q % 2) * 8 + lane % 8) * ROW_BYTES + (((q / 2) ^ (lane % 8)) * 16);
     let mut acc = [0u32; 64];
-    let (mut read, mut write) = (0u32, STAGES as u32 - 1);
+    let (mut read, mut write) = (0u32, ahead);
     for kt in 0..tiles {
-        cp_async_wait::<{ STAGES as u32 - 2 }>();
+        // Tile kt has landed when at most `ahead - 1` younger groups are pending.
+        match ahead {
+            1 => cp_async_wait::<0>(),
+            2 => cp_async_wait::<1>(),
+            _ => cp_async_wait::<2>(),
+        }
         let (sa, sb) = (stage_a(read), stage_a(read) + TILE_BYTES);
         if SPLIT {
             // The residual of the B chunks this thread copied (visible to it now).
@@ -112,12 +120,13 @@ unsafe fn gemm_wg<const SPLIT: bool>(
         }
         // Generic-proxy writes (cp.async, the residual) become visible to wgmma's
         // async proxy; the barrier makes the stage complete for every warp and frees
-        // stage `write` (its wgmmas were waited for last iteration).
+        // stage `write` (the k-tile that read it has been waited for: at the end of the
+        // last iteration, or of the one before with `INFLIGHT`).
         fence_proxy_async_shared();
         // SAFETY: uniform barrier.
         unsafe { sync_threads() };
-        if kt + (STAGES as u32 - 1) < tiles {
-            issue(kt + STAGES as u32 - 1, write);
+        if kt + ahead < tiles {
+            issue(kt + ahead, write);
         }
         cp_async_commit();
         let da = descriptor(sa + warpgroup * 64 * ROW_BYTES);
@@ -127,6 +136,14 @@ unsafe fn gemm_wg<const SPLIT: bool>(
         if SPLIT {
             let db_lo = descriptor(sb + TILE_BYTES);
             let db_lo = [db_lo, db_lo + 2, db_lo + 4, db_lo + 6];
+            if INFLIGHT > 0 {
+                // The previous k-tile's MMAs read their `A` fragments from registers
+                // until they finish, and ptxas reuses those registers for these loads
+                // without waiting: finish them first (they overlapped the barrier and
+                // the copies above).
+                // SAFETY: all threads of each warpgroup.
+                unsafe { wgmma_wait_all(&mut acc) };
+            }
             let mut a_hi = [[0u32; 4]; 4];
             unroll!(s in 0..4 => {
                 // SAFETY: inside the stage's A tile; warp-uniform.
@@ -135,14 +152,16 @@ unsafe fn gemm_wg<const SPLIT: bool>(
             let a_lo = a_hi.map(|f| f.map(tf32_residual));
             // SAFETY: descriptors of complete, fenced tiles; all 128 threads of each
             // warpgroup execute it.
-            unsafe { wgmma_split_k_tile(&mut acc, a_hi, a_lo, db, db_lo) };
+            unsafe { wgmma_split_k_tile::<INFLIGHT>(&mut acc, a_hi, a_lo, db, db_lo) };
         } else {
             // SAFETY: as above.
-            unsafe { wgmma_k_tile(&mut acc, da, db) };
+            unsafe { wgmma_k_tile::<INFLIGHT>(&mut acc, da, db) };
         }
-        read = if read + 1 == STAGES as u32 { 0 } else { read + 1 };
-        write = if write + 1 == STAGES as u32 { 0 } else { write + 1 };
+        read = if read + 1 == STAGES { 0 } else { read + 1 };
+        write = if write + 1 == STAGES { 0 } else { write + 1 };
     }
+    // SAFETY: all threads of each warpgroup.
+    unsafe { wgmma_wait_all(&mut acc) };
     cp_async_wait::<0>();
     // SAFETY: uniform; every warp is done with the pipeline before it is reused.
     unsafe { sync_threads() };
@@ -247,14 +266,26 @@ macro_rules! acc64 {
     };
 }
 
+/// Waits for all of the warpgroup's `wgmma`s (the accumulators are operands, so
+/// nothing reads them before).
+///
+/// # Safety
+/// Every thread of the warpgroup calls it.
+#[inline(always)]
+unsafe fn wgmma_wait_all(acc: &mut [u32; 64]) {
+    // (The accumulators are named in a PTX comment: operands of the statement.)
+    unsafe { wgmma_asm!(acc; [concat!("wgmma.wait_group.sync.aligned 0; // ", acc64!())];) }
+}
+
 /// One k-tile (4 `k`-steps of 8) of a warpgroup: `acc += A B^T` with both operands
-/// from shared memory, issued, committed and waited for.
+/// from shared memory, issued and committed; returns with at most `INFLIGHT` groups
+/// (this one) still running.
 ///
 /// # Safety
 /// Descriptors of complete tiles made visible to the async proxy; every thread of
 /// the warpgroup calls it.
 #[inline(always)]
-unsafe fn wgmma_k_tile(acc: &mut [u32; 64], da: [u64; 4], db: [u64; 4]) {
+unsafe fn wgmma_k_tile<const INFLIGHT: u32>(acc: &mut [u32; 64], da: [u64; 4], db: [u64; 4]) {
     unsafe {
         wgmma_asm!(acc; [
             "{{ .reg .pred p; setp.ne.b32 p, {one}, 0;",
@@ -264,9 +295,9 @@ unsafe fn wgmma_k_tile(acc: &mut [u32; 64], da: [u64; 4], db: [u64; 4]) {
             concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {a2}, {b2}, p, 1, 1;"),
             concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {a3}, {b3}, p, 1, 1;"),
             "wgmma.commit_group.sync.aligned;",
-            "wgmma.wait_group.sync.aligned 0; }}",
+            "wgmma.wait_group.sync.aligned {inflight}; }}",
         ];
-            one = in(reg32) 1u32,
+            one = in(reg32) 1u32, inflight = const INFLIGHT,
             a0 = in(reg64) da[0], a1 = in(reg64) da[1], a2 = in(reg64) da[2], a3 = in(reg64) da[3],
             b0 = in(reg64) db[0], b1 = in(reg64) db[1], b2 = in(reg64) db[2], b3 = in(reg64) db[3],
         )
@@ -279,7 +310,7 @@ unsafe fn wgmma_k_tile(acc: &mut [u32; 64], da: [u64; 4], db: [u64; 4]) {
 /// # Safety
 /// As [`wgmma_k_tile`]; `a`, `a_lo` are the warp's `m16k8` fragments of the 4 steps.
 #[inline(always)]
-unsafe fn wgmma_split_k_tile(acc: &mut [u32; 64], a: [[u32; 4]; 4], a_lo: [[u32; 4]; 4], db: [u64; 4], db_lo: [u64; 4]) {
+unsafe fn wgmma_split_k_tile<const INFLIGHT: u32>(acc: &mut [u32; 64], a: [[u32; 4]; 4], a_lo: [[u32; 4]; 4], db: [u64; 4], db_lo: [u64; 4]) {
     unsafe {
         wgmma_asm!(acc; [
             "{{ .reg .pred p; setp.ne.b32 p, {one}, 0;",
@@ -297,9 +328,9 @@ unsafe fn wgmma_split_k_tile(acc: &mut [u32; 64], a: [[u32; 4]; 4], a_lo: [[u32;
             concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{h30}, {h31}, {h32}, {h33}}}, {c3}, p, 1, 1;"),
             concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{h30}, {h31}, {h32}, {h33}}}, {b3}, p, 1, 1;"),
             "wgmma.commit_group.sync.aligned;",
-            "wgmma.wait_group.sync.aligned 0; }}",
+            "wgmma.wait_group.sync.aligned {inflight}; }}",
         ];
-            one = in(reg32) 1u32,
+            one = in(reg32) 1u32, inflight = const INFLIGHT,
             h00 = in(reg32) a[0][0], h01 = in(reg32) a[0][1], h02 = in(reg32) a[0][2], h03 = in(reg32) a[0][3],
             h10 = in(reg32) a[1][0], h11 = in(reg32) a[1][1], h12 = in(reg32) a[1][2], h13 = in(reg32) a[1][3],
             h20 = in(reg32) a[2][0], h21 = in(reg32) a[2][1], h22 = in(reg32) a[2][2], h23 = in(reg32) a[2][3],
@@ -315,7 +346,7 @@ unsafe fn wgmma_split_k_tile(acc: &mut [u32; 64], a: [[u32; 4]; 4], a_lo: [[u32;
 }
 
 macro_rules! wg_entry {
-    ($($(#[$doc:meta])* $name:ident = <$split:literal>;)*) => {$(
+    ($($(#[$doc:meta])* $name:ident = <$split:literal, $stages:expr, $inflight:literal>;)*) => {$(
         $(#[$doc])*
         ///
         /// # Safety
@@ -326,14 +357,16 @@ macro_rules! wg_entry {
             a: *const f32, b: *const f32, bias: *const f32, y: *mut f32, save_z: *mut f32,
             m: u32, n: u32, k: u32, lda: u32, ldb: u32, k_split: u32, ops: *const OpDesc, n_ops: u32,
         ) {
-            unsafe { gemm_wg::<$split>(a, b, bias, y, save_z, m, n, k, lda, ldb, k_split, ops, n_ops) }
+            unsafe { gemm_wg::<$split, $stages, $inflight>(a, b, bias, y, save_z, m, n, k, lda, ldb, k_split, ops, n_ops) }
         }
     )*};
 }
 
 wg_entry! {
-    /// Forward `x W^T`, TF32 on `wgmma`, 16-byte copies.
-    gemm_wg_tf32_nt_vec4 = <false>;
-    /// Forward `x W^T`, 3xTF32 (FP32-accurate) on `wgmma`, 16-byte copies.
-    gemm_wg_tf32x3_nt_vec4 = <true>;
+    /// Forward `x W^T`, TF32 on `wgmma`, 16-byte copies: 3 stages, 2 blocks per SM,
+    /// each k-tile's MMAs waited for (measured faster than 4 stages at 1 block).
+    gemm_wg_tf32_nt_vec4 = <false, { TF32_STAGES as u32 }, 0>;
+    /// Forward `x W^T`, 3xTF32 (FP32-accurate) on `wgmma`, 16-byte copies: 4 stages,
+    /// a k-tile's MMAs left running across the next barrier and copies.
+    gemm_wg_tf32x3_nt_vec4 = <true, { SPLIT_STAGES as u32 }, 1>;
 }
