@@ -37,8 +37,14 @@ pub const LAUNCH_BOUNDS_TC: &[(&str, u32, u32)] = &[
 /// The `wgmma` forward GEMMs (`kernels-gpu/src/gemm/wgmma.rs`): TF32 keeps 64
 /// accumulators and no fragments (2 blocks per SM); 3xTF32 also holds `A` fragments
 /// and needs 193 KiB of shared memory (1 block per SM).
-pub const LAUNCH_BOUNDS_WG: &[(&str, u32, u32)] =
-    &[("gemm_wg_tf32_nt_vec4", gemm_wg::THREADS as u32, 2), ("gemm_wg_tf32x3_nt_vec4", gemm_wg::THREADS as u32, 1)];
+pub const LAUNCH_BOUNDS_WG: &[(&str, u32, u32)] = &[
+    ("gemm_wg_tf32_nt_vec4", gemm_wg::THREADS as u32, 2),
+    ("gemm_wg_tf32x3_nt_vec4", gemm_wg::THREADS as u32, 1),
+    ("gemm_wg_tf32_dx_vec4", gemm_wg::THREADS as u32, 2),
+    ("gemm_wg_tf32x3_dx_vec4", gemm_wg::THREADS as u32, 1),
+    ("gemm_wg_tf32_dw_vec4", gemm_wg::THREADS as u32, 2),
+    ("gemm_wg_tf32x3_dw_vec4", gemm_wg::THREADS as u32, 1),
+];
 
 /// The `wgmma` family (sm_90a): two warpgroups per block, operands read by the tensor
 /// cores from 128-byte-swizzled shared memory.

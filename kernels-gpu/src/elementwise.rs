@@ -59,3 +59,35 @@ pub unsafe extern "ptx-kernel" fn unfold_rows_mean_grad(g: *const f32, rows: u32
         unsafe { *out.add(i) = if r < (rows / k) * k { *g.add((r / k) * cols + c) / k as f32 } else { 0.0 } };
     }
 }
+
+/// `out (cols, rows) = input (rows, cols)^T` through a `32 x 33` shared tile (the pad
+/// keeps the column reads conflict-free), so reads and writes are both coalesced. The
+/// tensor-core `dW` needs `X^T` as its `k`-contiguous operand.
+///
+/// # Safety
+/// `input` holds `rows * cols` floats, `out` as many. Launch: block `(32, 8)`, grid
+/// `(ceil(cols / 32), ceil(rows / 32))`, `32 * 33 * 4` bytes of dynamic shared memory.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn transpose(input: *const f32, rows: u32, cols: u32, out: *mut f32) {
+    let tile = dynamic_shared::<f32>();
+    let (tx, ty) = (thread_idx_x() as usize, thread_idx_y() as usize);
+    let (rows, cols) = (rows as usize, cols as usize);
+    let (c0, r0) = (block_idx_x() as usize * 32, block_idx_y() as usize * 32);
+    for j in (0..32).step_by(8) {
+        let (r, c) = (r0 + ty + j, c0 + tx);
+        if r < rows && c < cols {
+            // SAFETY: inside input and inside the 32 x 33 tile.
+            unsafe { *tile.add((ty + j) * 33 + tx) = *input.add(r * cols + c) };
+        }
+    }
+    // SAFETY: uniform barrier.
+    unsafe { sync_threads() };
+    for j in (0..32).step_by(8) {
+        // Output row = input column c0 + ty + j, output column = input row r0 + tx.
+        let (c, r) = (c0 + ty + j, r0 + tx);
+        if r < rows && c < cols {
+            // SAFETY: inside out and inside the tile.
+            unsafe { *out.add(c * rows + r) = *tile.add(tx * 33 + ty + j) };
+        }
+    }
+}

@@ -306,13 +306,13 @@ impl GpuBlock {
         mark("chain backward")?;
         // dW on the side stream, overlapping dX: each GEMM's last, partial wave of
         // tiles leaves SMs idle that the other fills. The main stream waits for the side
-        // stream before anything after (dz's free included) is queued.
+        // stream before anything after (dz's and the dW scratch's frees included) is queued.
         let side = gpu.side_stream();
-        let dw = grad_weight(gpu, self.precision, side, &dz, x)?;
+        let (dw, dw_scratch) = grad_weight(gpu, self.precision, side, &dz, x)?;
         let dx = grad_input(gpu, self.precision, &dz, w)?;
         gpu.order(side, gpu.stream())?;
         mark("dX and dW GEMMs")?;
-        drop(dz);
+        drop((dz, dw_scratch));
 
         // Slot 0: the (folded) Linear bias; then each op parameter in chain order.
         let slot = |s: usize, len: usize| -> Result<DeviceTensor> {

@@ -1,9 +1,10 @@
-//! Launchers of `kernels-gpu/src/elementwise.rs`: gradient accumulation and the
-//! AvgPool fold of a Linear layer (forward) and its transpose (backward).
+//! Launchers of `kernels-gpu/src/elementwise.rs`: gradient accumulation, the AvgPool
+//! fold of a Linear layer (forward) and its transpose (backward), and a matrix
+//! transpose.
 
 use super::{DeviceTensor, Gpu, launched};
 use crate::error::{Error, Result};
-use cudarc::driver::PushKernelArg;
+use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
 
 /// `a += b` (same shape).
 pub fn add_assign(gpu: &Gpu, a: &mut DeviceTensor, b: &DeviceTensor) -> Result<()> {
@@ -58,5 +59,31 @@ pub fn unfold_rows_mean_grad(gpu: &Gpu, g: &DeviceTensor, rows: usize, k: usize)
         // SAFETY: (g, rows, cols, k, out) as the kernel takes; out holds rows * cols.
         launched("unfold_rows_mean_grad", unsafe { l.launch(cfg) })
     }?;
+    Ok(out)
+}
+
+/// `input (rows, cols)^T` as a new `(cols, rows)` tensor, queued on `stream` (the
+/// tensor-core `dW` runs it on the side stream before its GEMM).
+pub fn transpose_on(gpu: &Gpu, stream: &CudaStream, input: &DeviceTensor) -> Result<DeviceTensor> {
+    let &[rows, cols] = &input.shape[..] else {
+        return Err(Error::Shape(format!("transpose of a {:?} tensor", input.shape)));
+    };
+    let grid = (cols.div_ceil(32), rows.div_ceil(32));
+    if grid.1 > 65535 || rows * cols > u32::MAX as usize {
+        return Err(Error::Shape(format!("transpose of {rows} x {cols} exceeds the kernel's limits")));
+    }
+    let mut out = gpu.alloc(&[cols, rows])?;
+    let func = gpu.function("transpose")?;
+    let cfg = LaunchConfig {
+        grid_dim: (grid.0 as u32, grid.1 as u32, 1),
+        block_dim: (32, 8, 1),
+        shared_mem_bytes: 32 * 33 * 4,
+    };
+    let (r, c) = (rows as u32, cols as u32);
+    let mut l = stream.launch_builder(&func);
+    l.arg(&input.buf).arg(&r).arg(&c).arg(&mut out.buf);
+    // SAFETY: (input, rows, cols, out) as the kernel takes; out holds rows * cols floats;
+    // block, grid and shared memory as it documents.
+    launched("transpose", unsafe { l.launch(cfg) })?;
     Ok(out)
 }

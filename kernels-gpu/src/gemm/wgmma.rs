@@ -1,6 +1,12 @@
-//! `wgmma` (Hopper's warpgroup MMA, sm_90a) TF32 and 3xTF32 GEMM for the forward
-//! `x W^T` (both operands `k`-contiguous), with the epilogue chain fused into its
-//! store.
+//! `wgmma` (Hopper's warpgroup MMA, sm_90a) TF32 and 3xTF32 GEMMs: the forward
+//! `x W^T` (both operands `k`-contiguous) with the epilogue chain fused into its store,
+//! and the backward's `dX` and `dW`.
+//!
+//! For TF32, `wgmma` reads only `k`-contiguous tiles from shared memory, so the
+//! backward puts its row-contiguous operand in registers (the `A` side) and a
+//! `k`-contiguous one in shared memory (`B`): `dX^T = W^T dZ^T` (`A` = `W` as stored,
+//! `B` = `dZ`, the tile stored transposed) and `dW = dZ^T X` with `B` = `X^T`
+//! (transposed by the host beforehand, 1/256 of the GEMM's traffic at the seed sizes).
 //!
 //! Two warpgroups each own 64 rows x 128 columns of the block's `128 x 128` tile of
 //! `y`: one `wgmma.mma_async.m64n128k8` per `k`-step of 8 multiplies a warpgroup's `A`
@@ -38,15 +44,17 @@ fn descriptor(addr: u32) -> u64 {
     ((addr as u64 >> 4) & 0x3fff) | (1 << 16) | ((1024u64 >> 4) << 32) | (1 << 62)
 }
 
-/// `y = chain(x W^T + bias)` on `wgmma`. The contract is [`super::simt`]'s `gemm_f32`
-/// for the forward layout (`A_K`, `B_K`, `VEC`), with `kernel_abi::gemm_wg`'s sizes.
+/// `y = chain(A B^T + bias)` on `wgmma`, or with `TRANS` its transpose `y^T (n, m)`
+/// (no chain or bias then). The contract is [`super::simt`]'s `gemm_f32` with
+/// `kernel_abi::gemm_wg`'s sizes; `B` is `k`-contiguous, `A` `k`-contiguous with `A_K`
+/// (element `(i, kk)` at `a[i * lda + kk]`) or row-contiguous (at `a[kk * lda + i]`).
 ///
 /// # Safety
 /// As `gemm_f32`; `THREADS` threads; dynamic shared memory `smem_bytes(SPLIT)`; `lda`
 /// and `ldb` multiples of 4 and 16-byte aligned operands; an sm_90a device.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_wg<const SPLIT: bool, const STAGES: u32, const INFLIGHT: u32>(
+unsafe fn gemm_wg<const SPLIT: bool, const A_K: bool, const TRANS: bool, const STAGES: u32, const INFLIGHT: u32>(
     a: *const f32,
     b: *const f32,
     bias: *const f32,
@@ -78,7 +86,13 @@ unsafe fn gemm_wg<const SPLIT: bool, const STAGES: u32, const INFLIGHT: u32>(
     // kernel's contract (out-of-range elements are zero-filled, not read).
     let issue = |tile: u32, stage: u32| unsafe {
         let k0 = k_begin + tile * BLOCK_K as u32;
-        TileCopy::new::<true, true>(lda, m, row0, k0, t).issue::<true, true>(a, lda, stage_a(stage), k_end);
+        if A_K {
+            TileCopy::new::<true, true>(lda, m, row0, k0, t).issue::<true, true>(a, lda, stage_a(stage), k_end);
+        } else {
+            // Row-contiguous: the `{0, 2, 4, 6}` chunk swizzle suits the 8-byte
+            // fragment loads below.
+            TileCopy::new::<false, false>(lda, m, row0, k0, t).issue::<true, false>(a, lda, stage_a(stage), k_end);
+        }
         TileCopy::new::<true, false>(ldb, n, col0, k0, t).issue::<true, true>(b, ldb, stage_a(stage) + TILE_BYTES, k_end);
     };
     // Tiles copied ahead of the one multiplied: one stage is read by the MMAs of this
@@ -97,6 +111,12 @@ unsafe fn gemm_wg<const SPLIT: bool, const STAGES: u32, const INFLIGHT: u32>(
     let b_chunk = TileCopy::new::<true, false>(ldb, n, col0, 0, t).dst;
     let q = lane / 8;
     let a_row = (warpgroup * 64 + warp * 16 + (q % 2) * 8 + lane % 8) * ROW_BYTES + (((q / 2) ^ (lane % 8)) * 16);
+    // Row-contiguous `A` (`[32 k][128 rows]`, 512-byte rows): the fragment rows `gid`
+    // and `gid + 8` of the warp's 16 are stored as the neighbours `2 gid`, `2 gid + 1`,
+    // one 8-byte load per `k`; the accumulator rows follow the same permutation.
+    let (gid, tig) = (lane / 4, lane % 4);
+    let pair = warpgroup * 64 + warp * 16 + 2 * gid;
+    let a_pair = tig * 512 + ((pair / 4) ^ ((tig % 4) * 2)) * 16 + (pair % 4) * 4;
     let mut acc = [0u32; 64];
     let (mut read, mut write) = (0u32, ahead);
     for kt in 0..tiles {
@@ -133,29 +153,39 @@ unsafe fn gemm_wg<const SPLIT: bool, const STAGES: u32, const INFLIGHT: u32>(
         let db = descriptor(sb);
         // k-step s: 32 bytes along the swizzled row = start address + 2 (units of 16 B).
         let (da, db) = ([da, da + 2, da + 4, da + 6], [db, db + 2, db + 4, db + 6]);
+        if INFLIGHT > 0 && (SPLIT || !A_K) {
+            // The previous k-tile's MMAs read their `A` fragments from registers
+            // until they finish, and ptxas reuses those registers for the loads below
+            // without waiting: finish them first (they overlapped the barrier and the
+            // copies above).
+            // SAFETY: all threads of each warpgroup.
+            unsafe { wgmma_wait_all(&mut acc) };
+        }
+        let mut af = [[0u32; 4]; 4];
+        if A_K && SPLIT {
+            unroll!(s in 0..4 => {
+                // SAFETY: inside the stage's A tile; warp-uniform.
+                af[s] = unsafe { ldmatrix_x4(sa + (a_row ^ (32 * s as u32))) };
+            });
+        } else if !A_K {
+            unroll!(s in 0..4 => {
+                let k0 = sa + a_pair + 8 * s as u32 * 512;
+                // SAFETY: inside the stage's A tile.
+                let (lo, hi) = unsafe { (ld_shared_v2(k0), ld_shared_v2(k0 + 4 * 512)) };
+                af[s] = [lo[0], lo[1], hi[0], hi[1]];
+            });
+        }
+        // SAFETY (MMAs): descriptors of complete, fenced tiles; all 128 threads of
+        // each warpgroup execute them.
         if SPLIT {
             let db_lo = descriptor(sb + TILE_BYTES);
             let db_lo = [db_lo, db_lo + 2, db_lo + 4, db_lo + 6];
-            if INFLIGHT > 0 {
-                // The previous k-tile's MMAs read their `A` fragments from registers
-                // until they finish, and ptxas reuses those registers for these loads
-                // without waiting: finish them first (they overlapped the barrier and
-                // the copies above).
-                // SAFETY: all threads of each warpgroup.
-                unsafe { wgmma_wait_all(&mut acc) };
-            }
-            let mut a_hi = [[0u32; 4]; 4];
-            unroll!(s in 0..4 => {
-                // SAFETY: inside the stage's A tile; warp-uniform.
-                a_hi[s] = unsafe { ldmatrix_x4(sa + (a_row ^ (32 * s as u32))) };
-            });
-            let a_lo = a_hi.map(|f| f.map(tf32_residual));
-            // SAFETY: descriptors of complete, fenced tiles; all 128 threads of each
-            // warpgroup execute it.
-            unsafe { wgmma_split_k_tile::<INFLIGHT>(&mut acc, a_hi, a_lo, db, db_lo) };
-        } else {
-            // SAFETY: as above.
+            let a_lo = af.map(|f| f.map(tf32_residual));
+            unsafe { wgmma_split_k_tile::<INFLIGHT>(&mut acc, af, a_lo, db, db_lo) };
+        } else if A_K {
             unsafe { wgmma_k_tile::<INFLIGHT>(&mut acc, da, db) };
+        } else {
+            unsafe { wgmma_rs_k_tile::<INFLIGHT>(&mut acc, af, db) };
         }
         read = if read + 1 == STAGES { 0 } else { read + 1 };
         write = if write + 1 == STAGES { 0 } else { write + 1 };
@@ -166,19 +196,26 @@ unsafe fn gemm_wg<const SPLIT: bool, const STAGES: u32, const INFLIGHT: u32>(
     // SAFETY: uniform; every warp is done with the pipeline before it is reused.
     unsafe { sync_threads() };
     // Accumulator `4 j + e` of a thread: row 16 warp + lane / 4 (+ 8 for e >= 2) of its
-    // warpgroup's 64, column 8 j + 2 (lane % 4) + e % 2.
-    let (gid, tig) = ((lane / 4) as usize, (lane % 4) as usize);
-    let row = (warpgroup * 64 + warp * 16) as usize + gid;
+    // warpgroup's 64 (rows paired as loaded for a row-contiguous `A`), column
+    // 8 j + 2 (lane % 4) + e % 2.
+    let (gid, tig) = (gid as usize, tig as usize);
+    let rows = (warpgroup * 64 + warp * 16) as usize;
     // SAFETY: rows < 128 and columns < 128, inside the staging tile.
     unsafe {
         unroll!(j in 0..16 => {
             unroll!(e in 0..4 => {
-                let (r, c) = (row + 8 * (e / 2), 8 * j + 2 * tig + e % 2);
+                let r = if A_K { rows + gid + 8 * (e / 2) } else { rows + 2 * gid + e / 2 };
+                let c = 8 * j + 2 * tig + e % 2;
+                let (r, c) = if TRANS { (c, r) } else { (r, c) };
                 *smem.add(r * super::staged::STAGE_STRIDE + c) = f32::from_bits(acc[4 * j + e]);
             });
         });
         sync_threads();
-        write_staged_tile(smem, y, bias, save_z, (m as usize, n as usize), (row0 as usize, col0 as usize), ops, n_ops);
+        if TRANS {
+            write_staged_tile(smem, y, bias, save_z, (n as usize, m as usize), (col0 as usize, row0 as usize), ops, n_ops);
+        } else {
+            write_staged_tile(smem, y, bias, save_z, (m as usize, n as usize), (row0 as usize, col0 as usize), ops, n_ops);
+        }
     }
 }
 
@@ -304,6 +341,34 @@ unsafe fn wgmma_k_tile<const INFLIGHT: u32>(acc: &mut [u32; 64], da: [u64; 4], d
     }
 }
 
+/// One k-tile with `A` from registers (the warp's `m16k8` fragments of the 4 steps)
+/// and `B` from shared memory.
+///
+/// # Safety
+/// As [`wgmma_k_tile`].
+#[inline(always)]
+unsafe fn wgmma_rs_k_tile<const INFLIGHT: u32>(acc: &mut [u32; 64], a: [[u32; 4]; 4], db: [u64; 4]) {
+    unsafe {
+        wgmma_asm!(acc; [
+            "{{ .reg .pred p; setp.ne.b32 p, {one}, 0;",
+            "wgmma.fence.sync.aligned;",
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{h00}, {h01}, {h02}, {h03}}}, {b0}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{h10}, {h11}, {h12}, {h13}}}, {b1}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{h20}, {h21}, {h22}, {h23}}}, {b2}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{h30}, {h31}, {h32}, {h33}}}, {b3}, p, 1, 1;"),
+            "wgmma.commit_group.sync.aligned;",
+            "wgmma.wait_group.sync.aligned {inflight}; }}",
+        ];
+            one = in(reg32) 1u32, inflight = const INFLIGHT,
+            h00 = in(reg32) a[0][0], h01 = in(reg32) a[0][1], h02 = in(reg32) a[0][2], h03 = in(reg32) a[0][3],
+            h10 = in(reg32) a[1][0], h11 = in(reg32) a[1][1], h12 = in(reg32) a[1][2], h13 = in(reg32) a[1][3],
+            h20 = in(reg32) a[2][0], h21 = in(reg32) a[2][1], h22 = in(reg32) a[2][2], h23 = in(reg32) a[2][3],
+            h30 = in(reg32) a[3][0], h31 = in(reg32) a[3][1], h32 = in(reg32) a[3][2], h33 = in(reg32) a[3][3],
+            b0 = in(reg64) db[0], b1 = in(reg64) db[1], b2 = in(reg64) db[2], b3 = in(reg64) db[3],
+        )
+    }
+}
+
 /// One k-tile of the 3xTF32 split: per `k`-step, `A_lo B + A B_lo + A B` with `A`
 /// (raw, and its residual) in registers and `B`, `B_lo` from shared memory.
 ///
@@ -346,7 +411,7 @@ unsafe fn wgmma_split_k_tile<const INFLIGHT: u32>(acc: &mut [u32; 64], a: [[u32;
 }
 
 macro_rules! wg_entry {
-    ($($(#[$doc:meta])* $name:ident = <$split:literal, $stages:expr, $inflight:literal>;)*) => {$(
+    ($($(#[$doc:meta])* $name:ident = <$split:literal, $a_k:literal, $trans:literal, $stages:expr, $inflight:literal>;)*) => {$(
         $(#[$doc])*
         ///
         /// # Safety
@@ -357,7 +422,7 @@ macro_rules! wg_entry {
             a: *const f32, b: *const f32, bias: *const f32, y: *mut f32, save_z: *mut f32,
             m: u32, n: u32, k: u32, lda: u32, ldb: u32, k_split: u32, ops: *const OpDesc, n_ops: u32,
         ) {
-            unsafe { gemm_wg::<$split, $stages, $inflight>(a, b, bias, y, save_z, m, n, k, lda, ldb, k_split, ops, n_ops) }
+            unsafe { gemm_wg::<$split, $a_k, $trans, $stages, $inflight>(a, b, bias, y, save_z, m, n, k, lda, ldb, k_split, ops, n_ops) }
         }
     )*};
 }
@@ -365,8 +430,17 @@ macro_rules! wg_entry {
 wg_entry! {
     /// Forward `x W^T`, TF32 on `wgmma`, 16-byte copies: 3 stages, 2 blocks per SM,
     /// each k-tile's MMAs waited for (measured faster than 4 stages at 1 block).
-    gemm_wg_tf32_nt_vec4 = <false, { TF32_STAGES as u32 }, 0>;
+    gemm_wg_tf32_nt_vec4 = <false, true, false, { TF32_STAGES as u32 }, 0>;
     /// Forward `x W^T`, 3xTF32 (FP32-accurate) on `wgmma`, 16-byte copies: 4 stages,
     /// a k-tile's MMAs left running across the next barrier and copies.
-    gemm_wg_tf32x3_nt_vec4 = <true, { SPLIT_STAGES as u32 }, 1>;
+    gemm_wg_tf32x3_nt_vec4 = <true, true, false, { SPLIT_STAGES as u32 }, 1>;
+    /// `dX^T = W^T dZ^T` stored as `dX`, TF32: `a` = `W` (row-contiguous in `k` = out
+    /// features), `b` = `dZ`.
+    gemm_wg_tf32_dx_vec4 = <false, false, true, { TF32_STAGES as u32 }, 0>;
+    /// `dX`, 3xTF32.
+    gemm_wg_tf32x3_dx_vec4 = <true, false, true, { SPLIT_STAGES as u32 }, 1>;
+    /// `dW = dZ^T X`, TF32: `a` = `dZ` (row-contiguous in `k` = batch), `b` = `X^T`.
+    gemm_wg_tf32_dw_vec4 = <false, false, false, { TF32_STAGES as u32 }, 0>;
+    /// `dW`, 3xTF32.
+    gemm_wg_tf32x3_dw_vec4 = <true, false, false, { SPLIT_STAGES as u32 }, 1>;
 }

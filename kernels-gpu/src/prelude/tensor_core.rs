@@ -43,6 +43,20 @@ pub unsafe fn ld_shared_v4(addr: u32) -> [u32; 4] {
 
 const TF32_MASK: u32 = 0xffff_e000;
 
+/// Two consecutive 32-bit words of shared memory.
+///
+/// # Safety
+/// `addr` is an 8-byte aligned shared address inside the block's allocation.
+#[inline(always)]
+pub unsafe fn ld_shared_v2(addr: u32) -> [u32; 2] {
+    let (mut r0, mut r1): (u32, u32);
+    unsafe {
+        asm!("ld.shared.v2.b32 {{{r0}, {r1}}}, [{a}];",
+             r0 = out(reg32) r0, r1 = out(reg32) r1, a = in(reg32) addr, options(pure, readonly, nostack, preserves_flags));
+    }
+    [r0, r1]
+}
+
 /// Stores four 32-bit words to shared memory.
 ///
 /// # Safety

@@ -38,6 +38,9 @@ pub enum Layout {
     Nn,
     /// Both row-contiguous: `dW = dZ^T X`.
     Tn,
+    /// `A` row-contiguous, `B` `k`-contiguous: the tensor-core backward on `wgmma`
+    /// (`dX^T = W^T dZ^T`, and `dW = dZ^T X` with `X` transposed first).
+    Tk,
 }
 
 /// The arithmetic of the GEMMs (the epilogue is always FP32).
@@ -99,10 +102,15 @@ pub fn kernel_name(precision: Precision, layout: Layout, lda: usize, ldb: usize)
     if precision != Precision::Fp32 && layout == Layout::Nt && vec == "vec4" {
         return format!("gemm_wg_{precision}_nt_vec4");
     }
+    if layout == Layout::Tk {
+        // `wgmma` only; `Gemm::launch` picks `dx` (transposed output) or `dw`.
+        return format!("gemm_wg_{precision}_tk_vec4");
+    }
     let layout = match layout {
         Layout::Nt => "nt",
         Layout::Nn => "nn",
         Layout::Tn => "tn",
+        Layout::Tk => "tk",
     };
     format!("{}_{layout}_{vec}", precision.prefix())
 }
@@ -122,6 +130,8 @@ pub struct Gemm<'a> {
     pub bias: Option<&'a CudaSlice<f32>>,
     pub chain: Option<&'a DeviceChain>,
     pub splits: usize,
+    /// Store `y^T (n, m)` instead of `y` (layout `Tk` only, no bias or chain).
+    pub transpose_y: bool,
 }
 
 impl Gemm<'_> {
@@ -139,7 +149,15 @@ impl Gemm<'_> {
         save_z: Option<&mut DeviceTensor>,
     ) -> Result<()> {
         let (m, n, k, splits) = (self.m, self.n, self.k, self.splits.max(1));
-        let want: Vec<usize> = if splits > 1 { vec![splits, m, n] } else { vec![m, n] };
+        let (rows, cols) = if self.transpose_y { (n, m) } else { (m, n) };
+        let want: Vec<usize> = if splits > 1 { vec![splits, rows, cols] } else { vec![rows, cols] };
+        let tk = self.layout == Layout::Tk;
+        if self.transpose_y && (!tk || self.bias.is_some() || self.chain.is_some()) {
+            return Err(Error::Shape("a transposed GEMM output takes layout Tk and no bias or chain".into()));
+        }
+        if tk && (self.precision == Precision::Fp32 || !(self.lda.is_multiple_of(4) && self.ldb.is_multiple_of(4))) {
+            return Err(Error::Unsupported("layout Tk runs on tensor cores with 16-byte aligned rows only".into()));
+        }
         if y.shape != want {
             return Err(Error::Shape(format!("GEMM output must be {want:?}, got {:?}", y.shape)));
         }
@@ -150,6 +168,7 @@ impl Gemm<'_> {
             Layout::Nt => (m * self.lda, n * self.ldb),
             Layout::Nn => (m * self.lda, k * self.ldb),
             Layout::Tn => (k * self.lda, k * self.ldb),
+            Layout::Tk => (k * self.lda, n * self.ldb),
         };
         if self.a.len() < a_len || self.b.len() < b_len || [m, n, k].contains(&0) {
             return Err(Error::Shape(format!("GEMM operands too small for ({m}, {n}, {k})")));
@@ -158,7 +177,11 @@ impl Gemm<'_> {
         if [m, n, k, self.lda, self.ldb, a_len, b_len].iter().any(|&d| d > u32::MAX as usize) {
             return Err(Error::Shape(format!("GEMM size ({m}, {n}, {k}) exceeds the kernel's 32-bit arguments")));
         }
-        let name = kernel_name(self.precision, self.layout, self.lda, self.ldb);
+        let name = match (tk, self.transpose_y) {
+            (true, true) => format!("gemm_wg_{}_dx_vec4", self.precision),
+            (true, false) => format!("gemm_wg_{}_dw_vec4", self.precision),
+            _ => kernel_name(self.precision, self.layout, self.lda, self.ldb),
+        };
         let name = name.as_str();
         let (block_k, smem_bytes) = match name.strip_prefix("gemm_wg_") {
             Some(_) => (gemm_wg::BLOCK_K, gemm_wg::smem_bytes(self.precision == Precision::Tf32x3)),
@@ -223,7 +246,14 @@ pub fn forward_gemm<'a>(precision: Precision, x: &'a DeviceTensor, w: &'a Device
         bias: None,
         chain: None,
         splits: 1,
+        transpose_y: false,
     })
+}
+
+/// Whether the tensor-core backward GEMMs can run on `wgmma` (`Layout::Tk`): 16-byte
+/// aligned rows in every operand it reads.
+fn backward_on_wgmma(precision: Precision, dims: &[usize]) -> bool {
+    precision != Precision::Fp32 && dims.iter().all(|d| d.is_multiple_of(4))
 }
 
 /// `dX (m, k) = dZ (m, n) W (n, k)`.
@@ -235,34 +265,56 @@ pub fn grad_input(gpu: &Gpu, precision: Precision, dz: &DeviceTensor, w: &Device
         return Err(Error::Shape(format!("dX = dZ W: dZ {:?}, W {:?}", dz.shape, w.shape)));
     }
     let mut dx = gpu.alloc(&[m, k])?;
-    Gemm {
-        precision,
-        layout: Layout::Nn,
-        a: &dz.buf,
-        b: &w.buf,
-        m,
-        n: k,
-        k: n,
-        lda: n,
-        ldb: k,
-        bias: None,
-        chain: None,
-        splits: 1,
-    }
-    .launch(gpu, &mut dx, None)?;
+    let gemm = if backward_on_wgmma(precision, &[n, k]) {
+        // dX^T (k, m) = W^T dZ^T: `A` = W read row-contiguously, `B` = dZ, stored transposed.
+        Gemm {
+            precision,
+            layout: Layout::Tk,
+            a: &w.buf,
+            b: &dz.buf,
+            m: k,
+            n: m,
+            k: n,
+            lda: k,
+            ldb: n,
+            bias: None,
+            chain: None,
+            splits: 1,
+            transpose_y: true,
+        }
+    } else {
+        Gemm {
+            precision,
+            layout: Layout::Nn,
+            a: &dz.buf,
+            b: &w.buf,
+            m,
+            n: k,
+            k: n,
+            lda: n,
+            ldb: k,
+            bias: None,
+            chain: None,
+            splits: 1,
+            transpose_y: false,
+        }
+    };
+    gemm.launch(gpu, &mut dx, None)?;
     Ok(dx)
 }
 
 /// `dW (n, k) = dZ (m, n)^T X (m, k)`, queued on `stream` after all the GPU's stream
 /// holds so far (its output is allocated there first). The caller orders the GPU's
-/// stream after `stream` before using or freeing anything it reads.
+/// stream after `stream` before using or freeing anything it reads — including the
+/// scratch tensor returned beside `dW` (`X^T` for the tensor-core path), which it must
+/// keep until then.
 pub fn grad_weight(
     gpu: &Gpu,
     precision: Precision,
     stream: &CudaStream,
     dz: &DeviceTensor,
     x: &DeviceTensor,
-) -> Result<DeviceTensor> {
+) -> Result<(DeviceTensor, Option<DeviceTensor>)> {
     let (&[m, n], &[xm, k]) = (&dz.shape[..], &x.shape[..]) else {
         return Err(Error::Shape(format!("dW = dZ^T X: dZ {:?}, X {:?}", dz.shape, x.shape)));
     };
@@ -272,6 +324,27 @@ pub fn grad_weight(
     let mut dw = gpu.alloc(&[n, k])?;
     // `stream` starts after everything queued on the GPU's stream, this allocation included.
     gpu.order(gpu.stream(), stream)?;
+    if backward_on_wgmma(precision, &[m, n]) {
+        // `B` = X^T (k, m), `k`-contiguous in the batch; `A` = dZ read row-contiguously.
+        let xt = super::super::elementwise::transpose_on(gpu, stream, x)?;
+        Gemm {
+            precision,
+            layout: Layout::Tk,
+            a: &dz.buf,
+            b: &xt.buf,
+            m: n,
+            n: k,
+            k: m,
+            lda: n,
+            ldb: m,
+            bias: None,
+            chain: None,
+            splits: 1,
+            transpose_y: false,
+        }
+        .launch_on(gpu, stream, &mut dw, None)?;
+        return Ok((dw, Some(xt)));
+    }
     Gemm {
         precision,
         layout: Layout::Tn,
@@ -285,7 +358,8 @@ pub fn grad_weight(
         bias: None,
         chain: None,
         splits: 1,
+        transpose_y: false,
     }
     .launch_on(gpu, stream, &mut dw, None)?;
-    Ok(dw)
+    Ok((dw, None))
 }
