@@ -79,28 +79,56 @@ fn lane_group_stats(op: &OpDesc, v: &[f32; 4], n: usize) -> (f32, f32, f32, u32)
 /// One op forward on the lane's 4 values.
 #[inline(always)]
 pub fn lane_forward(op: &OpDesc, v: &mut [f32; 4], n: usize, c: usize) {
+    let mut rows = [*v];
+    lane_forward_rows(op, &mut rows, n, c);
+    *v = rows[0];
+}
+
+/// One op forward on the lane's 4 values of `R` (1 or 2) rows at once: the op is
+/// decoded once and the rows' independent chains (shuffles, `exp`, parameter loads)
+/// share one basic block, so their latencies overlap. (Rows are indexed by unrolled
+/// constants only: a loop would put the array on the stack.)
+#[inline(always)]
+pub fn lane_forward_rows<const R: usize>(op: &OpDesc, rows: &mut [[f32; 4]; R], n: usize, c: usize) {
     let (p0, p1) = (op.param0 as *const f32, op.param1 as *const f32);
     match op.code {
         OP_GROUP_NORM => {
-            let (mean, rstd, _, _) = lane_group_stats(op, v, n);
-            unroll!(e in 0..4 => {
-                v[e] = (v[e] - mean) * rstd * column_param(p0, n, c, e) + column_param(p1, n, c, e);
+            let mut stats = [(0.0, 0.0); 2];
+            unroll!(i in 0..2 => {
+                if i < R {
+                    let (mean, rstd, _, _) = lane_group_stats(op, &rows[i], n);
+                    stats[i] = (mean, rstd);
+                }
+            });
+            unroll!(i in 0..2 => {
+                if i < R {
+                    let (mean, rstd) = stats[i];
+                    unroll!(e in 0..4 => {
+                        rows[i][e] = (rows[i][e] - mean) * rstd * column_param(p0, n, c, e) + column_param(p1, n, c, e);
+                    });
+                }
             });
         }
         code => {
-            unroll!(e in 0..4 => {
-                let x = v[e];
-                v[e] = match code {
-                    OP_BIAS => x + column_param(p0, n, c, e),
-                    OP_MUL => x * column_param(p0, n, c, e),
-                    OP_SCALE => x * op.a,
-                    OP_SWISH => swish(x),
-                    OP_MISH => mish(x),
-                    OP_GELU => gelu(x),
-                    OP_LEAKY_RELU => leaky_relu(x, op.a),
-                    OP_HARDTANH => hardtanh(x, op.a, op.b),
-                    _ => f32::NAN, // not fusable: the host never sends it; poison, never pass through
-                };
+            unroll!(i in 0..2 => {
+                if i >= R {
+                    return;
+                }
+                let v = &mut rows[i];
+                unroll!(e in 0..4 => {
+                    let x = v[e];
+                    v[e] = match code {
+                        OP_BIAS => x + column_param(p0, n, c, e),
+                        OP_MUL => x * column_param(p0, n, c, e),
+                        OP_SCALE => x * op.a,
+                        OP_SWISH => swish(x),
+                        OP_MISH => mish(x),
+                        OP_GELU => gelu(x),
+                        OP_LEAKY_RELU => leaky_relu(x, op.a),
+                        OP_HARDTANH => hardtanh(x, op.a, op.b),
+                        _ => f32::NAN, // not fusable: the host never sends it; poison, never pass through
+                    };
+                });
             });
         }
     }

@@ -2,7 +2,7 @@
 //! memory by the main loop's arithmetic (whatever its register layout), is walked row
 //! by row — bias, the saved `z`, the epilogue chain, coalesced stores.
 
-use crate::epilogue::lanes::{F4, column_param, lane_forward, store_row4};
+use crate::epilogue::lanes::{F4, column_param, lane_forward, lane_forward_rows, store_row4};
 use crate::prelude::*;
 use crate::unroll;
 use kernel_abi::epilogue::OpDesc;
@@ -11,7 +11,7 @@ use kernel_abi::epilogue::OpDesc;
 /// floats of padding spread a warp's row-strided staging stores over banks).
 pub const STAGE_STRIDE: usize = 128 + 4;
 const TILE: usize = 128;
-const THREADS: usize = 256;
+const WARPS: usize = 256 / 32;
 
 /// Writes the staged tile of block `(row0, col0)`: each warp walks whole 128-column
 /// rows, a lane holding 4 consecutive columns, so a GroupNorm group of `g` channels is
@@ -41,17 +41,62 @@ pub unsafe fn write_staged_tile(
     let out = if split_k { unsafe { y.add(block_idx_z() as usize * m * n) } } else { y };
     let (warp, lane) = (t / 32, t % 32);
     let c = col0 + lane * 4;
+    let load = |r: usize| unsafe { (*(smem.add(r * STAGE_STRIDE + lane * 4) as *const F4)).0 };
+    // Two rows per pass (`r` and `r + 8`, the same for the whole warp): the row's
+    // chain is a string of dependent latencies (shuffles, `exp`, parameter loads) and a
+    // block has only 8 warps, so two independent rows in one basic block roughly
+    // halve the epilogue's time.
     let mut r = warp;
     while r < TILE && row0 + r < m {
-        // SAFETY: r < 128 and lane * 4 + 3 < 128, inside the staged tile.
-        let mut v = unsafe { (*(smem.add(r * STAGE_STRIDE + lane * 4) as *const F4)).0 };
-        let row = row0 + r;
+        let r2 = r + WARPS;
+        let two = r2 < TILE && row0 + r2 < m;
+        // SAFETY: r, r2 < 128 and lane * 4 + 3 < 128, inside the staged tile.
+        let mut rows = [load(r), if two { load(r2) } else { [0.0; 4] }];
         if !split_k {
-            epilogue_row(&mut v, bias, save_z, row, ops, n_ops, n, c);
+            epilogue_rows(&mut rows, two, bias, save_z, row0 + r, ops, n_ops, n, c);
         }
-        // SAFETY: row < m; every written column < n.
-        unsafe { store_row4(out, v, row, n, c) };
-        r += THREADS / 32;
+        // SAFETY: rows < m; every written column < n.
+        unsafe {
+            store_row4(out, rows[0], row0 + r, n, c);
+            if two {
+                store_row4(out, rows[1], row0 + r2, n, c);
+            }
+        }
+        r += 2 * WARPS;
+    }
+}
+
+/// [`epilogue_row`] on rows `row` and (when `two`) `row + 8` at once (see
+/// `lane_forward_rows`); without `two` the second row is a dummy of zeros that is
+/// computed (warp-uniformly) but never stored.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn epilogue_rows(
+    rows: &mut [[f32; 4]; 2],
+    two: bool,
+    bias: *const f32,
+    save_z: *mut f32,
+    row: usize,
+    ops: *const OpDesc,
+    n_ops: u32,
+    n: usize,
+    c: usize,
+) {
+    if !bias.is_null() {
+        unroll!(i in 0..2 => { unroll!(e in 0..4 => { rows[i][e] += column_param(bias, n, c, e); }); });
+    }
+    if !save_z.is_null() {
+        // SAFETY: rows < m and columns < n, inside save_z's (m, n).
+        unsafe {
+            store_row4(save_z, rows[0], row, n, c);
+            if two {
+                store_row4(save_z, rows[1], row + WARPS, n, c);
+            }
+        }
+    }
+    for o in 0..n_ops as usize {
+        // SAFETY: o < n_ops.
+        lane_forward_rows(unsafe { &*ops.add(o) }, rows, n, c);
     }
 }
 
