@@ -109,29 +109,29 @@ pub fn lane_forward_rows<const R: usize>(op: &OpDesc, rows: &mut [[f32; 4]; R], 
                 }
             });
         }
-        code => {
-            unroll!(i in 0..2 => {
-                if i >= R {
-                    return;
-                }
-                let v = &mut rows[i];
-                unroll!(e in 0..4 => {
-                    let x = v[e];
-                    v[e] = match code {
-                        OP_BIAS => x + column_param(p0, n, c, e),
-                        OP_MUL => x * column_param(p0, n, c, e),
-                        OP_SCALE => x * op.a,
-                        OP_SWISH => swish(x),
-                        OP_MISH => mish(x),
-                        OP_GELU => gelu(x),
-                        OP_LEAKY_RELU => leaky_relu(x, op.a),
-                        OP_HARDTANH => hardtanh(x, op.a, op.b),
-                        _ => f32::NAN, // not fusable: the host never sends it; poison, never pass through
-                    };
-                });
-            });
-        }
+        // One arm per op, each a straight run over the rows' values: a `match` per
+        // element would branch 8 times per op and serialise the rows.
+        OP_BIAS => each(rows, |x, e| x + column_param(p0, n, c, e)),
+        OP_MUL => each(rows, |x, e| x * column_param(p0, n, c, e)),
+        OP_SCALE => each(rows, |x, _| x * op.a),
+        OP_SWISH => each(rows, |x, _| swish(x)),
+        OP_MISH => each(rows, |x, _| mish(x)),
+        OP_GELU => each(rows, |x, _| gelu(x)),
+        OP_LEAKY_RELU => each(rows, |x, _| leaky_relu(x, op.a)),
+        OP_HARDTANH => each(rows, |x, _| hardtanh(x, op.a, op.b)),
+        // Not fusable: the host never sends it; poison, never pass through.
+        _ => each(rows, |_, _| f32::NAN),
     }
+}
+
+/// `v = f(v, e)` for element `e` of every row (`R` <= 2, unrolled).
+#[inline(always)]
+fn each<const R: usize>(rows: &mut [[f32; 4]; R], f: impl Fn(f32, usize) -> f32) {
+    unroll!(i in 0..2 => {
+        if i < R {
+            unroll!(e in 0..4 => { rows[i][e] = f(rows[i][e], e); });
+        }
+    });
 }
 
 /// Adds `v` into slot `slot` of the lane's parameter-gradient sums. The run-time slot
