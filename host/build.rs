@@ -11,8 +11,11 @@ fn main() {
     let out = PathBuf::from(std::env::var_os("OUT_DIR").unwrap()).join("kernels_sm90.ptx");
     let mut builder =
         ptx_builder::PtxBuilder::new(root.join("kernels-gpu")).arch("sm_90a").watch(root.join("kernel-abi"));
-    for &(kernel, threads, blocks) in
-        kernel_abi::LAUNCH_BOUNDS.iter().chain(kernel_abi::LAUNCH_BOUNDS_TC).chain(kernel_abi::LAUNCH_BOUNDS_WG)
+    for &(kernel, threads, blocks) in kernel_abi::LAUNCH_BOUNDS
+        .iter()
+        .chain(kernel_abi::LAUNCH_BOUNDS_TC)
+        .chain(kernel_abi::LAUNCH_BOUNDS_WG)
+        .chain(kernel_abi::LAUNCH_BOUNDS_EPILOGUE)
     {
         builder = builder.launch_bounds(kernel, threads, blocks);
     }

@@ -46,6 +46,11 @@ pub const LAUNCH_BOUNDS_WG: &[(&str, u32, u32)] = &[
     ("gemm_wg_tf32x3_dw_vec4", gemm_wg::THREADS as u32, 1),
 ];
 
+/// The tile-wise chain backward (`kernels-gpu/src/epilogue/lanes.rs`): the blocks per
+/// SM its grid is sized for.
+pub const LAUNCH_BOUNDS_EPILOGUE: &[(&str, u32, u32)] =
+    &[("epilogue_tiles_backward", epilogue::TILE_THREADS as u32, epilogue::TILES_BACKWARD_BLOCKS_PER_SM)];
+
 /// The `wgmma` family (sm_90a): two warpgroups per block, operands read by the tensor
 /// cores from 128-byte-swizzled shared memory.
 pub mod gemm_wg {
@@ -160,11 +165,15 @@ pub mod epilogue {
     /// Threads per block of the tile-wise backward (`epilogue_tiles_backward`).
     pub const TILE_THREADS: usize = 256;
 
-    /// Dynamic shared memory of the tile-wise backward: each warp's gradient sums, then
-    /// the op descriptors.
-    pub const fn tiles_backward_smem_bytes() -> usize {
-        (TILE_THREADS / 32) * super::gemm_simt::MAX_GRAD_SLOTS * 128 * 4
-            + super::gemm_simt::MAX_TILE_OPS * core::mem::size_of::<OpDesc>()
+    /// Blocks per SM the tile-wise backward is sized for (its launch bounds).
+    pub const TILES_BACKWARD_BLOCKS_PER_SM: u32 = 2;
+
+    /// Dynamic shared memory of the tile-wise backward for a chain of `n_ops` ops with
+    /// `slots` gradient slots: the op descriptors, each warp's gradient sums (`slots`
+    /// rows of 128 floats), then each warp's saved op inputs (two rows per op).
+    pub const fn tiles_backward_smem_bytes(slots: usize, n_ops: usize) -> usize {
+        super::gemm_simt::MAX_TILE_OPS * core::mem::size_of::<OpDesc>()
+            + (TILE_THREADS / 32) * (slots + 2 * n_ops) * 128 * 4
     }
 
     /// Dynamic shared memory of the row-wise backward: the gradient, the recomputed op

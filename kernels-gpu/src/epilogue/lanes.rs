@@ -9,11 +9,11 @@
 
 use super::pointwise::*;
 use crate::prelude::math::rsqrt;
-use crate::prelude::warp::segment_sum;
+use crate::prelude::warp::{segment_sum, shfl_xor};
 use crate::prelude::*;
 use crate::unroll;
 use kernel_abi::epilogue::*;
-use kernel_abi::gemm_simt::{MAX_GRAD_SLOTS, MAX_TILE_OPS};
+use kernel_abi::gemm_simt::MAX_TILE_OPS;
 
 /// 16 bytes, for vector loads and stores.
 #[derive(Clone, Copy)]
@@ -134,68 +134,114 @@ fn each<const R: usize>(rows: &mut [[f32; 4]; R], f: impl Fn(f32, usize) -> f32)
     });
 }
 
-/// Adds `v` into slot `slot` of the lane's parameter-gradient sums. The run-time slot
-/// (the same in the whole warp) picks one of eight arms, each indexing with a
-/// constant, so the sums stay in registers.
+/// Sums of `K` values over aligned segments of `width` lanes, in one shuffle loop:
+/// the `K` exchanges of a step are independent, so their latencies overlap.
 #[inline(always)]
-fn add_to_slot(sums: &mut [[f32; 4]; MAX_GRAD_SLOTS], slot: usize, v: [f32; 4]) {
-    macro_rules! add {
-        ($s:literal) => {
-            unroll!(e in 0..4 => { sums[$s][e] += v[e]; })
-        };
+fn segment_sums<const K: usize>(mut v: [f32; K], width: u32) -> [f32; K] {
+    let mut m = 1;
+    while m < width {
+        unroll!(k in 0..4 => { if k < K { v[k] += shfl_xor(v[k], m); } });
+        m <<= 1;
     }
-    match slot {
-        0 => add!(0),
-        1 => add!(1),
-        2 => add!(2),
-        3 => add!(3),
-        4 => add!(4),
-        5 => add!(5),
-        6 => add!(6),
-        _ => add!(7),
+    v
+}
+
+/// The lane's 16-byte slice of parameter-gradient slot `slot` in its warp's sums
+/// (shared memory, `[slot][lane]` per warp; only this lane touches it).
+/// Adds row 0's `v` and, when `both`, row 1's (a select, so an absent row's values,
+/// whatever they are, never reach the sums).
+///
+/// # Safety
+/// `sums` is the warp's region of at least `slot + 1` slots.
+#[inline(always)]
+unsafe fn add_to_slot(sums: *mut F4, slot: usize, lane: usize, v: &[[f32; 4]; 2], both: bool) {
+    unsafe {
+        let at = sums.add(slot * 32 + lane);
+        let mut s = (*at).0;
+        unroll!(e in 0..4 => { s[e] += v[0][e] + if both { v[1][e] } else { 0.0 }; });
+        *at = F4(s);
     }
 }
 
-/// One op backward on the lane: `g` (the gradient of the op's output) becomes that of
-/// its input `x`; parameter gradients go to `sums` from slot `slot` on.
+/// One op backward on the lane's 4 columns of two rows at once (the op decoded once,
+/// the rows' chains interleaved): `g` (the gradient of the op's output) becomes that of
+/// its input `x`; parameter gradients go to the sums from slot `slot` on (row 1's only
+/// when `both`).
+///
+/// # Safety
+/// As [`add_to_slot`], for the op's slots.
 #[inline(always)]
-fn lane_backward(op: &OpDesc, x: &[f32; 4], g: &mut [f32; 4], n: usize, c: usize, sums: &mut [[f32; 4]; MAX_GRAD_SLOTS], slot: usize) {
+unsafe fn lane_backward_rows(
+    op: &OpDesc,
+    x: &[[f32; 4]; 2],
+    g: &mut [[f32; 4]; 2],
+    n: usize,
+    c: usize,
+    sums: *mut F4,
+    slot: usize,
+    lane: usize,
+    both: bool,
+) {
     let p0 = op.param0 as *const f32;
     match op.code {
         OP_GROUP_NORM => {
             // dx = rstd (dy gamma - mean(dy gamma) - xhat mean(dy gamma xhat))
-            let (mean, rstd, inv, lanes) = lane_group_stats(op, x, n);
-            let mut xhat = [0.0f32; 4];
-            let mut dyg = [0.0f32; 4];
-            let (mut s1, mut s2) = (0.0, 0.0);
-            unroll!(e in 0..4 => {
-                xhat[e] = (x[e] - mean) * rstd;
-                dyg[e] = g[e] * column_param(p0, n, c, e);
-                s1 += dyg[e];
-                s2 += dyg[e] * xhat[e];
+            let gsize = n / (op.count as usize).max(1);
+            let lanes = (gsize / 4) as u32;
+            let inv = 1.0 / gsize as f32;
+            let [m0, m1] = segment_sums(
+                [x[0][0] + x[0][1] + x[0][2] + x[0][3], x[1][0] + x[1][1] + x[1][2] + x[1][3]],
+                lanes,
+            );
+            let mean = [m0 * inv, m1 * inv];
+            let mut q = [0.0f32; 2];
+            unroll!(i in 0..2 => { unroll!(e in 0..4 => { let d = x[i][e] - mean[i]; q[i] += d * d; }); });
+            let q = segment_sums(q, lanes);
+            let rstd = [rsqrt(q[0] * inv + op.a), rsqrt(q[1] * inv + op.a)];
+            let gamma = [0, 1, 2, 3].map(|e| column_param(p0, n, c, e));
+            let mut xhat = [[0.0f32; 4]; 2];
+            let mut dyg = [[0.0f32; 4]; 2];
+            let mut s = [0.0f32; 4];
+            unroll!(i in 0..2 => {
+                unroll!(e in 0..4 => {
+                    xhat[i][e] = (x[i][e] - mean[i]) * rstd[i];
+                    dyg[i][e] = g[i][e] * gamma[e];
+                    s[2 * i] += dyg[i][e];
+                    s[2 * i + 1] += dyg[i][e] * xhat[i][e];
+                });
             });
-            let (m1, m2) = (segment_sum(s1, lanes) * inv, segment_sum(s2, lanes) * inv);
-            add_to_slot(sums, slot, [g[0] * xhat[0], g[1] * xhat[1], g[2] * xhat[2], g[3] * xhat[3]]);
-            add_to_slot(sums, slot + 1, *g);
-            unroll!(e in 0..4 => { g[e] = rstd * (dyg[e] - m1 - xhat[e] * m2); });
+            let s = segment_sums(s, lanes);
+            let gx = [0, 1].map(|i| [0, 1, 2, 3].map(|e| g[i][e] * xhat[i][e]));
+            unsafe {
+                add_to_slot(sums, slot, lane, &gx, both);
+                add_to_slot(sums, slot + 1, lane, g, both);
+            }
+            unroll!(i in 0..2 => {
+                let (a, b) = (s[2 * i] * inv, s[2 * i + 1] * inv);
+                unroll!(e in 0..4 => { g[i][e] = rstd[i] * (dyg[i][e] - a - xhat[i][e] * b); });
+            });
         }
-        OP_BIAS => add_to_slot(sums, slot, *g),
+        OP_BIAS => unsafe { add_to_slot(sums, slot, lane, g, both) },
         OP_MUL => {
-            add_to_slot(sums, slot, [g[0] * x[0], g[1] * x[1], g[2] * x[2], g[3] * x[3]]);
-            unroll!(e in 0..4 => { g[e] *= column_param(p0, n, c, e); });
+            let gx = [0, 1].map(|i| [0, 1, 2, 3].map(|e| g[i][e] * x[i][e]));
+            unsafe { add_to_slot(sums, slot, lane, &gx, both) };
+            let w = [0, 1, 2, 3].map(|e| column_param(p0, n, c, e));
+            unroll!(i in 0..2 => { unroll!(e in 0..4 => { g[i][e] *= w[e]; }); });
         }
         code => {
-            unroll!(e in 0..4 => {
-                let v = x[e];
-                g[e] *= match code {
-                    OP_SCALE => op.a,
-                    OP_SWISH => swish_grad(v),
-                    OP_MISH => mish_grad(v),
-                    OP_GELU => gelu_grad(v),
-                    OP_LEAKY_RELU => leaky_relu_grad(v, op.a),
-                    OP_HARDTANH => hardtanh_grad(v, op.a, op.b),
-                    _ => f32::NAN,
-                };
+            unroll!(i in 0..2 => {
+                unroll!(e in 0..4 => {
+                    let v = x[i][e];
+                    g[i][e] *= match code {
+                        OP_SCALE => op.a,
+                        OP_SWISH => swish_grad(v),
+                        OP_MISH => mish_grad(v),
+                        OP_GELU => gelu_grad(v),
+                        OP_LEAKY_RELU => leaky_relu_grad(v, op.a),
+                        OP_HARDTANH => hardtanh_grad(v, op.a, op.b),
+                        _ => f32::NAN,
+                    };
+                });
             });
         }
     }
@@ -212,14 +258,16 @@ fn op_slots(op: &OpDesc) -> usize {
 }
 
 /// Backward of a fusable chain (what the GEMM's epilogue can run forward), tile by
-/// tile: `dz` and per-block sums of the parameter gradients. Each lane rebuilds every
-/// op's input from the saved `z` in registers; no barrier until the block's sums meet.
+/// tile: `dz` and per-block sums of the parameter gradients. A warp takes two rows per
+/// pass: it runs the chain forward once from the saved `z`, keeping each op's input in
+/// its lanes' own shared memory, then walks the ops backward. No barrier until the
+/// block's sums meet.
 ///
 /// # Safety
 /// Device pointers; `ops[..n_ops]` fusable (the host checks), at most `MAX_TILE_OPS`
 /// of them, with at most `MAX_GRAD_SLOTS - 1` parameters. Launch: grid `(ceil(n / 128), row_blocks)`,
-/// `TILE_THREADS` threads, `tiles_backward_smem_bytes()` shared memory; block `(bx, by)`
-/// takes rows `by * rows_per_block ..` of its 128 columns.
+/// `TILE_THREADS` threads, `tiles_backward_smem_bytes(slots, n_ops)` shared memory;
+/// block `(bx, by)` takes rows `by * rows_per_block ..` of its 128 columns.
 ///
 /// # Parameters
 /// * `z`: `(rows, n)`, the chain's input saved by the forward; `dy`: `(rows, n)`.
@@ -229,9 +277,9 @@ fn op_slots(op: &OpDesc) -> usize {
 ///   over the row blocks.
 ///
 /// # Thread mapping
-/// Warp `w` takes rows `w, w + 8, ..` of the block's rows; lane `l` columns
-/// `128 bx + 4 l ..+4`. Each lane keeps its columns' gradient sums in registers; at
-/// the end the 8 warps add theirs in shared memory.
+/// Warp `w` takes the row pairs `2 w, 2 w + 1`, then `+ 16`, .. of the block's rows;
+/// lane `l` columns `128 bx + 4 l ..+4`. Each lane keeps its columns' gradient sums in
+/// its own slice of shared memory; at the end the 8 warps' sums are added.
 #[unsafe(no_mangle)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "ptx-kernel" fn epilogue_tiles_backward(
@@ -245,72 +293,95 @@ pub unsafe extern "ptx-kernel" fn epilogue_tiles_backward(
     n_ops: u32,
     rows_per_block: u32,
 ) {
-    let (rows, n, n_ops) = (rows as usize, n as usize, n_ops as usize);
+    let (rows, n, n_ops) = (rows as usize, n as usize, (n_ops as usize).min(MAX_TILE_OPS));
     let (warp, lane) = (warp_id() as usize, lane_id() as usize);
     let warps = TILE_THREADS / 32;
     let c = block_idx_x() as usize * 128 + lane * 4;
     let row0 = block_idx_y() as usize * rows_per_block as usize;
     let row_end = if row0 + (rows_per_block as usize) < rows { row0 + rows_per_block as usize } else { rows };
-    // The op descriptors, read at every op of every row, are copied to shared memory
-    // (after the warps' sums): a short, uniform load instead of a global one.
-    let s = dynamic_shared::<f32>(); // [warp][slot][128] sums, then the descriptors
-    let descs = unsafe { s.add(warps * MAX_GRAD_SLOTS * 128) } as *mut OpDesc;
+    // Shared memory: the op descriptors (read at every op of every pass: a short,
+    // uniform load), then [warp][slot][lane] gradient sums, then [warp][op][row][lane]
+    // saved op inputs, 16 bytes per lane (tiles_backward_smem_bytes).
+    let base = dynamic_shared::<F4>(); // 16-byte aligned
+    let descs = base as *mut OpDesc;
     let t = thread_idx_x() as usize;
-    if t < n_ops.min(MAX_TILE_OPS) {
-        // SAFETY: t < n_ops; the launch provides MAX_TILE_OPS descriptors of space.
+    if t < n_ops {
+        // SAFETY: t < n_ops <= MAX_TILE_OPS; the launch provides MAX_TILE_OPS descriptors of space.
         unsafe { *descs.add(t) = *ops.add(t) };
     }
     // SAFETY: uniform barrier before the descriptors are read.
     unsafe { sync_threads() };
-    // SAFETY: i < n_ops <= MAX_TILE_OPS (the host checks).
+    // SAFETY: i < n_ops <= MAX_TILE_OPS.
     let op_at = |i: usize| unsafe { &*descs.add(i) };
     let mut slots = 1;
     for i in 0..n_ops {
         slots += op_slots(op_at(i));
     }
+    // SAFETY (offsets): inside the launch's tiles_backward_smem_bytes(slots, n_ops); the
+    // descriptors take a multiple of 16 bytes.
+    let all_sums = unsafe { base.byte_add(MAX_TILE_OPS * core::mem::size_of::<OpDesc>()) };
+    let sums = unsafe { all_sums.add(warp * slots * 32) };
+    let saved = unsafe { all_sums.add(warps * slots * 32 + warp * n_ops * 64) };
+    for k in 0..slots {
+        // SAFETY: k < slots; the lane's own slice.
+        unsafe { *sums.add(k * 32 + lane) = F4([0.0; 4]) };
+    }
 
-    let mut sums = [[0.0f32; 4]; MAX_GRAD_SLOTS];
-    let mut row = row0 + warp;
-    // The next row's z and dy are loaded before this row's arithmetic, so their
+    // The next pair's z and dy are loaded before this pair's arithmetic, so their
     // latency overlaps it.
-    // SAFETY (loads): row < rows; columns checked against n inside.
+    // SAFETY (loads): r < rows; columns checked against n inside.
     let load = |r: usize| if r < row_end { unsafe { (load_row4(z, r, n, c), load_row4(dy, r, n, c)) } } else { ([0.0; 4], [0.0; 4]) };
-    let mut next = load(row);
+    let step = 2 * warps;
+    let mut row = row0 + 2 * warp;
+    let mut next = [load(row), load(row + 1)];
     while row < row_end {
-        let (zr, mut g) = next;
-        next = load(row + warps);
+        let cur = next;
+        next = [load(row + step), load(row + step + 1)];
+        let both = row + 1 < row_end;
+        let mut x = [cur[0].0, cur[1].0];
+        let mut g = [cur[0].1, cur[1].1];
+        // Forward once: op p's input is kept (p < n_ops - 1) or stays in x (the last).
+        for p in 0..n_ops.saturating_sub(1) {
+            // SAFETY: p < n_ops; the lane's own slice.
+            unsafe {
+                *saved.add(p * 64 + lane) = F4(x[0]);
+                *saved.add(p * 64 + 32 + lane) = F4(x[1]);
+            }
+            lane_forward_rows(op_at(p), &mut x, n, c);
+        }
         let mut slot_end = slots;
         for i in (0..n_ops).rev() {
-            // Op i's input: ops 0..i forward from z, in registers.
-            let mut x = zr;
-            for p in 0..i {
-                lane_forward(op_at(p), &mut x, n, c);
+            if i + 1 < n_ops {
+                // SAFETY: as the stores above.
+                unsafe { x = [(*saved.add(i * 64 + lane)).0, (*saved.add(i * 64 + 32 + lane)).0] };
             }
             let op = op_at(i);
             slot_end -= op_slots(op);
-            lane_backward(op, &x, &mut g, n, c, &mut sums, slot_end);
+            // SAFETY: slot_end + op_slots(op) <= slots.
+            unsafe { lane_backward_rows(op, &x, &mut g, n, c, sums, slot_end, lane, both) };
         }
-        add_to_slot(&mut sums, 0, g);
-        // SAFETY: as the loads.
-        unsafe { store_row4(dz, g, row, n, c) };
-        row += warps;
+        // SAFETY: slot 0 < slots; rows below row_end (row 1 only when `both`).
+        unsafe {
+            add_to_slot(sums, 0, lane, &g, both);
+            store_row4(dz, g[0], row, n, c);
+            if both {
+                store_row4(dz, g[1], row + 1, n, c);
+            }
+        }
+        row += step;
     }
 
-    // The 8 warps' sums meet in shared memory; warp 0 writes the block's.
-    // SAFETY: indices < warps * MAX_GRAD_SLOTS * 128; uniform barrier.
+    // The 8 warps' sums meet; warp 0 writes the block's.
+    // SAFETY: indices < warps * slots * 32; uniform barrier.
     unsafe {
-        unroll!(k in 0..8 => {
-            if k < slots {
-                unroll!(e in 0..4 => { *s.add((warp * MAX_GRAD_SLOTS + k) * 128 + lane * 4 + e) = sums[k][e]; });
-            }
-        });
         sync_threads();
         if warp == 0 {
             let out = partials.add(block_idx_y() as usize * slots * n);
             for k in 0..slots {
                 let mut v = [0.0f32; 4];
                 for w in 0..warps {
-                    unroll!(e in 0..4 => { v[e] += *s.add((w * MAX_GRAD_SLOTS + k) * 128 + lane * 4 + e); });
+                    let s = (*all_sums.add((w * slots + k) * 32 + lane)).0;
+                    unroll!(e in 0..4 => { v[e] += s[e]; });
                 }
                 store_row4(out, v, k, n, c);
             }

@@ -5,7 +5,7 @@ use super::super::{DeviceTensor, Gpu, launched};
 use super::DeviceChain;
 use crate::error::{Error, Result};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
-use kernel_abi::epilogue::{TILE_THREADS, tiles_backward_smem_bytes};
+use kernel_abi::epilogue::{TILE_THREADS, TILES_BACKWARD_BLOCKS_PER_SM, tiles_backward_smem_bytes};
 use kernel_abi::gemm_simt::{MAX_GRAD_SLOTS, MAX_TILE_OPS};
 
 const KERNEL: &str = "epilogue_tiles_backward";
@@ -29,17 +29,22 @@ pub fn epilogue_tiles_backward(
     if dy.len() != rows * n || !fits(chain) || rows == 0 || n == 0 || rows * n > u32::MAX as usize {
         return Err(Error::Shape(format!("tile-wise backward of {rows} x {n} with dy {:?}", dy.shape)));
     }
-    // One wave of blocks (2 fit per SM), each with a long run of rows: its sums and
-    // its final reduction are paid once per block.
+    // One wave of blocks, each with a long run of rows: its sums and its final
+    // reduction are paid once per block. TILES_BACKWARD_BLOCKS_PER_SM fit per SM (launch
+    // bounds cap the registers; shared memory allows it up to chains of 8 ops with 8
+    // slots); longer chains take more shared memory and fewer blocks per SM, and the
+    // grid then runs as more than one wave, which is only slower.
     let col_tiles = n.div_ceil(128);
-    let row_blocks = (2 * gpu.props.multiprocessors / col_tiles).clamp(1, rows.div_ceil(8));
-    let rows_per_block = rows.div_ceil(row_blocks);
+    let per_wave = TILES_BACKWARD_BLOCKS_PER_SM as usize * gpu.props.multiprocessors;
+    let row_blocks = (per_wave / col_tiles).clamp(1, rows.div_ceil(16));
+    // Rows per block even: a warp takes rows in pairs.
+    let rows_per_block = rows.div_ceil(row_blocks).next_multiple_of(2);
     let row_blocks = rows.div_ceil(rows_per_block);
     let slots = chain.grad_slots;
     let mut partials = gpu.alloc(&[row_blocks, slots, n])?;
     let mut dz = gpu.alloc(&[rows, n])?;
     let func = gpu.function(KERNEL)?;
-    let smem = tiles_backward_smem_bytes();
+    let smem = tiles_backward_smem_bytes(slots, chain.ops.len());
     gpu.allow_shared(&func, KERNEL, smem)?;
     let cfg = LaunchConfig {
         grid_dim: (col_tiles as u32, row_blocks as u32, 1),
