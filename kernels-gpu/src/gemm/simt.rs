@@ -445,24 +445,8 @@ impl Loader {
     }
 }
 
-macro_rules! gemm_entry {
-    ($($(#[$doc:meta])* $name:ident = <$math:ty, $vec:literal, $a_k:literal, $b_k:literal>;)*) => {$(
-        $(#[$doc])*
-        ///
-        /// # Safety
-        /// See [`gemm_f32`].
-        #[unsafe(no_mangle)]
-        #[allow(clippy::too_many_arguments)]
-        pub unsafe extern "ptx-kernel" fn $name(
-            a: *const f32, b: *const f32, bias: *const f32, y: *mut f32, save_z: *mut f32,
-            m: u32, n: u32, k: u32, lda: u32, ldb: u32, k_split: u32, ops: *const OpDesc, n_ops: u32,
-        ) {
-            unsafe { gemm_f32::<$math, $vec, $a_k, $b_k>(a, b, bias, y, save_z, m, n, k, lda, ldb, k_split, ops, n_ops) }
-        }
-    )*};
-}
-
-gemm_entry! {
+gemm_entries! {
+    gemm_f32;
     /// Forward `x W^T` (both operands k-contiguous), FP32 FMA, 16-byte loads.
     gemm_f32_nt_vec4 = <Fma, true, true, true>;
     /// Forward `x W^T`, FP32 FMA, scalar loads (any `k`).

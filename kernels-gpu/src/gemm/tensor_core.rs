@@ -21,6 +21,7 @@
 //! `16 x 8`, 64 accumulators per thread. Per `k` of 8: A fragments are 4 `ldmatrix.x4`
 //! (or 4 `ld.shared.v4`), B fragments 2 of either, then 16 MMAs (48 with the split).
 
+use super::BlockTile;
 use super::staged::{STAGE_STRIDE, write_staged_tile};
 use crate::prelude::async_copy::*;
 use crate::prelude::tensor_core::*;
@@ -62,11 +63,7 @@ unsafe fn gemm_tc<const SPLIT: bool, const VEC: bool, const A_K: bool, const B_K
     n_ops: u32,
 ) {
     let t = thread_idx_x();
-    let row0 = block_idx_y() * BLOCK_M as u32;
-    let col0 = block_idx_x() * BLOCK_N as u32;
-    let k_begin = block_idx_z() * k_split;
-    let k_end = if k - k_begin > k_split { k_begin + k_split } else { k };
-    let tiles = (k_end - k_begin).div_ceil(BLOCK_K as u32);
+    let BlockTile { row0, col0, k_begin, k_end, tiles } = BlockTile::new(k, k_split, BLOCK_K as u32);
 
     let smem = dynamic_shared::<f32>();
     let base = shared_address(smem);
@@ -331,24 +328,8 @@ impl Fragments {
     }
 }
 
-macro_rules! tc_entry {
-    ($($(#[$doc:meta])* $name:ident = <$split:literal, $vec:literal, $a_k:literal, $b_k:literal>;)*) => {$(
-        $(#[$doc])*
-        ///
-        /// # Safety
-        /// See [`gemm_tc`].
-        #[unsafe(no_mangle)]
-        #[allow(clippy::too_many_arguments)]
-        pub unsafe extern "ptx-kernel" fn $name(
-            a: *const f32, b: *const f32, bias: *const f32, y: *mut f32, save_z: *mut f32,
-            m: u32, n: u32, k: u32, lda: u32, ldb: u32, k_split: u32, ops: *const OpDesc, n_ops: u32,
-        ) {
-            unsafe { gemm_tc::<$split, $vec, $a_k, $b_k>(a, b, bias, y, save_z, m, n, k, lda, ldb, k_split, ops, n_ops) }
-        }
-    )*};
-}
-
-tc_entry! {
+gemm_entries! {
+    gemm_tc;
     /// Forward `x W^T`, 3xTF32 (FP32-accurate), 16-byte copies.
     gemm_tc_tf32x3_nt_vec4 = <true, true, true, true>;
     /// Forward `x W^T`, 3xTF32, 4-byte copies (any `k`).

@@ -22,6 +22,7 @@
 //! chunks it copied into a third tile of the stage. Three `wgmma` per `k`-step:
 //! `A_lo B + A B_lo + A B`.
 
+use super::BlockTile;
 use super::staged::write_staged_tile;
 use super::tensor_core::TileCopy;
 use crate::prelude::async_copy::*;
@@ -29,7 +30,7 @@ use crate::prelude::tensor_core::*;
 use crate::prelude::*;
 use crate::unroll;
 use kernel_abi::epilogue::OpDesc;
-use kernel_abi::gemm_wg::{BLOCK_K, BLOCK_M, BLOCK_N, SPLIT_STAGES, TF32_STAGES};
+use kernel_abi::gemm_wg::{BLOCK_K, BLOCK_M, SPLIT_STAGES, TF32_STAGES};
 
 /// Bytes of one operand tile (`128 x 32` floats) and of one 128-byte row.
 const TILE_BYTES: u32 = (BLOCK_M * BLOCK_K * 4) as u32;
@@ -70,11 +71,7 @@ unsafe fn gemm_wg<const SPLIT: bool, const A_K: bool, const TRANS: bool, const S
     n_ops: u32,
 ) {
     let t = thread_idx_x();
-    let row0 = block_idx_y() * BLOCK_M as u32;
-    let col0 = block_idx_x() * BLOCK_N as u32;
-    let k_begin = block_idx_z() * k_split;
-    let k_end = if k - k_begin > k_split { k_begin + k_split } else { k };
-    let tiles = (k_end - k_begin).div_ceil(BLOCK_K as u32);
+    let BlockTile { row0, col0, k_begin, k_end, tiles } = BlockTile::new(k, k_split, BLOCK_K as u32);
 
     let smem = dynamic_shared::<f32>();
     // The swizzle is a function of address bits 7-9: tiles start 1024-byte aligned.
@@ -410,24 +407,8 @@ unsafe fn wgmma_split_k_tile<const INFLIGHT: u32>(acc: &mut [u32; 64], a: [[u32;
     }
 }
 
-macro_rules! wg_entry {
-    ($($(#[$doc:meta])* $name:ident = <$split:literal, $a_k:literal, $trans:literal, $stages:expr, $inflight:literal>;)*) => {$(
-        $(#[$doc])*
-        ///
-        /// # Safety
-        /// See [`gemm_wg`].
-        #[unsafe(no_mangle)]
-        #[allow(clippy::too_many_arguments)]
-        pub unsafe extern "ptx-kernel" fn $name(
-            a: *const f32, b: *const f32, bias: *const f32, y: *mut f32, save_z: *mut f32,
-            m: u32, n: u32, k: u32, lda: u32, ldb: u32, k_split: u32, ops: *const OpDesc, n_ops: u32,
-        ) {
-            unsafe { gemm_wg::<$split, $a_k, $trans, $stages, $inflight>(a, b, bias, y, save_z, m, n, k, lda, ldb, k_split, ops, n_ops) }
-        }
-    )*};
-}
-
-wg_entry! {
+gemm_entries! {
+    gemm_wg;
     /// Forward `x W^T`, TF32 on `wgmma`, 16-byte copies: 3 stages, 2 blocks per SM,
     /// each k-tile's MMAs waited for (measured faster than 4 stages at 1 block).
     gemm_wg_tf32_nt_vec4 = <false, true, false, { TF32_STAGES as u32 }, 0>;
