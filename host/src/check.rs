@@ -20,6 +20,10 @@ pub const FP32_REL: f64 = 1e-4;
 /// so a k-term product is off by about 2^-11 / sqrt(few) relative; 2e-3 is the bound
 /// the tensor-core issue sets.
 pub const TF32_REL: f64 = 2e-3;
+
+/// `--precision bf16`: operands rounded to bf16 (8 mantissa bits, ~2e-3 per element),
+/// FP32 accumulation: the tensor-core issue's bar.
+pub const BF16_REL: f64 = 2e-2;
 /// Two f64 computations of the same function.
 pub const F64_REL: f64 = 1e-10;
 /// Step of the central finite differences in f64.

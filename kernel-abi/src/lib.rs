@@ -17,8 +17,9 @@ pub const LAUNCH_BOUNDS: &[(&str, u32, u32)] = &gemm_simt::bounds([
 ]);
 
 /// The tensor-core GEMMs (`kernels-gpu/src/gemm/tensor_core.rs`): 2 blocks per SM (128
-/// registers), except the 3xTF32 forward: its two `ldmatrix` operands and their
-/// residuals need ~8 registers more (ptxas spills at 128), so it runs 1 block per SM.
+/// registers), except the 3xTF32 forward (its two `ldmatrix` operands and their
+/// residuals need ~8 registers more: ptxas spills at 128) and the bf16 kernels (two
+/// TF32 steps' words feed one `m16n8k16`): 1 block per SM.
 pub const LAUNCH_BOUNDS_TC: &[(&str, u32, u32)] = &[
     ("gemm_tc_tf32_nt_vec4", gemm_tc::THREADS as u32, 2),
     ("gemm_tc_tf32_nt_scalar", gemm_tc::THREADS as u32, 2),
@@ -26,6 +27,12 @@ pub const LAUNCH_BOUNDS_TC: &[(&str, u32, u32)] = &[
     ("gemm_tc_tf32_nn_scalar", gemm_tc::THREADS as u32, 2),
     ("gemm_tc_tf32_tn_vec4", gemm_tc::THREADS as u32, 2),
     ("gemm_tc_tf32_tn_scalar", gemm_tc::THREADS as u32, 2),
+    ("gemm_tc_bf16_nt_vec4", gemm_tc::THREADS as u32, 1),
+    ("gemm_tc_bf16_nt_scalar", gemm_tc::THREADS as u32, 1),
+    ("gemm_tc_bf16_nn_vec4", gemm_tc::THREADS as u32, 1),
+    ("gemm_tc_bf16_nn_scalar", gemm_tc::THREADS as u32, 1),
+    ("gemm_tc_bf16_tn_vec4", gemm_tc::THREADS as u32, 1),
+    ("gemm_tc_bf16_tn_scalar", gemm_tc::THREADS as u32, 1),
     ("gemm_tc_tf32x3_nt_vec4", gemm_tc::THREADS as u32, 1),
     ("gemm_tc_tf32x3_nt_scalar", gemm_tc::THREADS as u32, 1),
     ("gemm_tc_tf32x3_nn_vec4", gemm_tc::THREADS as u32, 2),

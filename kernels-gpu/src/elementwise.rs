@@ -91,3 +91,17 @@ pub unsafe extern "ptx-kernel" fn transpose(input: *const f32, rows: u32, cols: 
         }
     }
 }
+
+/// `out[i] = bf16(input[i])` (round to nearest even), the bf16 operands of cuBLAS's
+/// bf16 GEMM that `host bench --precision bf16` compares against.
+///
+/// # Safety
+/// `input` holds `len` floats, `out` `len` 16-bit words.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn f32_to_bf16(input: *const f32, len: u32, out: *mut u16) {
+    let i = global_index();
+    if i < len as usize {
+        // SAFETY: i < len.
+        unsafe { *out.add(i) = crate::prelude::tensor_core::pack_bf16x2((*input.add(i)).to_bits(), 0) as u16 };
+    }
+}

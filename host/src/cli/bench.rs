@@ -5,9 +5,10 @@ use super::{BlockArgs, Failure};
 use crate::block::random_input;
 use crate::error::{Error, Result};
 use crate::gpu::block::GpuBlock;
-use crate::gpu::cublas::Cublas;
+use crate::gpu::cublas::{Cublas, Operand};
+use crate::gpu::elementwise::to_bf16;
 use crate::gpu::gemm::simt::Precision;
-use crate::gpu::{Gpu, Phases};
+use crate::gpu::{DeviceTensor, Gpu, Phases};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use std::path::PathBuf;
@@ -62,6 +63,33 @@ fn median_ms(gpu: &Gpu, repeat: usize, mut work: impl FnMut() -> Result<()>) -> 
     Ok(t[t.len() / 2])
 }
 
+/// cuBLAS's forward GEMM (or, with `--backward`, its forward, dX and dW GEMMs) on
+/// `(x, w, dz)`, median milliseconds; the three separately are printed too.
+#[allow(clippy::type_complexity)]
+fn time_cublas<T: Operand>(
+    gpu: &Gpu,
+    cublas: &Cublas,
+    a: &BenchArgs,
+    model: &str,
+    (x, w, dz): (&T, &T, &T),
+    (y, dx, dw): &mut (&mut DeviceTensor, &mut DeviceTensor, &mut DeviceTensor),
+) -> Result<f64> {
+    if !a.backward {
+        return median_ms(gpu, a.repeat, || cublas.forward(x, w, y));
+    }
+    let each = [
+        median_ms(gpu, a.repeat, || cublas.forward(x, w, y))?,
+        median_ms(gpu, a.repeat, || cublas.grad_input(dz, w, dx))?,
+        median_ms(gpu, a.repeat, || cublas.grad_weight(dz, x, dw))?,
+    ];
+    eprintln!("{model} cuBLAS (ms): forward {:.3}, dX {:.3}, dW {:.3}", each[0], each[1], each[2]);
+    median_ms(gpu, a.repeat, || {
+        cublas.forward(x, w, y)?;
+        cublas.grad_input(dz, w, dx)?;
+        cublas.grad_weight(dz, x, dw)
+    })
+}
+
 pub fn run(a: &BenchArgs) -> Result<(), Failure> {
     let gpu = Gpu::open(0)?;
     let cublas = Cublas::new(&gpu, a.precision == Precision::Tf32)?;
@@ -111,22 +139,16 @@ pub fn run(a: &BenchArgs) -> Result<(), Failure> {
 
         let w = gpu.upload(&p.params.linear_weight)?;
         let mut y = gpu.poisoned(&[b, o])?;
-        let cublas_ms = if a.backward {
-            let (mut dx, mut dw) = (gpu.poisoned(&[b, i])?, gpu.poisoned(&[o, i])?);
-            let dz = gpu.upload(&random_input(b, o, &mut rng)?)?;
-            let each = [
-                median_ms(&gpu, a.repeat, || cublas.forward(&x, &w, &mut y))?,
-                median_ms(&gpu, a.repeat, || cublas.grad_input(&dz, &w, &mut dx))?,
-                median_ms(&gpu, a.repeat, || cublas.grad_weight(&dz, &x, &mut dw))?,
-            ];
-            eprintln!("{model} cuBLAS (ms): forward {:.3}, dX {:.3}, dW {:.3}", each[0], each[1], each[2]);
-            median_ms(&gpu, a.repeat, || {
-                cublas.forward(&x, &w, &mut y)?;
-                cublas.grad_input(&dz, &w, &mut dx)?;
-                cublas.grad_weight(&dz, &x, &mut dw)
-            })?
+        let (mut dx, mut dw) = (gpu.poisoned(&[b, i])?, gpu.poisoned(&[o, i])?);
+        let dz = gpu.upload(&random_input(b, o, &mut rng)?)?;
+        let mut outs = (&mut y, &mut dx, &mut dw);
+        let cublas_ms = if a.precision == Precision::Bf16 {
+            // cuBLAS's bf16 GEMM on bf16 copies, made before timing (a bf16 model would
+            // hold its tensors in bf16 already).
+            let (xb, wb, dzb) = (to_bf16(&gpu, &x)?, to_bf16(&gpu, &w)?, to_bf16(&gpu, &dz)?);
+            time_cublas(&gpu, &cublas, a, model, (&xb, &wb, &dzb), &mut outs)?
         } else {
-            median_ms(&gpu, a.repeat, || cublas.forward(&x, &w, &mut y))?
+            time_cublas(&gpu, &cublas, a, model, (&x, &w, &dz), &mut outs)?
         };
         let tflops = flops / (ours * 1e-3) / 1e12;
         eprintln!("{model}: ours {ours:.3} ms, cuBLAS SGEMM {cublas_ms:.3} ms ({path})");
@@ -139,7 +161,11 @@ pub fn run(a: &BenchArgs) -> Result<(), Failure> {
         gpu.props.name,
         gpu.props.multiprocessors,
         a.precision,
-        if a.precision == Precision::Tf32 { "TF32 tensor-op math" } else { "SGEMM, FP32" },
+        match a.precision {
+            Precision::Tf32 => "TF32 tensor-op math",
+            Precision::Bf16 => "bf16 GEMM, FP32 accumulation",
+            _ => "SGEMM, FP32",
+        },
         a.repeat
     );
     println!("{:<7} {:<20} {:>9} {:>15} {:>7} {:>9}  path", "model", "shape", "ours ms", peer, "ratio", "TFLOP/s");

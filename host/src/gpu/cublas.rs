@@ -1,10 +1,13 @@
-//! cuBLAS SGEMM, the yardstick `host bench` times our kernels against in the same process.
+//! cuBLAS, the yardstick `host bench` times our kernels against in the same process:
+//! SGEMM (strict FP32 or TF32 tensor-op math) on f32 operands, and the bf16 GEMM
+//! (`cublasGemmEx`, FP32 accumulation and output) on bf16 copies of them.
 
+use super::elementwise::Bf16Tensor;
 use super::{DeviceTensor, Gpu};
 use crate::error::{Error, Result};
 use cudarc::cublas::sys::{cublasMath_t, cublasOperation_t};
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
 const OP_N: cublasOperation_t = cublasOperation_t::CUBLAS_OP_N;
 const OP_T: cublasOperation_t = cublasOperation_t::CUBLAS_OP_T;
@@ -12,6 +15,8 @@ const OP_T: cublasOperation_t = cublasOperation_t::CUBLAS_OP_T;
 /// A cuBLAS handle on the GPU's stream: strict FP32, or TF32 tensor-op math.
 pub struct Cublas {
     blas: CudaBlas,
+    /// The stream the handle runs on (the GPU's), for the raw bf16 call's pointers.
+    stream: std::sync::Arc<cudarc::driver::CudaStream>,
 }
 
 impl Cublas {
@@ -29,53 +34,65 @@ impl Cublas {
         unsafe { cudarc::cublas::sys::cublasSetMathMode(*blas.handle(), mode) }
             .result()
             .map_err(|e| Error::cuda("setting cuBLAS math mode", e))?;
-        Ok(Cublas { blas })
+        Ok(Cublas { blas, stream: gpu.stream().clone() })
     }
 
     /// The forward GEMM `y = x W^T` (no bias): `x (m, k)`, `w (n, k)`, `y (m, n)`, all row-major.
-    pub fn forward(&self, x: &DeviceTensor, w: &DeviceTensor, y: &mut DeviceTensor) -> Result<()> {
-        let (m, k, n) = match (&x.shape[..], &w.shape[..]) {
+    pub fn forward<T: Operand>(&self, x: &T, w: &T, y: &mut DeviceTensor) -> Result<()> {
+        let (m, k, n) = match (x.shape(), w.shape()) {
             ([m, k], [n, _]) => (*m, *k, *n),
-            _ => return Err(Error::Shape(format!("sgemm: x {:?} and w {:?} must be 2-D", x.shape, w.shape))),
+            _ => return Err(Error::Shape(format!("sgemm: x {:?} and w {:?} must be 2-D", x.shape(), w.shape()))),
         };
-        if w.shape != [n, k] || y.shape != [m, n] {
-            return Err(Error::Shape(format!("sgemm: x {:?}, w {:?}, y {:?}", x.shape, w.shape, y.shape)));
+        if w.shape() != [n, k] || y.shape != [m, n] {
+            return Err(Error::Shape(format!("sgemm: x {:?}, w {:?}, y {:?}", x.shape(), w.shape(), y.shape)));
         }
         // Row-major y (m, n) is column-major y^T (n, m) = W x^T: A = w (column-major k x n,
         // transposed), B = x (column-major k x m), C = y (column-major n x m).
-        self.sgemm((OP_T, OP_N), (n, m, k), (&w.buf, k), (&x.buf, k), (&mut y.buf, n))
+        self.gemm((OP_T, OP_N), (n, m, k), (w, k), (x, k), (&mut y.buf, n))
     }
 
     /// The backward's `dX = dZ W`: `dz (m, n)`, `w (n, k)`, `dx (m, k)`.
-    pub fn grad_input(&self, dz: &DeviceTensor, w: &DeviceTensor, dx: &mut DeviceTensor) -> Result<()> {
-        let (m, n, k) = (dz.shape[0], dz.shape[1], w.shape[1]);
-        if w.shape != [n, k] || dx.shape != [m, k] {
-            return Err(Error::Shape(format!("sgemm: dz {:?}, w {:?}, dx {:?}", dz.shape, w.shape, dx.shape)));
+    pub fn grad_input<T: Operand>(&self, dz: &T, w: &T, dx: &mut DeviceTensor) -> Result<()> {
+        let (&[m, n], &[_, k]) = (dz.shape(), w.shape()) else {
+            return Err(Error::Shape(format!("sgemm: dz {:?} and w {:?} must be 2-D", dz.shape(), w.shape())));
+        };
+        if w.shape() != [n, k] || dx.shape != [m, k] {
+            return Err(Error::Shape(format!("sgemm: dz {:?}, w {:?}, dx {:?}", dz.shape(), w.shape(), dx.shape)));
         }
         // Column-major: dX^T (k, m) = W^T (k, n) dZ^T (n, m), both buffers as they are.
-        self.sgemm((OP_N, OP_N), (k, m, n), (&w.buf, k), (&dz.buf, n), (&mut dx.buf, k))
+        self.gemm((OP_N, OP_N), (k, m, n), (w, k), (dz, n), (&mut dx.buf, k))
     }
 
     /// The backward's `dW = dZ^T X`: `dz (m, n)`, `x (m, k)`, `dw (n, k)`.
-    pub fn grad_weight(&self, dz: &DeviceTensor, x: &DeviceTensor, dw: &mut DeviceTensor) -> Result<()> {
-        let (m, n, k) = (dz.shape[0], dz.shape[1], x.shape[1]);
-        if x.shape != [m, k] || dw.shape != [n, k] {
-            return Err(Error::Shape(format!("sgemm: dz {:?}, x {:?}, dw {:?}", dz.shape, x.shape, dw.shape)));
+    pub fn grad_weight<T: Operand>(&self, dz: &T, x: &T, dw: &mut DeviceTensor) -> Result<()> {
+        let (&[m, n], &[_, k]) = (dz.shape(), x.shape()) else {
+            return Err(Error::Shape(format!("sgemm: dz {:?} and x {:?} must be 2-D", dz.shape(), x.shape())));
+        };
+        if x.shape() != [m, k] || dw.shape != [n, k] {
+            return Err(Error::Shape(format!("sgemm: dz {:?}, x {:?}, dw {:?}", dz.shape(), x.shape(), dw.shape)));
         }
         // Column-major: dW^T (k, n) = X^T (k, m) dZ (m, n); dZ's buffer is dZ^T, so transposed.
-        self.sgemm((OP_N, OP_T), (k, n, m), (&x.buf, k), (&dz.buf, n), (&mut dw.buf, k))
+        self.gemm((OP_N, OP_T), (k, n, m), (x, k), (dz, n), (&mut dw.buf, k))
     }
 
-    /// Column-major `C (m, n) = op(A) op(B)` with leading dimensions.
+    /// Column-major `C (m, n) = op(A) op(B)` with leading dimensions, on the operands'
+    /// type: SGEMM for f32, the bf16 GEMM for bf16.
     #[allow(clippy::type_complexity)]
-    fn sgemm(
+    fn gemm<T: Operand>(
         &self,
         (transa, transb): (cublasOperation_t, cublasOperation_t),
         (m, n, k): (usize, usize, usize),
-        (a, lda): (&CudaSlice<f32>, usize),
-        (b, ldb): (&CudaSlice<f32>, usize),
+        (a, lda): (&T, usize),
+        (b, ldb): (&T, usize),
         (c, ldc): (&mut CudaSlice<f32>, usize),
     ) -> Result<()> {
+        let (a, b) = match (a.data(), b.data()) {
+            (Data::F32(a), Data::F32(b)) => (a, b),
+            (Data::Bf16(a), Data::Bf16(b)) => {
+                return self.gemm_bf16((transa, transb), (m, n, k), (a, lda), (b, ldb), (c, ldc));
+            }
+            _ => unreachable!("both operands have the type T"),
+        };
         let cfg = GemmConfig {
             transa,
             transb,
@@ -90,6 +107,80 @@ impl Cublas {
         };
         // SAFETY: the callers checked the buffers against these dimensions.
         unsafe { self.blas.gemm(cfg, a, b, c) }.map_err(|e| Error::cuda("cublasSgemm", e))
+    }
+
+    /// [`Cublas::gemm`] for bf16 operands: `cublasGemmEx`, FP32 compute and output.
+    #[allow(clippy::type_complexity)]
+    fn gemm_bf16(
+        &self,
+        (transa, transb): (cublasOperation_t, cublasOperation_t),
+        (m, n, k): (usize, usize, usize),
+        (a, lda): (&CudaSlice<u16>, usize),
+        (b, ldb): (&CudaSlice<u16>, usize),
+        (c, ldc): (&mut CudaSlice<f32>, usize),
+    ) -> Result<()> {
+        use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType_t};
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let stream = &self.stream;
+        let (pa, _ra) = a.device_ptr(stream);
+        let (pb, _rb) = b.device_ptr(stream);
+        let (pc, _rc) = c.device_ptr_mut(stream);
+        // SAFETY: the callers checked the buffers against these dimensions; the scalars
+        // are host f32 (the handle's default pointer mode) matching COMPUTE_32F.
+        unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *self.blas.handle(),
+                transa,
+                transb,
+                cublas_dim(m)?,
+                cublas_dim(n)?,
+                cublas_dim(k)?,
+                (&alpha) as *const f32 as *const _,
+                pa as *const _,
+                cudaDataType_t::CUDA_R_16BF,
+                cublas_dim(lda)?,
+                pb as *const _,
+                cudaDataType_t::CUDA_R_16BF,
+                cublas_dim(ldb)?,
+                (&beta) as *const f32 as *const _,
+                pc as *mut _,
+                cudaDataType_t::CUDA_R_32F,
+                cublas_dim(ldc)?,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| Error::cuda("cublasGemmEx (bf16)", e))
+    }
+}
+
+/// An operand cuBLAS takes here: an f32 tensor (SGEMM) or its bf16 copy (bf16 GEMM).
+pub trait Operand {
+    fn shape(&self) -> &[usize];
+    fn data(&self) -> Data<'_>;
+}
+
+/// The buffer of an [`Operand`].
+pub enum Data<'a> {
+    F32(&'a CudaSlice<f32>),
+    Bf16(&'a CudaSlice<u16>),
+}
+
+impl Operand for DeviceTensor {
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Data<'_> {
+        Data::F32(&self.buf)
+    }
+}
+
+impl Operand for Bf16Tensor {
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Data<'_> {
+        Data::Bf16(&self.buf)
     }
 }
 

@@ -4,7 +4,7 @@
 
 use super::{DeviceTensor, Gpu, launched};
 use crate::error::{Error, Result};
-use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 
 /// `a += b` (same shape).
 pub fn add_assign(gpu: &Gpu, a: &mut DeviceTensor, b: &DeviceTensor) -> Result<()> {
@@ -86,4 +86,26 @@ pub fn transpose_on(gpu: &Gpu, stream: &CudaStream, input: &DeviceTensor) -> Res
     // block, grid and shared memory as it documents.
     launched("transpose", unsafe { l.launch(cfg) })?;
     Ok(out)
+}
+
+/// A row-major bf16 matrix in device memory (raw 16-bit words): the operands of
+/// cuBLAS's bf16 GEMM in `host bench --precision bf16`.
+pub struct Bf16Tensor {
+    pub shape: Vec<usize>,
+    pub buf: CudaSlice<u16>,
+}
+
+/// `input` rounded to bf16.
+pub fn to_bf16(gpu: &Gpu, input: &DeviceTensor) -> Result<Bf16Tensor> {
+    let len = input.len();
+    // SAFETY: the kernel below writes all `len` words before anything reads them.
+    let mut buf = unsafe { gpu.stream().alloc::<u16>(len.max(1)) }
+        .map_err(|e| Error::cuda(format!("allocating {len} bf16 words"), e))?;
+    let n = len as u32;
+    let (func, cfg) = gpu.kernel_1d("f32_to_bf16", len, 0)?;
+    let mut l = gpu.stream().launch_builder(&func);
+    l.arg(&input.buf).arg(&n).arg(&mut buf);
+    // SAFETY: (input, len, out) as the kernel takes; out holds len words.
+    launched("f32_to_bf16", unsafe { l.launch(cfg) })?;
+    Ok(Bf16Tensor { shape: input.shape.clone(), buf })
 }

@@ -38,6 +38,13 @@ const R_ROW_BYTES: u32 = (BLOCK_M * 4) as u32;
 
 type Acc = [[[f32; 4]; 4]; 4];
 
+/// The arithmetic of a `gemm_tc` kernel: TF32 (operands truncated to TF32), 3xTF32
+/// (FP32-accurate split) or bf16 (operands rounded to bf16, `m16n8k16`); FP32
+/// accumulation in all three.
+const TF32: u8 = 0;
+const TF32X3: u8 = 1;
+const BF16: u8 = 2;
+
 /// `y = chain(A B^T + bias)` on tensor cores; the contract (operand orders, split-K via
 /// `gridDim.z`, `save_z`, bias) is that of [`super::simt`]'s `gemm_f32` with the sizes
 /// of `kernel_abi::gemm_tc` (`k_split` a multiple of its `BLOCK_K` = 32).
@@ -47,7 +54,7 @@ type Acc = [[[f32; 4]; 4]; 4];
 /// needs `lda`, `ldb` multiples of 4 and 16-byte aligned operands.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_tc<const SPLIT: bool, const VEC: bool, const A_K: bool, const B_K: bool>(
+unsafe fn gemm_tc<const MATH: u8, const VEC: bool, const A_K: bool, const B_K: bool>(
     a: *const f32,
     b: *const f32,
     bias: *const f32,
@@ -98,7 +105,7 @@ unsafe fn gemm_tc<const SPLIT: bool, const VEC: bool, const A_K: bool, const B_K
         }
         cp_async_commit();
         // SAFETY: the stage's two tiles are complete (wait + barrier above).
-        unsafe { frag.multiply::<SPLIT, A_K, B_K>(&mut acc, stage_a(read), stage_a(read) + TILE_BYTES) };
+        unsafe { frag.multiply::<MATH, A_K, B_K>(&mut acc, stage_a(read), stage_a(read) + TILE_BYTES) };
         read = if read + 1 == STAGES as u32 { 0 } else { read + 1 };
         write = if write + 1 == STAGES as u32 { 0 } else { write + 1 };
     }
@@ -253,39 +260,31 @@ impl Fragments {
     /// # Safety
     /// `sa`, `sb`: shared addresses of the stage's complete tiles; warp-uniform call.
     #[inline(always)]
-    unsafe fn multiply<const SPLIT: bool, const A_K: bool, const B_K: bool>(&self, acc: &mut Acc, sa: u32, sb: u32) {
+    unsafe fn multiply<const MATH: u8, const A_K: bool, const B_K: bool>(&self, acc: &mut Acc, sa: u32, sb: u32) {
+        if MATH == BF16 {
+            // A bf16 `k`-step of 16 is two TF32 steps of 8: the thread's TF32 words for
+            // `k` = tig, tig + 4 (step 2 j) and 8 + tig, 12 + tig (step 2 j + 1) become the
+            // bf16 pairs of logical `k` = 2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9 — the same
+            // renaming of `k` for `A` and `B`, so the products still pair up.
+            unroll!(j in 0..2 => {
+                // Pack each step's words as soon as they are loaded: half the registers.
+                let mut a = [[0u32; 4]; 4];
+                let mut b = [[0u32; 2]; 4];
+                unroll!(h in 0..2 => {
+                    let (af, bf) = unsafe { self.fragments::<A_K, B_K>(sa, sb, 2 * j as u32 + h as u32) };
+                    unroll!(mi in 0..4 => {
+                        a[mi][2 * h] = pack_bf16x2(af[mi][0], af[mi][2]);
+                        a[mi][2 * h + 1] = pack_bf16x2(af[mi][1], af[mi][3]);
+                    });
+                    unroll!(ni in 0..4 => { b[ni][h] = pack_bf16x2(bf[ni][0], bf[ni][1]); });
+                });
+                unroll!(mi in 0..4 => { unroll!(ni in 0..4 => { mma_bf16(&mut acc[mi][ni], a[mi], b[ni]); }); });
+            });
+            return;
+        }
         unroll!(s in 0..4 => {
-            let s = s as u32;
-            // SAFETY (loads): every offset stays inside its 16 KiB tile.
-            let mut bf = [[0u32; 2]; 4];
-            if B_K {
-                unroll!(p in 0..2 => {
-                    let r = unsafe { ldmatrix_x4(sb + (self.b_off ^ (32 * s)) + p as u32 * 16 * K_ROW_BYTES) };
-                    bf[2 * p] = [r[0], r[1]];
-                    bf[2 * p + 1] = [r[2], r[3]];
-                });
-            } else {
-                let lo = unsafe { ld_shared_v4(sb + self.b_off + 8 * s * R_ROW_BYTES) };
-                let hi = unsafe { ld_shared_v4(sb + self.b_off + (8 * s + 4) * R_ROW_BYTES) };
-                unroll!(ni in 0..4 => { bf[ni] = [lo[ni], hi[ni]]; });
-            }
-            let mut af = [[0u32; 4]; 4];
-            if A_K {
-                unroll!(mi in 0..4 => {
-                    af[mi] = unsafe { ldmatrix_x4(sa + (self.a_off ^ (32 * s)) + mi as u32 * 16 * K_ROW_BYTES) };
-                });
-            } else {
-                // Word e of chunk j holds rows (mi, half) with 4 j + e = 2 mi + half.
-                // (The XOR flips chunk 2 gid to 2 gid + 1 in the swizzled order.)
-                let (k0, k0_next) = (sa + 8 * s * R_ROW_BYTES + self.a_off, sa + 8 * s * R_ROW_BYTES + (self.a_off ^ 16));
-                let (k4, k4_next) = (k0 + 4 * R_ROW_BYTES, k0_next + 4 * R_ROW_BYTES);
-                let v = unsafe { [ld_shared_v4(k0), ld_shared_v4(k0_next), ld_shared_v4(k4), ld_shared_v4(k4_next)] };
-                unroll!(mi in 0..4 => {
-                    let (j, e) = (mi / 2, (mi % 2) * 2);
-                    af[mi] = [v[j][e], v[j][e + 1], v[2 + j][e], v[2 + j][e + 1]];
-                });
-            }
-            if SPLIT {
+            let (af, bf) = unsafe { self.fragments::<A_K, B_K>(sa, sb, s as u32) };
+            if MATH == TF32X3 {
                 // High parts are the raw operands (see `tf32_residual`); one row of
                 // fragments at a time keeps few residuals live. Small terms first, so
                 // the large one lands last on each accumulator.
@@ -304,6 +303,45 @@ impl Fragments {
                 unroll!(mi in 0..4 => { unroll!(ni in 0..4 => { mma_tf32(&mut acc[mi][ni], af[mi], bf[ni]); }); });
             }
         });
+    }
+
+    /// The thread's TF32 fragments of `k`-step `s` (of 8) of a stage: `A` for its 4 `mi`,
+    /// `B` for its 4 `ni`, as FP32 bits.
+    ///
+    /// # Safety
+    /// As [`Fragments::multiply`]; `s < 4`.
+    #[inline(always)]
+    unsafe fn fragments<const A_K: bool, const B_K: bool>(&self, sa: u32, sb: u32, s: u32) -> ([[u32; 4]; 4], [[u32; 2]; 4]) {
+        // SAFETY (loads): every offset stays inside its 16 KiB tile.
+        let mut bf = [[0u32; 2]; 4];
+        if B_K {
+            unroll!(p in 0..2 => {
+                let r = unsafe { ldmatrix_x4(sb + (self.b_off ^ (32 * s)) + p as u32 * 16 * K_ROW_BYTES) };
+                bf[2 * p] = [r[0], r[1]];
+                bf[2 * p + 1] = [r[2], r[3]];
+            });
+        } else {
+            let lo = unsafe { ld_shared_v4(sb + self.b_off + 8 * s * R_ROW_BYTES) };
+            let hi = unsafe { ld_shared_v4(sb + self.b_off + (8 * s + 4) * R_ROW_BYTES) };
+            unroll!(ni in 0..4 => { bf[ni] = [lo[ni], hi[ni]]; });
+        }
+        let mut af = [[0u32; 4]; 4];
+        if A_K {
+            unroll!(mi in 0..4 => {
+                af[mi] = unsafe { ldmatrix_x4(sa + (self.a_off ^ (32 * s)) + mi as u32 * 16 * K_ROW_BYTES) };
+            });
+        } else {
+            // Word e of chunk j holds rows (mi, half) with 4 j + e = 2 mi + half.
+            // (The XOR flips chunk 2 gid to 2 gid + 1 in the swizzled order.)
+            let (k0, k0_next) = (sa + 8 * s * R_ROW_BYTES + self.a_off, sa + 8 * s * R_ROW_BYTES + (self.a_off ^ 16));
+            let (k4, k4_next) = (k0 + 4 * R_ROW_BYTES, k0_next + 4 * R_ROW_BYTES);
+            let v = unsafe { [ld_shared_v4(k0), ld_shared_v4(k0_next), ld_shared_v4(k4), ld_shared_v4(k4_next)] };
+            unroll!(mi in 0..4 => {
+                let (j, e) = (mi / 2, (mi % 2) * 2);
+                af[mi] = [v[j][e], v[j][e + 1], v[2 + j][e], v[2 + j][e + 1]];
+            });
+        }
+        (af, bf)
     }
 
     /// Writes the accumulators to the `[128][STAGE_STRIDE]` staging tile, undoing the
@@ -331,27 +369,39 @@ impl Fragments {
 gemm_entries! {
     gemm_tc;
     /// Forward `x W^T`, 3xTF32 (FP32-accurate), 16-byte copies.
-    gemm_tc_tf32x3_nt_vec4 = <true, true, true, true>;
+    gemm_tc_tf32x3_nt_vec4 = <TF32X3, true, true, true>;
     /// Forward `x W^T`, 3xTF32, 4-byte copies (any `k`).
-    gemm_tc_tf32x3_nt_scalar = <true, false, true, true>;
+    gemm_tc_tf32x3_nt_scalar = <TF32X3, false, true, true>;
     /// `dX = dZ W`, 3xTF32, 16-byte copies.
-    gemm_tc_tf32x3_nn_vec4 = <true, true, true, false>;
+    gemm_tc_tf32x3_nn_vec4 = <TF32X3, true, true, false>;
     /// `dX = dZ W`, 3xTF32, 4-byte copies.
-    gemm_tc_tf32x3_nn_scalar = <true, false, true, false>;
+    gemm_tc_tf32x3_nn_scalar = <TF32X3, false, true, false>;
     /// `dW = dZ^T X`, 3xTF32, 16-byte copies.
-    gemm_tc_tf32x3_tn_vec4 = <true, true, false, false>;
+    gemm_tc_tf32x3_tn_vec4 = <TF32X3, true, false, false>;
     /// `dW = dZ^T X`, 3xTF32, 4-byte copies.
-    gemm_tc_tf32x3_tn_scalar = <true, false, false, false>;
+    gemm_tc_tf32x3_tn_scalar = <TF32X3, false, false, false>;
     /// Forward `x W^T`, TF32, 16-byte copies.
-    gemm_tc_tf32_nt_vec4 = <false, true, true, true>;
+    gemm_tc_tf32_nt_vec4 = <TF32, true, true, true>;
     /// Forward `x W^T`, TF32, 4-byte copies.
-    gemm_tc_tf32_nt_scalar = <false, false, true, true>;
+    gemm_tc_tf32_nt_scalar = <TF32, false, true, true>;
     /// `dX = dZ W`, TF32, 16-byte copies.
-    gemm_tc_tf32_nn_vec4 = <false, true, true, false>;
+    gemm_tc_tf32_nn_vec4 = <TF32, true, true, false>;
     /// `dX = dZ W`, TF32, 4-byte copies.
-    gemm_tc_tf32_nn_scalar = <false, false, true, false>;
+    gemm_tc_tf32_nn_scalar = <TF32, false, true, false>;
     /// `dW = dZ^T X`, TF32, 16-byte copies.
-    gemm_tc_tf32_tn_vec4 = <false, true, false, false>;
+    gemm_tc_tf32_tn_vec4 = <TF32, true, false, false>;
     /// `dW = dZ^T X`, TF32, 4-byte copies.
-    gemm_tc_tf32_tn_scalar = <false, false, false, false>;
+    gemm_tc_tf32_tn_scalar = <TF32, false, false, false>;
+    /// Forward `x W^T`, bf16 operands, FP32 accumulation, 16-byte copies.
+    gemm_tc_bf16_nt_vec4 = <BF16, true, true, true>;
+    /// Forward `x W^T`, bf16, 4-byte copies.
+    gemm_tc_bf16_nt_scalar = <BF16, false, true, true>;
+    /// `dX = dZ W`, bf16, 16-byte copies.
+    gemm_tc_bf16_nn_vec4 = <BF16, true, true, false>;
+    /// `dX = dZ W`, bf16, 4-byte copies.
+    gemm_tc_bf16_nn_scalar = <BF16, false, true, false>;
+    /// `dW = dZ^T X`, bf16, 16-byte copies.
+    gemm_tc_bf16_tn_vec4 = <BF16, true, false, false>;
+    /// `dW = dZ^T X`, bf16, 4-byte copies.
+    gemm_tc_bf16_tn_scalar = <BF16, false, false, false>;
 }

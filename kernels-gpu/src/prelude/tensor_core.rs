@@ -106,3 +106,33 @@ pub fn mma_tf32(d: &mut [f32; 4], a: [u32; 4], b: [u32; 2]) {
     }
     *d = c.map(f32::from_bits);
 }
+
+/// Two floats rounded to bf16 (to nearest even) and packed: `lo` in the low half, the
+/// element with the lower `k` of an `m16n8k16` fragment register.
+#[inline(always)]
+pub fn pack_bf16x2(lo: u32, hi: u32) -> u32 {
+    let out: u32;
+    // SAFETY: register-only conversion.
+    unsafe {
+        asm!("cvt.rn.bf16x2.f32 {o}, {h}, {l};", o = out(reg32) out, h = in(reg32) hi, l = in(reg32) lo,
+             options(pure, nomem, nostack, preserves_flags));
+    }
+    out
+}
+
+/// `d += a b` for one `m16n8k16` bf16 fragment product with FP32 accumulation.
+#[inline(always)]
+pub fn mma_bf16(d: &mut [f32; 4], a: [u32; 4], b: [u32; 2]) {
+    let mut c = d.map(f32::to_bits);
+    // SAFETY: register-only; every lane of the warp executes it.
+    unsafe {
+        asm!(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{d0},{d1},{d2},{d3}}}, {{{a0},{a1},{a2},{a3}}}, {{{b0},{b1}}}, {{{d0},{d1},{d2},{d3}}};",
+            d0 = inout(reg32) c[0], d1 = inout(reg32) c[1], d2 = inout(reg32) c[2], d3 = inout(reg32) c[3],
+            a0 = in(reg32) a[0], a1 = in(reg32) a[1], a2 = in(reg32) a[2], a3 = in(reg32) a[3],
+            b0 = in(reg32) b[0], b1 = in(reg32) b[1],
+            options(nostack, preserves_flags),
+        );
+    }
+    *d = c.map(f32::from_bits);
+}

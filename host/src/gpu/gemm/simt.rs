@@ -53,6 +53,8 @@ pub enum Precision {
     Tf32x3,
     /// Tensor cores, operands rounded to TF32 (10-bit mantissa).
     Tf32,
+    /// Tensor cores, operands rounded to bf16 (7-bit mantissa), FP32 accumulation.
+    Bf16,
 }
 
 impl Precision {
@@ -62,7 +64,14 @@ impl Precision {
         match self {
             Precision::Fp32 | Precision::Tf32x3 => crate::check::FP32_REL,
             Precision::Tf32 => crate::check::TF32_REL,
+            Precision::Bf16 => crate::check::BF16_REL,
         }
+    }
+
+    /// Whether the `wgmma` kernels implement this precision (TF32 and 3xTF32; bf16 runs
+    /// on `mma.sync` only).
+    fn on_wgmma(self) -> bool {
+        matches!(self, Precision::Tf32 | Precision::Tf32x3)
     }
 
     fn prefix(self) -> &'static str {
@@ -70,6 +79,7 @@ impl Precision {
             Precision::Fp32 => "gemm_f32",
             Precision::Tf32x3 => "gemm_tc_tf32x3",
             Precision::Tf32 => "gemm_tc_tf32",
+            Precision::Bf16 => "gemm_tc_bf16",
         }
     }
 
@@ -78,7 +88,7 @@ impl Precision {
     fn stage_k_and_smem(self) -> (usize, usize) {
         match self {
             Precision::Fp32 => (gemm_simt::BLOCK_K, gemm_simt::SMEM_BYTES),
-            Precision::Tf32x3 | Precision::Tf32 => (gemm_tc::BLOCK_K, gemm_tc::SMEM_BYTES),
+            Precision::Tf32x3 | Precision::Tf32 | Precision::Bf16 => (gemm_tc::BLOCK_K, gemm_tc::SMEM_BYTES),
         }
     }
 }
@@ -89,6 +99,7 @@ impl std::fmt::Display for Precision {
             Precision::Fp32 => "fp32",
             Precision::Tf32x3 => "tf32x3",
             Precision::Tf32 => "tf32",
+            Precision::Bf16 => "bf16",
         })
     }
 }
@@ -99,7 +110,7 @@ impl std::fmt::Display for Precision {
 /// row-contiguous operands `wgmma` cannot read for TF32, on `mma.sync` (`gemm_tc_*`).
 pub fn kernel_name(precision: Precision, layout: Layout, lda: usize, ldb: usize) -> String {
     let vec = if lda.is_multiple_of(4) && ldb.is_multiple_of(4) { "vec4" } else { "scalar" };
-    if precision != Precision::Fp32 && layout == Layout::Nt && vec == "vec4" {
+    if precision.on_wgmma() && layout == Layout::Nt && vec == "vec4" {
         return format!("gemm_wg_{precision}_nt_vec4");
     }
     if layout == Layout::Tk {
@@ -155,7 +166,7 @@ impl Gemm<'_> {
         if self.transpose_y && (!tk || self.bias.is_some() || self.chain.is_some()) {
             return Err(Error::Shape("a transposed GEMM output takes layout Tk and no bias or chain".into()));
         }
-        if tk && (self.precision == Precision::Fp32 || !(self.lda.is_multiple_of(4) && self.ldb.is_multiple_of(4))) {
+        if tk && (!self.precision.on_wgmma() || !(self.lda.is_multiple_of(4) && self.ldb.is_multiple_of(4))) {
             return Err(Error::Unsupported("layout Tk runs on tensor cores with 16-byte aligned rows only".into()));
         }
         if y.shape != want {
@@ -253,7 +264,7 @@ pub fn forward_gemm<'a>(precision: Precision, x: &'a DeviceTensor, w: &'a Device
 /// Whether the tensor-core backward GEMMs can run on `wgmma` (`Layout::Tk`): 16-byte
 /// aligned rows in every operand it reads.
 fn backward_on_wgmma(precision: Precision, dims: &[usize]) -> bool {
-    precision != Precision::Fp32 && dims.iter().all(|d| d.is_multiple_of(4))
+    precision.on_wgmma() && dims.iter().all(|d| d.is_multiple_of(4))
 }
 
 /// `dX (m, k) = dZ (m, n) W (n, k)`.
