@@ -264,7 +264,9 @@ unsafe fn main_loop<M: TileMath, const VEC: bool, const A_K: bool, const B_K: bo
 
 /// The arithmetic of the main loop: how a thread turns one staged k-step of the `A`
 /// and `B` tiles (`[BLOCK_K][STRIDE]`, `k` outermost) into its accumulators, and how
-/// it writes them to the `[128][STAGE_STRIDE]` staging tile for the epilogue.
+/// it writes them to the `[128][STAGE_STRIDE]` staging tile for the epilogue. Only
+/// [`Fma`] implements it since the tensor cores got their own kernels; it stays because
+/// folding it away changes the SASS ptxas allocates at the 128-register cap (v2.8).
 trait TileMath {
     type Acc: Copy;
     /// Floats per `k` row of a staged operand tile (padding chosen per math for banks).
