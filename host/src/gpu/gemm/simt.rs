@@ -104,26 +104,47 @@ impl std::fmt::Display for Precision {
     }
 }
 
-/// Kernel name for a precision and layout; 16-byte loads need both leading dimensions
-/// divisible by 4. The tensor-core forward with 16-byte loads runs on `wgmma`
-/// (`gemm_wg_*`, kernels-gpu/src/gemm/wgmma.rs); the other tensor-core layouts, whose
-/// row-contiguous operands `wgmma` cannot read for TF32, on `mma.sync` (`gemm_tc_*`).
-pub fn kernel_name(precision: Precision, layout: Layout, lda: usize, ldb: usize) -> String {
-    let vec = if lda.is_multiple_of(4) && ldb.is_multiple_of(4) { "vec4" } else { "scalar" };
-    if precision.on_wgmma() && layout == Layout::Nt && vec == "vec4" {
-        return format!("gemm_wg_{precision}_nt_vec4");
-    }
-    if layout == Layout::Tk {
-        // `wgmma` only; `Gemm::launch` picks `dx` (transposed output) or `dw`.
-        return format!("gemm_wg_{precision}_tk_vec4");
+/// The kernel a launch runs: its name, its `k` depth per stage (split-K slices are
+/// multiples of it) and its dynamic shared memory in bytes.
+struct Kernel {
+    name: String,
+    block_k: usize,
+    smem_bytes: usize,
+}
+
+/// The kernel for a precision, layout and leading dimensions (16-byte loads need both
+/// divisible by 4), storing `y^T` when `transpose_y`. TF32 and 3xTF32 with 16-byte
+/// loads run on `wgmma` (`gemm_wg_*`, kernels-gpu/src/gemm/wgmma.rs): the forward, and
+/// layout `Tk` as `dx` (transposed output) or `dw`; everything else on the `gemm_f32_*`
+/// FMA kernels or the `mma.sync` ones (`gemm_tc_*`).
+fn kernel(precision: Precision, layout: Layout, lda: usize, ldb: usize, transpose_y: bool) -> Kernel {
+    let vec4 = lda.is_multiple_of(4) && ldb.is_multiple_of(4);
+    if precision.on_wgmma() && vec4 && matches!(layout, Layout::Nt | Layout::Tk) {
+        let what = match (layout, transpose_y) {
+            (Layout::Nt, _) => "nt",
+            (_, true) => "dx",
+            _ => "dw",
+        };
+        return Kernel {
+            name: format!("gemm_wg_{precision}_{what}_vec4"),
+            block_k: gemm_wg::BLOCK_K,
+            smem_bytes: gemm_wg::smem_bytes(precision == Precision::Tf32x3),
+        };
     }
     let layout = match layout {
         Layout::Nt => "nt",
         Layout::Nn => "nn",
         Layout::Tn => "tn",
-        Layout::Tk => "tk",
+        Layout::Tk => "tk", // refused by `Gemm::launch` before it gets here
     };
-    format!("{}_{layout}_{vec}", precision.prefix())
+    let (block_k, smem_bytes) = precision.stage_k_and_smem();
+    let vec = if vec4 { "vec4" } else { "scalar" };
+    Kernel { name: format!("{}_{layout}_{vec}", precision.prefix()), block_k, smem_bytes }
+}
+
+/// Name of the kernel for a precision and layout (see [`kernel`]).
+pub fn kernel_name(precision: Precision, layout: Layout, lda: usize, ldb: usize) -> String {
+    kernel(precision, layout, lda, ldb, false).name
 }
 
 /// One GEMM launch: `y (m, n) = chain(A B^T + bias)`, or `splits > 1` partial products
@@ -145,7 +166,19 @@ pub struct Gemm<'a> {
     pub transpose_y: bool,
 }
 
-impl Gemm<'_> {
+impl<'a> Gemm<'a> {
+    /// A GEMM with no bias, chain, split or transposed output: `(m, n, k)` and the
+    /// operands' leading dimensions `(lda, ldb)`.
+    fn plain(
+        precision: Precision,
+        layout: Layout,
+        (a, b): (&'a CudaSlice<f32>, &'a CudaSlice<f32>),
+        (m, n, k): (usize, usize, usize),
+        (lda, ldb): (usize, usize),
+    ) -> Gemm<'a> {
+        Gemm { precision, layout, a, b, m, n, k, lda, ldb, bias: None, chain: None, splits: 1, transpose_y: false }
+    }
+
     /// Queues the GEMM. `save_z`, if given, receives `A B^T + bias` before the chain.
     pub fn launch(&self, gpu: &Gpu, y: &mut DeviceTensor, save_z: Option<&mut DeviceTensor>) -> Result<()> {
         self.launch_on(gpu, gpu.stream(), y, save_z)
@@ -188,16 +221,9 @@ impl Gemm<'_> {
         if [m, n, k, self.lda, self.ldb, a_len, b_len].iter().any(|&d| d > u32::MAX as usize) {
             return Err(Error::Shape(format!("GEMM size ({m}, {n}, {k}) exceeds the kernel's 32-bit arguments")));
         }
-        let name = match (tk, self.transpose_y) {
-            (true, true) => format!("gemm_wg_{}_dx_vec4", self.precision),
-            (true, false) => format!("gemm_wg_{}_dw_vec4", self.precision),
-            _ => kernel_name(self.precision, self.layout, self.lda, self.ldb),
-        };
+        let Kernel { name, block_k, smem_bytes } =
+            kernel(self.precision, self.layout, self.lda, self.ldb, self.transpose_y);
         let name = name.as_str();
-        let (block_k, smem_bytes) = match name.strip_prefix("gemm_wg_") {
-            Some(_) => (gemm_wg::BLOCK_K, gemm_wg::smem_bytes(self.precision == Precision::Tf32x3)),
-            None => self.precision.stage_k_and_smem(),
-        };
         let k_split = k.div_ceil(splits).div_ceil(block_k) * block_k;
         let func = gpu.function(name)?;
         gpu.allow_shared(&func, name, smem_bytes)?;
@@ -244,21 +270,7 @@ impl Gemm<'_> {
 /// The forward GEMM `x (m, k) W^T` with `w (n, k)`.
 pub fn forward_gemm<'a>(precision: Precision, x: &'a DeviceTensor, w: &'a DeviceTensor) -> Result<Gemm<'a>> {
     let (m, n, k) = super::linear_dims(x, w)?;
-    Ok(Gemm {
-        precision,
-        layout: Layout::Nt,
-        a: &x.buf,
-        b: &w.buf,
-        m,
-        n,
-        k,
-        lda: k,
-        ldb: k,
-        bias: None,
-        chain: None,
-        splits: 1,
-        transpose_y: false,
-    })
+    Ok(Gemm::plain(precision, Layout::Nt, (&x.buf, &w.buf), (m, n, k), (k, k)))
 }
 
 /// Whether the tensor-core backward GEMMs can run on `wgmma` (`Layout::Tk`): 16-byte
@@ -278,37 +290,9 @@ pub fn grad_input(gpu: &Gpu, precision: Precision, dz: &DeviceTensor, w: &Device
     let mut dx = gpu.alloc(&[m, k])?;
     let gemm = if backward_on_wgmma(precision, &[n, k]) {
         // dX^T (k, m) = W^T dZ^T: `A` = W read row-contiguously, `B` = dZ, stored transposed.
-        Gemm {
-            precision,
-            layout: Layout::Tk,
-            a: &w.buf,
-            b: &dz.buf,
-            m: k,
-            n: m,
-            k: n,
-            lda: k,
-            ldb: n,
-            bias: None,
-            chain: None,
-            splits: 1,
-            transpose_y: true,
-        }
+        Gemm { transpose_y: true, ..Gemm::plain(precision, Layout::Tk, (&w.buf, &dz.buf), (k, m, n), (k, n)) }
     } else {
-        Gemm {
-            precision,
-            layout: Layout::Nn,
-            a: &dz.buf,
-            b: &w.buf,
-            m,
-            n: k,
-            k: n,
-            lda: n,
-            ldb: k,
-            bias: None,
-            chain: None,
-            splits: 1,
-            transpose_y: false,
-        }
+        Gemm::plain(precision, Layout::Nn, (&dz.buf, &w.buf), (m, k, n), (n, k))
     };
     gemm.launch(gpu, &mut dx, None)?;
     Ok(dx)
@@ -338,39 +322,10 @@ pub fn grad_weight(
     if backward_on_wgmma(precision, &[m, n]) {
         // `B` = X^T (k, m), `k`-contiguous in the batch; `A` = dZ read row-contiguously.
         let xt = super::super::elementwise::transpose_on(gpu, stream, x)?;
-        Gemm {
-            precision,
-            layout: Layout::Tk,
-            a: &dz.buf,
-            b: &xt.buf,
-            m: n,
-            n: k,
-            k: m,
-            lda: n,
-            ldb: m,
-            bias: None,
-            chain: None,
-            splits: 1,
-            transpose_y: false,
-        }
-        .launch_on(gpu, stream, &mut dw, None)?;
+        Gemm::plain(precision, Layout::Tk, (&dz.buf, &xt.buf), (n, k, m), (n, m))
+            .launch_on(gpu, stream, &mut dw, None)?;
         return Ok((dw, Some(xt)));
     }
-    Gemm {
-        precision,
-        layout: Layout::Tn,
-        a: &dz.buf,
-        b: &x.buf,
-        m: n,
-        n: k,
-        k: m,
-        lda: n,
-        ldb: k,
-        bias: None,
-        chain: None,
-        splits: 1,
-        transpose_y: false,
-    }
-    .launch_on(gpu, stream, &mut dw, None)?;
+    Gemm::plain(precision, Layout::Tn, (&dz.buf, &x.buf), (n, k, m), (n, k)).launch_on(gpu, stream, &mut dw, None)?;
     Ok((dw, None))
 }
