@@ -2,7 +2,7 @@
 //! memory by the main loop's arithmetic (whatever its register layout), is walked row
 //! by row — bias, the saved `z`, the epilogue chain, coalesced stores.
 
-use crate::epilogue::lanes::{F4, column_param, lane_forward, lane_forward_rows, store_row4};
+use crate::epilogue::lanes::{F4, column_param, lane_forward_rows, store_row4};
 use crate::prelude::*;
 use crate::unroll;
 use kernel_abi::epilogue::OpDesc;
@@ -66,13 +66,15 @@ pub unsafe fn write_staged_tile(
     }
 }
 
-/// [`epilogue_row`] on rows `row` and (when `two`) `row + 8` at once (see
-/// `lane_forward_rows`); without `two` the second row is a dummy of zeros that is
-/// computed (warp-uniformly) but never stored.
+/// Bias, then the chain, on one lane's 4 consecutive columns `c..c+4` of `R` (1 or 2)
+/// rows at once: rows `row` and, when `two`, `row + 8` (the warp holds the tile's whole
+/// 128-column rows; see `lane_forward_rows` for why two). `save_z` receives the chain's
+/// input. Without `two` a second row is a dummy, computed (warp-uniformly) but never
+/// stored.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn epilogue_rows(
-    rows: &mut [[f32; 4]; 2],
+fn epilogue_rows<const R: usize>(
+    rows: &mut [[f32; 4]; R],
     two: bool,
     bias: *const f32,
     save_z: *mut f32,
@@ -83,14 +85,18 @@ fn epilogue_rows(
     c: usize,
 ) {
     if !bias.is_null() {
-        unroll!(i in 0..2 => { unroll!(e in 0..4 => { rows[i][e] += column_param(bias, n, c, e); }); });
+        unroll!(i in 0..2 => {
+            if i < R {
+                unroll!(e in 0..4 => { rows[i][e] += column_param(bias, n, c, e); });
+            }
+        });
     }
     if !save_z.is_null() {
         // SAFETY: rows < m and columns < n, inside save_z's (m, n).
         unsafe {
             store_row4(save_z, rows[0], row, n, c);
-            if two {
-                store_row4(save_z, rows[1], row + WARPS, n, c);
+            if R > 1 && two {
+                store_row4(save_z, rows[R - 1], row + WARPS, n, c);
             }
         }
     }
@@ -100,8 +106,7 @@ fn epilogue_rows(
     }
 }
 
-/// Bias, then the chain, on one lane's 4 consecutive columns `c..c+4` of one row (the
-/// warp holds the tile's whole 128-column row); `save_z` receives the chain's input.
+/// [`epilogue_rows`] on one row (the FMA kernels' walk).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub fn epilogue_row(
@@ -114,15 +119,7 @@ pub fn epilogue_row(
     n: usize,
     c: usize,
 ) {
-    if !bias.is_null() {
-        unroll!(e in 0..4 => { v[e] += column_param(bias, n, c, e); });
-    }
-    if !save_z.is_null() {
-        // SAFETY: row < m and columns < n, inside save_z's (m, n).
-        unsafe { store_row4(save_z, *v, row, n, c) };
-    }
-    for o in 0..n_ops as usize {
-        // SAFETY: o < n_ops.
-        lane_forward(unsafe { &*ops.add(o) }, v, n, c);
-    }
+    let mut rows = [*v];
+    epilogue_rows(&mut rows, false, bias, save_z, row, ops, n_ops, n, c);
+    *v = rows[0];
 }
