@@ -63,27 +63,28 @@ fn median_ms(gpu: &Gpu, repeat: usize, mut work: impl FnMut() -> Result<()>) -> 
     Ok(t[t.len() / 2])
 }
 
-/// cuBLAS's forward GEMM (or, with `--backward`, its forward, dX and dW GEMMs) on
-/// `(x, w, dz)`, median milliseconds; the three separately are printed too.
-#[allow(clippy::type_complexity)]
+/// cuBLAS's forward GEMM `y = x w^T` (or, given `(dz, dx, dw)`, its forward, dX and dW
+/// GEMMs), median milliseconds; the three separately are printed too.
+#[allow(clippy::too_many_arguments)]
 fn time_cublas<T: Operand>(
     gpu: &Gpu,
     cublas: &Cublas,
-    a: &BenchArgs,
+    repeat: usize,
     model: &str,
-    (x, w, dz): (&T, &T, &T),
-    (y, dx, dw): &mut (&mut DeviceTensor, &mut DeviceTensor, &mut DeviceTensor),
+    (x, w): (&T, &T),
+    y: &mut DeviceTensor,
+    grads: Option<(&T, &mut DeviceTensor, &mut DeviceTensor)>,
 ) -> Result<f64> {
-    if !a.backward {
-        return median_ms(gpu, a.repeat, || cublas.forward(x, w, y));
-    }
+    let Some((dz, dx, dw)) = grads else {
+        return median_ms(gpu, repeat, || cublas.forward(x, w, y));
+    };
     let each = [
-        median_ms(gpu, a.repeat, || cublas.forward(x, w, y))?,
-        median_ms(gpu, a.repeat, || cublas.grad_input(dz, w, dx))?,
-        median_ms(gpu, a.repeat, || cublas.grad_weight(dz, x, dw))?,
+        median_ms(gpu, repeat, || cublas.forward(x, w, y))?,
+        median_ms(gpu, repeat, || cublas.grad_input(dz, w, dx))?,
+        median_ms(gpu, repeat, || cublas.grad_weight(dz, x, dw))?,
     ];
     eprintln!("{model} cuBLAS (ms): forward {:.3}, dX {:.3}, dW {:.3}", each[0], each[1], each[2]);
-    median_ms(gpu, a.repeat, || {
+    median_ms(gpu, repeat, || {
         cublas.forward(x, w, y)?;
         cublas.grad_input(dz, w, dx)?;
         cublas.grad_weight(dz, x, dw)
@@ -139,16 +140,22 @@ pub fn run(a: &BenchArgs) -> Result<(), Failure> {
 
         let w = gpu.upload(&p.params.linear_weight)?;
         let mut y = gpu.poisoned(&[b, o])?;
-        let (mut dx, mut dw) = (gpu.poisoned(&[b, i])?, gpu.poisoned(&[o, i])?);
-        let dz = gpu.upload(&random_input(b, o, &mut rng)?)?;
-        let mut outs = (&mut y, &mut dx, &mut dw);
+        // The backward's operands and outputs, only when timed.
+        let mut grads = if a.backward {
+            Some((gpu.upload(&random_input(b, o, &mut rng)?)?, gpu.poisoned(&[b, i])?, gpu.poisoned(&[o, i])?))
+        } else {
+            None
+        };
         let cublas_ms = if a.precision == Precision::Bf16 {
             // cuBLAS's bf16 GEMM on bf16 copies, made before timing (a bf16 model would
             // hold its tensors in bf16 already).
-            let (xb, wb, dzb) = (to_bf16(&gpu, &x)?, to_bf16(&gpu, &w)?, to_bf16(&gpu, &dz)?);
-            time_cublas(&gpu, &cublas, a, model, (&xb, &wb, &dzb), &mut outs)?
+            let (xb, wb) = (to_bf16(&gpu, &x)?, to_bf16(&gpu, &w)?);
+            let dzb = grads.as_ref().map(|(dz, ..)| to_bf16(&gpu, dz)).transpose()?;
+            let grads = grads.as_mut().zip(dzb.as_ref()).map(|((_, dx, dw), dzb)| (dzb, dx, dw));
+            time_cublas(&gpu, &cublas, a.repeat, model, (&xb, &wb), &mut y, grads)?
         } else {
-            time_cublas(&gpu, &cublas, a, model, (&x, &w, &dz), &mut outs)?
+            let grads = grads.as_mut().map(|(dz, dx, dw)| (&*dz, dx, dw));
+            time_cublas(&gpu, &cublas, a.repeat, model, (&x, &w), &mut y, grads)?
         };
         let tflops = flops / (ours * 1e-3) / 1e12;
         eprintln!("{model}: ours {ours:.3} ms, cuBLAS SGEMM {cublas_ms:.3} ms ({path})");
