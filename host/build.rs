@@ -15,6 +15,7 @@ fn main() {
         .iter()
         .chain(kernel_abi::LAUNCH_BOUNDS_TC)
         .chain(kernel_abi::LAUNCH_BOUNDS_WG)
+        .chain(kernel_abi::LAUNCH_BOUNDS_TMA)
         .chain(kernel_abi::LAUNCH_BOUNDS_EPILOGUE)
     {
         builder = builder.launch_bounds(kernel, threads, blocks);

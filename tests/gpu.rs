@@ -157,8 +157,12 @@ fn tensor_core_precisions_match_reference() {
     use host::gpu::gemm::simt::Precision;
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(19);
-    let cases: [(&str, (usize, usize, usize)); 4] = [
+    let cases: [(&str, (usize, usize, usize)); 6] = [
         ("groupnorm(8),swish,mul,swish", (300, 520, 256)),
+        // Deep enough `k` for the TF32 forward's TMA kernel (ragged `m`, `n`; k % 32 != 0).
+        ("groupnorm(65),swish,mul,swish", (300, 4100, 520)),
+        // More tiles than SMs (the TF32 forward's persistent blocks loop), ragged `k`.
+        ("groupnorm(325),swish", (2100, 200, 2600)),
         ("bias,hardtanh(-1,1),mish,groupnorm(125)", (130, 517, 1000)),
         ("avgpool(16),gelu,scale(2),max", (100, 2048, 512)),
         ("swish,bias,groupnorm(4)", (65, 1024, 96)),

@@ -53,6 +53,12 @@ pub const LAUNCH_BOUNDS_WG: &[(&str, u32, u32)] = &[
     ("gemm_wg_tf32x3_dw_vec4", gemm_wg::THREADS as u32, 1),
 ];
 
+/// The TMA-fed, warp-specialised `wgmma` forward (`kernels-gpu/src/gemm/tma.rs`): one
+/// producer warpgroup and two consumer warpgroups holding 128 accumulators each, 1
+/// block per SM: 168 registers at entry, then `setmaxnreg` moves the producer's to the
+/// consumers (24 and 240 per thread).
+pub const LAUNCH_BOUNDS_TMA: &[(&str, u32, u32)] = &[("gemm_tma_tf32_nt", gemm_tma::THREADS as u32, 1)];
+
 /// The tile-wise chain backward (`kernels-gpu/src/epilogue/lanes.rs`): the blocks per
 /// SM its grid is sized for.
 pub const LAUNCH_BOUNDS_EPILOGUE: &[(&str, u32, u32)] =
@@ -78,6 +84,35 @@ pub mod gemm_wg {
         if pipeline > output { pipeline } else { output }
     }
     const _: () = assert!(BLOCK_M == super::gemm_simt::BLOCK_M && BLOCK_N == super::gemm_simt::BLOCK_N);
+}
+
+/// The persistent, warp-specialised `wgmma` forward: `128 x 256` output tiles, operands
+/// copied by TMA into 128-byte-swizzled stages whose completion `mbarrier`s announce.
+pub mod gemm_tma {
+    pub const BLOCK_M: usize = 128;
+    pub const BLOCK_N: usize = 256;
+    /// One 128-byte swizzle row of floats.
+    pub const BLOCK_K: usize = 32;
+    /// A producer warpgroup and two consumer warpgroups (64 rows of the tile each).
+    pub const THREADS: usize = 384;
+    pub const CONSUMER_THREADS: usize = 256;
+    pub const STAGES: usize = 4;
+    /// Tiles are visited in panels of this many row tiles, column by column, so the
+    /// blocks running at once share their `B` (weight) tiles in L2 and re-read few `A` rows.
+    pub const PANEL_M: usize = 8;
+    /// The shortest `k` the host sends here: the epilogue runs between a tile's k-loops
+    /// with the tensor cores idle (one block per SM), so short `k` (M2: 1024, 2.36 ms
+    /// against 1.70 on `gemm_wg`, which hides it behind its second block) goes to `gemm_wg`.
+    /// Measured at 1024 and 8192 only; 4096 is the conservative side.
+    pub const MIN_K: usize = 4096;
+    pub const A_BYTES: usize = BLOCK_M * BLOCK_K * 4;
+    pub const B_BYTES: usize = BLOCK_N * BLOCK_K * 4;
+    pub const STAGE_BYTES: usize = A_BYTES + B_BYTES;
+    /// Dynamic shared memory: 1024 bytes of slack (the swizzle wants 1024-byte aligned
+    /// tiles), the stages, a "full" and an "empty" barrier per stage. (The epilogue
+    /// works in registers.)
+    pub const SMEM_BYTES: usize = 1024 + STAGES * STAGE_BYTES + 2 * STAGES * 8;
+    const _: () = assert!(SMEM_BYTES <= 227 * 1024 && CONSUMER_THREADS == 2 * 128);
 }
 
 /// The tensor-core GEMM family: `mma.sync` TF32 fed by a `cp.async` pipeline.

@@ -184,7 +184,11 @@ impl GpuBlock {
     /// Which kernels run, and why: for the summary line.
     pub fn describe(&self, plan: &Plan) -> String {
         let k = self.spec.in_features;
-        let gemm = kernel_name(self.precision, Layout::Nt, k, k);
+        let splits = match plan {
+            Plan::Fused => 1,
+            Plan::GemmThenRows { splits } => *splits,
+        };
+        let gemm = kernel_name(self.precision, Layout::Nt, (k, k, k), splits);
         let fold =
             self.folded.as_ref().map_or(String::new(), |(k, ..)| format!("; avgpool({k}) folded into the weights"));
         match plan {

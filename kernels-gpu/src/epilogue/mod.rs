@@ -3,8 +3,10 @@
 //! `pointwise` holds each elementwise op's forward (and, beside it, its derivative);
 //! `lanes` runs a chain on a warp holding whole rows of a 128-column tile (the GEMM's
 //! fused epilogue, and the tile-wise backward); `rows` runs any chain on whole rows
-//! of a finished GEMM output, forward and backward.
+//! of a finished GEMM output, forward and backward; `fragments` runs a fusable chain on
+//! `wgmma` accumulators in registers (the TMA GEMM's epilogue).
 
+pub mod fragments;
 pub mod lanes;
 pub mod pointwise;
 pub mod rows;

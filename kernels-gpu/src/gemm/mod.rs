@@ -52,4 +52,5 @@ pub mod simt;
 pub mod staged;
 pub mod tensor_core;
 pub mod tiled;
+pub mod tma;
 pub mod wgmma;

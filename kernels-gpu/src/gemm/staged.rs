@@ -23,10 +23,11 @@ const WARPS: usize = 256 / 32;
 /// # Safety
 /// `smem` holds the staged tile (rows of [`STAGE_STRIDE`] floats) and a barrier
 /// separates its writes from this; `y` (and `save_z` if not null) as in the GEMM
-/// kernels; 256 threads per block.
+/// kernels; 256 threads (`t` = 0..256, the caller's numbering) run it.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn write_staged_tile(
+    t: usize,
     smem: *const f32,
     y: *mut f32,
     bias: *const f32,
@@ -36,7 +37,6 @@ pub unsafe fn write_staged_tile(
     ops: *const OpDesc,
     n_ops: u32,
 ) {
-    let t = thread_idx_x() as usize;
     let split_k = grid_dim_z() > 1;
     let out = if split_k { unsafe { y.add(block_idx_z() as usize * m * n) } } else { y };
     let (warp, lane) = (t / 32, t % 32);

@@ -117,6 +117,7 @@ unsafe fn gemm_tc<const MATH: u8, const VEC: bool, const A_K: bool, const B_K: b
         frag.stage::<A_K, B_K>(&acc, smem);
         sync_threads();
         write_staged_tile(
+            thread_idx_x() as usize,
             smem,
             y,
             bias,

@@ -209,9 +209,9 @@ unsafe fn gemm_wg<const SPLIT: bool, const A_K: bool, const TRANS: bool, const S
         });
         sync_threads();
         if TRANS {
-            write_staged_tile(smem, y, bias, save_z, (n as usize, m as usize), (col0 as usize, row0 as usize), ops, n_ops);
+            write_staged_tile(t as usize, smem, y, bias, save_z, (n as usize, m as usize), (col0 as usize, row0 as usize), ops, n_ops);
         } else {
-            write_staged_tile(smem, y, bias, save_z, (m as usize, n as usize), (row0 as usize, col0 as usize), ops, n_ops);
+            write_staged_tile(t as usize, smem, y, bias, save_z, (m as usize, n as usize), (row0 as usize, col0 as usize), ops, n_ops);
         }
     }
 }

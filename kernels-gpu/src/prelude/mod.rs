@@ -2,6 +2,7 @@
 //! `cuda_std` plays in rust-cuda, which cannot be used with rustc's PTX backend.
 
 pub mod async_copy;
+pub mod bulk_copy;
 pub mod index;
 pub mod math;
 pub mod shared;

@@ -2,6 +2,7 @@
 
 pub mod simt;
 pub mod tiled;
+pub mod tma;
 
 use super::DeviceTensor;
 use crate::error::{Error, Result};

@@ -10,7 +10,8 @@ use crate::chain::Op;
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use kernel_abi::gemm_simt::{BLOCK_M, BLOCK_N, MAX_FUSED_GROUP, MIN_FUSED_GROUP, THREADS};
-use kernel_abi::{gemm_simt, gemm_tc, gemm_wg};
+use kernel_abi::{gemm_simt, gemm_tc, gemm_tma, gemm_wg};
+use std::sync::Arc;
 
 /// Why the fused kernel cannot apply `op` to `features` channels, or `None` if it can.
 pub fn not_fusable(op: &Op, features: usize) -> Option<String> {
@@ -105,20 +106,42 @@ impl std::fmt::Display for Precision {
 }
 
 /// The kernel a launch runs: its name, its `k` depth per stage (split-K slices are
-/// multiples of it) and its dynamic shared memory in bytes.
+/// multiples of it) and its dynamic shared memory in bytes — or the TMA forward, which
+/// has a launcher of its own ([`super::tma`]).
 struct Kernel {
     name: String,
     block_k: usize,
     smem_bytes: usize,
+    tma: bool,
 }
 
-/// The kernel for a precision, layout and leading dimensions (16-byte loads need both
-/// divisible by 4), storing `y^T` when `transpose_y`. TF32 and 3xTF32 with 16-byte
-/// loads run on `wgmma` (`gemm_wg_*`, kernels-gpu/src/gemm/wgmma.rs): the forward, and
-/// layout `Tk` as `dx` (transposed output) or `dw`; everything else on the `gemm_f32_*`
-/// FMA kernels or the `mma.sync` ones (`gemm_tc_*`).
-fn kernel(precision: Precision, layout: Layout, lda: usize, ldb: usize, transpose_y: bool) -> Kernel {
+/// Whether the TF32 forward may use the TMA kernel: yes unless `HOST_GEMM_NO_TMA` is
+/// set (an A/B switch for measurements: the `gemm_wg` forward then runs instead).
+fn tma_allowed() -> bool {
+    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ALLOWED.get_or_init(|| std::env::var_os("HOST_GEMM_NO_TMA").is_none())
+}
+
+/// The kernel for a precision, layout, leading dimensions (16-byte loads need both
+/// divisible by 4), depth `k` and split-K count, storing `y^T` when `transpose_y`. The
+/// TF32 forward without split-K and with `k >= gemm_tma::MIN_K` runs on the persistent
+/// TMA kernel (kernels-gpu/src/gemm/tma.rs);
+/// TF32 and 3xTF32 with 16-byte loads otherwise on `wgmma` (`gemm_wg_*`,
+/// kernels-gpu/src/gemm/wgmma.rs): the forward, and layout `Tk` as `dx` (transposed
+/// output) or `dw`; everything else on the `gemm_f32_*` FMA kernels or the `mma.sync`
+/// ones (`gemm_tc_*`).
+fn kernel(
+    precision: Precision,
+    layout: Layout,
+    (lda, ldb, k): (usize, usize, usize),
+    splits: usize,
+    transpose_y: bool,
+) -> Kernel {
     let vec4 = lda.is_multiple_of(4) && ldb.is_multiple_of(4);
+    let tma = precision == Precision::Tf32 && layout == Layout::Nt && splits <= 1 && k >= gemm_tma::MIN_K;
+    if tma && vec4 && tma_allowed() {
+        return Kernel { name: super::tma::KERNEL.into(), block_k: 0, smem_bytes: 0, tma: true };
+    }
     if precision.on_wgmma() && vec4 && matches!(layout, Layout::Nt | Layout::Tk) {
         let what = match (layout, transpose_y) {
             (Layout::Nt, _) => "nt",
@@ -129,6 +152,7 @@ fn kernel(precision: Precision, layout: Layout, lda: usize, ldb: usize, transpos
             name: format!("gemm_wg_{precision}_{what}_vec4"),
             block_k: gemm_wg::BLOCK_K,
             smem_bytes: gemm_wg::smem_bytes(precision == Precision::Tf32x3),
+            tma: false,
         };
     }
     let layout = match layout {
@@ -139,12 +163,18 @@ fn kernel(precision: Precision, layout: Layout, lda: usize, ldb: usize, transpos
     };
     let (block_k, smem_bytes) = precision.stage_k_and_smem();
     let vec = if vec4 { "vec4" } else { "scalar" };
-    Kernel { name: format!("{}_{layout}_{vec}", precision.prefix()), block_k, smem_bytes }
+    Kernel { name: format!("{}_{layout}_{vec}", precision.prefix()), block_k, smem_bytes, tma: false }
 }
 
-/// Name of the kernel for a precision and layout (see [`kernel`]).
-pub fn kernel_name(precision: Precision, layout: Layout, lda: usize, ldb: usize) -> String {
-    kernel(precision, layout, lda, ldb, false).name
+/// Name of the kernel for a precision, layout, leading dimensions, depth `k` and split-K
+/// count (see [`kernel`]).
+pub fn kernel_name(
+    precision: Precision,
+    layout: Layout,
+    (lda, ldb, k): (usize, usize, usize),
+    splits: usize,
+) -> String {
+    kernel(precision, layout, (lda, ldb, k), splits, false).name
 }
 
 /// One GEMM launch: `y (m, n) = chain(A B^T + bias)`, or `splits > 1` partial products
@@ -188,7 +218,7 @@ impl<'a> Gemm<'a> {
     pub fn launch_on(
         &self,
         gpu: &Gpu,
-        stream: &CudaStream,
+        stream: &Arc<CudaStream>,
         y: &mut DeviceTensor,
         save_z: Option<&mut DeviceTensor>,
     ) -> Result<()> {
@@ -221,8 +251,13 @@ impl<'a> Gemm<'a> {
         if [m, n, k, self.lda, self.ldb, a_len, b_len].iter().any(|&d| d > u32::MAX as usize) {
             return Err(Error::Shape(format!("GEMM size ({m}, {n}, {k}) exceeds the kernel's 32-bit arguments")));
         }
-        let Kernel { name, block_k, smem_bytes } =
-            kernel(self.precision, self.layout, self.lda, self.ldb, self.transpose_y);
+        let Kernel { name, block_k, smem_bytes, tma } =
+            kernel(self.precision, self.layout, (self.lda, self.ldb, k), splits, self.transpose_y);
+        if tma {
+            let pitches = (self.lda, self.ldb);
+            let (operands, dims) = ((self.a, self.b), (m, n, k));
+            return super::tma::launch_forward(gpu, stream, operands, dims, pitches, self.bias, self.chain, y, save_z);
+        }
         let name = name.as_str();
         let k_split = k.div_ceil(splits).div_ceil(block_k) * block_k;
         let func = gpu.function(name)?;
@@ -306,7 +341,7 @@ pub fn grad_input(gpu: &Gpu, precision: Precision, dz: &DeviceTensor, w: &Device
 pub fn grad_weight(
     gpu: &Gpu,
     precision: Precision,
-    stream: &CudaStream,
+    stream: &Arc<CudaStream>,
     dz: &DeviceTensor,
     x: &DeviceTensor,
 ) -> Result<(DeviceTensor, Option<DeviceTensor>)> {

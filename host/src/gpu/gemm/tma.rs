@@ -1,0 +1,111 @@
+//! Launcher of `gemm_tma_tf32_nt` (kernels-gpu/src/gemm/tma.rs), the persistent,
+//! TMA-fed TF32 forward: its two tensor maps (the TMA unit's description of each operand:
+//! base, sizes, row pitch, box, swizzle) are encoded here and uploaded beside the launch.
+
+use super::super::epilogue::DeviceChain;
+use super::super::{DeviceTensor, Gpu};
+use crate::error::{Error, Result};
+use cudarc::driver::sys::{self, CUtensorMap};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use kernel_abi::gemm_tma::{BLOCK_K, BLOCK_M, BLOCK_N, SMEM_BYTES, THREADS};
+use std::sync::Arc;
+
+/// The kernel; `simt::kernel` picks it for the TF32 forward when both operands' row
+/// pitches are multiples of 4 floats (TMA wants 16-byte multiples) and no split-K.
+pub const KERNEL: &str = "gemm_tma_tf32_nt";
+
+/// A tensor map for the `(rows, k)` row-major `f32` matrix at `buf` (row pitch `pitch`
+/// floats), read in boxes of `box_rows x BLOCK_K` with the 128-byte swizzle, zeros
+/// outside.
+fn tensor_map(
+    gpu: &Gpu,
+    buf: &CudaSlice<f32>,
+    (rows, k, pitch): (usize, usize, usize),
+    box_rows: usize,
+) -> Result<CUtensorMap> {
+    let mut map = CUtensorMap { opaque: [0; 16] };
+    let dims = [k as u64, rows as u64];
+    let pitch = [(pitch * 4) as u64];
+    let boxes = [BLOCK_K as u32, box_rows as u32];
+    let steps = [1u32, 1];
+    let ptr = buf.device_ptr(gpu.stream()).0;
+    // SAFETY: every array has the rank's length (2; the pitch 1); `map` is writable
+    // and 64-byte aligned; the driver only encodes (nothing is read from `ptr`).
+    let result = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map,
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+            2,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            pitch.as_ptr(),
+            boxes.as_ptr(),
+            steps.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if result != sys::CUresult::CUDA_SUCCESS {
+        return Err(Error::Unsupported(format!(
+            "the TMA unit cannot describe a ({rows}, {k}) operand: cuTensorMapEncodeTiled returned {result:?}"
+        )));
+    }
+    Ok(map)
+}
+
+/// Queues `y (m, n) = chain(x W^T + bias)` with `x (m, k)` in `a` and `W (n, k)` in `b`
+/// (both `k`-contiguous, row pitches `lda`, `ldb`). The caller has checked shapes and
+/// extents, and that the pitches are multiples of 4.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_forward(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    (a, b): (&CudaSlice<f32>, &CudaSlice<f32>),
+    (m, n, k): (usize, usize, usize),
+    (lda, ldb): (usize, usize),
+    bias: Option<&CudaSlice<f32>>,
+    chain: Option<&DeviceChain>,
+    y: &mut DeviceTensor,
+    save_z: Option<&mut DeviceTensor>,
+) -> Result<()> {
+    let maps = [tensor_map(gpu, a, (m, k, lda), BLOCK_M)?, tensor_map(gpu, b, (n, k, ldb), BLOCK_N)?];
+    let words: Vec<u64> = maps.iter().flat_map(|map| map.opaque).collect();
+    // Freed in stream order after the kernel (cudarc frees asynchronously on `stream`).
+    let maps = stream.clone_htod(&words).map_err(|e| Error::cuda("uploading the TMA tensor maps", e))?;
+    let func = gpu.function(KERNEL)?;
+    gpu.allow_shared(&func, KERNEL, SMEM_BYTES)?;
+    let tiles = m.div_ceil(BLOCK_M) * n.div_ceil(BLOCK_N);
+    let cfg = LaunchConfig {
+        grid_dim: (tiles.min(gpu.props.multiprocessors) as u32, 1, 1),
+        block_dim: (THREADS as u32, 1, 1),
+        shared_mem_bytes: SMEM_BYTES as u32,
+    };
+    let dims = [m, n, k].map(|d| d as u32);
+    let n_ops = chain.map_or(0, |c| c.ops.len() as u32);
+    let null = 0u64;
+    let mut launch = stream.launch_builder(&func);
+    launch.arg(&maps);
+    match bias {
+        Some(b) => launch.arg(b),
+        None => launch.arg(&null),
+    };
+    launch.arg(&mut y.buf);
+    match save_z {
+        Some(z) => launch.arg(&mut z.buf),
+        None => launch.arg(&null),
+    };
+    for d in &dims {
+        launch.arg(d);
+    }
+    match chain {
+        Some(c) => launch.arg(&c.descs),
+        None => launch.arg(&null),
+    };
+    launch.arg(&n_ops);
+    // SAFETY: matches the kernel's signature; the maps describe `a` and `b` within the
+    // extents the caller checked; grid, block and shared memory follow kernel_abi::gemm_tma.
+    unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{KERNEL}`"), e))?;
+    Ok(())
+}

@@ -1,0 +1,210 @@
+//! The chain on `wgmma` accumulator fragments, in registers: the TMA GEMM's epilogue
+//! (`gemm/tma.rs`), with no staging through shared memory and no barrier.
+//!
+//! A thread of an `m64n256` warpgroup holds 128 values of a `256`-column tile: value
+//! `4 j + e` is row `r + 8 (e / 2)` (two rows), column `col + 8 j + e % 2`
+//! (`j` in 0..32), where `col` = the tile's first column + `2 (lane % 4)`. So a GroupNorm
+//! group of `g` channels (a power of two, 4..=128, inside the tile since tiles start at
+//! multiples of 256 and groups divide `n`) is `g / 8` of a thread's 8-column chunks on
+//! the 4 lanes of a quad (`g` = 4: half a chunk, 2 lanes): its sums are the thread's
+//! own, then one or two shuffles. Columns past `n` carry values that are never stored
+//! and never reach a group's sums.
+
+use super::lanes::column_param;
+use super::pointwise::*;
+use crate::prelude::math::rsqrt;
+use crate::prelude::warp::shfl_xor;
+use crate::unroll;
+use kernel_abi::epilogue::*;
+
+/// Half a thread's fragment: 16 chunks (of 2 columns x 2 rows), 128 columns. The
+/// epilogue runs on one half at a time and stores it before the next, so at most 192
+/// values are live (the other half's accumulators included): with all 128 values in
+/// flight the op loop needed more registers than a consumer thread has.
+pub type HalfFragment = [f32; 64];
+
+/// 8 bytes, for vector stores.
+#[derive(Clone, Copy)]
+#[repr(C, align(8))]
+struct F2([f32; 2]);
+
+/// `v = f(v, j, e)` for every value of a half fragment (chunk `j` of the half).
+#[inline(always)]
+pub fn each_half_value(v: &mut HalfFragment, f: impl Fn(f32, usize, usize) -> f32) {
+    unroll!(j in 0..16 => {
+        unroll!(e in 0..4 => { v[4 * j + e] = f(v[4 * j + e], j, e); });
+    });
+}
+
+/// One op forward on a half fragment; `col` is the half's first column for this
+/// thread (see the module).
+#[inline(always)]
+pub fn fragment_forward(op: &OpDesc, v: &mut HalfFragment, n: usize, col: usize) {
+    let p0 = op.param0 as *const f32;
+    let pair = |p: *const f32, j: usize| column_pair(p, n, col + 8 * j);
+    match op.code {
+        OP_GROUP_NORM => {
+            let g = n / (op.count as usize).max(1);
+            // One instance per group size: the chunk indices stay compile-time constants.
+            match g {
+                4 => group_norm::<1, 1, 4>(op, v, g, pair),
+                8 => group_norm::<1, 2, 4>(op, v, g, pair),
+                16 => group_norm::<2, 2, 4>(op, v, g, pair),
+                32 => group_norm::<4, 2, 4>(op, v, g, pair),
+                64 => group_norm::<8, 2, 8>(op, v, g, pair),
+                128 => group_norm::<16, 2, 16>(op, v, g, pair),
+                // Not fusable: the host never sends it; stop rather than pass through.
+                _ => unfusable(),
+            }
+        }
+        OP_BIAS => each_half_value(v, |x, j, e| x + pair(p0, j)[e % 2]),
+        OP_MUL => each_half_value(v, |x, j, e| x * pair(p0, j)[e % 2]),
+        OP_SCALE => each_half_value(v, |x, _, _| x * op.a),
+        OP_SWISH => each_half_value(v, |x, _, _| swish(x)),
+        OP_MISH => each_half_value(v, |x, _, _| mish(x)),
+        OP_GELU => each_half_value(v, |x, _, _| gelu(x)),
+        OP_LEAKY_RELU => each_half_value(v, |x, _, _| leaky_relu(x, op.a)),
+        OP_HARDTANH => each_half_value(v, |x, _, _| hardtanh(x, op.a, op.b)),
+        _ => unfusable(),
+    }
+}
+
+/// Per-column parameters `p[c]`, `p[c + 1]` (`c` even), 0 past `n`: one 8-byte load.
+#[inline(always)]
+pub fn column_pair(p: *const f32, n: usize, c: usize) -> [f32; 2] {
+    if c + 2 <= n {
+        // SAFETY: c + 1 < n, the parameter's length; `c` is even and parameters are
+        // device allocations (8-byte aligned).
+        unsafe { (*(p.add(c) as *const F2)).0 }
+    } else {
+        [column_param(p, n, c, 0), column_param(p, n, c, 1)]
+    }
+}
+
+/// `bar.warp.sync`: the warp is converged here anyway; ptxas keeps loads on their side
+/// of it, so a block's parameter loads are not all issued at once.
+#[inline(always)]
+fn schedule_fence() {
+    // SAFETY: every lane of the warp runs the epilogue (no divergence around it).
+    unsafe { core::arch::asm!("bar.warp.sync -1;", options(nostack, preserves_flags)) }
+}
+
+/// An op this epilogue cannot run reached it (the host checks fusability first): the
+/// kernel traps, so the launch fails instead of returning a wrong answer. (Poisoning the
+/// values instead costs registers at every op's dispatch.)
+#[inline(always)]
+fn unfusable() {
+    // SAFETY: aborts the kernel.
+    unsafe { core::arch::nvptx::trap() }
+}
+
+/// Sums over groups of `CPG` chunks (`j` in a block of `BJ` <= 16) and `2 SHUFFLES`
+/// lanes (xor 1, then xor 2): the first chunk of each group ends with the group's sum.
+#[inline(always)]
+fn group_sums<const CPG: usize, const SHUFFLES: u32, const BJ: usize>(s: &mut [[f32; 16]; 2]) {
+    unroll!(i in 0..2 => {
+        // The group's chunks into its first (compile-time indices).
+        unroll!(j in 0..16 => {
+            if j < BJ && j % CPG != 0 {
+                s[i][j - j % CPG] += s[i][j];
+            }
+        });
+        // The quad (or pair) of lanes, once per group.
+        unroll!(j in 0..16 => {
+            if j < BJ && j % CPG == 0 {
+                s[i][j] += shfl_xor(s[i][j], 1);
+                if SHUFFLES > 1 {
+                    s[i][j] += shfl_xor(s[i][j], 2);
+                }
+            }
+        });
+    });
+}
+
+/// GroupNorm forward (two-pass statistics, as the reference) for groups of `CPG`
+/// chunks on `2 SHUFFLES` lanes (`CPG` = 1 with 1 shuffle: groups of 4 columns), `BJ`
+/// chunks at a time so only a block's sums are live beside the fragment's 128 values.
+#[inline(always)]
+fn group_norm<const CPG: usize, const SHUFFLES: u32, const BJ: usize>(
+    op: &OpDesc,
+    v: &mut HalfFragment,
+    g: usize,
+    pair: impl Fn(*const f32, usize) -> [f32; 2],
+) {
+    let (gamma, beta) = (op.param0 as *const f32, op.param1 as *const f32);
+    let inv = 1.0 / g as f32;
+    unroll!(blk in 0..4 => {
+        if blk * BJ < 16 {
+            // Keeps the block's parameter loads from being hoisted above the blocks
+            // before it (all of them at once need more registers than a thread has).
+            schedule_fence();
+            // Per row `i` and chunk: the sum, then the group's mean, of the values; then
+            // the same for the squared deviations and `1 / std`.
+            let mut mean = [[0.0f32; 16]; 2];
+            unroll!(jj in 0..16 => {
+                if jj < BJ {
+                    let j = blk * BJ + jj;
+                    unroll!(i in 0..2 => { mean[i][jj] = v[4 * j + 2 * i] + v[4 * j + 2 * i + 1]; });
+                }
+            });
+            group_sums::<CPG, SHUFFLES, BJ>(&mut mean);
+            let mut q = [[0.0f32; 16]; 2];
+            unroll!(jj in 0..16 => {
+                if jj < BJ {
+                    let j = blk * BJ + jj;
+                    unroll!(i in 0..2 => {
+                        let mu = mean[i][jj - jj % CPG] * inv;
+                        let (a, b) = (v[4 * j + 2 * i] - mu, v[4 * j + 2 * i + 1] - mu);
+                        q[i][jj] = a * a + b * b;
+                    });
+                }
+            });
+            group_sums::<CPG, SHUFFLES, BJ>(&mut q);
+            unroll!(jj in 0..16 => {
+                if jj < BJ {
+                    let j = blk * BJ + jj;
+                    let (g2, b2) = (pair(gamma, j), pair(beta, j));
+                    unroll!(i in 0..2 => {
+                        let lead = jj - jj % CPG;
+                        let (mu, rstd) = (mean[i][lead] * inv, rsqrt(q[i][lead] * inv + op.a));
+                        unroll!(e in 0..2 => {
+                            let x = v[4 * j + 2 * i + e];
+                            v[4 * j + 2 * i + e] = (x - mu) * rstd * g2[e] + b2[e];
+                        });
+                    });
+                }
+            });
+        }
+    });
+}
+
+/// Stores a half fragment's values (rows `row`, `row + 8`; columns from `col` as in the
+/// module) into the `(m, n)` row-major `dst`, 8 bytes at a time when aligned, skipping
+/// rows past `m` and columns past `n`.
+///
+/// # Safety
+/// `dst` holds `m * n` floats.
+#[inline(always)]
+pub unsafe fn store_half(dst: *mut f32, v: &HalfFragment, (m, n): (usize, usize), row: usize, col: usize) {
+    unroll!(i in 0..2 => {
+        let r = row + 8 * i;
+        if r < m {
+            // SAFETY: r < m and every written column < n.
+            unsafe {
+                let at = dst.add(r * n + col);
+                unroll!(j in 0..16 => {
+                    let (a, b) = (v[4 * j + 2 * i], v[4 * j + 2 * i + 1]);
+                    let c = col + 8 * j;
+                    if n % 2 == 0 && c + 2 <= n {
+                        *(at.add(8 * j) as *mut F2) = F2([a, b]);
+                    } else if c < n {
+                        *at.add(8 * j) = a;
+                        if c + 1 < n {
+                            *at.add(8 * j + 1) = b;
+                        }
+                    }
+                });
+            }
+        }
+    });
+}

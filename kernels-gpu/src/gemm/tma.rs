@@ -1,0 +1,419 @@
+//! The persistent, warp-specialised TF32 forward `y = chain(x W^T + b)` on Hopper:
+//! `wgmma.m64n256k8` fed by TMA, for 16-byte aligned operands without split-K.
+//!
+//! Why another kernel beside [`super::wgmma`]: there, `128 x 128` tiles read 6 KB of
+//! shared memory per 131 kFLOP `wgmma` and every warp also issues `cp.async` copies and
+//! meets the others at a barrier per k-tile; that kernel reaches about half the TF32
+//! peak. Here
+//! - a `128 x 256` tile (each consumer warpgroup `m64n256`) halves `B`'s shared-memory
+//!   reads per FLOP;
+//! - one producer thread copies whole tiles with TMA (`cp.async.bulk.tensor`, the
+//!   hardware writes the 128-byte swizzle the `wgmma` descriptors read, and zero-fills
+//!   out-of-range rows and `k`), and "full"/"empty" `mbarrier`s per stage replace the
+//!   block barriers: the consumers only wait for data and issue MMAs;
+//! - blocks are persistent (one per SM, looping over tiles), so the producer fills the
+//!   next tile's stages while the consumers run the epilogue of the last.
+//!
+//! The epilogue runs on the accumulators in registers ([`crate::epilogue::fragments`]):
+//! no staging tile, so its shared memory goes to a fourth stage, and no barrier, so
+//! each warp stores as soon as its own rows are done. The tensor cores still idle while
+//! it runs (one block per SM, both warpgroups in the epilogue): with short `k` that
+//! costs more than the tile's MMAs gain, so the host sends only `k >= MIN_K` here.
+
+use crate::epilogue::fragments::{HalfFragment, column_pair, each_half_value, fragment_forward, store_half};
+use crate::prelude::async_copy::shared_address;
+use crate::prelude::bulk_copy::*;
+use crate::prelude::*;
+use crate::unroll;
+use kernel_abi::epilogue::OpDesc;
+use kernel_abi::gemm_tma::*;
+
+/// `x`, hidden from the optimiser: nothing computed from it moves above this point.
+#[inline(always)]
+fn opaque(mut x: u32) -> u32 {
+    // SAFETY: a register move.
+    unsafe { core::arch::asm!("mov.u32 {0}, {0};", inout(reg32) x, options(nostack, nomem)) };
+    x
+}
+
+/// Registers per thread of the producer and of the consumer warpgroups.
+const PRODUCER_REGISTERS: u32 = 24;
+const CONSUMER_REGISTERS: u32 = 240;
+const _: () = assert!(128 * PRODUCER_REGISTERS + CONSUMER_THREADS as u32 * CONSUMER_REGISTERS <= 65536);
+
+/// A `k`-contiguous, 128-byte-swizzled operand's `wgmma` descriptor (as in
+/// [`super::wgmma`]): start address, 1024 bytes between 8-row groups, swizzle mode 1.
+#[inline(always)]
+fn descriptor(addr: u32) -> u64 {
+    ((addr as u64 >> 4) & 0x3fff) | (1 << 16) | ((1024u64 >> 4) << 32) | (1 << 62)
+}
+
+/// The origin `(row0, col0)` of tile `tile`: panels of [`PANEL_M`] row tiles, walked
+/// row tile fastest, so the blocks in flight share `B` tiles and few `A` rows.
+#[inline(always)]
+fn tile_origin(tile: u32, tiles_m: u32, tiles_n: u32) -> (u32, u32) {
+    let panel_tiles = PANEL_M as u32 * tiles_n;
+    let (panel, local) = (tile / panel_tiles, tile % panel_tiles);
+    let first = panel * PANEL_M as u32;
+    let height = if tiles_m - first < PANEL_M as u32 { tiles_m - first } else { PANEL_M as u32 };
+    ((first + local % height) * BLOCK_M as u32, (local / height) * BLOCK_N as u32)
+}
+
+/// `y (m, n) = chain(A B^T + bias)` with `A (m, k)` and `B (n, k)` described by the two
+/// TMA tensor maps at `maps` (128 bytes each: `A`'s with a `32 x 128` box, `B`'s with
+/// `32 x 256`, both with the 128-byte swizzle); `save_z` as in the other GEMMs.
+///
+/// # Safety
+/// The maps describe readable `f32` tensors of `(m, k)` and `(n, k)` in global memory;
+/// `y` holds `m * n` floats; bias, `save_z` and `ops` as in `simt::gemm_f32`; `THREADS`
+/// threads, dynamic shared memory `SMEM_BYTES`, any grid; an sm_90a device.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_tma(
+    maps: *const u8,
+    bias: *const f32,
+    y: *mut f32,
+    save_z: *mut f32,
+    m: u32,
+    n: u32,
+    k: u32,
+    ops: *const OpDesc,
+    n_ops: u32,
+) {
+    let t = thread_idx_x();
+    // SAFETY: the second of the two maps.
+    let (map_a, map_b) = (maps, unsafe { maps.add(128) });
+    let smem = dynamic_shared::<f32>();
+    // The hardware swizzle is a function of address bits 7-9: stages start 1024-byte aligned.
+    let start = shared_address(smem);
+    let base = (start + 1023) & !1023;
+    let stage_a = |s: u32| base + s * STAGE_BYTES as u32;
+    let barriers = base + (STAGES * STAGE_BYTES) as u32;
+    let full = |s: u32| barriers + 8 * s;
+    let empty = |s: u32| barriers + 8 * (STAGES as u32 + s);
+    if t == 0 {
+        // SAFETY: fresh barriers; valid tensor maps.
+        unsafe {
+            for s in 0..STAGES as u32 {
+                // "Full": the producer's one arrival plus the stage's bytes. "Empty":
+                // one arrival per consumer warp.
+                mbarrier_init(full(s), 1);
+                mbarrier_init(empty(s), (CONSUMER_THREADS / 32) as u32);
+            }
+            prefetch_tensor_map(map_a);
+            prefetch_tensor_map(map_b);
+        }
+        fence_barrier_init();
+    }
+    // SAFETY: uniform; the only block-wide barrier.
+    unsafe { sync_threads() };
+
+    let (tiles_m, tiles_n) = (m.div_ceil(BLOCK_M as u32), n.div_ceil(BLOCK_N as u32));
+    let (total, k_tiles) = (tiles_m * tiles_n, k.div_ceil(BLOCK_K as u32));
+    let next = |s: u32, phase: u32| if s + 1 == STAGES as u32 { (0, phase ^ 1) } else { (s + 1, phase) };
+
+    if t < 128 {
+        // The producer: one thread walks the same tiles as the consumers, filling each
+        // stage once the consumers have released it. Its warpgroup hands most of its
+        // registers to the consumers (`PRODUCER_REGISTERS`, `CONSUMER_REGISTERS`).
+        // SAFETY: the whole warpgroup.
+        unsafe { set_max_registers::<false, PRODUCER_REGISTERS>() };
+        if t == 0 {
+            let (mut s, mut phase) = (0u32, 0u32);
+            let mut tile = block_idx_x();
+            while tile < total {
+                let (row0, col0) = tile_origin(tile, tiles_m, tiles_n);
+                for kt in 0..k_tiles {
+                    // SAFETY: initialised barriers; each box lands inside its stage.
+                    unsafe {
+                        mbarrier_wait(empty(s), phase ^ 1);
+                        mbarrier_arrive_expect_tx(full(s), STAGE_BYTES as u32);
+                        tma_load_2d(stage_a(s), map_a, kt * BLOCK_K as u32, row0, full(s));
+                        tma_load_2d(stage_a(s) + A_BYTES as u32, map_b, kt * BLOCK_K as u32, col0, full(s));
+                    }
+                    (s, phase) = next(s, phase);
+                }
+                tile += grid_dim_x();
+            }
+        }
+        return;
+    }
+
+    // The consumers: warpgroup `wg` owns rows `64 wg..64 wg + 64` of each tile, its
+    // 128 accumulators and the epilogue's values all in registers.
+    // SAFETY: whole warpgroups.
+    unsafe { set_max_registers::<true, CONSUMER_REGISTERS>() };
+    let c = t - 128;
+    let (wg, warp, lane) = (c / 128, (c / 32) % 4, c % 32);
+    let (gid, tig) = ((lane / 4) as usize, (lane % 4) as usize);
+    let (mut s, mut phase) = (0u32, 0u32);
+    let mut tile = block_idx_x();
+    while tile < total {
+        let (row0, col0) = tile_origin(tile, tiles_m, tiles_n);
+        let mut acc = [0u32; 128];
+        let mut held = None;
+        for _ in 0..k_tiles {
+            let sa = stage_a(s);
+            let da = descriptor(sa + wg * 64 * (BLOCK_K * 4) as u32);
+            let db = descriptor(sa + A_BYTES as u32);
+            // k-step i: 32 bytes along the swizzled rows = start address + 2 (16-byte units).
+            // SAFETY: the stage is complete once its phase is; all 128 threads of the
+            // warpgroup issue the MMAs.
+            unsafe {
+                mbarrier_wait(full(s), phase);
+                wgmma_n256_k_tile(&mut acc, [da, da + 2, da + 4, da + 6], [db, db + 2, db + 4, db + 6]);
+            }
+            // The previous k-tile's MMAs are done (one group is left in flight): free its stage.
+            if let Some(prev) = held
+                && lane == 0
+            {
+                // SAFETY: one arrival per consumer warp per phase.
+                unsafe { mbarrier_arrive(empty(prev)) };
+            }
+            held = Some(s);
+            (s, phase) = next(s, phase);
+        }
+        // SAFETY: all threads of each warpgroup.
+        unsafe { wgmma_wait_all(&mut acc) };
+        if let Some(prev) = held
+            && lane == 0
+        {
+            // SAFETY: as above.
+            unsafe { mbarrier_arrive(empty(prev)) };
+        }
+        // The epilogue on the accumulators where they are (`epilogue::fragments`):
+        // rows 16 warp + lane / 4 (+ 8) of the warpgroup's 64, columns 2 (lane % 4) + 8 j.
+        let row = (row0 + wg * 64 + warp * 16) as usize + gid;
+        // The thread's first column and the sizes, opaque to the compiler at each use:
+        // otherwise it derives the 64 column bounds once and holds them beside the 128
+        // values through the whole epilogue (and spills).
+        let fresh = |offset: u32| (opaque(col0 + 2 * tig as u32 + offset) as usize, opaque(m) as usize, opaque(n) as usize);
+        // SAFETY: `y` and `save_z` (if not null) hold `m * n` floats; `ops` holds `n_ops`.
+        unsafe {
+            unroll!(h in 0..2 => {
+                // (Element by element: `map` would take the array through local memory.)
+                let mut v: HalfFragment = [0.0; 64];
+                each_half_value(&mut v, |_, j, e| f32::from_bits(acc[64 * h + 4 * j + e]));
+                if !bias.is_null() {
+                    let (col, _, n) = fresh(128 * h as u32);
+                    each_half_value(&mut v, |x, j, e| x + column_pair(bias, n, col + 8 * j)[e % 2]);
+                }
+                if !save_z.is_null() {
+                    let (col, m, n) = fresh(128 * h as u32);
+                    store_half(save_z, &v, (m, n), row, col);
+                }
+                for o in 0..n_ops as usize {
+                    let (col, _, n) = fresh(128 * h as u32);
+                    fragment_forward(&*ops.add(o), &mut v, n, col);
+                }
+                let (col, m, n) = fresh(128 * h as u32);
+                store_half(y, &v, (m, n), row, col);
+            });
+        }
+        tile += grid_dim_x();
+    }
+}
+
+/// A warpgroup-wide `wgmma` asm block with the 128 accumulators as operands
+/// `d0..d127` (one statement, so nothing touches them while the MMAs are in flight).
+macro_rules! wgmma_asm_n256 {
+    ($acc:ident; [$($tmpl:expr),* $(,)?]; $($ops:tt)*) => {
+        core::arch::asm!(
+            $($tmpl),*,
+            d0 = inout(reg32) $acc[0],
+            d1 = inout(reg32) $acc[1],
+            d2 = inout(reg32) $acc[2],
+            d3 = inout(reg32) $acc[3],
+            d4 = inout(reg32) $acc[4],
+            d5 = inout(reg32) $acc[5],
+            d6 = inout(reg32) $acc[6],
+            d7 = inout(reg32) $acc[7],
+            d8 = inout(reg32) $acc[8],
+            d9 = inout(reg32) $acc[9],
+            d10 = inout(reg32) $acc[10],
+            d11 = inout(reg32) $acc[11],
+            d12 = inout(reg32) $acc[12],
+            d13 = inout(reg32) $acc[13],
+            d14 = inout(reg32) $acc[14],
+            d15 = inout(reg32) $acc[15],
+            d16 = inout(reg32) $acc[16],
+            d17 = inout(reg32) $acc[17],
+            d18 = inout(reg32) $acc[18],
+            d19 = inout(reg32) $acc[19],
+            d20 = inout(reg32) $acc[20],
+            d21 = inout(reg32) $acc[21],
+            d22 = inout(reg32) $acc[22],
+            d23 = inout(reg32) $acc[23],
+            d24 = inout(reg32) $acc[24],
+            d25 = inout(reg32) $acc[25],
+            d26 = inout(reg32) $acc[26],
+            d27 = inout(reg32) $acc[27],
+            d28 = inout(reg32) $acc[28],
+            d29 = inout(reg32) $acc[29],
+            d30 = inout(reg32) $acc[30],
+            d31 = inout(reg32) $acc[31],
+            d32 = inout(reg32) $acc[32],
+            d33 = inout(reg32) $acc[33],
+            d34 = inout(reg32) $acc[34],
+            d35 = inout(reg32) $acc[35],
+            d36 = inout(reg32) $acc[36],
+            d37 = inout(reg32) $acc[37],
+            d38 = inout(reg32) $acc[38],
+            d39 = inout(reg32) $acc[39],
+            d40 = inout(reg32) $acc[40],
+            d41 = inout(reg32) $acc[41],
+            d42 = inout(reg32) $acc[42],
+            d43 = inout(reg32) $acc[43],
+            d44 = inout(reg32) $acc[44],
+            d45 = inout(reg32) $acc[45],
+            d46 = inout(reg32) $acc[46],
+            d47 = inout(reg32) $acc[47],
+            d48 = inout(reg32) $acc[48],
+            d49 = inout(reg32) $acc[49],
+            d50 = inout(reg32) $acc[50],
+            d51 = inout(reg32) $acc[51],
+            d52 = inout(reg32) $acc[52],
+            d53 = inout(reg32) $acc[53],
+            d54 = inout(reg32) $acc[54],
+            d55 = inout(reg32) $acc[55],
+            d56 = inout(reg32) $acc[56],
+            d57 = inout(reg32) $acc[57],
+            d58 = inout(reg32) $acc[58],
+            d59 = inout(reg32) $acc[59],
+            d60 = inout(reg32) $acc[60],
+            d61 = inout(reg32) $acc[61],
+            d62 = inout(reg32) $acc[62],
+            d63 = inout(reg32) $acc[63],
+            d64 = inout(reg32) $acc[64],
+            d65 = inout(reg32) $acc[65],
+            d66 = inout(reg32) $acc[66],
+            d67 = inout(reg32) $acc[67],
+            d68 = inout(reg32) $acc[68],
+            d69 = inout(reg32) $acc[69],
+            d70 = inout(reg32) $acc[70],
+            d71 = inout(reg32) $acc[71],
+            d72 = inout(reg32) $acc[72],
+            d73 = inout(reg32) $acc[73],
+            d74 = inout(reg32) $acc[74],
+            d75 = inout(reg32) $acc[75],
+            d76 = inout(reg32) $acc[76],
+            d77 = inout(reg32) $acc[77],
+            d78 = inout(reg32) $acc[78],
+            d79 = inout(reg32) $acc[79],
+            d80 = inout(reg32) $acc[80],
+            d81 = inout(reg32) $acc[81],
+            d82 = inout(reg32) $acc[82],
+            d83 = inout(reg32) $acc[83],
+            d84 = inout(reg32) $acc[84],
+            d85 = inout(reg32) $acc[85],
+            d86 = inout(reg32) $acc[86],
+            d87 = inout(reg32) $acc[87],
+            d88 = inout(reg32) $acc[88],
+            d89 = inout(reg32) $acc[89],
+            d90 = inout(reg32) $acc[90],
+            d91 = inout(reg32) $acc[91],
+            d92 = inout(reg32) $acc[92],
+            d93 = inout(reg32) $acc[93],
+            d94 = inout(reg32) $acc[94],
+            d95 = inout(reg32) $acc[95],
+            d96 = inout(reg32) $acc[96],
+            d97 = inout(reg32) $acc[97],
+            d98 = inout(reg32) $acc[98],
+            d99 = inout(reg32) $acc[99],
+            d100 = inout(reg32) $acc[100],
+            d101 = inout(reg32) $acc[101],
+            d102 = inout(reg32) $acc[102],
+            d103 = inout(reg32) $acc[103],
+            d104 = inout(reg32) $acc[104],
+            d105 = inout(reg32) $acc[105],
+            d106 = inout(reg32) $acc[106],
+            d107 = inout(reg32) $acc[107],
+            d108 = inout(reg32) $acc[108],
+            d109 = inout(reg32) $acc[109],
+            d110 = inout(reg32) $acc[110],
+            d111 = inout(reg32) $acc[111],
+            d112 = inout(reg32) $acc[112],
+            d113 = inout(reg32) $acc[113],
+            d114 = inout(reg32) $acc[114],
+            d115 = inout(reg32) $acc[115],
+            d116 = inout(reg32) $acc[116],
+            d117 = inout(reg32) $acc[117],
+            d118 = inout(reg32) $acc[118],
+            d119 = inout(reg32) $acc[119],
+            d120 = inout(reg32) $acc[120],
+            d121 = inout(reg32) $acc[121],
+            d122 = inout(reg32) $acc[122],
+            d123 = inout(reg32) $acc[123],
+            d124 = inout(reg32) $acc[124],
+            d125 = inout(reg32) $acc[125],
+            d126 = inout(reg32) $acc[126],
+            d127 = inout(reg32) $acc[127],
+            $($ops)*
+            options(nostack)
+        )
+    };
+}
+
+/// The `{d0, .., d127}` accumulator list of an `m64n256` template.
+macro_rules! acc128 {
+    () => {
+        "{{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, {d13}, {d14}, {d15}, {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}, {d32}, {d33}, {d34}, {d35}, {d36}, {d37}, {d38}, {d39}, {d40}, {d41}, {d42}, {d43}, {d44}, {d45}, {d46}, {d47}, {d48}, {d49}, {d50}, {d51}, {d52}, {d53}, {d54}, {d55}, {d56}, {d57}, {d58}, {d59}, {d60}, {d61}, {d62}, {d63}, {d64}, {d65}, {d66}, {d67}, {d68}, {d69}, {d70}, {d71}, {d72}, {d73}, {d74}, {d75}, {d76}, {d77}, {d78}, {d79}, {d80}, {d81}, {d82}, {d83}, {d84}, {d85}, {d86}, {d87}, {d88}, {d89}, {d90}, {d91}, {d92}, {d93}, {d94}, {d95}, {d96}, {d97}, {d98}, {d99}, {d100}, {d101}, {d102}, {d103}, {d104}, {d105}, {d106}, {d107}, {d108}, {d109}, {d110}, {d111}, {d112}, {d113}, {d114}, {d115}, {d116}, {d117}, {d118}, {d119}, {d120}, {d121}, {d122}, {d123}, {d124}, {d125}, {d126}, {d127}}}"
+    };
+}
+
+/// Waits for all of the warpgroup's `wgmma`s (the accumulators are operands, so nothing
+/// reads them before).
+///
+/// # Safety
+/// Every thread of the warpgroup calls it.
+#[inline(always)]
+unsafe fn wgmma_wait_all(acc: &mut [u32; 128]) {
+    unsafe { wgmma_asm_n256!(acc; [concat!("wgmma.wait_group.sync.aligned 0; // ", acc128!())];) }
+}
+
+/// One k-tile (4 `k`-steps of 8) of a warpgroup, `acc += A B^T` with both operands in
+/// shared memory: issued, committed, and returned from with this group still running
+/// (the previous one finished).
+///
+/// # Safety
+/// Descriptors of complete tiles written by the async proxy (TMA); every thread of the
+/// warpgroup calls it.
+#[inline(always)]
+unsafe fn wgmma_n256_k_tile(acc: &mut [u32; 128], da: [u64; 4], db: [u64; 4]) {
+    unsafe {
+        wgmma_asm_n256!(acc; [
+            "{{ .reg .pred p; setp.ne.b32 p, {one}, 0;",
+            "wgmma.fence.sync.aligned;",
+            concat!("wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32 ", acc128!(), ", {a0}, {b0}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32 ", acc128!(), ", {a1}, {b1}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32 ", acc128!(), ", {a2}, {b2}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32 ", acc128!(), ", {a3}, {b3}, p, 1, 1;"),
+            "wgmma.commit_group.sync.aligned;",
+            "wgmma.wait_group.sync.aligned 1; }}",
+        ];
+            one = in(reg32) 1u32,
+            a0 = in(reg64) da[0], a1 = in(reg64) da[1], a2 = in(reg64) da[2], a3 = in(reg64) da[3],
+            b0 = in(reg64) db[0], b1 = in(reg64) db[1], b2 = in(reg64) db[2], b3 = in(reg64) db[3],
+        )
+    }
+}
+
+/// Forward `x W^T` in TF32: persistent, TMA-fed, `128 x 256` tiles.
+///
+/// # Safety
+/// See [`gemm_tma`].
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_nt(
+    maps: *const u8,
+    bias: *const f32,
+    y: *mut f32,
+    save_z: *mut f32,
+    m: u32,
+    n: u32,
+    k: u32,
+    ops: *const OpDesc,
+    n_ops: u32,
+) {
+    unsafe { gemm_tma(maps, bias, y, save_z, m, n, k, ops, n_ops) }
+}
