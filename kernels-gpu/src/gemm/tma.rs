@@ -59,17 +59,18 @@ fn tile_origin(tile: u32, tiles_m: u32, tiles_n: u32) -> (u32, u32) {
     ((first + local % height) * BLOCK_M as u32, (local / height) * BLOCK_N as u32)
 }
 
-/// `y (m, n) = chain(A B^T + bias)` with `A (m, k)` and `B (n, k)` described by the two
-/// TMA tensor maps at `maps` (128 bytes each: `A`'s with a `32 x 128` box, `B`'s with
-/// `32 x 256`, both with the 128-byte swizzle); `save_z` as in the other GEMMs.
+/// The forward `y (m, n) = chain(x W^T + bias)` in TF32, `A` = `x (m, k)` and
+/// `B` = `W (n, k)` described by the two TMA tensor maps at `maps` (128 bytes each:
+/// `A`'s with a `32 x 128` box, `B`'s with `32 x 256`, both with the 128-byte swizzle);
+/// `save_z` as in the other GEMMs.
 ///
 /// # Safety
 /// The maps describe readable `f32` tensors of `(m, k)` and `(n, k)` in global memory;
 /// `y` holds `m * n` floats; bias, `save_z` and `ops` as in `simt::gemm_f32`; `THREADS`
 /// threads, dynamic shared memory `SMEM_BYTES`, any grid; an sm_90a device.
-#[inline(always)]
+#[unsafe(no_mangle)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_tma(
+pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_nt(
     maps: *const u8,
     bias: *const f32,
     y: *mut f32,
@@ -396,24 +397,4 @@ unsafe fn wgmma_n256_k_tile(acc: &mut [u32; 128], da: [u64; 4], db: [u64; 4]) {
             b0 = in(reg64) db[0], b1 = in(reg64) db[1], b2 = in(reg64) db[2], b3 = in(reg64) db[3],
         )
     }
-}
-
-/// Forward `x W^T` in TF32: persistent, TMA-fed, `128 x 256` tiles.
-///
-/// # Safety
-/// See [`gemm_tma`].
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_nt(
-    maps: *const u8,
-    bias: *const f32,
-    y: *mut f32,
-    save_z: *mut f32,
-    m: u32,
-    n: u32,
-    k: u32,
-    ops: *const OpDesc,
-    n_ops: u32,
-) {
-    unsafe { gemm_tma(maps, bias, y, save_z, m, n, k, ops, n_ops) }
 }

@@ -8,7 +8,7 @@ use super::super::epilogue::DeviceChain;
 use super::super::{DeviceTensor, Gpu};
 use crate::chain::Op;
 use crate::error::{Error, Result};
-use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaStream, LaunchArgs, LaunchConfig, PushKernelArg};
 use kernel_abi::gemm_simt::{BLOCK_M, BLOCK_N, MAX_FUSED_GROUP, MIN_FUSED_GROUP, THREADS};
 use kernel_abi::{gemm_simt, gemm_tc, gemm_tma, gemm_wg};
 use std::sync::Arc;
@@ -271,34 +271,61 @@ impl<'a> Gemm<'a> {
             block_dim: (THREADS as u32, 1, 1),
             shared_mem_bytes: smem_bytes as u32,
         };
-        let dims = [m, n, k, self.lda, self.ldb, k_split].map(|d| d as u32);
         let chain = if splits > 1 { None } else { self.chain };
-        let n_ops = chain.map_or(0, |c| c.ops.len() as u32);
-        let null = 0u64;
+        let tail = EpilogueArgs::new(&[m, n, k, self.lda, self.ldb, k_split], chain);
         let mut launch = stream.launch_builder(&func);
         launch.arg(self.a).arg(self.b);
-        match self.bias.filter(|_| splits == 1) {
-            Some(b) => launch.arg(b),
-            None => launch.arg(&null),
-        };
-        launch.arg(&mut y.buf);
-        match save_z {
-            Some(z) => launch.arg(&mut z.buf),
-            None => launch.arg(&null),
-        };
-        for d in &dims {
-            launch.arg(d);
-        }
-        match chain {
-            Some(c) => launch.arg(&c.descs),
-            None => launch.arg(&null),
-        };
-        launch.arg(&n_ops);
+        tail.push(&mut launch, self.bias.filter(|_| splits == 1), y, save_z, chain);
         // SAFETY: matches the kernel's signature; operand extents checked above; the
         // chain's ops were checked fusable by the caller (`not_fusable`); grid, block
         // and shared memory follow kernel_abi::gemm_simt / gemm_tc / gemm_wg.
         unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{name}`"), e))?;
         Ok(())
+    }
+}
+
+/// The arguments every GEMM kernel takes after its operands — `bias, y, save_z`, the
+/// sizes, `ops, n_ops` (null pointers for absent ones) — owned here while a launch
+/// builder borrows them.
+pub(super) struct EpilogueArgs {
+    dims: Vec<u32>,
+    n_ops: u32,
+    null: u64,
+}
+
+impl EpilogueArgs {
+    /// `dims`: the kernel's size arguments, in order.
+    pub(super) fn new(dims: &[usize], chain: Option<&DeviceChain>) -> EpilogueArgs {
+        let dims = dims.iter().map(|&d| d as u32).collect();
+        EpilogueArgs { dims, n_ops: chain.map_or(0, |c| c.ops.len() as u32), null: 0 }
+    }
+
+    /// Pushes them onto `launch`, after the operands.
+    pub(super) fn push<'a>(
+        &'a self,
+        launch: &mut LaunchArgs<'a>,
+        bias: Option<&'a CudaSlice<f32>>,
+        y: &'a mut DeviceTensor,
+        save_z: Option<&'a mut DeviceTensor>,
+        chain: Option<&'a DeviceChain>,
+    ) {
+        match bias {
+            Some(b) => launch.arg(b),
+            None => launch.arg(&self.null),
+        };
+        launch.arg(&mut y.buf);
+        match save_z {
+            Some(z) => launch.arg(&mut z.buf),
+            None => launch.arg(&self.null),
+        };
+        for d in &self.dims {
+            launch.arg(d);
+        }
+        match chain {
+            Some(c) => launch.arg(&c.descs),
+            None => launch.arg(&self.null),
+        };
+        launch.arg(&self.n_ops);
     }
 }
 

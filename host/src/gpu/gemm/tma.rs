@@ -4,6 +4,7 @@
 
 use super::super::epilogue::DeviceChain;
 use super::super::{DeviceTensor, Gpu};
+use super::simt::EpilogueArgs;
 use crate::error::{Error, Result};
 use cudarc::driver::sys::{self, CUtensorMap};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
@@ -18,7 +19,7 @@ pub const KERNEL: &str = "gemm_tma_tf32_nt";
 /// floats), read in boxes of `box_rows x BLOCK_K` with the 128-byte swizzle, zeros
 /// outside.
 fn tensor_map(
-    gpu: &Gpu,
+    stream: &CudaStream,
     buf: &CudaSlice<f32>,
     (rows, k, pitch): (usize, usize, usize),
     box_rows: usize,
@@ -28,7 +29,7 @@ fn tensor_map(
     let pitch = [(pitch * 4) as u64];
     let boxes = [BLOCK_K as u32, box_rows as u32];
     let steps = [1u32, 1];
-    let ptr = buf.device_ptr(gpu.stream()).0;
+    let ptr = buf.device_ptr(stream).0;
     // SAFETY: every array has the rank's length (2; the pitch 1); `map` is writable
     // and 64-byte aligned; the driver only encodes (nothing is read from `ptr`).
     let result = unsafe {
@@ -70,7 +71,7 @@ pub fn launch_forward(
     y: &mut DeviceTensor,
     save_z: Option<&mut DeviceTensor>,
 ) -> Result<()> {
-    let maps = [tensor_map(gpu, a, (m, k, lda), BLOCK_M)?, tensor_map(gpu, b, (n, k, ldb), BLOCK_N)?];
+    let maps = [tensor_map(stream, a, (m, k, lda), BLOCK_M)?, tensor_map(stream, b, (n, k, ldb), BLOCK_N)?];
     let words: Vec<u64> = maps.iter().flat_map(|map| map.opaque).collect();
     // Freed in stream order after the kernel (cudarc frees asynchronously on `stream`).
     let maps = stream.clone_htod(&words).map_err(|e| Error::cuda("uploading the TMA tensor maps", e))?;
@@ -82,28 +83,10 @@ pub fn launch_forward(
         block_dim: (THREADS as u32, 1, 1),
         shared_mem_bytes: SMEM_BYTES as u32,
     };
-    let dims = [m, n, k].map(|d| d as u32);
-    let n_ops = chain.map_or(0, |c| c.ops.len() as u32);
-    let null = 0u64;
+    let tail = EpilogueArgs::new(&[m, n, k], chain);
     let mut launch = stream.launch_builder(&func);
     launch.arg(&maps);
-    match bias {
-        Some(b) => launch.arg(b),
-        None => launch.arg(&null),
-    };
-    launch.arg(&mut y.buf);
-    match save_z {
-        Some(z) => launch.arg(&mut z.buf),
-        None => launch.arg(&null),
-    };
-    for d in &dims {
-        launch.arg(d);
-    }
-    match chain {
-        Some(c) => launch.arg(&c.descs),
-        None => launch.arg(&null),
-    };
-    launch.arg(&n_ops);
+    tail.push(&mut launch, bias, y, save_z, chain);
     // SAFETY: matches the kernel's signature; the maps describe `a` and `b` within the
     // extents the caller checked; grid, block and shared memory follow kernel_abi::gemm_tma.
     unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{KERNEL}`"), e))?;
