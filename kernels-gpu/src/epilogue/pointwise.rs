@@ -3,7 +3,7 @@
 //! Written from the math in shared/spec/models.md, on the fast functions of
 //! `prelude::math` (accuracy stated there).
 
-use crate::prelude::math::{erfc, exp, sigmoid};
+use crate::prelude::math::{erfc, exp, recip, sigmoid};
 
 /// `swish(x) = x * sigmoid(x)`
 #[inline(always)]
@@ -28,7 +28,7 @@ pub fn mish(x: f32) -> f32 {
     }
     let e = exp(x);
     let n = e * (e + 2.0);
-    x * n / (n + 2.0)
+    x * n * recip(n + 2.0)
 }
 
 /// `mish'(x) = t + x * sigmoid(x) * (1 - t^2)`, `t = tanh(softplus(x))`. Needs the input.
@@ -39,7 +39,7 @@ pub fn mish_grad(x: f32) -> f32 {
     }
     let e = exp(x);
     let n = e * (e + 2.0);
-    let t = n / (n + 2.0);
+    let t = n * recip(n + 2.0);
     t + x * sigmoid(x) * (1.0 - t * t)
 }
 

@@ -11,12 +11,18 @@
 //! | `exp2`    | `ex2.approx.ftz.f32`                            | 2^-22 (PTX ISA)                |
 //! | `exp`     | `exp2(x * log2 e)`                              | 2^-22 + |x| * 2^-24 (< 6e-6 in range) |
 //! | `rsqrt`   | `rsqrt.approx.ftz.f32`                          | 2^-22.9 (PTX ISA)              |
-//! | `sigmoid` | `1 / (1 + exp(-x))`, IEEE division              | as `exp`                       |
-//! | `tanh`    | odd Taylor series for |x| < 0.125, else `1 - 2/(e^2x + 1)` | < 2e-6                |
+//! | `recip`   | `rcp.approx.ftz.f32`                            | 1 ulp (PTX ISA)                |
+//! | `sigmoid` | `recip(1 + exp(-x))`                            | as `exp`, plus 1 ulp           |
+//! | `tanh`    | odd Taylor series for |x| < 0.125, else `1 - 2 recip(e^2x + 1)` | < 2e-6         |
 //! | `erfc`    | Chebyshev fit (Numerical Recipes `erfcc`)       | 1.2e-7 fractional + `exp`'s    |
 //! | `erf`     | `1 - erfc(x)`                                   | 2e-7 absolute                  |
 //!
 //! Subnormal results flush to zero (`.ftz`), as CUDA's fast-math intrinsics do.
+//!
+//! Per-element functions divide with `recip`, never `/`: an IEEE `div.rn.f32` compiles
+//! to a reciprocal, a correction and a branch to a slow path, and the branch ends the
+//! basic block, so the 64 values of an epilogue half-fragment could not interleave —
+//! each paid the whole latency chain (390 such calls in the TMA kernel's SASS).
 
 use core::arch::asm;
 
@@ -52,10 +58,22 @@ pub fn rsqrt(x: f32) -> f32 {
     f32::from_bits(out)
 }
 
+/// `1 / x` (`rcp.approx.ftz.f32`): `1 / inf` = 0, no branch.
+#[inline(always)]
+pub fn recip(x: f32) -> f32 {
+    let out: u32;
+    // SAFETY: register-only arithmetic instruction.
+    unsafe {
+        asm!("rcp.approx.ftz.f32 {o}, {i};", o = out(reg32) out, i = in(reg32) x.to_bits(),
+             options(pure, nomem, nostack, preserves_flags));
+    }
+    f32::from_bits(out)
+}
+
 /// `1 / (1 + e^-x)`; exact limits 0 and 1 at the ends, no NaN for finite `x`.
 #[inline(always)]
 pub fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + exp(-x))
+    recip(1.0 + exp(-x))
 }
 
 /// Hyperbolic tangent.
@@ -68,7 +86,7 @@ pub fn tanh(x: f32) -> f32 {
         x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
     } else {
         // e^{2a} overflows to +inf for a > 44, giving exactly 1.
-        let t = 1.0 - 2.0 / (exp(2.0 * a) + 1.0);
+        let t = 1.0 - 2.0 * recip(exp(2.0 * a) + 1.0);
         copysign(t, x)
     }
 }
@@ -78,7 +96,7 @@ pub fn tanh(x: f32) -> f32 {
 #[inline(always)]
 pub fn erfc(x: f32) -> f32 {
     let z = fabs(x);
-    let t = 1.0 / (1.0 + 0.5 * z);
+    let t = recip(1.0 + 0.5 * z);
     let poly = -1.265_512_2
         + t * (1.000_023_7
             + t * (0.374_091_96
