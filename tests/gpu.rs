@@ -197,36 +197,42 @@ fn tensor_core_precisions_match_reference() {
 }
 
 /// The TF32 forward's persistent TMA kernel looping over more tiles than there are SMs
-/// (17 x 11 tiles of 128 x 256 at k = 4096): sampled rows against the f64 reference
-/// (rows are independent, so a row subset of `x` gives the reference's rows).
+/// (17 x 11 tiles of 128 x 256), at k = 4096 and at a ragged k = 1036 with groups of 4
+/// channels: sampled rows against the f64 reference (rows are independent, so a row
+/// subset of `x` gives the reference's rows).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tf32_persistent_forward_matches_reference_rows() {
     use host::gpu::gemm::simt::Precision;
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(23);
-    let (b, i, o) = (2100, 4096, 2600);
-    let spec = BlockSpec::new(i, o, "groupnorm(325),swish,mul,swish".parse().unwrap()).unwrap();
-    let params = Params::init(&spec, &mut rng);
-    let x = random_input(b, i, &mut rng).unwrap();
-    let block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(Precision::Tf32);
-    let path = block.describe(&block.plan(&gpu, b));
-    assert!(path.contains("gemm_tma_tf32_nt"), "expected the TMA kernel, got {path}");
-    let y = block.forward(&gpu, &x).unwrap();
-    let rows: Vec<usize> = (0..b).step_by(131).chain([b - 1]).collect();
-    let pick = |data: &[f32], width: usize| -> Vec<f32> {
-        rows.iter().flat_map(|&r| data[r * width..(r + 1) * width].iter().copied()).collect()
-    };
-    let xs = host::Tensor::new(&[rows.len(), i], pick(x.data(), i)).unwrap();
-    let want = reference::block_forward(&spec, &xs.to_f64(), &params.map(f64::from)).unwrap();
-    let c = compare_f32(&pick(y.data(), o), want.data());
-    println!(
-        "tf32 persistent ({b}, {i}, {o}), {} rows: rel {:.2e} max abs {:.2e}  [{path}]",
-        rows.len(),
-        c.rel,
-        c.max_abs
-    );
-    assert!(c.passes(Precision::Tf32.tolerance()), "{c:?}");
+    let cases = [
+        ((2100, 4096, 2600), "groupnorm(325),swish,mul,swish", "gemm_tma_tf32_nt"),
+        ((2100, 1036, 2600), "swish,bias,groupnorm(650)", "gemm_tma_tf32_nt"),
+    ];
+    for ((b, i, o), chain, kernel) in cases {
+        let spec = BlockSpec::new(i, o, chain.parse().unwrap()).unwrap();
+        let params = Params::init(&spec, &mut rng);
+        let x = random_input(b, i, &mut rng).unwrap();
+        let block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(Precision::Tf32);
+        let path = block.describe(&block.plan(&gpu, b));
+        assert!(path.contains(kernel), "expected {kernel}, got {path}");
+        let y = block.forward(&gpu, &x).unwrap();
+        let rows: Vec<usize> = (0..b).step_by(131).chain([b - 1]).collect();
+        let pick = |data: &[f32], width: usize| -> Vec<f32> {
+            rows.iter().flat_map(|&r| data[r * width..(r + 1) * width].iter().copied()).collect()
+        };
+        let xs = host::Tensor::new(&[rows.len(), i], pick(x.data(), i)).unwrap();
+        let want = reference::block_forward(&spec, &xs.to_f64(), &params.map(f64::from)).unwrap();
+        let c = compare_f32(&pick(y.data(), o), want.data());
+        println!(
+            "tf32 persistent ({b}, {i}, {o}), {} rows: rel {:.2e} max abs {:.2e}  [{path}]",
+            rows.len(),
+            c.rel,
+            c.max_abs
+        );
+        assert!(c.passes(Precision::Tf32.tolerance()), "{chain}: {c:?}");
+    }
 }
 
 /// Blocks chained on one GPU tape, block A used twice (`A(B(A(x)))`), so its

@@ -101,10 +101,11 @@ pub mod gemm_tma {
     /// blocks running at once share their `B` (weight) tiles in L2 and re-read few `A` rows.
     pub const PANEL_M: usize = 8;
     /// The shortest `k` the host sends here: the epilogue runs between a tile's k-loops
-    /// with the tensor cores idle (one block per SM), so short `k` (M2: 1024, 2.36 ms
-    /// against 1.70 on `gemm_wg`, which hides it behind its second block) goes to `gemm_wg`.
-    /// Measured at 1024 and 8192 only; 4096 is the conservative side.
-    pub const MIN_K: usize = 4096;
+    /// with the tensor cores idle (one block per SM), so the shorter `k`, the larger its
+    /// share; `gemm_wg` hides it behind a second block per SM. Measured at 1024 (M2:
+    /// 1.14 ms here against 1.63 on `gemm_wg`) and 8192; below 1024 is unmeasured and
+    /// stays on `gemm_wg`.
+    pub const MIN_K: usize = 1024;
     pub const A_BYTES: usize = BLOCK_M * BLOCK_K * 4;
     pub const B_BYTES: usize = BLOCK_N * BLOCK_K * 4;
     pub const STAGE_BYTES: usize = A_BYTES + B_BYTES;

@@ -19,16 +19,18 @@
 //! each warp stores as soon as its own rows are done. The tensor cores still idle while
 //! it runs (one block per SM, both warpgroups in the epilogue): with short `k` that
 //! costs more than the tile's MMAs gain, so the host sends only `k >= MIN_K` here.
+//! (A ping-pong schedule — each warpgroup its own `128 x 128` tile, one in its epilogue
+//! while the other multiplies — was measured slower: docs/PERFORMANCE.md, t12.)
 
 use crate::epilogue::fragments::{HalfFragment, column_pair, each_half_value, fragment_forward, store_half};
 use crate::prelude::async_copy::shared_address;
 use crate::prelude::bulk_copy::*;
 use crate::prelude::*;
-use crate::unroll;
 use kernel_abi::epilogue::OpDesc;
 use kernel_abi::gemm_tma::*;
 
-/// `x`, hidden from the optimiser: nothing computed from it moves above this point.
+/// `x`, hidden from the optimiser: nothing computed from it moves above this point (and
+/// a loop bounded by it is not unrolled).
 #[inline(always)]
 fn opaque(mut x: u32) -> u32 {
     // SAFETY: a register move.
@@ -191,25 +193,37 @@ pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_nt(
         let fresh = |offset: u32| (opaque(col0 + 2 * tig as u32 + offset) as usize, opaque(m) as usize, opaque(n) as usize);
         // SAFETY: `y` and `save_z` (if not null) hold `m * n` floats; `ops` holds `n_ops`.
         unsafe {
-            unroll!(h in 0..2 => {
-                // (Element by element: `map` would take the array through local memory.)
-                let mut v: HalfFragment = [0.0; 64];
-                each_half_value(&mut v, |_, j, e| f32::from_bits(acc[64 * h + 4 * j + e]));
+            // The halves in a loop, not unrolled (the opaque bound), so the chain's code
+            // exists once (14 k instructions instead of 28 k): unrolled, M2's three ops
+            // cost 0.6 ms more than its three one-op chains together; as a loop its
+            // forward went from 1.83 to 1.14 ms (the code is fetched anew for every
+            // tile; see docs/PERFORMANCE.md, t11). The second half waits in `rest` and
+            // moves into `v`, so only the half in flight and the one waiting are live,
+            // as when unrolled.
+            // (Element by element: `map` would take the arrays through local memory.)
+            let (mut v, mut rest): (HalfFragment, HalfFragment) = ([0.0; 64], [0.0; 64]);
+            each_half_value(&mut v, |_, j, e| f32::from_bits(acc[4 * j + e]));
+            each_half_value(&mut rest, |_, j, e| f32::from_bits(acc[64 + 4 * j + e]));
+            let mut h = 0u32;
+            while h < opaque(2) {
+                let offset = 128 * h;
                 if !bias.is_null() {
-                    let (col, _, n) = fresh(128 * h as u32);
+                    let (col, _, n) = fresh(offset);
                     each_half_value(&mut v, |x, j, e| x + column_pair(bias, n, col + 8 * j)[e % 2]);
                 }
                 if !save_z.is_null() {
-                    let (col, m, n) = fresh(128 * h as u32);
+                    let (col, m, n) = fresh(offset);
                     store_half(save_z, &v, (m, n), row, col);
                 }
                 for o in 0..n_ops as usize {
-                    let (col, _, n) = fresh(128 * h as u32);
+                    let (col, _, n) = fresh(offset);
                     fragment_forward(&*ops.add(o), &mut v, n, col);
                 }
-                let (col, m, n) = fresh(128 * h as u32);
+                let (col, m, n) = fresh(offset);
                 store_half(y, &v, (m, n), row, col);
-            });
+                v = rest;
+                h += 1;
+            }
         }
         tile += grid_dim_x();
     }
