@@ -235,6 +235,33 @@ fn tf32_persistent_forward_matches_reference_rows() {
     }
 }
 
+/// The TF32 weight gradient `dW = dZ^T X` for a batch of at least `MIN_K` rows: both
+/// operands transposed, then the forward's TMA kernel (`Nt`), at a ragged batch (1060:
+/// `k` % 32 != 0) and ragged `n`, `k` — against the f64 reference.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn tf32_weight_gradient_matches_reference() {
+    use host::gpu::gemm::simt::{Layout, Precision, grad_weight, kernel_name};
+    let gpu = gpu();
+    let mut rng = StdRng::seed_from_u64(29);
+    let (m, n, k) = (1060, 300, 520);
+    let path = kernel_name(Precision::Tf32, Layout::Nt, (m, m, m), 1);
+    assert_eq!(path, "gemm_tma_tf32_nt", "dW's GEMM for a {m}-row batch");
+    let x = random_input(m, k, &mut rng).unwrap();
+    let dz = random_input(m, n, &mut rng).unwrap();
+    let w = random_input(n, k, &mut rng).unwrap();
+    let (dx_dev, dz_dev) = (gpu.upload(&x).unwrap(), gpu.upload(&dz).unwrap());
+    let side = gpu.side_stream().clone();
+    let (dw, scratch) = grad_weight(&gpu, Precision::Tf32, &side, &dz_dev, &dx_dev).unwrap();
+    gpu.order(&side, gpu.stream()).unwrap();
+    let got = gpu.download(&dw).unwrap();
+    drop(scratch);
+    let (_, want, _) = reference::linear::linear_backward(&x.to_f64(), &w.to_f64(), &dz.to_f64()).unwrap();
+    let c = compare_f32(got.data(), want.data());
+    println!("tf32 dW ({m}, {n}, {k}): rel {:.2e} max abs {:.2e}  [{path}]", c.rel, c.max_abs);
+    assert!(c.passes(Precision::Tf32.tolerance()), "{c:?}");
+}
+
 /// Blocks chained on one GPU tape, block A used twice (`A(B(A(x)))`), so its
 /// parameters' gradients are sums the tape accumulates: all match the CPU f64 tape.
 #[test]

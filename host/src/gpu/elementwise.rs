@@ -5,6 +5,7 @@
 use super::{DeviceTensor, Gpu, launched};
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use std::sync::Arc;
 
 /// `a += b` (same shape).
 pub fn add_assign(gpu: &Gpu, a: &mut DeviceTensor, b: &DeviceTensor) -> Result<()> {
@@ -62,9 +63,10 @@ pub fn unfold_rows_mean_grad(gpu: &Gpu, g: &DeviceTensor, rows: usize, k: usize)
     Ok(out)
 }
 
-/// `input (rows, cols)^T` as a new `(cols, rows)` tensor, queued on `stream` (the
-/// tensor-core `dW` runs it on the side stream before its GEMM).
-pub fn transpose_on(gpu: &Gpu, stream: &CudaStream, input: &DeviceTensor) -> Result<DeviceTensor> {
+/// `input (rows, cols)^T` as a new `(cols, rows)` tensor, allocated and queued on
+/// `stream` (the tensor-core `dW` runs it on the side stream before its GEMM; the
+/// result is freed in that stream's order too).
+pub fn transpose_on(gpu: &Gpu, stream: &Arc<CudaStream>, input: &DeviceTensor) -> Result<DeviceTensor> {
     let &[rows, cols] = &input.shape[..] else {
         return Err(Error::Shape(format!("transpose of a {:?} tensor", input.shape)));
     };
@@ -72,7 +74,10 @@ pub fn transpose_on(gpu: &Gpu, stream: &CudaStream, input: &DeviceTensor) -> Res
     if grid.1 > 65535 || rows * cols > u32::MAX as usize {
         return Err(Error::Shape(format!("transpose of {rows} x {cols} exceeds the kernel's limits")));
     }
-    let mut out = gpu.alloc(&[cols, rows])?;
+    // SAFETY: the kernel below writes every element before anything reads it.
+    let buf = unsafe { stream.alloc::<f32>((rows * cols).max(1)) }
+        .map_err(|e| Error::cuda(format!("allocating a {cols} x {rows} transpose"), e))?;
+    let mut out = DeviceTensor { shape: vec![cols, rows], buf };
     let func = gpu.function("transpose")?;
     let cfg = LaunchConfig {
         grid_dim: (grid.0 as u32, grid.1 as u32, 1),

@@ -363,15 +363,15 @@ pub fn grad_input(gpu: &Gpu, precision: Precision, dz: &DeviceTensor, w: &Device
 /// `dW (n, k) = dZ (m, n)^T X (m, k)`, queued on `stream` after all the GPU's stream
 /// holds so far (its output is allocated there first). The caller orders the GPU's
 /// stream after `stream` before using or freeing anything it reads — including the
-/// scratch tensor returned beside `dW` (`X^T` for the tensor-core path), which it must
-/// keep until then.
+/// scratch tensors returned beside `dW` (`X^T`, and `dZ^T` in TF32, for the
+/// tensor-core path), which it must keep until then.
 pub fn grad_weight(
     gpu: &Gpu,
     precision: Precision,
     stream: &Arc<CudaStream>,
     dz: &DeviceTensor,
     x: &DeviceTensor,
-) -> Result<(DeviceTensor, Option<DeviceTensor>)> {
+) -> Result<(DeviceTensor, Vec<DeviceTensor>)> {
     let (&[m, n], &[xm, k]) = (&dz.shape[..], &x.shape[..]) else {
         return Err(Error::Shape(format!("dW = dZ^T X: dZ {:?}, X {:?}", dz.shape, x.shape)));
     };
@@ -382,12 +382,23 @@ pub fn grad_weight(
     // `stream` starts after everything queued on the GPU's stream, this allocation included.
     gpu.order(gpu.stream(), stream)?;
     if backward_on_wgmma(precision, &[m, n]) {
-        // `B` = X^T (k, m), `k`-contiguous in the batch; `A` = dZ read row-contiguously.
+        // `B` = X^T (k, m), `k`-contiguous in the batch.
         let xt = super::super::elementwise::transpose_on(gpu, stream, x)?;
+        if precision == Precision::Tf32 && m >= gemm_tma::MIN_K {
+            // `A` = dZ^T too, so both operands are batch-contiguous and the GEMM is the
+            // forward's `Nt` (the TMA kernel: `wgmma` reads TF32 only `k`-major). The
+            // transpose is a copy of dZ (32 MB for M1, ~0.03 ms); `gemm_wg`'s `dw`
+            // transposes dZ inside, at a lower rate.
+            let dzt = super::super::elementwise::transpose_on(gpu, stream, dz)?;
+            Gemm::plain(precision, Layout::Nt, (&dzt.buf, &xt.buf), (n, k, m), (m, m))
+                .launch_on(gpu, stream, &mut dw, None)?;
+            return Ok((dw, vec![xt, dzt]));
+        }
+        // `A` = dZ read row-contiguously.
         Gemm::plain(precision, Layout::Tk, (&dz.buf, &xt.buf), (n, k, m), (n, m))
             .launch_on(gpu, stream, &mut dw, None)?;
-        return Ok((dw, Some(xt)));
+        return Ok((dw, vec![xt]));
     }
     Gemm::plain(precision, Layout::Tn, (&dz.buf, &x.buf), (n, k, m), (n, k)).launch_on(gpu, stream, &mut dw, None)?;
-    Ok((dw, None))
+    Ok((dw, Vec::new()))
 }
