@@ -235,31 +235,37 @@ fn tf32_persistent_forward_matches_reference_rows() {
     }
 }
 
-/// The TF32 weight gradient `dW = dZ^T X` for a batch of at least `MIN_K` rows: both
-/// operands transposed, then the forward's TMA kernel (`Nt`), at a ragged batch (1060:
-/// `k` % 32 != 0) and ragged `n`, `k` — against the f64 reference.
+/// The TF32 linear gradients on the TMA kernel: `dW = dZ^T X` (both operands
+/// transposed, a batch of at least `MIN_K` rows) and `dX = dZ W` (W transposed, a batch
+/// of at least 4096 rows), at ragged sizes (`m` % 32, `n` % 32, `k` % 32 != 0) —
+/// against the f64 reference.
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn tf32_weight_gradient_matches_reference() {
-    use host::gpu::gemm::simt::{Layout, Precision, grad_weight, kernel_name};
+fn tf32_linear_gradients_match_reference() {
+    use host::gpu::gemm::simt::{Layout, Precision, grad_input, grad_weight, kernel_name};
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(29);
-    let (m, n, k) = (1060, 300, 520);
-    let path = kernel_name(Precision::Tf32, Layout::Nt, (m, m, m), 1);
-    assert_eq!(path, "gemm_tma_tf32_nt", "dW's GEMM for a {m}-row batch");
+    let (m, n, k) = (4100, 1028, 260);
+    // Both GEMMs are `Nt` after the transposes: dW reduces over m, dX over n.
+    for depth in [m, n] {
+        assert_eq!(kernel_name(Precision::Tf32, Layout::Nt, (depth, depth, depth), 1), "gemm_tma_tf32_nt");
+    }
     let x = random_input(m, k, &mut rng).unwrap();
     let dz = random_input(m, n, &mut rng).unwrap();
     let w = random_input(n, k, &mut rng).unwrap();
-    let (dx_dev, dz_dev) = (gpu.upload(&x).unwrap(), gpu.upload(&dz).unwrap());
+    let (x_dev, dz_dev, w_dev) = (gpu.upload(&x).unwrap(), gpu.upload(&dz).unwrap(), gpu.upload(&w).unwrap());
     let side = gpu.side_stream().clone();
-    let (dw, scratch) = grad_weight(&gpu, Precision::Tf32, &side, &dz_dev, &dx_dev).unwrap();
+    let (dw, scratch) = grad_weight(&gpu, Precision::Tf32, &side, &dz_dev, &x_dev).unwrap();
     gpu.order(&side, gpu.stream()).unwrap();
-    let got = gpu.download(&dw).unwrap();
+    let dx = grad_input(&gpu, Precision::Tf32, &dz_dev, &w_dev).unwrap();
+    let (got_dw, got_dx) = (gpu.download(&dw).unwrap(), gpu.download(&dx).unwrap());
     drop(scratch);
-    let (_, want, _) = reference::linear::linear_backward(&x.to_f64(), &w.to_f64(), &dz.to_f64()).unwrap();
-    let c = compare_f32(got.data(), want.data());
-    println!("tf32 dW ({m}, {n}, {k}): rel {:.2e} max abs {:.2e}  [{path}]", c.rel, c.max_abs);
-    assert!(c.passes(Precision::Tf32.tolerance()), "{c:?}");
+    let (want_dx, want_dw, _) = reference::linear::linear_backward(&x.to_f64(), &w.to_f64(), &dz.to_f64()).unwrap();
+    for (what, got, want) in [("dW", &got_dw, &want_dw), ("dX", &got_dx, &want_dx)] {
+        let c = compare_f32(got.data(), want.data());
+        println!("tf32 {what} ({m}, {n}, {k}): rel {:.2e} max abs {:.2e}", c.rel, c.max_abs);
+        assert!(c.passes(Precision::Tf32.tolerance()), "{what}: {c:?}");
+    }
 }
 
 /// Blocks chained on one GPU tape, block A used twice (`A(B(A(x)))`), so its

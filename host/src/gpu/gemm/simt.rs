@@ -341,6 +341,12 @@ fn backward_on_wgmma(precision: Precision, dims: &[usize]) -> bool {
     precision.on_wgmma() && dims.iter().all(|d| d.is_multiple_of(4))
 }
 
+/// The smallest batch whose TF32 `dX` transposes W to run on the TMA kernel: the
+/// transpose (8 bytes of traffic per weight) against the GEMM's `2 m` FLOP per weight
+/// costs about `543 / m` of the GEMM at 2.8 TB/s and 380 TFLOP/s (13% at 4096); below,
+/// `gemm_wg`'s `dx` reads W as it is.
+const DX_TRANSPOSE_MIN_ROWS: usize = 4096;
+
 /// `dX (m, k) = dZ (m, n) W (n, k)`.
 pub fn grad_input(gpu: &Gpu, precision: Precision, dz: &DeviceTensor, w: &DeviceTensor) -> Result<DeviceTensor> {
     let (&[m, n], &[wn, k]) = (&dz.shape[..], &w.shape[..]) else {
@@ -350,6 +356,18 @@ pub fn grad_input(gpu: &Gpu, precision: Precision, dz: &DeviceTensor, w: &Device
         return Err(Error::Shape(format!("dX = dZ W: dZ {:?}, W {:?}", dz.shape, w.shape)));
     }
     let mut dx = gpu.alloc(&[m, k])?;
+    if precision == Precision::Tf32
+        && m >= DX_TRANSPOSE_MIN_ROWS
+        && n >= gemm_tma::MIN_K
+        && backward_on_wgmma(precision, &[n, k])
+    {
+        // dX = dZ (W^T)^T, the forward's `Nt` on the TMA kernel (`wgmma` reads TF32
+        // only `k`-major, and W is `k`-contiguous in the wrong index). W^T is a copy of
+        // W's n k floats: ~543 / m of the GEMM's time, paid where the batch is large.
+        let wt = super::super::elementwise::transpose_on(gpu, gpu.stream(), w)?;
+        Gemm::plain(precision, Layout::Nt, (&dz.buf, &wt.buf), (m, k, n), (n, n)).launch(gpu, &mut dx, None)?;
+        return Ok(dx);
+    }
     let gemm = if backward_on_wgmma(precision, &[n, k]) {
         // dX^T (k, m) = W^T dZ^T: `A` = W read row-contiguously, `B` = dZ, stored transposed.
         Gemm { transpose_y: true, ..Gemm::plain(precision, Layout::Tk, (&w.buf, &dz.buf), (k, m, n), (k, n)) }
