@@ -3,12 +3,13 @@
 # scripts/device-prepare.sh: checks first, then timings, then PyTorch's numbers in the
 # same call. Everything goes to $OUT/log.txt (and the JSON tables beside it: the
 # device tool returns at most 8 files); a short summary is printed last.
-#   STEPS="ptxas sass tests check forward backward bench train pytorch tensor parity" (default: all)
+#   STEPS="ptxas sass tests check forward backward bench train pytorch tensor parity compile"
+#   (default: all; `compile` runs the PyTorch baselines again under torch.compile)
 #   TORCH_FLAGS="--compile default" etc. are passed to the PyTorch baselines.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 C=device-carry
-STEPS=${STEPS:-"ptxas sass tests check forward backward bench train pytorch tensor parity"}
+STEPS=${STEPS:-"ptxas sass tests check forward backward bench train pytorch tensor parity compile"}
 LOG="$OUT/log.txt"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 summary=()
@@ -81,6 +82,12 @@ if has pytorch; then
     ${TORCH_FLAGS:-} --json "$OUT/torch.json"
   has tensor && PYTHONUNBUFFERED=1 run "pytorch tf32 ${TORCH_FLAGS:-eager}" 500 python3 "$C/pytorch_baselines.py" \
     --backward --tf32 ${TORCH_FLAGS:-} --json "$OUT/torch-tf32.json"
+fi
+if has compile; then
+  PYTHONUNBUFFERED=1 run "pytorch fp32 compile" 500 python3 "$C/pytorch_baselines.py" --backward \
+    --compile default --json "$OUT/torch-compile.json"
+  has tensor && PYTHONUNBUFFERED=1 run "pytorch tf32 compile" 500 python3 "$C/pytorch_baselines.py" \
+    --backward --tf32 --compile default --json "$OUT/torch-tf32-compile.json"
 fi
 
 echo
