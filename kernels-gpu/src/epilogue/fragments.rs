@@ -36,8 +36,21 @@ pub fn each_half_value(v: &mut HalfFragment, f: impl Fn(f32, usize, usize) -> f3
     });
 }
 
+/// Columns a thread's half fragment spans from its first: chunk 15's pair ends here.
+const HALF_SPAN: usize = 8 * 15 + 2;
+
+/// Whether every column of the half fragment from `col` is below `n`: true in all but
+/// the last column tile, where the per-chunk bounds checks are needed. (Checked once:
+/// per chunk, each 64-bit bound and its branch cost more instructions than a bias add
+/// or a store.)
+#[inline(always)]
+fn half_inside(n: usize, col: usize) -> bool {
+    col + HALF_SPAN <= n
+}
+
 /// One op forward on a half fragment; `col` is the half's first column for this
-/// thread (see the module).
+/// thread (see the module). (Its parameter loads keep their per-chunk bounds checks:
+/// without them ptxas issues more loads at once and the kernel spills.)
 #[inline(always)]
 pub fn fragment_forward(op: &OpDesc, v: &mut HalfFragment, n: usize, col: usize) {
     let p0 = op.param0 as *const f32;
@@ -69,13 +82,32 @@ pub fn fragment_forward(op: &OpDesc, v: &mut HalfFragment, n: usize, col: usize)
     }
 }
 
+/// `v += bias[column]` over the half fragment from `col` (the Linear layer's bias).
+#[inline(always)]
+pub fn add_column_bias(v: &mut HalfFragment, bias: *const f32, n: usize, col: usize) {
+    if half_inside(n, col) {
+        // SAFETY: every chunk's pair is below n, the bias's length.
+        each_half_value(v, |x, j, e| x + unsafe { load_pair(bias, col + 8 * j) }[e % 2]);
+    } else {
+        each_half_value(v, |x, j, e| x + column_pair(bias, n, col + 8 * j)[e % 2]);
+    }
+}
+
+/// `p[c]`, `p[c + 1]` (`c` even) in one 8-byte load.
+///
+/// # Safety
+/// `c + 1` is below the length of `p`, a device allocation (8-byte aligned).
+#[inline(always)]
+unsafe fn load_pair(p: *const f32, c: usize) -> [f32; 2] {
+    unsafe { (*(p.add(c) as *const F2)).0 }
+}
+
 /// Per-column parameters `p[c]`, `p[c + 1]` (`c` even), 0 past `n`: one 8-byte load.
 #[inline(always)]
-pub fn column_pair(p: *const f32, n: usize, c: usize) -> [f32; 2] {
+fn column_pair(p: *const f32, n: usize, c: usize) -> [f32; 2] {
     if c + 2 <= n {
-        // SAFETY: c + 1 < n, the parameter's length; `c` is even and parameters are
-        // device allocations (8-byte aligned).
-        unsafe { (*(p.add(c) as *const F2)).0 }
+        // SAFETY: c + 1 < n, the parameter's length.
+        unsafe { load_pair(p, c) }
     } else {
         [column_param(p, n, c, 0), column_param(p, n, c, 1)]
     }
@@ -186,24 +218,32 @@ fn group_norm<const CPG: usize, const SHUFFLES: u32, const BJ: usize>(
 /// `dst` holds `m * n` floats.
 #[inline(always)]
 pub unsafe fn store_half(dst: *mut f32, v: &HalfFragment, (m, n): (usize, usize), row: usize, col: usize) {
+    // Even `n` keeps every pair 8-byte aligned (`col` is even).
+    let inside = n % 2 == 0 && half_inside(n, col);
     unroll!(i in 0..2 => {
         let r = row + 8 * i;
         if r < m {
             // SAFETY: r < m and every written column < n.
             unsafe {
                 let at = dst.add(r * n + col);
-                unroll!(j in 0..16 => {
-                    let (a, b) = (v[4 * j + 2 * i], v[4 * j + 2 * i + 1]);
-                    let c = col + 8 * j;
-                    if n % 2 == 0 && c + 2 <= n {
-                        *(at.add(8 * j) as *mut F2) = F2([a, b]);
-                    } else if c < n {
-                        *at.add(8 * j) = a;
-                        if c + 1 < n {
-                            *at.add(8 * j + 1) = b;
+                if inside {
+                    unroll!(j in 0..16 => {
+                        *(at.add(8 * j) as *mut F2) = F2([v[4 * j + 2 * i], v[4 * j + 2 * i + 1]]);
+                    });
+                } else {
+                    unroll!(j in 0..16 => {
+                        let (a, b) = (v[4 * j + 2 * i], v[4 * j + 2 * i + 1]);
+                        let c = col + 8 * j;
+                        if n % 2 == 0 && c + 2 <= n {
+                            *(at.add(8 * j) as *mut F2) = F2([a, b]);
+                        } else if c < n {
+                            *at.add(8 * j) = a;
+                            if c + 1 < n {
+                                *at.add(8 * j + 1) = b;
+                            }
                         }
-                    }
-                });
+                    });
+                }
             }
         }
     });

@@ -22,7 +22,7 @@
 //! (A ping-pong schedule — each warpgroup its own `128 x 128` tile, one in its epilogue
 //! while the other multiplies — was measured slower: docs/PERFORMANCE.md, t12.)
 
-use crate::epilogue::fragments::{HalfFragment, column_pair, each_half_value, fragment_forward, store_half};
+use crate::epilogue::fragments::{HalfFragment, add_column_bias, each_half_value, fragment_forward, store_half};
 use crate::prelude::async_copy::shared_address;
 use crate::prelude::bulk_copy::*;
 use crate::prelude::*;
@@ -209,7 +209,7 @@ pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_nt(
                 let offset = 128 * h;
                 if !bias.is_null() {
                     let (col, _, n) = fresh(offset);
-                    each_half_value(&mut v, |x, j, e| x + column_pair(bias, n, col + 8 * j)[e % 2]);
+                    add_column_bias(&mut v, bias, n, col);
                 }
                 if !save_z.is_null() {
                     let (col, m, n) = fresh(offset);
