@@ -20,7 +20,7 @@
 //! it runs (one block per SM, both warpgroups in the epilogue): with short `k` that
 //! costs more than the tile's MMAs gain, so the host sends only `k >= MIN_K` here.
 //! (A ping-pong schedule — each warpgroup its own `128 x 128` tile, one in its epilogue
-//! while the other multiplies — was measured slower: docs/PERFORMANCE.md, t12.)
+//! while the other multiplies — was measured slower: docs/PERFORMANCE.md, t13.)
 
 use crate::epilogue::fragments::{HalfFragment, add_column_bias, each_half_value, fragment_forward, store_half};
 use crate::prelude::async_copy::shared_address;
@@ -197,7 +197,7 @@ pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_nt(
             // exists once (14 k instructions instead of 28 k): unrolled, M2's three ops
             // cost 0.6 ms more than its three one-op chains together; as a loop its
             // forward went from 1.83 to 1.14 ms (the code is fetched anew for every
-            // tile; see docs/PERFORMANCE.md, t11). The second half waits in `rest` and
+            // tile; see docs/PERFORMANCE.md, t12). The second half waits in `rest` and
             // moves into `v`, so only the half in flight and the one waiting are live,
             // as when unrolled.
             // (Element by element: `map` would take the arrays through local memory.)
