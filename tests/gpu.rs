@@ -237,7 +237,7 @@ fn tf32_persistent_forward_matches_reference_rows() {
 
 /// The TF32 linear gradients on the TMA kernel: `dW = dZ^T X` (both operands
 /// transposed, a batch of at least `MIN_K` rows) and `dX = dZ W` (W transposed, a batch
-/// of at least 4096 rows), at ragged sizes (`m` % 32, `n` % 32, `k` % 32 != 0) —
+/// of at least 1024 rows), at ragged sizes (`m` % 32, `n` % 32, `k` % 32 != 0) —
 /// against the f64 reference.
 #[test]
 #[ignore = "needs a CUDA GPU"]

@@ -341,11 +341,12 @@ fn backward_on_wgmma(precision: Precision, dims: &[usize]) -> bool {
     precision.on_wgmma() && dims.iter().all(|d| d.is_multiple_of(4))
 }
 
-/// The smallest batch whose TF32 `dX` transposes W to run on the TMA kernel: the
+/// The smallest batch whose TF32 `dX` transposes W to run on the TMA kernel. The
 /// transpose (8 bytes of traffic per weight) against the GEMM's `2 m` FLOP per weight
-/// costs about `543 / m` of the GEMM at 2.8 TB/s and 380 TFLOP/s (13% at 4096); below,
-/// `gemm_wg`'s `dx` reads W as it is.
-const DX_TRANSPOSE_MIN_ROWS: usize = 4096;
+/// costs about `543 / m` of the GEMM (at 2.8 TB/s and 380 TFLOP/s): half at 1024, yet
+/// still faster than `gemm_wg`'s `dx` there (A/B on the H100, twice: M1/M3/M5 dX+dW
+/// 0.964-0.989 ms against 1.014-1.024). Below 1024 (unmeasured) `gemm_wg` reads W as is.
+const DX_TRANSPOSE_MIN_ROWS: usize = 1024;
 
 /// `dX (m, k) = dZ (m, n) W (n, k)`.
 pub fn grad_input(gpu: &Gpu, precision: Precision, dz: &DeviceTensor, w: &DeviceTensor) -> Result<DeviceTensor> {
