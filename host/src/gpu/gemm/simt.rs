@@ -364,7 +364,7 @@ pub fn grad_input(gpu: &Gpu, precision: Precision, dz: &DeviceTensor, w: &Device
     {
         // dX = dZ (W^T)^T, the forward's `Nt` on the TMA kernel (`wgmma` reads TF32
         // only `k`-major, and W is `k`-contiguous in the wrong index). W^T is a copy of
-        // W's n k floats: ~543 / m of the GEMM's time, paid where the batch is large.
+        // W's n k floats: ~543 / m of the GEMM's time (DX_TRANSPOSE_MIN_ROWS).
         let wt = super::super::elementwise::transpose_on(gpu, gpu.stream(), w)?;
         Gemm::plain(precision, Layout::Nt, (&dz.buf, &wt.buf), (m, k, n), (n, n)).launch(gpu, &mut dx, None)?;
         return Ok(dx);
