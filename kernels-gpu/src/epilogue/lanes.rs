@@ -76,14 +76,6 @@ fn lane_group_stats(op: &OpDesc, v: &[f32; 4], n: usize) -> (f32, f32, f32, u32)
     (mean, rsqrt(segment_sum(q, lanes) * inv + op.a), inv, lanes)
 }
 
-/// One op forward on the lane's 4 values.
-#[inline(always)]
-pub fn lane_forward(op: &OpDesc, v: &mut [f32; 4], n: usize, c: usize) {
-    let mut rows = [*v];
-    lane_forward_rows(op, &mut rows, n, c);
-    *v = rows[0];
-}
-
 /// One op forward on the lane's 4 values of `R` (1 or 2) rows at once: the op is
 /// decoded once and the rows' independent chains (shuffles, `exp`, parameter loads)
 /// share one basic block, so their latencies overlap. (Rows are indexed by unrolled
