@@ -166,6 +166,14 @@ fn kernel(
     Kernel { name: format!("{}_{layout}_{vec}", precision.prefix()), block_k, smem_bytes, tma: false }
 }
 
+/// Whether an `Nt` GEMM of depth `k` whose operands are both `k`-contiguous with pitch
+/// `k` (the backward's operands once transposed) runs on the TMA kernel: the backward
+/// transposes its operands only for that kernel (see [`kernel`]; `HOST_GEMM_NO_TMA`
+/// turns both off together).
+fn transposed_on_tma(precision: Precision, k: usize) -> bool {
+    kernel(precision, Layout::Nt, (k, k, k), 1, false).tma
+}
+
 /// Name of the kernel for a precision, layout, leading dimensions, depth `k` and split-K
 /// count (see [`kernel`]).
 pub fn kernel_name(
@@ -357,11 +365,7 @@ pub fn grad_input(gpu: &Gpu, precision: Precision, dz: &DeviceTensor, w: &Device
         return Err(Error::Shape(format!("dX = dZ W: dZ {:?}, W {:?}", dz.shape, w.shape)));
     }
     let mut dx = gpu.alloc(&[m, k])?;
-    if precision == Precision::Tf32
-        && m >= DX_TRANSPOSE_MIN_ROWS
-        && n >= gemm_tma::MIN_K
-        && backward_on_wgmma(precision, &[n, k])
-    {
+    if m >= DX_TRANSPOSE_MIN_ROWS && transposed_on_tma(precision, n) && backward_on_wgmma(precision, &[n, k]) {
         // dX = dZ (W^T)^T, the forward's `Nt` on the TMA kernel (`wgmma` reads TF32
         // only `k`-major, and W is `k`-contiguous in the wrong index). W^T is a copy of
         // W's n k floats: ~543 / m of the GEMM's time (DX_TRANSPOSE_MIN_ROWS).
@@ -403,7 +407,7 @@ pub fn grad_weight(
     if backward_on_wgmma(precision, &[m, n]) {
         // `B` = X^T (k, m), `k`-contiguous in the batch.
         let xt = super::super::elementwise::transpose_on(gpu, stream, x)?;
-        if precision == Precision::Tf32 && m >= gemm_tma::MIN_K {
+        if transposed_on_tma(precision, m) {
             // `A` = dZ^T too, so both operands are batch-contiguous and the GEMM is the
             // forward's `Nt` (the TMA kernel: `wgmma` reads TF32 only `k`-major). The
             // transpose is a copy of dZ (32 MB for M1, ~0.03 ms); `gemm_wg`'s `dw`
