@@ -196,10 +196,10 @@ fn tensor_core_precisions_match_reference() {
     }
 }
 
-/// The TF32 forward's persistent TMA kernel looping over more tiles than there are SMs
-/// (17 x 11 tiles of 128 x 256), at k = 4096 and at a ragged k = 1036 with groups of 4
-/// channels: sampled rows against the f64 reference (rows are independent, so a row
-/// subset of `x` gives the reference's rows).
+/// The persistent TMA kernels (TF32 and 3xTF32) looping over more tiles than there are
+/// SMs (17 x 11 tiles of 128 x 256), at k = 4096 and at a ragged k = 1036 with groups
+/// of 4 channels: sampled rows against the f64 reference (rows are independent, so a
+/// row subset of `x` gives the reference's rows), each held to its precision's tolerance.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tf32_persistent_forward_matches_reference_rows() {
@@ -207,14 +207,16 @@ fn tf32_persistent_forward_matches_reference_rows() {
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(23);
     let cases = [
-        ((2100, 4096, 2600), "groupnorm(325),swish,mul,swish", "gemm_tma_tf32_nt"),
-        ((2100, 1036, 2600), "swish,bias,groupnorm(650)", "gemm_tma_tf32_nt"),
+        ((2100, 4096, 2600), "groupnorm(325),swish,mul,swish", Precision::Tf32, "gemm_tma_tf32_nt"),
+        ((2100, 1036, 2600), "swish,bias,groupnorm(650)", Precision::Tf32, "gemm_tma_tf32_nt"),
+        ((2100, 4096, 2600), "groupnorm(325),swish,mul,swish", Precision::Tf32x3, "gemm_tma_tf32x3_nt"),
+        ((2100, 1036, 2600), "swish,bias,groupnorm(650)", Precision::Tf32x3, "gemm_tma_tf32x3_nt"),
     ];
-    for ((b, i, o), chain, kernel) in cases {
+    for ((b, i, o), chain, precision, kernel) in cases {
         let spec = BlockSpec::new(i, o, chain.parse().unwrap()).unwrap();
         let params = Params::init(&spec, &mut rng);
         let x = random_input(b, i, &mut rng).unwrap();
-        let block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(Precision::Tf32);
+        let block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(precision);
         let path = block.describe(&block.plan(&gpu, b));
         assert!(path.contains(kernel), "expected {kernel}, got {path}");
         let y = block.forward(&gpu, &x).unwrap();
@@ -226,19 +228,20 @@ fn tf32_persistent_forward_matches_reference_rows() {
         let want = reference::block_forward(&spec, &xs.to_f64(), &params.map(f64::from)).unwrap();
         let c = compare_f32(&pick(y.data(), o), want.data());
         println!(
-            "tf32 persistent ({b}, {i}, {o}), {} rows: rel {:.2e} max abs {:.2e}  [{path}]",
+            "{precision} persistent ({b}, {i}, {o}), {} rows: rel {:.2e} max abs {:.2e}  [{path}]",
             rows.len(),
             c.rel,
             c.max_abs
         );
-        assert!(c.passes(Precision::Tf32.tolerance()), "{chain}: {c:?}");
+        assert!(c.passes(precision.tolerance()), "{precision} {chain}: {c:?}");
     }
 }
 
-/// The TF32 linear gradients on the TMA kernel: `dW = dZ^T X` (both operands
-/// transposed, a batch of at least `MIN_K` rows) and `dX = dZ W` (W transposed, a batch
-/// of at least 1024 rows), at ragged sizes (`m` % 32, `n` % 32, `k` % 32 != 0) —
-/// against the f64 reference.
+/// The tensor-core linear gradients at ragged sizes (`m` % 32, `n` % 32, `k` % 32 != 0)
+/// against the f64 reference, each held to its precision's tolerance: in TF32 on the
+/// TMA kernel (`dW = dZ^T X` with both operands transposed, a batch of at least `MIN_K`
+/// rows; `dX = dZ W` with W transposed, a batch of at least 1024 rows), in 3xTF32 on
+/// `gemm_wg`'s `dw`/`dx` (the backward does not transpose for the 3xTF32 TMA kernel).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tf32_linear_gradients_match_reference() {
@@ -246,25 +249,29 @@ fn tf32_linear_gradients_match_reference() {
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(29);
     let (m, n, k) = (4100, 1028, 260);
-    // Both GEMMs are `Nt` after the transposes: dW reduces over m, dX over n.
-    for depth in [m, n] {
-        assert_eq!(kernel_name(Precision::Tf32, Layout::Nt, (depth, depth, depth), 1), "gemm_tma_tf32_nt");
-    }
     let x = random_input(m, k, &mut rng).unwrap();
     let dz = random_input(m, n, &mut rng).unwrap();
     let w = random_input(n, k, &mut rng).unwrap();
     let (x_dev, dz_dev, w_dev) = (gpu.upload(&x).unwrap(), gpu.upload(&dz).unwrap(), gpu.upload(&w).unwrap());
-    let side = gpu.side_stream().clone();
-    let (dw, scratch) = grad_weight(&gpu, Precision::Tf32, &side, &dz_dev, &x_dev).unwrap();
-    gpu.order(&side, gpu.stream()).unwrap();
-    let dx = grad_input(&gpu, Precision::Tf32, &dz_dev, &w_dev).unwrap();
-    let (got_dw, got_dx) = (gpu.download(&dw).unwrap(), gpu.download(&dx).unwrap());
-    drop(scratch);
     let (want_dx, want_dw, _) = reference::linear::linear_backward(&x.to_f64(), &w.to_f64(), &dz.to_f64()).unwrap();
-    for (what, got, want) in [("dW", &got_dw, &want_dw), ("dX", &got_dx, &want_dx)] {
-        let c = compare_f32(got.data(), want.data());
-        println!("tf32 {what} ({m}, {n}, {k}): rel {:.2e} max abs {:.2e}", c.rel, c.max_abs);
-        assert!(c.passes(Precision::Tf32.tolerance()), "{what}: {c:?}");
+    for precision in [Precision::Tf32, Precision::Tf32x3] {
+        if precision == Precision::Tf32 {
+            // Both GEMMs are `Nt` after the transposes: dW reduces over m, dX over n.
+            for depth in [m, n] {
+                assert_eq!(kernel_name(precision, Layout::Nt, (depth, depth, depth), 1), "gemm_tma_tf32_nt");
+            }
+        }
+        let side = gpu.side_stream().clone();
+        let (dw, scratch) = grad_weight(&gpu, precision, &side, &dz_dev, &x_dev).unwrap();
+        gpu.order(&side, gpu.stream()).unwrap();
+        let dx = grad_input(&gpu, precision, &dz_dev, &w_dev).unwrap();
+        let (got_dw, got_dx) = (gpu.download(&dw).unwrap(), gpu.download(&dx).unwrap());
+        drop(scratch);
+        for (what, got, want) in [("dW", &got_dw, &want_dw), ("dX", &got_dx, &want_dx)] {
+            let c = compare_f32(got.data(), want.data());
+            println!("{precision} {what} ({m}, {n}, {k}): rel {:.2e} max abs {:.2e}", c.rel, c.max_abs);
+            assert!(c.passes(precision.tolerance()), "{precision} {what}: {c:?}");
+        }
     }
 }
 

@@ -56,8 +56,9 @@ pub const LAUNCH_BOUNDS_WG: &[(&str, u32, u32)] = &[
 /// The TMA-fed, warp-specialised `wgmma` forward (`kernels-gpu/src/gemm/tma.rs`): one
 /// producer warpgroup and two consumer warpgroups holding 128 accumulators each, 1
 /// block per SM: 168 registers at entry, then `setmaxnreg` moves the producer's to the
-/// consumers (24 and 240 per thread).
-pub const LAUNCH_BOUNDS_TMA: &[(&str, u32, u32)] = &[("gemm_tma_tf32_nt", gemm_tma::THREADS as u32, 1)];
+/// consumers (40 and 232 per thread).
+pub const LAUNCH_BOUNDS_TMA: &[(&str, u32, u32)] =
+    &[("gemm_tma_tf32_nt", gemm_tma::THREADS as u32, 1), ("gemm_tma_tf32x3_nt", gemm_tma::THREADS as u32, 1)];
 
 /// The tile-wise chain backward (`kernels-gpu/src/epilogue/lanes.rs`): the blocks per
 /// SM its grid is sized for.
@@ -97,6 +98,10 @@ pub mod gemm_tma {
     pub const THREADS: usize = 384;
     pub const CONSUMER_THREADS: usize = 256;
     pub const STAGES: usize = 4;
+    /// The 3xTF32 kernel's stages: each also holds the residuals of its `A` and `B`
+    /// tiles (written by the consumers), so two fit; at three MMAs per `k`-step a stage
+    /// lasts three times as long, so two cover the copies' latency.
+    pub const SPLIT_STAGES: usize = 2;
     /// Tiles are visited in panels of this many row tiles, column by column, so the
     /// blocks running at once share their `B` (weight) tiles in L2 and re-read few `A` rows.
     pub const PANEL_M: usize = 8;
@@ -113,7 +118,9 @@ pub mod gemm_tma {
     /// tiles), the stages, a "full" and an "empty" barrier per stage. (The epilogue
     /// works in registers.)
     pub const SMEM_BYTES: usize = 1024 + STAGES * STAGE_BYTES + 2 * STAGES * 8;
-    const _: () = assert!(SMEM_BYTES <= 227 * 1024 && CONSUMER_THREADS == 2 * 128);
+    /// The same for the 3xTF32 kernel: stages of `A`, `B` and their residuals.
+    pub const SPLIT_SMEM_BYTES: usize = 1024 + SPLIT_STAGES * 2 * STAGE_BYTES + 2 * SPLIT_STAGES * 8;
+    const _: () = assert!(SMEM_BYTES <= 227 * 1024 && SPLIT_SMEM_BYTES <= 227 * 1024 && CONSUMER_THREADS == 2 * 128);
 }
 
 /// The tensor-core GEMM family: `mma.sync` TF32 fed by a `cp.async` pipeline.

@@ -25,7 +25,9 @@
 use crate::epilogue::fragments::{HalfFragment, add_column_bias, each_half_value, fragment_forward, store_half};
 use crate::prelude::async_copy::shared_address;
 use crate::prelude::bulk_copy::*;
+use crate::prelude::tensor_core::{fence_proxy_async_shared, ld_shared_v4, st_shared_v4, tf32_residual};
 use crate::prelude::*;
+use crate::unroll;
 use kernel_abi::epilogue::OpDesc;
 use kernel_abi::gemm_tma::*;
 
@@ -39,8 +41,8 @@ fn opaque(mut x: u32) -> u32 {
 }
 
 /// Registers per thread of the producer and of the consumer warpgroups.
-const PRODUCER_REGISTERS: u32 = 24;
-const CONSUMER_REGISTERS: u32 = 240;
+const PRODUCER_REGISTERS: u32 = 40;
+const CONSUMER_REGISTERS: u32 = 232;
 const _: () = assert!(128 * PRODUCER_REGISTERS + CONSUMER_THREADS as u32 * CONSUMER_REGISTERS <= 65536);
 
 /// A `k`-contiguous, 128-byte-swizzled operand's `wgmma` descriptor (as in
@@ -83,6 +85,50 @@ pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_nt(
     ops: *const OpDesc,
     n_ops: u32,
 ) {
+    unsafe { gemm_tma::<false>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
+}
+
+/// [`gemm_tma_tf32_nt`] in 3xTF32 (FP32-level accuracy): each stage also holds the
+/// FP32 residuals `x - tf32(x)` of its `A` and `B` tiles, which the consumers write
+/// (the stage's share of each thread) while the previous stage's MMAs run, and every
+/// `k`-step is three MMAs, `A B + A B_lo + A_lo B` (the tensor core reads the TF32
+/// part of the raw operands). Two stages (`SPLIT_STAGES`, `SPLIT_SMEM_BYTES`).
+///
+/// # Safety
+/// As [`gemm_tma_tf32_nt`], with `SPLIT_SMEM_BYTES` of shared memory.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "ptx-kernel" fn gemm_tma_tf32x3_nt(
+    maps: *const u8,
+    bias: *const f32,
+    y: *mut f32,
+    save_z: *mut f32,
+    m: u32,
+    n: u32,
+    k: u32,
+    ops: *const OpDesc,
+    n_ops: u32,
+) {
+    unsafe { gemm_tma::<true>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
+}
+
+/// The body of both entry points (`SPLIT`: 3xTF32).
+///
+/// # Safety
+/// See [`gemm_tma_tf32_nt`].
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_tma<const SPLIT: bool>(
+    maps: *const u8,
+    bias: *const f32,
+    y: *mut f32,
+    save_z: *mut f32,
+    m: u32,
+    n: u32,
+    k: u32,
+    ops: *const OpDesc,
+    n_ops: u32,
+) {
     let t = thread_idx_x();
     // SAFETY: the second of the two maps.
     let (map_a, map_b) = (maps, unsafe { maps.add(128) });
@@ -90,14 +136,17 @@ pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_nt(
     // The hardware swizzle is a function of address bits 7-9: stages start 1024-byte aligned.
     let start = shared_address(smem);
     let base = (start + 1023) & !1023;
-    let stage_a = |s: u32| base + s * STAGE_BYTES as u32;
-    let barriers = base + (STAGES * STAGE_BYTES) as u32;
+    // A stage: the `A` and `B` tiles, then (3xTF32) their residuals in the same layout.
+    let (stages, stage_bytes) = if SPLIT { (SPLIT_STAGES, 2 * STAGE_BYTES) } else { (STAGES, STAGE_BYTES) };
+    let (stages, stage_bytes) = (stages as u32, stage_bytes as u32);
+    let stage_a = |s: u32| base + s * stage_bytes;
+    let barriers = base + stages * stage_bytes;
     let full = |s: u32| barriers + 8 * s;
-    let empty = |s: u32| barriers + 8 * (STAGES as u32 + s);
+    let empty = |s: u32| barriers + 8 * (stages + s);
     if t == 0 {
         // SAFETY: fresh barriers; valid tensor maps.
         unsafe {
-            for s in 0..STAGES as u32 {
+            for s in 0..stages {
                 // "Full": the producer's one arrival plus the stage's bytes. "Empty":
                 // one arrival per consumer warp.
                 mbarrier_init(full(s), 1);
@@ -113,7 +162,7 @@ pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_nt(
 
     let (tiles_m, tiles_n) = (m.div_ceil(BLOCK_M as u32), n.div_ceil(BLOCK_N as u32));
     let (total, k_tiles) = (tiles_m * tiles_n, k.div_ceil(BLOCK_K as u32));
-    let next = |s: u32, phase: u32| if s + 1 == STAGES as u32 { (0, phase ^ 1) } else { (s + 1, phase) };
+    let next = |s: u32, phase: u32| if s + 1 == stages { (0, phase ^ 1) } else { (s + 1, phase) };
 
     if t < 128 {
         // The producer: one thread walks the same tiles as the consumers, filling each
@@ -164,7 +213,26 @@ pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_nt(
             // warpgroup issue the MMAs.
             unsafe {
                 mbarrier_wait(full(s), phase);
-                wgmma_n256_k_tile(&mut acc, [da, da + 2, da + 4, da + 6], [db, db + 2, db + 4, db + 6]);
+                if SPLIT {
+                    // The residuals of the stage's 3072 16-byte chunks, 12 per consumer
+                    // thread, written at the same offsets one stage-half on (the swizzle
+                    // moves whole chunks, so the residual tiles share the layout).
+                    for r in 0..3u32 {
+                        let mut v = [[0u32; 4]; 4];
+                        unroll!(i in 0..4 => { v[i] = ld_shared_v4(sa + (c + 256 * (4 * r + i as u32)) * 16); });
+                        unroll!(i in 0..4 => {
+                            let at = sa + STAGE_BYTES as u32 + (c + 256 * (4 * r + i as u32)) * 16;
+                            st_shared_v4(at, v[i].map(tf32_residual));
+                        });
+                    }
+                    // Visible to the tensor cores (async proxy), then to both warpgroups.
+                    fence_proxy_async_shared();
+                    named_barrier(1, CONSUMER_THREADS as u32);
+                    let (dal, dbl) = (da + (STAGE_BYTES as u64 >> 4), db + (STAGE_BYTES as u64 >> 4));
+                    wgmma_n256_k_tile_split(&mut acc, [da, db, dal, dbl]);
+                } else {
+                    wgmma_n256_k_tile(&mut acc, [da, da + 2, da + 4, da + 6], [db, db + 2, db + 4, db + 6]);
+                }
             }
             // The previous k-tile's MMAs are done (one group is left in flight): free its stage.
             if let Some(prev) = held
@@ -384,6 +452,42 @@ macro_rules! acc128 {
 #[inline(always)]
 unsafe fn wgmma_wait_all(acc: &mut [u32; 128]) {
     unsafe { wgmma_asm_n256!(acc; [concat!("wgmma.wait_group.sync.aligned 0; // ", acc128!())];) }
+}
+
+/// One k-tile of the 3xTF32 split: per `k`-step `acc += A_lo B + A B_lo + A B` (the
+/// small terms first), from the descriptors `[A, B, A_lo, B_lo]` of the k-tile's first
+/// step (step `i` adds `2 i`: 32 bytes along the swizzled rows). Returns with this
+/// group still running, the previous one finished.
+///
+/// # Safety
+/// As [`wgmma_n256_k_tile`]; the residual tiles are complete and fenced.
+#[inline(always)]
+unsafe fn wgmma_n256_k_tile_split(acc: &mut [u32; 128], d: [u64; 4]) {
+    macro_rules! step {
+        ($i:literal) => {
+            concat!(
+                "add.s64 xa, {a}, ", $i, "; add.s64 xb, {b}, ", $i, "; add.s64 xl, {al}, ", $i, "; add.s64 xm, {bl}, ", $i, ";",
+                "wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32 ", acc128!(), ", xl, xb, p, 1, 1;",
+                "wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32 ", acc128!(), ", xa, xm, p, 1, 1;",
+                "wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32 ", acc128!(), ", xa, xb, p, 1, 1;"
+            )
+        };
+    }
+    unsafe {
+        wgmma_asm_n256!(acc; [
+            "{{ .reg .pred p; .reg .b64 xa, xb, xl, xm; setp.ne.b32 p, {one}, 0;",
+            "wgmma.fence.sync.aligned;",
+            step!(0),
+            step!(2),
+            step!(4),
+            step!(6),
+            "wgmma.commit_group.sync.aligned;",
+            "wgmma.wait_group.sync.aligned 1; }}",
+        ];
+            one = in(reg32) 1u32,
+            a = in(reg64) d[0], b = in(reg64) d[1], al = in(reg64) d[2], bl = in(reg64) d[3],
+        )
+    }
 }
 
 /// One k-tile (4 `k`-steps of 8) of a warpgroup, `acc += A B^T` with both operands in

@@ -99,6 +99,16 @@ pub unsafe fn tma_load_2d(dst: u32, map: *const u8, x: u32, y: u32, bar: u32) {
     }
 }
 
+/// `bar.sync id, threads`: a barrier for a subset of the block (named barrier `id`,
+/// 1..15; 0 is `__syncthreads`), so consumer warps can meet without the producer.
+///
+/// # Safety
+/// Exactly `threads` threads (a multiple of 32, whole warps) reach it.
+#[inline(always)]
+pub unsafe fn named_barrier(id: u32, threads: u32) {
+    unsafe { asm!("bar.sync {i}, {n};", i = in(reg32) id, n = in(reg32) threads, options(nostack)) }
+}
+
 /// `setmaxnreg`: moves this warpgroup's per-thread register allowance to `N` (a
 /// multiple of 8 in 24..=256), `INC` raising it (waits until the registers are free),
 /// else lowering it (returns them to the block's pool). A warp-specialised kernel's

@@ -115,8 +115,9 @@ struct Kernel {
     tma: bool,
 }
 
-/// Whether the TF32 forward may use the TMA kernel: yes unless `HOST_GEMM_NO_TMA` is
-/// set (an A/B switch for measurements: the `gemm_wg` forward then runs instead).
+/// Whether the TF32 and 3xTF32 `Nt` GEMMs may use the TMA kernels: yes unless
+/// `HOST_GEMM_NO_TMA` is set (an A/B switch for measurements: the `gemm_wg` kernels
+/// then run instead).
 fn tma_allowed() -> bool {
     static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ALLOWED.get_or_init(|| std::env::var_os("HOST_GEMM_NO_TMA").is_none())
@@ -124,8 +125,8 @@ fn tma_allowed() -> bool {
 
 /// The kernel for a precision, layout, leading dimensions (16-byte loads need both
 /// divisible by 4), depth `k` and split-K count, storing `y^T` when `transpose_y`. The
-/// TF32 forward without split-K and with `k >= gemm_tma::MIN_K` runs on the persistent
-/// TMA kernel (kernels-gpu/src/gemm/tma.rs);
+/// TF32 and 3xTF32 `Nt` GEMMs without split-K and with `k >= gemm_tma::MIN_K` run on
+/// the persistent TMA kernels (kernels-gpu/src/gemm/tma.rs);
 /// TF32 and 3xTF32 with 16-byte loads otherwise on `wgmma` (`gemm_wg_*`,
 /// kernels-gpu/src/gemm/wgmma.rs): the forward, and layout `Tk` as `dx` (transposed
 /// output) or `dw`; everything else on the `gemm_f32_*` FMA kernels or the `mma.sync`
@@ -138,9 +139,9 @@ fn kernel(
     transpose_y: bool,
 ) -> Kernel {
     let vec4 = lda.is_multiple_of(4) && ldb.is_multiple_of(4);
-    let tma = precision == Precision::Tf32 && layout == Layout::Nt && splits <= 1 && k >= gemm_tma::MIN_K;
+    let tma = precision.on_wgmma() && layout == Layout::Nt && splits <= 1 && k >= gemm_tma::MIN_K;
     if tma && vec4 && tma_allowed() {
-        return Kernel { name: super::tma::KERNEL.into(), block_k: 0, smem_bytes: 0, tma: true };
+        return Kernel { name: super::tma::kernel(precision).into(), block_k: 0, smem_bytes: 0, tma: true };
     }
     if precision.on_wgmma() && vec4 && matches!(layout, Layout::Nt | Layout::Tk) {
         let what = match (layout, transpose_y) {
@@ -166,12 +167,13 @@ fn kernel(
     Kernel { name: format!("{}_{layout}_{vec}", precision.prefix()), block_k, smem_bytes, tma: false }
 }
 
-/// Whether an `Nt` GEMM of depth `k` whose operands are both `k`-contiguous with pitch
-/// `k` (the backward's operands once transposed) runs on the TMA kernel: the backward
-/// transposes its operands only for that kernel (see [`kernel`]; `HOST_GEMM_NO_TMA`
-/// turns both off together).
+/// Whether the backward transposes its operands so that its GEMMs of depth `k` run as
+/// `Nt` on the TMA kernel (see [`kernel`]; `HOST_GEMM_NO_TMA` turns both off together).
+/// TF32 only: in 3xTF32 the TMA kernel plus the transposes measured slower than
+/// `gemm_wg`'s `dx`/`dw` on the operands as they are (M1 dX + dW 2.80 against 2.65 ms,
+/// M2 5.91 against 5.32; docs/PERFORMANCE.md, t21).
 fn transposed_on_tma(precision: Precision, k: usize) -> bool {
-    kernel(precision, Layout::Nt, (k, k, k), 1, false).tma
+    precision == Precision::Tf32 && kernel(precision, Layout::Nt, (k, k, k), 1, false).tma
 }
 
 /// Name of the kernel for a precision, layout, leading dimensions, depth `k` and split-K
@@ -264,7 +266,10 @@ impl<'a> Gemm<'a> {
         if tma {
             let pitches = (self.lda, self.ldb);
             let (operands, dims) = ((self.a, self.b), (m, n, k));
-            return super::tma::launch_forward(gpu, stream, operands, dims, pitches, self.bias, self.chain, y, save_z);
+            let precision = self.precision;
+            return super::tma::launch_forward(
+                gpu, stream, precision, operands, dims, pitches, self.bias, self.chain, y, save_z,
+            );
         }
         let name = name.as_str();
         let k_split = k.div_ceil(splits).div_ceil(block_k) * block_k;

@@ -1,19 +1,23 @@
-//! Launcher of `gemm_tma_tf32_nt` (kernels-gpu/src/gemm/tma.rs), the persistent,
-//! TMA-fed TF32 forward: its two tensor maps (the TMA unit's description of each operand:
+//! Launcher of `gemm_tma_tf32_nt` and `gemm_tma_tf32x3_nt` (kernels-gpu/src/gemm/tma.rs),
+//! the persistent, TMA-fed TF32 and 3xTF32 `Nt` GEMMs: their two tensor maps (the TMA unit's description of each operand:
 //! base, sizes, row pitch, box, swizzle) are encoded here and uploaded beside the launch.
 
 use super::super::epilogue::DeviceChain;
 use super::super::{DeviceTensor, Gpu};
 use super::simt::EpilogueArgs;
+use super::simt::Precision;
 use crate::error::{Error, Result};
 use cudarc::driver::sys::{self, CUtensorMap};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
-use kernel_abi::gemm_tma::{BLOCK_K, BLOCK_M, BLOCK_N, SMEM_BYTES, THREADS};
+use kernel_abi::gemm_tma::{BLOCK_K, BLOCK_M, BLOCK_N, SMEM_BYTES, SPLIT_SMEM_BYTES, THREADS};
 use std::sync::Arc;
 
-/// The kernel; `simt::kernel` picks it for the TF32 forward when both operands' row
-/// pitches are multiples of 4 floats (TMA wants 16-byte multiples) and no split-K.
-pub const KERNEL: &str = "gemm_tma_tf32_nt";
+/// The kernel for `precision` (TF32 or 3xTF32); `simt::kernel` picks it when both
+/// operands' row pitches are multiples of 4 floats (TMA wants 16-byte multiples) and
+/// no split-K.
+pub fn kernel(precision: Precision) -> &'static str {
+    if precision == Precision::Tf32x3 { "gemm_tma_tf32x3_nt" } else { "gemm_tma_tf32_nt" }
+}
 
 /// A tensor map for the `(rows, k)` row-major `f32` matrix at `buf` (row pitch `pitch`
 /// floats), read in boxes of `box_rows x BLOCK_K` with the 128-byte swizzle, zeros
@@ -56,13 +60,14 @@ fn tensor_map(
     Ok(map)
 }
 
-/// Queues `y (m, n) = chain(x W^T + bias)` with `x (m, k)` in `a` and `W (n, k)` in `b`
+/// Queues `y (m, n) = chain(x W^T + bias)` in `precision` (TF32 or 3xTF32) with `x (m, k)` in `a` and `W (n, k)` in `b`
 /// (both `k`-contiguous, row pitches `lda`, `ldb`). The caller has checked shapes and
 /// extents, and that the pitches are multiples of 4.
 #[allow(clippy::too_many_arguments)]
 pub fn launch_forward(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
+    precision: Precision,
     (a, b): (&CudaSlice<f32>, &CudaSlice<f32>),
     (m, n, k): (usize, usize, usize),
     (lda, ldb): (usize, usize),
@@ -75,13 +80,15 @@ pub fn launch_forward(
     let words: Vec<u64> = maps.iter().flat_map(|map| map.opaque).collect();
     // Freed in stream order after the kernel (cudarc frees asynchronously on `stream`).
     let maps = stream.clone_htod(&words).map_err(|e| Error::cuda("uploading the TMA tensor maps", e))?;
-    let func = gpu.function(KERNEL)?;
-    gpu.allow_shared(&func, KERNEL, SMEM_BYTES)?;
+    let name = kernel(precision);
+    let smem_bytes = if precision == Precision::Tf32x3 { SPLIT_SMEM_BYTES } else { SMEM_BYTES };
+    let func = gpu.function(name)?;
+    gpu.allow_shared(&func, name, smem_bytes)?;
     let tiles = m.div_ceil(BLOCK_M) * n.div_ceil(BLOCK_N);
     let cfg = LaunchConfig {
         grid_dim: (tiles.min(gpu.props.multiprocessors) as u32, 1, 1),
         block_dim: (THREADS as u32, 1, 1),
-        shared_mem_bytes: SMEM_BYTES as u32,
+        shared_mem_bytes: smem_bytes as u32,
     };
     let tail = EpilogueArgs::new(&[m, n, k], chain);
     let mut launch = stream.launch_builder(&func);
@@ -89,6 +96,6 @@ pub fn launch_forward(
     tail.push(&mut launch, bias, y, save_z, chain);
     // SAFETY: matches the kernel's signature; the maps describe `a` and `b` within the
     // extents the caller checked; grid, block and shared memory follow kernel_abi::gemm_tma.
-    unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{KERNEL}`"), e))?;
+    unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{name}`"), e))?;
     Ok(())
 }
