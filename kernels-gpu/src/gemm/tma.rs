@@ -52,6 +52,13 @@ fn descriptor(addr: u32) -> u64 {
     ((addr as u64 >> 4) & 0x3fff) | (1 << 16) | ((1024u64 >> 4) << 32) | (1 << 62)
 }
 
+/// The same for 64-byte rows (16 floats) with the 64-byte swizzle: 512 bytes between
+/// 8-row groups, swizzle mode 2.
+#[inline(always)]
+fn descriptor_64b(addr: u32) -> u64 {
+    ((addr as u64 >> 4) & 0x3fff) | (1 << 16) | ((512u64 >> 4) << 32) | (2 << 62)
+}
+
 /// The origin `(row0, col0)` of tile `tile`: panels of [`PANEL_M`] row tiles, walked
 /// row tile fastest, so the blocks in flight share `B` tiles and few `A` rows.
 #[inline(always)]
@@ -92,7 +99,9 @@ pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_nt(
 /// FP32 residuals `x - tf32(x)` of its `A` and `B` tiles, which the consumers write
 /// (the stage's share of each thread) while the previous stage's MMAs run, and every
 /// `k`-step is three MMAs, `A B + A B_lo + A_lo B` (the tensor core reads the TF32
-/// part of the raw operands). Two stages (`SPLIT_STAGES`, `SPLIT_SMEM_BYTES`).
+/// part of the raw operands). Stages are 16 deep (64-byte swizzle) so that four fit
+/// (`SPLIT_STAGES`, `SPLIT_SMEM_BYTES`): with two 32-deep ones the copies and the
+/// residuals did not keep up (M2 3.01 ms against 2.36).
 ///
 /// # Safety
 /// As [`gemm_tma_tf32_nt`], with `SPLIT_SMEM_BYTES` of shared memory.
@@ -137,8 +146,14 @@ unsafe fn gemm_tma<const SPLIT: bool>(
     let start = shared_address(smem);
     let base = (start + 1023) & !1023;
     // A stage: the `A` and `B` tiles, then (3xTF32) their residuals in the same layout.
-    let (stages, stage_bytes) = if SPLIT { (SPLIT_STAGES, 2 * STAGE_BYTES) } else { (STAGES, STAGE_BYTES) };
-    let (stages, stage_bytes) = (stages as u32, stage_bytes as u32);
+    // (3xTF32: 16-deep stages with the 64-byte swizzle, so that four fit.)
+    let (stages, tile_bytes, block_k, a_bytes) = if SPLIT {
+        (SPLIT_STAGES, SPLIT_STAGE_BYTES, SPLIT_BLOCK_K, SPLIT_A_BYTES)
+    } else {
+        (STAGES, STAGE_BYTES, BLOCK_K, A_BYTES)
+    };
+    let (stages, tile_bytes, block_k, a_bytes) = (stages as u32, tile_bytes as u32, block_k as u32, a_bytes as u32);
+    let stage_bytes = if SPLIT { 2 * tile_bytes } else { tile_bytes };
     let stage_a = |s: u32| base + s * stage_bytes;
     let barriers = base + stages * stage_bytes;
     let full = |s: u32| barriers + 8 * s;
@@ -161,7 +176,7 @@ unsafe fn gemm_tma<const SPLIT: bool>(
     unsafe { sync_threads() };
 
     let (tiles_m, tiles_n) = (m.div_ceil(BLOCK_M as u32), n.div_ceil(BLOCK_N as u32));
-    let (total, k_tiles) = (tiles_m * tiles_n, k.div_ceil(BLOCK_K as u32));
+    let (total, k_tiles) = (tiles_m * tiles_n, k.div_ceil(block_k));
     let next = |s: u32, phase: u32| if s + 1 == stages { (0, phase ^ 1) } else { (s + 1, phase) };
 
     if t < 128 {
@@ -179,9 +194,9 @@ unsafe fn gemm_tma<const SPLIT: bool>(
                     // SAFETY: initialised barriers; each box lands inside its stage.
                     unsafe {
                         mbarrier_wait(empty(s), phase ^ 1);
-                        mbarrier_arrive_expect_tx(full(s), STAGE_BYTES as u32);
-                        tma_load_2d(stage_a(s), map_a, kt * BLOCK_K as u32, row0, full(s));
-                        tma_load_2d(stage_a(s) + A_BYTES as u32, map_b, kt * BLOCK_K as u32, col0, full(s));
+                        mbarrier_arrive_expect_tx(full(s), tile_bytes);
+                        tma_load_2d(stage_a(s), map_a, kt * block_k, row0, full(s));
+                        tma_load_2d(stage_a(s) + a_bytes, map_b, kt * block_k, col0, full(s));
                     }
                     (s, phase) = next(s, phase);
                 }
@@ -206,29 +221,33 @@ unsafe fn gemm_tma<const SPLIT: bool>(
         let mut held = None;
         for _ in 0..k_tiles {
             let sa = stage_a(s);
-            let da = descriptor(sa + wg * 64 * (BLOCK_K * 4) as u32);
-            let db = descriptor(sa + A_BYTES as u32);
+            let describe = if SPLIT { descriptor_64b } else { descriptor };
+            let da = describe(sa + wg * 64 * block_k * 4);
+            let db = describe(sa + a_bytes);
             // k-step i: 32 bytes along the swizzled rows = start address + 2 (16-byte units).
             // SAFETY: the stage is complete once its phase is; all 128 threads of the
             // warpgroup issue the MMAs.
             unsafe {
                 mbarrier_wait(full(s), phase);
                 if SPLIT {
-                    // The residuals of the stage's 3072 16-byte chunks, 12 per consumer
+                    // The residuals of the stage's 1536 16-byte chunks, 6 per consumer
                     // thread, written at the same offsets one stage-half on (the swizzle
                     // moves whole chunks, so the residual tiles share the layout).
-                    for r in 0..3u32 {
-                        let mut v = [[0u32; 4]; 4];
-                        unroll!(i in 0..4 => { v[i] = ld_shared_v4(sa + (c + 256 * (4 * r + i as u32)) * 16); });
-                        unroll!(i in 0..4 => {
-                            let at = sa + STAGE_BYTES as u32 + (c + 256 * (4 * r + i as u32)) * 16;
-                            st_shared_v4(at, v[i].map(tf32_residual));
-                        });
-                    }
+                    let mut v = [[0u32; 4]; 6];
+                    unroll!(i in 0..8 => {
+                        if i < 6 {
+                            v[i] = ld_shared_v4(sa + (c + 256 * i as u32) * 16);
+                        }
+                    });
+                    unroll!(i in 0..8 => {
+                        if i < 6 {
+                            st_shared_v4(sa + tile_bytes + (c + 256 * i as u32) * 16, v[i].map(tf32_residual));
+                        }
+                    });
                     // Visible to the tensor cores (async proxy), then to both warpgroups.
                     fence_proxy_async_shared();
                     named_barrier(1, CONSUMER_THREADS as u32);
-                    let (dal, dbl) = (da + (STAGE_BYTES as u64 >> 4), db + (STAGE_BYTES as u64 >> 4));
+                    let (dal, dbl) = (da + (tile_bytes as u64 >> 4), db + (tile_bytes as u64 >> 4));
                     wgmma_n256_k_tile_split(&mut acc, [da, db, dal, dbl]);
                 } else {
                     wgmma_n256_k_tile(&mut acc, [da, da + 2, da + 4, da + 6], [db, db + 2, db + 4, db + 6]);
@@ -454,7 +473,7 @@ unsafe fn wgmma_wait_all(acc: &mut [u32; 128]) {
     unsafe { wgmma_asm_n256!(acc; [concat!("wgmma.wait_group.sync.aligned 0; // ", acc128!())];) }
 }
 
-/// One k-tile of the 3xTF32 split: per `k`-step `acc += A_lo B + A B_lo + A B` (the
+/// One 16-deep stage of the 3xTF32 split: per `k`-step `acc += A_lo B + A B_lo + A B` (the
 /// small terms first), from the descriptors `[A, B, A_lo, B_lo]` of the k-tile's first
 /// step (step `i` adds `2 i`: 32 bytes along the swizzled rows). Returns with this
 /// group still running, the previous one finished.
@@ -479,8 +498,6 @@ unsafe fn wgmma_n256_k_tile_split(acc: &mut [u32; 128], d: [u64; 4]) {
             "wgmma.fence.sync.aligned;",
             step!(0),
             step!(2),
-            step!(4),
-            step!(6),
             "wgmma.commit_group.sync.aligned;",
             "wgmma.wait_group.sync.aligned 1; }}",
         ];

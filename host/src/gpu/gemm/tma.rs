@@ -9,7 +9,7 @@ use super::simt::Precision;
 use crate::error::{Error, Result};
 use cudarc::driver::sys::{self, CUtensorMap};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
-use kernel_abi::gemm_tma::{BLOCK_K, BLOCK_M, BLOCK_N, SMEM_BYTES, SPLIT_SMEM_BYTES, THREADS};
+use kernel_abi::gemm_tma::{BLOCK_K, BLOCK_M, BLOCK_N, SMEM_BYTES, SPLIT_BLOCK_K, SPLIT_SMEM_BYTES, THREADS};
 use std::sync::Arc;
 
 /// The kernel for `precision` (TF32 or 3xTF32); `simt::kernel` picks it when both
@@ -20,18 +20,25 @@ pub fn kernel(precision: Precision) -> &'static str {
 }
 
 /// A tensor map for the `(rows, k)` row-major `f32` matrix at `buf` (row pitch `pitch`
-/// floats), read in boxes of `box_rows x BLOCK_K` with the 128-byte swizzle, zeros
+/// floats), read in boxes of `box_rows x BLOCK_K` with the 128-byte swizzle (3xTF32:
+/// `box_rows x SPLIT_BLOCK_K` with the 64-byte swizzle), zeros
 /// outside.
 fn tensor_map(
     stream: &CudaStream,
     buf: &CudaSlice<f32>,
     (rows, k, pitch): (usize, usize, usize),
     box_rows: usize,
+    precision: Precision,
 ) -> Result<CUtensorMap> {
     let mut map = CUtensorMap { opaque: [0; 16] };
     let dims = [k as u64, rows as u64];
     let pitch = [(pitch * 4) as u64];
-    let boxes = [BLOCK_K as u32, box_rows as u32];
+    let (box_k, swizzle) = if precision == Precision::Tf32x3 {
+        (SPLIT_BLOCK_K, sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B)
+    } else {
+        (BLOCK_K, sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B)
+    };
+    let boxes = [box_k as u32, box_rows as u32];
     let steps = [1u32, 1];
     let ptr = buf.device_ptr(stream).0;
     // SAFETY: every array has the rank's length (2; the pitch 1); `map` is writable
@@ -47,7 +54,7 @@ fn tensor_map(
             boxes.as_ptr(),
             steps.as_ptr(),
             sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            swizzle,
             sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )
@@ -76,7 +83,10 @@ pub fn launch_forward(
     y: &mut DeviceTensor,
     save_z: Option<&mut DeviceTensor>,
 ) -> Result<()> {
-    let maps = [tensor_map(stream, a, (m, k, lda), BLOCK_M)?, tensor_map(stream, b, (n, k, ldb), BLOCK_N)?];
+    let maps = [
+        tensor_map(stream, a, (m, k, lda), BLOCK_M, precision)?,
+        tensor_map(stream, b, (n, k, ldb), BLOCK_N, precision)?,
+    ];
     let words: Vec<u64> = maps.iter().flat_map(|map| map.opaque).collect();
     // Freed in stream order after the kernel (cudarc frees asynchronously on `stream`).
     let maps = stream.clone_htod(&words).map_err(|e| Error::cuda("uploading the TMA tensor maps", e))?;
