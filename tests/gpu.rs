@@ -237,11 +237,10 @@ fn tf32_persistent_forward_matches_reference_rows() {
     }
 }
 
-/// The tensor-core linear gradients at ragged sizes (`m` % 32, `n` % 32, `k` % 32 != 0)
-/// against the f64 reference, each held to its precision's tolerance: in TF32 on the
-/// TMA kernel (`dW = dZ^T X` with both operands transposed, a batch of at least `MIN_K`
-/// rows; `dX = dZ W` with W transposed, a batch of at least 1024 rows), in 3xTF32 on
-/// `gemm_wg`'s `dw`/`dx` (the backward does not transpose for the 3xTF32 TMA kernel).
+/// The linear gradients on the TMA kernels, TF32 and 3xTF32: `dW = dZ^T X` (both
+/// operands transposed, a batch of at least `MIN_K` rows) and `dX = dZ W` (W transposed,
+/// a batch of at least 1024 rows), at ragged sizes (`m` % 32, `n` % 32, `k` % 32 != 0) —
+/// against the f64 reference, each held to its precision's tolerance.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tf32_linear_gradients_match_reference() {
@@ -254,12 +253,10 @@ fn tf32_linear_gradients_match_reference() {
     let w = random_input(n, k, &mut rng).unwrap();
     let (x_dev, dz_dev, w_dev) = (gpu.upload(&x).unwrap(), gpu.upload(&dz).unwrap(), gpu.upload(&w).unwrap());
     let (want_dx, want_dw, _) = reference::linear::linear_backward(&x.to_f64(), &w.to_f64(), &dz.to_f64()).unwrap();
-    for precision in [Precision::Tf32, Precision::Tf32x3] {
-        if precision == Precision::Tf32 {
-            // Both GEMMs are `Nt` after the transposes: dW reduces over m, dX over n.
-            for depth in [m, n] {
-                assert_eq!(kernel_name(precision, Layout::Nt, (depth, depth, depth), 1), "gemm_tma_tf32_nt");
-            }
+    for (precision, kernel) in [(Precision::Tf32, "gemm_tma_tf32_nt"), (Precision::Tf32x3, "gemm_tma_tf32x3_nt")] {
+        // Both GEMMs are `Nt` after the transposes: dW reduces over m, dX over n.
+        for depth in [m, n] {
+            assert_eq!(kernel_name(precision, Layout::Nt, (depth, depth, depth), 1), kernel);
         }
         let side = gpu.side_stream().clone();
         let (dw, scratch) = grad_weight(&gpu, precision, &side, &dz_dev, &x_dev).unwrap();

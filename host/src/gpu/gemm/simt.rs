@@ -167,13 +167,12 @@ fn kernel(
     Kernel { name: format!("{}_{layout}_{vec}", precision.prefix()), block_k, smem_bytes, tma: false }
 }
 
-/// Whether the backward transposes its operands so that its GEMMs of depth `k` run as
-/// `Nt` on the TMA kernel (see [`kernel`]; `HOST_GEMM_NO_TMA` turns both off together).
-/// TF32 only: in 3xTF32 the TMA kernel plus the transposes measured slower than
-/// `gemm_wg`'s `dx`/`dw` on the operands as they are (M1 dX + dW 2.80 against 2.65 ms,
-/// M2 5.91 against 5.32; docs/PERFORMANCE.md, t21).
+/// Whether an `Nt` GEMM of depth `k` whose operands are both `k`-contiguous with pitch
+/// `k` (the backward's operands once transposed) runs on the TMA kernel: the backward
+/// transposes its operands only for that kernel (see [`kernel`]; `HOST_GEMM_NO_TMA`
+/// turns both off together).
 fn transposed_on_tma(precision: Precision, k: usize) -> bool {
-    precision == Precision::Tf32 && kernel(precision, Layout::Nt, (k, k, k), 1, false).tma
+    kernel(precision, Layout::Nt, (k, k, k), 1, false).tma
 }
 
 /// Name of the kernel for a precision, layout, leading dimensions, depth `k` and split-K
@@ -354,7 +353,7 @@ fn backward_on_wgmma(precision: Precision, dims: &[usize]) -> bool {
     precision.on_wgmma() && dims.iter().all(|d| d.is_multiple_of(4))
 }
 
-/// The smallest batch whose TF32 `dX` transposes W to run on the TMA kernel. The
+/// The smallest batch whose TF32 or 3xTF32 `dX` transposes W to run on the TMA kernel. The
 /// transpose (8 bytes of traffic per weight) against the GEMM's `2 m` FLOP per weight
 /// costs about `543 / m` of the GEMM (at 2.8 TB/s and 380 TFLOP/s): half at 1024, yet
 /// still faster than `gemm_wg`'s `dx` there (A/B on the H100, twice: M1/M3/M5 dX+dW
