@@ -8,6 +8,7 @@
 //! `n` carry values that are never stored and never reach a group's sums.
 
 use super::pointwise::*;
+use crate::prelude::global::{load_v4_nc, store_v4};
 use crate::prelude::math::rsqrt;
 use crate::prelude::warp::{segment_sum, shfl_xor};
 use crate::prelude::*;
@@ -27,6 +28,19 @@ pub fn column_param(p: *const f32, n: usize, c: usize, e: usize) -> f32 {
     if c + e < n { unsafe { *p.add(c + e) } } else { 0.0 }
 }
 
+/// Per-column parameters `p[c..c + 4]`, 0 past `n`: one 16-byte load when they are
+/// inside and aligned.
+#[inline(always)]
+pub fn column_params(p: *const f32, n: usize, c: usize) -> [f32; 4] {
+    // SAFETY: c + 4 <= n, the parameter's length; 16-byte aligned (checked: parameter
+    // vectors need not be).
+    if c + 4 <= n && (p as usize + 4 * c).is_multiple_of(16) {
+        unsafe { load_v4_nc(p.add(c)) }
+    } else {
+        [0, 1, 2, 3].map(|e| column_param(p, n, c, e))
+    }
+}
+
 /// Columns `c..c+4` of `row` of an `(.., n)` row-major matrix, 0 past `n`.
 ///
 /// # Safety
@@ -35,7 +49,7 @@ pub fn column_param(p: *const f32, n: usize, c: usize, e: usize) -> f32 {
 pub unsafe fn load_row4(src: *const f32, row: usize, n: usize, c: usize) -> [f32; 4] {
     unsafe {
         if n % 4 == 0 && c + 4 <= n {
-            (*(src.add(row * n + c) as *const F4)).0
+            load_v4_nc(src.add(row * n + c))
         } else {
             let mut v = [0.0; 4];
             unroll!(e in 0..4 => { if c + e < n { v[e] = *src.add(row * n + c + e); } });
@@ -53,7 +67,7 @@ pub unsafe fn load_row4(src: *const f32, row: usize, n: usize, c: usize) -> [f32
 pub unsafe fn store_row4(dst: *mut f32, v: [f32; 4], row: usize, n: usize, c: usize) {
     unsafe {
         if n % 4 == 0 && c + 4 <= n {
-            *(dst.add(row * n + c) as *mut F4) = F4(v);
+            store_v4(dst.add(row * n + c), v);
         } else {
             unroll!(e in 0..4 => {
                 if c + e < n {
@@ -92,19 +106,26 @@ pub fn lane_forward_rows<const R: usize>(op: &OpDesc, rows: &mut [[f32; 4]; R], 
                     stats[i] = (mean, rstd);
                 }
             });
+            let (gamma, beta) = (column_params(p0, n, c), column_params(p1, n, c));
             unroll!(i in 0..2 => {
                 if i < R {
                     let (mean, rstd) = stats[i];
                     unroll!(e in 0..4 => {
-                        rows[i][e] = (rows[i][e] - mean) * rstd * column_param(p0, n, c, e) + column_param(p1, n, c, e);
+                        rows[i][e] = (rows[i][e] - mean) * rstd * gamma[e] + beta[e];
                     });
                 }
             });
         }
         // One arm per op, each a straight run over the rows' values: a `match` per
         // element would branch 8 times per op and serialise the rows.
-        OP_BIAS => each(rows, |x, e| x + column_param(p0, n, c, e)),
-        OP_MUL => each(rows, |x, e| x * column_param(p0, n, c, e)),
+        OP_BIAS => {
+            let bias = column_params(p0, n, c);
+            each(rows, |x, e| x + bias[e])
+        }
+        OP_MUL => {
+            let w = column_params(p0, n, c);
+            each(rows, |x, e| x * w[e])
+        }
         OP_SCALE => each(rows, |x, _| x * op.a),
         OP_SWISH => each(rows, |x, _| swish(x)),
         OP_MISH => each(rows, |x, _| mish(x)),
@@ -190,7 +211,7 @@ unsafe fn lane_backward_rows(
             unroll!(i in 0..2 => { unroll!(e in 0..4 => { let d = x[i][e] - mean[i]; q[i] += d * d; }); });
             let q = segment_sums(q, lanes);
             let rstd = [rsqrt(q[0] * inv + op.a), rsqrt(q[1] * inv + op.a)];
-            let gamma = [0, 1, 2, 3].map(|e| column_param(p0, n, c, e));
+            let gamma = column_params(p0, n, c);
             let mut xhat = [[0.0f32; 4]; 2];
             let mut dyg = [[0.0f32; 4]; 2];
             let mut s = [0.0f32; 4];
@@ -217,7 +238,7 @@ unsafe fn lane_backward_rows(
         OP_MUL => {
             let gx = [0, 1].map(|i| [0, 1, 2, 3].map(|e| g[i][e] * x[i][e]));
             unsafe { add_to_slot(sums, slot, lane, &gx, both) };
-            let w = [0, 1, 2, 3].map(|e| column_param(p0, n, c, e));
+            let w = column_params(p0, n, c);
             unroll!(i in 0..2 => { unroll!(e in 0..4 => { g[i][e] *= w[e]; }); });
         }
         code => {

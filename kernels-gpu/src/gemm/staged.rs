@@ -2,7 +2,7 @@
 //! memory by the main loop's arithmetic (whatever its register layout), is walked row
 //! by row — bias, the saved `z`, the epilogue chain, coalesced stores.
 
-use crate::epilogue::lanes::{F4, column_param, lane_forward_rows, store_row4};
+use crate::epilogue::lanes::{F4, column_params, lane_forward_rows, store_row4};
 use crate::prelude::*;
 use crate::unroll;
 use kernel_abi::epilogue::OpDesc;
@@ -85,9 +85,10 @@ fn epilogue_rows<const R: usize>(
     c: usize,
 ) {
     if !bias.is_null() {
+        let b = column_params(bias, n, c);
         unroll!(i in 0..2 => {
             if i < R {
-                unroll!(e in 0..4 => { rows[i][e] += column_param(bias, n, c, e); });
+                unroll!(e in 0..4 => { rows[i][e] += b[e]; });
             }
         });
     }

@@ -1,0 +1,42 @@
+//! 16-byte loads and stores of global memory as single instructions.
+//!
+//! Written as `asm!` because LLVM took the plain vector accesses of the epilogue's
+//! two-path helpers (`lanes::load_row4`: one 16-byte load when aligned, else four
+//! checked scalar ones) apart: it sank the scalar path's last load into the join, so the
+//! aligned path ran a 16-byte load *and* a 4-byte reload of its last element, which
+//! waited for the first (Nsight Compute: 38% of the chain backward's stalls, M2), and
+//! the stores became 8 + 4 + 4 bytes.
+
+use core::arch::asm;
+
+/// `p[0..4]` through the read-only (non-coherent) data path.
+///
+/// # Safety
+/// `p` is 16-byte aligned, points at 4 readable floats of global memory, and nothing
+/// writes them while the kernel runs.
+#[inline(always)]
+pub unsafe fn load_v4_nc(p: *const f32) -> [f32; 4] {
+    let v: [u32; 4];
+    unsafe {
+        let (a, b, c, d);
+        asm!("{{ .reg .b64 g; cvta.to.global.u64 g, {p}; ld.global.nc.v4.b32 {{{a}, {b}, {c}, {d}}}, [g]; }}",
+             p = in(reg64) p as u64, a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+             options(pure, readonly, nostack));
+        v = [a, b, c, d];
+    }
+    v.map(f32::from_bits)
+}
+
+/// `p[0..4] = v`.
+///
+/// # Safety
+/// `p` is 16-byte aligned and points at 4 writable floats of global memory.
+#[inline(always)]
+pub unsafe fn store_v4(p: *mut f32, v: [f32; 4]) {
+    let v = v.map(f32::to_bits);
+    unsafe {
+        asm!("{{ .reg .b64 g; cvta.to.global.u64 g, {p}; st.global.v4.b32 [g], {{{a}, {b}, {c}, {d}}}; }}",
+             p = in(reg64) p as u64, a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2], d = in(reg32) v[3],
+             options(nostack));
+    }
+}
