@@ -220,15 +220,22 @@ pub mod epilogue {
     /// Threads per block of the tile-wise backward (`epilogue_tiles_backward`).
     pub const TILE_THREADS: usize = 256;
 
-    /// Blocks per SM the tile-wise backward is sized for (its launch bounds).
-    pub const TILES_BACKWARD_BLOCKS_PER_SM: u32 = 2;
+    /// Blocks per SM the tile-wise backward is sized for (its launch bounds): 3, so 80
+    /// registers per thread; 24 warps per SM hide its latencies (shuffle chains,
+    /// `exp`) better than 16 at 110 registers.
+    pub const TILES_BACKWARD_BLOCKS_PER_SM: u32 = 3;
+
+    /// Rows of 128 floats each warp of the tile-wise backward streams `z` and `dy`
+    /// through: two ring slots of a row pair of each.
+    pub const TILES_BACKWARD_RING_ROWS: usize = 8;
 
     /// Dynamic shared memory of the tile-wise backward for a chain of `n_ops` ops with
     /// `slots` gradient slots: the op descriptors, each warp's gradient sums (`slots`
-    /// rows of 128 floats), then each warp's saved op inputs (two rows per op).
+    /// rows of 128 floats), then per warp its saved op inputs (two rows for each op but
+    /// the last) and its `z`/`dy` ring.
     pub const fn tiles_backward_smem_bytes(slots: usize, n_ops: usize) -> usize {
         super::gemm_simt::MAX_TILE_OPS * core::mem::size_of::<OpDesc>()
-            + (TILE_THREADS / 32) * (slots + 2 * n_ops) * 128 * 4
+            + (TILE_THREADS / 32) * (slots + 2 * n_ops.saturating_sub(1) + TILES_BACKWARD_RING_ROWS) * 128 * 4
     }
 
     /// Dynamic shared memory of the row-wise backward: the gradient, the recomputed op

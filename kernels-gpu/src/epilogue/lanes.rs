@@ -8,6 +8,7 @@
 //! `n` carry values that are never stored and never reach a group's sums.
 
 use super::pointwise::*;
+use crate::prelude::async_copy::{cp_async_4, cp_async_16, cp_async_commit, cp_async_wait, cp_async_wait_all, shared_address};
 use crate::prelude::global::{load_v4_nc, store_v4};
 use crate::prelude::math::rsqrt;
 use crate::prelude::warp::{segment_sum, shfl_xor};
@@ -38,23 +39,6 @@ pub fn column_params(p: *const f32, n: usize, c: usize) -> [f32; 4] {
         unsafe { load_v4_nc(p.add(c)) }
     } else {
         [0, 1, 2, 3].map(|e| column_param(p, n, c, e))
-    }
-}
-
-/// Columns `c..c+4` of `row` of an `(.., n)` row-major matrix, 0 past `n`.
-///
-/// # Safety
-/// `row` and the columns below `n` are inside `src`.
-#[inline(always)]
-pub unsafe fn load_row4(src: *const f32, row: usize, n: usize, c: usize) -> [f32; 4] {
-    unsafe {
-        if n % 4 == 0 && c + 4 <= n {
-            load_v4_nc(src.add(row * n + c))
-        } else {
-            let mut v = [0.0; 4];
-            unroll!(e in 0..4 => { if c + e < n { v[e] = *src.add(row * n + c + e); } });
-            v
-        }
     }
 }
 
@@ -273,8 +257,8 @@ fn op_slots(op: &OpDesc) -> usize {
 /// Backward of a fusable chain (what the GEMM's epilogue can run forward), tile by
 /// tile: `dz` and per-block sums of the parameter gradients. A warp takes two rows per
 /// pass: it runs the chain forward once from the saved `z`, keeping each op's input in
-/// its lanes' own shared memory, then walks the ops backward. No barrier until the
-/// block's sums meet.
+/// its lanes' own shared memory, then walks the ops backward; its `z` and `dy` arrive
+/// in shared memory by `cp.async` a pass ahead. No barrier until the block's sums meet.
 ///
 /// # Safety
 /// Device pointers; `ops[..n_ops]` fusable (the host checks), at most `MAX_TILE_OPS`
@@ -313,8 +297,9 @@ pub unsafe extern "ptx-kernel" fn epilogue_tiles_backward(
     let row0 = block_idx_y() as usize * rows_per_block as usize;
     let row_end = if row0 + (rows_per_block as usize) < rows { row0 + rows_per_block as usize } else { rows };
     // Shared memory: the op descriptors (read at every op of every pass: a short,
-    // uniform load), then [warp][slot][lane] gradient sums, then [warp][op][row][lane]
-    // saved op inputs, 16 bytes per lane (tiles_backward_smem_bytes).
+    // uniform load), then [warp][slot][lane] gradient sums, then per warp
+    // [op][row][lane] saved op inputs (all ops but the last) and [slot][row][z, dy][lane]
+    // its ring, 16 bytes per lane (tiles_backward_smem_bytes).
     let base = dynamic_shared::<F4>(); // 16-byte aligned
     let descs = base as *mut OpDesc;
     let t = thread_idx_x() as usize;
@@ -334,25 +319,51 @@ pub unsafe extern "ptx-kernel" fn epilogue_tiles_backward(
     // descriptors take a multiple of 16 bytes.
     let all_sums = unsafe { base.byte_add(MAX_TILE_OPS * core::mem::size_of::<OpDesc>()) };
     let sums = unsafe { all_sums.add(warp * slots * 32) };
-    let saved = unsafe { all_sums.add(warps * slots * 32 + warp * n_ops * 64) };
+    let per_warp = (2 * n_ops.saturating_sub(1) + TILES_BACKWARD_RING_ROWS) * 32;
+    let saved = unsafe { all_sums.add(warps * slots * 32 + warp * per_warp) };
     for k in 0..slots {
         // SAFETY: k < slots; the lane's own slice.
         unsafe { *sums.add(k * 32 + lane) = F4([0.0; 4]) };
     }
 
-    // The next pair's z and dy are loaded before this pair's arithmetic, so their
-    // latency overlaps it.
-    // SAFETY (loads): r < rows; columns checked against n inside.
-    let load = |r: usize| if r < row_end { unsafe { (load_row4(z, r, n, c), load_row4(dy, r, n, c)) } } else { ([0.0; 4], [0.0; 4]) };
+    // z and dy stream through each warp's two ring slots by `cp.async` (no registers
+    // held for them): the next pair's copies are in flight during this pair's
+    // arithmetic. A lane reads back only its own copies, so waiting on its own groups
+    // is enough; the slot a copy overwrites was read a whole pass earlier.
+    let ring = unsafe { saved.add(n_ops.saturating_sub(1) * 64) };
     let step = 2 * warps;
+    // SAFETY (copies): slot < 2; rows below row_end and columns below n only.
+    let fetch = |r: usize, slot: usize| unsafe {
+        unroll!(i in 0..2 => {
+            unroll!(t in 0..2 => {
+                let src = if t == 0 { z } else { dy };
+                let dst = shared_address(ring.add(((slot * 2 + i) * 2 + t) * 32 + lane));
+                let live = r + i < row_end;
+                if n % 4 == 0 {
+                    let ok = live && c < n;
+                    cp_async_16(dst, if ok { src.add((r + i) * n + c) } else { src }, if ok { 16 } else { 0 });
+                } else {
+                    unroll!(e in 0..4 => {
+                        let ok = live && c + e < n;
+                        cp_async_4(dst + 4 * e as u32, if ok { src.add((r + i) * n + c + e) } else { src }, if ok { 4 } else { 0 });
+                    });
+                }
+            });
+        });
+        cp_async_commit();
+    };
     let mut row = row0 + 2 * warp;
-    let mut next = [load(row), load(row + 1)];
+    let mut slot = 0;
+    fetch(row, slot);
     while row < row_end {
-        let cur = next;
-        next = [load(row + step), load(row + step + 1)];
+        fetch(row + step, slot ^ 1);
+        cp_async_wait::<1>();
+        // SAFETY: the lane's own slots, landed.
+        let cur = [0, 1].map(|i| [0, 1].map(|t| unsafe { (*ring.add(((slot * 2 + i) * 2 + t) * 32 + lane)).0 }));
+        slot ^= 1;
         let both = row + 1 < row_end;
-        let mut x = [cur[0].0, cur[1].0];
-        let mut g = [cur[0].1, cur[1].1];
+        let mut x = [cur[0][0], cur[1][0]];
+        let mut g = [cur[0][1], cur[1][1]];
         // Forward once: op p's input is kept (p < n_ops - 1) or stays in x (the last).
         for p in 0..n_ops.saturating_sub(1) {
             // SAFETY: p < n_ops; the lane's own slice.
@@ -383,6 +394,7 @@ pub unsafe extern "ptx-kernel" fn epilogue_tiles_backward(
         }
         row += step;
     }
+    cp_async_wait_all();
 
     // The 8 warps' sums meet; warp 0 writes the block's.
     // SAFETY: indices < warps * slots * 32; uniform barrier.

@@ -1,8 +1,8 @@
 //! 16-byte loads and stores of global memory as single instructions.
 //!
 //! Written as `asm!` because LLVM took the plain vector accesses of the epilogue's
-//! two-path helpers (`lanes::load_row4`: one 16-byte load when aligned, else four
-//! checked scalar ones) apart: it sank the scalar path's last load into the join, so the
+//! two-path helpers (a row load: one 16-byte load when aligned, else four checked
+//! scalar ones) apart: it sank the scalar path's last load into the join, so the
 //! aligned path ran a 16-byte load *and* a 4-byte reload of its last element, which
 //! waited for the first (Nsight Compute: 38% of the chain backward's stalls, M2), and
 //! the stores became 8 + 4 + 4 bytes.

@@ -31,9 +31,9 @@ pub fn epilogue_tiles_backward(
     }
     // One wave of blocks, each with a long run of rows: its sums and its final
     // reduction are paid once per block. TILES_BACKWARD_BLOCKS_PER_SM fit per SM (launch
-    // bounds cap the registers; shared memory allows it up to chains of 8 ops with 8
-    // slots); longer chains take more shared memory and fewer blocks per SM, and the
-    // grid then runs as more than one wave, which is only slower.
+    // bounds cap the registers; shared memory allows it while slots + 2 (ops - 1) <= 10,
+    // as for M1, M2 and M5); longer chains take more shared memory and fewer blocks per
+    // SM, and the grid then runs as more than one wave, which is only slower.
     let col_tiles = n.div_ceil(128);
     let per_wave = TILES_BACKWARD_BLOCKS_PER_SM as usize * gpu.props.multiprocessors;
     let row_blocks = (per_wave / col_tiles).clamp(1, rows.div_ceil(16));
