@@ -10,7 +10,7 @@
 use super::pointwise::*;
 use crate::prelude::async_copy::{cp_async_4, cp_async_16, cp_async_commit, cp_async_wait, cp_async_wait_all, shared_address};
 use crate::prelude::global::{load_v4_nc, store_v4};
-use crate::prelude::math::rsqrt;
+use crate::prelude::math::{fma, rsqrt};
 use crate::prelude::warp::{segment_sum, shfl_xor};
 use crate::prelude::*;
 use crate::unroll;
@@ -192,7 +192,7 @@ unsafe fn lane_backward_rows(
             );
             let mean = [m0 * inv, m1 * inv];
             let mut q = [0.0f32; 2];
-            unroll!(i in 0..2 => { unroll!(e in 0..4 => { let d = x[i][e] - mean[i]; q[i] += d * d; }); });
+            unroll!(i in 0..2 => { unroll!(e in 0..4 => { let d = x[i][e] - mean[i]; q[i] = fma(d, d, q[i]); }); });
             let q = segment_sums(q, lanes);
             let rstd = [rsqrt(q[0] * inv + op.a), rsqrt(q[1] * inv + op.a)];
             let gamma = column_params(p0, n, c);
@@ -204,7 +204,7 @@ unsafe fn lane_backward_rows(
                     xhat[i][e] = (x[i][e] - mean[i]) * rstd[i];
                     dyg[i][e] = g[i][e] * gamma[e];
                     s[2 * i] += dyg[i][e];
-                    s[2 * i + 1] += dyg[i][e] * xhat[i][e];
+                    s[2 * i + 1] = fma(dyg[i][e], xhat[i][e], s[2 * i + 1]);
                 });
             });
             let s = segment_sums(s, lanes);
@@ -215,7 +215,7 @@ unsafe fn lane_backward_rows(
             }
             unroll!(i in 0..2 => {
                 let (a, b) = (s[2 * i] * inv, s[2 * i + 1] * inv);
-                unroll!(e in 0..4 => { g[i][e] = rstd[i] * (dyg[i][e] - a - xhat[i][e] * b); });
+                unroll!(e in 0..4 => { g[i][e] = rstd[i] * fma(-xhat[i][e], b, dyg[i][e] - a); });
             });
         }
         OP_BIAS => unsafe { add_to_slot(sums, slot, lane, g, both) },

@@ -3,7 +3,7 @@
 //! Written from the math in shared/spec/models.md, on the fast functions of
 //! `prelude::math` (accuracy stated there).
 
-use crate::prelude::math::{erfc, exp, recip, sigmoid};
+use crate::prelude::math::{erfc, exp, fma, recip, sigmoid};
 
 /// `swish(x) = x * sigmoid(x)`
 #[inline(always)]
@@ -15,32 +15,30 @@ pub fn swish(x: f32) -> f32 {
 #[inline(always)]
 pub fn swish_grad(x: f32) -> f32 {
     let s = sigmoid(x);
-    s * (1.0 + x * (1.0 - s))
+    s * fma(x, 1.0 - s, 1.0)
 }
 
 /// `mish(x) = x * tanh(softplus(x))`. With `e = e^x`,
 /// `tanh(log(1 + e)) = e (e + 2) / (e (e + 2) + 2)`: one `exp`, no cancellation.
-/// Above 20, `tanh(softplus(x))` is 1 in f32 (and `e (e + 2)` would overflow near 44).
+/// Above 20, `tanh(softplus(x))` is 1 in f32 (and `e (e + 2)` would overflow near 44):
+/// computed at `min(x, 20)` and selected, so a row of values has no branch (a NaN `x`
+/// still gives NaN through the factor `x`).
 #[inline(always)]
 pub fn mish(x: f32) -> f32 {
-    if x > 20.0 {
-        return x;
-    }
-    let e = exp(x);
+    let e = exp(if x < 20.0 { x } else { 20.0 });
     let n = e * (e + 2.0);
-    x * n * recip(n + 2.0)
+    let y = x * n * recip(n + 2.0);
+    if x > 20.0 { x } else { y }
 }
 
 /// `mish'(x) = t + x * sigmoid(x) * (1 - t^2)`, `t = tanh(softplus(x))`. Needs the input.
 #[inline(always)]
 pub fn mish_grad(x: f32) -> f32 {
-    if x > 20.0 {
-        return 1.0;
-    }
-    let e = exp(x);
+    let e = exp(if x < 20.0 { x } else { 20.0 });
     let n = e * (e + 2.0);
     let t = n * recip(n + 2.0);
-    t + x * sigmoid(x) * (1.0 - t * t)
+    let d = t + x * sigmoid(x) * (1.0 - t * t);
+    if x > 20.0 { 1.0 } else { d }
 }
 
 const FRAC_1_SQRT_2: f32 = core::f32::consts::FRAC_1_SQRT_2;
