@@ -117,8 +117,17 @@ pub fn lane_forward_rows<const R: usize>(op: &OpDesc, rows: &mut [[f32; 4]; R], 
         OP_LEAKY_RELU => each(rows, |x, _| leaky_relu(x, op.a)),
         OP_HARDTANH => each(rows, |x, _| hardtanh(x, op.a, op.b)),
         // Not fusable: the host never sends it; poison, never pass through.
-        _ => each(rows, |_, _| f32::NAN),
+        _ => each(rows, |x, _| poison(x)),
     }
+}
+
+/// A NaN made from `x` (its bits with the exponent and the quiet bit set): an unknown
+/// op's poison. A constant NaN would be materialised into every value's register
+/// before each op's dispatch (8 moves per op per pass: LLVM hoists a phi's constant
+/// inputs out of the switch); this one is computed only in the arm that needs it.
+#[inline(always)]
+fn poison(x: f32) -> f32 {
+    f32::from_bits(x.to_bits() | 0x7fc0_0000)
 }
 
 /// `v = f(v, e)` for element `e` of every row (`R` <= 2, unrolled).
@@ -235,7 +244,7 @@ unsafe fn lane_backward_rows(
         OP_LEAKY_RELU => scale_by(g, x, |v| leaky_relu_grad(v, op.a)),
         OP_HARDTANH => scale_by(g, x, |v| hardtanh_grad(v, op.a, op.b)),
         // Not fusable: the host never sends it; poison, never pass through.
-        _ => scale_by(g, x, |_| f32::NAN),
+        _ => scale_by(g, x, poison),
     }
 }
 
@@ -334,19 +343,23 @@ pub unsafe extern "ptx-kernel" fn epilogue_tiles_backward(
     let ring = unsafe { saved.add(n_ops.saturating_sub(1) * 64) };
     let step = 2 * warps;
     // SAFETY (copies): slot < 2; rows below row_end and columns below n only.
-    let fetch = |r: usize, slot: usize| unsafe {
+    // `at` is row r's offset of the lane's first column, `r * n + c`, kept by one add per
+    // pass; each copy's source is selected only between a pointer and `z` (no bytes
+    // are read for rows past row_end or columns past n).
+    let fetch = |r: usize, at: usize, slot: usize| unsafe {
         unroll!(i in 0..2 => {
+            let live = r + i < row_end;
+            let at = at + i * n;
             unroll!(t in 0..2 => {
                 let src = if t == 0 { z } else { dy };
                 let dst = shared_address(ring.add(((slot * 2 + i) * 2 + t) * 32 + lane));
-                let live = r + i < row_end;
                 if n % 4 == 0 {
                     let ok = live && c < n;
-                    cp_async_16(dst, if ok { src.add((r + i) * n + c) } else { src }, if ok { 16 } else { 0 });
+                    cp_async_16(dst, if ok { src.add(at) } else { z }, if ok { 16 } else { 0 });
                 } else {
                     unroll!(e in 0..4 => {
                         let ok = live && c + e < n;
-                        cp_async_4(dst + 4 * e as u32, if ok { src.add((r + i) * n + c + e) } else { src }, if ok { 4 } else { 0 });
+                        cp_async_4(dst + 4 * e as u32, if ok { src.add(at + e) } else { z }, if ok { 4 } else { 0 });
                     });
                 }
             });
@@ -354,10 +367,13 @@ pub unsafe extern "ptx-kernel" fn epilogue_tiles_backward(
         cp_async_commit();
     };
     let mut row = row0 + 2 * warp;
+    let mut at = row * n + c;
+    let pass_stride = step * n;
     let mut slot = 0;
-    fetch(row, slot);
+    fetch(row, at, slot);
     while row < row_end {
-        fetch(row + step, slot ^ 1);
+        at += pass_stride;
+        fetch(row + step, at, slot ^ 1);
         cp_async_wait::<1>();
         // SAFETY: the lane's own slots, landed.
         let cur = [0, 1].map(|i| [0, 1].map(|t| unsafe { (*ring.add(((slot * 2 + i) * 2 + t) * 32 + lane)).0 }));
