@@ -70,7 +70,13 @@ pub fn transpose_on(gpu: &Gpu, stream: &Arc<CudaStream>, input: &DeviceTensor) -
     let &[rows, cols] = &input.shape[..] else {
         return Err(Error::Shape(format!("transpose of a {:?} tensor", input.shape)));
     };
-    let grid = (cols.div_ceil(32), rows.div_ceil(32));
+    // 16-byte rows both ways (allocations are 256-byte aligned): the vectorised kernel.
+    let (kernel, tile, threads, smem) = if rows % 4 == 0 && cols % 4 == 0 {
+        ("transpose_vec4", 64, (256, 1), 64 * 65 * 4)
+    } else {
+        ("transpose", 32, (32, 8), 32 * 33 * 4)
+    };
+    let grid = (cols.div_ceil(tile), rows.div_ceil(tile));
     if grid.1 > 65535 || rows * cols > u32::MAX as usize {
         return Err(Error::Shape(format!("transpose of {rows} x {cols} exceeds the kernel's limits")));
     }
@@ -78,18 +84,19 @@ pub fn transpose_on(gpu: &Gpu, stream: &Arc<CudaStream>, input: &DeviceTensor) -
     let buf = unsafe { stream.alloc::<f32>((rows * cols).max(1)) }
         .map_err(|e| Error::cuda(format!("allocating a {cols} x {rows} transpose"), e))?;
     let mut out = DeviceTensor { shape: vec![cols, rows], buf };
-    let func = gpu.function("transpose")?;
+    let func = gpu.function(kernel)?;
     let cfg = LaunchConfig {
         grid_dim: (grid.0 as u32, grid.1 as u32, 1),
-        block_dim: (32, 8, 1),
-        shared_mem_bytes: 32 * 33 * 4,
+        block_dim: (threads.0, threads.1, 1),
+        shared_mem_bytes: smem,
     };
     let (r, c) = (rows as u32, cols as u32);
     let mut l = stream.launch_builder(&func);
     l.arg(&input.buf).arg(&r).arg(&c).arg(&mut out.buf);
-    // SAFETY: (input, rows, cols, out) as the kernel takes; out holds rows * cols floats;
-    // block, grid and shared memory as it documents.
-    launched("transpose", unsafe { l.launch(cfg) })?;
+    // SAFETY: (input, rows, cols, out) as the kernels take; out holds rows * cols floats;
+    // block, grid and shared memory as they document (the vectorised one only for
+    // dimensions divisible by 4, on whole, aligned allocations).
+    launched(kernel, unsafe { l.launch(cfg) })?;
     Ok(out)
 }
 
