@@ -237,37 +237,44 @@ fn tf32_persistent_forward_matches_reference_rows() {
     }
 }
 
-/// The linear gradients on the TMA kernels, TF32 and 3xTF32: `dW = dZ^T X` (both
-/// operands transposed, a batch of at least `MIN_K` rows) and `dX = dZ W` (W transposed,
-/// a batch of at least 1024 rows), at ragged sizes (`m` % 32, `n` % 32, `k` % 32 != 0) —
-/// against the f64 reference, each held to its precision's tolerance.
+/// The linear gradients on the TMA kernels, TF32 and 3xTF32: `dW = dZ^T X` (TF32: `dZ`
+/// as stored, through `gemm_tma_tf32_tk`; 3xTF32: both operands transposed; a batch of
+/// at least `MIN_K` rows) and `dX = dZ W` (W transposed, a batch of at least 1024 rows),
+/// at ragged sizes (`m` % 32, `n` % 32, `k` % 32 != 0; an odd `k` too, so `dW` rows are
+/// not 8-byte aligned) — into NaN-poisoned `dW`s, against the f64 reference, each held
+/// to its precision's tolerance.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tf32_linear_gradients_match_reference() {
-    use host::gpu::gemm::simt::{Layout, Precision, grad_input, grad_weight, kernel_name};
+    use host::gpu::gemm::simt::{Layout, Precision, grad_input, grad_weight_into, kernel_name};
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(29);
-    let (m, n, k) = (4100, 1028, 260);
-    let x = random_input(m, k, &mut rng).unwrap();
-    let dz = random_input(m, n, &mut rng).unwrap();
-    let w = random_input(n, k, &mut rng).unwrap();
-    let (x_dev, dz_dev, w_dev) = (gpu.upload(&x).unwrap(), gpu.upload(&dz).unwrap(), gpu.upload(&w).unwrap());
-    let (want_dx, want_dw, _) = reference::linear::linear_backward(&x.to_f64(), &w.to_f64(), &dz.to_f64()).unwrap();
-    for (precision, kernel) in [(Precision::Tf32, "gemm_tma_tf32_nt"), (Precision::Tf32x3, "gemm_tma_tf32x3_nt")] {
-        // Both GEMMs are `Nt` after the transposes: dW reduces over m, dX over n.
-        for depth in [m, n] {
-            assert_eq!(kernel_name(precision, Layout::Nt, (depth, depth, depth), 1), kernel);
-        }
-        let side = gpu.side_stream().clone();
-        let (dw, scratch) = grad_weight(&gpu, precision, &side, &dz_dev, &x_dev).unwrap();
-        gpu.order(&side, gpu.stream()).unwrap();
-        let dx = grad_input(&gpu, precision, &dz_dev, &w_dev).unwrap();
-        let (got_dw, got_dx) = (gpu.download(&dw).unwrap(), gpu.download(&dx).unwrap());
-        drop(scratch);
-        for (what, got, want) in [("dW", &got_dw, &want_dw), ("dX", &got_dx, &want_dx)] {
-            let c = compare_f32(got.data(), want.data());
-            println!("{precision} {what} ({m}, {n}, {k}): rel {:.2e} max abs {:.2e}", c.rel, c.max_abs);
-            assert!(c.passes(precision.tolerance()), "{precision} {what}: {c:?}");
+    for (m, n, k) in [(4100, 1028, 260), (1028, 1100, 261)] {
+        let x = random_input(m, k, &mut rng).unwrap();
+        let dz = random_input(m, n, &mut rng).unwrap();
+        let w = random_input(n, k, &mut rng).unwrap();
+        let (x_dev, dz_dev, w_dev) = (gpu.upload(&x).unwrap(), gpu.upload(&dz).unwrap(), gpu.upload(&w).unwrap());
+        let (want_dx, want_dw, _) = reference::linear::linear_backward(&x.to_f64(), &w.to_f64(), &dz.to_f64()).unwrap();
+        for (precision, kernel) in [(Precision::Tf32, "gemm_tma_tf32_nt"), (Precision::Tf32x3, "gemm_tma_tf32x3_nt")] {
+            // dX is `Nt` after W's transpose (reducing over n); 3xTF32's dW too (over m).
+            for depth in [m, n] {
+                assert_eq!(kernel_name(precision, Layout::Nt, (depth, depth, depth), 1), kernel);
+            }
+            if precision == Precision::Tf32 {
+                assert_eq!(kernel_name(precision, Layout::Tk, (n, m, m), 1), "gemm_tma_tf32_tk");
+            }
+            let side = gpu.side_stream().clone();
+            let mut dw = gpu.poisoned(&[n, k]).unwrap();
+            let scratch = grad_weight_into(&gpu, precision, &side, &dz_dev, &x_dev, &mut dw).unwrap();
+            gpu.order(&side, gpu.stream()).unwrap();
+            let dx = grad_input(&gpu, precision, &dz_dev, &w_dev).unwrap();
+            let (got_dw, got_dx) = (gpu.download(&dw).unwrap(), gpu.download(&dx).unwrap());
+            drop(scratch);
+            for (what, got, want) in [("dW", &got_dw, &want_dw), ("dX", &got_dx, &want_dx)] {
+                let c = compare_f32(got.data(), want.data());
+                println!("{precision} {what} ({m}, {n}, {k}): rel {:.2e} max abs {:.2e}", c.rel, c.max_abs);
+                assert!(c.passes(precision.tolerance()), "{precision} {what} ({m}, {n}, {k}): {c:?}");
+            }
         }
     }
 }

@@ -143,6 +143,12 @@ fn kernel(
     if tma && vec4 && tma_allowed() {
         return Kernel { name: super::tma::kernel(precision).into(), block_k: 0, smem_bytes: 0, tma: true };
     }
+    // TF32 `dW = dZ^T X^T^T` with `dZ` as stored (`A` row-contiguous): the TMA kernel
+    // with `A` through registers (3xTF32 would also need `A`'s residual there: not built).
+    let tma_tk = precision == Precision::Tf32 && layout == Layout::Tk && !transpose_y && splits <= 1;
+    if tma_tk && k >= gemm_tma::MIN_K && vec4 && tma_allowed() {
+        return Kernel { name: super::tma::TK_KERNEL.into(), block_k: 0, smem_bytes: 0, tma: true };
+    }
     if precision.on_wgmma() && vec4 && matches!(layout, Layout::Nt | Layout::Tk) {
         let what = match (layout, transpose_y) {
             (Layout::Nt, _) => "nt",
@@ -262,6 +268,12 @@ impl<'a> Gemm<'a> {
         }
         let Kernel { name, block_k, smem_bytes, tma } =
             kernel(self.precision, self.layout, (self.lda, self.ldb, k), splits, self.transpose_y);
+        if tma && tk {
+            if self.bias.is_some() || self.chain.is_some() || save_z.is_some() {
+                return Err(Error::Unsupported("the TMA `Tk` GEMM takes no bias, chain or saved output".into()));
+            }
+            return super::tma::launch_tk(gpu, stream, (self.a, self.b), (m, n, k), (self.lda, self.ldb), y);
+        }
         if tma {
             let pitches = (self.lda, self.ldb);
             let (operands, dims) = ((self.a, self.b), (m, n, k));
@@ -399,33 +411,51 @@ pub fn grad_weight(
     dz: &DeviceTensor,
     x: &DeviceTensor,
 ) -> Result<(DeviceTensor, Vec<DeviceTensor>)> {
+    let (&[_, n], &[_, k]) = (&dz.shape[..], &x.shape[..]) else {
+        return Err(Error::Shape(format!("dW = dZ^T X: dZ {:?}, X {:?}", dz.shape, x.shape)));
+    };
+    let mut dw = gpu.alloc(&[n, k])?;
+    let scratch = grad_weight_into(gpu, precision, stream, dz, x, &mut dw)?;
+    Ok((dw, scratch))
+}
+
+/// [`grad_weight`] into a given `dw (n, k)` (allocated on the GPU's stream; the GPU
+/// tests pass a NaN-poisoned one, so an element the kernel misses shows). Returns the
+/// scratch tensors to keep until the GPU's stream is ordered after `stream`.
+pub fn grad_weight_into(
+    gpu: &Gpu,
+    precision: Precision,
+    stream: &Arc<CudaStream>,
+    dz: &DeviceTensor,
+    x: &DeviceTensor,
+    dw: &mut DeviceTensor,
+) -> Result<Vec<DeviceTensor>> {
     let (&[m, n], &[xm, k]) = (&dz.shape[..], &x.shape[..]) else {
         return Err(Error::Shape(format!("dW = dZ^T X: dZ {:?}, X {:?}", dz.shape, x.shape)));
     };
-    if xm != m {
-        return Err(Error::Shape(format!("dW = dZ^T X: dZ {:?}, X {:?}", dz.shape, x.shape)));
+    if xm != m || dw.shape != [n, k] {
+        return Err(Error::Shape(format!("dW {:?} = dZ^T X: dZ {:?}, X {:?}", dw.shape, dz.shape, x.shape)));
     }
-    let mut dw = gpu.alloc(&[n, k])?;
-    // `stream` starts after everything queued on the GPU's stream, this allocation included.
+    // `stream` starts after everything queued on the GPU's stream, `dw`'s allocation included.
     gpu.order(gpu.stream(), stream)?;
     if backward_on_wgmma(precision, &[m, n]) {
         // `B` = X^T (k, m), `k`-contiguous in the batch.
         let xt = super::super::elementwise::transpose_on(gpu, stream, x)?;
-        if transposed_on_tma(precision, m) {
+        if precision != Precision::Tf32 && transposed_on_tma(precision, m) {
             // `A` = dZ^T too, so both operands are batch-contiguous and the GEMM is the
             // forward's `Nt` (the TMA kernel: `wgmma` reads TF32 only `k`-major). The
             // transpose is a copy of dZ (32 MB for M1, ~0.03 ms); `gemm_wg`'s `dw`
             // transposes dZ inside, at a lower rate.
             let dzt = super::super::elementwise::transpose_on(gpu, stream, dz)?;
             Gemm::plain(precision, Layout::Nt, (&dzt.buf, &xt.buf), (n, k, m), (m, m))
-                .launch_on(gpu, stream, &mut dw, None)?;
-            return Ok((dw, vec![xt, dzt]));
+                .launch_on(gpu, stream, dw, None)?;
+            return Ok(vec![xt, dzt]);
         }
-        // `A` = dZ read row-contiguously.
-        Gemm::plain(precision, Layout::Tk, (&dz.buf, &xt.buf), (n, k, m), (n, m))
-            .launch_on(gpu, stream, &mut dw, None)?;
-        return Ok((dw, vec![xt]));
+        // `A` = dZ read row-contiguously (TF32 with `k` >= `MIN_K`: the TMA kernel, `A`
+        // through registers; else `gemm_wg`'s `dw`).
+        Gemm::plain(precision, Layout::Tk, (&dz.buf, &xt.buf), (n, k, m), (n, m)).launch_on(gpu, stream, dw, None)?;
+        return Ok(vec![xt]);
     }
-    Gemm::plain(precision, Layout::Tn, (&dz.buf, &x.buf), (n, k, m), (n, k)).launch_on(gpu, stream, &mut dw, None)?;
-    Ok((dw, Vec::new()))
+    Gemm::plain(precision, Layout::Tn, (&dz.buf, &x.buf), (n, k, m), (n, k)).launch_on(gpu, stream, dw, None)?;
+    Ok(Vec::new())
 }

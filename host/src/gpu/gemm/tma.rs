@@ -19,6 +19,10 @@ pub fn kernel(precision: Precision) -> &'static str {
     if precision == Precision::Tf32x3 { "gemm_tma_tf32x3_nt" } else { "gemm_tma_tf32_nt" }
 }
 
+/// The TF32 GEMM with `A` stored transposed (`Layout::Tk`: the weight gradient reading
+/// `dZ` as stored); `simt::kernel` picks it as it picks [`kernel`].
+pub const TK_KERNEL: &str = "gemm_tma_tf32_tk";
+
 /// A tensor map for the `(rows, k)` row-major `f32` matrix at `buf` (row pitch `pitch`
 /// floats), read in boxes of `box_rows x BLOCK_K` with the 128-byte swizzle (3xTF32:
 /// `box_rows x SPLIT_BLOCK_K` with the 64-byte swizzle), zeros
@@ -30,14 +34,26 @@ fn tensor_map(
     box_rows: usize,
     precision: Precision,
 ) -> Result<CUtensorMap> {
-    let mut map = CUtensorMap { opaque: [0; 16] };
-    let dims = [k as u64, rows as u64];
-    let pitch = [(pitch * 4) as u64];
     let (box_k, swizzle) = if precision == Precision::Tf32x3 {
         (SPLIT_BLOCK_K, sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B)
     } else {
         (BLOCK_K, sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B)
     };
+    encode_map(stream, buf, (rows, k, pitch), (box_rows, box_k), swizzle)
+}
+
+/// The tensor map of a `(rows, cols)` row-major `f32` matrix (row pitch `pitch` floats)
+/// read in `box_rows x box_cols` boxes with `swizzle`, zeros outside.
+fn encode_map(
+    stream: &CudaStream,
+    buf: &CudaSlice<f32>,
+    (rows, k, pitch): (usize, usize, usize),
+    (box_rows, box_k): (usize, usize),
+    swizzle: sys::CUtensorMapSwizzle,
+) -> Result<CUtensorMap> {
+    let mut map = CUtensorMap { opaque: [0; 16] };
+    let dims = [k as u64, rows as u64];
+    let pitch = [(pitch * 4) as u64];
     let boxes = [box_k as u32, box_rows as u32];
     let steps = [1u32, 1];
     let ptr = buf.device_ptr(stream).0;
@@ -107,5 +123,42 @@ pub fn launch_forward(
     // SAFETY: matches the kernel's signature; the maps describe `a` and `b` within the
     // extents the caller checked; grid, block and shared memory follow kernel_abi::gemm_tma.
     unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{name}`"), e))?;
+    Ok(())
+}
+
+/// Queues `y (m, n) = A B^T` in TF32 on `gemm_tma_tf32_tk` with `A` stored as `(k, m)`
+/// (`m`-contiguous, pitch `lda`) and `B` as `(n, k)` (pitch `ldb`): the weight gradient
+/// reading `dZ` as stored. The caller has checked shapes, extents and pitches.
+pub fn launch_tk(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    (a, b): (&CudaSlice<f32>, &CudaSlice<f32>),
+    (m, n, k): (usize, usize, usize),
+    (lda, ldb): (usize, usize),
+    y: &mut DeviceTensor,
+) -> Result<()> {
+    let swizzle = sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B;
+    // `A` in boxes of 32 `k` rows x 32 `m` (one 128-byte swizzle row), four per tile.
+    let maps = [
+        encode_map(stream, a, (k, m, lda), (BLOCK_K, 32), swizzle)?,
+        tensor_map(stream, b, (n, k, ldb), BLOCK_N, Precision::Tf32)?,
+    ];
+    let words: Vec<u64> = maps.iter().flat_map(|map| map.opaque).collect();
+    let maps = stream.clone_htod(&words).map_err(|e| Error::cuda("uploading the TMA tensor maps", e))?;
+    let func = gpu.function(TK_KERNEL)?;
+    gpu.allow_shared(&func, TK_KERNEL, SMEM_BYTES)?;
+    let tiles = m.div_ceil(BLOCK_M) * n.div_ceil(BLOCK_N);
+    let cfg = LaunchConfig {
+        grid_dim: (tiles.min(gpu.props.multiprocessors) as u32, 1, 1),
+        block_dim: (THREADS as u32, 1, 1),
+        shared_mem_bytes: SMEM_BYTES as u32,
+    };
+    let (m32, n32, k32) = (m as u32, n as u32, k as u32);
+    let mut launch = stream.launch_builder(&func);
+    launch.arg(&maps).arg(&mut y.buf).arg(&m32).arg(&n32).arg(&k32);
+    // SAFETY: matches the kernel's signature; the maps describe `a` and `b` within the
+    // extents the caller checked; `y` is `(m, n)`; grid, block and shared memory follow
+    // kernel_abi::gemm_tma.
+    unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{TK_KERNEL}`"), e))?;
     Ok(())
 }
