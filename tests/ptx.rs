@@ -67,4 +67,25 @@ fn every_kernel_assembles_for_sm90_without_spills() {
         assert_eq!(*stack, 0, "kernel `{k}` uses a stack frame (local memory)");
         assert!(*regs <= 255, "kernel `{k}` uses {regs} registers");
     }
+    // Launch bounds: every kernel given them fits its blocks per SM in the 64 K register
+    // file, and every kernel that moves registers between warpgroups (`setmaxnreg`,
+    // which needs a register count fixed at entry) has them.
+    let bounds: Vec<(&str, u32, u32)> = [
+        kernel_abi::LAUNCH_BOUNDS,
+        kernel_abi::LAUNCH_BOUNDS_TC,
+        kernel_abi::LAUNCH_BOUNDS_WG,
+        kernel_abi::LAUNCH_BOUNDS_TMA,
+        kernel_abi::LAUNCH_BOUNDS_EPILOGUE,
+    ]
+    .concat();
+    for &(name, threads, blocks) in &bounds {
+        let (_, regs, ..) = kernels.iter().find(|k| k.0 == name).unwrap_or_else(|| panic!("no kernel `{name}`"));
+        assert!(regs * threads * blocks <= 65536, "`{name}`: {regs} registers x {threads} threads x {blocks} blocks");
+    }
+    for body in KERNELS_PTX.split(".visible .entry ").skip(1) {
+        let name = body.split('(').next().unwrap();
+        if body.contains("setmaxnreg") {
+            assert!(bounds.iter().any(|b| b.0 == name), "`{name}` uses setmaxnreg without launch bounds");
+        }
+    }
 }

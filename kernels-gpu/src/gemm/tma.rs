@@ -341,6 +341,28 @@ unsafe fn gemm_tma<const SPLIT: bool>(
 /// threads, `SMEM_BYTES` of dynamic shared memory, any grid; an sm_90a device.
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_tk(maps: *const u8, y: *mut f32, m: u32, n: u32, k: u32) {
+    unsafe { gemm_tma_tk::<false>(maps, y, m, n, k) }
+}
+
+/// [`gemm_tma_tf32_tk`] storing `y^T (n, m)`: the input gradient `dX = dZ W` as
+/// `dX^T = W^T dZ^T`, reading `W (out, in)` as stored (`A`) and `dZ` (`B`, `k`-major
+/// already), so the backward does not transpose `W` first (M1: 256 MB, about half the
+/// GEMM's time). A thread's two rows are neighbours, so each of its transposed values
+/// pairs is one 8-byte store.
+///
+/// # Safety
+/// As [`gemm_tma_tf32_tk`], `y` holding `n * m` floats.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_tk_t(maps: *const u8, y: *mut f32, m: u32, n: u32, k: u32) {
+    unsafe { gemm_tma_tk::<true>(maps, y, m, n, k) }
+}
+
+/// The body of both (`TRANS`: store `y^T`).
+///
+/// # Safety
+/// See [`gemm_tma_tf32_tk`].
+#[inline(always)]
+unsafe fn gemm_tma_tk<const TRANS: bool>(maps: *const u8, y: *mut f32, m: u32, n: u32, k: u32) {
     const SUB_BYTES: u32 = (32 * BLOCK_K * 4) as u32;
     let t = thread_idx_x();
     // SAFETY: the second of the two maps.
@@ -453,6 +475,33 @@ pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_tk(maps: *const u8, y: *mut f32,
         // Accumulator `4 j + e`: row `pair + e / 2` of the tile, column `8 j + 2 tig + e % 2`.
         let (r0, col) = ((row0 + pair) as usize, (col0 + 2 * tig) as usize);
         let (m, n) = (m as usize, n as usize);
+        if TRANS {
+            // `y^T (n, m)`: row `8 j + 2 tig + e`, columns `r0` and `r0 + 1`.
+            if r0 < m {
+                unroll!(jh in 0..2 => { unroll!(jl in 0..16 => { unroll!(e in 0..2 => {
+                    let j = 16 * jh + jl;
+                    let cj = col + 8 * j + e;
+                    if cj < n {
+                        let v = [acc[4 * j + e], acc[4 * j + 2 + e]];
+                        // SAFETY: cj < n and r0 < m; with `m` even, r0 + 1 < m too
+                        // (r0 even) and the pair is 8-byte aligned.
+                        unsafe {
+                            let at = y.add(cj * m + r0);
+                            if m % 2 == 0 {
+                                store_v2(at, v);
+                            } else {
+                                *at = f32::from_bits(v[0]);
+                                if r0 + 1 < m {
+                                    *at.add(1) = f32::from_bits(v[1]);
+                                }
+                            }
+                        }
+                    }
+                }); }); });
+            }
+            tile += grid_dim_x();
+            continue;
+        }
         unroll!(h in 0..2 => {
             let r = r0 + h;
             if r < m {

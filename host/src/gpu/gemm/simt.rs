@@ -143,11 +143,13 @@ fn kernel(
     if tma && vec4 && tma_allowed() {
         return Kernel { name: super::tma::kernel(precision).into(), block_k: 0, smem_bytes: 0, tma: true };
     }
-    // TF32 `dW = dZ^T X^T^T` with `dZ` as stored (`A` row-contiguous): the TMA kernel
-    // with `A` through registers (3xTF32 would also need `A`'s residual there: not built).
-    let tma_tk = precision == Precision::Tf32 && layout == Layout::Tk && !transpose_y && splits <= 1;
+    // TF32 `Tk` (`A` row-contiguous: `dW = dZ^T (X^T)^T` with `dZ` as stored, and
+    // `dX^T = W^T dZ^T` with `W` as stored): the TMA kernel with `A` through registers
+    // (3xTF32 would also need `A`'s residual there: not built).
+    let tma_tk = precision == Precision::Tf32 && layout == Layout::Tk && splits <= 1;
     if tma_tk && k >= gemm_tma::MIN_K && vec4 && tma_allowed() {
-        return Kernel { name: super::tma::TK_KERNEL.into(), block_k: 0, smem_bytes: 0, tma: true };
+        let name = super::tma::tk_kernel(transpose_y);
+        return Kernel { name: name.into(), block_k: 0, smem_bytes: 0, tma: true };
     }
     if precision.on_wgmma() && vec4 && matches!(layout, Layout::Nt | Layout::Tk) {
         let what = match (layout, transpose_y) {
@@ -190,6 +192,21 @@ pub fn kernel_name(
     splits: usize,
 ) -> String {
     kernel(precision, layout, (lda, ldb, k), splits, false).name
+}
+
+/// The kernel `dX (m, k) = dZ (m, n) W (n, k)` runs on (the GEMM of [`grad_input`]; the
+/// GPU tests check the path they mean to cover).
+pub fn grad_input_kernel(precision: Precision, (m, n, k): (usize, usize, usize)) -> String {
+    let tk = kernel(precision, Layout::Tk, (k, n, n), 1, true);
+    if !tk.tma && m >= DX_TRANSPOSE_MIN_ROWS && transposed_on_tma(precision, n) && backward_on_wgmma(precision, &[n, k])
+    {
+        return kernel(precision, Layout::Nt, (n, n, n), 1, false).name;
+    }
+    if backward_on_wgmma(precision, &[n, k]) {
+        tk.name
+    } else {
+        kernel(precision, Layout::Nn, (n, k, n), 1, false).name
+    }
 }
 
 /// One GEMM launch: `y (m, n) = chain(A B^T + bias)`, or `splits > 1` partial products
@@ -272,7 +289,8 @@ impl<'a> Gemm<'a> {
             if self.bias.is_some() || self.chain.is_some() || save_z.is_some() {
                 return Err(Error::Unsupported("the TMA `Tk` GEMM takes no bias, chain or saved output".into()));
             }
-            return super::tma::launch_tk(gpu, stream, (self.a, self.b), (m, n, k), (self.lda, self.ldb), y);
+            let operands = (self.a, self.b);
+            return super::tma::launch_tk(gpu, stream, operands, (m, n, k), (self.lda, self.ldb), self.transpose_y, y);
         }
         if tma {
             let pitches = (self.lda, self.ldb);
@@ -381,7 +399,12 @@ pub fn grad_input(gpu: &Gpu, precision: Precision, dz: &DeviceTensor, w: &Device
         return Err(Error::Shape(format!("dX = dZ W: dZ {:?}, W {:?}", dz.shape, w.shape)));
     }
     let mut dx = gpu.alloc(&[m, k])?;
-    if m >= DX_TRANSPOSE_MIN_ROWS && transposed_on_tma(precision, n) && backward_on_wgmma(precision, &[n, k]) {
+    let tk_on_tma = kernel(precision, Layout::Tk, (k, n, n), 1, true).tma;
+    if !tk_on_tma
+        && m >= DX_TRANSPOSE_MIN_ROWS
+        && transposed_on_tma(precision, n)
+        && backward_on_wgmma(precision, &[n, k])
+    {
         // dX = dZ (W^T)^T, the forward's `Nt` on the TMA kernel (`wgmma` reads TF32
         // only `k`-major, and W is `k`-contiguous in the wrong index). W^T is a copy of
         // W's n k floats: ~543 / m of the GEMM's time (DX_TRANSPOSE_MIN_ROWS).
@@ -390,7 +413,8 @@ pub fn grad_input(gpu: &Gpu, precision: Precision, dz: &DeviceTensor, w: &Device
         return Ok(dx);
     }
     let gemm = if backward_on_wgmma(precision, &[n, k]) {
-        // dX^T (k, m) = W^T dZ^T: `A` = W read row-contiguously, `B` = dZ, stored transposed.
+        // dX^T (k, m) = W^T dZ^T: `A` = W read row-contiguously, `B` = dZ, stored
+        // transposed (TF32 with `n` >= `MIN_K`: the TMA kernel, else `gemm_wg`'s `dx`).
         Gemm { transpose_y: true, ..Gemm::plain(precision, Layout::Tk, (&w.buf, &dz.buf), (k, m, n), (k, n)) }
     } else {
         Gemm::plain(precision, Layout::Nn, (&dz.buf, &w.buf), (m, k, n), (n, k))

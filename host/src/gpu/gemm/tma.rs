@@ -20,8 +20,11 @@ pub fn kernel(precision: Precision) -> &'static str {
 }
 
 /// The TF32 GEMM with `A` stored transposed (`Layout::Tk`: the weight gradient reading
-/// `dZ` as stored); `simt::kernel` picks it as it picks [`kernel`].
-pub const TK_KERNEL: &str = "gemm_tma_tf32_tk";
+/// `dZ` as stored; with `transpose_y` the input gradient `dX^T = W^T dZ^T` reading `W`
+/// as stored); `simt::kernel` picks it as it picks [`kernel`].
+pub fn tk_kernel(transpose_y: bool) -> &'static str {
+    if transpose_y { "gemm_tma_tf32_tk_t" } else { "gemm_tma_tf32_tk" }
+}
 
 /// A tensor map for the `(rows, k)` row-major `f32` matrix at `buf` (row pitch `pitch`
 /// floats), read in boxes of `box_rows x BLOCK_K` with the 128-byte swizzle (3xTF32:
@@ -126,17 +129,19 @@ pub fn launch_forward(
     Ok(())
 }
 
-/// Queues `y (m, n) = A B^T` in TF32 on `gemm_tma_tf32_tk` with `A` stored as `(k, m)`
-/// (`m`-contiguous, pitch `lda`) and `B` as `(n, k)` (pitch `ldb`): the weight gradient
-/// reading `dZ` as stored. The caller has checked shapes, extents and pitches.
+/// Queues `y (m, n) = A B^T` (or, with `transpose_y`, `y^T (n, m)`) in TF32 on
+/// [`tk_kernel`], `A` stored as `(k, m)` (`m`-contiguous, pitch `lda`) and `B` as
+/// `(n, k)` (pitch `ldb`). The caller has checked shapes, extents and pitches.
 pub fn launch_tk(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
     (a, b): (&CudaSlice<f32>, &CudaSlice<f32>),
     (m, n, k): (usize, usize, usize),
     (lda, ldb): (usize, usize),
+    transpose_y: bool,
     y: &mut DeviceTensor,
 ) -> Result<()> {
+    let name = tk_kernel(transpose_y);
     let swizzle = sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B;
     // `A` in boxes of 32 `k` rows x 32 `m` (one 128-byte swizzle row), four per tile.
     let maps = [
@@ -145,8 +150,8 @@ pub fn launch_tk(
     ];
     let words: Vec<u64> = maps.iter().flat_map(|map| map.opaque).collect();
     let maps = stream.clone_htod(&words).map_err(|e| Error::cuda("uploading the TMA tensor maps", e))?;
-    let func = gpu.function(TK_KERNEL)?;
-    gpu.allow_shared(&func, TK_KERNEL, SMEM_BYTES)?;
+    let func = gpu.function(name)?;
+    gpu.allow_shared(&func, name, SMEM_BYTES)?;
     let tiles = m.div_ceil(BLOCK_M) * n.div_ceil(BLOCK_N);
     let cfg = LaunchConfig {
         grid_dim: (tiles.min(gpu.props.multiprocessors) as u32, 1, 1),
@@ -157,8 +162,8 @@ pub fn launch_tk(
     let mut launch = stream.launch_builder(&func);
     launch.arg(&maps).arg(&mut y.buf).arg(&m32).arg(&n32).arg(&k32);
     // SAFETY: matches the kernel's signature; the maps describe `a` and `b` within the
-    // extents the caller checked; `y` is `(m, n)`; grid, block and shared memory follow
-    // kernel_abi::gemm_tma.
-    unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{TK_KERNEL}`"), e))?;
+    // extents the caller checked; `y` holds `m n` floats; grid, block and shared memory
+    // follow kernel_abi::gemm_tma.
+    unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{name}`"), e))?;
     Ok(())
 }
