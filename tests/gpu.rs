@@ -237,10 +237,9 @@ fn tf32_persistent_forward_matches_reference_rows() {
     }
 }
 
-/// The linear gradients on the TMA kernels, TF32 and 3xTF32: `dW = dZ^T X` (TF32: `dZ`
-/// as stored, through `gemm_tma_tf32_tk`; 3xTF32: both operands transposed; a batch of
-/// at least `MIN_K` rows) and `dX = dZ W` (TF32: `W` as stored, `gemm_tma_tf32_tk_t`;
-/// 3xTF32: W transposed, a batch of at least 1024 rows),
+/// The linear gradients on the TMA kernels, TF32 and 3xTF32: `dW = dZ^T X` (`dZ` as
+/// stored, through `gemm_tma_*_tk`; a batch of at least `MIN_K` rows) and `dX = dZ W`
+/// (`W` as stored, `gemm_tma_*_tk_t`; `n` of at least `MIN_K`),
 /// at ragged sizes (`m` % 32, `n` % 32, `k` % 32 != 0; an odd `k` too, so `dW` rows are
 /// not 8-byte aligned) — into NaN-poisoned `dW`s, against the f64 reference, each held
 /// to its precision's tolerance.
@@ -257,18 +256,10 @@ fn tf32_linear_gradients_match_reference() {
         let (x_dev, dz_dev, w_dev) = (gpu.upload(&x).unwrap(), gpu.upload(&dz).unwrap(), gpu.upload(&w).unwrap());
         let (want_dx, want_dw, _) = reference::linear::linear_backward(&x.to_f64(), &w.to_f64(), &dz.to_f64()).unwrap();
         for precision in [Precision::Tf32, Precision::Tf32x3] {
-            if precision == Precision::Tf32 {
-                // W and dZ read as stored: `A` through registers.
-                assert_eq!(kernel_name(precision, Layout::Tk, (n, m, m), 1), "gemm_tma_tf32_tk");
-                if k % 4 == 0 {
-                    assert_eq!(grad_input_kernel(precision, (m, n, k)), "gemm_tma_tf32_tk_t");
-                }
-            } else {
-                // dX is `Nt` after W's transpose (reducing over n), dW after dZ's and X's (over m).
-                assert_eq!(kernel_name(precision, Layout::Nt, (m, m, m), 1), "gemm_tma_tf32x3_nt");
-                if k % 4 == 0 {
-                    assert_eq!(grad_input_kernel(precision, (m, n, k)), "gemm_tma_tf32x3_nt");
-                }
+            // W and dZ read as stored: `A` through registers.
+            assert_eq!(kernel_name(precision, Layout::Tk, (n, m, m), 1), format!("gemm_tma_{precision}_tk"));
+            if k % 4 == 0 {
+                assert_eq!(grad_input_kernel(precision, (m, n, k)), format!("gemm_tma_{precision}_tk_t"));
             }
             let side = gpu.side_stream().clone();
             let mut dw = gpu.poisoned(&[n, k]).unwrap();

@@ -62,6 +62,8 @@ pub const LAUNCH_BOUNDS_TMA: &[(&str, u32, u32)] = &[
     ("gemm_tma_tf32x3_nt", gemm_tma::THREADS as u32, 1),
     ("gemm_tma_tf32_tk", gemm_tma::THREADS as u32, 1),
     ("gemm_tma_tf32_tk_t", gemm_tma::THREADS as u32, 1),
+    ("gemm_tma_tf32x3_tk", gemm_tma::THREADS as u32, 1),
+    ("gemm_tma_tf32x3_tk_t", gemm_tma::THREADS as u32, 1),
 ];
 
 /// The tile-wise chain backward (`kernels-gpu/src/epilogue/lanes.rs`): the blocks per

@@ -341,7 +341,7 @@ unsafe fn gemm_tma<const SPLIT: bool>(
 /// threads, `SMEM_BYTES` of dynamic shared memory, any grid; an sm_90a device.
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_tk(maps: *const u8, y: *mut f32, m: u32, n: u32, k: u32) {
-    unsafe { gemm_tma_tk::<false>(maps, y, m, n, k) }
+    unsafe { gemm_tma_tk::<false, false>(maps, y, m, n, k) }
 }
 
 /// [`gemm_tma_tf32_tk`] storing `y^T (n, m)`: the input gradient `dX = dZ W` as
@@ -354,21 +354,51 @@ pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_tk(maps: *const u8, y: *mut f32,
 /// As [`gemm_tma_tf32_tk`], `y` holding `n * m` floats.
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_tk_t(maps: *const u8, y: *mut f32, m: u32, n: u32, k: u32) {
-    unsafe { gemm_tma_tk::<true>(maps, y, m, n, k) }
+    unsafe { gemm_tma_tk::<false, true>(maps, y, m, n, k) }
 }
 
-/// The body of both (`TRANS`: store `y^T`).
+/// [`gemm_tma_tf32_tk`] in 3xTF32: `A`'s residual is computed in registers from the
+/// loaded fragments, `B`'s written by the consumers into the stage (as in
+/// [`gemm_tma_tf32x3_nt`], 16-deep stages: `A` in `16 k x 32 m` boxes, `B` with the
+/// 64-byte swizzle), three MMAs per `k`-step.
 ///
 /// # Safety
-/// See [`gemm_tma_tf32_tk`].
+/// As [`gemm_tma_tf32_tk`] with boxes `16 x 32` (`A`) and `16 x 256` (`B`, 64-byte
+/// swizzle) and `SPLIT_SMEM_BYTES` of shared memory.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn gemm_tma_tf32x3_tk(maps: *const u8, y: *mut f32, m: u32, n: u32, k: u32) {
+    unsafe { gemm_tma_tk::<true, false>(maps, y, m, n, k) }
+}
+
+/// [`gemm_tma_tf32x3_tk`] storing `y^T`, as [`gemm_tma_tf32_tk_t`].
+///
+/// # Safety
+/// As [`gemm_tma_tf32x3_tk`], `y` holding `n * m` floats.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn gemm_tma_tf32x3_tk_t(maps: *const u8, y: *mut f32, m: u32, n: u32, k: u32) {
+    unsafe { gemm_tma_tk::<true, true>(maps, y, m, n, k) }
+}
+
+/// The body of the four (`SPLIT`: 3xTF32; `TRANS`: store `y^T`).
+///
+/// # Safety
+/// See [`gemm_tma_tf32_tk`] and [`gemm_tma_tf32x3_tk`].
 #[inline(always)]
-unsafe fn gemm_tma_tk<const TRANS: bool>(maps: *const u8, y: *mut f32, m: u32, n: u32, k: u32) {
-    const SUB_BYTES: u32 = (32 * BLOCK_K * 4) as u32;
+unsafe fn gemm_tma_tk<const SPLIT: bool, const TRANS: bool>(maps: *const u8, y: *mut f32, m: u32, n: u32, k: u32) {
     let t = thread_idx_x();
     // SAFETY: the second of the two maps.
     let (map_a, map_b) = (maps, unsafe { maps.add(128) });
     let base = (shared_address(dynamic_shared::<f32>()) + 1023) & !1023;
-    let (stages, stage_bytes, a_bytes) = (STAGES as u32, STAGE_BYTES as u32, A_BYTES as u32);
+    // A stage: `A`'s four `block_k x 32` boxes, `B`; 3xTF32: then `B`'s residual at the
+    // same offset one `tile_bytes` on (the `A` residual's place stays unused).
+    let (stages, tile_bytes, block_k, a_bytes) = if SPLIT {
+        (SPLIT_STAGES, SPLIT_STAGE_BYTES, SPLIT_BLOCK_K, SPLIT_A_BYTES)
+    } else {
+        (STAGES, STAGE_BYTES, BLOCK_K, A_BYTES)
+    };
+    let (stages, tile_bytes, block_k, a_bytes) = (stages as u32, tile_bytes as u32, block_k as u32, a_bytes as u32);
+    let stage_bytes = if SPLIT { 2 * tile_bytes } else { tile_bytes };
+    let sub_bytes = 32 * block_k * 4;
     let stage_a = |s: u32| base + s * stage_bytes;
     let barriers = base + stages * stage_bytes;
     let full = |s: u32| barriers + 8 * s;
@@ -389,7 +419,7 @@ unsafe fn gemm_tma_tk<const TRANS: bool>(maps: *const u8, y: *mut f32, m: u32, n
     unsafe { sync_threads() };
 
     let (tiles_m, tiles_n) = (m.div_ceil(BLOCK_M as u32), n.div_ceil(BLOCK_N as u32));
-    let (total, k_tiles) = (tiles_m * tiles_n, k.div_ceil(BLOCK_K as u32));
+    let (total, k_tiles) = (tiles_m * tiles_n, k.div_ceil(block_k));
     let next = |s: u32, phase: u32| if s + 1 == stages { (0, phase ^ 1) } else { (s + 1, phase) };
 
     if t < 128 {
@@ -404,11 +434,11 @@ unsafe fn gemm_tma_tk<const TRANS: bool>(maps: *const u8, y: *mut f32, m: u32, n
                     // SAFETY: initialised barriers; each box lands inside its stage.
                     unsafe {
                         mbarrier_wait(empty(s), phase ^ 1);
-                        mbarrier_arrive_expect_tx(full(s), stage_bytes);
+                        mbarrier_arrive_expect_tx(full(s), tile_bytes);
                         for q in 0..4 {
-                            tma_load_2d(stage_a(s) + q * SUB_BYTES, map_a, row0 + 32 * q, kt * BLOCK_K as u32, full(s));
+                            tma_load_2d(stage_a(s) + q * sub_bytes, map_a, row0 + 32 * q, kt * block_k, full(s));
                         }
-                        tma_load_2d(stage_a(s) + a_bytes, map_b, kt * BLOCK_K as u32, col0, full(s));
+                        tma_load_2d(stage_a(s) + a_bytes, map_b, kt * block_k, col0, full(s));
                     }
                     (s, phase) = next(s, phase);
                 }
@@ -428,7 +458,7 @@ unsafe fn gemm_tma_tk<const TRANS: bool>(maps: *const u8, y: *mut f32, m: u32, n
     // The thread's first output row in the tile, and its fragment loads' offsets in a
     // stage for `k` = `tig` and `tig + 4` of the first `k`-step (step `i` adds 8 rows).
     let pair = 32 * sub + 4 * chunk + 2 * p;
-    let at = |kk: u32| sub * SUB_BYTES + kk * 128 + ((chunk ^ kk) * 16) + 8 * p;
+    let at = |kk: u32| sub * sub_bytes + kk * 128 + ((chunk ^ kk) * 16) + 8 * p;
     let (lo, hi) = (at(tig), at(tig + 4));
     let (mut s, mut phase) = (0u32, 0u32);
     let mut tile = block_idx_x();
@@ -440,11 +470,25 @@ unsafe fn gemm_tma_tk<const TRANS: bool>(maps: *const u8, y: *mut f32, m: u32, n
             let sa = stage_a(s);
             // SAFETY: the stage is complete once its phase is; all 128 threads of the
             // warpgroup wait and issue the MMAs.
-            unsafe {
-                mbarrier_wait(full(s), phase);
-                // The previous k-tile's MMAs (reading its fragment registers and stage).
-                wgmma_wait_all(&mut acc);
+            unsafe { mbarrier_wait(full(s), phase) };
+            if SPLIT {
+                // `B`'s residual (its 1024 16-byte chunks, 4 per consumer thread) while
+                // the previous k-tile's MMAs run; visible to the tensor cores, then to
+                // both warpgroups.
+                // SAFETY: inside the stage's `B` and residual tiles; both warpgroups.
+                unsafe {
+                    let mut v = [[0u32; 4]; 4];
+                    unroll!(i in 0..4 => { v[i] = ld_shared_v4(sa + a_bytes + (c + 256 * i as u32) * 16); });
+                    unroll!(i in 0..4 => {
+                        st_shared_v4(sa + tile_bytes + a_bytes + (c + 256 * i as u32) * 16, v[i].map(tf32_residual));
+                    });
+                    fence_proxy_async_shared();
+                    named_barrier(1, CONSUMER_THREADS as u32);
+                }
             }
+            // SAFETY: the whole warpgroup. The previous k-tile's MMAs (reading its
+            // fragment registers and stage) are finished before the next loads.
+            unsafe { wgmma_wait_all(&mut acc) };
             if let Some(prev) = held
                 && lane == 0
             {
@@ -453,14 +497,24 @@ unsafe fn gemm_tma_tk<const TRANS: bool>(maps: *const u8, y: *mut f32, m: u32, n
             }
             let mut af = [[0u32; 4]; 4];
             unroll!(i in 0..4 => {
-                let step = sa + 1024 * i as u32;
-                // SAFETY: inside the stage's `A` boxes, landed (the phase completed).
-                let (l, h) = unsafe { (ld_shared_v2(step + lo), ld_shared_v2(step + hi)) };
-                af[i] = [l[0], l[1], h[0], h[1]];
+                if (i as u32) < block_k / 8 {
+                    let step = sa + 1024 * i as u32;
+                    // SAFETY: inside the stage's `A` boxes, landed (the phase completed).
+                    let (l, h) = unsafe { (ld_shared_v2(step + lo), ld_shared_v2(step + hi)) };
+                    af[i] = [l[0], l[1], h[0], h[1]];
+                }
             });
-            let db = descriptor(sa + a_bytes);
-            // SAFETY: a complete `B` tile; the whole warpgroup.
-            unsafe { wgmma_n256_rs_k_tile(&mut acc, af, [db, db + 2, db + 4, db + 6]) };
+            // SAFETY: complete `B` (and residual) tiles; the whole warpgroup.
+            unsafe {
+                if SPLIT {
+                    let (db, dbl) = (descriptor_64b(sa + a_bytes), descriptor_64b(sa + tile_bytes + a_bytes));
+                    let a = [af[0], af[1]];
+                    wgmma_n256_rs_split_k_tile(&mut acc, a, a.map(|f| f.map(tf32_residual)), [db, db + 2], [dbl, dbl + 2]);
+                } else {
+                    let db = descriptor(sa + a_bytes);
+                    wgmma_n256_rs_k_tile(&mut acc, af, [db, db + 2, db + 4, db + 6]);
+                }
+            }
             held = Some(s);
             (s, phase) = next(s, phase);
         }
@@ -757,6 +811,40 @@ unsafe fn wgmma_n256_rs_k_tile(acc: &mut [u32; 128], a: [[u32; 4]; 4], db: [u64;
             a20 = in(reg32) a[2][0], a21 = in(reg32) a[2][1], a22 = in(reg32) a[2][2], a23 = in(reg32) a[2][3],
             a30 = in(reg32) a[3][0], a31 = in(reg32) a[3][1], a32 = in(reg32) a[3][2], a33 = in(reg32) a[3][3],
             b0 = in(reg64) db[0], b1 = in(reg64) db[1], b2 = in(reg64) db[2], b3 = in(reg64) db[3],
+        )
+    }
+}
+
+/// One 16-deep stage of the 3xTF32 split with `A` from registers: per `k`-step `i`,
+/// `acc += A_lo B + A B_lo + A B` (`a[i]`, `a_lo[i]`; descriptors `db[i]`, `dbl[i]`):
+/// issued and committed, not waited for.
+///
+/// # Safety
+/// As [`wgmma_n256_rs_k_tile`]; the residual tile is complete and fenced.
+#[inline(always)]
+unsafe fn wgmma_n256_rs_split_k_tile(acc: &mut [u32; 128], a: [[u32; 4]; 2], a_lo: [[u32; 4]; 2], db: [u64; 2], dbl: [u64; 2]) {
+    macro_rules! mma {
+        ($a:literal, $b:literal) => {
+            concat!(
+                "wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32 ", acc128!(),
+                ", {{{", $a, "0}, {", $a, "1}, {", $a, "2}, {", $a, "3}}}, {", $b, "}, p, 1, 1;"
+            )
+        };
+    }
+    unsafe {
+        wgmma_asm_n256!(acc; [
+            "{{ .reg .pred p; setp.ne.b32 p, {one}, 0;",
+            "wgmma.fence.sync.aligned;",
+            mma!("l0", "b0"), mma!("h0", "c0"), mma!("h0", "b0"),
+            mma!("l1", "b1"), mma!("h1", "c1"), mma!("h1", "b1"),
+            "wgmma.commit_group.sync.aligned; }}",
+        ];
+            one = in(reg32) 1u32,
+            h00 = in(reg32) a[0][0], h01 = in(reg32) a[0][1], h02 = in(reg32) a[0][2], h03 = in(reg32) a[0][3],
+            h10 = in(reg32) a[1][0], h11 = in(reg32) a[1][1], h12 = in(reg32) a[1][2], h13 = in(reg32) a[1][3],
+            l00 = in(reg32) a_lo[0][0], l01 = in(reg32) a_lo[0][1], l02 = in(reg32) a_lo[0][2], l03 = in(reg32) a_lo[0][3],
+            l10 = in(reg32) a_lo[1][0], l11 = in(reg32) a_lo[1][1], l12 = in(reg32) a_lo[1][2], l13 = in(reg32) a_lo[1][3],
+            b0 = in(reg64) db[0], b1 = in(reg64) db[1], c0 = in(reg64) dbl[0], c1 = in(reg64) dbl[1],
         )
     }
 }

@@ -143,12 +143,11 @@ fn kernel(
     if tma && vec4 && tma_allowed() {
         return Kernel { name: super::tma::kernel(precision).into(), block_k: 0, smem_bytes: 0, tma: true };
     }
-    // TF32 `Tk` (`A` row-contiguous: `dW = dZ^T (X^T)^T` with `dZ` as stored, and
-    // `dX^T = W^T dZ^T` with `W` as stored): the TMA kernel with `A` through registers
-    // (3xTF32 would also need `A`'s residual there: not built).
-    let tma_tk = precision == Precision::Tf32 && layout == Layout::Tk && splits <= 1;
+    // `Tk` (`A` row-contiguous: `dW = dZ^T (X^T)^T` with `dZ` as stored, and
+    // `dX^T = W^T dZ^T` with `W` as stored): the TMA kernel with `A` through registers.
+    let tma_tk = precision.on_wgmma() && layout == Layout::Tk && splits <= 1;
     if tma_tk && k >= gemm_tma::MIN_K && vec4 && tma_allowed() {
-        let name = super::tma::tk_kernel(transpose_y);
+        let name = super::tma::tk_kernel(precision, transpose_y);
         return Kernel { name: name.into(), block_k: 0, smem_bytes: 0, tma: true };
     }
     if precision.on_wgmma() && vec4 && matches!(layout, Layout::Nt | Layout::Tk) {
@@ -175,14 +174,6 @@ fn kernel(
     Kernel { name: format!("{}_{layout}_{vec}", precision.prefix()), block_k, smem_bytes, tma: false }
 }
 
-/// Whether an `Nt` GEMM of depth `k` whose operands are both `k`-contiguous with pitch
-/// `k` (the backward's operands once transposed) runs on the TMA kernel: the backward
-/// transposes its operands only for that kernel (see [`kernel`]; `HOST_GEMM_NO_TMA`
-/// turns both off together).
-fn transposed_on_tma(precision: Precision, k: usize) -> bool {
-    kernel(precision, Layout::Nt, (k, k, k), 1, false).tma
-}
-
 /// Name of the kernel for a precision, layout, leading dimensions, depth `k` and split-K
 /// count (see [`kernel`]).
 pub fn kernel_name(
@@ -196,14 +187,9 @@ pub fn kernel_name(
 
 /// The kernel `dX (m, k) = dZ (m, n) W (n, k)` runs on (the GEMM of [`grad_input`]; the
 /// GPU tests check the path they mean to cover).
-pub fn grad_input_kernel(precision: Precision, (m, n, k): (usize, usize, usize)) -> String {
-    let tk = kernel(precision, Layout::Tk, (k, n, n), 1, true);
-    if !tk.tma && m >= DX_TRANSPOSE_MIN_ROWS && transposed_on_tma(precision, n) && backward_on_wgmma(precision, &[n, k])
-    {
-        return kernel(precision, Layout::Nt, (n, n, n), 1, false).name;
-    }
+pub fn grad_input_kernel(precision: Precision, (_, n, k): (usize, usize, usize)) -> String {
     if backward_on_wgmma(precision, &[n, k]) {
-        tk.name
+        kernel(precision, Layout::Tk, (k, n, n), 1, true).name
     } else {
         kernel(precision, Layout::Nn, (n, k, n), 1, false).name
     }
@@ -290,7 +276,8 @@ impl<'a> Gemm<'a> {
                 return Err(Error::Unsupported("the TMA `Tk` GEMM takes no bias, chain or saved output".into()));
             }
             let operands = (self.a, self.b);
-            return super::tma::launch_tk(gpu, stream, operands, (m, n, k), (self.lda, self.ldb), self.transpose_y, y);
+            let (precision, pitches) = (self.precision, (self.lda, self.ldb));
+            return super::tma::launch_tk(gpu, stream, precision, operands, (m, n, k), pitches, self.transpose_y, y);
         }
         if tma {
             let pitches = (self.lda, self.ldb);
@@ -383,13 +370,6 @@ fn backward_on_wgmma(precision: Precision, dims: &[usize]) -> bool {
     precision.on_wgmma() && dims.iter().all(|d| d.is_multiple_of(4))
 }
 
-/// The smallest batch whose TF32 or 3xTF32 `dX` transposes W to run on the TMA kernel. The
-/// transpose (8 bytes of traffic per weight) against the GEMM's `2 m` FLOP per weight
-/// costs about `543 / m` of the GEMM (at 2.8 TB/s and 380 TFLOP/s): half at 1024, yet
-/// still faster than `gemm_wg`'s `dx` there (A/B on the H100, twice: M1/M3/M5 dX+dW
-/// 0.964-0.989 ms against 1.014-1.024). Below 1024 (unmeasured) `gemm_wg` reads W as is.
-const DX_TRANSPOSE_MIN_ROWS: usize = 1024;
-
 /// `dX (m, k) = dZ (m, n) W (n, k)`.
 pub fn grad_input(gpu: &Gpu, precision: Precision, dz: &DeviceTensor, w: &DeviceTensor) -> Result<DeviceTensor> {
     let (&[m, n], &[wn, k]) = (&dz.shape[..], &w.shape[..]) else {
@@ -399,22 +379,10 @@ pub fn grad_input(gpu: &Gpu, precision: Precision, dz: &DeviceTensor, w: &Device
         return Err(Error::Shape(format!("dX = dZ W: dZ {:?}, W {:?}", dz.shape, w.shape)));
     }
     let mut dx = gpu.alloc(&[m, k])?;
-    let tk_on_tma = kernel(precision, Layout::Tk, (k, n, n), 1, true).tma;
-    if !tk_on_tma
-        && m >= DX_TRANSPOSE_MIN_ROWS
-        && transposed_on_tma(precision, n)
-        && backward_on_wgmma(precision, &[n, k])
-    {
-        // dX = dZ (W^T)^T, the forward's `Nt` on the TMA kernel (`wgmma` reads TF32
-        // only `k`-major, and W is `k`-contiguous in the wrong index). W^T is a copy of
-        // W's n k floats: ~543 / m of the GEMM's time (DX_TRANSPOSE_MIN_ROWS).
-        let wt = super::super::elementwise::transpose_on(gpu, gpu.stream(), w)?;
-        Gemm::plain(precision, Layout::Nt, (&dz.buf, &wt.buf), (m, k, n), (n, n)).launch(gpu, &mut dx, None)?;
-        return Ok(dx);
-    }
     let gemm = if backward_on_wgmma(precision, &[n, k]) {
-        // dX^T (k, m) = W^T dZ^T: `A` = W read row-contiguously, `B` = dZ, stored
-        // transposed (TF32 with `n` >= `MIN_K`: the TMA kernel, else `gemm_wg`'s `dx`).
+        // dX^T (k, m) = W^T dZ^T: `A` = W read as stored (row-contiguous), `B` = dZ,
+        // stored transposed (`n` >= `MIN_K`: the TMA kernel, `A` through registers;
+        // else `gemm_wg`'s `dx`). No transpose of W, which cost up to half the GEMM.
         Gemm { transpose_y: true, ..Gemm::plain(precision, Layout::Tk, (&w.buf, &dz.buf), (k, m, n), (k, n)) }
     } else {
         Gemm::plain(precision, Layout::Nn, (&dz.buf, &w.buf), (m, k, n), (n, k))
@@ -426,8 +394,8 @@ pub fn grad_input(gpu: &Gpu, precision: Precision, dz: &DeviceTensor, w: &Device
 /// `dW (n, k) = dZ (m, n)^T X (m, k)`, queued on `stream` after all the GPU's stream
 /// holds so far (its output is allocated there first). The caller orders the GPU's
 /// stream after `stream` before using or freeing anything it reads — including the
-/// scratch tensors returned beside `dW` (`X^T`, and `dZ^T` in TF32, for the
-/// tensor-core path), which it must keep until then.
+/// scratch tensor returned beside `dW` (`X^T`, for the tensor-core path), which it must
+/// keep until then.
 pub fn grad_weight(
     gpu: &Gpu,
     precision: Precision,
@@ -465,18 +433,8 @@ pub fn grad_weight_into(
     if backward_on_wgmma(precision, &[m, n]) {
         // `B` = X^T (k, m), `k`-contiguous in the batch.
         let xt = super::super::elementwise::transpose_on(gpu, stream, x)?;
-        if precision != Precision::Tf32 && transposed_on_tma(precision, m) {
-            // `A` = dZ^T too, so both operands are batch-contiguous and the GEMM is the
-            // forward's `Nt` (the TMA kernel: `wgmma` reads TF32 only `k`-major). The
-            // transpose is a copy of dZ (32 MB for M1, ~0.03 ms); `gemm_wg`'s `dw`
-            // transposes dZ inside, at a lower rate.
-            let dzt = super::super::elementwise::transpose_on(gpu, stream, dz)?;
-            Gemm::plain(precision, Layout::Nt, (&dzt.buf, &xt.buf), (n, k, m), (m, m))
-                .launch_on(gpu, stream, dw, None)?;
-            return Ok(vec![xt, dzt]);
-        }
-        // `A` = dZ read row-contiguously (TF32 with `k` >= `MIN_K`: the TMA kernel, `A`
-        // through registers; else `gemm_wg`'s `dw`).
+        // `A` = dZ read as stored (a batch of `MIN_K`+ rows: the TMA kernel, `A` through
+        // registers; else `gemm_wg`'s `dw`), so dZ is never transposed (M2: 512 MB).
         Gemm::plain(precision, Layout::Tk, (&dz.buf, &xt.buf), (n, k, m), (n, m)).launch_on(gpu, stream, dw, None)?;
         return Ok(vec![xt]);
     }

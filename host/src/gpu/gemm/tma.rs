@@ -19,11 +19,16 @@ pub fn kernel(precision: Precision) -> &'static str {
     if precision == Precision::Tf32x3 { "gemm_tma_tf32x3_nt" } else { "gemm_tma_tf32_nt" }
 }
 
-/// The TF32 GEMM with `A` stored transposed (`Layout::Tk`: the weight gradient reading
-/// `dZ` as stored; with `transpose_y` the input gradient `dX^T = W^T dZ^T` reading `W`
-/// as stored); `simt::kernel` picks it as it picks [`kernel`].
-pub fn tk_kernel(transpose_y: bool) -> &'static str {
-    if transpose_y { "gemm_tma_tf32_tk_t" } else { "gemm_tma_tf32_tk" }
+/// The TF32 or 3xTF32 GEMM with `A` stored transposed (`Layout::Tk`: the weight
+/// gradient reading `dZ` as stored; with `transpose_y` the input gradient
+/// `dX^T = W^T dZ^T` reading `W` as stored); `simt::kernel` picks it as it picks [`kernel`].
+pub fn tk_kernel(precision: Precision, transpose_y: bool) -> &'static str {
+    match (precision == Precision::Tf32x3, transpose_y) {
+        (false, false) => "gemm_tma_tf32_tk",
+        (false, true) => "gemm_tma_tf32_tk_t",
+        (true, false) => "gemm_tma_tf32x3_tk",
+        (true, true) => "gemm_tma_tf32x3_tk_t",
+    }
 }
 
 /// A tensor map for the `(rows, k)` row-major `f32` matrix at `buf` (row pitch `pitch`
@@ -129,34 +134,39 @@ pub fn launch_forward(
     Ok(())
 }
 
-/// Queues `y (m, n) = A B^T` (or, with `transpose_y`, `y^T (n, m)`) in TF32 on
-/// [`tk_kernel`], `A` stored as `(k, m)` (`m`-contiguous, pitch `lda`) and `B` as
-/// `(n, k)` (pitch `ldb`). The caller has checked shapes, extents and pitches.
+/// Queues `y (m, n) = A B^T` (or, with `transpose_y`, `y^T (n, m)`) in `precision` (TF32
+/// or 3xTF32) on [`tk_kernel`], `A` stored as `(k, m)` (`m`-contiguous, pitch `lda`) and
+/// `B` as `(n, k)` (pitch `ldb`). The caller has checked shapes, extents and pitches.
+#[allow(clippy::too_many_arguments)]
 pub fn launch_tk(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
+    precision: Precision,
     (a, b): (&CudaSlice<f32>, &CudaSlice<f32>),
     (m, n, k): (usize, usize, usize),
     (lda, ldb): (usize, usize),
     transpose_y: bool,
     y: &mut DeviceTensor,
 ) -> Result<()> {
-    let name = tk_kernel(transpose_y);
+    let name = tk_kernel(precision, transpose_y);
+    let split = precision == Precision::Tf32x3;
+    let (block_k, smem_bytes) = if split { (SPLIT_BLOCK_K, SPLIT_SMEM_BYTES) } else { (BLOCK_K, SMEM_BYTES) };
     let swizzle = sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B;
-    // `A` in boxes of 32 `k` rows x 32 `m` (one 128-byte swizzle row), four per tile.
+    // `A` in boxes of one stage's `k` rows x 32 `m` (one 128-byte swizzle row), four
+    // per tile; `B` as in the forward.
     let maps = [
-        encode_map(stream, a, (k, m, lda), (BLOCK_K, 32), swizzle)?,
-        tensor_map(stream, b, (n, k, ldb), BLOCK_N, Precision::Tf32)?,
+        encode_map(stream, a, (k, m, lda), (block_k, 32), swizzle)?,
+        tensor_map(stream, b, (n, k, ldb), BLOCK_N, precision)?,
     ];
     let words: Vec<u64> = maps.iter().flat_map(|map| map.opaque).collect();
     let maps = stream.clone_htod(&words).map_err(|e| Error::cuda("uploading the TMA tensor maps", e))?;
     let func = gpu.function(name)?;
-    gpu.allow_shared(&func, name, SMEM_BYTES)?;
+    gpu.allow_shared(&func, name, smem_bytes)?;
     let tiles = m.div_ceil(BLOCK_M) * n.div_ceil(BLOCK_N);
     let cfg = LaunchConfig {
         grid_dim: (tiles.min(gpu.props.multiprocessors) as u32, 1, 1),
         block_dim: (THREADS as u32, 1, 1),
-        shared_mem_bytes: SMEM_BYTES as u32,
+        shared_mem_bytes: smem_bytes as u32,
     };
     let (m32, n32, k32) = (m as u32, n as u32, k as u32);
     let mut launch = stream.launch_builder(&func);
