@@ -56,7 +56,7 @@ pub const LAUNCH_BOUNDS_WG: &[(&str, u32, u32)] = &[
 /// The TMA-fed, warp-specialised `wgmma` GEMMs (`kernels-gpu/src/gemm/tma.rs`): one
 /// producer warpgroup and two consumer warpgroups holding 128 accumulators each, 1
 /// block per SM: 168 registers at entry, then `setmaxnreg` moves the producer's to the
-/// consumers (40 and 232 per thread).
+/// consumers (24 and 240 per thread).
 pub const LAUNCH_BOUNDS_TMA: &[(&str, u32, u32)] = &[
     ("gemm_tma_tf32_nt", gemm_tma::THREADS as u32, 1),
     ("gemm_tma_tf32x3_nt", gemm_tma::THREADS as u32, 1),

@@ -12,7 +12,7 @@
 
 use super::lanes::column_param;
 use super::pointwise::*;
-use crate::prelude::math::rsqrt;
+use crate::prelude::math::{fma, rsqrt};
 use crate::prelude::warp::shfl_xor;
 use crate::unroll;
 use kernel_abi::epilogue::*;
@@ -36,6 +36,20 @@ pub fn each_half_value(v: &mut HalfFragment, f: impl Fn(f32, usize, usize) -> f3
     });
 }
 
+/// [`each_half_value`] in two blocks of 8 chunks with a [`schedule_fence`] before each,
+/// so that a per-column parameter's 16 loads are not all in flight at once (which
+/// spilled).
+#[inline(always)]
+fn each_half_value_fenced(v: &mut HalfFragment, f: impl Fn(f32, usize, usize) -> f32) {
+    unroll!(b in 0..2 => {
+        schedule_fence();
+        unroll!(jj in 0..8 => {
+            let j = 8 * b + jj;
+            unroll!(e in 0..4 => { v[4 * j + e] = f(v[4 * j + e], j, e); });
+        });
+    });
+}
+
 /// Columns a thread's half fragment spans from its first: chunk 15's pair ends here.
 const HALF_SPAN: usize = 8 * 15 + 2;
 
@@ -49,29 +63,25 @@ fn half_inside(n: usize, col: usize) -> bool {
 }
 
 /// One op forward on a half fragment; `col` is the half's first column for this
-/// thread (see the module). (Its parameter loads keep their per-chunk bounds checks:
-/// without them ptxas issues more loads at once and the kernel spills.)
+/// thread (see the module). The per-column bias and multiply run in two versions:
+/// with the whole half inside `n` (all tiles but the last column's), 8-byte read-only
+/// loads and no checks; else a bounds check per chunk. (Nsight Compute, M2: the checked
+/// loads of the extra bias, 6 branch and address instructions per chunk, cost more
+/// than its Swish.) GroupNorm keeps the checks: unchecked, ptxas issues a block's
+/// `gamma` and `beta` loads at once and spills.
 #[inline(always)]
 pub fn fragment_forward(op: &OpDesc, v: &mut HalfFragment, n: usize, col: usize) {
     let p0 = op.param0 as *const f32;
-    let pair = |p: *const f32, j: usize| column_pair(p, n, col + 8 * j);
+    let inside = half_inside(n, col);
+    // SAFETY (unchecked): the half is inside `n`, every parameter's length.
+    let fast = |p: *const f32, j: usize| unsafe { load_pair_nc(p, col + 8 * j) };
+    let checked = |p: *const f32, j: usize| column_pair(p, n, col + 8 * j);
     match op.code {
-        OP_GROUP_NORM => {
-            let g = n / (op.count as usize).max(1);
-            // One instance per group size: the chunk indices stay compile-time constants.
-            match g {
-                4 => group_norm::<1, 1, 4>(op, v, g, pair),
-                8 => group_norm::<1, 2, 4>(op, v, g, pair),
-                16 => group_norm::<2, 2, 4>(op, v, g, pair),
-                32 => group_norm::<4, 2, 4>(op, v, g, pair),
-                64 => group_norm::<8, 2, 8>(op, v, g, pair),
-                128 => group_norm::<16, 2, 16>(op, v, g, pair),
-                // Not fusable: the host never sends it; stop rather than pass through.
-                _ => unfusable(),
-            }
-        }
-        OP_BIAS => each_half_value(v, |x, j, e| x + pair(p0, j)[e % 2]),
-        OP_MUL => each_half_value(v, |x, j, e| x * pair(p0, j)[e % 2]),
+        OP_GROUP_NORM => group_norm_sized(op, v, n, checked),
+        OP_BIAS if inside => each_half_value(v, |x, j, e| x + fast(p0, j)[e % 2]),
+        OP_BIAS => each_half_value(v, |x, j, e| x + checked(p0, j)[e % 2]),
+        OP_MUL if inside => each_half_value(v, |x, j, e| x * fast(p0, j)[e % 2]),
+        OP_MUL => each_half_value(v, |x, j, e| x * checked(p0, j)[e % 2]),
         OP_SCALE => each_half_value(v, |x, _, _| x * op.a),
         OP_SWISH => each_half_value(v, |x, _, _| swish(x)),
         OP_MISH => each_half_value(v, |x, _, _| mish(x)),
@@ -80,6 +90,41 @@ pub fn fragment_forward(op: &OpDesc, v: &mut HalfFragment, n: usize, col: usize)
         OP_HARDTANH => each_half_value(v, |x, _, _| hardtanh(x, op.a, op.b)),
         _ => unfusable(),
     }
+}
+
+/// GroupNorm on a half fragment, one instance per group size (the chunk indices stay
+/// compile-time constants); `pair(p, j)` loads chunk `j`'s two parameters.
+#[inline(always)]
+fn group_norm_sized(op: &OpDesc, v: &mut HalfFragment, n: usize, pair: impl Fn(*const f32, usize) -> [f32; 2]) {
+    let g = n / (op.count as usize).max(1);
+    match g {
+        4 => group_norm::<1, 1, 4>(op, v, g, pair),
+        8 => group_norm::<1, 2, 4>(op, v, g, pair),
+        16 => group_norm::<2, 2, 4>(op, v, g, pair),
+        32 => group_norm::<4, 2, 4>(op, v, g, pair),
+        64 => group_norm::<8, 2, 8>(op, v, g, pair),
+        128 => group_norm::<16, 2, 16>(op, v, g, pair),
+        // Not fusable: the host never sends it; stop rather than pass through.
+        _ => unfusable(),
+    }
+}
+
+/// `p[c]`, `p[c + 1]` (`c` even) in one 8-byte load through the read-only data path
+/// (the parameters' pointers come from the op table, so a plain load would be generic).
+///
+/// # Safety
+/// `c + 1` is below the length of `p`, a device allocation (8-byte aligned) that nothing
+/// writes while the kernel runs.
+#[inline(always)]
+unsafe fn load_pair_nc(p: *const f32, c: usize) -> [f32; 2] {
+    let (a, b): (u32, u32);
+    // SAFETY: as the caller promises.
+    unsafe {
+        core::arch::asm!("{{ .reg .b64 g; cvta.to.global.u64 g, {p}; ld.global.nc.v2.b32 {{{a}, {b}}}, [g]; }}",
+             p = in(reg64) p.add(c) as u64, a = out(reg32) a, b = out(reg32) b,
+             options(pure, readonly, nostack));
+    }
+    [f32::from_bits(a), f32::from_bits(b)]
 }
 
 /// `v += bias[column]` over the half fragment from `col` (the Linear layer's bias).
@@ -106,8 +151,9 @@ unsafe fn load_pair(p: *const f32, c: usize) -> [f32; 2] {
 #[inline(always)]
 fn column_pair(p: *const f32, n: usize, c: usize) -> [f32; 2] {
     if c + 2 <= n {
-        // SAFETY: c + 1 < n, the parameter's length.
-        unsafe { load_pair(p, c) }
+        // SAFETY: c + 1 < n, the parameter's length; nothing writes parameters while
+        // a kernel reads them.
+        unsafe { load_pair_nc(p, c) }
     } else {
         [column_param(p, n, c, 0), column_param(p, n, c, 1)]
     }
@@ -187,7 +233,7 @@ fn group_norm<const CPG: usize, const SHUFFLES: u32, const BJ: usize>(
                     unroll!(i in 0..2 => {
                         let mu = mean[i][jj - jj % CPG] * inv;
                         let (a, b) = (v[4 * j + 2 * i] - mu, v[4 * j + 2 * i + 1] - mu);
-                        q[i][jj] = a * a + b * b;
+                        q[i][jj] = fma(a, a, b * b);
                     });
                 }
             });
@@ -201,7 +247,7 @@ fn group_norm<const CPG: usize, const SHUFFLES: u32, const BJ: usize>(
                         let (mu, rstd) = (mean[i][lead] * inv, rsqrt(q[i][lead] * inv + op.a));
                         unroll!(e in 0..2 => {
                             let x = v[4 * j + 2 * i + e];
-                            v[4 * j + 2 * i + e] = (x - mu) * rstd * g2[e] + b2[e];
+                            v[4 * j + 2 * i + e] = fma((x - mu) * rstd, g2[e], b2[e]);
                         });
                     });
                 }

@@ -40,10 +40,14 @@ fn opaque(mut x: u32) -> u32 {
     x
 }
 
-/// Registers per thread of the producer and of the consumer warpgroups.
-const PRODUCER_REGISTERS: u32 = 40;
-const CONSUMER_REGISTERS: u32 = 232;
-const _: () = assert!(128 * PRODUCER_REGISTERS + CONSUMER_THREADS as u32 * CONSUMER_REGISTERS <= 65536);
+/// Registers per thread of the producer and of the consumer warpgroups. The block's
+/// registers are those it launched with (168 per thread, the launch bounds' cap):
+/// `setmaxnreg.inc` waits until the producer's `dec` has freed enough, so the two must
+/// fit in them, or the consumers wait forever (32 / 240 hung). The consumers' epilogue
+/// is at the cap: at 232 it spilled 8 bytes (a tile's row and column bases).
+const PRODUCER_REGISTERS: u32 = 24;
+const CONSUMER_REGISTERS: u32 = 240;
+const _: () = assert!(128 * PRODUCER_REGISTERS + CONSUMER_THREADS as u32 * CONSUMER_REGISTERS <= 168 * THREADS as u32);
 
 /// A `k`-contiguous, 128-byte-swizzled operand's `wgmma` descriptor (as in
 /// [`super::wgmma`]): start address, 1024 bytes between 8-row groups, swizzle mode 1.
