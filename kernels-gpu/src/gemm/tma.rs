@@ -1,5 +1,8 @@
-//! The persistent, warp-specialised TF32 forward `y = chain(x W^T + b)` on Hopper:
-//! `wgmma.m64n256k8` fed by TMA, for 16-byte aligned operands without split-K.
+//! The persistent, warp-specialised TF32 and 3xTF32 GEMMs on Hopper: `wgmma.m64n256k8`
+//! fed by TMA, for 16-byte aligned operands without split-K. The forward
+//! `y = chain(x W^T + b)` (`gemm_tma_*_nt`), and the backward's `dW` and `dX` with the
+//! row-contiguous operand (`dZ`, `W`) read as stored and passed through registers
+//! (`gemm_tma_*_tk`, `gemm_tma_*_tk_t`).
 //!
 //! Why another kernel beside [`super::wgmma`]: there, `128 x 128` tiles read 6 KB of
 //! shared memory per 131 kFLOP `wgmma` and every warp also issues `cp.async` copies and
