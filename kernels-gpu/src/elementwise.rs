@@ -27,38 +27,76 @@ pub unsafe extern "ptx-kernel" fn add_assign(a: *mut f32, b: *const f32, len: u3
 
 /// AvgPool1d(k) after a Linear layer is a Linear layer with averaged rows:
 /// `out[j, c] = mean_e in[j k + e, c]` for `j < rows / k` (`in` is `(rows, cols)`).
+/// One block per output row `j` (no per-element division: with 64-bit index
+/// arithmetic per element the unfold below took 0.29 ms for M4's 256 MB), columns in
+/// 16-byte steps when `cols` is a multiple of 4.
 ///
 /// # Safety
-/// `input` holds `rows * cols` floats, `out` `(rows / k) * cols`.
+/// `input` holds `rows * cols` floats, `out` `(rows / k) * cols`, both 16-byte aligned.
+/// Launch: grid `rows / k` blocks, any block size.
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn fold_rows_mean(input: *const f32, rows: u32, cols: u32, k: u32, out: *mut f32) {
-    let (cols, k) = (cols as usize, k as usize);
-    let i = global_index();
-    if i < (rows as usize / k) * cols {
-        let (j, c) = (i / cols, i % cols);
+    let (cols, k, j) = (cols as usize, k as usize, block_idx_x() as usize);
+    if j >= rows as usize / k {
+        return;
+    }
+    let (first, inv) = (j * k * cols, 1.0 / k as f32);
+    // SAFETY (each access): rows j k .. j k + k < rows, columns below cols.
+    each_column(cols, |c| {
+        let mut s = [0.0f32; 4];
+        for e in 0..k {
+            let v = unsafe { load_v4_nc(input.add(first + e * cols + c)) };
+            unroll!(q in 0..4 => { s[q] += v[q]; });
+        }
+        unsafe { store_v4(out.add(j * cols + c), s.map(|x| x * inv)) };
+    }, |c| {
         let mut s = 0.0;
         for e in 0..k {
-            // SAFETY: j * k + e < rows.
-            s += unsafe { *input.add((j * k + e) * cols + c) };
+            s += unsafe { *input.add(first + e * cols + c) };
         }
-        // SAFETY: i inside out.
-        unsafe { *out.add(i) = s / k as f32 };
-    }
+        unsafe { *out.add(j * cols + c) = s * inv };
+    });
 }
 
 /// The backward of [`fold_rows_mean`]: `out[r, c] = g[r / k, c] / k` for rows inside a
 /// pooling window, 0 for the trailing rows AvgPool drops (`out` is `(rows, cols)`).
+/// One block per output row, as [`fold_rows_mean`].
 ///
 /// # Safety
-/// `g` holds `(rows / k) * cols` floats, `out` `rows * cols`.
+/// `g` holds `(rows / k) * cols` floats, `out` `rows * cols`, both 16-byte aligned.
+/// Launch: grid `rows` blocks, any block size.
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn unfold_rows_mean_grad(g: *const f32, rows: u32, cols: u32, k: u32, out: *mut f32) {
-    let (rows, cols, k) = (rows as usize, cols as usize, k as usize);
-    let i = global_index();
-    if i < rows * cols {
-        let (r, c) = (i / cols, i % cols);
-        // SAFETY: r / k < rows / k when r < (rows / k) * k; i inside out.
-        unsafe { *out.add(i) = if r < (rows / k) * k { *g.add((r / k) * cols + c) / k as f32 } else { 0.0 } };
+    let (rows, cols, k, r) = (rows as usize, cols as usize, k as usize, block_idx_x() as usize);
+    if r >= rows {
+        return;
+    }
+    // Rows past the last whole window get 0 (scale 0, reading window 0).
+    let (src, scale) = if r < (rows / k) * k { (r / k, 1.0 / k as f32) } else { (0, 0.0) };
+    // SAFETY (each access): row src < rows / k of g, row r of out, columns below cols.
+    each_column(cols, |c| unsafe {
+        let v = load_v4_nc(g.add(src * cols + c));
+        store_v4(out.add(r * cols + c), v.map(|x| x * scale));
+    }, |c| unsafe { *out.add(r * cols + c) = *g.add(src * cols + c) * scale });
+}
+
+/// Runs `quad(c)` for `c` = 0, 4, 8, .. when `cols` is a multiple of 4, else `one(c)` for
+/// every column, the block's threads striding over them.
+#[inline(always)]
+fn each_column(cols: usize, quad: impl Fn(usize), one: impl Fn(usize)) {
+    let (t, step) = (thread_idx_x() as usize, block_dim_x() as usize);
+    if cols % 4 == 0 {
+        let mut c = 4 * t;
+        while c < cols {
+            quad(c);
+            c += 4 * step;
+        }
+    } else {
+        let mut c = t;
+        while c < cols {
+            one(c);
+            c += step;
+        }
     }
 }
 

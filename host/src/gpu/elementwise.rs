@@ -4,7 +4,7 @@
 
 use super::{DeviceTensor, Gpu, launched};
 use crate::error::{Error, Result};
-use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 
 /// `a += b` (same shape).
@@ -34,13 +34,24 @@ pub fn fold_rows_mean(gpu: &Gpu, input: &DeviceTensor, k: usize) -> Result<Devic
     let mut out = gpu.alloc(&shape)?;
     let (r, c, k32) = (rows as u32, cols as u32, k as u32);
     {
-        let (func, cfg) = gpu.kernel_1d("fold_rows_mean", (rows / k) * cols, 0)?;
+        let (func, cfg) = row_blocks(gpu, "fold_rows_mean", rows / k, cols)?;
         let mut l = gpu.stream().launch_builder(&func);
         l.arg(&input.buf).arg(&r).arg(&c).arg(&k32).arg(&mut out.buf);
         // SAFETY: (input, rows, cols, k, out) as the kernel takes; out holds (rows / k) * cols.
         launched("fold_rows_mean", unsafe { l.launch(cfg) })
     }?;
     Ok(out)
+}
+
+/// The launch of a one-block-per-row kernel over `rows` rows of `cols` columns: up to
+/// 256 threads, each taking 4 columns at a time.
+fn row_blocks(gpu: &Gpu, name: &str, rows: usize, cols: usize) -> Result<(CudaFunction, LaunchConfig)> {
+    if rows * cols > u32::MAX as usize || rows > i32::MAX as usize {
+        return Err(Error::Shape(format!("`{name}` over {rows} x {cols} exceeds its 32-bit launch")));
+    }
+    let threads = cols.div_ceil(4).next_multiple_of(32).clamp(32, 256) as u32;
+    let cfg = LaunchConfig { grid_dim: (rows.max(1) as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+    Ok((gpu.function(name)?, cfg))
 }
 
 /// The gradient of [`fold_rows_mean`]: `g (rows / k, cols)` spread back over `rows` rows.
@@ -54,7 +65,7 @@ pub fn unfold_rows_mean_grad(gpu: &Gpu, g: &DeviceTensor, rows: usize, k: usize)
     let mut out = gpu.alloc(&shape)?;
     let (r, c, k32) = (rows as u32, cols as u32, k as u32);
     {
-        let (func, cfg) = gpu.kernel_1d("unfold_rows_mean_grad", rows * cols, 0)?;
+        let (func, cfg) = row_blocks(gpu, "unfold_rows_mean_grad", rows, cols)?;
         let mut l = gpu.stream().launch_builder(&func);
         l.arg(&g.buf).arg(&r).arg(&c).arg(&k32).arg(&mut out.buf);
         // SAFETY: (g, rows, cols, k, out) as the kernel takes; out holds rows * cols.
