@@ -50,7 +50,11 @@ pub fn group_norm_forward<T: Real>(
     }
 
     let (gamma, beta) = (gamma.data(), beta.data());
-    let inv_n = T::ONE / T::from_count(n);
+    // Means divide by `n` (not multiply by a rounded `1 / n`): a group of equal values
+    // then has exactly that mean and `xhat` = 0, as the spec's math says (with the
+    // reciprocal, `xhat` was ~1e-14 and an analytically zero `dgamma` came out ~1e-13,
+    // which no relative comparison can match).
+    let count = T::from_count(n);
     let mut y = Tensor::full(&[batch, channels], T::ZERO)?;
     let mut stats =
         GroupNormStats { groups, mean: Vec::with_capacity(batch * groups), rstd: Vec::with_capacity(batch * groups) };
@@ -62,12 +66,12 @@ pub fn group_norm_forward<T: Real>(
             for &v in xs {
                 sum += v;
             }
-            let mean = sum * inv_n;
+            let mean = sum / count;
             let mut sum_sq = T::ZERO;
             for &v in xs {
                 sum_sq += (v - mean) * (v - mean);
             }
-            let var = sum_sq * inv_n;
+            let var = sum_sq / count;
             let rstd = T::ONE / (var + eps).sqrt();
             let ys = &mut y.data_mut()[b * channels..(b + 1) * channels];
             for c in channels_of_group {
@@ -101,7 +105,7 @@ pub fn group_norm_backward<T: Real>(
     }
 
     let gamma = gamma.data();
-    let inv_n = T::ONE / T::from_count(n);
+    let count = T::from_count(n);
     let mut dx = Tensor::full(&[batch, channels], T::ZERO)?;
     let mut dgamma = vec![T::ZERO; channels];
     let mut dbeta = vec![T::ZERO; channels];
@@ -120,7 +124,7 @@ pub fn group_norm_backward<T: Real>(
                 dgamma[c] += dys[c] * xhat;
                 dbeta[c] += dys[c];
             }
-            let (mean_g, mean_g_xhat) = (sum_g * inv_n, sum_g_xhat * inv_n);
+            let (mean_g, mean_g_xhat) = (sum_g / count, sum_g_xhat / count);
             let dxs = &mut dx.data_mut()[b * channels..(b + 1) * channels];
             for c in channels_of_group {
                 let xhat = (xs[c] - mean) * rstd;
