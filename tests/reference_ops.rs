@@ -225,6 +225,24 @@ fn group_norm_matches_naive_loops() {
     }
 }
 
+/// A group of equal values (as a Hardtanh clamp leaves it; here a chain constant's
+/// decimal, which no f64 sum of 130 copies holds exactly) normalises to exactly 0, and
+/// the gradient of `gamma` is exactly 0: an analytically zero result must not come out
+/// as rounding noise, which no relative comparison can judge.
+#[test]
+fn group_norm_of_a_constant_group_is_exactly_zero() {
+    use host::reference::group_norm::group_norm_backward;
+    let v = constant(-1.4249208);
+    let x = Tensor::new(&[1, 130], vec![v; 130]).unwrap();
+    let gamma = Tensor::new(&[130], (0..130).map(|i| 0.5 + i as f64 / 100.0).collect()).unwrap();
+    let beta = Tensor::new(&[130], vec![0.25; 130]).unwrap();
+    let (y, stats) = group_norm_forward(&x, 1, 1e-5, &gamma, &beta).unwrap();
+    assert!(y.data().iter().all(|&e| e == 0.25), "{:?}", &y.data()[..4]);
+    let dy = Tensor::new(&[1, 130], (0..130).map(|i| (i as f64).sin()).collect()).unwrap();
+    let (_, dgamma, _) = group_norm_backward(&x, &stats, &gamma, &dy).unwrap();
+    assert!(dgamma.data().iter().all(|&e| e == 0.0), "{:?}", &dgamma.data()[..4]);
+}
+
 #[test]
 fn group_norm_refuses_groups_that_do_not_divide() {
     let x = Tensor::full(&[2, 30], 1.0f64).unwrap();

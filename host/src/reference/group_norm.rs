@@ -50,10 +50,7 @@ pub fn group_norm_forward<T: Real>(
     }
 
     let (gamma, beta) = (gamma.data(), beta.data());
-    // Means divide by `n` (not multiply by a rounded `1 / n`): a group of equal values
-    // then has exactly that mean and `xhat` = 0, as the spec's math says (with the
-    // reciprocal, `xhat` was ~1e-14 and an analytically zero `dgamma` came out ~1e-13,
-    // which no relative comparison can match).
+    // Means divide by `n` rather than multiply by a rounded `1 / n` (one rounding less).
     let count = T::from_count(n);
     let mut y = Tensor::full(&[batch, channels], T::ZERO)?;
     let mut stats =
@@ -66,7 +63,17 @@ pub fn group_norm_forward<T: Real>(
             for &v in xs {
                 sum += v;
             }
+            // One correction pass (the corrected two-pass algorithm): the mean of the
+            // residuals `x - mean` (exact by Sterbenz where they are small) fixes the
+            // sum's rounding, so a group of equal values gets exactly that mean, `xhat`
+            // = 0 and an exactly zero `dgamma` (without it, ~1e-13 against the GPU's 0
+            // failed a relative comparison: an analytically zero result has no scale).
             let mean = sum / count;
+            let mut residual = T::ZERO;
+            for &v in xs {
+                residual += v - mean;
+            }
+            let mean = mean + residual / count;
             let mut sum_sq = T::ZERO;
             for &v in xs {
                 sum_sq += (v - mean) * (v - mean);
