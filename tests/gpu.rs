@@ -249,7 +249,8 @@ fn tf32_linear_gradients_match_reference() {
     use host::gpu::gemm::simt::{Layout, Precision, grad_input, grad_input_kernel, grad_weight_into, kernel_name};
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(29);
-    for (m, n, k) in [(4100, 1028, 260), (1028, 1100, 261)] {
+    // The last: a batch of 4 (dX's `B` nearly all zero-filled rows; dW on `gemm_wg`).
+    for (m, n, k) in [(4100, 1028, 260), (1028, 1100, 261), (4, 1028, 260)] {
         let x = random_input(m, k, &mut rng).unwrap();
         let dz = random_input(m, n, &mut rng).unwrap();
         let w = random_input(n, k, &mut rng).unwrap();
@@ -257,7 +258,9 @@ fn tf32_linear_gradients_match_reference() {
         let (want_dx, want_dw, _) = reference::linear::linear_backward(&x.to_f64(), &w.to_f64(), &dz.to_f64()).unwrap();
         for precision in [Precision::Tf32, Precision::Tf32x3] {
             // W and dZ read as stored: `A` through registers.
-            assert_eq!(kernel_name(precision, Layout::Tk, (n, m, m), 1), format!("gemm_tma_{precision}_tk"));
+            let dw_kernel =
+                if m >= 1024 { format!("gemm_tma_{precision}_tk") } else { format!("gemm_wg_{precision}_dw_vec4") };
+            assert_eq!(kernel_name(precision, Layout::Tk, (n, m, m), 1), dw_kernel);
             if k % 4 == 0 {
                 assert_eq!(grad_input_kernel(precision, (m, n, k)), format!("gemm_tma_{precision}_tk_t"));
             }
