@@ -77,6 +77,121 @@ fn tile_origin(tile: u32, tiles_m: u32, tiles_n: u32) -> (u32, u32) {
     ((first + local % height) * BLOCK_M as u32, (local / height) * BLOCK_N as u32)
 }
 
+/// The stages of a persistent TMA kernel, their "full" and "empty" barriers and the
+/// tile walk, shared by the `nt` and `tk` bodies. A stage holds the `A` and `B` tiles
+/// (`tile_bytes`, `A` first), then with 3xTF32 their residuals in the same layout.
+#[derive(Clone, Copy)]
+struct Pipeline {
+    base: u32,
+    stages: u32,
+    stage_bytes: u32,
+    tile_bytes: u32,
+    block_k: u32,
+    a_bytes: u32,
+    tiles_m: u32,
+    tiles_n: u32,
+    k_tiles: u32,
+}
+
+impl Pipeline {
+    /// The layout for `SPLIT` (3xTF32: four 16-deep stages with the 64-byte swizzle,
+    /// so that they fit beside their residuals) and a `(m, n, k)` GEMM. Thread 0 sets
+    /// up the barriers ("full": the producer's one arrival plus the stage's bytes;
+    /// "empty": one arrival per consumer warp) and prefetches both tensor maps; then
+    /// the block's only barrier.
+    ///
+    /// # Safety
+    /// Every thread of the block calls it once, first; `maps` holds two tensor maps;
+    /// the dynamic shared memory is `SMEM_BYTES` (`SPLIT_SMEM_BYTES` with `SPLIT`).
+    #[inline(always)]
+    unsafe fn new<const SPLIT: bool>(maps: *const u8, (m, n, k): (u32, u32, u32)) -> Pipeline {
+        // The hardware swizzle is a function of address bits 7-9: stages start
+        // 1024-byte aligned.
+        let base = (shared_address(dynamic_shared::<f32>()) + 1023) & !1023;
+        let (stages, tile_bytes, block_k, a_bytes) = if SPLIT {
+            (SPLIT_STAGES, SPLIT_STAGE_BYTES, SPLIT_BLOCK_K, SPLIT_A_BYTES)
+        } else {
+            (STAGES, STAGE_BYTES, BLOCK_K, A_BYTES)
+        };
+        let (stages, tile_bytes, block_k, a_bytes) = (stages as u32, tile_bytes as u32, block_k as u32, a_bytes as u32);
+        let stage_bytes = if SPLIT { 2 * tile_bytes } else { tile_bytes };
+        let (tiles_m, tiles_n) = (m.div_ceil(BLOCK_M as u32), n.div_ceil(BLOCK_N as u32));
+        let p = Pipeline { base, stages, stage_bytes, tile_bytes, block_k, a_bytes, tiles_m, tiles_n, k_tiles: k.div_ceil(block_k) };
+        if thread_idx_x() == 0 {
+            // SAFETY: fresh barriers inside the dynamic shared memory; valid tensor maps.
+            unsafe {
+                for s in 0..stages {
+                    mbarrier_init(p.full(s), 1);
+                    mbarrier_init(p.empty(s), (CONSUMER_THREADS / 32) as u32);
+                }
+                prefetch_tensor_map(maps);
+                prefetch_tensor_map(maps.add(128));
+            }
+            fence_barrier_init();
+        }
+        // SAFETY: uniform; the only block-wide barrier.
+        unsafe { sync_threads() };
+        p
+    }
+
+    /// Shared-memory address of stage `s`.
+    #[inline(always)]
+    fn stage(&self, s: u32) -> u32 {
+        self.base + s * self.stage_bytes
+    }
+
+    #[inline(always)]
+    fn full(&self, s: u32) -> u32 {
+        self.base + self.stages * self.stage_bytes + 8 * s
+    }
+
+    #[inline(always)]
+    fn empty(&self, s: u32) -> u32 {
+        self.full(self.stages + s)
+    }
+
+    /// The stage after `s` and its barriers' phase.
+    #[inline(always)]
+    fn next(&self, s: u32, phase: u32) -> (u32, u32) {
+        if s + 1 == self.stages { (0, phase ^ 1) } else { (s + 1, phase) }
+    }
+
+    fn tiles(&self) -> u32 {
+        self.tiles_m * self.tiles_n
+    }
+
+    /// The origin of tile `tile`.
+    #[inline(always)]
+    fn origin(&self, tile: u32) -> (u32, u32) {
+        tile_origin(tile, self.tiles_m, self.tiles_n)
+    }
+
+    /// The producer (one thread): walks the same tiles as the consumers and fills each
+    /// stage once the consumers have released it, `copy(stage, row0, col0, k0, full)`
+    /// issuing its TMA copies (`tile_bytes` in all).
+    ///
+    /// # Safety
+    /// One thread calls it, after [`Pipeline::new`]; `copy`'s boxes land inside the stage.
+    #[inline(always)]
+    unsafe fn produce(&self, copy: impl Fn(u32, u32, u32, u32, u32)) {
+        let (mut s, mut phase) = (0u32, 0u32);
+        let mut tile = block_idx_x();
+        while tile < self.tiles() {
+            let (row0, col0) = self.origin(tile);
+            for kt in 0..self.k_tiles {
+                // SAFETY: initialised barriers.
+                unsafe {
+                    mbarrier_wait(self.empty(s), phase ^ 1);
+                    mbarrier_arrive_expect_tx(self.full(s), self.tile_bytes);
+                }
+                copy(self.stage(s), row0, col0, kt * self.block_k, self.full(s));
+                (s, phase) = self.next(s, phase);
+            }
+            tile += grid_dim_x();
+        }
+    }
+}
+
 /// The forward `y (m, n) = chain(x W^T + bias)` in TF32, `A` = `x (m, k)` and
 /// `B` = `W (n, k)` described by the two TMA tensor maps at `maps` (128 bytes each:
 /// `A`'s with a `32 x 128` box, `B`'s with `32 x 256`, both with the 128-byte swizzle);
@@ -148,67 +263,23 @@ unsafe fn gemm_tma<const SPLIT: bool>(
     let t = thread_idx_x();
     // SAFETY: the second of the two maps.
     let (map_a, map_b) = (maps, unsafe { maps.add(128) });
-    let smem = dynamic_shared::<f32>();
-    // The hardware swizzle is a function of address bits 7-9: stages start 1024-byte aligned.
-    let start = shared_address(smem);
-    let base = (start + 1023) & !1023;
-    // A stage: the `A` and `B` tiles, then (3xTF32) their residuals in the same layout.
-    // (3xTF32: 16-deep stages with the 64-byte swizzle, so that four fit.)
-    let (stages, tile_bytes, block_k, a_bytes) = if SPLIT {
-        (SPLIT_STAGES, SPLIT_STAGE_BYTES, SPLIT_BLOCK_K, SPLIT_A_BYTES)
-    } else {
-        (STAGES, STAGE_BYTES, BLOCK_K, A_BYTES)
-    };
-    let (stages, tile_bytes, block_k, a_bytes) = (stages as u32, tile_bytes as u32, block_k as u32, a_bytes as u32);
-    let stage_bytes = if SPLIT { 2 * tile_bytes } else { tile_bytes };
-    let stage_a = |s: u32| base + s * stage_bytes;
-    let barriers = base + stages * stage_bytes;
-    let full = |s: u32| barriers + 8 * s;
-    let empty = |s: u32| barriers + 8 * (stages + s);
-    if t == 0 {
-        // SAFETY: fresh barriers; valid tensor maps.
-        unsafe {
-            for s in 0..stages {
-                // "Full": the producer's one arrival plus the stage's bytes. "Empty":
-                // one arrival per consumer warp.
-                mbarrier_init(full(s), 1);
-                mbarrier_init(empty(s), (CONSUMER_THREADS / 32) as u32);
-            }
-            prefetch_tensor_map(map_a);
-            prefetch_tensor_map(map_b);
-        }
-        fence_barrier_init();
-    }
-    // SAFETY: uniform; the only block-wide barrier.
-    unsafe { sync_threads() };
-
-    let (tiles_m, tiles_n) = (m.div_ceil(BLOCK_M as u32), n.div_ceil(BLOCK_N as u32));
-    let (total, k_tiles) = (tiles_m * tiles_n, k.div_ceil(block_k));
-    let next = |s: u32, phase: u32| if s + 1 == stages { (0, phase ^ 1) } else { (s + 1, phase) };
+    // SAFETY: every thread, first; the launch's shared memory.
+    let pipe = unsafe { Pipeline::new::<SPLIT>(maps, (m, n, k)) };
+    let Pipeline { tile_bytes, block_k, a_bytes, k_tiles, .. } = pipe;
 
     if t < 128 {
-        // The producer: one thread walks the same tiles as the consumers, filling each
-        // stage once the consumers have released it. Its warpgroup hands most of its
-        // registers to the consumers (`PRODUCER_REGISTERS`, `CONSUMER_REGISTERS`).
+        // The producer: one thread; its warpgroup hands most of its registers to the
+        // consumers (`PRODUCER_REGISTERS`, `CONSUMER_REGISTERS`).
         // SAFETY: the whole warpgroup.
         unsafe { set_max_registers::<false, PRODUCER_REGISTERS>() };
         if t == 0 {
-            let (mut s, mut phase) = (0u32, 0u32);
-            let mut tile = block_idx_x();
-            while tile < total {
-                let (row0, col0) = tile_origin(tile, tiles_m, tiles_n);
-                for kt in 0..k_tiles {
-                    // SAFETY: initialised barriers; each box lands inside its stage.
-                    unsafe {
-                        mbarrier_wait(empty(s), phase ^ 1);
-                        mbarrier_arrive_expect_tx(full(s), tile_bytes);
-                        tma_load_2d(stage_a(s), map_a, kt * block_k, row0, full(s));
-                        tma_load_2d(stage_a(s) + a_bytes, map_b, kt * block_k, col0, full(s));
-                    }
-                    (s, phase) = next(s, phase);
-                }
-                tile += grid_dim_x();
-            }
+            // SAFETY: `A`'s `BLOCK_M` rows and `B`'s `BLOCK_N` fill the stage's tiles.
+            unsafe {
+                pipe.produce(|stage, row0, col0, k0, full| {
+                    tma_load_2d(stage, map_a, k0, row0, full);
+                    tma_load_2d(stage + a_bytes, map_b, k0, col0, full);
+                })
+            };
         }
         return;
     }
@@ -222,12 +293,12 @@ unsafe fn gemm_tma<const SPLIT: bool>(
     let (gid, tig) = ((lane / 4) as usize, (lane % 4) as usize);
     let (mut s, mut phase) = (0u32, 0u32);
     let mut tile = block_idx_x();
-    while tile < total {
-        let (row0, col0) = tile_origin(tile, tiles_m, tiles_n);
+    while tile < pipe.tiles() {
+        let (row0, col0) = pipe.origin(tile);
         let mut acc = [0u32; 128];
         let mut held = None;
         for _ in 0..k_tiles {
-            let sa = stage_a(s);
+            let sa = pipe.stage(s);
             let describe = if SPLIT { descriptor_64b } else { descriptor };
             let da = describe(sa + wg * 64 * block_k * 4);
             let db = describe(sa + a_bytes);
@@ -235,7 +306,7 @@ unsafe fn gemm_tma<const SPLIT: bool>(
             // SAFETY: the stage is complete once its phase is; all 128 threads of the
             // warpgroup issue the MMAs.
             unsafe {
-                mbarrier_wait(full(s), phase);
+                mbarrier_wait(pipe.full(s), phase);
                 if SPLIT {
                     // The residuals of the stage's 1536 16-byte chunks, 6 per consumer
                     // thread, written at the same offsets one stage-half on (the swizzle
@@ -265,10 +336,10 @@ unsafe fn gemm_tma<const SPLIT: bool>(
                 && lane == 0
             {
                 // SAFETY: one arrival per consumer warp per phase.
-                unsafe { mbarrier_arrive(empty(prev)) };
+                unsafe { mbarrier_arrive(pipe.empty(prev)) };
             }
             held = Some(s);
-            (s, phase) = next(s, phase);
+            (s, phase) = pipe.next(s, phase);
         }
         // SAFETY: all threads of each warpgroup.
         unsafe { wgmma_wait_all(&mut acc) };
@@ -276,7 +347,7 @@ unsafe fn gemm_tma<const SPLIT: bool>(
             && lane == 0
         {
             // SAFETY: as above.
-            unsafe { mbarrier_arrive(empty(prev)) };
+            unsafe { mbarrier_arrive(pipe.empty(prev)) };
         }
         // The epilogue on the accumulators where they are (`epilogue::fragments`):
         // rows 16 warp + lane / 4 (+ 8) of the warpgroup's 64, columns 2 (lane % 4) + 8 j.
@@ -395,62 +466,26 @@ unsafe fn gemm_tma_tk<const SPLIT: bool, const TRANS: bool>(maps: *const u8, y: 
     let t = thread_idx_x();
     // SAFETY: the second of the two maps.
     let (map_a, map_b) = (maps, unsafe { maps.add(128) });
-    let base = (shared_address(dynamic_shared::<f32>()) + 1023) & !1023;
-    // A stage: `A`'s four `block_k x 32` boxes, `B`; 3xTF32: then `B`'s residual at the
-    // same offset one `tile_bytes` on (the `A` residual's place stays unused).
-    let (stages, tile_bytes, block_k, a_bytes) = if SPLIT {
-        (SPLIT_STAGES, SPLIT_STAGE_BYTES, SPLIT_BLOCK_K, SPLIT_A_BYTES)
-    } else {
-        (STAGES, STAGE_BYTES, BLOCK_K, A_BYTES)
-    };
-    let (stages, tile_bytes, block_k, a_bytes) = (stages as u32, tile_bytes as u32, block_k as u32, a_bytes as u32);
-    let stage_bytes = if SPLIT { 2 * tile_bytes } else { tile_bytes };
+    // SAFETY: every thread, first; the launch's shared memory. A stage: `A`'s four
+    // `block_k x 32` boxes, `B`; 3xTF32: then `B`'s residual at the same offset one
+    // `tile_bytes` on (the `A` residual's place stays unused).
+    let pipe = unsafe { Pipeline::new::<SPLIT>(maps, (m, n, k)) };
+    let Pipeline { tile_bytes, block_k, a_bytes, k_tiles, .. } = pipe;
     let sub_bytes = 32 * block_k * 4;
-    let stage_a = |s: u32| base + s * stage_bytes;
-    let barriers = base + stages * stage_bytes;
-    let full = |s: u32| barriers + 8 * s;
-    let empty = |s: u32| barriers + 8 * (stages + s);
-    if t == 0 {
-        // SAFETY: fresh barriers; valid tensor maps.
-        unsafe {
-            for s in 0..stages {
-                mbarrier_init(full(s), 1);
-                mbarrier_init(empty(s), (CONSUMER_THREADS / 32) as u32);
-            }
-            prefetch_tensor_map(map_a);
-            prefetch_tensor_map(map_b);
-        }
-        fence_barrier_init();
-    }
-    // SAFETY: uniform; the only block-wide barrier.
-    unsafe { sync_threads() };
-
-    let (tiles_m, tiles_n) = (m.div_ceil(BLOCK_M as u32), n.div_ceil(BLOCK_N as u32));
-    let (total, k_tiles) = (tiles_m * tiles_n, k.div_ceil(block_k));
-    let next = |s: u32, phase: u32| if s + 1 == stages { (0, phase ^ 1) } else { (s + 1, phase) };
 
     if t < 128 {
         // SAFETY: the whole warpgroup.
         unsafe { set_max_registers::<false, PRODUCER_REGISTERS>() };
         if t == 0 {
-            let (mut s, mut phase) = (0u32, 0u32);
-            let mut tile = block_idx_x();
-            while tile < total {
-                let (row0, col0) = tile_origin(tile, tiles_m, tiles_n);
-                for kt in 0..k_tiles {
-                    // SAFETY: initialised barriers; each box lands inside its stage.
-                    unsafe {
-                        mbarrier_wait(empty(s), phase ^ 1);
-                        mbarrier_arrive_expect_tx(full(s), tile_bytes);
-                        for q in 0..4 {
-                            tma_load_2d(stage_a(s) + q * sub_bytes, map_a, row0 + 32 * q, kt * block_k, full(s));
-                        }
-                        tma_load_2d(stage_a(s) + a_bytes, map_b, kt * block_k, col0, full(s));
+            // SAFETY: four `32`-row boxes of `A` and `B`'s `BLOCK_N` rows fill the stage's tiles.
+            unsafe {
+                pipe.produce(|stage, row0, col0, k0, full| {
+                    for q in 0..4 {
+                        tma_load_2d(stage + q * sub_bytes, map_a, row0 + 32 * q, k0, full);
                     }
-                    (s, phase) = next(s, phase);
-                }
-                tile += grid_dim_x();
-            }
+                    tma_load_2d(stage + a_bytes, map_b, k0, col0, full);
+                })
+            };
         }
         return;
     }
@@ -469,15 +504,15 @@ unsafe fn gemm_tma_tk<const SPLIT: bool, const TRANS: bool>(maps: *const u8, y: 
     let (lo, hi) = (at(tig), at(tig + 4));
     let (mut s, mut phase) = (0u32, 0u32);
     let mut tile = block_idx_x();
-    while tile < total {
-        let (row0, col0) = tile_origin(tile, tiles_m, tiles_n);
+    while tile < pipe.tiles() {
+        let (row0, col0) = pipe.origin(tile);
         let mut acc = [0u32; 128];
         let mut held = None;
         for _ in 0..k_tiles {
-            let sa = stage_a(s);
+            let sa = pipe.stage(s);
             // SAFETY: the stage is complete once its phase is; all 128 threads of the
             // warpgroup wait and issue the MMAs.
-            unsafe { mbarrier_wait(full(s), phase) };
+            unsafe { mbarrier_wait(pipe.full(s), phase) };
             if SPLIT {
                 // `B`'s residual (its 1024 16-byte chunks, 4 per consumer thread) while
                 // the previous k-tile's MMAs run; visible to the tensor cores, then to
@@ -500,7 +535,7 @@ unsafe fn gemm_tma_tk<const SPLIT: bool, const TRANS: bool>(maps: *const u8, y: 
                 && lane == 0
             {
                 // SAFETY: one arrival per consumer warp per phase.
-                unsafe { mbarrier_arrive(empty(prev)) };
+                unsafe { mbarrier_arrive(pipe.empty(prev)) };
             }
             let mut af = [[0u32; 4]; 4];
             unroll!(i in 0..4 => {
@@ -523,7 +558,7 @@ unsafe fn gemm_tma_tk<const SPLIT: bool, const TRANS: bool>(maps: *const u8, y: 
                 }
             }
             held = Some(s);
-            (s, phase) = next(s, phase);
+            (s, phase) = pipe.next(s, phase);
         }
         // SAFETY: all threads of each warpgroup.
         unsafe { wgmma_wait_all(&mut acc) };
@@ -531,7 +566,7 @@ unsafe fn gemm_tma_tk<const SPLIT: bool, const TRANS: bool>(maps: *const u8, y: 
             && lane == 0
         {
             // SAFETY: as above.
-            unsafe { mbarrier_arrive(empty(prev)) };
+            unsafe { mbarrier_arrive(pipe.empty(prev)) };
         }
         // Accumulator `4 j + e`: row `pair + e / 2` of the tile, column `8 j + 2 tig + e % 2`.
         let (r0, col) = ((row0 + pair) as usize, (col0 + 2 * tig) as usize);

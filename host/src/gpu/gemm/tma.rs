@@ -8,7 +8,7 @@ use super::simt::EpilogueArgs;
 use super::simt::Precision;
 use crate::error::{Error, Result};
 use cudarc::driver::sys::{self, CUtensorMap};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use kernel_abi::gemm_tma::{BLOCK_K, BLOCK_M, BLOCK_N, SMEM_BYTES, SPLIT_BLOCK_K, SPLIT_SMEM_BYTES, THREADS};
 use std::sync::Arc;
 
@@ -91,6 +91,38 @@ fn encode_map(
     Ok(map)
 }
 
+/// What every launch of the persistent kernels needs: the two tensor maps uploaded
+/// (freed in stream order after the kernel: cudarc frees asynchronously on `stream`),
+/// the function with its shared memory allowed, and `min(tiles, SMs)` blocks.
+struct Persistent {
+    maps: CudaSlice<u64>,
+    func: CudaFunction,
+    cfg: LaunchConfig,
+}
+
+/// [`Persistent`] for kernel `name` in `precision` over an `(m, n)` output.
+fn persistent(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    name: &str,
+    precision: Precision,
+    maps: [CUtensorMap; 2],
+    (m, n): (usize, usize),
+) -> Result<Persistent> {
+    let words: Vec<u64> = maps.iter().flat_map(|map| map.opaque).collect();
+    let maps = stream.clone_htod(&words).map_err(|e| Error::cuda("uploading the TMA tensor maps", e))?;
+    let smem_bytes = if precision == Precision::Tf32x3 { SPLIT_SMEM_BYTES } else { SMEM_BYTES };
+    let func = gpu.function(name)?;
+    gpu.allow_shared(&func, name, smem_bytes)?;
+    let tiles = m.div_ceil(BLOCK_M) * n.div_ceil(BLOCK_N);
+    let cfg = LaunchConfig {
+        grid_dim: (tiles.min(gpu.props.multiprocessors) as u32, 1, 1),
+        block_dim: (THREADS as u32, 1, 1),
+        shared_mem_bytes: smem_bytes as u32,
+    };
+    Ok(Persistent { maps, func, cfg })
+}
+
 /// Queues `y (m, n) = chain(x W^T + bias)` in `precision` (TF32 or 3xTF32) with `x (m, k)` in `a` and `W (n, k)` in `b`
 /// (both `k`-contiguous, row pitches `lda`, `ldb`). The caller has checked shapes and
 /// extents, and that the pitches are multiples of 4.
@@ -111,19 +143,8 @@ pub fn launch_forward(
         tensor_map(stream, a, (m, k, lda), BLOCK_M, precision)?,
         tensor_map(stream, b, (n, k, ldb), BLOCK_N, precision)?,
     ];
-    let words: Vec<u64> = maps.iter().flat_map(|map| map.opaque).collect();
-    // Freed in stream order after the kernel (cudarc frees asynchronously on `stream`).
-    let maps = stream.clone_htod(&words).map_err(|e| Error::cuda("uploading the TMA tensor maps", e))?;
     let name = kernel(precision);
-    let smem_bytes = if precision == Precision::Tf32x3 { SPLIT_SMEM_BYTES } else { SMEM_BYTES };
-    let func = gpu.function(name)?;
-    gpu.allow_shared(&func, name, smem_bytes)?;
-    let tiles = m.div_ceil(BLOCK_M) * n.div_ceil(BLOCK_N);
-    let cfg = LaunchConfig {
-        grid_dim: (tiles.min(gpu.props.multiprocessors) as u32, 1, 1),
-        block_dim: (THREADS as u32, 1, 1),
-        shared_mem_bytes: smem_bytes as u32,
-    };
+    let Persistent { maps, func, cfg } = persistent(gpu, stream, name, precision, maps, (m, n))?;
     let tail = EpilogueArgs::new(&[m, n, k], chain);
     let mut launch = stream.launch_builder(&func);
     launch.arg(&maps);
@@ -149,8 +170,7 @@ pub fn launch_tk(
     y: &mut DeviceTensor,
 ) -> Result<()> {
     let name = tk_kernel(precision, transpose_y);
-    let split = precision == Precision::Tf32x3;
-    let (block_k, smem_bytes) = if split { (SPLIT_BLOCK_K, SPLIT_SMEM_BYTES) } else { (BLOCK_K, SMEM_BYTES) };
+    let block_k = if precision == Precision::Tf32x3 { SPLIT_BLOCK_K } else { BLOCK_K };
     let swizzle = sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B;
     // `A` in boxes of one stage's `k` rows x 32 `m` (one 128-byte swizzle row), four
     // per tile; `B` as in the forward.
@@ -158,16 +178,7 @@ pub fn launch_tk(
         encode_map(stream, a, (k, m, lda), (block_k, 32), swizzle)?,
         tensor_map(stream, b, (n, k, ldb), BLOCK_N, precision)?,
     ];
-    let words: Vec<u64> = maps.iter().flat_map(|map| map.opaque).collect();
-    let maps = stream.clone_htod(&words).map_err(|e| Error::cuda("uploading the TMA tensor maps", e))?;
-    let func = gpu.function(name)?;
-    gpu.allow_shared(&func, name, smem_bytes)?;
-    let tiles = m.div_ceil(BLOCK_M) * n.div_ceil(BLOCK_N);
-    let cfg = LaunchConfig {
-        grid_dim: (tiles.min(gpu.props.multiprocessors) as u32, 1, 1),
-        block_dim: (THREADS as u32, 1, 1),
-        shared_mem_bytes: smem_bytes as u32,
-    };
+    let Persistent { maps, func, cfg } = persistent(gpu, stream, name, precision, maps, (m, n))?;
     let (m32, n32, k32) = (m as u32, n as u32, k as u32);
     let mut launch = stream.launch_builder(&func);
     launch.arg(&maps).arg(&mut y.buf).arg(&m32).arg(&n32).arg(&k32);
