@@ -1,7 +1,8 @@
 //! Small memory-bound kernels the backward and the tape need: gradient accumulation
 //! and the AvgPool fold of a Linear layer's weights (forward) and its transpose (backward).
 //!
-//! All are 1-D: one thread per output element, any grid that covers `len`.
+//! The elementwise ones are 1-D (one thread per output element, any grid that covers
+//! `len`); the fold, unfold and transposes take a block per row or tile, as each says.
 
 use crate::prelude::global::{load_v4_nc, store_v4};
 use crate::prelude::*;

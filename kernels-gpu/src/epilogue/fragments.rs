@@ -36,20 +36,6 @@ pub fn each_half_value(v: &mut HalfFragment, f: impl Fn(f32, usize, usize) -> f3
     });
 }
 
-/// [`each_half_value`] in two blocks of 8 chunks with a [`schedule_fence`] before each,
-/// so that a per-column parameter's 16 loads are not all in flight at once (which
-/// spilled).
-#[inline(always)]
-fn each_half_value_fenced(v: &mut HalfFragment, f: impl Fn(f32, usize, usize) -> f32) {
-    unroll!(b in 0..2 => {
-        schedule_fence();
-        unroll!(jj in 0..8 => {
-            let j = 8 * b + jj;
-            unroll!(e in 0..4 => { v[4 * j + e] = f(v[4 * j + e], j, e); });
-        });
-    });
-}
-
 /// Columns a thread's half fragment spans from its first: chunk 15's pair ends here.
 const HALF_SPAN: usize = 8 * 15 + 2;
 

@@ -27,6 +27,7 @@
 
 use crate::epilogue::fragments::{HalfFragment, add_column_bias, each_half_value, fragment_forward, store_half};
 use crate::prelude::async_copy::shared_address;
+use crate::prelude::global::store_v2;
 use crate::prelude::bulk_copy::*;
 use crate::prelude::tensor_core::{fence_proxy_async_shared, ld_shared_v2, ld_shared_v4, st_shared_v4, tf32_residual};
 use crate::prelude::*;
@@ -584,7 +585,7 @@ unsafe fn gemm_tma_tk<const SPLIT: bool, const TRANS: bool>(maps: *const u8, y: 
                         unsafe {
                             let at = y.add(cj * m + r0);
                             if m % 2 == 0 {
-                                store_v2(at, v);
+                                store_v2(at, v.map(f32::from_bits));
                             } else {
                                 *at = f32::from_bits(v[0]);
                                 if r0 + 1 < m {
@@ -610,7 +611,7 @@ unsafe fn gemm_tma_tk<const SPLIT: bool, const TRANS: bool>(maps: *const u8, y: 
                     unsafe {
                         if n % 2 == 0 {
                             if cj < n {
-                                store_v2(y.add(r * n + cj), v);
+                                store_v2(y.add(r * n + cj), v.map(f32::from_bits));
                             }
                         } else if cj < n {
                             *y.add(r * n + cj) = f32::from_bits(v[0]);
@@ -623,18 +624,6 @@ unsafe fn gemm_tma_tk<const SPLIT: bool, const TRANS: bool>(maps: *const u8, y: 
             }
         });
         tile += grid_dim_x();
-    }
-}
-
-/// `p[0..2] = v` (8 bytes).
-///
-/// # Safety
-/// `p` is 8-byte aligned and points at 2 writable floats of global memory.
-#[inline(always)]
-unsafe fn store_v2(p: *mut f32, v: [u32; 2]) {
-    unsafe {
-        core::arch::asm!("{{ .reg .b64 g; cvta.to.global.u64 g, {p}; st.global.v2.b32 [g], {{{a}, {b}}}; }}",
-             p = in(reg64) p as u64, a = in(reg32) v[0], b = in(reg32) v[1], options(nostack));
     }
 }
 

@@ -1,4 +1,4 @@
-//! 16-byte loads and stores of global memory as single instructions.
+//! 16-byte loads and 16- and 8-byte stores of global memory as single instructions.
 //!
 //! Written as `asm!` because LLVM took the plain vector accesses of the epilogue's
 //! two-path helpers (a row load: one 16-byte load when aligned, else four checked
@@ -38,5 +38,18 @@ pub unsafe fn store_v4(p: *mut f32, v: [f32; 4]) {
         asm!("{{ .reg .b64 g; cvta.to.global.u64 g, {p}; st.global.v4.b32 [g], {{{a}, {b}, {c}, {d}}}; }}",
              p = in(reg64) p as u64, a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2], d = in(reg32) v[3],
              options(nostack));
+    }
+}
+
+/// `p[0..2] = v`.
+///
+/// # Safety
+/// `p` is 8-byte aligned and points at 2 writable floats of global memory.
+#[inline(always)]
+pub unsafe fn store_v2(p: *mut f32, v: [f32; 2]) {
+    let v = v.map(f32::to_bits);
+    unsafe {
+        asm!("{{ .reg .b64 g; cvta.to.global.u64 g, {p}; st.global.v2.b32 [g], {{{a}, {b}}}; }}",
+             p = in(reg64) p as u64, a = in(reg32) v[0], b = in(reg32) v[1], options(nostack));
     }
 }
