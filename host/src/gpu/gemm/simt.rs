@@ -139,16 +139,17 @@ fn kernel(
     transpose_y: bool,
 ) -> Kernel {
     let vec4 = lda.is_multiple_of(4) && ldb.is_multiple_of(4);
-    let tma = precision.on_wgmma() && layout == Layout::Nt && splits <= 1 && k >= gemm_tma::MIN_K;
-    if tma && vec4 && tma_allowed() {
-        return Kernel { name: super::tma::kernel(precision).into(), block_k: 0, smem_bytes: 0, tma: true };
-    }
-    // `Tk` (`A` row-contiguous: `dW = dZ^T (X^T)^T` with `dZ` as stored, and
-    // `dX^T = W^T dZ^T` with `W` as stored): the TMA kernel with `A` through registers.
-    let tma_tk = precision.on_wgmma() && layout == Layout::Tk && splits <= 1;
-    if tma_tk && k >= gemm_tma::MIN_K && vec4 && tma_allowed() {
-        let name = super::tma::tk_kernel(precision, transpose_y);
-        return Kernel { name: name.into(), block_k: 0, smem_bytes: 0, tma: true };
+    if precision.on_wgmma() && splits <= 1 && k >= gemm_tma::MIN_K && vec4 && tma_allowed() {
+        // The TMA kernels: `Nt` (the forward), `Tk` (`A` row-contiguous: `dW` with `dZ`
+        // as stored, and `dX^T = W^T dZ^T` with `W` as stored; `A` through registers).
+        let name = match layout {
+            Layout::Nt => Some(super::tma::kernel(precision)),
+            Layout::Tk => Some(super::tma::tk_kernel(precision, transpose_y)),
+            Layout::Nn | Layout::Tn => None,
+        };
+        if let Some(name) = name {
+            return Kernel { name: name.into(), block_k: 0, smem_bytes: 0, tma: true };
+        }
     }
     if precision.on_wgmma() && vec4 && matches!(layout, Layout::Nt | Layout::Tk) {
         let what = match (layout, transpose_y) {
@@ -185,14 +186,11 @@ pub fn kernel_name(
     kernel(precision, layout, (lda, ldb, k), splits, false).name
 }
 
-/// The kernel `dX (m, k) = dZ (m, n) W (n, k)` runs on (the GEMM of [`grad_input`]; the
-/// GPU tests check the path they mean to cover).
-pub fn grad_input_kernel(precision: Precision, (_, n, k): (usize, usize, usize)) -> String {
-    if backward_on_wgmma(precision, &[n, k]) {
-        kernel(precision, Layout::Tk, (k, n, n), 1, true).name
-    } else {
-        kernel(precision, Layout::Nn, (n, k, n), 1, false).name
-    }
+/// The kernel [`grad_input`] runs `dX = dZ W` on for these operands (the GPU tests check
+/// the path they mean to cover).
+pub fn grad_input_kernel(precision: Precision, dz: &DeviceTensor, w: &DeviceTensor) -> Result<String> {
+    let (gemm, _) = grad_input_gemm(precision, dz, w)?;
+    Ok(kernel(gemm.precision, gemm.layout, (gemm.lda, gemm.ldb, gemm.k), gemm.splits, gemm.transpose_y).name)
 }
 
 /// One GEMM launch: `y (m, n) = chain(A B^T + bias)`, or `splits > 1` partial products
@@ -372,13 +370,24 @@ fn backward_on_wgmma(precision: Precision, dims: &[usize]) -> bool {
 
 /// `dX (m, k) = dZ (m, n) W (n, k)`.
 pub fn grad_input(gpu: &Gpu, precision: Precision, dz: &DeviceTensor, w: &DeviceTensor) -> Result<DeviceTensor> {
+    let (gemm, shape) = grad_input_gemm(precision, dz, w)?;
+    let mut dx = gpu.alloc(&shape)?;
+    gemm.launch(gpu, &mut dx, None)?;
+    Ok(dx)
+}
+
+/// The GEMM of [`grad_input`] and `dX`'s shape.
+fn grad_input_gemm<'a>(
+    precision: Precision,
+    dz: &'a DeviceTensor,
+    w: &'a DeviceTensor,
+) -> Result<(Gemm<'a>, [usize; 2])> {
     let (&[m, n], &[wn, k]) = (&dz.shape[..], &w.shape[..]) else {
         return Err(Error::Shape(format!("dX = dZ W: dZ {:?}, W {:?}", dz.shape, w.shape)));
     };
     if wn != n {
         return Err(Error::Shape(format!("dX = dZ W: dZ {:?}, W {:?}", dz.shape, w.shape)));
     }
-    let mut dx = gpu.alloc(&[m, k])?;
     let gemm = if backward_on_wgmma(precision, &[n, k]) {
         // dX^T (k, m) = W^T dZ^T: `A` = W read as stored (row-contiguous), `B` = dZ,
         // stored transposed (`n` >= `MIN_K`: the TMA kernel, `A` through registers;
@@ -387,8 +396,7 @@ pub fn grad_input(gpu: &Gpu, precision: Precision, dz: &DeviceTensor, w: &Device
     } else {
         Gemm::plain(precision, Layout::Nn, (&dz.buf, &w.buf), (m, k, n), (n, k))
     };
-    gemm.launch(gpu, &mut dx, None)?;
-    Ok(dx)
+    Ok((gemm, [m, k]))
 }
 
 /// `dW (n, k) = dZ (m, n)^T X (m, k)`, queued on `stream` after all the GPU's stream
