@@ -219,6 +219,8 @@ fn tf32_persistent_forward_matches_reference_rows() {
         ((2100, 4096, 2600), "groupnorm(325),swish,mul,swish", tf32, narrow, "gemm_tma_tf32_nt_narrow"),
         ((2100, 1036, 2600), "swish,bias,groupnorm(650)", tf32, narrow, "gemm_tma_tf32_nt_narrow"),
         ((1001, 1024, 2560), "groupnorm(20),mish,bias", tf32, narrow, "gemm_tma_tf32_nt_narrow"),
+        ((2100, 4096, 2600), "groupnorm(325),swish,mul,swish", tf32, Tiles::Pair, "gemm_tma_tf32_nt_pair"),
+        ((2100, 1036, 2600), "swish,bias,groupnorm(650)", tf32, Tiles::Pair, "gemm_tma_tf32_nt_pair"),
         // k past NARROW_MAX_K: the wide kernel whatever the choice.
         ((4100, 8192, 512), "gelu", tf32, narrow, "gemm_tma_tf32_nt"),
         ((2100, 4096, 2600), "groupnorm(325),swish,mul,swish", tf32x3, narrow, "gemm_tma_tf32x3_nt"),

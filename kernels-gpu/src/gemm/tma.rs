@@ -113,6 +113,9 @@ struct Pipeline {
     block_k: u32,
     a_bytes: u32,
     block_n: u32,
+    /// Blocks per cluster (row tiles walked together) and this block's rank in it.
+    cluster: u32,
+    rank: u32,
     tiles_m: u32,
     tiles_n: u32,
     k_tiles: u32,
@@ -126,7 +129,7 @@ impl Pipeline {
     /// As [`Pipeline::with`]; the dynamic shared memory is `SMEM_BYTES`
     /// (`SPLIT_SMEM_BYTES` with `SPLIT`).
     #[inline(always)]
-    unsafe fn new<const SPLIT: bool>(maps: *const u8, dims: (u32, u32, u32)) -> Pipeline {
+    unsafe fn new<const SPLIT: bool, const CLUSTER: u32>(maps: *const u8, dims: (u32, u32, u32)) -> Pipeline {
         let (stages, tile_bytes, block_k, a_bytes) = if SPLIT {
             (SPLIT_STAGES, SPLIT_STAGE_BYTES, SPLIT_BLOCK_K, SPLIT_A_BYTES)
         } else {
@@ -137,24 +140,27 @@ impl Pipeline {
         let (warps, block_n) = ((CONSUMER_THREADS / 32) as u32, BLOCK_N as u32);
         let (layout, depth) = ((stages, stage_bytes, tile_bytes), (block_k as u32, a_bytes as u32));
         // SAFETY: as the caller promises.
-        unsafe { Pipeline::with(maps, warps, dims, block_n, layout, depth) }
+        unsafe { Pipeline::with(maps, (warps, CLUSTER), dims, block_n, layout, depth) }
     }
 
     /// The layout of `stages` stages of `stage_bytes` (the copied tiles: `tile_bytes`,
     /// `A`'s `a_bytes` first, `block_k` deep) for `BLOCK_M x block_n` tiles of a
-    /// `(m, n, k)` GEMM whose consumers are `consumer_warps` warps. Thread 0 sets up the
-    /// barriers ("full": the producer's one arrival plus the stage's bytes; "empty": one
-    /// arrival per consumer warp — a count too high never completes, t39) and prefetches
-    /// both tensor maps; then the block's only barrier.
+    /// `(m, n, k)` GEMM whose consumers are `consumer_warps` warps, in clusters of
+    /// `cluster` blocks that walk consecutive row tiles of a column together (1: no
+    /// cluster). Thread 0 sets up the barriers ("full": the producer's one arrival plus
+    /// the stage's bytes; "empty": one arrival per consumer warp of every block in the
+    /// cluster, since each block's copies land in all of them — a count too high never
+    /// completes, t39) and prefetches both tensor maps; then the block's (cluster's)
+    /// only barrier.
     ///
     /// # Safety
     /// Every thread of the block calls it once, first; `maps` holds two tensor maps;
     /// the dynamic shared memory holds 1024 bytes of slack, the stages and `2 stages`
-    /// barriers.
+    /// barriers; the launch's clusters have `cluster` blocks.
     #[inline(always)]
     unsafe fn with(
         maps: *const u8,
-        consumer_warps: u32,
+        (consumer_warps, cluster): (u32, u32),
         (m, n, k): (u32, u32, u32),
         block_n: u32,
         (stages, stage_bytes, tile_bytes): (u32, u32, u32),
@@ -163,7 +169,9 @@ impl Pipeline {
         // The hardware swizzle is a function of address bits 7-9: stages start
         // 1024-byte aligned.
         let base = (shared_address(dynamic_shared::<f32>()) + 1023) & !1023;
-        let (tiles_m, tiles_n) = (m.div_ceil(BLOCK_M as u32), n.div_ceil(block_n));
+        // With clusters, `tiles_m` counts groups of `cluster` row tiles.
+        let (tiles_m, tiles_n) = (m.div_ceil(BLOCK_M as u32 * cluster), n.div_ceil(block_n));
+        let rank = if cluster > 1 { cluster_rank() } else { 0 };
         let p = Pipeline {
             base,
             stages,
@@ -172,6 +180,8 @@ impl Pipeline {
             block_k,
             a_bytes,
             block_n,
+            cluster,
+            rank,
             tiles_m,
             tiles_n,
             k_tiles: k.div_ceil(block_k),
@@ -181,15 +191,21 @@ impl Pipeline {
             unsafe {
                 for s in 0..stages {
                     mbarrier_init(p.full(s), 1);
-                    mbarrier_init(p.empty(s), consumer_warps);
+                    mbarrier_init(p.empty(s), consumer_warps * cluster);
                 }
                 prefetch_tensor_map(maps);
                 prefetch_tensor_map(maps.add(128));
             }
             fence_barrier_init();
         }
-        // SAFETY: uniform; the only block-wide barrier.
-        unsafe { sync_threads() };
+        // SAFETY: uniform; the only block-wide (cluster-wide) barrier before the end.
+        unsafe {
+            if cluster > 1 {
+                cluster_sync();
+            } else {
+                sync_threads();
+            }
+        }
         p
     }
 
@@ -215,14 +231,42 @@ impl Pipeline {
         if s + 1 == self.stages { (0, phase ^ 1) } else { (s + 1, phase) }
     }
 
+    /// The tiles (with clusters: groups of row tiles) the blocks (clusters) share out.
     fn tiles(&self) -> u32 {
         self.tiles_m * self.tiles_n
     }
 
-    /// The origin of tile `tile`.
+    /// This block's (cluster's) first tile and the step to its next.
+    #[inline(always)]
+    fn first_and_step(&self) -> (u32, u32) {
+        (block_idx_x() / self.cluster, grid_dim_x() / self.cluster)
+    }
+
+    /// The origin of this block's tile in tile (group) `tile`.
     #[inline(always)]
     fn origin(&self, tile: u32) -> (u32, u32) {
-        tile_origin(tile, (self.tiles_m, self.tiles_n), self.block_n)
+        let (row0, col0) = tile_origin(tile, (self.tiles_m, self.tiles_n), self.block_n);
+        (row0 * self.cluster + self.rank * BLOCK_M as u32, col0)
+    }
+
+    /// Frees stage `s` for the producers of every block whose copies land in it (this
+    /// block's alone without clusters): one arrival per consumer warp (its lane 0).
+    ///
+    /// # Safety
+    /// Once per consumer warp and phase; with clusters, every block exits only after a
+    /// final [`cluster_sync`].
+    #[inline(always)]
+    unsafe fn release(&self, s: u32) {
+        // SAFETY: as the caller promises.
+        unsafe {
+            if self.cluster > 1 {
+                for rank in 0..self.cluster {
+                    mbarrier_arrive_cluster(self.empty(s), rank);
+                }
+            } else {
+                mbarrier_arrive(self.empty(s));
+            }
+        }
     }
 
     /// The producer (one thread): walks the same tiles as the consumers and fills each
@@ -234,7 +278,7 @@ impl Pipeline {
     #[inline(always)]
     unsafe fn produce(&self, copy: impl Fn(u32, u32, u32, u32, u32)) {
         let (mut s, mut phase) = (0u32, 0u32);
-        let mut tile = block_idx_x();
+        let (mut tile, step) = self.first_and_step();
         while tile < self.tiles() {
             let (row0, col0) = self.origin(tile);
             for kt in 0..self.k_tiles {
@@ -246,7 +290,7 @@ impl Pipeline {
                 copy(self.stage(s), row0, col0, kt * self.block_k, self.full(s));
                 (s, phase) = self.next(s, phase);
             }
-            tile += grid_dim_x();
+            tile += step;
         }
     }
 }
@@ -273,7 +317,7 @@ pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_nt(
     ops: *const OpDesc,
     n_ops: u32,
 ) {
-    unsafe { gemm_tma::<false>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
+    unsafe { gemm_tma::<false, 1>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
 }
 
 /// [`gemm_tma_tf32_nt`] in 3xTF32 (FP32-level accuracy): each stage also holds the
@@ -299,16 +343,39 @@ pub unsafe extern "ptx-kernel" fn gemm_tma_tf32x3_nt(
     ops: *const OpDesc,
     n_ops: u32,
 ) {
-    unsafe { gemm_tma::<true>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
+    unsafe { gemm_tma::<true, 1>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
 }
 
-/// The body of both entry points (`SPLIT`: 3xTF32).
+/// [`gemm_tma_tf32_nt`] in clusters of two blocks on row tiles `2 p`, `2 p + 1` of one
+/// column, each copying half of their common `B` tile into both (TMA multicast): a
+/// third fewer L2 reads (an experiment, t41).
+///
+/// # Safety
+/// As [`gemm_tma_tf32_nt`] with `B`'s box `32 x 128`, clusters of 2 along x (the PTX's
+/// `.reqnctapercluster`) and a grid of whole clusters.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_nt_pair(
+    maps: *const u8,
+    bias: *const f32,
+    y: *mut f32,
+    save_z: *mut f32,
+    m: u32,
+    n: u32,
+    k: u32,
+    ops: *const OpDesc,
+    n_ops: u32,
+) {
+    unsafe { gemm_tma::<false, 2>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
+}
+
+/// The body of the entry points (`SPLIT`: 3xTF32; `CLUSTER`: blocks per cluster).
 ///
 /// # Safety
 /// See [`gemm_tma_tf32_nt`].
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_tma<const SPLIT: bool>(
+unsafe fn gemm_tma<const SPLIT: bool, const CLUSTER: u32>(
     maps: *const u8,
     bias: *const f32,
     y: *mut f32,
@@ -323,7 +390,7 @@ unsafe fn gemm_tma<const SPLIT: bool>(
     // SAFETY: the second of the two maps.
     let (map_a, map_b) = (maps, unsafe { maps.add(128) });
     // SAFETY: every thread, first; the launch's shared memory.
-    let pipe = unsafe { Pipeline::new::<SPLIT>(maps, (m, n, k)) };
+    let pipe = unsafe { Pipeline::new::<SPLIT, CLUSTER>(maps, (m, n, k)) };
     let Pipeline { tile_bytes, block_k, a_bytes, k_tiles, .. } = pipe;
 
     if t < 128 {
@@ -332,17 +399,41 @@ unsafe fn gemm_tma<const SPLIT: bool>(
         // SAFETY: the whole warpgroup.
         unsafe { set_max_registers::<false, PRODUCER_REGISTERS>() };
         if t == 0 {
+            // With clusters, each block copies `rows` of the column tile's `B` for all.
+            let rows = BLOCK_N as u32 / CLUSTER;
+            let (half, mask) = (pipe.rank * rows * block_k * 4, ((1u32 << CLUSTER) - 1) as u16);
             // SAFETY: `A`'s `BLOCK_M` rows and `B`'s `BLOCK_N` fill the stage's tiles.
             unsafe {
                 pipe.produce(|stage, row0, col0, k0, full| {
                     tma_load_2d(stage, map_a, k0, row0, full);
-                    tma_load_2d(stage + a_bytes, map_b, k0, col0, full);
+                    if CLUSTER > 1 {
+                        let b = stage + a_bytes + half;
+                        tma_load_2d_multicast(b, map_b, (k0, col0 + pipe.rank * rows), full, mask);
+                    } else {
+                        tma_load_2d(stage + a_bytes, map_b, k0, col0, full);
+                    }
                 })
             };
         }
-        return;
+    } else {
+        // SAFETY: the consumer warpgroups, after the setup.
+        unsafe { wide_consumers::<SPLIT>(pipe, Outputs { bias, y, save_z, ops, n_ops }, (m, n)) };
     }
+    if CLUSTER > 1 {
+        // SAFETY: every thread of the cluster, once: no block exits while another may
+        // still arrive on its "empty" barriers.
+        unsafe { cluster_sync() };
+    }
+}
 
+/// The consumer warpgroups of [`gemm_tma`].
+///
+/// # Safety
+/// Threads 128..384 of the kernel, after its pipeline's setup.
+#[inline(always)]
+unsafe fn wide_consumers<const SPLIT: bool>(pipe: Pipeline, out: Outputs, (m, n): (u32, u32)) {
+    let Pipeline { tile_bytes, block_k, a_bytes, k_tiles, .. } = pipe;
+    let t = thread_idx_x();
     // The consumers: warpgroup `wg` owns rows `64 wg..64 wg + 64` of each tile, its
     // 128 accumulators and the epilogue's values all in registers.
     // SAFETY: whole warpgroups.
@@ -351,7 +442,7 @@ unsafe fn gemm_tma<const SPLIT: bool>(
     let (wg, warp, lane) = (c / 128, (c / 32) % 4, c % 32);
     let (gid, tig) = ((lane / 4) as usize, (lane % 4) as usize);
     let (mut s, mut phase) = (0u32, 0u32);
-    let mut tile = block_idx_x();
+    let (mut tile, step) = pipe.first_and_step();
     while tile < pipe.tiles() {
         let (row0, col0) = pipe.origin(tile);
         let mut acc = [0u32; 128];
@@ -395,7 +486,7 @@ unsafe fn gemm_tma<const SPLIT: bool>(
                 && lane == 0
             {
                 // SAFETY: one arrival per consumer warp per phase.
-                unsafe { mbarrier_arrive(pipe.empty(prev)) };
+                unsafe { pipe.release(prev) };
             }
             held = Some(s);
             (s, phase) = pipe.next(s, phase);
@@ -406,7 +497,7 @@ unsafe fn gemm_tma<const SPLIT: bool>(
             && lane == 0
         {
             // SAFETY: as above.
-            unsafe { mbarrier_arrive(pipe.empty(prev)) };
+            unsafe { pipe.release(prev) };
         }
         // The epilogue on the accumulators where they are (`epilogue::fragments`):
         // rows 16 warp + lane / 4 (+ 8) of the warpgroup's 64, columns 2 (lane % 4) + 8 j;
@@ -418,8 +509,8 @@ unsafe fn gemm_tma<const SPLIT: bool>(
         each_half_value(&mut rest, |_, j, e| f32::from_bits(acc[64 + 4 * j + e]));
         let at = |h: u32| (row, opaque(col + 128 * h) as usize, opaque(m) as usize, opaque(n) as usize);
         // SAFETY: as this kernel's contract.
-        unsafe { fragment_epilogue(v, rest, at, Outputs { bias, y, save_z, ops, n_ops }) };
-        tile += grid_dim_x();
+        unsafe { fragment_epilogue(v, rest, at, out) };
+        tile += step;
     }
 }
 
@@ -431,11 +522,16 @@ unsafe fn gemm_tma<const SPLIT: bool>(
 /// tile, so a thread holds the same 128 accumulators as in the wide kernel, and each
 /// half's 64 are one [`HalfFragment`] of columns `col0..col0 + 128`: the same epilogue.
 /// The cost: `B` is read from shared memory twice per tile (t13: 160 B/clk at the
-/// TF32 peak against 128 available), three stages instead of four.
+/// TF32 peak against 128 available), three stages instead of four, and a third more
+/// L2 reads per FLOP — which the first version (t40) ran into: 1.16 ms on M2 against
+/// the wide kernel's 1.03. So blocks come in clusters of `NARROW_CLUSTER` on row tiles
+/// `2 p`, `2 p + 1` of one column, and each copies half of their common `B` tile into
+/// both (TMA multicast; cuBLAS's `128 x 128` TF32 kernel runs in clusters too).
 ///
 /// # Safety
-/// As [`gemm_tma_tf32_nt`], `B`'s map with a `32 x 128` box, `NARROW_THREADS` threads
-/// and `NARROW_SMEM_BYTES` of dynamic shared memory.
+/// As [`gemm_tma_tf32_nt`], `B`'s map with a `32 x (128 / NARROW_CLUSTER)` box,
+/// `NARROW_THREADS` threads, `NARROW_SMEM_BYTES` of dynamic shared memory, clusters of
+/// `NARROW_CLUSTER` blocks along x (the PTX's `.reqnctapercluster`), a grid of whole clusters.
 #[unsafe(no_mangle)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_nt_narrow(
@@ -453,31 +549,57 @@ pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_nt_narrow(
     // SAFETY: the second of the two maps.
     let (map_a, map_b) = (maps, unsafe { maps.add(128) });
     let (stages, stage_bytes) = (NARROW_STAGES as u32, NARROW_STAGE_BYTES as u32);
-    let (warps, block_n) = ((NARROW_CONSUMER_THREADS / 32) as u32, NARROW_BLOCK_N as u32);
+    let (warps, cluster) = ((NARROW_CONSUMER_THREADS / 32) as u32, NARROW_CLUSTER as u32);
     let (layout, depth) = ((stages, stage_bytes, stage_bytes), (BLOCK_K as u32, A_BYTES as u32));
-    // SAFETY: every thread, first; the launch's `NARROW_SMEM_BYTES`.
-    let pipe = unsafe { Pipeline::with(maps, warps, (m, n, k), block_n, layout, depth) };
+    // SAFETY: every thread, first; the launch's `NARROW_SMEM_BYTES`, clusters of `NARROW_CLUSTER`.
+    let pipe = unsafe { Pipeline::with(maps, (warps, cluster), (m, n, k), NARROW_BLOCK_N as u32, layout, depth) };
 
     if t < 128 {
         // SAFETY: the whole warpgroup.
         unsafe { set_max_registers::<false, NARROW_PRODUCER_REGISTERS>() };
         if t == 0 {
-            // SAFETY: `A`'s `BLOCK_M` rows and `B`'s `NARROW_BLOCK_N` fill the stage.
+            // `A`'s `BLOCK_M` rows for this block; `B`'s rows `rows * rank..` of the
+            // column tile for every block of the cluster (a box of `rows`), at the same
+            // place in each stage. Each block's "full" barrier expects both halves.
+            let rows = NARROW_BLOCK_N as u32 / cluster;
+            let (half, mask) = (pipe.rank * rows * BLOCK_K as u32 * 4, (1u16 << cluster) - 1);
+            // SAFETY: `A` and the `B` halves fill the stage of every block in `mask`.
             unsafe {
                 pipe.produce(|stage, row0, col0, k0, full| {
                     tma_load_2d(stage, map_a, k0, row0, full);
-                    tma_load_2d(stage + A_BYTES as u32, map_b, k0, col0, full);
+                    let b = stage + A_BYTES as u32 + half;
+                    tma_load_2d_multicast(b, map_b, (k0, col0 + pipe.rank * rows), full, mask);
                 })
             };
         }
-        return;
+    } else {
+        // SAFETY: the whole (one) consumer warpgroup.
+        unsafe { set_max_registers::<true, NARROW_CONSUMER_REGISTERS>() };
+        // SAFETY: as this kernel's contract; `pipe` as set up above.
+        unsafe { narrow_consumer(pipe, Outputs { bias, y, save_z, ops, n_ops }, (m, n)) };
     }
+    // SAFETY: every thread of the cluster: no block exits while another may still
+    // arrive on its "empty" barriers.
+    unsafe { cluster_sync() };
+}
 
-    // SAFETY: the whole (one) consumer warpgroup.
-    unsafe { set_max_registers::<true, NARROW_CONSUMER_REGISTERS>() };
-    let lane = t % 32;
+/// The consumer warpgroup of [`gemm_tma_tf32_nt_narrow`].
+///
+/// # Safety
+/// The warpgroup of threads 128..256 of the kernel, after its pipeline's setup.
+#[inline(always)]
+unsafe fn narrow_consumer(pipe: Pipeline, out: Outputs, (m, n): (u32, u32)) {
+    let lane = thread_idx_x() % 32;
+    // A stage is free once the consumers of every block its copies land in are done.
+    let release = |stage: u32| {
+        if lane == 0 {
+            // SAFETY: one arrival per consumer warp per phase; the blocks exit only after
+            // the final cluster barrier.
+            unsafe { pipe.release(stage) };
+        }
+    };
     let (mut s, mut phase) = (0u32, 0u32);
-    let mut tile = block_idx_x();
+    let (mut tile, step) = pipe.first_and_step();
     while tile < pipe.tiles() {
         let (row0, col0) = pipe.origin(tile);
         // `acc[h]`: rows `64 h..64 h + 64` of the tile.
@@ -495,11 +617,8 @@ pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_nt_narrow(
                 mbarrier_wait(pipe.full(s), phase);
                 wgmma_k_tile::<1>(&mut acc[0], steps(top), steps(db));
             }
-            if let Some(prev) = held
-                && lane == 0
-            {
-                // SAFETY: one arrival per consumer warp per phase.
-                unsafe { mbarrier_arrive(pipe.empty(prev)) };
+            if let Some(prev) = held {
+                release(prev);
             }
             // SAFETY: as above.
             unsafe { wgmma_k_tile::<1>(&mut acc[1], steps(bottom), steps(db)) };
@@ -512,11 +631,8 @@ pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_nt_narrow(
             wgmma_wait_all_64(&mut acc[1]);
             wgmma_wait_all_64(&mut acc[0]);
         }
-        if let Some(prev) = held
-            && lane == 0
-        {
-            // SAFETY: as above.
-            unsafe { mbarrier_arrive(pipe.empty(prev)) };
+        if let Some(prev) = held {
+            release(prev);
         }
         // Half `h` = the accumulators of rows `64 h + 16 warp + lane / 4` (+ 8), columns
         // 2 (lane % 4) + 8 j of the tile. The thread's offsets are recomputed from its
@@ -532,8 +648,8 @@ pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_nt_narrow(
             (row as usize, opaque(col) as usize, opaque(m) as usize, opaque(n) as usize)
         };
         // SAFETY: as this kernel's contract.
-        unsafe { fragment_epilogue(v, rest, at, Outputs { bias, y, save_z, ops, n_ops }) };
-        tile += grid_dim_x();
+        unsafe { fragment_epilogue(v, rest, at, out) };
+        tile += step;
     }
 }
 
@@ -674,7 +790,7 @@ unsafe fn gemm_tma_tk<const SPLIT: bool, const TRANS: bool>(maps: *const u8, y: 
     // SAFETY: every thread, first; the launch's shared memory. A stage: `A`'s four
     // `block_k x 32` boxes, `B`; 3xTF32: then `B`'s residual at the same offset one
     // `tile_bytes` on (the `A` residual's place stays unused).
-    let pipe = unsafe { Pipeline::new::<SPLIT>(maps, (m, n, k)) };
+    let pipe = unsafe { Pipeline::new::<SPLIT, 1>(maps, (m, n, k)) };
     let Pipeline { tile_bytes, block_k, a_bytes, k_tiles, .. } = pipe;
     let sub_bytes = 32 * block_k * 4;
 
@@ -708,7 +824,7 @@ unsafe fn gemm_tma_tk<const SPLIT: bool, const TRANS: bool>(maps: *const u8, y: 
     let at = |kk: u32| sub * sub_bytes + kk * 128 + ((chunk ^ kk) * 16) + 8 * p;
     let (lo, hi) = (at(tig), at(tig + 4));
     let (mut s, mut phase) = (0u32, 0u32);
-    let mut tile = block_idx_x();
+    let (mut tile, step) = pipe.first_and_step();
     while tile < pipe.tiles() {
         let (row0, col0) = pipe.origin(tile);
         let mut acc = [0u32; 128];
@@ -800,7 +916,7 @@ unsafe fn gemm_tma_tk<const SPLIT: bool, const TRANS: bool>(maps: *const u8, y: 
                     }
                 }); }); });
             }
-            tile += grid_dim_x();
+            tile += step;
             continue;
         }
         unroll!(h in 0..2 => {
@@ -827,7 +943,7 @@ unsafe fn gemm_tma_tk<const SPLIT: bool, const TRANS: bool>(maps: *const u8, y: 
                 }); });
             }
         });
-        tile += grid_dim_x();
+        tile += step;
     }
 }
 

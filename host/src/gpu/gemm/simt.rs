@@ -119,14 +119,18 @@ pub enum Tiles {
     /// epilogue overlaps the other's MMAs (`gemm_tma_tf32_nt_narrow`; `k` up to
     /// `gemm_tma::NARROW_MAX_K`, deeper runs `Wide`).
     Narrow,
+    /// `Wide` in clusters of two blocks sharing their `B` tile (TMA multicast:
+    /// `gemm_tma_tf32_nt_pair`).
+    Pair,
 }
 
 impl Tiles {
-    /// Whether a TF32 forward of depth `k` runs on the narrow kernel.
-    fn narrow(self, k: usize) -> bool {
+    /// The tiles a TF32 forward of depth `k` runs on (`Auto` resolved).
+    fn for_depth(self, k: usize) -> Tiles {
         match self {
-            Tiles::Auto | Tiles::Wide => false,
-            Tiles::Narrow => k <= gemm_tma::NARROW_MAX_K,
+            Tiles::Auto => Tiles::Wide,
+            Tiles::Narrow if k > gemm_tma::NARROW_MAX_K => Tiles::Wide,
+            t => t,
         }
     }
 }
@@ -171,7 +175,7 @@ fn kernel(
         // The TMA kernels: `Nt` (the forward), `Tk` (`A` row-contiguous: `dW` with `dZ`
         // as stored, and `dX^T = W^T dZ^T` with `W` as stored; `A` through registers).
         let name = match layout {
-            Layout::Nt => Some(super::tma::kernel(precision, precision == Precision::Tf32 && tiles.narrow(k))),
+            Layout::Nt => Some(super::tma::kernel(precision, tiles.for_depth(k))),
             Layout::Tk => Some(super::tma::tk_kernel(precision, transpose_y)),
             Layout::Nn | Layout::Tn => None,
         };
@@ -504,5 +508,7 @@ mod tests {
         assert_eq!(split, "gemm_wg_tf32_nt_vec4");
         let tk = kernel_name(Precision::Tf32, Layout::Tk, (1024, 1024, 1024), 1, Tiles::Narrow);
         assert_eq!(tk, "gemm_tma_tf32_tk");
+        assert_eq!(nt(Precision::Tf32, 8192, Tiles::Pair), "gemm_tma_tf32_nt_pair");
+        assert_eq!(nt(Precision::Tf32x3, 1024, Tiles::Pair), "gemm_tma_tf32x3_nt");
     }
 }

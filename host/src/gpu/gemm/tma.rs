@@ -7,41 +7,45 @@
 use super::super::epilogue::DeviceChain;
 use super::super::{DeviceTensor, Gpu};
 use super::simt::EpilogueArgs;
-use super::simt::Precision;
+use super::simt::{Precision, Tiles};
 use crate::error::{Error, Result};
 use cudarc::driver::sys::{self, CUtensorMap};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use kernel_abi::gemm_tma::*;
 use std::sync::Arc;
 
-/// The forward kernel for `precision` (TF32 or 3xTF32; `narrow`: TF32's `128 x 128`
-/// tiles); `simt::kernel` picks it when both operands' row pitches are multiples of 4
-/// floats (TMA wants 16-byte multiples) and no split-K.
-pub fn kernel(precision: Precision, narrow: bool) -> &'static str {
-    match (precision == Precision::Tf32x3, narrow) {
+/// The forward kernel for `precision` (TF32 or 3xTF32) on `tiles` (TF32 only; `Auto`
+/// resolved by the caller); `simt::kernel` picks it when both operands' row pitches are
+/// multiples of 4 floats (TMA wants 16-byte multiples) and no split-K.
+pub fn kernel(precision: Precision, tiles: Tiles) -> &'static str {
+    match (precision == Precision::Tf32x3, tiles) {
         (true, _) => "gemm_tma_tf32x3_nt",
-        (false, true) => "gemm_tma_tf32_nt_narrow",
-        (false, false) => "gemm_tma_tf32_nt",
+        (false, Tiles::Narrow) => "gemm_tma_tf32_nt_narrow",
+        (false, Tiles::Pair) => "gemm_tma_tf32_nt_pair",
+        (false, Tiles::Auto | Tiles::Wide) => "gemm_tma_tf32_nt",
     }
 }
 
 /// A persistent kernel's launch shape: threads per block, dynamic shared memory, the
-/// output tile's width (its height is `BLOCK_M`) and the blocks that run per SM.
+/// output tile's width (its height is `BLOCK_M`), the blocks that run per SM and per
+/// cluster (each block of a cluster copies `block_n / cluster` rows of `B` for all).
 struct Shape {
     threads: usize,
     smem_bytes: usize,
     block_n: usize,
     blocks_per_sm: usize,
+    cluster: usize,
 }
 
 /// The shape of the persistent kernel `name` (in kernel_abi::gemm_tma).
 fn shape(name: &str) -> Shape {
     if name == "gemm_tma_tf32_nt_narrow" {
-        let (threads, smem_bytes) = (NARROW_THREADS, NARROW_SMEM_BYTES);
-        Shape { threads, smem_bytes, block_n: NARROW_BLOCK_N, blocks_per_sm: NARROW_BLOCKS_PER_SM }
+        let (threads, smem_bytes, block_n) = (NARROW_THREADS, NARROW_SMEM_BYTES, NARROW_BLOCK_N);
+        Shape { threads, smem_bytes, block_n, blocks_per_sm: NARROW_BLOCKS_PER_SM, cluster: NARROW_CLUSTER }
     } else {
         let smem_bytes = if name.contains("tf32x3") { SPLIT_SMEM_BYTES } else { SMEM_BYTES };
-        Shape { threads: THREADS, smem_bytes, block_n: BLOCK_N, blocks_per_sm: 1 }
+        let cluster = if name.ends_with("_pair") { 2 } else { 1 };
+        Shape { threads: THREADS, smem_bytes, block_n: BLOCK_N, blocks_per_sm: 1, cluster }
     }
 }
 
@@ -134,12 +138,12 @@ struct Persistent {
 pub fn resident_blocks_per_sm(gpu: &Gpu, name: &str) -> Result<usize> {
     let func = gpu.function(name)?;
     gpu.allow_shared(&func, name, shape(name).smem_bytes)?;
-    resident_blocks(&func, name)
+    resident_blocks(gpu, &func, name)
 }
 
 /// [`resident_blocks_per_sm`] for a loaded function whose shared memory is allowed.
-fn resident_blocks(func: &CudaFunction, name: &str) -> Result<usize> {
-    let Shape { threads, smem_bytes, blocks_per_sm, .. } = shape(name);
+fn resident_blocks(gpu: &Gpu, func: &CudaFunction, name: &str) -> Result<usize> {
+    let Shape { threads, smem_bytes, blocks_per_sm, cluster, .. } = shape(name);
     if blocks_per_sm == 1 {
         return Ok(1);
     }
@@ -147,10 +151,23 @@ fn resident_blocks(func: &CudaFunction, name: &str) -> Result<usize> {
     use cudarc::driver::sys::CUfunction_attribute as F;
     func.set_attribute(F::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
         .map_err(|e| Error::cuda(format!("setting the shared-memory carveout of `{name}`"), e))?;
-    let fit = func
-        .occupancy_max_active_blocks_per_multiprocessor(threads as u32, smem_bytes, None)
-        .map_err(|e| Error::cuda(format!("querying the occupancy of `{name}`"), e))?;
-    Ok(blocks_per_sm.min(fit.max(1) as usize))
+    let sms = gpu.props.multiprocessors;
+    let fit = if cluster > 1 {
+        // Clusters that fit on the whole GPU at once (the cluster size is the kernel's own).
+        let cfg = LaunchConfig {
+            grid_dim: ((cluster * blocks_per_sm * sms) as u32, 1, 1),
+            block_dim: (threads as u32, 1, 1),
+            shared_mem_bytes: smem_bytes as u32,
+        };
+        let clusters = func
+            .occupancy_max_active_clusters(cfg, gpu.stream())
+            .map_err(|e| Error::cuda(format!("querying the cluster occupancy of `{name}`"), e))?;
+        clusters as usize * cluster / sms
+    } else {
+        func.occupancy_max_active_blocks_per_multiprocessor(threads as u32, smem_bytes, None)
+            .map_err(|e| Error::cuda(format!("querying the occupancy of `{name}`"), e))? as usize
+    };
+    Ok(blocks_per_sm.min(fit.max(1)))
 }
 
 /// [`Persistent`] for kernel `name` over an `(m, n)` output.
@@ -163,13 +180,15 @@ fn persistent(
 ) -> Result<Persistent> {
     let words: Vec<u64> = maps.iter().flat_map(|map| map.opaque).collect();
     let maps = stream.clone_htod(&words).map_err(|e| Error::cuda("uploading the TMA tensor maps", e))?;
-    let Shape { threads, smem_bytes, block_n, .. } = shape(name);
+    let Shape { threads, smem_bytes, block_n, cluster, .. } = shape(name);
     let func = gpu.function(name)?;
     gpu.allow_shared(&func, name, smem_bytes)?;
-    let resident = resident_blocks(&func, name)?;
-    let tiles = m.div_ceil(BLOCK_M) * n.div_ceil(block_n);
+    let resident = resident_blocks(gpu, &func, name)?;
+    // Whole clusters, each walking groups of `cluster` row tiles.
+    let groups = m.div_ceil(BLOCK_M * cluster) * n.div_ceil(block_n);
+    let clusters = groups.min((resident * gpu.props.multiprocessors / cluster).max(1));
     let cfg = LaunchConfig {
-        grid_dim: (tiles.min(resident * gpu.props.multiprocessors) as u32, 1, 1),
+        grid_dim: ((clusters * cluster) as u32, 1, 1),
         block_dim: (threads as u32, 1, 1),
         shared_mem_bytes: smem_bytes as u32,
     };
@@ -196,7 +215,7 @@ pub fn launch_forward(
     let precision = if name.contains("tf32x3") { Precision::Tf32x3 } else { Precision::Tf32 };
     let maps = [
         tensor_map(stream, a, (m, k, lda), BLOCK_M, precision)?,
-        tensor_map(stream, b, (n, k, ldb), shape(name).block_n, precision)?,
+        tensor_map(stream, b, (n, k, ldb), shape(name).block_n / shape(name).cluster, precision)?,
     ];
     let Persistent { maps, func, cfg } = persistent(gpu, stream, name, maps, (m, n))?;
     let tail = EpilogueArgs::new(&[m, n, k], chain);
