@@ -20,9 +20,6 @@ fn main() {
     {
         builder = builder.launch_bounds(kernel, threads, blocks);
     }
-    for &(kernel, ctas) in kernel_abi::CLUSTERS {
-        builder = builder.cluster(kernel, ctas);
-    }
     if let Err(e) = builder.build(&out) {
         eprintln!("error: {e}");
         std::process::exit(1);

@@ -3,13 +3,13 @@
 # scripts/device-prepare.sh: checks first, then timings, then PyTorch's numbers in the
 # same call. Everything goes to $OUT/log.txt (and the JSON tables beside it: the
 # device tool returns at most 8 files); a short summary is printed last.
-#   STEPS="ptxas sass narrow tests check forward backward bench train pytorch tensor parity compile"
+#   STEPS="ptxas sass tests check forward backward bench train pytorch tensor parity compile"
 #   (default: all; `compile` runs the PyTorch baselines again under torch.compile)
 #   TORCH_FLAGS="--compile default" etc. are passed to the PyTorch baselines.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 C=device-carry
-STEPS=${STEPS:-"ptxas sass narrow tests check forward backward bench train pytorch tensor parity compile"}
+STEPS=${STEPS:-"ptxas sass tests check forward backward bench train pytorch tensor parity compile"}
 LOG="$OUT/log.txt"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 summary=()
@@ -45,29 +45,9 @@ fi
 if has sass; then
   # The tensor-core instructions the fastest GEMMs compile to (HGMMA: wgmma; HMMA: mma.sync).
   ptxas -arch=sm_90a "$C/kernels_sm90.ptx" -o /tmp/kernels.cubin 2>/dev/null
-  for f in gemm_tma_tf32_nt gemm_tma_tf32_nt_narrow gemm_tma_tf32x3_nt gemm_tma_tf32_tk gemm_tma_tf32x3_tk_t gemm_wg_tf32_nt_vec4 gemm_wg_tf32x3_nt_vec4 gemm_tc_tf32x3_nn_vec4; do
+  for f in gemm_tma_tf32_nt gemm_tma_tf32x3_nt gemm_tma_tf32_tk gemm_tma_tf32x3_tk_t gemm_wg_tf32_nt_vec4 gemm_wg_tf32x3_nt_vec4 gemm_tc_tf32x3_nn_vec4; do
     echo "$f: $(cuobjdump -sass -fun $f /tmp/kernels.cubin | grep -oE '(HGMMA|HMMA)[.A-Z0-9x]*' | sort | uniq -c | tr '\n' ' ')" | tee -a "$LOG"
   done
-fi
-if has narrow; then
-  # The narrow TF32 forward (docs/PERFORMANCE.md t39-t40): its GPU test alone first,
-  # under a short limit (a new kernel's hang would hold the whole call), then wide
-  # against narrow in the same process order, alternated, at M2 and at shapes that
-  # place NARROW_MAX_K.
-  if run "narrow: GPU test" 90 "$C/test-gpu" --include-ignored --nocapture --exact tf32_persistent_forward_matches_reference_rows; then
-    run "narrow: check tf32" 180 "$C/host" check --precision tf32 --tiles narrow --random 24 --seed 2
-    for i in 1 2; do
-      for t in wide narrow; do
-        run "narrow: bench M2 tf32 --tiles $t ($i)" 120 "$C/host" bench --precision tf32 --models M2 --tiles $t --repeat 20
-      done
-    done
-    for shape in 32768,2048,4096 8192,4096,4096 16384,1024,8192 4096,1024,4096; do
-      for t in wide narrow; do
-        run "narrow: bench $shape tf32 --tiles $t" 120 "$C/host" bench --precision tf32 --models M2 --shape $shape --tiles $t --repeat 20
-      done
-    done
-    run "narrow: bench M2 tf32 fwd+bwd --tiles narrow" 120 "$C/host" bench --backward --precision tf32 --models M2 --tiles narrow --repeat 10
-  fi
 fi
 has tests && run "GPU tests" 400 "$C/test-gpu" --include-ignored --nocapture --test-threads 1
 has check && run "check forward" 300 "$C/host" check --random 32

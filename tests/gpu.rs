@@ -196,43 +196,32 @@ fn tensor_core_precisions_match_reference() {
     }
 }
 
-/// The persistent TMA kernels (TF32 and 3xTF32) looping over more tiles than run at
-/// once (17 x 11 tiles of 128 x 256; the narrow TF32 kernel's 17 x 21 of 128 x 128 over
-/// two blocks per SM), at k = 4096 and at a ragged k = 1036 with groups of 4 channels,
-/// and the narrow kernel with groups of 128 at a ragged batch: sampled rows against the
-/// f64 reference (rows are independent, so a row subset of `x` gives the reference's
-/// rows), each held to its precision's tolerance.
+/// The persistent TMA kernels (TF32 and 3xTF32) looping over more tiles than there are
+/// SMs (17 x 11 tiles of 128 x 256), at k = 4096 and at a ragged k = 1036 with groups
+/// of 4 channels; groups of 128 at a ragged batch; a deep k = 8192 with a narrow output:
+/// sampled rows against the f64 reference (rows are independent, so a row subset of `x`
+/// gives the reference's rows), each held to its precision's tolerance.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tf32_persistent_forward_matches_reference_rows() {
-    use host::gpu::gemm::simt::{Precision, Tiles};
+    use host::gpu::gemm::simt::Precision;
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(23);
-    let (tf32, tf32x3) = (Precision::Tf32, Precision::Tf32x3);
-    let (wide, narrow) = (Tiles::Wide, Tiles::Narrow);
-    // The narrow kernel's point is two blocks per SM (one's epilogue beside the other's MMAs).
-    let resident = host::gpu::gemm::tma::resident_blocks_per_sm(&gpu, "gemm_tma_tf32_nt_narrow").unwrap();
-    assert_eq!(resident, kernel_abi::gemm_tma::NARROW_BLOCKS_PER_SM, "narrow blocks resident per SM");
     let cases = [
-        ((2100, 4096, 2600), "groupnorm(325),swish,mul,swish", tf32, wide, "gemm_tma_tf32_nt"),
-        ((2100, 1036, 2600), "swish,bias,groupnorm(650)", tf32, wide, "gemm_tma_tf32_nt"),
-        ((2100, 4096, 2600), "groupnorm(325),swish,mul,swish", tf32, narrow, "gemm_tma_tf32_nt_narrow"),
-        ((2100, 1036, 2600), "swish,bias,groupnorm(650)", tf32, narrow, "gemm_tma_tf32_nt_narrow"),
-        ((1001, 1024, 2560), "groupnorm(20),mish,bias", tf32, narrow, "gemm_tma_tf32_nt_narrow"),
-        ((2100, 4096, 2600), "groupnorm(325),swish,mul,swish", tf32, Tiles::Pair, "gemm_tma_tf32_nt_pair"),
-        ((2100, 1036, 2600), "swish,bias,groupnorm(650)", tf32, Tiles::Pair, "gemm_tma_tf32_nt_pair"),
-        // k past NARROW_MAX_K: the wide kernel whatever the choice.
-        ((4100, 8192, 512), "gelu", tf32, narrow, "gemm_tma_tf32_nt"),
-        ((2100, 4096, 2600), "groupnorm(325),swish,mul,swish", tf32x3, narrow, "gemm_tma_tf32x3_nt"),
-        ((2100, 1036, 2600), "swish,bias,groupnorm(650)", tf32x3, wide, "gemm_tma_tf32x3_nt"),
+        ((2100, 4096, 2600), "groupnorm(325),swish,mul,swish", Precision::Tf32, "gemm_tma_tf32_nt"),
+        ((2100, 1036, 2600), "swish,bias,groupnorm(650)", Precision::Tf32, "gemm_tma_tf32_nt"),
+        ((1001, 1024, 2560), "groupnorm(20),mish,bias", Precision::Tf32, "gemm_tma_tf32_nt"),
+        ((4100, 8192, 512), "gelu", Precision::Tf32, "gemm_tma_tf32_nt"),
+        ((2100, 4096, 2600), "groupnorm(325),swish,mul,swish", Precision::Tf32x3, "gemm_tma_tf32x3_nt"),
+        ((2100, 1036, 2600), "swish,bias,groupnorm(650)", Precision::Tf32x3, "gemm_tma_tf32x3_nt"),
     ];
-    for ((b, i, o), chain, precision, tiles, kernel) in cases {
+    for ((b, i, o), chain, precision, kernel) in cases {
         let spec = BlockSpec::new(i, o, chain.parse().unwrap()).unwrap();
         let params = Params::init(&spec, &mut rng);
         let x = random_input(b, i, &mut rng).unwrap();
-        let block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(precision).with_tiles(tiles);
+        let block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(precision);
         let path = block.describe(&block.plan(&gpu, b));
-        assert!(path.contains(&format!("{kernel} ")), "expected {kernel}, got {path}");
+        assert!(path.contains(kernel), "expected {kernel}, got {path}");
         let y = block.forward(&gpu, &x).unwrap();
         let rows: Vec<usize> = (0..b).step_by(131).chain([b - 1]).collect();
         let pick = |data: &[f32], width: usize| -> Vec<f32> {
@@ -260,9 +249,7 @@ fn tf32_persistent_forward_matches_reference_rows() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tf32_linear_gradients_match_reference() {
-    use host::gpu::gemm::simt::{
-        Layout, Precision, Tiles, grad_input, grad_input_kernel, grad_weight_into, kernel_name,
-    };
+    use host::gpu::gemm::simt::{Layout, Precision, grad_input, grad_input_kernel, grad_weight_into, kernel_name};
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(29);
     // The last: a batch of 4 (dX's `B` nearly all zero-filled rows; dW on `gemm_wg`).
@@ -276,7 +263,7 @@ fn tf32_linear_gradients_match_reference() {
             // W and dZ read as stored: `A` through registers.
             let dw_kernel =
                 if m >= 1024 { format!("gemm_tma_{precision}_tk") } else { format!("gemm_wg_{precision}_dw_vec4") };
-            assert_eq!(kernel_name(precision, Layout::Tk, (n, m, m), 1, Tiles::Auto), dw_kernel);
+            assert_eq!(kernel_name(precision, Layout::Tk, (n, m, m), 1), dw_kernel);
             if k % 4 == 0 {
                 assert_eq!(
                     grad_input_kernel(precision, &dz_dev, &w_dev).unwrap(),

@@ -56,8 +56,7 @@ pub const LAUNCH_BOUNDS_WG: &[(&str, u32, u32)] = &[
 /// The TMA-fed, warp-specialised `wgmma` GEMMs (`kernels-gpu/src/gemm/tma.rs`): one
 /// producer warpgroup and two consumer warpgroups holding 128 accumulators each, 1
 /// block per SM: 168 registers at entry, then `setmaxnreg` moves the producer's to the
-/// consumers (24 and 240 per thread). The narrow TF32 forward: one consumer warpgroup,
-/// 2 blocks per SM, 128 registers at entry (24 and 232).
+/// consumers (24 and 240 per thread).
 pub const LAUNCH_BOUNDS_TMA: &[(&str, u32, u32)] = &[
     ("gemm_tma_tf32_nt", gemm_tma::THREADS as u32, 1),
     ("gemm_tma_tf32x3_nt", gemm_tma::THREADS as u32, 1),
@@ -65,16 +64,7 @@ pub const LAUNCH_BOUNDS_TMA: &[(&str, u32, u32)] = &[
     ("gemm_tma_tf32_tk_t", gemm_tma::THREADS as u32, 1),
     ("gemm_tma_tf32x3_tk", gemm_tma::THREADS as u32, 1),
     ("gemm_tma_tf32x3_tk_t", gemm_tma::THREADS as u32, 1),
-    ("gemm_tma_tf32_nt_narrow", gemm_tma::NARROW_THREADS as u32, gemm_tma::NARROW_BLOCKS_PER_SM as u32),
-    ("gemm_tma_tf32_nt_pair", gemm_tma::THREADS as u32, 1),
 ];
-
-/// `(kernel, blocks per cluster along x)`: CUDA's `__cluster_dims__`, written into the
-/// PTX by `host/build.rs` like the launch bounds. The narrow TMA forward pairs the two
-/// row tiles of a cluster so that each block copies half of their shared `B` tile for
-/// both (TMA multicast).
-pub const CLUSTERS: &[(&str, u32)] =
-    &[("gemm_tma_tf32_nt_narrow", gemm_tma::NARROW_CLUSTER as u32), ("gemm_tma_tf32_nt_pair", 2)];
 
 /// The tile-wise chain backward (`kernels-gpu/src/epilogue/lanes.rs`): the blocks per
 /// SM its grid is sized for.
@@ -142,32 +132,6 @@ pub mod gemm_tma {
     /// The same for the 3xTF32 kernel: stages of `A`, `B` and their residuals.
     pub const SPLIT_SMEM_BYTES: usize = 1024 + SPLIT_STAGES * 2 * SPLIT_STAGE_BYTES + 2 * SPLIT_STAGES * 8;
     const _: () = assert!(SMEM_BYTES <= 227 * 1024 && SPLIT_SMEM_BYTES <= 227 * 1024 && CONSUMER_THREADS == 2 * 128);
-
-    /// The narrow TF32 forward (`gemm_tma_tf32_nt_narrow`): `128 x 128` tiles, a
-    /// producer warpgroup and one consumer warpgroup (both `m64` halves of the tile),
-    /// two blocks per SM, so that one block's epilogue runs while the other's MMAs
-    /// keep the tensor cores busy. Same `BLOCK_M`, `BLOCK_K` and swizzle as the wide kernel.
-    pub const NARROW_BLOCK_N: usize = 128;
-    pub const NARROW_THREADS: usize = 256;
-    pub const NARROW_CONSUMER_THREADS: usize = 128;
-    pub const NARROW_BLOCKS_PER_SM: usize = 2;
-    /// Blocks per cluster: row tiles `2 p` and `2 p + 1` of one column, each block
-    /// copying one half of the `B` tile into both (TMA multicast), which halves `B`'s
-    /// L2 reads (without it, `128 x 128` tiles read a third more from L2 than the wide
-    /// kernel: t40).
-    pub const NARROW_CLUSTER: usize = 2;
-    /// Three 32 KB stages: two blocks' worth fit in the SM's 228 KB (four would not).
-    pub const NARROW_STAGES: usize = 3;
-    pub const NARROW_B_BYTES: usize = NARROW_BLOCK_N * BLOCK_K * 4;
-    pub const NARROW_STAGE_BYTES: usize = A_BYTES + NARROW_B_BYTES;
-    pub const NARROW_SMEM_BYTES: usize = 1024 + NARROW_STAGES * NARROW_STAGE_BYTES + 2 * NARROW_STAGES * 8;
-    /// The deepest `k` the host may send to the narrow kernel when it is chosen (see
-    /// `host/src/gpu/gemm/tma.rs`): deeper, a tile's MMAs outweigh its epilogue and the
-    /// wide tile's halved shared-memory traffic per FLOP wins.
-    pub const NARROW_MAX_K: usize = 4096;
-    // Each block also reserves 1 KB of shared memory for the system.
-    const _: () = assert!(NARROW_BLOCKS_PER_SM * (NARROW_SMEM_BYTES + 1024) <= 228 * 1024);
-    const _: () = assert!(NARROW_THREADS == 128 + NARROW_CONSUMER_THREADS && NARROW_BLOCK_N == 128);
 }
 
 /// The tensor-core GEMM family: `mma.sync` TF32 fed by a `cp.async` pipeline.

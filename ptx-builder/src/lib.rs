@@ -40,7 +40,6 @@ pub struct PtxBuilder {
     ptx_isa: String,
     extra_watch: Vec<PathBuf>,
     launch_bounds: Vec<LaunchBounds>,
-    clusters: Vec<(String, u32)>,
 }
 
 /// `.maxntid` / `.minnctapersm` for one kernel: what `__launch_bounds__(threads, blocks)`
@@ -62,7 +61,6 @@ impl PtxBuilder {
             ptx_isa: "ptx80".into(),
             extra_watch: Vec::new(),
             launch_bounds: Vec::new(),
-            clusters: Vec::new(),
         }
     }
 
@@ -85,14 +83,6 @@ impl PtxBuilder {
     }
 
     /// Declares a kernel's launch bounds (see [`LaunchBounds`]).
-    /// `kernel` runs in clusters of `ctas` blocks along x (`.reqnctapercluster`: what
-    /// `__cluster_dims__(ctas, 1, 1)` does in CUDA C++), so an ordinary launch groups
-    /// its blocks in clusters (the grid a multiple of `ctas`).
-    pub fn cluster(mut self, kernel: &str, ctas: u32) -> Self {
-        self.clusters.push((kernel.into(), ctas));
-        self
-    }
-
     pub fn launch_bounds(mut self, kernel: &str, max_threads: u32, min_blocks_per_sm: u32) -> Self {
         self.launch_bounds.push(LaunchBounds { kernel: kernel.into(), max_threads, min_blocks_per_sm });
         self
@@ -139,7 +129,6 @@ impl PtxBuilder {
         let ptx = target_dir.join(TARGET).join("release").join(format!("{name}.ptx"));
         let text = fs::read_to_string(&ptx).map_err(|e| format!("reading {}: {e}", ptx.display()))?;
         let text = add_launch_bounds(&text, &self.launch_bounds)?;
-        let text = add_clusters(&text, &self.clusters)?;
         fs::write(out, text).map_err(|e| format!("writing {}: {e}", out.display()))?;
         Ok(())
     }
@@ -147,35 +136,17 @@ impl PtxBuilder {
 
 /// Inserts each kernel's performance directives between its parameter list and body.
 fn add_launch_bounds(ptx: &str, bounds: &[LaunchBounds]) -> Result<String, String> {
-    let directives: Vec<(String, String)> = bounds
-        .iter()
-        .map(|b| (b.kernel.clone(), format!(".maxntid {}, 1, 1\n.minnctapersm {}", b.max_threads, b.min_blocks_per_sm)))
-        .collect();
-    add_directives(ptx, &directives, "launch bounds")
-}
-
-/// Inserts each clustered kernel's cluster directives the same way.
-fn add_clusters(ptx: &str, clusters: &[(String, u32)]) -> Result<String, String> {
-    let directives: Vec<(String, String)> = clusters
-        .iter()
-        .map(|(k, ctas)| (k.clone(), format!(".explicitcluster\n.reqnctapercluster {ctas}, 1, 1")))
-        .collect();
-    add_directives(ptx, &directives, "cluster dimensions")
-}
-
-/// Inserts `(kernel, directives)` after each kernel's parameter list.
-fn add_directives(ptx: &str, directives: &[(String, String)], what: &str) -> Result<String, String> {
     let mut lines: Vec<String> = ptx.lines().map(String::from).collect();
-    for (kernel, text) in directives {
-        let header = format!(".entry {kernel}(");
+    for b in bounds {
+        let header = format!(".entry {}(", b.kernel);
         let start = lines
             .iter()
             .position(|l| l.contains(&header))
-            .ok_or_else(|| format!("{what} given for `{kernel}`, which the PTX does not export"))?;
+            .ok_or_else(|| format!("launch bounds given for `{}`, which the PTX does not export", b.kernel))?;
         let close = (start..lines.len())
             .find(|&i| lines[i].trim_start().starts_with(')'))
-            .ok_or_else(|| format!("no end of `{kernel}`'s parameter list in the PTX"))?;
-        lines.insert(close + 1, text.clone());
+            .ok_or_else(|| format!("no end of `{}`'s parameter list in the PTX", b.kernel))?;
+        lines.insert(close + 1, format!(".maxntid {}, 1, 1\n.minnctapersm {}", b.max_threads, b.min_blocks_per_sm));
     }
     Ok(lines.join("\n") + "\n")
 }
@@ -363,15 +334,6 @@ mod tests {
         assert!(out.contains(")\n.maxntid 256, 1, 1\n.minnctapersm 2\n{"), "{out}");
         let missing = [LaunchBounds { kernel: "other".into(), ..b[0].clone() }];
         assert!(add_launch_bounds(ptx, &missing).unwrap_err().contains("`other`"));
-    }
-
-    #[test]
-    fn writes_cluster_dimensions_after_the_launch_bounds() {
-        let ptx = ".visible .entry k(\n\t.param .u64 k_param_0\n)\n{\n\tret;\n}\n";
-        let b = [LaunchBounds { kernel: "k".into(), max_threads: 256, min_blocks_per_sm: 2 }];
-        let out = add_clusters(&add_launch_bounds(ptx, &b).unwrap(), &[("k".into(), 2)]).unwrap();
-        assert!(out.contains(")\n.explicitcluster\n.reqnctapercluster 2, 1, 1\n.maxntid 256, 1, 1\n"), "{out}");
-        assert!(add_clusters(ptx, &[("other".into(), 2)]).unwrap_err().contains("`other`"));
     }
 
     #[test]

@@ -7,7 +7,7 @@ use crate::error::{Error, Result};
 use crate::gpu::block::GpuBlock;
 use crate::gpu::cublas::{Cublas, Operand};
 use crate::gpu::elementwise::to_bf16;
-use crate::gpu::gemm::simt::{Precision, Tiles};
+use crate::gpu::gemm::simt::Precision;
 use crate::gpu::{DeviceTensor, Gpu, Phases};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -38,10 +38,6 @@ pub struct BenchArgs {
     /// TF32 tensor-op math for tf32).
     #[arg(long, value_enum, default_value = "fp32")]
     precision: Precision,
-    /// Output tiles of the TF32 forward on the TMA kernels: `narrow` (128 x 128, two
-    /// blocks per SM) or `wide` (128 x 256); `auto` is the host's choice.
-    #[arg(long, value_enum, default_value = "auto")]
-    tiles: Tiles,
     /// Also write the table as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -113,7 +109,7 @@ pub fn run(a: &BenchArgs) -> Result<(), Failure> {
         };
         let p = args.problem()?;
         let (b, i, o) = (p.x.rows(), p.spec.in_features, p.spec.out_features);
-        let block = GpuBlock::new(&gpu, &p.spec, &p.params)?.with_precision(a.precision).with_tiles(a.tiles);
+        let block = GpuBlock::new(&gpu, &p.spec, &p.params)?.with_precision(a.precision);
         let x = gpu.upload(&p.x)?;
         let ws = block.workspace(&gpu, b)?;
         let path = block.describe(&ws.plan);

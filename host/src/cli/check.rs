@@ -8,7 +8,7 @@ use crate::check::compare_f32;
 use crate::error::Result;
 use crate::gpu::Gpu;
 use crate::gpu::block::GpuBlock;
-use crate::gpu::gemm::simt::{Precision, Tiles};
+use crate::gpu::gemm::simt::Precision;
 use crate::reference;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -30,10 +30,6 @@ pub struct CheckArgs {
     /// Arithmetic of the GEMMs (tolerance: 1e-4 for fp32 and tf32x3, 2e-3 for tf32).
     #[arg(long, value_enum, default_value = "fp32")]
     precision: Precision,
-    /// Output tiles of the TF32 forward on the TMA kernels: `narrow` (128 x 128, two
-    /// blocks per SM) or `wide` (128 x 256); `auto` is the host's choice.
-    #[arg(long, value_enum, default_value = "auto")]
-    tiles: Tiles,
 }
 
 /// A chain of 1..=5 random ops valid for `out` features, ending in `max` sometimes.
@@ -111,7 +107,7 @@ pub fn run(a: &CheckArgs) -> Result<(), Failure> {
             *p = random_input(1, p.len(), &mut rng)?.reshape(p.shape())?;
         }
         let x = random_input(b, i, &mut rng)?;
-        let block = GpuBlock::new(&gpu, &spec, &params)?.with_precision(a.precision).with_tiles(a.tiles);
+        let block = GpuBlock::new(&gpu, &spec, &params)?.with_precision(a.precision);
         let plan = block.plan(&gpu, b);
         let comparisons = if a.backward {
             let out = spec.output_shape(b);

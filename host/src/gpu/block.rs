@@ -24,7 +24,7 @@ use super::elementwise::{fold_rows_mean, unfold_rows_mean_grad};
 use super::epilogue::DeviceChain;
 use super::epilogue::lanes::{epilogue_tiles_backward, fits as tiles_fit};
 use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
-use super::gemm::simt::{Layout, Precision, Tiles, forward_gemm, grad_input, grad_weight, kernel_name, not_fusable};
+use super::gemm::simt::{Layout, Precision, forward_gemm, grad_input, grad_weight, kernel_name, not_fusable};
 use super::{DeviceTensor, Gpu, Phases};
 use crate::block::{BlockSpec, Params};
 use crate::chain::Op;
@@ -80,8 +80,6 @@ pub struct GpuBlock {
     first_op: usize,
     /// Arithmetic of the three GEMMs.
     pub precision: Precision,
-    /// The forward GEMM's tile shape (TF32 on the TMA kernels).
-    pub tiles: Tiles,
 }
 
 /// Which kernels run for one batch size.
@@ -127,7 +125,6 @@ impl GpuBlock {
             not_fusable,
             first_op,
             precision: Precision::Fp32,
-            tiles: Tiles::Auto,
         };
         block.refold(gpu)?;
         Ok(block)
@@ -136,12 +133,6 @@ impl GpuBlock {
     /// The same block with its GEMMs in `precision`.
     pub fn with_precision(mut self, precision: Precision) -> GpuBlock {
         self.precision = precision;
-        self
-    }
-
-    /// The same block with its forward GEMM on `tiles` (where the precision has a choice).
-    pub fn with_tiles(mut self, tiles: Tiles) -> GpuBlock {
-        self.tiles = tiles;
         self
     }
 
@@ -197,7 +188,7 @@ impl GpuBlock {
             Plan::Fused => 1,
             Plan::GemmThenRows { splits } => *splits,
         };
-        let gemm = kernel_name(self.precision, Layout::Nt, (k, k, k), splits, self.tiles);
+        let gemm = kernel_name(self.precision, Layout::Nt, (k, k, k), splits);
         let fold =
             self.folded.as_ref().map_or(String::new(), |(k, ..)| format!("; avgpool({k}) folded into the weights"));
         match plan {
@@ -250,7 +241,6 @@ impl GpuBlock {
         }
         let (w, b) = self.gemm_params();
         let mut gemm = forward_gemm(self.precision, x, w)?;
-        gemm.tiles = self.tiles;
         match (&ws.plan, ws.z.as_mut()) {
             (Plan::Fused, _) => {
                 gemm.bias = Some(&b.buf);

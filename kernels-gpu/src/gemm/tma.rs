@@ -2,8 +2,7 @@
 //! fed by TMA, for 16-byte aligned operands without split-K. The forward
 //! `y = chain(x W^T + b)` (`gemm_tma_*_nt`), and the backward's `dW` and `dX` with the
 //! row-contiguous operand (`dZ`, `W`) read as stored and passed through registers
-//! (`gemm_tma_*_tk`, `gemm_tma_*_tk_t`); and `gemm_tma_tf32_nt_narrow`, the TF32
-//! forward on `128 x 128` tiles with two blocks per SM, for short `k`.
+//! (`gemm_tma_*_tk`, `gemm_tma_*_tk_t`).
 //!
 //! Why another kernel beside [`super::wgmma`]: there, `128 x 128` tiles read 6 KB of
 //! shared memory per 131 kFLOP `wgmma` and every warp also issues `cp.async` copies and
@@ -26,7 +25,6 @@
 //! (A ping-pong schedule — each warpgroup its own `128 x 128` tile, one in its epilogue
 //! while the other multiplies — was measured slower: docs/PERFORMANCE.md, t13.)
 
-use super::wgmma::{wgmma_k_tile, wgmma_wait_all as wgmma_wait_all_64};
 use crate::epilogue::fragments::{HalfFragment, add_column_bias, each_half_value, fragment_forward, store_half};
 use crate::prelude::async_copy::shared_address;
 use crate::prelude::global::store_v2;
@@ -46,16 +44,6 @@ fn opaque(mut x: u32) -> u32 {
     x
 }
 
-/// `%tid.x` read anew at each call: the compiler neither merges nor hoists the reads,
-/// so what is computed from it is not held in a register between uses.
-#[inline(always)]
-fn reread_thread_idx() -> u32 {
-    let t: u32;
-    // SAFETY: a special-register read (not `pure`, so each call stays where it is).
-    unsafe { core::arch::asm!("mov.u32 {0}, %tid.x;", out(reg32) t, options(nostack, nomem)) };
-    t
-}
-
 /// Registers per thread of the producer and of the consumer warpgroups. The block's
 /// registers are those it launched with (168 per thread, the launch bounds' cap):
 /// `setmaxnreg.inc` waits until the producer's `dec` has freed enough, so the two must
@@ -64,16 +52,6 @@ fn reread_thread_idx() -> u32 {
 const PRODUCER_REGISTERS: u32 = 24;
 const CONSUMER_REGISTERS: u32 = 240;
 const _: () = assert!(128 * PRODUCER_REGISTERS + CONSUMER_THREADS as u32 * CONSUMER_REGISTERS <= 168 * THREADS as u32);
-
-/// The same for the narrow kernel: two blocks of 256 threads per SM launch with 128
-/// registers each, so producer and consumer share 256 per thread pair (24 is the least
-/// `setmaxnreg` takes).
-const NARROW_PRODUCER_REGISTERS: u32 = 24;
-const NARROW_CONSUMER_REGISTERS: u32 = 232;
-const _: () = assert!(
-    128 * NARROW_PRODUCER_REGISTERS + NARROW_CONSUMER_THREADS as u32 * NARROW_CONSUMER_REGISTERS
-        <= (65536 / NARROW_BLOCKS_PER_SM as u32 / NARROW_THREADS as u32) * NARROW_THREADS as u32
-);
 
 /// A `k`-contiguous, 128-byte-swizzled operand's `wgmma` descriptor (as in
 /// [`super::wgmma`]): start address, 1024 bytes between 8-row groups, swizzle mode 1.
@@ -89,21 +67,20 @@ fn descriptor_64b(addr: u32) -> u64 {
     ((addr as u64 >> 4) & 0x3fff) | (1 << 16) | ((512u64 >> 4) << 32) | (2 << 62)
 }
 
-/// The origin `(row0, col0)` of tile `tile` (`BLOCK_M x block_n`): panels of
-/// [`PANEL_M`] row tiles, walked row tile fastest, so the blocks in flight share `B`
-/// tiles and few `A` rows.
+/// The origin `(row0, col0)` of tile `tile`: panels of [`PANEL_M`] row tiles, walked
+/// row tile fastest, so the blocks in flight share `B` tiles and few `A` rows.
 #[inline(always)]
-fn tile_origin(tile: u32, (tiles_m, tiles_n): (u32, u32), block_n: u32) -> (u32, u32) {
+fn tile_origin(tile: u32, tiles_m: u32, tiles_n: u32) -> (u32, u32) {
     let panel_tiles = PANEL_M as u32 * tiles_n;
     let (panel, local) = (tile / panel_tiles, tile % panel_tiles);
     let first = panel * PANEL_M as u32;
     let height = if tiles_m - first < PANEL_M as u32 { tiles_m - first } else { PANEL_M as u32 };
-    ((first + local % height) * BLOCK_M as u32, (local / height) * block_n)
+    ((first + local % height) * BLOCK_M as u32, (local / height) * BLOCK_N as u32)
 }
 
 /// The stages of a persistent TMA kernel, their "full" and "empty" barriers and the
-/// tile walk, shared by the `nt`, `tk` and narrow bodies. A stage holds the `A` and `B`
-/// tiles (`tile_bytes`, `A` first), then with 3xTF32 their residuals in the same layout.
+/// tile walk, shared by the `nt` and `tk` bodies. A stage holds the `A` and `B` tiles
+/// (`tile_bytes`, `A` first), then with 3xTF32 their residuals in the same layout.
 #[derive(Clone, Copy)]
 struct Pipeline {
     base: u32,
@@ -112,100 +89,49 @@ struct Pipeline {
     tile_bytes: u32,
     block_k: u32,
     a_bytes: u32,
-    block_n: u32,
-    /// Blocks per cluster (row tiles walked together) and this block's rank in it.
-    cluster: u32,
-    rank: u32,
     tiles_m: u32,
     tiles_n: u32,
     k_tiles: u32,
 }
 
 impl Pipeline {
-    /// The wide kernels' layout for `SPLIT` (3xTF32: four 16-deep stages with the
-    /// 64-byte swizzle, so that they fit beside their residuals) and a `(m, n, k)` GEMM.
+    /// The layout for `SPLIT` (3xTF32: four 16-deep stages with the 64-byte swizzle,
+    /// so that they fit beside their residuals) and a `(m, n, k)` GEMM. Thread 0 sets
+    /// up the barriers ("full": the producer's one arrival plus the stage's bytes;
+    /// "empty": one arrival per consumer warp) and prefetches both tensor maps; then
+    /// the block's only barrier.
     ///
     /// # Safety
-    /// As [`Pipeline::with`]; the dynamic shared memory is `SMEM_BYTES`
-    /// (`SPLIT_SMEM_BYTES` with `SPLIT`).
+    /// Every thread of the block calls it once, first; `maps` holds two tensor maps;
+    /// the dynamic shared memory is `SMEM_BYTES` (`SPLIT_SMEM_BYTES` with `SPLIT`).
     #[inline(always)]
-    unsafe fn new<const SPLIT: bool, const CLUSTER: u32>(maps: *const u8, dims: (u32, u32, u32)) -> Pipeline {
+    unsafe fn new<const SPLIT: bool>(maps: *const u8, (m, n, k): (u32, u32, u32)) -> Pipeline {
+        // The hardware swizzle is a function of address bits 7-9: stages start
+        // 1024-byte aligned.
+        let base = (shared_address(dynamic_shared::<f32>()) + 1023) & !1023;
         let (stages, tile_bytes, block_k, a_bytes) = if SPLIT {
             (SPLIT_STAGES, SPLIT_STAGE_BYTES, SPLIT_BLOCK_K, SPLIT_A_BYTES)
         } else {
             (STAGES, STAGE_BYTES, BLOCK_K, A_BYTES)
         };
-        let (stages, tile_bytes) = (stages as u32, tile_bytes as u32);
+        let (stages, tile_bytes, block_k, a_bytes) = (stages as u32, tile_bytes as u32, block_k as u32, a_bytes as u32);
         let stage_bytes = if SPLIT { 2 * tile_bytes } else { tile_bytes };
-        let (warps, block_n) = ((CONSUMER_THREADS / 32) as u32, BLOCK_N as u32);
-        let (layout, depth) = ((stages, stage_bytes, tile_bytes), (block_k as u32, a_bytes as u32));
-        // SAFETY: as the caller promises.
-        unsafe { Pipeline::with(maps, (warps, CLUSTER), dims, block_n, layout, depth) }
-    }
-
-    /// The layout of `stages` stages of `stage_bytes` (the copied tiles: `tile_bytes`,
-    /// `A`'s `a_bytes` first, `block_k` deep) for `BLOCK_M x block_n` tiles of a
-    /// `(m, n, k)` GEMM whose consumers are `consumer_warps` warps, in clusters of
-    /// `cluster` blocks that walk consecutive row tiles of a column together (1: no
-    /// cluster). Thread 0 sets up the barriers ("full": the producer's one arrival plus
-    /// the stage's bytes; "empty": one arrival per consumer warp of every block in the
-    /// cluster, since each block's copies land in all of them — a count too high never
-    /// completes, t39) and prefetches both tensor maps; then the block's (cluster's)
-    /// only barrier.
-    ///
-    /// # Safety
-    /// Every thread of the block calls it once, first; `maps` holds two tensor maps;
-    /// the dynamic shared memory holds 1024 bytes of slack, the stages and `2 stages`
-    /// barriers; the launch's clusters have `cluster` blocks.
-    #[inline(always)]
-    unsafe fn with(
-        maps: *const u8,
-        (consumer_warps, cluster): (u32, u32),
-        (m, n, k): (u32, u32, u32),
-        block_n: u32,
-        (stages, stage_bytes, tile_bytes): (u32, u32, u32),
-        (block_k, a_bytes): (u32, u32),
-    ) -> Pipeline {
-        // The hardware swizzle is a function of address bits 7-9: stages start
-        // 1024-byte aligned.
-        let base = (shared_address(dynamic_shared::<f32>()) + 1023) & !1023;
-        // With clusters, `tiles_m` counts groups of `cluster` row tiles.
-        let (tiles_m, tiles_n) = (m.div_ceil(BLOCK_M as u32 * cluster), n.div_ceil(block_n));
-        let rank = if cluster > 1 { cluster_rank() } else { 0 };
-        let p = Pipeline {
-            base,
-            stages,
-            stage_bytes,
-            tile_bytes,
-            block_k,
-            a_bytes,
-            block_n,
-            cluster,
-            rank,
-            tiles_m,
-            tiles_n,
-            k_tiles: k.div_ceil(block_k),
-        };
+        let (tiles_m, tiles_n) = (m.div_ceil(BLOCK_M as u32), n.div_ceil(BLOCK_N as u32));
+        let p = Pipeline { base, stages, stage_bytes, tile_bytes, block_k, a_bytes, tiles_m, tiles_n, k_tiles: k.div_ceil(block_k) };
         if thread_idx_x() == 0 {
             // SAFETY: fresh barriers inside the dynamic shared memory; valid tensor maps.
             unsafe {
                 for s in 0..stages {
                     mbarrier_init(p.full(s), 1);
-                    mbarrier_init(p.empty(s), consumer_warps * cluster);
+                    mbarrier_init(p.empty(s), (CONSUMER_THREADS / 32) as u32);
                 }
                 prefetch_tensor_map(maps);
                 prefetch_tensor_map(maps.add(128));
             }
             fence_barrier_init();
         }
-        // SAFETY: uniform; the only block-wide (cluster-wide) barrier before the end.
-        unsafe {
-            if cluster > 1 {
-                cluster_sync();
-            } else {
-                sync_threads();
-            }
-        }
+        // SAFETY: uniform; the only block-wide barrier.
+        unsafe { sync_threads() };
         p
     }
 
@@ -231,42 +157,14 @@ impl Pipeline {
         if s + 1 == self.stages { (0, phase ^ 1) } else { (s + 1, phase) }
     }
 
-    /// The tiles (with clusters: groups of row tiles) the blocks (clusters) share out.
     fn tiles(&self) -> u32 {
         self.tiles_m * self.tiles_n
     }
 
-    /// This block's (cluster's) first tile and the step to its next.
-    #[inline(always)]
-    fn first_and_step(&self) -> (u32, u32) {
-        (block_idx_x() / self.cluster, grid_dim_x() / self.cluster)
-    }
-
-    /// The origin of this block's tile in tile (group) `tile`.
+    /// The origin of tile `tile`.
     #[inline(always)]
     fn origin(&self, tile: u32) -> (u32, u32) {
-        let (row0, col0) = tile_origin(tile, (self.tiles_m, self.tiles_n), self.block_n);
-        (row0 * self.cluster + self.rank * BLOCK_M as u32, col0)
-    }
-
-    /// Frees stage `s` for the producers of every block whose copies land in it (this
-    /// block's alone without clusters): one arrival per consumer warp (its lane 0).
-    ///
-    /// # Safety
-    /// Once per consumer warp and phase; with clusters, every block exits only after a
-    /// final [`cluster_sync`].
-    #[inline(always)]
-    unsafe fn release(&self, s: u32) {
-        // SAFETY: as the caller promises.
-        unsafe {
-            if self.cluster > 1 {
-                for rank in 0..self.cluster {
-                    mbarrier_arrive_cluster(self.empty(s), rank);
-                }
-            } else {
-                mbarrier_arrive(self.empty(s));
-            }
-        }
+        tile_origin(tile, self.tiles_m, self.tiles_n)
     }
 
     /// The producer (one thread): walks the same tiles as the consumers and fills each
@@ -278,7 +176,7 @@ impl Pipeline {
     #[inline(always)]
     unsafe fn produce(&self, copy: impl Fn(u32, u32, u32, u32, u32)) {
         let (mut s, mut phase) = (0u32, 0u32);
-        let (mut tile, step) = self.first_and_step();
+        let mut tile = block_idx_x();
         while tile < self.tiles() {
             let (row0, col0) = self.origin(tile);
             for kt in 0..self.k_tiles {
@@ -290,7 +188,7 @@ impl Pipeline {
                 copy(self.stage(s), row0, col0, kt * self.block_k, self.full(s));
                 (s, phase) = self.next(s, phase);
             }
-            tile += step;
+            tile += grid_dim_x();
         }
     }
 }
@@ -317,7 +215,7 @@ pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_nt(
     ops: *const OpDesc,
     n_ops: u32,
 ) {
-    unsafe { gemm_tma::<false, 1>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
+    unsafe { gemm_tma::<false>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
 }
 
 /// [`gemm_tma_tf32_nt`] in 3xTF32 (FP32-level accuracy): each stage also holds the
@@ -343,39 +241,16 @@ pub unsafe extern "ptx-kernel" fn gemm_tma_tf32x3_nt(
     ops: *const OpDesc,
     n_ops: u32,
 ) {
-    unsafe { gemm_tma::<true, 1>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
+    unsafe { gemm_tma::<true>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
 }
 
-/// [`gemm_tma_tf32_nt`] in clusters of two blocks on row tiles `2 p`, `2 p + 1` of one
-/// column, each copying half of their common `B` tile into both (TMA multicast): a
-/// third fewer L2 reads (an experiment, t41).
-///
-/// # Safety
-/// As [`gemm_tma_tf32_nt`] with `B`'s box `32 x 128`, clusters of 2 along x (the PTX's
-/// `.reqnctapercluster`) and a grid of whole clusters.
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_nt_pair(
-    maps: *const u8,
-    bias: *const f32,
-    y: *mut f32,
-    save_z: *mut f32,
-    m: u32,
-    n: u32,
-    k: u32,
-    ops: *const OpDesc,
-    n_ops: u32,
-) {
-    unsafe { gemm_tma::<false, 2>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
-}
-
-/// The body of the entry points (`SPLIT`: 3xTF32; `CLUSTER`: blocks per cluster).
+/// The body of both entry points (`SPLIT`: 3xTF32).
 ///
 /// # Safety
 /// See [`gemm_tma_tf32_nt`].
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_tma<const SPLIT: bool, const CLUSTER: u32>(
+unsafe fn gemm_tma<const SPLIT: bool>(
     maps: *const u8,
     bias: *const f32,
     y: *mut f32,
@@ -390,7 +265,7 @@ unsafe fn gemm_tma<const SPLIT: bool, const CLUSTER: u32>(
     // SAFETY: the second of the two maps.
     let (map_a, map_b) = (maps, unsafe { maps.add(128) });
     // SAFETY: every thread, first; the launch's shared memory.
-    let pipe = unsafe { Pipeline::new::<SPLIT, CLUSTER>(maps, (m, n, k)) };
+    let pipe = unsafe { Pipeline::new::<SPLIT>(maps, (m, n, k)) };
     let Pipeline { tile_bytes, block_k, a_bytes, k_tiles, .. } = pipe;
 
     if t < 128 {
@@ -399,41 +274,17 @@ unsafe fn gemm_tma<const SPLIT: bool, const CLUSTER: u32>(
         // SAFETY: the whole warpgroup.
         unsafe { set_max_registers::<false, PRODUCER_REGISTERS>() };
         if t == 0 {
-            // With clusters, each block copies `rows` of the column tile's `B` for all.
-            let rows = BLOCK_N as u32 / CLUSTER;
-            let (half, mask) = (pipe.rank * rows * block_k * 4, ((1u32 << CLUSTER) - 1) as u16);
             // SAFETY: `A`'s `BLOCK_M` rows and `B`'s `BLOCK_N` fill the stage's tiles.
             unsafe {
                 pipe.produce(|stage, row0, col0, k0, full| {
                     tma_load_2d(stage, map_a, k0, row0, full);
-                    if CLUSTER > 1 {
-                        let b = stage + a_bytes + half;
-                        tma_load_2d_multicast(b, map_b, (k0, col0 + pipe.rank * rows), full, mask);
-                    } else {
-                        tma_load_2d(stage + a_bytes, map_b, k0, col0, full);
-                    }
+                    tma_load_2d(stage + a_bytes, map_b, k0, col0, full);
                 })
             };
         }
-    } else {
-        // SAFETY: the consumer warpgroups, after the setup.
-        unsafe { wide_consumers::<SPLIT>(pipe, Outputs { bias, y, save_z, ops, n_ops }, (m, n)) };
+        return;
     }
-    if CLUSTER > 1 {
-        // SAFETY: every thread of the cluster, once: no block exits while another may
-        // still arrive on its "empty" barriers.
-        unsafe { cluster_sync() };
-    }
-}
 
-/// The consumer warpgroups of [`gemm_tma`].
-///
-/// # Safety
-/// Threads 128..384 of the kernel, after its pipeline's setup.
-#[inline(always)]
-unsafe fn wide_consumers<const SPLIT: bool>(pipe: Pipeline, out: Outputs, (m, n): (u32, u32)) {
-    let Pipeline { tile_bytes, block_k, a_bytes, k_tiles, .. } = pipe;
-    let t = thread_idx_x();
     // The consumers: warpgroup `wg` owns rows `64 wg..64 wg + 64` of each tile, its
     // 128 accumulators and the epilogue's values all in registers.
     // SAFETY: whole warpgroups.
@@ -442,7 +293,7 @@ unsafe fn wide_consumers<const SPLIT: bool>(pipe: Pipeline, out: Outputs, (m, n)
     let (wg, warp, lane) = (c / 128, (c / 32) % 4, c % 32);
     let (gid, tig) = ((lane / 4) as usize, (lane % 4) as usize);
     let (mut s, mut phase) = (0u32, 0u32);
-    let (mut tile, step) = pipe.first_and_step();
+    let mut tile = block_idx_x();
     while tile < pipe.tiles() {
         let (row0, col0) = pipe.origin(tile);
         let mut acc = [0u32; 128];
@@ -486,7 +337,7 @@ unsafe fn wide_consumers<const SPLIT: bool>(pipe: Pipeline, out: Outputs, (m, n)
                 && lane == 0
             {
                 // SAFETY: one arrival per consumer warp per phase.
-                unsafe { pipe.release(prev) };
+                unsafe { mbarrier_arrive(pipe.empty(prev)) };
             }
             held = Some(s);
             (s, phase) = pipe.next(s, phase);
@@ -497,221 +348,50 @@ unsafe fn wide_consumers<const SPLIT: bool>(pipe: Pipeline, out: Outputs, (m, n)
             && lane == 0
         {
             // SAFETY: as above.
-            unsafe { pipe.release(prev) };
+            unsafe { mbarrier_arrive(pipe.empty(prev)) };
         }
         // The epilogue on the accumulators where they are (`epilogue::fragments`):
-        // rows 16 warp + lane / 4 (+ 8) of the warpgroup's 64, columns 2 (lane % 4) + 8 j;
-        // half `h` is columns `128 h..` of the tile.
+        // rows 16 warp + lane / 4 (+ 8) of the warpgroup's 64, columns 2 (lane % 4) + 8 j.
         let row = (row0 + wg * 64 + warp * 16) as usize + gid;
-        let col = col0 + 2 * tig as u32;
-        let (mut v, mut rest): (HalfFragment, HalfFragment) = ([0.0; 64], [0.0; 64]);
-        each_half_value(&mut v, |_, j, e| f32::from_bits(acc[4 * j + e]));
-        each_half_value(&mut rest, |_, j, e| f32::from_bits(acc[64 + 4 * j + e]));
-        let at = |h: u32| (row, opaque(col + 128 * h) as usize, opaque(m) as usize, opaque(n) as usize);
-        // SAFETY: as this kernel's contract.
-        unsafe { fragment_epilogue(v, rest, at, out) };
-        tile += step;
-    }
-}
-
-/// [`gemm_tma_tf32_nt`] on `128 x 128` tiles with one consumer warpgroup, two blocks
-/// per SM: for short `k` (M2: 1024, 31 wide tiles per SM), where the wide kernel's
-/// epilogue idles the tensor cores for about a quarter of its time. Here one block's
-/// epilogue runs while the other block's MMAs go on (cuBLAS's shape for M2's GEMM).
-/// Per `k`-step the warpgroup issues two `m64n128k8`, one per 64-row half of the
-/// tile, so a thread holds the same 128 accumulators as in the wide kernel, and each
-/// half's 64 are one [`HalfFragment`] of columns `col0..col0 + 128`: the same epilogue.
-/// The cost: `B` is read from shared memory twice per tile (t13: 160 B/clk at the
-/// TF32 peak against 128 available), three stages instead of four, and a third more
-/// L2 reads per FLOP — which the first version (t40) ran into: 1.16 ms on M2 against
-/// the wide kernel's 1.03. So blocks come in clusters of `NARROW_CLUSTER` on row tiles
-/// `2 p`, `2 p + 1` of one column, and each copies half of their common `B` tile into
-/// both (TMA multicast; cuBLAS's `128 x 128` TF32 kernel runs in clusters too).
-///
-/// # Safety
-/// As [`gemm_tma_tf32_nt`], `B`'s map with a `32 x (128 / NARROW_CLUSTER)` box,
-/// `NARROW_THREADS` threads, `NARROW_SMEM_BYTES` of dynamic shared memory, clusters of
-/// `NARROW_CLUSTER` blocks along x (the PTX's `.reqnctapercluster`), a grid of whole clusters.
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_nt_narrow(
-    maps: *const u8,
-    bias: *const f32,
-    y: *mut f32,
-    save_z: *mut f32,
-    m: u32,
-    n: u32,
-    k: u32,
-    ops: *const OpDesc,
-    n_ops: u32,
-) {
-    let t = thread_idx_x();
-    // SAFETY: the second of the two maps.
-    let (map_a, map_b) = (maps, unsafe { maps.add(128) });
-    let (stages, stage_bytes) = (NARROW_STAGES as u32, NARROW_STAGE_BYTES as u32);
-    let (warps, cluster) = ((NARROW_CONSUMER_THREADS / 32) as u32, NARROW_CLUSTER as u32);
-    let (layout, depth) = ((stages, stage_bytes, stage_bytes), (BLOCK_K as u32, A_BYTES as u32));
-    // SAFETY: every thread, first; the launch's `NARROW_SMEM_BYTES`, clusters of `NARROW_CLUSTER`.
-    let pipe = unsafe { Pipeline::with(maps, (warps, cluster), (m, n, k), NARROW_BLOCK_N as u32, layout, depth) };
-
-    if t < 128 {
-        // SAFETY: the whole warpgroup.
-        unsafe { set_max_registers::<false, NARROW_PRODUCER_REGISTERS>() };
-        if t == 0 {
-            // `A`'s `BLOCK_M` rows for this block; `B`'s rows `rows * rank..` of the
-            // column tile for every block of the cluster (a box of `rows`), at the same
-            // place in each stage. Each block's "full" barrier expects both halves.
-            let rows = NARROW_BLOCK_N as u32 / cluster;
-            let (half, mask) = (pipe.rank * rows * BLOCK_K as u32 * 4, (1u16 << cluster) - 1);
-            // SAFETY: `A` and the `B` halves fill the stage of every block in `mask`.
-            unsafe {
-                pipe.produce(|stage, row0, col0, k0, full| {
-                    tma_load_2d(stage, map_a, k0, row0, full);
-                    let b = stage + A_BYTES as u32 + half;
-                    tma_load_2d_multicast(b, map_b, (k0, col0 + pipe.rank * rows), full, mask);
-                })
-            };
-        }
-    } else {
-        // SAFETY: the whole (one) consumer warpgroup.
-        unsafe { set_max_registers::<true, NARROW_CONSUMER_REGISTERS>() };
-        // SAFETY: as this kernel's contract; `pipe` as set up above.
-        unsafe { narrow_consumer(pipe, Outputs { bias, y, save_z, ops, n_ops }, (m, n)) };
-    }
-    // SAFETY: every thread of the cluster: no block exits while another may still
-    // arrive on its "empty" barriers.
-    unsafe { cluster_sync() };
-}
-
-/// The consumer warpgroup of [`gemm_tma_tf32_nt_narrow`].
-///
-/// # Safety
-/// The warpgroup of threads 128..256 of the kernel, after its pipeline's setup.
-#[inline(always)]
-unsafe fn narrow_consumer(pipe: Pipeline, out: Outputs, (m, n): (u32, u32)) {
-    let lane = thread_idx_x() % 32;
-    // A stage is free once the consumers of every block its copies land in are done.
-    let release = |stage: u32| {
-        if lane == 0 {
-            // SAFETY: one arrival per consumer warp per phase; the blocks exit only after
-            // the final cluster barrier.
-            unsafe { pipe.release(stage) };
-        }
-    };
-    let (mut s, mut phase) = (0u32, 0u32);
-    let (mut tile, step) = pipe.first_and_step();
-    while tile < pipe.tiles() {
-        let (row0, col0) = pipe.origin(tile);
-        // `acc[h]`: rows `64 h..64 h + 64` of the tile.
-        let mut acc = [[0u32; 64]; 2];
-        let mut held = None;
-        for _ in 0..pipe.k_tiles {
-            let sa = pipe.stage(s);
-            let bottom = descriptor(sa + 64 * BLOCK_K as u32 * 4);
-            let (top, db) = (descriptor(sa), descriptor(sa + A_BYTES as u32));
-            let steps = |d: u64| [d, d + 2, d + 4, d + 6];
-            // SAFETY: the stage is complete once its phase is; the whole warpgroup
-            // issues the MMAs. Each call leaves its own group in flight and waits for
-            // the one before: after the top half's, the previous k-tile's MMAs are done.
-            unsafe {
-                mbarrier_wait(pipe.full(s), phase);
-                wgmma_k_tile::<1>(&mut acc[0], steps(top), steps(db));
-            }
-            if let Some(prev) = held {
-                release(prev);
-            }
-            // SAFETY: as above.
-            unsafe { wgmma_k_tile::<1>(&mut acc[1], steps(bottom), steps(db)) };
-            held = Some(s);
-            (s, phase) = pipe.next(s, phase);
-        }
-        // SAFETY: the whole warpgroup; the first wait drains both halves' groups, the
-        // second tells the compiler so.
+        // The thread's first column and the sizes, opaque to the compiler at each use:
+        // otherwise it derives the 64 column bounds once and holds them beside the 128
+        // values through the whole epilogue (and spills).
+        let fresh = |offset: u32| (opaque(col0 + 2 * tig as u32 + offset) as usize, opaque(m) as usize, opaque(n) as usize);
+        // SAFETY: `y` and `save_z` (if not null) hold `m * n` floats; `ops` holds `n_ops`.
         unsafe {
-            wgmma_wait_all_64(&mut acc[1]);
-            wgmma_wait_all_64(&mut acc[0]);
-        }
-        if let Some(prev) = held {
-            release(prev);
-        }
-        // Half `h` = the accumulators of rows `64 h + 16 warp + lane / 4` (+ 8), columns
-        // 2 (lane % 4) + 8 j of the tile. The thread's offsets are recomputed from its
-        // index at each use (two registers fewer through the epilogue: at the 232-register
-        // cap they spilled).
-        let (mut v, mut rest): (HalfFragment, HalfFragment) = ([0.0; 64], [0.0; 64]);
-        each_half_value(&mut v, |_, j, e| f32::from_bits(acc[0][4 * j + e]));
-        each_half_value(&mut rest, |_, j, e| f32::from_bits(acc[1][4 * j + e]));
-        let at = |h: u32| {
-            let lane = reread_thread_idx() % 32;
-            let warp = (reread_thread_idx() / 32) % 4;
-            let (row, col) = (row0 + 64 * h + 16 * warp + lane / 4, col0 + 2 * (lane % 4));
-            (row as usize, opaque(col) as usize, opaque(m) as usize, opaque(n) as usize)
-        };
-        // SAFETY: as this kernel's contract.
-        unsafe { fragment_epilogue(v, rest, at, out) };
-        tile += step;
-    }
-}
-
-/// The forward kernels' outputs and epilogue: the Linear bias (or null), `y`, `save_z`
-/// (or null) and the chain's `n_ops` ops.
-#[derive(Clone, Copy)]
-struct Outputs {
-    bias: *const f32,
-    y: *mut f32,
-    save_z: *mut f32,
-    ops: *const OpDesc,
-    n_ops: u32,
-}
-
-/// The epilogue of a thread's two half fragments, `first` then `second`: bias, saved
-/// `z`, the chain and the store, each half stored before the next. `at(h)` is half
-/// `h`'s `(row, col, m, n)` — its first row and column for this thread and the sizes —
-/// with the column and sizes opaque to the compiler at each use: otherwise it derives
-/// the 64 column bounds once and holds them beside the 128 values through the whole
-/// epilogue (and spills).
-///
-/// The halves in a loop, not unrolled (the opaque bound), so the chain's code exists
-/// once (14 k instructions instead of 28 k): unrolled, M2's three ops cost 0.6 ms more
-/// than its three one-op chains together; as a loop its forward went from 1.83 to
-/// 1.14 ms (the code is fetched anew for every tile; docs/PERFORMANCE.md, t12). The
-/// second half waits in `rest` and moves into `v`, so only the half in flight and the
-/// one waiting are live, as when unrolled. (Element by element: `map` would take the
-/// arrays through local memory.)
-///
-/// # Safety
-/// `y` and `save_z` (if not null) hold `m * n` floats, `bias` (if not null) `n`; `ops`
-/// holds `n_ops` ops whose parameters cover `n` columns.
-#[inline(always)]
-unsafe fn fragment_epilogue(
-    first: HalfFragment,
-    second: HalfFragment,
-    at: impl Fn(u32) -> (usize, usize, usize, usize),
-    out: Outputs,
-) {
-    let Outputs { bias, y, save_z, ops, n_ops } = out;
-    let (mut v, rest) = (first, second);
-    let mut h = 0u32;
-    while h < opaque(2) {
-        // SAFETY: as the caller promises; `at` keeps every access inside `m x n`.
-        unsafe {
-            if !bias.is_null() {
-                let (_, col, _, n) = at(h);
-                add_column_bias(&mut v, bias, n, col);
+            // The halves in a loop, not unrolled (the opaque bound), so the chain's code
+            // exists once (14 k instructions instead of 28 k): unrolled, M2's three ops
+            // cost 0.6 ms more than its three one-op chains together; as a loop its
+            // forward went from 1.83 to 1.14 ms (the code is fetched anew for every
+            // tile; see docs/PERFORMANCE.md, t12). The second half waits in `rest` and
+            // moves into `v`, so only the half in flight and the one waiting are live,
+            // as when unrolled.
+            // (Element by element: `map` would take the arrays through local memory.)
+            let (mut v, mut rest): (HalfFragment, HalfFragment) = ([0.0; 64], [0.0; 64]);
+            each_half_value(&mut v, |_, j, e| f32::from_bits(acc[4 * j + e]));
+            each_half_value(&mut rest, |_, j, e| f32::from_bits(acc[64 + 4 * j + e]));
+            let mut h = 0u32;
+            while h < opaque(2) {
+                let offset = 128 * h;
+                if !bias.is_null() {
+                    let (col, _, n) = fresh(offset);
+                    add_column_bias(&mut v, bias, n, col);
+                }
+                if !save_z.is_null() {
+                    let (col, m, n) = fresh(offset);
+                    store_half(save_z, &v, (m, n), row, col);
+                }
+                for o in 0..n_ops as usize {
+                    let (col, _, n) = fresh(offset);
+                    fragment_forward(&*ops.add(o), &mut v, n, col);
+                }
+                let (col, m, n) = fresh(offset);
+                store_half(y, &v, (m, n), row, col);
+                v = rest;
+                h += 1;
             }
-            if !save_z.is_null() {
-                let (row, col, m, n) = at(h);
-                store_half(save_z, &v, (m, n), row, col);
-            }
-            for o in 0..n_ops as usize {
-                let (_, col, _, n) = at(h);
-                fragment_forward(&*ops.add(o), &mut v, n, col);
-            }
-            let (row, col, m, n) = at(h);
-            store_half(y, &v, (m, n), row, col);
         }
-        v = rest;
-        h += 1;
+        tile += grid_dim_x();
     }
 }
 
@@ -790,7 +470,7 @@ unsafe fn gemm_tma_tk<const SPLIT: bool, const TRANS: bool>(maps: *const u8, y: 
     // SAFETY: every thread, first; the launch's shared memory. A stage: `A`'s four
     // `block_k x 32` boxes, `B`; 3xTF32: then `B`'s residual at the same offset one
     // `tile_bytes` on (the `A` residual's place stays unused).
-    let pipe = unsafe { Pipeline::new::<SPLIT, 1>(maps, (m, n, k)) };
+    let pipe = unsafe { Pipeline::new::<SPLIT>(maps, (m, n, k)) };
     let Pipeline { tile_bytes, block_k, a_bytes, k_tiles, .. } = pipe;
     let sub_bytes = 32 * block_k * 4;
 
@@ -824,7 +504,7 @@ unsafe fn gemm_tma_tk<const SPLIT: bool, const TRANS: bool>(maps: *const u8, y: 
     let at = |kk: u32| sub * sub_bytes + kk * 128 + ((chunk ^ kk) * 16) + 8 * p;
     let (lo, hi) = (at(tig), at(tig + 4));
     let (mut s, mut phase) = (0u32, 0u32);
-    let (mut tile, step) = pipe.first_and_step();
+    let mut tile = block_idx_x();
     while tile < pipe.tiles() {
         let (row0, col0) = pipe.origin(tile);
         let mut acc = [0u32; 128];
@@ -916,7 +596,7 @@ unsafe fn gemm_tma_tk<const SPLIT: bool, const TRANS: bool>(maps: *const u8, y: 
                     }
                 }); }); });
             }
-            tile += step;
+            tile += grid_dim_x();
             continue;
         }
         unroll!(h in 0..2 => {
@@ -943,7 +623,7 @@ unsafe fn gemm_tma_tk<const SPLIT: bool, const TRANS: bool>(maps: *const u8, y: 
                 }); });
             }
         });
-        tile += step;
+        tile += grid_dim_x();
     }
 }
 

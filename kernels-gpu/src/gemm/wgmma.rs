@@ -306,7 +306,7 @@ macro_rules! acc64 {
 /// # Safety
 /// Every thread of the warpgroup calls it.
 #[inline(always)]
-pub(super) unsafe fn wgmma_wait_all(acc: &mut [u32; 64]) {
+unsafe fn wgmma_wait_all(acc: &mut [u32; 64]) {
     // (The accumulators are named in a PTX comment: operands of the statement.)
     unsafe { wgmma_asm!(acc; [concat!("wgmma.wait_group.sync.aligned 0; // ", acc64!())];) }
 }
@@ -319,7 +319,7 @@ pub(super) unsafe fn wgmma_wait_all(acc: &mut [u32; 64]) {
 /// Descriptors of complete tiles made visible to the async proxy; every thread of
 /// the warpgroup calls it.
 #[inline(always)]
-pub(super) unsafe fn wgmma_k_tile<const INFLIGHT: u32>(acc: &mut [u32; 64], da: [u64; 4], db: [u64; 4]) {
+unsafe fn wgmma_k_tile<const INFLIGHT: u32>(acc: &mut [u32; 64], da: [u64; 4], db: [u64; 4]) {
     unsafe {
         wgmma_asm!(acc; [
             "{{ .reg .pred p; setp.ne.b32 p, {one}, 0;",

@@ -99,59 +99,6 @@ pub unsafe fn tma_load_2d(dst: u32, map: *const u8, x: u32, y: u32, bar: u32) {
     }
 }
 
-/// [`tma_load_2d`] into every block of the cluster in `mask` (bit `i`: rank `i`): the
-/// box lands at `dst` in each and counts towards the barrier at `bar` in each (the same
-/// shared offsets in every block).
-///
-/// # Safety
-/// As [`tma_load_2d`] in every block of `mask`, each of which expects the bytes.
-#[inline(always)]
-pub unsafe fn tma_load_2d_multicast(dst: u32, map: *const u8, (x, y): (u32, u32), bar: u32, mask: u16) {
-    unsafe {
-        asm!("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [{d}], [{m}, {{{x}, {y}}}], [{b}], {k};",
-             d = in(reg32) dst, m = in(reg64) map as u64, x = in(reg32) x, y = in(reg32) y, b = in(reg32) bar,
-             k = in(reg16) mask, options(nostack))
-    }
-}
-
-/// This block's rank in its cluster.
-#[inline(always)]
-pub fn cluster_rank() -> u32 {
-    let r: u32;
-    // SAFETY: a special-register read.
-    unsafe { asm!("mov.u32 {0}, %cluster_ctarank;", out(reg32) r, options(nostack, nomem, pure)) };
-    r
-}
-
-/// One arrival on the barrier at shared offset `bar` of the cluster's block `rank`
-/// (this block's own included). The default `.release.cta` semantics: an arrival that
-/// only says "the tensor cores are done with this stage" orders no memory accesses of
-/// this thread (`.release.cluster` compiles to a GPU-wide `MEMBAR` per arrival, which
-/// would wait for the previous tile's epilogue stores).
-///
-/// # Safety
-/// As [`mbarrier_arrive`], for that block's barrier; the block has not exited.
-#[inline(always)]
-pub unsafe fn mbarrier_arrive_cluster(bar: u32, rank: u32) {
-    unsafe {
-        asm!("{{ .reg .b32 r; mapa.shared::cluster.u32 r, {b}, {c}; mbarrier.arrive.shared::cluster.b64 _, [r]; }}",
-             b = in(reg32) bar, c = in(reg32) rank, options(nostack))
-    }
-}
-
-/// A barrier for every thread of the cluster (`barrier.cluster` arrive and wait): what
-/// one block wrote before it (barrier initialisations included) is visible to all.
-///
-/// Not `.aligned`: the threads of a warp may reach it apart (a producer warp whose one
-/// working thread comes later).
-///
-/// # Safety
-/// Every thread of every block in the cluster reaches it.
-#[inline(always)]
-pub unsafe fn cluster_sync() {
-    unsafe { asm!("barrier.cluster.arrive.release; barrier.cluster.wait.acquire;", options(nostack)) }
-}
-
 /// `bar.sync id, threads`: a barrier for a subset of the block (named barrier `id`,
 /// 1..15; 0 is `__syncthreads`), so consumer warps can meet without the producer.
 ///

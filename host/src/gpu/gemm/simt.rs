@@ -105,36 +105,6 @@ impl std::fmt::Display for Precision {
     }
 }
 
-/// The output tile of the TF32 TMA forward (`gemm_tma_tf32_nt*`; other precisions and
-/// layouts have one shape).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum Tiles {
-    /// The host's choice: `Wide` until the narrow kernel's first measurement decides
-    /// where it pays (docs/PERFORMANCE.md, t39-t40).
-    #[default]
-    Auto,
-    /// `128 x 256` tiles, two consumer warpgroups, one block per SM (`gemm_tma_tf32_nt`).
-    Wide,
-    /// `128 x 128` tiles, one consumer warpgroup, two blocks per SM, so one block's
-    /// epilogue overlaps the other's MMAs (`gemm_tma_tf32_nt_narrow`; `k` up to
-    /// `gemm_tma::NARROW_MAX_K`, deeper runs `Wide`).
-    Narrow,
-    /// `Wide` in clusters of two blocks sharing their `B` tile (TMA multicast:
-    /// `gemm_tma_tf32_nt_pair`).
-    Pair,
-}
-
-impl Tiles {
-    /// The tiles a TF32 forward of depth `k` runs on (`Auto` resolved).
-    fn for_depth(self, k: usize) -> Tiles {
-        match self {
-            Tiles::Auto => Tiles::Wide,
-            Tiles::Narrow if k > gemm_tma::NARROW_MAX_K => Tiles::Wide,
-            t => t,
-        }
-    }
-}
-
 /// The kernel a launch runs: its name, its `k` depth per stage (split-K slices are
 /// multiples of it) and its dynamic shared memory in bytes — or the TMA forward, which
 /// has a launcher of its own ([`super::tma`]).
@@ -154,8 +124,7 @@ fn tma_allowed() -> bool {
 }
 
 /// The kernel for a precision, layout, leading dimensions (16-byte loads need both
-/// divisible by 4), depth `k` and split-K count, storing `y^T` when `transpose_y`, with
-/// the TF32 forward's `tiles`. The
+/// divisible by 4), depth `k` and split-K count, storing `y^T` when `transpose_y`. The
 /// TF32 and 3xTF32 `Nt` GEMMs without split-K and with `k >= gemm_tma::MIN_K` run on
 /// the persistent TMA kernels (kernels-gpu/src/gemm/tma.rs);
 /// TF32 and 3xTF32 with 16-byte loads otherwise on `wgmma` (`gemm_wg_*`,
@@ -168,14 +137,13 @@ fn kernel(
     (lda, ldb, k): (usize, usize, usize),
     splits: usize,
     transpose_y: bool,
-    tiles: Tiles,
 ) -> Kernel {
     let vec4 = lda.is_multiple_of(4) && ldb.is_multiple_of(4);
     if precision.on_wgmma() && splits <= 1 && k >= gemm_tma::MIN_K && vec4 && tma_allowed() {
         // The TMA kernels: `Nt` (the forward), `Tk` (`A` row-contiguous: `dW` with `dZ`
         // as stored, and `dX^T = W^T dZ^T` with `W` as stored; `A` through registers).
         let name = match layout {
-            Layout::Nt => Some(super::tma::kernel(precision, tiles.for_depth(k))),
+            Layout::Nt => Some(super::tma::kernel(precision)),
             Layout::Tk => Some(super::tma::tk_kernel(precision, transpose_y)),
             Layout::Nn | Layout::Tn => None,
         };
@@ -207,24 +175,22 @@ fn kernel(
     Kernel { name: format!("{}_{layout}_{vec}", precision.prefix()), block_k, smem_bytes, tma: false }
 }
 
-/// Name of the kernel for a precision, layout, leading dimensions, depth `k`, split-K
-/// count and tile choice (see [`kernel`]).
+/// Name of the kernel for a precision, layout, leading dimensions, depth `k` and split-K
+/// count (see [`kernel`]).
 pub fn kernel_name(
     precision: Precision,
     layout: Layout,
     (lda, ldb, k): (usize, usize, usize),
     splits: usize,
-    tiles: Tiles,
 ) -> String {
-    kernel(precision, layout, (lda, ldb, k), splits, false, tiles).name
+    kernel(precision, layout, (lda, ldb, k), splits, false).name
 }
 
 /// The kernel [`grad_input`] runs `dX = dZ W` on for these operands (the GPU tests check
 /// the path they mean to cover).
 pub fn grad_input_kernel(precision: Precision, dz: &DeviceTensor, w: &DeviceTensor) -> Result<String> {
     let (gemm, _) = grad_input_gemm(precision, dz, w)?;
-    Ok(kernel(gemm.precision, gemm.layout, (gemm.lda, gemm.ldb, gemm.k), gemm.splits, gemm.transpose_y, gemm.tiles)
-        .name)
+    Ok(kernel(gemm.precision, gemm.layout, (gemm.lda, gemm.ldb, gemm.k), gemm.splits, gemm.transpose_y).name)
 }
 
 /// One GEMM launch: `y (m, n) = chain(A B^T + bias)`, or `splits > 1` partial products
@@ -244,8 +210,6 @@ pub struct Gemm<'a> {
     pub splits: usize,
     /// Store `y^T (n, m)` instead of `y` (layout `Tk` only, no bias or chain).
     pub transpose_y: bool,
-    /// The TF32 TMA forward's tile shape.
-    pub tiles: Tiles,
 }
 
 impl<'a> Gemm<'a> {
@@ -258,8 +222,7 @@ impl<'a> Gemm<'a> {
         (m, n, k): (usize, usize, usize),
         (lda, ldb): (usize, usize),
     ) -> Gemm<'a> {
-        let (bias, chain, splits, transpose_y, tiles) = (None, None, 1, false, Tiles::Auto);
-        Gemm { precision, layout, a, b, m, n, k, lda, ldb, bias, chain, splits, transpose_y, tiles }
+        Gemm { precision, layout, a, b, m, n, k, lda, ldb, bias: None, chain: None, splits: 1, transpose_y: false }
     }
 
     /// Queues the GEMM. `save_z`, if given, receives `A B^T + bias` before the chain.
@@ -305,7 +268,7 @@ impl<'a> Gemm<'a> {
             return Err(Error::Shape(format!("GEMM size ({m}, {n}, {k}) exceeds the kernel's 32-bit arguments")));
         }
         let Kernel { name, block_k, smem_bytes, tma } =
-            kernel(self.precision, self.layout, (self.lda, self.ldb, k), splits, self.transpose_y, self.tiles);
+            kernel(self.precision, self.layout, (self.lda, self.ldb, k), splits, self.transpose_y);
         if tma && tk {
             if self.bias.is_some() || self.chain.is_some() || save_z.is_some() {
                 return Err(Error::Unsupported("the TMA `Tk` GEMM takes no bias, chain or saved output".into()));
@@ -317,8 +280,9 @@ impl<'a> Gemm<'a> {
         if tma {
             let pitches = (self.lda, self.ldb);
             let (operands, dims) = ((self.a, self.b), (m, n, k));
+            let precision = self.precision;
             return super::tma::launch_forward(
-                gpu, stream, &name, operands, dims, pitches, self.bias, self.chain, y, save_z,
+                gpu, stream, precision, operands, dims, pitches, self.bias, self.chain, y, save_z,
             );
         }
         let name = name.as_str();
@@ -484,31 +448,4 @@ pub fn grad_weight_into(
     }
     Gemm::plain(precision, Layout::Tn, (&dz.buf, &x.buf), (n, k, m), (n, k)).launch_on(gpu, stream, dw, None)?;
     Ok(Vec::new())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The TF32 forward runs on the narrow kernel only when asked and `k` is shallow
-    /// enough; other precisions and layouts ignore the choice.
-    #[test]
-    fn narrow_tiles_only_for_shallow_tf32_forwards() {
-        let nt = |precision, k, tiles| kernel_name(precision, Layout::Nt, (k, k, k), 1, tiles);
-        let max = gemm_tma::NARROW_MAX_K;
-        assert_eq!(nt(Precision::Tf32, 1024, Tiles::Narrow), "gemm_tma_tf32_nt_narrow");
-        assert_eq!(nt(Precision::Tf32, max, Tiles::Narrow), "gemm_tma_tf32_nt_narrow");
-        assert_eq!(nt(Precision::Tf32, max + 4, Tiles::Narrow), "gemm_tma_tf32_nt");
-        assert_eq!(nt(Precision::Tf32, 1024, Tiles::Wide), "gemm_tma_tf32_nt");
-        assert_eq!(nt(Precision::Tf32, 1024, Tiles::Auto), "gemm_tma_tf32_nt");
-        assert_eq!(nt(Precision::Tf32x3, 1024, Tiles::Narrow), "gemm_tma_tf32x3_nt");
-        // Below MIN_K, split-K, or a layout without a narrow kernel: unchanged.
-        assert_eq!(nt(Precision::Tf32, 512, Tiles::Narrow), "gemm_wg_tf32_nt_vec4");
-        let split = kernel_name(Precision::Tf32, Layout::Nt, (1024, 1024, 1024), 4, Tiles::Narrow);
-        assert_eq!(split, "gemm_wg_tf32_nt_vec4");
-        let tk = kernel_name(Precision::Tf32, Layout::Tk, (1024, 1024, 1024), 1, Tiles::Narrow);
-        assert_eq!(tk, "gemm_tma_tf32_tk");
-        assert_eq!(nt(Precision::Tf32, 8192, Tiles::Pair), "gemm_tma_tf32_nt_pair");
-        assert_eq!(nt(Precision::Tf32x3, 1024, Tiles::Pair), "gemm_tma_tf32x3_nt");
-    }
 }

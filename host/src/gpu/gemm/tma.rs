@@ -1,52 +1,22 @@
-//! Launchers of the persistent, TMA-fed TF32 and 3xTF32 GEMMs (kernels-gpu/src/gemm/tma.rs):
-//! the forward (`gemm_tma_*_nt`, and the narrow-tiled TF32 `gemm_tma_tf32_nt_narrow`)
-//! and the backward's `Tk` GEMMs. Their two tensor maps (the TMA unit's description of
-//! each operand: base, sizes, row pitch, box, swizzle) are encoded here and uploaded
-//! beside the launch.
+//! Launcher of `gemm_tma_tf32_nt` and `gemm_tma_tf32x3_nt` (kernels-gpu/src/gemm/tma.rs),
+//! the persistent, TMA-fed TF32 and 3xTF32 `Nt` GEMMs: their two tensor maps (the TMA unit's description of each operand:
+//! base, sizes, row pitch, box, swizzle) are encoded here and uploaded beside the launch.
 
 use super::super::epilogue::DeviceChain;
 use super::super::{DeviceTensor, Gpu};
 use super::simt::EpilogueArgs;
-use super::simt::{Precision, Tiles};
+use super::simt::Precision;
 use crate::error::{Error, Result};
 use cudarc::driver::sys::{self, CUtensorMap};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
-use kernel_abi::gemm_tma::*;
+use kernel_abi::gemm_tma::{BLOCK_K, BLOCK_M, BLOCK_N, SMEM_BYTES, SPLIT_BLOCK_K, SPLIT_SMEM_BYTES, THREADS};
 use std::sync::Arc;
 
-/// The forward kernel for `precision` (TF32 or 3xTF32) on `tiles` (TF32 only; `Auto`
-/// resolved by the caller); `simt::kernel` picks it when both operands' row pitches are
-/// multiples of 4 floats (TMA wants 16-byte multiples) and no split-K.
-pub fn kernel(precision: Precision, tiles: Tiles) -> &'static str {
-    match (precision == Precision::Tf32x3, tiles) {
-        (true, _) => "gemm_tma_tf32x3_nt",
-        (false, Tiles::Narrow) => "gemm_tma_tf32_nt_narrow",
-        (false, Tiles::Pair) => "gemm_tma_tf32_nt_pair",
-        (false, Tiles::Auto | Tiles::Wide) => "gemm_tma_tf32_nt",
-    }
-}
-
-/// A persistent kernel's launch shape: threads per block, dynamic shared memory, the
-/// output tile's width (its height is `BLOCK_M`), the blocks that run per SM and per
-/// cluster (each block of a cluster copies `block_n / cluster` rows of `B` for all).
-struct Shape {
-    threads: usize,
-    smem_bytes: usize,
-    block_n: usize,
-    blocks_per_sm: usize,
-    cluster: usize,
-}
-
-/// The shape of the persistent kernel `name` (in kernel_abi::gemm_tma).
-fn shape(name: &str) -> Shape {
-    if name == "gemm_tma_tf32_nt_narrow" {
-        let (threads, smem_bytes, block_n) = (NARROW_THREADS, NARROW_SMEM_BYTES, NARROW_BLOCK_N);
-        Shape { threads, smem_bytes, block_n, blocks_per_sm: NARROW_BLOCKS_PER_SM, cluster: NARROW_CLUSTER }
-    } else {
-        let smem_bytes = if name.contains("tf32x3") { SPLIT_SMEM_BYTES } else { SMEM_BYTES };
-        let cluster = if name.ends_with("_pair") { 2 } else { 1 };
-        Shape { threads: THREADS, smem_bytes, block_n: BLOCK_N, blocks_per_sm: 1, cluster }
-    }
+/// The kernel for `precision` (TF32 or 3xTF32); `simt::kernel` picks it when both
+/// operands' row pitches are multiples of 4 floats (TMA wants 16-byte multiples) and
+/// no split-K.
+pub fn kernel(precision: Precision) -> &'static str {
+    if precision == Precision::Tf32x3 { "gemm_tma_tf32x3_nt" } else { "gemm_tma_tf32_nt" }
 }
 
 /// The TF32 or 3xTF32 GEMM with `A` stored transposed (`Layout::Tk`: the weight
@@ -123,87 +93,44 @@ fn encode_map(
 
 /// What every launch of the persistent kernels needs: the two tensor maps uploaded
 /// (freed in stream order after the kernel: cudarc frees asynchronously on `stream`),
-/// the function with its shared memory allowed, and as many blocks as run at once
-/// (or one per tile).
+/// the function with its shared memory allowed, and `min(tiles, SMs)` blocks.
 struct Persistent {
     maps: CudaSlice<u64>,
     func: CudaFunction,
     cfg: LaunchConfig,
 }
 
-/// How many blocks of the persistent kernel `name` run at once per SM: its
-/// `blocks_per_sm`, or fewer where the driver says they do not fit (a persistent grid
-/// larger than that would run its last blocks after the others instead of beside them).
-/// The GPU tests check that the narrow kernel gets its two.
-pub fn resident_blocks_per_sm(gpu: &Gpu, name: &str) -> Result<usize> {
-    let func = gpu.function(name)?;
-    gpu.allow_shared(&func, name, shape(name).smem_bytes)?;
-    resident_blocks(gpu, &func, name)
-}
-
-/// [`resident_blocks_per_sm`] for a loaded function whose shared memory is allowed.
-fn resident_blocks(gpu: &Gpu, func: &CudaFunction, name: &str) -> Result<usize> {
-    let Shape { threads, smem_bytes, blocks_per_sm, cluster, .. } = shape(name);
-    if blocks_per_sm == 1 {
-        return Ok(1);
-    }
-    // All of the SM's shared memory to the blocks (the rest is L1).
-    use cudarc::driver::sys::CUfunction_attribute as F;
-    func.set_attribute(F::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
-        .map_err(|e| Error::cuda(format!("setting the shared-memory carveout of `{name}`"), e))?;
-    let sms = gpu.props.multiprocessors;
-    let fit = if cluster > 1 {
-        // Clusters that fit on the whole GPU at once (the cluster size is the kernel's own).
-        let cfg = LaunchConfig {
-            grid_dim: ((cluster * blocks_per_sm * sms) as u32, 1, 1),
-            block_dim: (threads as u32, 1, 1),
-            shared_mem_bytes: smem_bytes as u32,
-        };
-        let clusters = func
-            .occupancy_max_active_clusters(cfg, gpu.stream())
-            .map_err(|e| Error::cuda(format!("querying the cluster occupancy of `{name}`"), e))?;
-        clusters as usize * cluster / sms
-    } else {
-        func.occupancy_max_active_blocks_per_multiprocessor(threads as u32, smem_bytes, None)
-            .map_err(|e| Error::cuda(format!("querying the occupancy of `{name}`"), e))? as usize
-    };
-    Ok(blocks_per_sm.min(fit.max(1)))
-}
-
-/// [`Persistent`] for kernel `name` over an `(m, n)` output.
+/// [`Persistent`] for kernel `name` in `precision` over an `(m, n)` output.
 fn persistent(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
     name: &str,
+    precision: Precision,
     maps: [CUtensorMap; 2],
     (m, n): (usize, usize),
 ) -> Result<Persistent> {
     let words: Vec<u64> = maps.iter().flat_map(|map| map.opaque).collect();
     let maps = stream.clone_htod(&words).map_err(|e| Error::cuda("uploading the TMA tensor maps", e))?;
-    let Shape { threads, smem_bytes, block_n, cluster, .. } = shape(name);
+    let smem_bytes = if precision == Precision::Tf32x3 { SPLIT_SMEM_BYTES } else { SMEM_BYTES };
     let func = gpu.function(name)?;
     gpu.allow_shared(&func, name, smem_bytes)?;
-    let resident = resident_blocks(gpu, &func, name)?;
-    // Whole clusters, each walking groups of `cluster` row tiles.
-    let groups = m.div_ceil(BLOCK_M * cluster) * n.div_ceil(block_n);
-    let clusters = groups.min((resident * gpu.props.multiprocessors / cluster).max(1));
+    let tiles = m.div_ceil(BLOCK_M) * n.div_ceil(BLOCK_N);
     let cfg = LaunchConfig {
-        grid_dim: ((clusters * cluster) as u32, 1, 1),
-        block_dim: (threads as u32, 1, 1),
+        grid_dim: (tiles.min(gpu.props.multiprocessors) as u32, 1, 1),
+        block_dim: (THREADS as u32, 1, 1),
         shared_mem_bytes: smem_bytes as u32,
     };
     Ok(Persistent { maps, func, cfg })
 }
 
-/// Queues `y (m, n) = chain(x W^T + bias)` on the forward kernel `name` (one of
-/// [`kernel`]'s) with `x (m, k)` in `a` and `W (n, k)` in `b` (both `k`-contiguous, row
-/// pitches `lda`, `ldb`). The caller has checked shapes and extents, and that the
-/// pitches are multiples of 4.
+/// Queues `y (m, n) = chain(x W^T + bias)` in `precision` (TF32 or 3xTF32) with `x (m, k)` in `a` and `W (n, k)` in `b`
+/// (both `k`-contiguous, row pitches `lda`, `ldb`). The caller has checked shapes and
+/// extents, and that the pitches are multiples of 4.
 #[allow(clippy::too_many_arguments)]
 pub fn launch_forward(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
-    name: &str,
+    precision: Precision,
     (a, b): (&CudaSlice<f32>, &CudaSlice<f32>),
     (m, n, k): (usize, usize, usize),
     (lda, ldb): (usize, usize),
@@ -212,12 +139,12 @@ pub fn launch_forward(
     y: &mut DeviceTensor,
     save_z: Option<&mut DeviceTensor>,
 ) -> Result<()> {
-    let precision = if name.contains("tf32x3") { Precision::Tf32x3 } else { Precision::Tf32 };
     let maps = [
         tensor_map(stream, a, (m, k, lda), BLOCK_M, precision)?,
-        tensor_map(stream, b, (n, k, ldb), shape(name).block_n / shape(name).cluster, precision)?,
+        tensor_map(stream, b, (n, k, ldb), BLOCK_N, precision)?,
     ];
-    let Persistent { maps, func, cfg } = persistent(gpu, stream, name, maps, (m, n))?;
+    let name = kernel(precision);
+    let Persistent { maps, func, cfg } = persistent(gpu, stream, name, precision, maps, (m, n))?;
     let tail = EpilogueArgs::new(&[m, n, k], chain);
     let mut launch = stream.launch_builder(&func);
     launch.arg(&maps);
@@ -251,7 +178,7 @@ pub fn launch_tk(
         encode_map(stream, a, (k, m, lda), (block_k, 32), swizzle)?,
         tensor_map(stream, b, (n, k, ldb), BLOCK_N, precision)?,
     ];
-    let Persistent { maps, func, cfg } = persistent(gpu, stream, name, maps, (m, n))?;
+    let Persistent { maps, func, cfg } = persistent(gpu, stream, name, precision, maps, (m, n))?;
     let (m32, n32, k32) = (m as u32, n as u32, k as u32);
     let mut launch = stream.launch_builder(&func);
     launch.arg(&maps).arg(&mut y.buf).arg(&m32).arg(&n32).arg(&k32);
