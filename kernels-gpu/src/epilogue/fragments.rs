@@ -58,16 +58,11 @@ fn half_inside(n: usize, col: usize) -> bool {
 #[inline(always)]
 pub fn fragment_forward(op: &OpDesc, v: &mut HalfFragment, n: usize, col: usize) {
     let p0 = op.param0 as *const f32;
-    let inside = half_inside(n, col);
-    // SAFETY (unchecked): the half is inside `n`, every parameter's length.
-    let fast = |p: *const f32, j: usize| unsafe { load_pair_nc(p, col + 8 * j) };
     let checked = |p: *const f32, j: usize| column_pair(p, n, col + 8 * j);
     match op.code {
         OP_GROUP_NORM => group_norm_sized(op, v, n, checked),
-        OP_BIAS if inside => each_half_value(v, |x, j, e| x + fast(p0, j)[e % 2]),
-        OP_BIAS => each_half_value(v, |x, j, e| x + checked(p0, j)[e % 2]),
-        OP_MUL if inside => each_half_value(v, |x, j, e| x * fast(p0, j)[e % 2]),
-        OP_MUL => each_half_value(v, |x, j, e| x * checked(p0, j)[e % 2]),
+        OP_BIAS => per_column(v, p0, n, col, |x, b| x + b),
+        OP_MUL => per_column(v, p0, n, col, |x, w| x * w),
         OP_SCALE => each_half_value(v, |x, _, _| x * op.a),
         OP_SWISH => each_half_value(v, |x, _, _| swish(x)),
         OP_MISH => each_half_value(v, |x, _, _| mish(x)),
@@ -116,21 +111,21 @@ unsafe fn load_pair_nc(p: *const f32, c: usize) -> [f32; 2] {
 /// `v += bias[column]` over the half fragment from `col` (the Linear layer's bias).
 #[inline(always)]
 pub fn add_column_bias(v: &mut HalfFragment, bias: *const f32, n: usize, col: usize) {
-    if half_inside(n, col) {
-        // SAFETY: every chunk's pair is below n, the bias's length.
-        each_half_value(v, |x, j, e| x + unsafe { load_pair(bias, col + 8 * j) }[e % 2]);
-    } else {
-        each_half_value(v, |x, j, e| x + column_pair(bias, n, col + 8 * j)[e % 2]);
-    }
+    per_column(v, bias, n, col, |x, b| x + b);
 }
 
-/// `p[c]`, `p[c + 1]` (`c` even) in one 8-byte load.
-///
-/// # Safety
-/// `c + 1` is below the length of `p`, a device allocation (8-byte aligned).
+/// `v = f(v, p[column])` over the half fragment from `col`, for a per-column parameter
+/// `p` of length `n`: with the whole half inside `n` (all tiles but the last column's),
+/// 8-byte read-only loads and no checks; else a bounds check per chunk.
 #[inline(always)]
-unsafe fn load_pair(p: *const f32, c: usize) -> [f32; 2] {
-    unsafe { (*(p.add(c) as *const F2)).0 }
+fn per_column(v: &mut HalfFragment, p: *const f32, n: usize, col: usize, f: impl Fn(f32, f32) -> f32) {
+    if half_inside(n, col) {
+        // SAFETY: every chunk's pair is below `n`, the parameter's length; nothing
+        // writes parameters while a kernel reads them.
+        each_half_value(v, |x, j, e| f(x, unsafe { load_pair_nc(p, col + 8 * j) }[e % 2]));
+    } else {
+        each_half_value(v, |x, j, e| f(x, column_pair(p, n, col + 8 * j)[e % 2]));
+    }
 }
 
 /// Per-column parameters `p[c]`, `p[c + 1]` (`c` even), 0 past `n`: one 8-byte load.
