@@ -216,90 +216,6 @@ unsafe fn gemm_wg<const SPLIT: bool, const A_K: bool, const TRANS: bool, const S
     }
 }
 
-/// Runs a warpgroup-wide `wgmma` asm block with the 64 accumulators as operands
-/// `d0..d63` (the whole block is one statement, so nothing touches them while the
-/// asynchronous MMAs are in flight).
-macro_rules! wgmma_asm {
-    ($acc:ident; [$($tmpl:expr),* $(,)?]; $($ops:tt)*) => {
-        core::arch::asm!(
-            $($tmpl),*,
-            d0 = inout(reg32) $acc[0],
-            d1 = inout(reg32) $acc[1],
-            d2 = inout(reg32) $acc[2],
-            d3 = inout(reg32) $acc[3],
-            d4 = inout(reg32) $acc[4],
-            d5 = inout(reg32) $acc[5],
-            d6 = inout(reg32) $acc[6],
-            d7 = inout(reg32) $acc[7],
-            d8 = inout(reg32) $acc[8],
-            d9 = inout(reg32) $acc[9],
-            d10 = inout(reg32) $acc[10],
-            d11 = inout(reg32) $acc[11],
-            d12 = inout(reg32) $acc[12],
-            d13 = inout(reg32) $acc[13],
-            d14 = inout(reg32) $acc[14],
-            d15 = inout(reg32) $acc[15],
-            d16 = inout(reg32) $acc[16],
-            d17 = inout(reg32) $acc[17],
-            d18 = inout(reg32) $acc[18],
-            d19 = inout(reg32) $acc[19],
-            d20 = inout(reg32) $acc[20],
-            d21 = inout(reg32) $acc[21],
-            d22 = inout(reg32) $acc[22],
-            d23 = inout(reg32) $acc[23],
-            d24 = inout(reg32) $acc[24],
-            d25 = inout(reg32) $acc[25],
-            d26 = inout(reg32) $acc[26],
-            d27 = inout(reg32) $acc[27],
-            d28 = inout(reg32) $acc[28],
-            d29 = inout(reg32) $acc[29],
-            d30 = inout(reg32) $acc[30],
-            d31 = inout(reg32) $acc[31],
-            d32 = inout(reg32) $acc[32],
-            d33 = inout(reg32) $acc[33],
-            d34 = inout(reg32) $acc[34],
-            d35 = inout(reg32) $acc[35],
-            d36 = inout(reg32) $acc[36],
-            d37 = inout(reg32) $acc[37],
-            d38 = inout(reg32) $acc[38],
-            d39 = inout(reg32) $acc[39],
-            d40 = inout(reg32) $acc[40],
-            d41 = inout(reg32) $acc[41],
-            d42 = inout(reg32) $acc[42],
-            d43 = inout(reg32) $acc[43],
-            d44 = inout(reg32) $acc[44],
-            d45 = inout(reg32) $acc[45],
-            d46 = inout(reg32) $acc[46],
-            d47 = inout(reg32) $acc[47],
-            d48 = inout(reg32) $acc[48],
-            d49 = inout(reg32) $acc[49],
-            d50 = inout(reg32) $acc[50],
-            d51 = inout(reg32) $acc[51],
-            d52 = inout(reg32) $acc[52],
-            d53 = inout(reg32) $acc[53],
-            d54 = inout(reg32) $acc[54],
-            d55 = inout(reg32) $acc[55],
-            d56 = inout(reg32) $acc[56],
-            d57 = inout(reg32) $acc[57],
-            d58 = inout(reg32) $acc[58],
-            d59 = inout(reg32) $acc[59],
-            d60 = inout(reg32) $acc[60],
-            d61 = inout(reg32) $acc[61],
-            d62 = inout(reg32) $acc[62],
-            d63 = inout(reg32) $acc[63],
-            $($ops)*
-            options(nostack)
-        )
-    };
-}
-
-/// The `{d0, .., d63}` accumulator list of a `wgmma` template.
-macro_rules! acc64 {
-    () => {
-        "{{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, {d13}, {d14}, {d15}, {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}, {d32}, {d33}, {d34}, {d35}, {d36}, {d37}, {d38}, {d39}, {d40}, {d41}, {d42}, {d43}, {d44}, {d45}, {d46}, {d47}, {d48}, {d49}, {d50}, {d51}, {d52}, {d53}, {d54}, {d55}, {d56}, {d57}, {d58}, {d59}, {d60}, {d61}, {d62}, {d63}}}"
-    };
-}
-
 /// Waits for all of the warpgroup's `wgmma`s (the accumulators are operands, so
 /// nothing reads them before).
 ///
@@ -308,7 +224,7 @@ macro_rules! acc64 {
 #[inline(always)]
 unsafe fn wgmma_wait_all(acc: &mut [u32; 64]) {
     // (The accumulators are named in a PTX comment: operands of the statement.)
-    unsafe { wgmma_asm!(acc; [concat!("wgmma.wait_group.sync.aligned 0; // ", acc64!())];) }
+    unsafe { wgmma_asm!(64, acc; [concat!("wgmma.wait_group.sync.aligned 0; // ", accumulators!(64))];) }
 }
 
 /// One k-tile (4 `k`-steps of 8) of a warpgroup: `acc += A B^T` with both operands
@@ -321,13 +237,13 @@ unsafe fn wgmma_wait_all(acc: &mut [u32; 64]) {
 #[inline(always)]
 unsafe fn wgmma_k_tile<const INFLIGHT: u32>(acc: &mut [u32; 64], da: [u64; 4], db: [u64; 4]) {
     unsafe {
-        wgmma_asm!(acc; [
+        wgmma_asm!(64, acc; [
             "{{ .reg .pred p; setp.ne.b32 p, {one}, 0;",
             "wgmma.fence.sync.aligned;",
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {a0}, {b0}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {a1}, {b1}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {a2}, {b2}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {a3}, {b3}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {a0}, {b0}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {a1}, {b1}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {a2}, {b2}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {a3}, {b3}, p, 1, 1;"),
             "wgmma.commit_group.sync.aligned;",
             "wgmma.wait_group.sync.aligned {inflight}; }}",
         ];
@@ -346,13 +262,13 @@ unsafe fn wgmma_k_tile<const INFLIGHT: u32>(acc: &mut [u32; 64], da: [u64; 4], d
 #[inline(always)]
 unsafe fn wgmma_rs_k_tile<const INFLIGHT: u32>(acc: &mut [u32; 64], a: [[u32; 4]; 4], db: [u64; 4]) {
     unsafe {
-        wgmma_asm!(acc; [
+        wgmma_asm!(64, acc; [
             "{{ .reg .pred p; setp.ne.b32 p, {one}, 0;",
             "wgmma.fence.sync.aligned;",
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{h00}, {h01}, {h02}, {h03}}}, {b0}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{h10}, {h11}, {h12}, {h13}}}, {b1}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{h20}, {h21}, {h22}, {h23}}}, {b2}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{h30}, {h31}, {h32}, {h33}}}, {b3}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{h00}, {h01}, {h02}, {h03}}}, {b0}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{h10}, {h11}, {h12}, {h13}}}, {b1}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{h20}, {h21}, {h22}, {h23}}}, {b2}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{h30}, {h31}, {h32}, {h33}}}, {b3}, p, 1, 1;"),
             "wgmma.commit_group.sync.aligned;",
             "wgmma.wait_group.sync.aligned {inflight}; }}",
         ];
@@ -374,21 +290,21 @@ unsafe fn wgmma_rs_k_tile<const INFLIGHT: u32>(acc: &mut [u32; 64], a: [[u32; 4]
 #[inline(always)]
 unsafe fn wgmma_split_k_tile<const INFLIGHT: u32>(acc: &mut [u32; 64], a: [[u32; 4]; 4], a_lo: [[u32; 4]; 4], db: [u64; 4], db_lo: [u64; 4]) {
     unsafe {
-        wgmma_asm!(acc; [
+        wgmma_asm!(64, acc; [
             "{{ .reg .pred p; setp.ne.b32 p, {one}, 0;",
             "wgmma.fence.sync.aligned;",
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{l00}, {l01}, {l02}, {l03}}}, {b0}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{h00}, {h01}, {h02}, {h03}}}, {c0}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{h00}, {h01}, {h02}, {h03}}}, {b0}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{l10}, {l11}, {l12}, {l13}}}, {b1}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{h10}, {h11}, {h12}, {h13}}}, {c1}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{h10}, {h11}, {h12}, {h13}}}, {b1}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{l20}, {l21}, {l22}, {l23}}}, {b2}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{h20}, {h21}, {h22}, {h23}}}, {c2}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{h20}, {h21}, {h22}, {h23}}}, {b2}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{l30}, {l31}, {l32}, {l33}}}, {b3}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{h30}, {h31}, {h32}, {h33}}}, {c3}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", acc64!(), ", {{{h30}, {h31}, {h32}, {h33}}}, {b3}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{l00}, {l01}, {l02}, {l03}}}, {b0}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{h00}, {h01}, {h02}, {h03}}}, {c0}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{h00}, {h01}, {h02}, {h03}}}, {b0}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{l10}, {l11}, {l12}, {l13}}}, {b1}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{h10}, {h11}, {h12}, {h13}}}, {c1}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{h10}, {h11}, {h12}, {h13}}}, {b1}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{l20}, {l21}, {l22}, {l23}}}, {b2}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{h20}, {h21}, {h22}, {h23}}}, {c2}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{h20}, {h21}, {h22}, {h23}}}, {b2}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{l30}, {l31}, {l32}, {l33}}}, {b3}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{h30}, {h31}, {h32}, {h33}}}, {c3}, p, 1, 1;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{h30}, {h31}, {h32}, {h33}}}, {b3}, p, 1, 1;"),
             "wgmma.commit_group.sync.aligned;",
             "wgmma.wait_group.sync.aligned {inflight}; }}",
         ];
