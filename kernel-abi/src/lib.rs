@@ -60,8 +60,6 @@ pub const LAUNCH_BOUNDS_WG: &[(&str, u32, u32)] = &[
 pub const LAUNCH_BOUNDS_TMA: &[(&str, u32, u32)] = &[
     ("gemm_tma_tf32_nt", gemm_tma::THREADS as u32, 1),
     ("gemm_tma_tf32x3_nt", gemm_tma::THREADS as u32, 1),
-    ("gemm_tma_tf32_nt_s3", gemm_tma::THREADS as u32, 1),
-    ("gemm_tma_tf32_nt_handoff", gemm_tma::THREADS as u32, 1),
     ("gemm_tma_tf32_tk", gemm_tma::THREADS as u32, 1),
     ("gemm_tma_tf32_tk_t", gemm_tma::THREADS as u32, 1),
     ("gemm_tma_tf32x3_tk", gemm_tma::THREADS as u32, 1),
@@ -133,19 +131,6 @@ pub mod gemm_tma {
     pub const SMEM_BYTES: usize = 1024 + STAGES * STAGE_BYTES + 2 * STAGES * 8;
     /// The same for the 3xTF32 kernel: stages of `A`, `B` and their residuals.
     pub const SPLIT_SMEM_BYTES: usize = 1024 + SPLIT_STAGES * 2 * SPLIT_STAGE_BYTES + 2 * SPLIT_STAGES * 8;
-    /// The hand-off forward: three stages and a `64 KB` buffer through which the
-    /// consumers pass the second half of each tile's accumulators (fragment order) to
-    /// the producer warpgroup's three idle warps, which run the chain on it while the
-    /// consumers start the next tile.
-    pub const HANDOFF_STAGES: usize = 3;
-    pub const HANDOFF_BYTES: usize = CONSUMER_THREADS * 64 * 4;
-    /// Threads of the epilogue warps (the producer warpgroup's warps 1-3).
-    pub const HANDOFF_THREADS: usize = 96;
-    pub const HANDOFF_SMEM_BYTES: usize =
-        1024 + HANDOFF_STAGES * STAGE_BYTES + HANDOFF_BYTES + 2 * HANDOFF_STAGES * 8 + 2 * 8;
-    /// The three-stage forward without the hand-off (an A/B of the stage count alone).
-    pub const S3_SMEM_BYTES: usize = 1024 + HANDOFF_STAGES * STAGE_BYTES + 2 * HANDOFF_STAGES * 8;
-    const _: () = assert!(HANDOFF_SMEM_BYTES <= 227 * 1024);
     const _: () = assert!(SMEM_BYTES <= 227 * 1024 && SPLIT_SMEM_BYTES <= 227 * 1024 && CONSUMER_THREADS == 2 * 128);
 }
 

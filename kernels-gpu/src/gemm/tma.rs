@@ -92,15 +92,7 @@ struct Pipeline {
     tiles_m: u32,
     tiles_n: u32,
     k_tiles: u32,
-    /// The hand-off buffer's bytes after the stages (0 without).
-    handoff_bytes: u32,
 }
-
-/// The TF32 forward's variants: four stages (the default), three stages, three stages
-/// and the hand-off of half of each tile's epilogue to the producer warpgroup.
-const FOUR_STAGES: u32 = 0;
-const THREE_STAGES: u32 = 1;
-const HANDOFF: u32 = 2;
 
 impl Pipeline {
     /// The layout for `SPLIT` (3xTF32: four 16-deep stages with the 64-byte swizzle,
@@ -113,7 +105,7 @@ impl Pipeline {
     /// Every thread of the block calls it once, first; `maps` holds two tensor maps;
     /// the dynamic shared memory is `SMEM_BYTES` (`SPLIT_SMEM_BYTES` with `SPLIT`).
     #[inline(always)]
-    unsafe fn new<const SPLIT: bool, const VARIANT: u32>(maps: *const u8, (m, n, k): (u32, u32, u32)) -> Pipeline {
+    unsafe fn new<const SPLIT: bool>(maps: *const u8, (m, n, k): (u32, u32, u32)) -> Pipeline {
         // The hardware swizzle is a function of address bits 7-9: stages start
         // 1024-byte aligned.
         let base = (shared_address(dynamic_shared::<f32>()) + 1023) & !1023;
@@ -122,25 +114,16 @@ impl Pipeline {
         } else {
             (STAGES, STAGE_BYTES, BLOCK_K, A_BYTES)
         };
-        let stages = if VARIANT == FOUR_STAGES { stages } else { HANDOFF_STAGES };
-        let handoff_bytes = if VARIANT == HANDOFF { HANDOFF_BYTES as u32 } else { 0 };
         let (stages, tile_bytes, block_k, a_bytes) = (stages as u32, tile_bytes as u32, block_k as u32, a_bytes as u32);
         let stage_bytes = if SPLIT { 2 * tile_bytes } else { tile_bytes };
         let (tiles_m, tiles_n) = (m.div_ceil(BLOCK_M as u32), n.div_ceil(BLOCK_N as u32));
-        let k_tiles = k.div_ceil(block_k);
-        let p = Pipeline { base, stages, stage_bytes, tile_bytes, block_k, a_bytes, tiles_m, tiles_n, k_tiles, handoff_bytes };
+        let p = Pipeline { base, stages, stage_bytes, tile_bytes, block_k, a_bytes, tiles_m, tiles_n, k_tiles: k.div_ceil(block_k) };
         if thread_idx_x() == 0 {
             // SAFETY: fresh barriers inside the dynamic shared memory; valid tensor maps.
             unsafe {
                 for s in 0..stages {
                     mbarrier_init(p.full(s), 1);
                     mbarrier_init(p.empty(s), (CONSUMER_THREADS / 32) as u32);
-                }
-                if VARIANT == HANDOFF {
-                    // "Staged": every consumer thread has written its half; "drained":
-                    // every epilogue thread has read its last.
-                    mbarrier_init(p.staged(), CONSUMER_THREADS as u32);
-                    mbarrier_init(p.drained(), HANDOFF_THREADS as u32);
                 }
                 prefetch_tensor_map(maps);
                 prefetch_tensor_map(maps.add(128));
@@ -160,24 +143,7 @@ impl Pipeline {
 
     #[inline(always)]
     fn full(&self, s: u32) -> u32 {
-        self.handoff() + self.handoff_bytes + 8 * s
-    }
-
-    /// The hand-off buffer: after the stages.
-    #[inline(always)]
-    fn handoff(&self) -> u32 {
-        self.base + self.stages * self.stage_bytes
-    }
-
-    /// The hand-off buffer's barriers, after the stages' "full" and "empty" ones.
-    #[inline(always)]
-    fn staged(&self) -> u32 {
-        self.full(2 * self.stages)
-    }
-
-    #[inline(always)]
-    fn drained(&self) -> u32 {
-        self.full(2 * self.stages + 1)
+        self.base + self.stages * self.stage_bytes + 8 * s
     }
 
     #[inline(always)]
@@ -249,7 +215,7 @@ pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_nt(
     ops: *const OpDesc,
     n_ops: u32,
 ) {
-    unsafe { gemm_tma::<false, FOUR_STAGES>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
+    unsafe { gemm_tma::<false>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
 }
 
 /// [`gemm_tma_tf32_nt`] in 3xTF32 (FP32-level accuracy): each stage also holds the
@@ -275,107 +241,16 @@ pub unsafe extern "ptx-kernel" fn gemm_tma_tf32x3_nt(
     ops: *const OpDesc,
     n_ops: u32,
 ) {
-    unsafe { gemm_tma::<true, FOUR_STAGES>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
+    unsafe { gemm_tma::<true>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
 }
 
-/// [`gemm_tma_tf32_nt`] on three stages (`S3_SMEM_BYTES`): the stage count of the
-/// hand-off kernel without its hand-off, to measure the two apart.
-///
-/// # Safety
-/// As [`gemm_tma_tf32_nt`], with `S3_SMEM_BYTES` of shared memory.
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_nt_s3(
-    maps: *const u8,
-    bias: *const f32,
-    y: *mut f32,
-    save_z: *mut f32,
-    m: u32,
-    n: u32,
-    k: u32,
-    ops: *const OpDesc,
-    n_ops: u32,
-) {
-    unsafe { gemm_tma::<false, THREE_STAGES>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
-}
-
-/// [`gemm_tma_tf32_nt`] with half of each tile's epilogue handed off: the consumers
-/// write the second half of their accumulators (columns 128..256 of the tile, 64 per
-/// thread) into a `64 KB` buffer in fragment order, run the chain on the first half
-/// themselves and start the next tile; the producer warpgroup's three idle warps take
-/// the staged half through the same fragment chain (each the fragments of two or three
-/// consumer warps in turn) while the MMAs run. Three stages, so the buffer fits.
-///
-/// # Safety
-/// As [`gemm_tma_tf32_nt`], with `HANDOFF_SMEM_BYTES` of shared memory.
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_nt_handoff(
-    maps: *const u8,
-    bias: *const f32,
-    y: *mut f32,
-    save_z: *mut f32,
-    m: u32,
-    n: u32,
-    k: u32,
-    ops: *const OpDesc,
-    n_ops: u32,
-) {
-    unsafe { gemm_tma::<false, HANDOFF>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
-}
-
-/// Registers per thread of the hand-off kernel's producer warpgroup (its epilogue
-/// warps run the chain on 64 values) and of its consumers (64 values in their own
-/// epilogue, 128 accumulators in the main loop).
-const HANDOFF_PRODUCER_REGISTERS: u32 = 152;
-const HANDOFF_CONSUMER_REGISTERS: u32 = 176;
-const _: () = assert!(128 * HANDOFF_PRODUCER_REGISTERS + CONSUMER_THREADS as u32 * HANDOFF_CONSUMER_REGISTERS <= 168 * THREADS as u32);
-
-/// The chain on one half fragment `v` of a tile (rows `row`, `row + 8`, columns from
-/// `col0 + offset` + `2 tig` as in `epilogue::fragments`): the Linear bias, `save_z`,
-/// the ops, the store.
-///
-/// # Safety
-/// As [`gemm_tma`].
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn half_epilogue(
-    mut v: HalfFragment,
-    (bias, y, save_z): (*const f32, *mut f32, *mut f32),
-    (m, n): (u32, u32),
-    (ops, n_ops): (*const OpDesc, u32),
-    row: usize,
-    col: u32,
-) {
-    // The first column and the sizes, opaque to the compiler at each use: otherwise it
-    // derives the 64 column bounds once and holds them beside the values (and spills).
-    let fresh = || (opaque(col) as usize, opaque(m) as usize, opaque(n) as usize);
-    // SAFETY: as the caller promises.
-    unsafe {
-        if !bias.is_null() {
-            let (col, _, n) = fresh();
-            add_column_bias(&mut v, bias, n, col);
-        }
-        if !save_z.is_null() {
-            let (col, m, n) = fresh();
-            store_half(save_z, &v, (m, n), row, col);
-        }
-        for o in 0..n_ops as usize {
-            let (col, _, n) = fresh();
-            fragment_forward(&*ops.add(o), &mut v, n, col);
-        }
-        let (col, m, n) = fresh();
-        store_half(y, &v, (m, n), row, col);
-    }
-}
-
-/// The body of the forward entry points (`SPLIT`: 3xTF32; `VARIANT`: stages, hand-off).
+/// The body of both entry points (`SPLIT`: 3xTF32).
 ///
 /// # Safety
 /// See [`gemm_tma_tf32_nt`].
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_tma<const SPLIT: bool, const VARIANT: u32>(
+unsafe fn gemm_tma<const SPLIT: bool>(
     maps: *const u8,
     bias: *const f32,
     y: *mut f32,
@@ -390,21 +265,14 @@ unsafe fn gemm_tma<const SPLIT: bool, const VARIANT: u32>(
     // SAFETY: the second of the two maps.
     let (map_a, map_b) = (maps, unsafe { maps.add(128) });
     // SAFETY: every thread, first; the launch's shared memory.
-    let pipe = unsafe { Pipeline::new::<SPLIT, VARIANT>(maps, (m, n, k)) };
+    let pipe = unsafe { Pipeline::new::<SPLIT>(maps, (m, n, k)) };
     let Pipeline { tile_bytes, block_k, a_bytes, k_tiles, .. } = pipe;
 
     if t < 128 {
         // The producer: one thread; its warpgroup hands most of its registers to the
-        // consumers (`PRODUCER_REGISTERS`, `CONSUMER_REGISTERS`), or with the hand-off
-        // keeps enough for its other three warps' epilogue.
+        // consumers (`PRODUCER_REGISTERS`, `CONSUMER_REGISTERS`).
         // SAFETY: the whole warpgroup.
-        unsafe {
-            if VARIANT == HANDOFF {
-                set_max_registers::<false, HANDOFF_PRODUCER_REGISTERS>();
-            } else {
-                set_max_registers::<false, PRODUCER_REGISTERS>();
-            }
-        }
+        unsafe { set_max_registers::<false, PRODUCER_REGISTERS>() };
         if t == 0 {
             // SAFETY: `A`'s `BLOCK_M` rows and `B`'s `BLOCK_N` fill the stage's tiles.
             unsafe {
@@ -413,9 +281,6 @@ unsafe fn gemm_tma<const SPLIT: bool, const VARIANT: u32>(
                     tma_load_2d(stage + a_bytes, map_b, k0, col0, full);
                 })
             };
-        } else if VARIANT == HANDOFF && t >= 32 {
-            // SAFETY: warps 1-3, all their threads; as the caller promises.
-            unsafe { drain_handoff(&pipe, (bias, y, save_z), (m, n), (ops, n_ops)) };
         }
         return;
     }
@@ -423,18 +288,11 @@ unsafe fn gemm_tma<const SPLIT: bool, const VARIANT: u32>(
     // The consumers: warpgroup `wg` owns rows `64 wg..64 wg + 64` of each tile, its
     // 128 accumulators and the epilogue's values all in registers.
     // SAFETY: whole warpgroups.
-    unsafe {
-        if VARIANT == HANDOFF {
-            set_max_registers::<true, HANDOFF_CONSUMER_REGISTERS>();
-        } else {
-            set_max_registers::<true, CONSUMER_REGISTERS>();
-        }
-    }
+    unsafe { set_max_registers::<true, CONSUMER_REGISTERS>() };
     let c = t - 128;
     let (wg, warp, lane) = (c / 128, (c / 32) % 4, c % 32);
     let (gid, tig) = ((lane / 4) as usize, (lane % 4) as usize);
     let (mut s, mut phase) = (0u32, 0u32);
-    let mut handoff_phase = 0u32;
     let mut tile = block_idx_x();
     while tile < pipe.tiles() {
         let (row0, col0) = pipe.origin(tile);
@@ -495,27 +353,6 @@ unsafe fn gemm_tma<const SPLIT: bool, const VARIANT: u32>(
         // The epilogue on the accumulators where they are (`epilogue::fragments`):
         // rows 16 warp + lane / 4 (+ 8) of the warpgroup's 64, columns 2 (lane % 4) + 8 j.
         let row = (row0 + wg * 64 + warp * 16) as usize + gid;
-        if VARIANT == HANDOFF {
-            // The second half to the buffer once the epilogue warps have read the last
-            // one (chunk `j` of consumer thread `c` at 16 bytes `256 j + c`: a warp's
-            // store is 512 contiguous bytes), then the first half here.
-            // SAFETY: initialised barriers; one arrival per consumer thread per tile.
-            unsafe {
-                mbarrier_wait(pipe.drained(), handoff_phase ^ 1);
-                unroll!(j in 0..16 => {
-                    let q = [acc[64 + 4 * j], acc[64 + 4 * j + 1], acc[64 + 4 * j + 2], acc[64 + 4 * j + 3]];
-                    st_shared_v4(pipe.handoff() + (256 * j as u32 + c) * 16, q);
-                });
-                mbarrier_arrive(pipe.staged());
-            }
-            handoff_phase ^= 1;
-            let mut v: HalfFragment = [0.0; 64];
-            each_half_value(&mut v, |_, j, e| f32::from_bits(acc[4 * j + e]));
-            // SAFETY: as the caller promises.
-            unsafe { half_epilogue(v, (bias, y, save_z), (m, n), (ops, n_ops), row, col0 + 2 * tig as u32) };
-            tile += grid_dim_x();
-            continue;
-        }
         // The thread's first column and the sizes, opaque to the compiler at each use:
         // otherwise it derives the 64 column bounds once and holds them beside the 128
         // values through the whole epilogue (and spills).
@@ -554,55 +391,6 @@ unsafe fn gemm_tma<const SPLIT: bool, const VARIANT: u32>(
                 h += 1;
             }
         }
-        tile += grid_dim_x();
-    }
-}
-
-/// The hand-off kernel's epilogue warps (the producer warpgroup's warps 1-3): for each
-/// tile the block walks, once the consumers have staged its second half, the staged
-/// fragments of consumer warps `w`, `w + 3`, `w + 6` (below 8) through the chain, each
-/// thread as consumer thread `32 w + lane` would have. A thread signals "drained" after
-/// loading its last fragment, before running its chain, so the consumers can stage the
-/// next tile meanwhile.
-///
-/// # Safety
-/// Warps 1-3 of the hand-off kernel, every thread; as [`gemm_tma`].
-#[inline(always)]
-unsafe fn drain_handoff(
-    pipe: &Pipeline,
-    out: (*const f32, *mut f32, *mut f32),
-    (m, n): (u32, u32),
-    ops: (*const OpDesc, u32),
-) {
-    let t = thread_idx_x();
-    let (first, lane) = (t / 32 - 1, t % 32);
-    let (gid, tig) = (lane / 4, lane % 4);
-    let mut phase = 0u32;
-    let mut tile = block_idx_x();
-    while tile < pipe.tiles() {
-        let (row0, col0) = pipe.origin(tile);
-        // SAFETY: an initialised barrier.
-        unsafe { mbarrier_wait_sleeping(pipe.staged(), phase) };
-        let mut w = first;
-        // Not unrolled (opaque bound): one copy of the chain's code.
-        while w < opaque(8) {
-            let c = 32 * w + lane;
-            let mut v: HalfFragment = [0.0; 64];
-            unroll!(j in 0..16 => {
-                // SAFETY: inside the buffer, written before "staged" completed.
-                let q = unsafe { ld_shared_v4(pipe.handoff() + (256 * j as u32 + c) * 16) };
-                unroll!(e in 0..4 => { v[4 * j + e] = f32::from_bits(q[e]); });
-            });
-            if w + 3 >= 8 {
-                // SAFETY: one arrival per epilogue thread per tile (its last fragment).
-                unsafe { mbarrier_arrive(pipe.drained()) };
-            }
-            let row = (row0 + (w / 4) * 64 + (w % 4) * 16 + gid) as usize;
-            // SAFETY: as the caller promises.
-            unsafe { half_epilogue(v, out, (m, n), ops, row, col0 + 128 + 2 * tig) };
-            w += 3;
-        }
-        phase ^= 1;
         tile += grid_dim_x();
     }
 }
@@ -682,7 +470,7 @@ unsafe fn gemm_tma_tk<const SPLIT: bool, const TRANS: bool>(maps: *const u8, y: 
     // SAFETY: every thread, first; the launch's shared memory. A stage: `A`'s four
     // `block_k x 32` boxes, `B`; 3xTF32: then `B`'s residual at the same offset one
     // `tile_bytes` on (the `A` residual's place stays unused).
-    let pipe = unsafe { Pipeline::new::<SPLIT, FOUR_STAGES>(maps, (m, n, k)) };
+    let pipe = unsafe { Pipeline::new::<SPLIT>(maps, (m, n, k)) };
     let Pipeline { tile_bytes, block_k, a_bytes, k_tiles, .. } = pipe;
     let sub_bytes = 32 * block_k * 4;
 

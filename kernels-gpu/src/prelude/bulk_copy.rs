@@ -73,26 +73,6 @@ pub unsafe fn mbarrier_wait(bar: u32, parity: u32) {
     }
 }
 
-/// [`mbarrier_wait`] for a long wait: each try suspends the thread until the phase
-/// completes or about a millisecond passes, instead of returning at once, so a warp
-/// that waits a whole main loop takes no issue slots from the warps that work.
-///
-/// # Safety
-/// `bar` is an initialised barrier.
-#[inline(always)]
-pub unsafe fn mbarrier_wait_sleeping(bar: u32, parity: u32) {
-    loop {
-        let done: u32;
-        unsafe {
-            asm!("{{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [{b}], {q}, 1000000; selp.u32 {d}, 1, 0, p; }}",
-                 b = in(reg32) bar, q = in(reg32) parity, d = out(reg32) done, options(nostack));
-        }
-        if done != 0 {
-            break;
-        }
-    }
-}
-
 /// Asks the TMA unit to fetch the tensor map at `map` (global memory) into its cache.
 ///
 /// # Safety

@@ -9,24 +9,14 @@ use super::simt::Precision;
 use crate::error::{Error, Result};
 use cudarc::driver::sys::{self, CUtensorMap};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
-use kernel_abi::gemm_tma::{
-    BLOCK_K, BLOCK_M, BLOCK_N, HANDOFF_SMEM_BYTES, S3_SMEM_BYTES, SMEM_BYTES, SPLIT_BLOCK_K, SPLIT_SMEM_BYTES, THREADS,
-};
+use kernel_abi::gemm_tma::{BLOCK_K, BLOCK_M, BLOCK_N, SMEM_BYTES, SPLIT_BLOCK_K, SPLIT_SMEM_BYTES, THREADS};
 use std::sync::Arc;
 
 /// The kernel for `precision` (TF32 or 3xTF32); `simt::kernel` picks it when both
 /// operands' row pitches are multiples of 4 floats (TMA wants 16-byte multiples) and
 /// no split-K.
 pub fn kernel(precision: Precision) -> &'static str {
-    if precision == Precision::Tf32x3 {
-        return "gemm_tma_tf32x3_nt";
-    }
-    // EXPERIMENT: the TF32 forward's variant (docs/PERFORMANCE.md, t45).
-    match std::env::var("TMA_FORWARD").as_deref() {
-        Ok("s3") => "gemm_tma_tf32_nt_s3",
-        Ok("handoff") => "gemm_tma_tf32_nt_handoff",
-        _ => "gemm_tma_tf32_nt",
-    }
+    if precision == Precision::Tf32x3 { "gemm_tma_tf32x3_nt" } else { "gemm_tma_tf32_nt" }
 }
 
 /// The TF32 or 3xTF32 GEMM with `A` stored transposed (`Layout::Tk`: the weight
@@ -121,12 +111,7 @@ fn persistent(
 ) -> Result<Persistent> {
     let words: Vec<u64> = maps.iter().flat_map(|map| map.opaque).collect();
     let maps = stream.clone_htod(&words).map_err(|e| Error::cuda("uploading the TMA tensor maps", e))?;
-    let smem_bytes = match name {
-        "gemm_tma_tf32_nt_s3" => S3_SMEM_BYTES,
-        "gemm_tma_tf32_nt_handoff" => HANDOFF_SMEM_BYTES,
-        _ if precision == Precision::Tf32x3 => SPLIT_SMEM_BYTES,
-        _ => SMEM_BYTES,
-    };
+    let smem_bytes = if precision == Precision::Tf32x3 { SPLIT_SMEM_BYTES } else { SMEM_BYTES };
     let func = gpu.function(name)?;
     gpu.allow_shared(&func, name, smem_bytes)?;
     let tiles = m.div_ceil(BLOCK_M) * n.div_ceil(BLOCK_N);
