@@ -25,7 +25,7 @@
 //! (A ping-pong schedule — each warpgroup its own `128 x 128` tile, one in its epilogue
 //! while the other multiplies — was measured slower: docs/PERFORMANCE.md, t13.)
 
-use crate::epilogue::fragments::{HalfFragment, add_column_bias, each_half_value, fragment_forward, store_half};
+use crate::epilogue::fragments::{HalfFragment, add_column_bias, each_half_value, fragment_forward, prefetch_tile_params, store_half};
 use crate::prelude::async_copy::shared_address;
 use crate::prelude::global::store_v2;
 use crate::prelude::bulk_copy::*;
@@ -279,6 +279,10 @@ unsafe fn gemm_tma<const SPLIT: bool>(
                 pipe.produce(|stage, row0, col0, k0, full| {
                     tma_load_2d(stage, map_a, k0, row0, full);
                     tma_load_2d(stage + a_bytes, map_b, k0, col0, full);
+                    if k0 == 0 {
+                        // A tile's first copies: its epilogue is a main loop away.
+                        prefetch_tile_params(bias, ops, n_ops, col0, n);
+                    }
                 })
             };
         }

@@ -53,3 +53,17 @@ pub unsafe fn store_v2(p: *mut f32, v: [f32; 2]) {
              p = in(reg64) p as u64, a = in(reg32) v[0], b = in(reg32) v[1], options(nostack));
     }
 }
+
+/// `prefetch.global.L1`: starts bringing the 128-byte line holding `p` into L1 (no
+/// register written, nothing waits for it).
+///
+/// # Safety
+/// `p` is a global-memory address (a prefetch of an invalid one is dropped, but the
+/// pointer must come from a device allocation to be generic-to-global convertible).
+#[inline(always)]
+pub unsafe fn prefetch_l1<T>(p: *const T) {
+    unsafe {
+        core::arch::asm!("{{ .reg .b64 g; cvta.to.global.u64 g, {p}; prefetch.global.L1 [g]; }}",
+             p = in(reg64) p as u64, options(nostack, readonly, preserves_flags))
+    }
+}
