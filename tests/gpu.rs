@@ -149,8 +149,11 @@ fn gpu_block_backward_matches_reference() {
 
 /// The tensor-core GEMMs, fused and row-wise paths, ragged shapes: 3xTF32 at the FP32
 /// tolerance in the forward and every gradient; TF32 and bf16 at their own tolerances
-/// in the forward. (TF32 gradients through GroupNorm exceed 2e-3 — up to 1.6e-2 seen on the
-/// H100 — and are not claimed: see docs/PERFORMANCE.md.)
+/// in the forward, and in every gradient against the exact gradients at the `z` their
+/// forward computed (`block_backward_at`; not where AvgPool is folded and `z` is
+/// pooled). (Against the exact function's gradients
+/// TF32 reaches 1.6e-2 on chains with a LeakyReLU or Hardtanh, where `z`'s rounding
+/// puts a few elements on the other side of the kink: see docs/PERFORMANCE.md.)
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tensor_core_precisions_match_reference() {
@@ -181,14 +184,25 @@ fn tensor_core_precisions_match_reference() {
             let want_y = reference::block_forward(&spec, &x.to_f64(), &p64).unwrap();
             let (_, want) = reference::block_backward(&spec, &x.to_f64(), &p64, &dy.to_f64()).unwrap();
             let mut report = vec![("y".to_string(), compare_f32(y.data(), want_y.data()))];
-            if precision == Precision::Tf32x3 {
+            // Reduced precisions: the gradients at the device's own `z`. Where AvgPool is
+            // folded into the weights `z` is pooled, so there is none to compare at (and
+            // a max's arg-max can flip like a kink): the forward only.
+            let want = match (precision, got.z.shape() == [b, o]) {
+                (Precision::Tf32x3, _) => Some(want),
+                (_, true) => Some(
+                    reference::block_backward_at(&spec, &x.to_f64(), &p64, &dy.to_f64(), &got.z.to_f64()).unwrap().1,
+                ),
+                (_, false) => None,
+            };
+            if let Some(want) = &want {
                 report.push(("x".into(), compare_f32(got.x.data(), want.x.data())));
                 for ((s, g), w) in spec.param_specs().iter().zip(got.params.flat()).zip(want.params.flat()) {
                     report.push((s.name.clone(), compare_f32(g.data(), w.data())));
                 }
             }
             let worst = report.iter().map(|(_, c)| c.rel).fold(0.0, f64::max);
-            println!("{precision:<7} {text:<42} ({b}, {i}, {o}) worst rel {worst:.2e}");
+            let grads = if want.is_some() { "forward and gradients" } else { "forward only (z pooled)" };
+            println!("{precision:<7} {text:<42} ({b}, {i}, {o}) worst rel {worst:.2e}, {grads}");
             for (what, c) in &report {
                 assert!(c.passes(precision.tolerance()), "{precision} {text}: {what}: {c:?}");
             }

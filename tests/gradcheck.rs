@@ -272,3 +272,45 @@ fn taped_forward_refuses_a_wrong_number_of_parameter_variables() {
     let err = block_forward_taped(&mut tape, &spec, &x, x_var, &params, &vars).unwrap_err();
     assert!(matches!(err, host::Error::Argument(_)), "{err}");
 }
+
+/// `block_backward_at` (the gradients at a given Linear output `z`, which `host check`
+/// uses to separate a device backward's error from its forward's): at `z = x W^T + b`
+/// it is `block_backward`; at the `z` of another input `x2` the chain's gradients
+/// (`dx` = `dz W` and every op parameter's) are those of `block_backward` at `x2`,
+/// while `dW` still pairs `dz` with `x`; a `z` of the wrong shape is refused.
+#[test]
+fn backward_at_a_given_z_uses_it_for_the_chain_and_x_for_the_weights() {
+    use host::check::F64_REL;
+    use host::reference::block_backward_at;
+    let mut rng = StdRng::seed_from_u64(27);
+    let spec = BlockSpec::new(7, 32, "bias,hardtanh(-1,1),mish,groupnorm(4)".parse().unwrap()).unwrap();
+    let params = random_params(&spec, &mut rng);
+    let (x, x2) = (random_tensor(&mut rng, &[5, 7]), random_tensor(&mut rng, &[5, 7]));
+    let dy = random_tensor(&mut rng, &[5, 32]);
+    let close = |what: &str, a: &Tensor<f64>, b: &Tensor<f64>| {
+        let c = compare(a.data(), b.data());
+        assert!(c.rel <= F64_REL, "{what}: {c:?}");
+    };
+
+    let z = linear_forward(&x, &params.linear_weight, &params.linear_bias).unwrap();
+    let (_, want) = block_backward(&spec, &x, &params, &dy).unwrap();
+    let (_, got) = block_backward_at(&spec, &x, &params, &dy, &z).unwrap();
+    close("dx at the exact z", &got.x, &want.x);
+    for (j, (g, w)) in got.params.flat().iter().zip(want.params.flat()).enumerate() {
+        close(&format!("parameter {j} at the exact z"), g, w);
+    }
+
+    let z2 = linear_forward(&x2, &params.linear_weight, &params.linear_bias).unwrap();
+    let (_, at_x2) = block_backward(&spec, &x2, &params, &dy).unwrap();
+    let (_, got) = block_backward_at(&spec, &x, &params, &dy, &z2).unwrap();
+    close("dx at z2", &got.x, &at_x2.x);
+    close("lin.bias at z2", &got.params.linear_bias, &at_x2.params.linear_bias);
+    for (j, (g, w)) in got.params.ops.iter().flatten().zip(at_x2.params.ops.iter().flatten()).enumerate() {
+        close(&format!("op parameter {j} at z2"), g, w);
+    }
+    let c = compare(got.params.linear_weight.data(), at_x2.params.linear_weight.data());
+    assert!(c.rel > 1e-3, "dW must pair dz with x, not x2: {c:?}");
+
+    let err = block_backward_at(&spec, &x, &params, &dy, &random_tensor(&mut rng, &[5, 31])).unwrap_err();
+    assert!(matches!(err, host::Error::Shape(_)), "{err}");
+}

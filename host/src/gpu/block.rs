@@ -355,6 +355,9 @@ pub struct HostGrads {
     pub y: Tensor<f32>,
     pub x: Tensor<f32>,
     pub params: Params<f32>,
+    /// The Linear output the forward saved and the backward used, `(batch, GEMM
+    /// width)` (the pooled width where AvgPool is folded into the weights).
+    pub z: Tensor<f32>,
 }
 
 impl GpuBlock {
@@ -368,11 +371,13 @@ impl GpuBlock {
         }
         let dx = gpu.upload(x)?;
         let (y, saved) = self.forward_train(gpu, &dx, true)?;
+        let z = gpu.download(&saved.z)?;
         let g = self.backward(gpu, &dx, saved, &gpu.upload(dy)?)?;
         Ok(HostGrads {
             y: gpu.download(&y)?.reshape(&out_shape)?,
             x: gpu.download(&g.x)?,
             params: g.params.download(gpu, &self.spec)?,
+            z,
         })
     }
 }

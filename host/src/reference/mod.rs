@@ -171,6 +171,20 @@ pub fn block_forward_taped<T: Real>(
     params: &Params<T>,
     param_vars: &[VarId],
 ) -> Result<(Tensor<T>, VarId)> {
+    forward_taped_from(tape, spec, x, x_var, params, param_vars, None)
+}
+
+/// [`block_forward_taped`], with the Linear output `z` given instead of computed when
+/// `z` is `Some` (its backward still uses `x` and `W`).
+fn forward_taped_from<T: Real>(
+    tape: &mut Tape<Tensor<T>>,
+    spec: &BlockSpec,
+    x: &Tensor<T>,
+    x_var: VarId,
+    params: &Params<T>,
+    param_vars: &[VarId],
+    z: Option<&Tensor<T>>,
+) -> Result<(Tensor<T>, VarId)> {
     let batch = spec.check_input(x)?;
     check_params(spec, params)?;
     let n_params = params.flat().len();
@@ -181,7 +195,16 @@ pub fn block_forward_taped<T: Real>(
         )));
     }
 
-    let mut h = linear::linear_forward(x, &params.linear_weight, &params.linear_bias)?;
+    let mut h = match z {
+        None => linear::linear_forward(x, &params.linear_weight, &params.linear_bias)?,
+        Some(z) => {
+            let want = [batch, spec.out_features];
+            if z.shape() != want.as_slice() {
+                return Err(Error::Shape(format!("z has shape {:?}, the Linear output has {want:?}", z.shape())));
+            }
+            z.clone()
+        }
+    };
     let (saved_x, saved_w) = (x.clone(), params.linear_weight.clone());
     let mut h_var = tape.record(&[x_var, param_vars[0], param_vars[1]], move |dy: Tensor<T>| {
         let (dx, dw, db) = linear::linear_backward(&saved_x, &saved_w, &dy)?;
@@ -221,6 +244,32 @@ pub fn block_backward<T: Real>(
     params: &Params<T>,
     dy: &Tensor<T>,
 ) -> Result<(Tensor<T>, BlockGrads<T>)> {
+    backward_from(spec, x, params, dy, None)
+}
+
+/// [`block_backward`] at a given Linear output `z` (`(batch, out)`) instead of
+/// `x W^T + b`: the exact gradients of the function a device's forward evaluated when
+/// `z` is the one it computed. Where `z` carries rounding error (TF32), piecewise
+/// derivatives (LeakyReLU at 0, Hardtanh at its bounds) are taken on the same side as
+/// the device took them, so this separates the backward's own error from the
+/// forward's (`host check --backward`).
+pub fn block_backward_at<T: Real>(
+    spec: &BlockSpec,
+    x: &Tensor<T>,
+    params: &Params<T>,
+    dy: &Tensor<T>,
+    z: &Tensor<T>,
+) -> Result<(Tensor<T>, BlockGrads<T>)> {
+    backward_from(spec, x, params, dy, Some(z))
+}
+
+fn backward_from<T: Real>(
+    spec: &BlockSpec,
+    x: &Tensor<T>,
+    params: &Params<T>,
+    dy: &Tensor<T>,
+    z: Option<&Tensor<T>>,
+) -> Result<(Tensor<T>, BlockGrads<T>)> {
     let batch = spec.check_input(x)?;
     let out_shape = spec.output_shape(batch);
     if dy.shape() != out_shape.as_slice() {
@@ -230,7 +279,7 @@ pub fn block_backward<T: Real>(
     let mut tape = Tape::new();
     let x_var = tape.leaf();
     let param_vars: Vec<VarId> = params.flat().iter().map(|_| tape.leaf()).collect();
-    let (y, y_var) = block_forward_taped(&mut tape, spec, x, x_var, params, &param_vars)?;
+    let (y, y_var) = forward_taped_from(&mut tape, spec, x, x_var, params, &param_vars, z)?;
     let mut grads = tape.backward(y_var, dy.clone())?;
 
     // Every parameter feeds the output, so a missing gradient cannot happen; zeros
