@@ -133,7 +133,8 @@ fn per_column(v: &mut HalfFragment, p: *const f32, n: usize, col: usize, f: impl
 /// parameters — and the op table, so that its loads hit L1 instead of waiting on L2.
 /// (Nsight Compute, M2: a fifth of the epilogue's stall samples were the first uses of
 /// the Linear bias and GroupNorm's `gamma`/`beta`, whose slices change from tile to
-/// tile.) One thread, ahead of the epilogue: the TMA producer, when it starts the tile.
+/// tile; prefetched, M2 gained about 1%: docs/PERFORMANCE.md, t46.) One thread, ahead
+/// of the epilogue: the TMA producer, when it starts the tile.
 ///
 /// # Safety
 /// `bias` (if not null) and the ops' parameters hold `n` floats; `ops` holds `n_ops`.
