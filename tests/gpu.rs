@@ -162,8 +162,9 @@ fn tensor_core_precisions_match_reference() {
     let mut rng = StdRng::seed_from_u64(19);
     let cases: [(&str, (usize, usize, usize)); 6] = [
         ("groupnorm(8),swish,mul,swish", (300, 520, 256)),
-        // Deep enough `k` for the TF32 forward's TMA kernel (ragged `m`, `n`; k % 32 != 0).
-        ("groupnorm(65),swish,mul,swish", (300, 4100, 520)),
+        // Deep enough `k` for the TF32 and bf16 forwards' TMA kernels (ragged `m`, `n`;
+        // k % 32 != 0 and k % 64 != 0; k % 8 == 0, which bf16's TMA wants).
+        ("groupnorm(65),swish,mul,swish", (300, 4104, 520)),
         // More tiles than SMs (the TF32 forward's persistent blocks loop), ragged `k`.
         ("groupnorm(325),swish", (2100, 200, 2600)),
         ("bias,hardtanh(-1,1),mish,groupnorm(125)", (130, 517, 1000)),
@@ -210,7 +211,7 @@ fn tensor_core_precisions_match_reference() {
     }
 }
 
-/// The persistent TMA kernels (TF32 and 3xTF32) looping over more tiles than there are
+/// The persistent TMA kernels (TF32, 3xTF32 and bf16) looping over more tiles than there are
 /// SMs (17 x 11 tiles of 128 x 256), at k = 4096 and at a ragged k = 1036 with groups
 /// of 4 channels; groups of 128 at a ragged batch; a deep k = 8192 with a narrow output:
 /// sampled rows against the f64 reference (rows are independent, so a row subset of `x`
@@ -228,6 +229,10 @@ fn tf32_persistent_forward_matches_reference_rows() {
         ((4100, 8192, 512), "gelu", Precision::Tf32, "gemm_tma_tf32_nt"),
         ((2100, 4096, 2600), "groupnorm(325),swish,mul,swish", Precision::Tf32x3, "gemm_tma_tf32x3_nt"),
         ((2100, 1036, 2600), "swish,bias,groupnorm(650)", Precision::Tf32x3, "gemm_tma_tf32x3_nt"),
+        ((2100, 4096, 2600), "groupnorm(325),swish,mul,swish", Precision::Bf16, "gemm_tma_bf16_nt"),
+        // A ragged last k-tile (1032 = 16 x 64 + 8) and groups of 128 at a ragged batch.
+        ((2100, 1032, 2600), "swish,bias,groupnorm(650)", Precision::Bf16, "gemm_tma_bf16_nt"),
+        ((1001, 1024, 2560), "groupnorm(20),mish,bias", Precision::Bf16, "gemm_tma_bf16_nt"),
     ];
     for ((b, i, o), chain, precision, kernel) in cases {
         let spec = BlockSpec::new(i, o, chain.parse().unwrap()).unwrap();

@@ -60,6 +60,7 @@ pub const LAUNCH_BOUNDS_WG: &[(&str, u32, u32)] = &[
 pub const LAUNCH_BOUNDS_TMA: &[(&str, u32, u32)] = &[
     ("gemm_tma_tf32_nt", gemm_tma::THREADS as u32, 1),
     ("gemm_tma_tf32x3_nt", gemm_tma::THREADS as u32, 1),
+    ("gemm_tma_bf16_nt", gemm_tma::THREADS as u32, 1),
     ("gemm_tma_tf32_tk", gemm_tma::THREADS as u32, 1),
     ("gemm_tma_tf32_tk_t", gemm_tma::THREADS as u32, 1),
     ("gemm_tma_tf32x3_tk", gemm_tma::THREADS as u32, 1),
@@ -122,7 +123,10 @@ pub mod gemm_tma {
     /// 1.14 ms here against 1.63 on `gemm_wg`) and 8192; below 1024 is unmeasured and
     /// stays on `gemm_wg`.
     pub const MIN_K: usize = 1024;
+    /// The bf16 forward's k-tile: 64 values, the same 128-byte rows (and stage bytes).
+    pub const BF16_BLOCK_K: usize = 64;
     pub const A_BYTES: usize = BLOCK_M * BLOCK_K * 4;
+    const _: () = assert!(BF16_BLOCK_K * 2 == BLOCK_K * 4);
     pub const B_BYTES: usize = BLOCK_N * BLOCK_K * 4;
     pub const STAGE_BYTES: usize = A_BYTES + B_BYTES;
     /// Dynamic shared memory: 1024 bytes of slack (the swizzle wants 1024-byte aligned

@@ -120,15 +120,21 @@ pub struct Bf16Tensor {
 
 /// `input` rounded to bf16.
 pub fn to_bf16(gpu: &Gpu, input: &DeviceTensor) -> Result<Bf16Tensor> {
+    Ok(Bf16Tensor { shape: input.shape.clone(), buf: slice_to_bf16(gpu, gpu.stream(), &input.buf)? })
+}
+
+/// Every float of `input` rounded to bf16 (to nearest, ties to even), in a new buffer
+/// of as many 16-bit words, queued on `stream`.
+pub fn slice_to_bf16(gpu: &Gpu, stream: &Arc<CudaStream>, input: &CudaSlice<f32>) -> Result<CudaSlice<u16>> {
     let len = input.len();
     // SAFETY: the kernel below writes all `len` words before anything reads them.
-    let mut buf = unsafe { gpu.stream().alloc::<u16>(len.max(1)) }
+    let mut buf = unsafe { stream.alloc::<u16>(len.max(1)) }
         .map_err(|e| Error::cuda(format!("allocating {len} bf16 words"), e))?;
     let n = len as u32;
     let (func, cfg) = gpu.kernel_1d("f32_to_bf16", len, 0)?;
-    let mut l = gpu.stream().launch_builder(&func);
-    l.arg(&input.buf).arg(&n).arg(&mut buf);
+    let mut l = stream.launch_builder(&func);
+    l.arg(input).arg(&n).arg(&mut buf);
     // SAFETY: (input, len, out) as the kernel takes; out holds len words.
     launched("f32_to_bf16", unsafe { l.launch(cfg) })?;
-    Ok(Bf16Tensor { shape: input.shape.clone(), buf })
+    Ok(buf)
 }

@@ -1,5 +1,6 @@
 //! The persistent, warp-specialised TF32 and 3xTF32 GEMMs on Hopper: `wgmma.m64n256k8`
-//! fed by TMA, for 16-byte aligned operands without split-K. The forward
+//! fed by TMA, for 16-byte aligned operands without split-K (and the bf16 forward,
+//! `m64n256k16` over the same 128-byte rows). The forward
 //! `y = chain(x W^T + b)` (`gemm_tma_*_nt`), and the backward's `dW` and `dX` with the
 //! row-contiguous operand (`dZ`, `W`) read as stored and passed through registers
 //! (`gemm_tma_*_tk`, `gemm_tma_*_tk_t`).
@@ -105,12 +106,15 @@ impl Pipeline {
     /// Every thread of the block calls it once, first; `maps` holds two tensor maps;
     /// the dynamic shared memory is `SMEM_BYTES` (`SPLIT_SMEM_BYTES` with `SPLIT`).
     #[inline(always)]
-    unsafe fn new<const SPLIT: bool>(maps: *const u8, (m, n, k): (u32, u32, u32)) -> Pipeline {
+    unsafe fn new<const SPLIT: bool, const BF16: bool>(maps: *const u8, (m, n, k): (u32, u32, u32)) -> Pipeline {
         // The hardware swizzle is a function of address bits 7-9: stages start
         // 1024-byte aligned.
         let base = (shared_address(dynamic_shared::<f32>()) + 1023) & !1023;
         let (stages, tile_bytes, block_k, a_bytes) = if SPLIT {
             (SPLIT_STAGES, SPLIT_STAGE_BYTES, SPLIT_BLOCK_K, SPLIT_A_BYTES)
+        } else if BF16 {
+            // The same bytes: 128-byte rows of 64 bf16 values.
+            (STAGES, STAGE_BYTES, BF16_BLOCK_K, A_BYTES)
         } else {
             (STAGES, STAGE_BYTES, BLOCK_K, A_BYTES)
         };
@@ -215,7 +219,7 @@ pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_nt(
     ops: *const OpDesc,
     n_ops: u32,
 ) {
-    unsafe { gemm_tma::<false>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
+    unsafe { gemm_tma::<false, false>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
 }
 
 /// [`gemm_tma_tf32_nt`] in 3xTF32 (FP32-level accuracy): each stage also holds the
@@ -241,7 +245,31 @@ pub unsafe extern "ptx-kernel" fn gemm_tma_tf32x3_nt(
     ops: *const OpDesc,
     n_ops: u32,
 ) {
-    unsafe { gemm_tma::<true>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
+    unsafe { gemm_tma::<true, false>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
+}
+
+/// [`gemm_tma_tf32_nt`] in bf16: `A` and `B` are bf16 copies of `x` and `W` (rounded to
+/// nearest), their tensor maps with `64 x 128` and `64 x 256` boxes (128-byte rows of
+/// 64 values, the same swizzle and stage bytes as TF32's 32 floats), and each 16-deep
+/// `k`-step one `wgmma.m64n256k16.f32.bf16.bf16` (FP32 accumulators in the TF32
+/// kernel's layout, so the same epilogue).
+///
+/// # Safety
+/// As [`gemm_tma_tf32_nt`], the maps describing `u16` (bf16) tensors.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "ptx-kernel" fn gemm_tma_bf16_nt(
+    maps: *const u8,
+    bias: *const f32,
+    y: *mut f32,
+    save_z: *mut f32,
+    m: u32,
+    n: u32,
+    k: u32,
+    ops: *const OpDesc,
+    n_ops: u32,
+) {
+    unsafe { gemm_tma::<false, true>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
 }
 
 /// The body of both entry points (`SPLIT`: 3xTF32).
@@ -250,7 +278,7 @@ pub unsafe extern "ptx-kernel" fn gemm_tma_tf32x3_nt(
 /// See [`gemm_tma_tf32_nt`].
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_tma<const SPLIT: bool>(
+unsafe fn gemm_tma<const SPLIT: bool, const BF16: bool>(
     maps: *const u8,
     bias: *const f32,
     y: *mut f32,
@@ -265,7 +293,7 @@ unsafe fn gemm_tma<const SPLIT: bool>(
     // SAFETY: the second of the two maps.
     let (map_a, map_b) = (maps, unsafe { maps.add(128) });
     // SAFETY: every thread, first; the launch's shared memory.
-    let pipe = unsafe { Pipeline::new::<SPLIT>(maps, (m, n, k)) };
+    let pipe = unsafe { Pipeline::new::<SPLIT, BF16>(maps, (m, n, k)) };
     let Pipeline { tile_bytes, block_k, a_bytes, k_tiles, .. } = pipe;
 
     if t < 128 {
@@ -305,7 +333,8 @@ unsafe fn gemm_tma<const SPLIT: bool>(
         for _ in 0..k_tiles {
             let sa = pipe.stage(s);
             let describe = if SPLIT { descriptor_64b } else { descriptor };
-            let da = describe(sa + wg * 64 * block_k * 4);
+            // The warpgroup's 64 rows of `A` (rows of `block_k` 4- or 2-byte values).
+            let da = describe(sa + wg * 64 * block_k * if BF16 { 2 } else { 4 });
             let db = describe(sa + a_bytes);
             // k-step i: 32 bytes along the swizzled rows = start address + 2 (16-byte units).
             // SAFETY: the stage is complete once its phase is; all 128 threads of the
@@ -332,6 +361,8 @@ unsafe fn gemm_tma<const SPLIT: bool>(
                     named_barrier(1, CONSUMER_THREADS as u32);
                     let (dal, dbl) = (da + (tile_bytes as u64 >> 4), db + (tile_bytes as u64 >> 4));
                     wgmma_n256_k_tile_split(&mut acc, [da, db, dal, dbl]);
+                } else if BF16 {
+                    wgmma_n256_k_tile_bf16(&mut acc, [da, da + 2, da + 4, da + 6], [db, db + 2, db + 4, db + 6]);
                 } else {
                     wgmma_n256_k_tile(&mut acc, [da, da + 2, da + 4, da + 6], [db, db + 2, db + 4, db + 6]);
                 }
@@ -474,7 +505,7 @@ unsafe fn gemm_tma_tk<const SPLIT: bool, const TRANS: bool>(maps: *const u8, y: 
     // SAFETY: every thread, first; the launch's shared memory. A stage: `A`'s four
     // `block_k x 32` boxes, `B`; 3xTF32: then `B`'s residual at the same offset one
     // `tile_bytes` on (the `A` residual's place stays unused).
-    let pipe = unsafe { Pipeline::new::<SPLIT>(maps, (m, n, k)) };
+    let pipe = unsafe { Pipeline::new::<SPLIT, false>(maps, (m, n, k)) };
     let Pipeline { tile_bytes, block_k, a_bytes, k_tiles, .. } = pipe;
     let sub_bytes = 32 * block_k * 4;
 
@@ -754,6 +785,31 @@ unsafe fn wgmma_n256_k_tile(acc: &mut [u32; 128], da: [u64; 4], db: [u64; 4]) {
             concat!("wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32 ", accumulators!(128), ", {a1}, {b1}, p, 1, 1;"),
             concat!("wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32 ", accumulators!(128), ", {a2}, {b2}, p, 1, 1;"),
             concat!("wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32 ", accumulators!(128), ", {a3}, {b3}, p, 1, 1;"),
+            "wgmma.commit_group.sync.aligned;",
+            "wgmma.wait_group.sync.aligned 1; }}",
+        ];
+            one = in(reg32) 1u32,
+            a0 = in(reg64) da[0], a1 = in(reg64) da[1], a2 = in(reg64) da[2], a3 = in(reg64) da[3],
+            b0 = in(reg64) db[0], b1 = in(reg64) db[1], b2 = in(reg64) db[2], b3 = in(reg64) db[3],
+        )
+    }
+}
+
+/// [`wgmma_n256_k_tile`] for a 64-deep bf16 k-tile: four `m64n256k16` steps (32 bytes
+/// of each 128-byte row apiece, as TF32's `k8`), both operands `k`-major (no transpose).
+///
+/// # Safety
+/// As [`wgmma_n256_k_tile`].
+#[inline(always)]
+unsafe fn wgmma_n256_k_tile_bf16(acc: &mut [u32; 128], da: [u64; 4], db: [u64; 4]) {
+    unsafe {
+        wgmma_asm!(128, acc; [
+            "{{ .reg .pred p; setp.ne.b32 p, {one}, 0;",
+            "wgmma.fence.sync.aligned;",
+            concat!("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 ", accumulators!(128), ", {a0}, {b0}, p, 1, 1, 0, 0;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 ", accumulators!(128), ", {a1}, {b1}, p, 1, 1, 0, 0;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 ", accumulators!(128), ", {a2}, {b2}, p, 1, 1, 0, 0;"),
+            concat!("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 ", accumulators!(128), ", {a3}, {b3}, p, 1, 1, 0, 0;"),
             "wgmma.commit_group.sync.aligned;",
             "wgmma.wait_group.sync.aligned 1; }}",
         ];

@@ -139,6 +139,18 @@ fn kernel(
     transpose_y: bool,
 ) -> Kernel {
     let vec4 = lda.is_multiple_of(4) && ldb.is_multiple_of(4);
+    // bf16 `Nt` (the forward) on the TMA kernel too, over bf16 copies of the operands
+    // (TMA wants 16-byte row pitches: 8 bf16 values).
+    let vec8 = lda.is_multiple_of(8) && ldb.is_multiple_of(8);
+    if precision == Precision::Bf16
+        && matches!(layout, Layout::Nt)
+        && splits <= 1
+        && k >= gemm_tma::MIN_K
+        && vec8
+        && tma_allowed()
+    {
+        return Kernel { name: super::tma::kernel(precision).into(), block_k: 0, smem_bytes: 0, tma: true };
+    }
     if precision.on_wgmma() && splits <= 1 && k >= gemm_tma::MIN_K && vec4 && tma_allowed() {
         // The TMA kernels: `Nt` (the forward), `Tk` (`A` row-contiguous: `dW` with `dZ`
         // as stored, and `dX^T = W^T dZ^T` with `W` as stored; `A` through registers).

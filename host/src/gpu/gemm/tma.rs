@@ -1,7 +1,8 @@
-//! Launcher of `gemm_tma_tf32_nt` and `gemm_tma_tf32x3_nt` (kernels-gpu/src/gemm/tma.rs),
-//! the persistent, TMA-fed TF32 and 3xTF32 `Nt` GEMMs: their two tensor maps (the TMA unit's description of each operand:
+//! Launcher of `gemm_tma_tf32_nt`, `gemm_tma_tf32x3_nt` and `gemm_tma_bf16_nt`
+//! (kernels-gpu/src/gemm/tma.rs), the persistent, TMA-fed TF32, 3xTF32 and bf16 `Nt` GEMMs: their two tensor maps (the TMA unit's description of each operand:
 //! base, sizes, row pitch, box, swizzle) are encoded here and uploaded beside the launch.
 
+use super::super::elementwise::slice_to_bf16;
 use super::super::epilogue::DeviceChain;
 use super::super::{DeviceTensor, Gpu};
 use super::simt::EpilogueArgs;
@@ -9,14 +10,20 @@ use super::simt::Precision;
 use crate::error::{Error, Result};
 use cudarc::driver::sys::{self, CUtensorMap};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
-use kernel_abi::gemm_tma::{BLOCK_K, BLOCK_M, BLOCK_N, SMEM_BYTES, SPLIT_BLOCK_K, SPLIT_SMEM_BYTES, THREADS};
+use kernel_abi::gemm_tma::{
+    BF16_BLOCK_K, BLOCK_K, BLOCK_M, BLOCK_N, SMEM_BYTES, SPLIT_BLOCK_K, SPLIT_SMEM_BYTES, THREADS,
+};
 use std::sync::Arc;
 
 /// The kernel for `precision` (TF32 or 3xTF32); `simt::kernel` picks it when both
 /// operands' row pitches are multiples of 4 floats (TMA wants 16-byte multiples) and
 /// no split-K.
 pub fn kernel(precision: Precision) -> &'static str {
-    if precision == Precision::Tf32x3 { "gemm_tma_tf32x3_nt" } else { "gemm_tma_tf32_nt" }
+    match precision {
+        Precision::Tf32x3 => "gemm_tma_tf32x3_nt",
+        Precision::Bf16 => "gemm_tma_bf16_nt",
+        _ => "gemm_tma_tf32_nt",
+    }
 }
 
 /// The TF32 or 3xTF32 GEMM with `A` stored transposed (`Layout::Tk`: the weight
@@ -55,22 +62,38 @@ fn tensor_map(
 fn encode_map(
     stream: &CudaStream,
     buf: &CudaSlice<f32>,
+    shape: (usize, usize, usize),
+    boxes: (usize, usize),
+    swizzle: sys::CUtensorMapSwizzle,
+) -> Result<CUtensorMap> {
+    encode_map_typed(buf.device_ptr(stream).0, 4, shape, boxes, swizzle)
+}
+
+/// [`encode_map`] for the matrix at device address `ptr` with `elem_bytes`-byte
+/// elements: 4 (FP32) or 2 (bf16).
+fn encode_map_typed(
+    ptr: u64,
+    elem_bytes: usize,
     (rows, k, pitch): (usize, usize, usize),
     (box_rows, box_k): (usize, usize),
     swizzle: sys::CUtensorMapSwizzle,
 ) -> Result<CUtensorMap> {
     let mut map = CUtensorMap { opaque: [0; 16] };
     let dims = [k as u64, rows as u64];
-    let pitch = [(pitch * 4) as u64];
+    let pitch = [(pitch * elem_bytes) as u64];
     let boxes = [box_k as u32, box_rows as u32];
     let steps = [1u32, 1];
-    let ptr = buf.device_ptr(stream).0;
+    let data_type = if elem_bytes == 2 {
+        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+    } else {
+        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+    };
     // SAFETY: every array has the rank's length (2; the pitch 1); `map` is writable
     // and 64-byte aligned; the driver only encodes (nothing is read from `ptr`).
     let result = unsafe {
         sys::cuTensorMapEncodeTiled(
             &mut map,
-            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+            data_type,
             2,
             ptr as *mut std::ffi::c_void,
             dims.as_ptr(),
@@ -139,10 +162,23 @@ pub fn launch_forward(
     y: &mut DeviceTensor,
     save_z: Option<&mut DeviceTensor>,
 ) -> Result<()> {
-    let maps = [
-        tensor_map(stream, a, (m, k, lda), BLOCK_M, precision)?,
-        tensor_map(stream, b, (n, k, ldb), BLOCK_N, precision)?,
-    ];
+    // bf16: the operands rounded into bf16 copies first (freed in stream order after
+    // the GEMM), read in 128-byte rows of 64 values as TF32 reads 32 floats.
+    let halves;
+    let maps = if precision == Precision::Bf16 {
+        let swizzle = sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B;
+        halves = [slice_to_bf16(gpu, stream, a)?, slice_to_bf16(gpu, stream, b)?];
+        let [a16, b16] = &halves;
+        [
+            encode_map_typed(a16.device_ptr(stream).0, 2, (m, k, lda), (BLOCK_M, BF16_BLOCK_K), swizzle)?,
+            encode_map_typed(b16.device_ptr(stream).0, 2, (n, k, ldb), (BLOCK_N, BF16_BLOCK_K), swizzle)?,
+        ]
+    } else {
+        [
+            tensor_map(stream, a, (m, k, lda), BLOCK_M, precision)?,
+            tensor_map(stream, b, (n, k, ldb), BLOCK_N, precision)?,
+        ]
+    };
     let name = kernel(precision);
     let Persistent { maps, func, cfg } = persistent(gpu, stream, name, precision, maps, (m, n))?;
     let tail = EpilogueArgs::new(&[m, n, k], chain);
