@@ -305,6 +305,40 @@ fn tf32_linear_gradients_match_reference() {
     }
 }
 
+/// The bf16 linear gradients on the TMA kernel (`gemm_tma_bf16_nt` after transposing
+/// `W`, resp. `dZ` and `X`, in FP32): batches and widths of 1024+ divisible by 8, a
+/// ragged `k` (an odd one too, so `dW` rows are not 8-byte aligned), into NaN-poisoned
+/// `dW`s, against the f64 reference at bf16's tolerance.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bf16_linear_gradients_match_reference() {
+    use host::gpu::gemm::simt::{Precision, grad_input, grad_input_kernel, grad_weight_into};
+    let gpu = gpu();
+    let mut rng = StdRng::seed_from_u64(31);
+    let precision = Precision::Bf16;
+    for (m, n, k) in [(4104, 1032, 260), (1032, 1104, 261)] {
+        let x = random_input(m, k, &mut rng).unwrap();
+        let dz = random_input(m, n, &mut rng).unwrap();
+        let w = random_input(n, k, &mut rng).unwrap();
+        let (x_dev, dz_dev, w_dev) = (gpu.upload(&x).unwrap(), gpu.upload(&dz).unwrap(), gpu.upload(&w).unwrap());
+        let (want_dx, want_dw, _) = reference::linear::linear_backward(&x.to_f64(), &w.to_f64(), &dz.to_f64()).unwrap();
+        assert_eq!(grad_input_kernel(precision, &dz_dev, &w_dev).unwrap(), "gemm_tma_bf16_nt");
+        let side = gpu.side_stream().clone();
+        let mut dw = gpu.poisoned(&[n, k]).unwrap();
+        let scratch = grad_weight_into(&gpu, precision, &side, &dz_dev, &x_dev, &mut dw).unwrap();
+        assert_eq!(scratch.len(), 2, "dW on the TMA kernel keeps dZ^T and X^T until the streams meet");
+        gpu.order(&side, gpu.stream()).unwrap();
+        let dx = grad_input(&gpu, precision, &dz_dev, &w_dev).unwrap();
+        let (got_dw, got_dx) = (gpu.download(&dw).unwrap(), gpu.download(&dx).unwrap());
+        drop(scratch);
+        for (what, got, want) in [("dW", &got_dw, &want_dw), ("dX", &got_dx, &want_dx)] {
+            let c = compare_f32(got.data(), want.data());
+            println!("bf16 {what} ({m}, {n}, {k}): rel {:.2e} max abs {:.2e}", c.rel, c.max_abs);
+            assert!(c.passes(precision.tolerance()), "bf16 {what} ({m}, {n}, {k}): {c:?}");
+        }
+    }
+}
+
 /// Blocks chained on one GPU tape, block A used twice (`A(B(A(x)))`), so its
 /// parameters' gradients are sums the tape accumulates: all match the CPU f64 tape.
 #[test]

@@ -4,6 +4,7 @@
 //! `y`: the forward GEMM with its fused epilogue, split-K partial products, and the two
 //! GEMMs of the backward.
 
+use super::super::elementwise::transpose_on;
 use super::super::epilogue::DeviceChain;
 use super::super::{DeviceTensor, Gpu};
 use crate::chain::Op;
@@ -202,6 +203,9 @@ pub fn kernel_name(
 /// the path they mean to cover).
 pub fn grad_input_kernel(precision: Precision, dz: &DeviceTensor, w: &DeviceTensor) -> Result<String> {
     let (gemm, _) = grad_input_gemm(precision, dz, w)?;
+    if bf16_transposed_on_tma(precision, gemm.k) {
+        return Ok(super::tma::kernel(precision).into());
+    }
     Ok(kernel(gemm.precision, gemm.layout, (gemm.lda, gemm.ldb, gemm.k), gemm.splits, gemm.transpose_y).name)
 }
 
@@ -380,10 +384,25 @@ fn backward_on_wgmma(precision: Precision, dims: &[usize]) -> bool {
     precision.on_wgmma() && dims.iter().all(|d| d.is_multiple_of(4))
 }
 
+/// Whether a bf16 GEMM of depth `k` whose operands are transposed into rows of `k`
+/// runs on the TMA kernel as `Nt` (`k >= MIN_K`, 16-byte row pitches): the backward's
+/// bf16 `dX` and `dW` then transpose `W` (resp. `dZ` and `X`) first, in FP32, and the
+/// kernel's launcher rounds the operands.
+fn bf16_transposed_on_tma(precision: Precision, k: usize) -> bool {
+    precision == Precision::Bf16 && k >= gemm_tma::MIN_K && k.is_multiple_of(8) && tma_allowed()
+}
+
 /// `dX (m, k) = dZ (m, n) W (n, k)`.
 pub fn grad_input(gpu: &Gpu, precision: Precision, dz: &DeviceTensor, w: &DeviceTensor) -> Result<DeviceTensor> {
     let (gemm, shape) = grad_input_gemm(precision, dz, w)?;
     let mut dx = gpu.alloc(&shape)?;
+    if bf16_transposed_on_tma(precision, gemm.k) {
+        // `B` = W^T (k, n), rows of `n`; freed in stream order after the GEMM.
+        let (m, n, k) = (shape[0], gemm.k, shape[1]);
+        let wt = transpose_on(gpu, gpu.stream(), w)?;
+        Gemm::plain(precision, Layout::Nt, (&dz.buf, &wt.buf), (m, k, n), (n, n)).launch(gpu, &mut dx, None)?;
+        return Ok(dx);
+    }
     gemm.launch(gpu, &mut dx, None)?;
     Ok(dx)
 }
@@ -450,9 +469,15 @@ pub fn grad_weight_into(
     }
     // `stream` starts after everything queued on the GPU's stream, `dw`'s allocation included.
     gpu.order(gpu.stream(), stream)?;
+    if bf16_transposed_on_tma(precision, m) {
+        // `A` = dZ^T (n, m) and `B` = X^T (k, m): rows of the batch.
+        let (dzt, xt) = (transpose_on(gpu, stream, dz)?, transpose_on(gpu, stream, x)?);
+        Gemm::plain(precision, Layout::Nt, (&dzt.buf, &xt.buf), (n, k, m), (m, m)).launch_on(gpu, stream, dw, None)?;
+        return Ok(vec![dzt, xt]);
+    }
     if backward_on_wgmma(precision, &[m, n]) {
         // `B` = X^T (k, m), `k`-contiguous in the batch.
-        let xt = super::super::elementwise::transpose_on(gpu, stream, x)?;
+        let xt = transpose_on(gpu, stream, x)?;
         // `A` = dZ read as stored (a batch of `MIN_K`+ rows: the TMA kernel, `A` through
         // registers; else `gemm_wg`'s `dw`), so dZ is never transposed (M2: 512 MB).
         Gemm::plain(precision, Layout::Tk, (&dz.buf, &xt.buf), (n, k, m), (n, m)).launch_on(gpu, stream, dw, None)?;
