@@ -306,8 +306,9 @@ fn tf32_linear_gradients_match_reference() {
 }
 
 /// The bf16 linear gradients on the TMA kernel (`gemm_tma_bf16_nt` after transposing
-/// `W`, resp. `dZ` and `X`, in FP32): batches and widths of 1024+ divisible by 8, a
-/// ragged `k` (an odd one too, so `dW` rows are not 8-byte aligned), into NaN-poisoned
+/// `W`, resp. `dZ` and `X`): batches and widths of 1024+ divisible by 8, a ragged `k`
+/// divisible by 4 (the one-pass transpose-and-round) and an odd one (`W` and `X`
+/// transposed in FP32, then rounded; `dW` rows not 8-byte aligned), into NaN-poisoned
 /// `dW`s, against the f64 reference at bf16's tolerance.
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -326,7 +327,6 @@ fn bf16_linear_gradients_match_reference() {
         let side = gpu.side_stream().clone();
         let mut dw = gpu.poisoned(&[n, k]).unwrap();
         let scratch = grad_weight_into(&gpu, precision, &side, &dz_dev, &x_dev, &mut dw).unwrap();
-        assert_eq!(scratch.len(), 2, "dW on the TMA kernel keeps dZ^T and X^T until the streams meet");
         gpu.order(&side, gpu.stream()).unwrap();
         let dx = grad_input(&gpu, precision, &dz_dev, &w_dev).unwrap();
         let (got_dw, got_dx) = (gpu.download(&dw).unwrap(), gpu.download(&dx).unwrap());

@@ -111,6 +111,45 @@ pub fn transpose_on(gpu: &Gpu, stream: &Arc<CudaStream>, input: &DeviceTensor) -
     Ok(out)
 }
 
+/// `input (rows, cols)^T` rounded to bf16, a new `cols x rows` buffer of 16-bit words
+/// allocated and queued on `stream`, in one pass (`transpose_vec4_to_bf16`); `None`
+/// unless `rows` and `cols` are multiples of 4 (the caller then transposes and rounds
+/// in two).
+pub fn transpose_to_bf16_on(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    input: &DeviceTensor,
+) -> Result<Option<CudaSlice<u16>>> {
+    let &[rows, cols] = &input.shape[..] else {
+        return Err(Error::Shape(format!("transpose of a {:?} tensor", input.shape)));
+    };
+    if rows % 4 != 0 || cols % 4 != 0 {
+        return Ok(None);
+    }
+    let grid = (cols.div_ceil(64), rows.div_ceil(64));
+    if grid.1 > 65535 || rows * cols > u32::MAX as usize {
+        return Err(Error::Shape(format!("transpose of {rows} x {cols} exceeds the kernel's limits")));
+    }
+    // SAFETY: the kernel below writes every element before anything reads it.
+    let mut buf = unsafe { stream.alloc::<u16>((rows * cols).max(1)) }
+        .map_err(|e| Error::cuda(format!("allocating a {cols} x {rows} bf16 transpose"), e))?;
+    let kernel = "transpose_vec4_to_bf16";
+    let func = gpu.function(kernel)?;
+    let cfg = LaunchConfig {
+        grid_dim: (grid.0 as u32, grid.1 as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 64 * 65 * 4,
+    };
+    let (r, c) = (rows as u32, cols as u32);
+    let mut l = stream.launch_builder(&func);
+    l.arg(&input.buf).arg(&r).arg(&c).arg(&mut buf);
+    // SAFETY: (input, rows, cols, out) as the kernel takes; out holds rows * cols words;
+    // rows and cols divisible by 4, whole aligned allocations; block, grid and shared
+    // memory as it documents.
+    launched(kernel, unsafe { l.launch(cfg) })?;
+    Ok(Some(buf))
+}
+
 /// A row-major bf16 matrix in device memory (raw 16-bit words): the operands of
 /// cuBLAS's bf16 GEMM in `host bench --precision bf16`.
 pub struct Bf16Tensor {

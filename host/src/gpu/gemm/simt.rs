@@ -4,7 +4,7 @@
 //! `y`: the forward GEMM with its fused epilogue, split-K partial products, and the two
 //! GEMMs of the backward.
 
-use super::super::elementwise::transpose_on;
+use super::super::elementwise::{slice_to_bf16, transpose_on, transpose_to_bf16_on};
 use super::super::epilogue::DeviceChain;
 use super::super::{DeviceTensor, Gpu};
 use crate::chain::Op;
@@ -397,10 +397,18 @@ pub fn grad_input(gpu: &Gpu, precision: Precision, dz: &DeviceTensor, w: &Device
     let (gemm, shape) = grad_input_gemm(precision, dz, w)?;
     let mut dx = gpu.alloc(&shape)?;
     if bf16_transposed_on_tma(precision, gemm.k) {
-        // `B` = W^T (k, n), rows of `n`; freed in stream order after the GEMM.
+        // `B` = W^T (k, n), rows of `n`: transposed and rounded in one pass where the
+        // shapes allow, else transposed here and rounded by the launcher. Freed in
+        // stream order after the GEMM.
         let (m, n, k) = (shape[0], gemm.k, shape[1]);
-        let wt = transpose_on(gpu, gpu.stream(), w)?;
-        Gemm::plain(precision, Layout::Nt, (&dz.buf, &wt.buf), (m, k, n), (n, n)).launch(gpu, &mut dx, None)?;
+        let stream = gpu.stream();
+        if let Some(wt16) = transpose_to_bf16_on(gpu, stream, w)? {
+            let dz16 = slice_to_bf16(gpu, stream, &dz.buf)?;
+            super::tma::launch_forward_bf16(gpu, stream, (&dz16, &wt16), (m, k, n), (n, n), None, None, &mut dx, None)?;
+        } else {
+            let wt = transpose_on(gpu, stream, w)?;
+            Gemm::plain(precision, Layout::Nt, (&dz.buf, &wt.buf), (m, k, n), (n, n)).launch(gpu, &mut dx, None)?;
+        }
         return Ok(dx);
     }
     gemm.launch(gpu, &mut dx, None)?;
@@ -470,7 +478,16 @@ pub fn grad_weight_into(
     // `stream` starts after everything queued on the GPU's stream, `dw`'s allocation included.
     gpu.order(gpu.stream(), stream)?;
     if bf16_transposed_on_tma(precision, m) {
-        // `A` = dZ^T (n, m) and `B` = X^T (k, m): rows of the batch.
+        // `A` = dZ^T (n, m) and `B` = X^T (k, m): rows of the batch, transposed and
+        // rounded in one pass where the shapes allow (those copies are freed in
+        // `stream`'s order, after the GEMM); else transposed here, rounded by the launcher.
+        if [m, n, k].iter().all(|d| d.is_multiple_of(4))
+            && let (Some(dzt16), Some(xt16)) =
+                (transpose_to_bf16_on(gpu, stream, dz)?, transpose_to_bf16_on(gpu, stream, x)?)
+        {
+            super::tma::launch_forward_bf16(gpu, stream, (&dzt16, &xt16), (n, k, m), (m, m), None, None, dw, None)?;
+            return Ok(Vec::new());
+        }
         let (dzt, xt) = (transpose_on(gpu, stream, dz)?, transpose_on(gpu, stream, x)?);
         Gemm::plain(precision, Layout::Nt, (&dzt.buf, &xt.buf), (n, k, m), (m, m)).launch_on(gpu, stream, dw, None)?;
         return Ok(vec![dzt, xt]);

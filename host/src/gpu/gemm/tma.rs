@@ -162,23 +162,62 @@ pub fn launch_forward(
     y: &mut DeviceTensor,
     save_z: Option<&mut DeviceTensor>,
 ) -> Result<()> {
-    // bf16: the operands rounded into bf16 copies first (freed in stream order after
-    // the GEMM), read in 128-byte rows of 64 values as TF32 reads 32 floats.
-    let halves;
-    let maps = if precision == Precision::Bf16 {
-        let swizzle = sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B;
-        halves = [slice_to_bf16(gpu, stream, a)?, slice_to_bf16(gpu, stream, b)?];
-        let [a16, b16] = &halves;
-        [
-            encode_map_typed(a16.device_ptr(stream).0, 2, (m, k, lda), (BLOCK_M, BF16_BLOCK_K), swizzle)?,
-            encode_map_typed(b16.device_ptr(stream).0, 2, (n, k, ldb), (BLOCK_N, BF16_BLOCK_K), swizzle)?,
-        ]
-    } else {
-        [
-            tensor_map(stream, a, (m, k, lda), BLOCK_M, precision)?,
-            tensor_map(stream, b, (n, k, ldb), BLOCK_N, precision)?,
-        ]
-    };
+    if precision == Precision::Bf16 {
+        // The operands rounded into bf16 copies first (freed in stream order after the GEMM).
+        let (a16, b16) = (slice_to_bf16(gpu, stream, a)?, slice_to_bf16(gpu, stream, b)?);
+        return launch_forward_bf16(gpu, stream, (&a16, &b16), (m, n, k), (lda, ldb), bias, chain, y, save_z);
+    }
+    let maps = [
+        tensor_map(stream, a, (m, k, lda), BLOCK_M, precision)?,
+        tensor_map(stream, b, (n, k, ldb), BLOCK_N, precision)?,
+    ];
+    launch_with_maps(gpu, stream, precision, maps, (m, n, k), bias, chain, y, save_z)
+}
+
+/// [`launch_forward`] in bf16 over operands already rounded (16-bit words, row pitches
+/// `lda`, `ldb` divisible by 8), read in 128-byte rows of 64 values as TF32 reads 32
+/// floats.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_forward_bf16(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    (a16, b16): (&CudaSlice<u16>, &CudaSlice<u16>),
+    (m, n, k): (usize, usize, usize),
+    (lda, ldb): (usize, usize),
+    bias: Option<&CudaSlice<f32>>,
+    chain: Option<&DeviceChain>,
+    y: &mut DeviceTensor,
+    save_z: Option<&mut DeviceTensor>,
+) -> Result<()> {
+    let fits = |len: usize, rows: usize, pitch: usize| rows == 0 || len >= (rows - 1) * pitch + k;
+    if !fits(a16.len(), m, lda) || !fits(b16.len(), n, ldb) || !lda.is_multiple_of(8) || !ldb.is_multiple_of(8) {
+        return Err(Error::Shape(format!(
+            "bf16 operands of {} and {} words for ({m}, {n}, {k}) at row pitches {lda}, {ldb}",
+            a16.len(),
+            b16.len()
+        )));
+    }
+    let swizzle = sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B;
+    let maps = [
+        encode_map_typed(a16.device_ptr(stream).0, 2, (m, k, lda), (BLOCK_M, BF16_BLOCK_K), swizzle)?,
+        encode_map_typed(b16.device_ptr(stream).0, 2, (n, k, ldb), (BLOCK_N, BF16_BLOCK_K), swizzle)?,
+    ];
+    launch_with_maps(gpu, stream, Precision::Bf16, maps, (m, n, k), bias, chain, y, save_z)
+}
+
+/// Launches the forward kernel of `precision` over its two tensor maps.
+#[allow(clippy::too_many_arguments)]
+fn launch_with_maps(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    precision: Precision,
+    maps: [CUtensorMap; 2],
+    (m, n, k): (usize, usize, usize),
+    bias: Option<&CudaSlice<f32>>,
+    chain: Option<&DeviceChain>,
+    y: &mut DeviceTensor,
+    save_z: Option<&mut DeviceTensor>,
+) -> Result<()> {
     let name = kernel(precision);
     let Persistent { maps, func, cfg } = persistent(gpu, stream, name, precision, maps, (m, n))?;
     let tail = EpilogueArgs::new(&[m, n, k], chain);
