@@ -268,7 +268,7 @@ fn tf32_persistent_forward_matches_reference_rows() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tf32_linear_gradients_match_reference() {
-    use host::gpu::gemm::simt::{Layout, Precision, grad_input, grad_input_kernel, grad_weight_into, kernel_name};
+    use host::gpu::gemm::simt::{Layout, Precision, grad_input_kernel, kernel_name};
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(29);
     // The last: a batch of 4 (dX's `B` nearly all zero-filled rows; dW on `gemm_wg`).
@@ -276,8 +276,7 @@ fn tf32_linear_gradients_match_reference() {
         let x = random_input(m, k, &mut rng).unwrap();
         let dz = random_input(m, n, &mut rng).unwrap();
         let w = random_input(n, k, &mut rng).unwrap();
-        let (x_dev, dz_dev, w_dev) = (gpu.upload(&x).unwrap(), gpu.upload(&dz).unwrap(), gpu.upload(&w).unwrap());
-        let (want_dx, want_dw, _) = reference::linear::linear_backward(&x.to_f64(), &w.to_f64(), &dz.to_f64()).unwrap();
+        let (dz_dev, w_dev) = (gpu.upload(&dz).unwrap(), gpu.upload(&w).unwrap());
         for precision in [Precision::Tf32, Precision::Tf32x3] {
             // W and dZ read as stored: `A` through registers.
             let dw_kernel =
@@ -289,19 +288,33 @@ fn tf32_linear_gradients_match_reference() {
                     format!("gemm_tma_{precision}_tk_t")
                 );
             }
-            let side = gpu.side_stream().clone();
-            let mut dw = gpu.poisoned(&[n, k]).unwrap();
-            let scratch = grad_weight_into(&gpu, precision, &side, &dz_dev, &x_dev, &mut dw).unwrap();
-            gpu.order(&side, gpu.stream()).unwrap();
-            let dx = grad_input(&gpu, precision, &dz_dev, &w_dev).unwrap();
-            let (got_dw, got_dx) = (gpu.download(&dw).unwrap(), gpu.download(&dx).unwrap());
-            drop(scratch);
-            for (what, got, want) in [("dW", &got_dw, &want_dw), ("dX", &got_dx, &want_dx)] {
-                let c = compare_f32(got.data(), want.data());
-                println!("{precision} {what} ({m}, {n}, {k}): rel {:.2e} max abs {:.2e}", c.rel, c.max_abs);
-                assert!(c.passes(precision.tolerance()), "{precision} {what} ({m}, {n}, {k}): {c:?}");
-            }
+            check_linear_gradients(&gpu, precision, (&x, &dz, &w));
         }
+    }
+}
+
+/// `dW = dZ^T X` (into a NaN-poisoned `dW`, on the side stream) and `dX = dZ W` in
+/// `precision` against the f64 reference, at the precision's tolerance.
+fn check_linear_gradients(
+    gpu: &Gpu,
+    precision: host::gpu::gemm::simt::Precision,
+    (x, dz, w): (&host::Tensor<f32>, &host::Tensor<f32>, &host::Tensor<f32>),
+) {
+    use host::gpu::gemm::simt::{grad_input, grad_weight_into};
+    let (m, k, n) = (x.shape()[0], x.shape()[1], w.shape()[0]);
+    let (want_dx, want_dw, _) = reference::linear::linear_backward(&x.to_f64(), &w.to_f64(), &dz.to_f64()).unwrap();
+    let (x_dev, dz_dev, w_dev) = (gpu.upload(x).unwrap(), gpu.upload(dz).unwrap(), gpu.upload(w).unwrap());
+    let side = gpu.side_stream().clone();
+    let mut dw = gpu.poisoned(&[n, k]).unwrap();
+    let scratch = grad_weight_into(gpu, precision, &side, &dz_dev, &x_dev, &mut dw).unwrap();
+    gpu.order(&side, gpu.stream()).unwrap();
+    let dx = grad_input(gpu, precision, &dz_dev, &w_dev).unwrap();
+    let (got_dw, got_dx) = (gpu.download(&dw).unwrap(), gpu.download(&dx).unwrap());
+    drop(scratch);
+    for (what, got, want) in [("dW", &got_dw, &want_dw), ("dX", &got_dx, &want_dx)] {
+        let c = compare_f32(got.data(), want.data());
+        println!("{precision} {what} ({m}, {n}, {k}): rel {:.2e} max abs {:.2e}", c.rel, c.max_abs);
+        assert!(c.passes(precision.tolerance()), "{precision} {what} ({m}, {n}, {k}): {c:?}");
     }
 }
 
@@ -313,7 +326,7 @@ fn tf32_linear_gradients_match_reference() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn bf16_linear_gradients_match_reference() {
-    use host::gpu::gemm::simt::{Precision, grad_input, grad_input_kernel, grad_weight_into};
+    use host::gpu::gemm::simt::{Precision, grad_input_kernel};
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(31);
     let precision = Precision::Bf16;
@@ -321,21 +334,9 @@ fn bf16_linear_gradients_match_reference() {
         let x = random_input(m, k, &mut rng).unwrap();
         let dz = random_input(m, n, &mut rng).unwrap();
         let w = random_input(n, k, &mut rng).unwrap();
-        let (x_dev, dz_dev, w_dev) = (gpu.upload(&x).unwrap(), gpu.upload(&dz).unwrap(), gpu.upload(&w).unwrap());
-        let (want_dx, want_dw, _) = reference::linear::linear_backward(&x.to_f64(), &w.to_f64(), &dz.to_f64()).unwrap();
+        let (dz_dev, w_dev) = (gpu.upload(&dz).unwrap(), gpu.upload(&w).unwrap());
         assert_eq!(grad_input_kernel(precision, &dz_dev, &w_dev).unwrap(), "gemm_tma_bf16_nt");
-        let side = gpu.side_stream().clone();
-        let mut dw = gpu.poisoned(&[n, k]).unwrap();
-        let scratch = grad_weight_into(&gpu, precision, &side, &dz_dev, &x_dev, &mut dw).unwrap();
-        gpu.order(&side, gpu.stream()).unwrap();
-        let dx = grad_input(&gpu, precision, &dz_dev, &w_dev).unwrap();
-        let (got_dw, got_dx) = (gpu.download(&dw).unwrap(), gpu.download(&dx).unwrap());
-        drop(scratch);
-        for (what, got, want) in [("dW", &got_dw, &want_dw), ("dX", &got_dx, &want_dx)] {
-            let c = compare_f32(got.data(), want.data());
-            println!("bf16 {what} ({m}, {n}, {k}): rel {:.2e} max abs {:.2e}", c.rel, c.max_abs);
-            assert!(c.passes(precision.tolerance()), "bf16 {what} ({m}, {n}, {k}): {c:?}");
-        }
+        check_linear_gradients(&gpu, precision, (&x, &dz, &w));
     }
 }
 

@@ -768,54 +768,45 @@ unsafe fn wgmma_n256_rs_split_k_tile(acc: &mut [u32; 128], a: [[u32; 4]; 2], a_l
     }
 }
 
-/// One k-tile (4 `k`-steps of 8) of a warpgroup, `acc += A B^T` with both operands in
-/// shared memory: issued, committed, and returned from with this group still running
-/// (the previous one finished).
-///
-/// # Safety
-/// Descriptors of complete tiles written by the async proxy (TMA); every thread of the
-/// warpgroup calls it.
-#[inline(always)]
-unsafe fn wgmma_n256_k_tile(acc: &mut [u32; 128], da: [u64; 4], db: [u64; 4]) {
-    unsafe {
-        wgmma_asm!(128, acc; [
-            "{{ .reg .pred p; setp.ne.b32 p, {one}, 0;",
-            "wgmma.fence.sync.aligned;",
-            concat!("wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32 ", accumulators!(128), ", {a0}, {b0}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32 ", accumulators!(128), ", {a1}, {b1}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32 ", accumulators!(128), ", {a2}, {b2}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32 ", accumulators!(128), ", {a3}, {b3}, p, 1, 1;"),
-            "wgmma.commit_group.sync.aligned;",
-            "wgmma.wait_group.sync.aligned 1; }}",
-        ];
-            one = in(reg32) 1u32,
-            a0 = in(reg64) da[0], a1 = in(reg64) da[1], a2 = in(reg64) da[2], a3 = in(reg64) da[3],
-            b0 = in(reg64) db[0], b1 = in(reg64) db[1], b2 = in(reg64) db[2], b3 = in(reg64) db[3],
-        )
-    }
+/// Declares a function running one k-tile (four `k`-steps, 32 bytes of each 128-byte
+/// row apiece) of a warpgroup, `acc += A B^T` with both operands in shared memory, each
+/// step `$mma acc, a, b, p, 1, 1$tail;`: issued, committed, and returned from with this
+/// group still running (the previous one finished).
+macro_rules! wgmma_n256_k_tile_fn {
+    ($(#[$doc:meta])* $name:ident, $mma:literal, $tail:literal) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// Descriptors of complete tiles written by the async proxy (TMA); every thread
+        /// of the warpgroup calls it.
+        #[inline(always)]
+        unsafe fn $name(acc: &mut [u32; 128], da: [u64; 4], db: [u64; 4]) {
+            unsafe {
+                wgmma_asm!(128, acc; [
+                    "{{ .reg .pred p; setp.ne.b32 p, {one}, 0;",
+                    "wgmma.fence.sync.aligned;",
+                    concat!($mma, " ", accumulators!(128), ", {a0}, {b0}, p, 1, 1", $tail, ";"),
+                    concat!($mma, " ", accumulators!(128), ", {a1}, {b1}, p, 1, 1", $tail, ";"),
+                    concat!($mma, " ", accumulators!(128), ", {a2}, {b2}, p, 1, 1", $tail, ";"),
+                    concat!($mma, " ", accumulators!(128), ", {a3}, {b3}, p, 1, 1", $tail, ";"),
+                    "wgmma.commit_group.sync.aligned;",
+                    "wgmma.wait_group.sync.aligned 1; }}",
+                ];
+                    one = in(reg32) 1u32,
+                    a0 = in(reg64) da[0], a1 = in(reg64) da[1], a2 = in(reg64) da[2], a3 = in(reg64) da[3],
+                    b0 = in(reg64) db[0], b1 = in(reg64) db[1], b2 = in(reg64) db[2], b3 = in(reg64) db[3],
+                )
+            }
+        }
+    };
 }
 
-/// [`wgmma_n256_k_tile`] for a 64-deep bf16 k-tile: four `m64n256k16` steps (32 bytes
-/// of each 128-byte row apiece, as TF32's `k8`), both operands `k`-major (no transpose).
-///
-/// # Safety
-/// As [`wgmma_n256_k_tile`].
-#[inline(always)]
-unsafe fn wgmma_n256_k_tile_bf16(acc: &mut [u32; 128], da: [u64; 4], db: [u64; 4]) {
-    unsafe {
-        wgmma_asm!(128, acc; [
-            "{{ .reg .pred p; setp.ne.b32 p, {one}, 0;",
-            "wgmma.fence.sync.aligned;",
-            concat!("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 ", accumulators!(128), ", {a0}, {b0}, p, 1, 1, 0, 0;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 ", accumulators!(128), ", {a1}, {b1}, p, 1, 1, 0, 0;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 ", accumulators!(128), ", {a2}, {b2}, p, 1, 1, 0, 0;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 ", accumulators!(128), ", {a3}, {b3}, p, 1, 1, 0, 0;"),
-            "wgmma.commit_group.sync.aligned;",
-            "wgmma.wait_group.sync.aligned 1; }}",
-        ];
-            one = in(reg32) 1u32,
-            a0 = in(reg64) da[0], a1 = in(reg64) da[1], a2 = in(reg64) da[2], a3 = in(reg64) da[3],
-            b0 = in(reg64) db[0], b1 = in(reg64) db[1], b2 = in(reg64) db[2], b3 = in(reg64) db[3],
-        )
-    }
-}
+wgmma_n256_k_tile_fn!(
+    /// A 32-deep TF32 k-tile: four `m64n256k8` steps.
+    wgmma_n256_k_tile, "wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32", ""
+);
+wgmma_n256_k_tile_fn!(
+    /// A 64-deep bf16 k-tile: four `m64n256k16` steps, both operands `k`-major (no
+    /// transpose: the last two immediates).
+    wgmma_n256_k_tile_bf16, "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16", ", 0, 0"
+);
