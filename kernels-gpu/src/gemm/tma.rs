@@ -197,82 +197,65 @@ impl Pipeline {
     }
 }
 
-/// The forward `y (m, n) = chain(x W^T + bias)` in TF32, `A` = `x (m, k)` and
-/// `B` = `W (n, k)` described by the two TMA tensor maps at `maps` (128 bytes each:
-/// `A`'s with a `32 x 128` box, `B`'s with `32 x 256`, both with the 128-byte swizzle);
-/// `save_z` as in the other GEMMs.
-///
-/// # Safety
-/// The maps describe readable `f32` tensors of `(m, k)` and `(n, k)` in global memory;
-/// `y` holds `m * n` floats; bias, `save_z` and `ops` as in `simt::gemm_f32`; `THREADS`
-/// threads, dynamic shared memory `SMEM_BYTES`, any grid; an sm_90a device.
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "ptx-kernel" fn gemm_tma_tf32_nt(
-    maps: *const u8,
-    bias: *const f32,
-    y: *mut f32,
-    save_z: *mut f32,
-    m: u32,
-    n: u32,
-    k: u32,
-    ops: *const OpDesc,
-    n_ops: u32,
-) {
-    unsafe { gemm_tma::<false, false>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
+/// Declares forward entry points, each an instance of [`gemm_tma`] with the given
+/// `SPLIT` and `BF16` (one signature: the two tensor maps, then as `simt::gemm_f32`).
+macro_rules! gemm_tma_entries {
+    ($($(#[$doc:meta])* $name:ident = <$split:literal, $bf16:literal>;)*) => {$(
+        $(#[$doc])*
+        #[unsafe(no_mangle)]
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe extern "ptx-kernel" fn $name(
+            maps: *const u8,
+            bias: *const f32,
+            y: *mut f32,
+            save_z: *mut f32,
+            m: u32,
+            n: u32,
+            k: u32,
+            ops: *const OpDesc,
+            n_ops: u32,
+        ) {
+            unsafe { gemm_tma::<$split, $bf16>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
+        }
+    )*};
 }
 
-/// [`gemm_tma_tf32_nt`] in 3xTF32 (FP32-level accuracy): each stage also holds the
-/// FP32 residuals `x - tf32(x)` of its `A` and `B` tiles, which the consumers write
-/// (the stage's share of each thread) while the previous stage's MMAs run, and every
-/// `k`-step is three MMAs, `A B + A B_lo + A_lo B` (the tensor core reads the TF32
-/// part of the raw operands). Stages are 16 deep (64-byte swizzle) so that four fit
-/// (`SPLIT_STAGES`, `SPLIT_SMEM_BYTES`): with two 32-deep ones the copies and the
-/// residuals did not keep up (M2 3.01 ms against 2.36).
-///
-/// # Safety
-/// As [`gemm_tma_tf32_nt`], with `SPLIT_SMEM_BYTES` of shared memory.
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "ptx-kernel" fn gemm_tma_tf32x3_nt(
-    maps: *const u8,
-    bias: *const f32,
-    y: *mut f32,
-    save_z: *mut f32,
-    m: u32,
-    n: u32,
-    k: u32,
-    ops: *const OpDesc,
-    n_ops: u32,
-) {
-    unsafe { gemm_tma::<true, false>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
+gemm_tma_entries! {
+    /// The forward `y (m, n) = chain(x W^T + bias)` in TF32, `A` = `x (m, k)` and
+    /// `B` = `W (n, k)` described by the two TMA tensor maps at `maps` (128 bytes each:
+    /// `A`'s with a `32 x 128` box, `B`'s with `32 x 256`, both with the 128-byte swizzle);
+    /// `save_z` as in the other GEMMs.
+    ///
+    /// # Safety
+    /// The maps describe readable `f32` tensors of `(m, k)` and `(n, k)` in global memory;
+    /// `y` holds `m * n` floats; bias, `save_z` and `ops` as in `simt::gemm_f32`; `THREADS`
+    /// threads, dynamic shared memory `SMEM_BYTES`, any grid; an sm_90a device.
+    gemm_tma_tf32_nt = <false, false>;
+
+    /// [`gemm_tma_tf32_nt`] in 3xTF32 (FP32-level accuracy): each stage also holds the
+    /// FP32 residuals `x - tf32(x)` of its `A` and `B` tiles, which the consumers write
+    /// (the stage's share of each thread) while the previous stage's MMAs run, and every
+    /// `k`-step is three MMAs, `A B + A B_lo + A_lo B` (the tensor core reads the TF32
+    /// part of the raw operands). Stages are 16 deep (64-byte swizzle) so that four fit
+    /// (`SPLIT_STAGES`, `SPLIT_SMEM_BYTES`): with two 32-deep ones the copies and the
+    /// residuals did not keep up (M2 3.01 ms against 2.36).
+    ///
+    /// # Safety
+    /// As [`gemm_tma_tf32_nt`], with `SPLIT_SMEM_BYTES` of shared memory.
+    gemm_tma_tf32x3_nt = <true, false>;
+
+    /// [`gemm_tma_tf32_nt`] in bf16: `A` and `B` are bf16 copies of `x` and `W` (rounded to
+    /// nearest), their tensor maps with `64 x 128` and `64 x 256` boxes (128-byte rows of
+    /// 64 values, the same swizzle and stage bytes as TF32's 32 floats), and each 16-deep
+    /// `k`-step one `wgmma.m64n256k16.f32.bf16.bf16` (FP32 accumulators in the TF32
+    /// kernel's layout, so the same epilogue).
+    ///
+    /// # Safety
+    /// As [`gemm_tma_tf32_nt`], the maps describing `u16` (bf16) tensors.
+    gemm_tma_bf16_nt = <false, true>;
 }
 
-/// [`gemm_tma_tf32_nt`] in bf16: `A` and `B` are bf16 copies of `x` and `W` (rounded to
-/// nearest), their tensor maps with `64 x 128` and `64 x 256` boxes (128-byte rows of
-/// 64 values, the same swizzle and stage bytes as TF32's 32 floats), and each 16-deep
-/// `k`-step one `wgmma.m64n256k16.f32.bf16.bf16` (FP32 accumulators in the TF32
-/// kernel's layout, so the same epilogue).
-///
-/// # Safety
-/// As [`gemm_tma_tf32_nt`], the maps describing `u16` (bf16) tensors.
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "ptx-kernel" fn gemm_tma_bf16_nt(
-    maps: *const u8,
-    bias: *const f32,
-    y: *mut f32,
-    save_z: *mut f32,
-    m: u32,
-    n: u32,
-    k: u32,
-    ops: *const OpDesc,
-    n_ops: u32,
-) {
-    unsafe { gemm_tma::<false, true>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
-}
-
-/// The body of both entry points (`SPLIT`: 3xTF32).
+/// The body of the forward entry points (`SPLIT`: 3xTF32; `BF16`: bf16 operands).
 ///
 /// # Safety
 /// See [`gemm_tma_tf32_nt`].
