@@ -126,8 +126,8 @@ fn tma_allowed() -> bool {
 
 /// The kernel for a precision, layout, leading dimensions (16-byte loads need both
 /// divisible by 4), depth `k` and split-K count, storing `y^T` when `transpose_y`. The
-/// TF32 and 3xTF32 `Nt` GEMMs without split-K and with `k >= gemm_tma::MIN_K` run on
-/// the persistent TMA kernels (kernels-gpu/src/gemm/tma.rs);
+/// TF32 and 3xTF32 `Nt` and `Tk` GEMMs and the bf16 `Nt` ones without split-K and with
+/// `k >= gemm_tma::MIN_K` run on the persistent TMA kernels (kernels-gpu/src/gemm/tma.rs);
 /// TF32 and 3xTF32 with 16-byte loads otherwise on `wgmma` (`gemm_wg_*`,
 /// kernels-gpu/src/gemm/wgmma.rs): the forward, and layout `Tk` as `dx` (transposed
 /// output) or `dw`; everything else on the `gemm_f32_*` FMA kernels or the `mma.sync`
@@ -140,25 +140,19 @@ fn kernel(
     transpose_y: bool,
 ) -> Kernel {
     let vec4 = lda.is_multiple_of(4) && ldb.is_multiple_of(4);
-    // bf16 `Nt` (the forward) on the TMA kernel too, over bf16 copies of the operands
-    // (TMA wants 16-byte row pitches: 8 bf16 values).
-    let vec8 = lda.is_multiple_of(8) && ldb.is_multiple_of(8);
-    if precision == Precision::Bf16
-        && matches!(layout, Layout::Nt)
-        && splits <= 1
-        && k >= gemm_tma::MIN_K
-        && vec8
-        && tma_allowed()
-    {
-        return Kernel { name: super::tma::kernel(precision).into(), block_k: 0, smem_bytes: 0, tma: true };
-    }
-    if precision.on_wgmma() && splits <= 1 && k >= gemm_tma::MIN_K && vec4 && tma_allowed() {
-        // The TMA kernels: `Nt` (the forward), `Tk` (`A` row-contiguous: `dW` with `dZ`
+    // The TMA kernels want 16-byte row pitches: 4 floats, or 8 bf16 values for the bf16
+    // forward (over bf16 copies of the operands).
+    let (on_tma, pitched) = match precision {
+        Precision::Bf16 => (true, lda.is_multiple_of(8) && ldb.is_multiple_of(8)),
+        _ => (precision.on_wgmma(), vec4),
+    };
+    if on_tma && splits <= 1 && k >= gemm_tma::MIN_K && pitched && tma_allowed() {
+        // `Nt` (the forward), `Tk` (TF32 and 3xTF32: `A` row-contiguous, `dW` with `dZ`
         // as stored, and `dX^T = W^T dZ^T` with `W` as stored; `A` through registers).
         let name = match layout {
             Layout::Nt => Some(super::tma::kernel(precision)),
-            Layout::Tk => Some(super::tma::tk_kernel(precision, transpose_y)),
-            Layout::Nn | Layout::Tn => None,
+            Layout::Tk if precision.on_wgmma() => Some(super::tma::tk_kernel(precision, transpose_y)),
+            _ => None,
         };
         if let Some(name) = name {
             return Kernel { name: name.into(), block_k: 0, smem_bytes: 0, tma: true };
@@ -385,11 +379,11 @@ fn backward_on_wgmma(precision: Precision, dims: &[usize]) -> bool {
 }
 
 /// Whether a bf16 GEMM of depth `k` whose operands are transposed into rows of `k`
-/// runs on the TMA kernel as `Nt` (`k >= MIN_K`, 16-byte row pitches): the backward's
-/// bf16 `dX` and `dW` then transpose `W` (resp. `dZ` and `X`) first, in FP32, and the
-/// kernel's launcher rounds the operands.
+/// would run on the TMA kernel as `Nt` ([`kernel`] with pitches `k`): the backward's
+/// bf16 `dX` and `dW` then transpose `W` (resp. `dZ` and `X`) first, rounding them in
+/// the same pass where the shapes allow.
 fn bf16_transposed_on_tma(precision: Precision, k: usize) -> bool {
-    precision == Precision::Bf16 && k >= gemm_tma::MIN_K && k.is_multiple_of(8) && tma_allowed()
+    precision == Precision::Bf16 && kernel(precision, Layout::Nt, (k, k, k), 1, false).tma
 }
 
 /// `dX (m, k) = dZ (m, n) W (n, k)`.
@@ -502,4 +496,32 @@ pub fn grad_weight_into(
     }
     Gemm::plain(precision, Layout::Tn, (&dz.buf, &x.buf), (n, k, m), (n, k)).launch_on(gpu, stream, dw, None)?;
     Ok(Vec::new())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Which kernel each precision, layout, pitch and depth gets (assumes
+    /// `HOST_GEMM_NO_TMA` is unset, as in CI): the TMA kernels only for 16-byte pitches,
+    /// `k >= MIN_K` and no split-K; bf16 on them only as `Nt`.
+    #[test]
+    fn kernels_are_chosen_by_precision_layout_pitch_and_depth() {
+        let name = |p, layout, dims, splits| kernel_name(p, layout, dims, splits);
+        let (deep, shallow) = (gemm_tma::MIN_K, gemm_tma::MIN_K / 2);
+        assert_eq!(name(Precision::Tf32, Layout::Nt, (deep, deep, deep), 1), "gemm_tma_tf32_nt");
+        assert_eq!(name(Precision::Tf32x3, Layout::Nt, (deep, deep, deep), 1), "gemm_tma_tf32x3_nt");
+        assert_eq!(name(Precision::Tf32, Layout::Tk, (deep, deep, deep), 1), "gemm_tma_tf32_tk");
+        assert_eq!(name(Precision::Tf32, Layout::Nt, (deep, deep, deep), 2), "gemm_wg_tf32_nt_vec4");
+        assert_eq!(name(Precision::Tf32, Layout::Nt, (deep, deep, shallow), 1), "gemm_wg_tf32_nt_vec4");
+        assert_eq!(name(Precision::Bf16, Layout::Nt, (deep, deep, deep), 1), "gemm_tma_bf16_nt");
+        // Pitches of 4 bf16 values (8 bytes), a shallow `k`, split-K, `Tk`: mma.sync.
+        assert_eq!(name(Precision::Bf16, Layout::Nt, (deep + 4, deep + 4, deep + 4), 1), "gemm_tc_bf16_nt_vec4");
+        assert_eq!(name(Precision::Bf16, Layout::Nt, (deep, deep, shallow), 1), "gemm_tc_bf16_nt_vec4");
+        assert_eq!(name(Precision::Bf16, Layout::Nt, (deep, deep, deep), 2), "gemm_tc_bf16_nt_vec4");
+        assert_eq!(name(Precision::Bf16, Layout::Tk, (deep, deep, deep), 1), "gemm_tc_bf16_tk_vec4");
+        assert_eq!(name(Precision::Fp32, Layout::Nt, (deep, deep, deep), 1), "gemm_f32_nt_vec4");
+        assert!(bf16_transposed_on_tma(Precision::Bf16, deep) && !bf16_transposed_on_tma(Precision::Bf16, deep + 4));
+        assert!(!bf16_transposed_on_tma(Precision::Tf32, deep));
+    }
 }

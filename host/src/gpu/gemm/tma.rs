@@ -15,9 +15,9 @@ use kernel_abi::gemm_tma::{
 };
 use std::sync::Arc;
 
-/// The kernel for `precision` (TF32 or 3xTF32); `simt::kernel` picks it when both
-/// operands' row pitches are multiples of 4 floats (TMA wants 16-byte multiples) and
-/// no split-K.
+/// The forward kernel for `precision` (TF32, 3xTF32 or bf16); `simt::kernel` picks it
+/// when both operands' row pitches are multiples of 16 bytes (as TMA wants; 4 floats,
+/// or 8 bf16 values of the rounded copies) and no split-K.
 pub fn kernel(precision: Precision) -> &'static str {
     match precision {
         Precision::Tf32x3 => "gemm_tma_tf32x3_nt",
