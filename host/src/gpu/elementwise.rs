@@ -78,37 +78,14 @@ pub fn unfold_rows_mean_grad(gpu: &Gpu, g: &DeviceTensor, rows: usize, k: usize)
 /// `stream` (the tensor-core `dW` runs it on the side stream before its GEMM; the
 /// result is freed in that stream's order too).
 pub fn transpose_on(gpu: &Gpu, stream: &Arc<CudaStream>, input: &DeviceTensor) -> Result<DeviceTensor> {
-    let &[rows, cols] = &input.shape[..] else {
-        return Err(Error::Shape(format!("transpose of a {:?} tensor", input.shape)));
-    };
+    let (rows, cols) = matrix_dims(input)?;
     // 16-byte rows both ways (allocations are 256-byte aligned): the vectorised kernel.
-    let (kernel, tile, threads, smem) = if rows % 4 == 0 && cols % 4 == 0 {
-        ("transpose_vec4", 64, (256, 1), 64 * 65 * 4)
+    let buf = if rows % 4 == 0 && cols % 4 == 0 {
+        launch_transpose::<f32>(gpu, stream, input, "transpose_vec4", 64, (256, 1))?
     } else {
-        ("transpose", 32, (32, 8), 32 * 33 * 4)
+        launch_transpose::<f32>(gpu, stream, input, "transpose", 32, (32, 8))?
     };
-    let grid = (cols.div_ceil(tile), rows.div_ceil(tile));
-    if grid.1 > 65535 || rows * cols > u32::MAX as usize {
-        return Err(Error::Shape(format!("transpose of {rows} x {cols} exceeds the kernel's limits")));
-    }
-    // SAFETY: the kernel below writes every element before anything reads it.
-    let buf = unsafe { stream.alloc::<f32>((rows * cols).max(1)) }
-        .map_err(|e| Error::cuda(format!("allocating a {cols} x {rows} transpose"), e))?;
-    let mut out = DeviceTensor { shape: vec![cols, rows], buf };
-    let func = gpu.function(kernel)?;
-    let cfg = LaunchConfig {
-        grid_dim: (grid.0 as u32, grid.1 as u32, 1),
-        block_dim: (threads.0, threads.1, 1),
-        shared_mem_bytes: smem,
-    };
-    let (r, c) = (rows as u32, cols as u32);
-    let mut l = stream.launch_builder(&func);
-    l.arg(&input.buf).arg(&r).arg(&c).arg(&mut out.buf);
-    // SAFETY: (input, rows, cols, out) as the kernels take; out holds rows * cols floats;
-    // block, grid and shared memory as they document (the vectorised one only for
-    // dimensions divisible by 4, on whole, aligned allocations).
-    launched(kernel, unsafe { l.launch(cfg) })?;
-    Ok(out)
+    Ok(DeviceTensor { shape: vec![cols, rows], buf })
 }
 
 /// `input (rows, cols)^T` rounded to bf16, a new `cols x rows` buffer of 16-bit words
@@ -120,34 +97,55 @@ pub fn transpose_to_bf16_on(
     stream: &Arc<CudaStream>,
     input: &DeviceTensor,
 ) -> Result<Option<CudaSlice<u16>>> {
-    let &[rows, cols] = &input.shape[..] else {
-        return Err(Error::Shape(format!("transpose of a {:?} tensor", input.shape)));
-    };
+    let (rows, cols) = matrix_dims(input)?;
     if rows % 4 != 0 || cols % 4 != 0 {
         return Ok(None);
     }
-    let grid = (cols.div_ceil(64), rows.div_ceil(64));
+    launch_transpose::<u16>(gpu, stream, input, "transpose_vec4_to_bf16", 64, (256, 1)).map(Some)
+}
+
+/// The `(rows, cols)` of a matrix to transpose.
+fn matrix_dims(input: &DeviceTensor) -> Result<(usize, usize)> {
+    match input.shape[..] {
+        [rows, cols] => Ok((rows, cols)),
+        _ => Err(Error::Shape(format!("transpose of a {:?} tensor", input.shape))),
+    }
+}
+
+/// Queues transpose kernel `kernel` (`tile x tile` tiles, `threads` per block, a
+/// `tile x (tile + 1)` float tile of shared memory: `(input, rows, cols, out)`) over the
+/// matrix `input` into a new `cols x rows` buffer of `T` allocated on `stream`.
+fn launch_transpose<T: cudarc::driver::DeviceRepr>(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    input: &DeviceTensor,
+    kernel: &str,
+    tile: usize,
+    threads: (u32, u32),
+) -> Result<CudaSlice<T>> {
+    let (rows, cols) = matrix_dims(input)?;
+    let grid = (cols.div_ceil(tile), rows.div_ceil(tile));
     if grid.1 > 65535 || rows * cols > u32::MAX as usize {
         return Err(Error::Shape(format!("transpose of {rows} x {cols} exceeds the kernel's limits")));
     }
     // SAFETY: the kernel below writes every element before anything reads it.
-    let mut buf = unsafe { stream.alloc::<u16>((rows * cols).max(1)) }
-        .map_err(|e| Error::cuda(format!("allocating a {cols} x {rows} bf16 transpose"), e))?;
-    let kernel = "transpose_vec4_to_bf16";
+    let mut buf = unsafe { stream.alloc::<T>((rows * cols).max(1)) }
+        .map_err(|e| Error::cuda(format!("allocating a {cols} x {rows} transpose"), e))?;
     let func = gpu.function(kernel)?;
     let cfg = LaunchConfig {
         grid_dim: (grid.0 as u32, grid.1 as u32, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 64 * 65 * 4,
+        block_dim: (threads.0, threads.1, 1),
+        shared_mem_bytes: (tile * (tile + 1) * 4) as u32,
     };
     let (r, c) = (rows as u32, cols as u32);
     let mut l = stream.launch_builder(&func);
     l.arg(&input.buf).arg(&r).arg(&c).arg(&mut buf);
-    // SAFETY: (input, rows, cols, out) as the kernel takes; out holds rows * cols words;
-    // rows and cols divisible by 4, whole aligned allocations; block, grid and shared
-    // memory as it documents.
+    // SAFETY: (input, rows, cols, out) as the kernels take; out holds rows * cols
+    // elements of the kernel's output type; block, grid and shared memory as they
+    // document (the vectorised ones only for dimensions divisible by 4, on whole,
+    // aligned allocations: the callers check).
     launched(kernel, unsafe { l.launch(cfg) })?;
-    Ok(Some(buf))
+    Ok(buf)
 }
 
 /// A row-major bf16 matrix in device memory (raw 16-bit words): the operands of
