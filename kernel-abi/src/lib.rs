@@ -69,8 +69,10 @@ pub const LAUNCH_BOUNDS_TMA: &[(&str, u32, u32)] = &[
 
 /// The tile-wise chain backward (`kernels-gpu/src/epilogue/lanes.rs`): the blocks per
 /// SM its grid is sized for.
-pub const LAUNCH_BOUNDS_EPILOGUE: &[(&str, u32, u32)] =
-    &[("epilogue_tiles_backward", epilogue::TILE_THREADS as u32, epilogue::TILES_BACKWARD_BLOCKS_PER_SM)];
+pub const LAUNCH_BOUNDS_EPILOGUE: &[(&str, u32, u32)] = &[
+    ("epilogue_tiles_backward", epilogue::TILE_THREADS as u32, epilogue::TILES_BACKWARD_BLOCKS_PER_SM),
+    ("refine_z", kinks::REFINE_THREADS as u32, 2),
+];
 
 /// The `wgmma` family (sm_90a): two warpgroups per block, operands read by the tensor
 /// cores from 128-byte-swizzled shared memory.
@@ -254,6 +256,28 @@ pub mod epilogue {
     pub const fn row_backward_smem_bytes(features: usize, sum_slots: usize) -> usize {
         ((3 + sum_slots) * features + 2 * (ROW_THREADS / 32)) * 4
     }
+}
+
+/// Near-kink refinement of the saved `z` (`kernels-gpu/src/epilogue/kinks.rs`).
+pub mod kinks {
+    use super::epilogue::ROW_THREADS;
+    /// Columns of `z` refined together: the unit `kink_scan` lists and one block of
+    /// `refine_z` computes (its weights staged once for all listed rows).
+    pub const CHUNK: usize = 16;
+    pub const REFINE_THREADS: usize = 256;
+    /// Rows of `x` one block of `refine_z` takes at a time: three 8-row tiles of the
+    /// f64 MMA (`m8n8k4`) per warp (the ~20 rows a chunk of M3 or M5 lists under TF32;
+    /// four spill at the 128 registers two blocks per SM allow).
+    pub const REFINE_ROWS: usize = 24;
+    /// The warps' partial sums, added in shared memory at the end of each batch.
+    pub const REFINE_SMEM_BYTES: usize = REFINE_THREADS / 32 * REFINE_ROWS * CHUNK * 8;
+    /// `kink_scan`'s shared memory for rows of `n`: values and radii (each with a
+    /// second buffer when the scanned ops pool), a scratch value per warp, the
+    /// whole-row flag and a byte per chunk.
+    pub const fn scan_smem_bytes(n: usize, pooled: bool) -> usize {
+        ((if pooled { 4 } else { 2 }) * n + ROW_THREADS / 32 + 1) * 4 + n.div_ceil(CHUNK)
+    }
+    const _: () = assert!(CHUNK == 16 && REFINE_ROWS == 24);
 }
 
 /// The register-blocked FP32 GEMM with the fused epilogue (`kernels-gpu/src/gemm/simt.rs`).

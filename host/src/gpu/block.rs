@@ -15,13 +15,16 @@
 //! `b` averaged in blocks of `k` (exact algebra, see models.md), `k` times less GEMM.
 //! The backward works on the folded layer too and spreads its weight gradients back.
 //!
-//! Backward: the forward saves `z`, the chain's input (the GEMM output with bias);
-//! `epilogue_rows_backward` turns `dy` into `dz` and the chain's parameter gradients
+//! Backward: the forward saves `z`, the chain's input (the GEMM output with bias).
+//! Where the chain has a kink (LeakyReLU, Hardtanh, row max), `kink_scan` and
+//! `refine_z` first recompute in f64 the few chunks of `z` whose rounding could put a
+//! kink's input on its other side (`epilogue/kinks.rs`). `epilogue_rows_backward` turns `dy` into `dz` and the chain's parameter gradients
 //! (recomputing each op's input from `z`), `sum_partials` finishes those, and two
 //! GEMMs give `dX = dZ W` and `dW = dZ^T X`.
 
 use super::elementwise::{fold_rows_mean, unfold_rows_mean_grad};
 use super::epilogue::DeviceChain;
+use super::epilogue::kinks::{Refined, refine_near_kinks};
 use super::epilogue::lanes::{epilogue_tiles_backward, fits as tiles_fit};
 use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
 use super::gemm::simt::{Layout, Precision, forward_gemm, grad_input, grad_weight, kernel_name, not_fusable};
@@ -80,6 +83,9 @@ pub struct GpuBlock {
     first_op: usize,
     /// Arithmetic of the three GEMMs.
     pub precision: Precision,
+    /// Recompute `z` exactly near kinks before the backward (on unless the environment
+    /// sets `HOST_NO_KINK_REFINEMENT=1`, for A/B measurements).
+    pub kink_refinement: bool,
 }
 
 /// Which kernels run for one batch size.
@@ -102,6 +108,8 @@ pub struct Workspace {
 /// GEMM's width after any fold.
 pub struct Saved {
     pub z: DeviceTensor,
+    /// Whether `z` was refined near kinks already ([`GpuBlock::refine_saved`]).
+    refined: bool,
 }
 
 /// Gradients of one block: of its input and of every parameter.
@@ -125,6 +133,7 @@ impl GpuBlock {
             not_fusable,
             first_op,
             precision: Precision::Fp32,
+            kink_refinement: std::env::var_os("HOST_NO_KINK_REFINEMENT").is_none_or(|v| v != "1"),
         };
         block.refold(gpu)?;
         Ok(block)
@@ -278,7 +287,20 @@ impl GpuBlock {
         let shape = [batch, self.gemm_width()];
         let mut z = if poison { gpu.poisoned(&shape)? } else { gpu.alloc(&shape)? };
         self.forward_into(gpu, x, &mut ws, Some(&mut z))?;
-        Ok((ws.y, Saved { z }))
+        Ok((ws.y, Saved { z, refined: false }))
+    }
+
+    /// Recomputes exactly the chunks of the saved `z` where its rounding could flip a
+    /// kink's derivative in the backward (once; [`GpuBlock::backward`] calls it).
+    /// Returns what was done.
+    pub fn refine_saved(&self, gpu: &Gpu, x: &DeviceTensor, saved: &mut Saved) -> Result<Refined> {
+        if saved.refined || !self.kink_refinement {
+            return Ok(Refined::NoKinks);
+        }
+        let tiles = self.not_fusable.is_none() && tiles_fit(&self.chain);
+        let done = refine_near_kinks(gpu, &self.chain, tiles, self.precision, x, self.gemm_params(), &mut saved.z)?;
+        saved.refined = true;
+        Ok(done)
     }
 
     /// Gradients of the input and of every parameter, given the gradient `dy` of the
@@ -293,11 +315,14 @@ impl GpuBlock {
         &self,
         gpu: &Gpu,
         x: &DeviceTensor,
-        saved: Saved,
+        mut saved: Saved,
         dy: &DeviceTensor,
         mut phases: Option<&mut Phases>,
     ) -> Result<DeviceGrads> {
         let mut mark = |name| phases.as_deref_mut().map_or(Ok(()), |p| p.mark(gpu, name));
+        if self.refine_saved(gpu, x, &mut saved)? == Refined::Done {
+            mark("kink refinement")?;
+        }
         let (w, _) = self.gemm_params();
         let n = self.gemm_width();
         // A chain the GEMM can fuse has a tile-wise backward too; others go row by row.
@@ -355,8 +380,9 @@ pub struct HostGrads {
     pub y: Tensor<f32>,
     pub x: Tensor<f32>,
     pub params: Params<f32>,
-    /// The Linear output the forward saved and the backward used, `(batch, GEMM
-    /// width)` (the pooled width where AvgPool is folded into the weights).
+    /// The Linear output the forward saved and the backward used (after any refinement
+    /// near kinks), `(batch, GEMM width)` (the pooled width where AvgPool is folded
+    /// into the weights).
     pub z: Tensor<f32>,
 }
 
@@ -370,7 +396,8 @@ impl GpuBlock {
             return Err(Error::tensor("dy", format!("expected shape {out_shape:?}, got {:?}", dy.shape())));
         }
         let dx = gpu.upload(x)?;
-        let (y, saved) = self.forward_train(gpu, &dx, true)?;
+        let (y, mut saved) = self.forward_train(gpu, &dx, true)?;
+        self.refine_saved(gpu, &dx, &mut saved)?;
         let z = gpu.download(&saved.z)?;
         let g = self.backward(gpu, &dx, saved, &gpu.upload(dy)?)?;
         Ok(HostGrads {

@@ -4,9 +4,11 @@
 //! `lanes` runs a chain on a warp holding whole rows of a 128-column tile (the GEMM's
 //! fused epilogue, and the tile-wise backward); `rows` runs any chain on whole rows
 //! of a finished GEMM output, forward and backward; `fragments` runs a fusable chain on
-//! `wgmma` accumulators in registers (the TMA GEMM's epilogue).
+//! `wgmma` accumulators in registers (the TMA GEMM's epilogue); `kinks` refines the
+//! saved `z` where the backward would read a kink.
 
 pub mod fragments;
+pub mod kinks;
 pub mod lanes;
 pub mod pointwise;
 pub mod rows;

@@ -15,7 +15,7 @@ pub use index::*;
 pub use shared::dynamic_shared;
 pub use sync::sync_threads;
 
-/// Repeats `$body` with `$i` bound to `0, 1, ..` (`0..2`, `0..4`, `0..8` or `0..16`), unrolled in the
+/// Repeats `$body` with `$i` bound to `0, 1, ..` (`0..2`, `0..3`, `0..4`, `0..8` or `0..16`), unrolled in the
 /// source. Register arrays indexed only this way stay in registers: LLVM declines to
 /// unroll loops whose bodies are large (an activation inlined 64 times), and a
 /// run-time index would send the whole array to local memory.
@@ -24,6 +24,11 @@ macro_rules! unroll {
     ($i:ident in 0..2 => $body:block) => {{
         { let $i: usize = 0; $body }
         { let $i: usize = 1; $body }
+    }};
+    ($i:ident in 0..3 => $body:block) => {{
+        { let $i: usize = 0; $body }
+        { let $i: usize = 1; $body }
+        { let $i: usize = 2; $body }
     }};
     ($i:ident in 0..4 => $body:block) => {{
         { let $i: usize = 0; $body }

@@ -107,6 +107,24 @@ pub fn mma_tf32(d: &mut [f32; 4], a: [u32; 4], b: [u32; 2]) {
     *d = c.map(f32::from_bits);
 }
 
+/// `d += a b` for one `m8n8k4` f64 fragment product (`DMMA`, a warp-wide instruction):
+/// lane `l` holds `a = A[l / 4][l % 4]`, `b = B[l % 4][l / 4]` and
+/// `d = C[l / 4][2 (l % 4) ..][..2]`.
+#[inline(always)]
+pub fn mma_f64(d: &mut [f64; 2], a: f64, b: f64) {
+    let mut c = d.map(f64::to_bits);
+    // SAFETY: register-only; every lane of the warp executes it.
+    unsafe {
+        asm!(
+            "mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {{{d0},{d1}}}, {{{a}}}, {{{b}}}, {{{d0},{d1}}};",
+            d0 = inout(reg64) c[0], d1 = inout(reg64) c[1],
+            a = in(reg64) a.to_bits(), b = in(reg64) b.to_bits(),
+            options(nostack, preserves_flags),
+        );
+    }
+    *d = c.map(f64::from_bits);
+}
+
 /// Two floats rounded to bf16 (to nearest even) and packed: `lo` in the low half, the
 /// element with the lower `k` of an `m16n8k16` fragment register.
 #[inline(always)]

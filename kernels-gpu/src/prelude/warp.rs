@@ -61,3 +61,4 @@ pub fn warp_max(mut v: f32) -> f32 {
     }
     v
 }
+

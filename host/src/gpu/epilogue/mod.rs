@@ -1,5 +1,6 @@
 //! Launchers of the epilogue kernels (`kernels-gpu/src/epilogue`).
 
+pub mod kinks;
 pub mod lanes;
 pub mod rows;
 

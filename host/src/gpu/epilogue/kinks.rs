@@ -1,0 +1,234 @@
+//! Launchers of `kink_scan` and `refine_z` (kernels-gpu/src/epilogue/kinks.rs): the
+//! saved `z` recomputed exactly where its rounding could flip a kink's derivative.
+
+use super::super::{DeviceTensor, Gpu, launched};
+use super::DeviceChain;
+use crate::error::{Error, Result};
+use crate::gpu::gemm::simt::Precision;
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use kernel_abi::epilogue::{OP_AVG_POOL, OP_GROUP_NORM, OP_HARDTANH, OP_LEAKY_RELU, OP_ROW_MAX, OpDesc, ROW_THREADS};
+use kernel_abi::kinks::{CHUNK, REFINE_SMEM_BYTES, REFINE_THREADS, scan_smem_bytes};
+
+/// How many estimated standard deviations of the GEMM's error a value's radius spans.
+/// Outside 4 sigma a Gaussian error crosses a kink so rarely that the flips left
+/// (~2e-5 of those the radius catches, were it exact) are far below any tolerance;
+/// the margin is for the model below being an estimate.
+const SIGMAS: f32 = 4.0;
+
+/// The model of `z`'s error that `kink_scan` starts from: `(rel, abs)` such that a
+/// value's error is within `rel * rms(z row) + abs * |z|` (`SIGMAS` included; the
+/// `abs` part is common to the row, a relative shrink).
+///
+/// * TF32 (operands truncated to 10 mantissa bits): each product `x w` is off by
+///   `x w (dx + dw)`, the truncations `dx`, `dw` in `[0, 2^-10)` relative, mean
+///   `0.72 * 2^-11` and standard deviation `2.2e-4` each (mantissas log-uniform).
+///   Summed over `k`, the random part has a standard deviation of
+///   `3.1e-4 * sqrt(sum (x w)^2)`, which `rms(z row)` estimates for products of
+///   unrelated signs (a row of `z` sums the same `x` against every weight row), and
+///   the mean part shrinks `z` by `7e-4 |z|` (taken whole, as a bound: `2^-10`).
+/// * bf16 (rounded to nearest, 8 bits): `1.2e-3` per product, no bias.
+/// * FP32 and 3xTF32: the FP32 accumulation over `k` terms, about `2^-24 sqrt(k)`
+///   (3xTF32 also drops the low parts' product, `2^-22`).
+pub fn z_error(precision: Precision, k: usize) -> (f32, f32) {
+    let fp32 = (k as f32).sqrt() * f32::EPSILON / 2.0;
+    let (rel, abs) = match precision {
+        Precision::Fp32 => (fp32, 0.0),
+        Precision::Tf32x3 => (fp32 + 2f32.powi(-22), 0.0),
+        Precision::Tf32 => (3.1e-4, 2f32.powi(-10) / SIGMAS),
+        Precision::Bf16 => (1.2e-3, 0.0),
+    };
+    (SIGMAS * rel, SIGMAS * abs)
+}
+
+/// GroupNorm groups of at most this many channels are scanned for ill-conditioning
+/// (a spread under a quarter of the row's magnifies `z`'s error 4x or more): likely
+/// for a few channels (3% of random groups of 4), about 1e-6 of groups of 16.
+pub const SMALL_GROUP: usize = 8;
+
+/// Ops of a chain over `n` features up to and including its last kinked one
+/// (LeakyReLU, Hardtanh, row max) or GroupNorm of small groups: what the scan must
+/// walk. 0 when the chain has neither.
+pub fn scanned_prefix(ops: &[OpDesc], n: usize) -> usize {
+    let mut f = n;
+    let mut last = 0;
+    for (i, d) in ops.iter().enumerate() {
+        let sensitive = match d.code {
+            OP_LEAKY_RELU | OP_HARDTANH | OP_ROW_MAX => true,
+            OP_GROUP_NORM => d.count > 0 && f / d.count as usize <= SMALL_GROUP,
+            _ => false,
+        };
+        if sensitive {
+            last = i + 1;
+        }
+        f = match d.code {
+            OP_AVG_POOL => f / (d.count as usize).max(1),
+            OP_ROW_MAX => 1,
+            _ => f,
+        };
+    }
+    last
+}
+
+/// What [`refine_near_kinks`] did.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Refined {
+    /// The chain has no kink and no GroupNorm of small groups: nothing to do.
+    NoKinks,
+    /// Rows of `n` features do not fit the scan's shared memory; `z` left as computed.
+    TooWide,
+    /// Scanned, and the listed chunks of `z` recomputed.
+    Done,
+}
+
+/// Recomputes, in f64, the chunks of `z = x w^T + b` (`(w, b)` the Linear layer the
+/// GEMM ran, folded or not) whose rounding could put one of
+/// `chain`'s kinked ops' inputs on the other side of its kink, so that the backward
+/// takes the exact function's derivatives there (and the groups a GroupNorm of small
+/// groups would magnify that rounding in). `precision` is the arithmetic that
+/// computed `z`; `tiles` says the chain is one the tile-wise path takes (pointwise
+/// ops, GroupNorm over power-of-two groups of 4..=128 channels), which the
+/// register-resident `kink_scan_tiles` scans.
+pub fn refine_near_kinks(
+    gpu: &Gpu,
+    chain: &DeviceChain,
+    tiles: bool,
+    precision: Precision,
+    x: &DeviceTensor,
+    (w, b): (&DeviceTensor, &DeviceTensor),
+    z: &mut DeviceTensor,
+) -> Result<Refined> {
+    let n_ops = scanned_prefix(&chain.ops, z.shape.get(1).copied().unwrap_or(0));
+    if n_ops == 0 {
+        return Ok(Refined::NoKinks);
+    }
+    let (rows, n, k) = match (&x.shape[..], &w.shape[..], &z.shape[..]) {
+        (&[m, k], &[n, wk], &[zm, zn]) if wk == k && zm == m && zn == n && b.len() == n => (m, n, k),
+        _ => {
+            return Err(Error::Shape(format!(
+                "refining z {:?} from x {:?}, w {:?} and b {:?}: the shapes disagree",
+                z.shape, x.shape, w.shape, b.shape
+            )));
+        }
+    };
+    let chunks = n.div_ceil(CHUNK);
+    if rows > i32::MAX as usize || chunks * rows > u32::MAX as usize || k > u32::MAX as usize {
+        return Err(Error::Shape(format!("refining a {rows} x {n} z (k = {k}) is outside the kernels' range")));
+    }
+    let (rel, abs) = z_error(precision, k);
+    let stream = gpu.stream();
+    let oom = |e| Error::cuda("allocating the kink lists", e);
+    let (n32, ops32, rows32) = (n as u32, n_ops as u32, rows as u32);
+    let pooled = chain.ops[..n_ops].iter().any(|d| d.code == OP_AVG_POOL);
+    let smem = if tiles { 0 } else { scan_smem_bytes(n, pooled) };
+    if smem > gpu.props.max_shared_per_block_optin {
+        return Ok(Refined::TooWide);
+    }
+    let mut counts = stream.alloc_zeros::<u32>(chunks).map_err(oom)?;
+    // SAFETY: the scan writes every entry that refine_z reads (those below counts).
+    let mut lists = unsafe { stream.alloc::<u32>(chunks * rows) }.map_err(oom)?;
+    if tiles {
+        let func = gpu.function("kink_scan_tiles")?;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (ROW_THREADS as u32, 1, 1),
+            shared_mem_bytes: (ROW_THREADS / 32 * 4) as u32,
+        };
+        let mut l = stream.launch_builder(&func);
+        l.arg(&z.buf).arg(&rows32).arg(&n32).arg(&chain.descs).arg(&ops32).arg(&rel).arg(&abs);
+        l.arg(&mut counts).arg(&mut lists);
+        // SAFETY: matches kink_scan_tiles' signature; z is rows x n; the chain's first
+        // n_ops ops were validated against n and are ones the tile path takes (the
+        // caller's `tiles`); counts (zeroed) and lists have chunks and chunks * rows entries.
+        launched("kink_scan_tiles", unsafe { l.launch(cfg) })?;
+    } else {
+        let func = gpu.function("kink_scan")?;
+        gpu.allow_shared(&func, "kink_scan", smem)?;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (ROW_THREADS as u32, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        let mut l = stream.launch_builder(&func);
+        l.arg(&z.buf).arg(&n32).arg(&chain.descs).arg(&ops32).arg(&rel).arg(&abs).arg(&mut counts).arg(&mut lists);
+        // SAFETY: matches kink_scan's signature; z is rows x n; the chain's first n_ops
+        // ops were validated against n; counts (zeroed) and lists have chunks and
+        // chunks * rows entries.
+        launched("kink_scan", unsafe { l.launch(cfg) })?;
+    }
+    refine(gpu, x, w, b, z, &counts, &lists, (rows, n, k))
+}
+
+/// Queues `refine_z` over the chunks and rows a scan listed.
+#[allow(clippy::too_many_arguments)]
+fn refine(
+    gpu: &Gpu,
+    x: &DeviceTensor,
+    w: &DeviceTensor,
+    b: &DeviceTensor,
+    z: &mut DeviceTensor,
+    counts: &CudaSlice<u32>,
+    lists: &CudaSlice<u32>,
+    (rows, n, k): (usize, usize, usize),
+) -> Result<Refined> {
+    let stream = gpu.stream();
+    let chunks = n.div_ceil(CHUNK);
+    let func = gpu.function("refine_z")?;
+    gpu.allow_shared(&func, "refine_z", REFINE_SMEM_BYTES)?;
+    let cfg = LaunchConfig {
+        grid_dim: (chunks as u32, 1, 1),
+        block_dim: (REFINE_THREADS as u32, 1, 1),
+        shared_mem_bytes: REFINE_SMEM_BYTES as u32,
+    };
+    let (rows32, n32, k32) = (rows as u32, n as u32, k as u32);
+    let mut l = stream.launch_builder(&func);
+    l.arg(&x.buf).arg(&w.buf).arg(&b.buf).arg(&mut z.buf).arg(counts).arg(lists);
+    l.arg(&rows32).arg(&n32).arg(&k32);
+    // SAFETY: matches refine_z's signature; shapes checked above; counts and lists as
+    // kink_scan leaves them, in stream order.
+    launched("refine_z", unsafe { l.launch(cfg) })?;
+    if std::env::var_os("HOST_KINK_STATS").is_some_and(|v| v == "1") {
+        // How much was recomputed (waits for the stream): for tuning the error model.
+        let counts = stream.clone_dtoh(counts).map_err(|e| Error::cuda("reading the kink counts", e))?;
+        let listed: u64 = counts.iter().map(|&c| u64::from(c)).sum();
+        eprintln!(
+            "kink refinement: {listed} (row, chunk) pairs of {} ({:.2}%), {} of {chunks} chunks, at most {} rows in one",
+            rows * chunks,
+            100.0 * listed as f64 / (rows * chunks) as f64,
+            counts.iter().filter(|&&c| c > 0).count(),
+            counts.iter().max().unwrap_or(&0)
+        );
+    }
+    Ok(Refined::Done)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_scan_walks_the_chain_up_to_its_last_kink_or_small_group() {
+        use kernel_abi::epilogue::{OP_MISH, OP_SWISH};
+        let op = |code| OpDesc { code, ..OpDesc::default() };
+        let gn = |groups| OpDesc { code: OP_GROUP_NORM, count: groups, ..OpDesc::default() };
+        let pool = |k| OpDesc { code: OP_AVG_POOL, count: k, ..OpDesc::default() };
+        // Groups of 64 channels need no scan; of 8 they do.
+        assert_eq!(scanned_prefix(&[op(OP_SWISH), gn(4)], 256), 0);
+        assert_eq!(scanned_prefix(&[op(OP_SWISH), gn(32)], 256), 2);
+        // After a pool of 4, 32 groups of 256 / 4 features hold 2 channels each.
+        assert_eq!(scanned_prefix(&[pool(4), gn(32), op(OP_MISH)], 256), 2);
+        assert_eq!(scanned_prefix(&[gn(4), op(OP_LEAKY_RELU), op(OP_SWISH)], 256), 2);
+        assert_eq!(scanned_prefix(&[op(OP_HARDTANH), op(OP_MISH), gn(4)], 256), 1);
+        assert_eq!(scanned_prefix(&[op(OP_SWISH), op(OP_ROW_MAX)], 256), 2);
+    }
+
+    #[test]
+    fn error_model_orders_the_precisions() {
+        let k = 8192;
+        let rel = |p| z_error(p, k).0;
+        assert!(rel(Precision::Fp32) < rel(Precision::Tf32x3));
+        assert!(rel(Precision::Tf32x3) * 50.0 < rel(Precision::Tf32));
+        assert!(rel(Precision::Tf32) < rel(Precision::Bf16));
+        // TF32 truncates (biased toward zero), so only it has a value-proportional part.
+        assert!(z_error(Precision::Tf32, k).1 > 0.0 && z_error(Precision::Bf16, k).1 == 0.0);
+    }
+}

@@ -1,0 +1,692 @@
+//! Refining the saved GEMM output `z` where the chain backward would read a kink.
+//!
+//! LeakyReLU, Hardtanh and the row max have derivatives that jump. Where the forward's
+//! rounded `z` (TF32, bf16, even FP32 at large `k`) puts an op's input within its
+//! rounding error of a kink, the backward may take the other side's derivative: with
+//! TF32 about 1e-4 of the elements do, 1e-2 of the gradients' norm (docs/PERFORMANCE.md).
+//! `kink_scan` finds those places, row by row, by carrying an error radius with each
+//! value through the chain up to its last kinked op, and lists the 16-column chunks of
+//! `z` that each doubtful decision depends on (its GroupNorm group, pooling window or
+//! whole row). `refine_z` recomputes those chunks of `z` as dot products accumulated
+//! in f64 (the products of two f32 are exact there), so the backward decides every
+//! kink as the exact function does.
+
+use super::pointwise::*;
+use super::rows::features_after;
+use crate::prelude::math::{fabs, fma, max_nan, rsqrt, sqrt};
+use crate::prelude::global::{l2_policy, load_v4_nc, load_v4_nc_hint};
+use crate::prelude::tensor_core::mma_f64;
+use crate::prelude::warp::{segment_sum, shfl_xor, warp_max, warp_sum};
+use super::lanes::column_params;
+use crate::prelude::*;
+use crate::unroll;
+use kernel_abi::epilogue::*;
+use kernel_abi::kinks::*;
+
+const WARPS: usize = ROW_THREADS / WARP_SIZE as usize;
+const WARP: usize = WARP_SIZE as usize;
+/// A dependency that spans the whole row (`dep` below).
+const WHOLE_ROW: usize = 0;
+/// Largest slopes of the smooth activations (swish' 1.0998, mish' 1.0885, gelu'
+/// 1.1289), rounded up: how far an input's error can move their output.
+const SWISH_LIPSCHITZ: f32 = 1.1;
+const MISH_LIPSCHITZ: f32 = 1.09;
+const GELU_LIPSCHITZ: f32 = 1.13;
+/// A GroupNorm group is recomputed whole when its normalised values' radius exceeds
+/// this many times `z`'s own relative error (`rel_err`: for a GroupNorm first in the
+/// chain, a group whose spread is below a quarter of the row's rms): its gradients
+/// would carry the forward's error magnified as much.
+const ILL_CONDITIONED: f32 = 4.0;
+
+/// The smallest aligned block of `z` columns holding both an aligned block of `a` and
+/// one of `b` (each a multiple of the other), or the whole row.
+#[inline(always)]
+fn nest(a: usize, b: usize) -> usize {
+    if a == WHOLE_ROW || b == WHOLE_ROW {
+        WHOLE_ROW
+    } else if b.is_multiple_of(a) {
+        b
+    } else if a.is_multiple_of(b) {
+        a
+    } else {
+        WHOLE_ROW
+    }
+}
+
+/// Sum of `v` over the block, in every thread (`red` holds `WARPS` floats; ends with a barrier).
+///
+/// # Safety
+/// Called by the whole block.
+#[inline(always)]
+unsafe fn block_sum(v: f32, red: *mut f32) -> f32 {
+    let (warp, lane) = (warp_id() as usize, lane_id() as usize);
+    let s = warp_sum(v);
+    unsafe {
+        if lane == 0 {
+            *red.add(warp) = s;
+        }
+        sync_threads();
+        let mut total = 0.0;
+        for w in 0..WARPS {
+            total += *red.add(w);
+        }
+        sync_threads();
+        total
+    }
+}
+
+/// `(v[j], r[j]) = op(j, v[j], r[j])` for the block's values `j < f`.
+///
+/// # Safety
+/// `v` and `r` hold `f` floats of shared memory; `op` reads only inside its contract.
+#[inline(always)]
+unsafe fn each(v: *mut f32, r: *mut f32, f: usize, mut op: impl FnMut(usize, f32, f32) -> (f32, f32)) {
+    let mut j = thread_idx_x() as usize;
+    while j < f {
+        // SAFETY: j < f.
+        unsafe {
+            let (y, ry) = op(j, *v.add(j), *r.add(j));
+            *v.add(j) = y;
+            *r.add(j) = ry;
+        }
+        j += ROW_THREADS;
+    }
+}
+
+/// Marks the chunks of `z` columns that feature `j` (of the current op's input)
+/// depends on: `pool` columns of `z` per feature, decisions depending on aligned
+/// blocks of `dep` columns (or the whole row).
+///
+/// # Safety
+/// `flags` holds `n.div_ceil(CHUNK)` bytes; `j * pool < n`.
+#[inline(always)]
+unsafe fn flag(flags: *mut u8, row_flag: *mut u32, j: usize, pool: usize, dep: usize, n: usize) {
+    unsafe {
+        if dep == WHOLE_ROW {
+            *row_flag = 1;
+            return;
+        }
+        let start = j * pool / dep * dep;
+        let end = (start + dep).min(n);
+        let mut c = start / CHUNK;
+        while c * CHUNK < end {
+            *flags.add(c) = 1;
+            c += 1;
+        }
+    }
+}
+
+/// Lists, for every row of `z`, the chunks of `z` whose rounding could move a kinked
+/// op's input across its kink, or that feed an ill-conditioned GroupNorm group:
+/// `lists[c * rows + i]`, `i < counts[c]`, are the rows whose chunk `c` needs its
+/// exact values.
+///
+/// Each value of `z` starts with the radius `rel_err * rms(z row)` and a relative
+/// error `abs_err` common to the row (the host's model of its precision's GEMM error,
+/// already scaled to a bound), which each op carries forward: Lipschitz bounds for
+/// the pointwise ops, and for GroupNorm the element's own radius plus its group
+/// statistics' (`rms radius / sqrt(size)`, through the mean and through `1 / std`).
+/// An input within its radius of a kink (LeakyReLU's 0, Hardtanh's bounds, a second
+/// candidate for a row max) is doubtful.
+///
+/// # Safety
+/// Device pointers; `ops[..n_ops]` well formed. `counts` zeroed, `n.div_ceil(CHUNK)`
+/// entries; `lists` `n.div_ceil(CHUNK) * rows`. Launch: grid `(rows, 1, 1)`,
+/// `ROW_THREADS` threads, `scan_smem_bytes(n)` dynamic shared memory.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "ptx-kernel" fn kink_scan(
+    z: *const f32,
+    n: u32,
+    ops: *const OpDesc,
+    n_ops: u32,
+    rel_err: f32,
+    abs_err: f32,
+    counts: *mut u32,
+    lists: *mut u32,
+) {
+    let row = block_idx_x() as usize;
+    let rows = grid_dim_x() as usize;
+    let t = thread_idx_x() as usize;
+    let (warp, lane) = (warp_id() as usize, lane_id() as usize);
+    let n = n as usize;
+    let chunks = n.div_ceil(CHUNK);
+    let base = dynamic_shared::<f32>();
+    // SAFETY (whole body): scan_smem_bytes(n, pooled) covers [v: n][r: n] (and, when
+    // the ops pool, [v_alt: n][r_alt: n]) [red: WARPS][row flag: 1][flags: chunks
+    // bytes]; every index below is inside its array; barriers are reached by the whole block.
+    unsafe {
+        let mut pooled = false;
+        for i in 0..n_ops as usize {
+            pooled |= (*ops.add(i)).code == OP_AVG_POOL;
+        }
+        let (mut v, mut r) = (base, base.add(n));
+        let (mut v_alt, mut r_alt) = if pooled { (base.add(2 * n), base.add(3 * n)) } else { (v, r) };
+        let red = base.add(if pooled { 4 * n } else { 2 * n });
+        let row_flag = red.add(WARPS) as *mut u32;
+        let flags = row_flag.add(1) as *mut u8;
+        let mut sq = 0.0;
+        let mut j = t;
+        while j < n {
+            let x = *z.add(row * n + j);
+            *v.add(j) = x;
+            if x == x {
+                sq += x * x;
+            }
+            j += ROW_THREADS;
+        }
+        let mut c = t;
+        while c < chunks {
+            *flags.add(c) = 0;
+            c += ROW_THREADS;
+        }
+        if t == 0 {
+            *row_flag = 0;
+        }
+        let rms = sqrt(block_sum(sq, red) / n as f32);
+        let base = rel_err * rms;
+        let mut j = t;
+        while j < n {
+            *r.add(j) = base;
+            j += ROW_THREADS;
+        }
+        sync_threads();
+
+        // `r` holds each value's radius; `c` a relative error common to all values
+        // (TF32's truncation shrinks every product alike): a GroupNorm divides it out,
+        // a sign or a row max's pick does not see it, and where it matters (an added
+        // bias, a Hardtanh bound, a curved activation) it joins `r` as `c |v|`.
+        let mut c = abs_err;
+        let (mut f, mut pool, mut dep) = (n, 1usize, 1usize);
+        for i in 0..n_ops as usize {
+            let op = &*ops.add(i);
+            let (p0, p1) = (op.param0 as *const f32, op.param1 as *const f32);
+            let f_out = features_after(op, f);
+            match op.code {
+                OP_GROUP_NORM => {
+                    let (groups, size) = (op.count as usize, f / op.count as usize);
+                    // Lanes per group: a power-of-two group of up to 32 channels takes
+                    // that many lanes (a warp does 32 / size groups at once), larger or
+                    // odd ones the whole warp.
+                    let seg = if size <= WARP && size.is_power_of_two() { size } else { WARP };
+                    let per_warp = WARP >> seg.trailing_zeros();
+                    let (sub, sl) = (lane >> seg.trailing_zeros(), lane & (seg - 1));
+                    let inv = 1.0 / size as f32;
+                    let mut g0 = warp * per_warp;
+                    while g0 < groups {
+                        let g = g0 + sub;
+                        let live = g < groups;
+                        let (vs, rs) = (v.add(g.min(groups - 1) * size), r.add(g.min(groups - 1) * size));
+                        let (mut s1, mut s2) = (0.0, 0.0);
+                        let mut j = sl;
+                        while live && j < size {
+                            s1 += *vs.add(j);
+                            s2 += *rs.add(j) * *rs.add(j);
+                            j += seg;
+                        }
+                        let mean = segment_sum(s1, seg as u32) * inv;
+                        let r2 = segment_sum(s2, seg as u32);
+                        let mut sq = 0.0;
+                        let mut j = sl;
+                        while live && j < size {
+                            let d = *vs.add(j) - mean;
+                            sq += d * d;
+                            j += seg;
+                        }
+                        let rstd = rsqrt(fma(segment_sum(sq, seg as u32), inv, op.a));
+                        // The statistics' radius: the rms of the group's radii over
+                        // sqrt(size) (independent roundings average out in the mean and
+                        // the variance).
+                        let r_stat = sqrt(r2) * inv;
+                        // A group whose spread is small against its values' radius
+                        // magnifies their error into every normalised value and its
+                        // gradients: recompute it whole.
+                        if live && sl == 0 && size > 1 && rstd * sqrt(r2 * inv) > ILL_CONDITIONED * rel_err {
+                            flag(flags, row_flag, g * size, pool, nest(dep, size * pool), n);
+                        }
+                        let mut j = sl;
+                        while live && j < size {
+                            let ch = g * size + j;
+                            let d = (*vs.add(j) - mean) * rstd;
+                            let gamma = *p0.add(ch);
+                            *rs.add(j) = fabs(gamma) * rstd * (*rs.add(j) + r_stat * (1.0 + fabs(d)));
+                            *vs.add(j) = d * gamma + *p1.add(ch);
+                            j += seg;
+                        }
+                        g0 += WARPS * per_warp;
+                    }
+                    dep = nest(dep, size * pool);
+                    c = 0.0;
+                }
+                OP_AVG_POOL => {
+                    let k = op.count as usize;
+                    let mut j = t;
+                    while j < f_out {
+                        let (mut sv, mut sr) = (0.0, 0.0);
+                        for e in 0..k {
+                            sv += *v.add(j * k + e);
+                            sr += *r.add(j * k + e);
+                        }
+                        *v_alt.add(j) = sv / k as f32;
+                        *r_alt.add(j) = sr / k as f32;
+                        j += ROW_THREADS;
+                    }
+                    core::mem::swap(&mut v, &mut v_alt);
+                    core::mem::swap(&mut r, &mut r_alt);
+                    pool *= k;
+                    dep = nest(dep, pool);
+                }
+                OP_ROW_MAX => {
+                    // Doubtful when another element's upper bound reaches the largest
+                    // lower bound: the arg-max could be either.
+                    let mut lo = f32::NEG_INFINITY;
+                    let mut j = t;
+                    while j < f {
+                        lo = max_nan(lo, *v.add(j) - *r.add(j));
+                        j += ROW_THREADS;
+                    }
+                    let lo = warp_max(lo);
+                    if lane == 0 {
+                        *red.add(warp) = lo;
+                    }
+                    sync_threads();
+                    let mut top = *red;
+                    for w in 1..WARPS {
+                        top = max_nan(top, *red.add(w));
+                    }
+                    sync_threads();
+                    let (mut near, mut m, mut rm) = (0.0, f32::NEG_INFINITY, 0.0f32);
+                    let mut j = t;
+                    while j < f {
+                        let (x, rx) = (*v.add(j), *r.add(j));
+                        if x + rx >= top {
+                            near += 1.0;
+                        }
+                        m = max_nan(m, x);
+                        rm = rm.max(rx);
+                        j += ROW_THREADS;
+                    }
+                    let near = block_sum(near, red);
+                    let m = warp_max(m);
+                    let rm = warp_max(rm);
+                    if lane == 0 {
+                        *red.add(warp) = m;
+                    }
+                    sync_threads();
+                    if t == 0 {
+                        let mut mm = *red;
+                        for w in 1..WARPS {
+                            mm = max_nan(mm, *red.add(w));
+                        }
+                        *v = mm;
+                    }
+                    sync_threads(); // red read by thread 0 before it is reused
+                    if lane == 0 {
+                        // A bound on the max's own radius, for any op after it.
+                        *red.add(warp) = rm;
+                    }
+                    sync_threads();
+                    if t == 0 {
+                        let mut rr = 0.0f32;
+                        for w in 0..WARPS {
+                            rr = rr.max(*red.add(w));
+                        }
+                        *r = rr;
+                        if near >= 2.0 && top == top {
+                            *row_flag = 1;
+                        }
+                    }
+                    dep = WHOLE_ROW;
+                }
+                // One loop per op (a `match` per value would dispatch in the loop).
+                OP_BIAS => each(v, r, f, |j, x, rx| (x + *p0.add(j), rx + c * fabs(x))),
+                OP_MUL => each(v, r, f, |j, x, rx| (x * *p0.add(j), rx * fabs(*p0.add(j)))),
+                OP_SCALE => each(v, r, f, |_, x, rx| (x * op.a, rx * fabs(op.a))),
+                OP_SWISH => each(v, r, f, |_, x, rx| (swish(x), (rx + c * fabs(x)) * SWISH_LIPSCHITZ)),
+                OP_MISH => each(v, r, f, |_, x, rx| (mish(x), (rx + c * fabs(x)) * MISH_LIPSCHITZ)),
+                OP_GELU => each(v, r, f, |_, x, rx| (gelu(x), (rx + c * fabs(x)) * GELU_LIPSCHITZ)),
+                OP_LEAKY_RELU => each(v, r, f, |j, x, rx| {
+                    if fabs(x) <= rx {
+                        flag(flags, row_flag, j, pool, dep, n);
+                    }
+                    (leaky_relu(x, op.a), rx * fabs(op.a).max(1.0))
+                }),
+                OP_HARDTANH => each(v, r, f, |j, x, rx| {
+                    let rx = rx + c * fabs(x);
+                    if fabs(x - op.a) <= rx || fabs(x - op.b) <= rx {
+                        flag(flags, row_flag, j, pool, dep, n);
+                    }
+                    (hardtanh(x, op.a, op.b), rx)
+                }),
+                _ => each(v, r, f, |_, _, _| (f32::NAN, f32::NAN)), // unknown code: poison
+            }
+            if matches!(op.code, OP_BIAS | OP_SWISH | OP_MISH | OP_GELU | OP_HARDTANH) {
+                c = 0.0;
+            }
+            f = f_out;
+            sync_threads();
+        }
+
+        let whole = *row_flag != 0;
+        let mut c = t;
+        while c < chunks {
+            if whole || *flags.add(c) != 0 {
+                let i = atomic_add_global(counts.add(c), 1);
+                *lists.add(c * rows + i as usize) = row as u32;
+            }
+            c += ROW_THREADS;
+        }
+    }
+}
+
+/// Bits of the chunks (of the 8 in a 128-column segment starting at `seg0`) that the
+/// decision at column `col` depends on: its aligned block of `dep` columns (a power
+/// of two up to 128), cut at `n`.
+#[inline(always)]
+fn chunk_bits(col: usize, dep: usize, seg0: usize, n: usize) -> u32 {
+    let start = col & !(dep - 1);
+    let end = (start + dep).min(n);
+    let (first, last) = ((start - seg0) / CHUNK, (end - 1 - seg0) / CHUNK);
+    ((2u32 << last) - 1) & !((1u32 << first) - 1)
+}
+
+/// [`kink_scan`] for the chains the tile-wise path takes (pointwise ops and GroupNorm
+/// over groups of a power of two from 4 to 128 channels, so a group never crosses a
+/// 128-column segment): one warp per row, a lane holding 4 consecutive columns of
+/// each segment, values and radii in registers, a group's statistics by shuffles
+/// among its lanes. The same radii and tests as the row-wise scan.
+///
+/// The block's warps take every 8th segment of one row.
+///
+/// # Safety
+/// As [`kink_scan`], and the chain as said. Launch: grid `(rows, 1, 1)`,
+/// `ROW_THREADS` threads, `ROW_THREADS / 32` floats of shared memory.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "ptx-kernel" fn kink_scan_tiles(
+    z: *const f32,
+    rows: u32,
+    n: u32,
+    ops: *const OpDesc,
+    n_ops: u32,
+    rel_err: f32,
+    abs_err: f32,
+    counts: *mut u32,
+    lists: *mut u32,
+) {
+    let (rows, n) = (rows as usize, n as usize);
+    let row = block_idx_x() as usize;
+    let (warp, lane) = (warp_id() as usize, lane_id() as usize);
+    let vec = n.is_multiple_of(4);
+    // SAFETY (whole body): columns are read below n only; ops[..n_ops] as the contract
+    // says; the shared memory holds WARPS floats.
+    unsafe {
+        let zr = z.add(row * n);
+        let mut sq = 0.0;
+        let mut c = 4 * (warp * WARP + lane);
+        while c < n {
+            let v = load4(zr, c, n, vec);
+            unroll!(e in 0..4 => {
+                if v[e] == v[e] {
+                    sq = fma(v[e], v[e], sq);
+                }
+            });
+            c += 4 * ROW_THREADS;
+        }
+        let base = rel_err * sqrt(block_sum(sq, dynamic_shared::<f32>()) / n as f32);
+        let mut seg0 = 4 * WARP * warp;
+        while seg0 < n {
+            let c = seg0 + 4 * lane;
+            let mut v = load4(zr, c, n, vec);
+            let mut r = [base; 4];
+            let mut cc = abs_err;
+            let mut dep = 1usize;
+            let mut bits = 0u32;
+            for i in 0..n_ops as usize {
+                let op = &*ops.add(i);
+                let (p0, p1) = (op.param0 as *const f32, op.param1 as *const f32);
+                match op.code {
+                    OP_GROUP_NORM => {
+                        let size = n / op.count as usize;
+                        let lanes = (size / 4) as u32;
+                        let inv = 1.0 / size as f32;
+                        let (mut s1, mut s2) = (0.0, 0.0);
+                        unroll!(e in 0..4 => {
+                            s1 += v[e];
+                            s2 = fma(r[e], r[e], s2);
+                        });
+                        let mean = segment_sum(s1, lanes) * inv;
+                        let r2 = segment_sum(s2, lanes);
+                        let mut s3 = 0.0;
+                        unroll!(e in 0..4 => {
+                            let d = v[e] - mean;
+                            s3 = fma(d, d, s3);
+                        });
+                        let rstd = rsqrt(fma(segment_sum(s3, lanes), inv, op.a));
+                        let r_stat = sqrt(r2) * inv;
+                        dep = dep.max(size);
+                        if c < n && rstd * sqrt(r2 * inv) > ILL_CONDITIONED * rel_err {
+                            bits |= chunk_bits(c, dep, seg0, n);
+                        }
+                        let gamma = column_params(p0, n, c);
+                        let beta = column_params(p1, n, c);
+                        unroll!(e in 0..4 => {
+                            let d = (v[e] - mean) * rstd;
+                            r[e] = fabs(gamma[e]) * rstd * (r[e] + r_stat * (1.0 + fabs(d)));
+                            v[e] = fma(d, gamma[e], beta[e]);
+                        });
+                        cc = 0.0;
+                    }
+                    code => {
+                        let p = if matches!(code, OP_BIAS | OP_MUL) { column_params(p0, n, c) } else { [0.0; 4] };
+                        unroll!(e in 0..4 => {
+                            let (x, rx) = (v[e], r[e]);
+                            let rc = rx + cc * fabs(x);
+                            let (y, ry) = match code {
+                                OP_BIAS => (x + p[e], rc),
+                                OP_MUL => (x * p[e], rx * fabs(p[e])),
+                                OP_SCALE => (x * op.a, rx * fabs(op.a)),
+                                OP_SWISH => (swish(x), rc * SWISH_LIPSCHITZ),
+                                OP_MISH => (mish(x), rc * MISH_LIPSCHITZ),
+                                OP_GELU => (gelu(x), rc * GELU_LIPSCHITZ),
+                                OP_LEAKY_RELU => {
+                                    if c + e < n && fabs(x) <= rx {
+                                        bits |= chunk_bits(c + e, dep, seg0, n);
+                                    }
+                                    (leaky_relu(x, op.a), rx * fabs(op.a).max(1.0))
+                                }
+                                OP_HARDTANH => {
+                                    if c + e < n && (fabs(x - op.a) <= rc || fabs(x - op.b) <= rc) {
+                                        bits |= chunk_bits(c + e, dep, seg0, n);
+                                    }
+                                    (hardtanh(x, op.a, op.b), rc)
+                                }
+                                _ => (f32::NAN, f32::NAN),
+                            };
+                            v[e] = y;
+                            r[e] = ry;
+                        });
+                        if matches!(code, OP_BIAS | OP_SWISH | OP_MISH | OP_GELU | OP_HARDTANH) {
+                            cc = 0.0;
+                        }
+                    }
+                }
+            }
+            // The segment's chunks any lane flagged, each listed once by its lane.
+            let mut m = 1;
+            while m < WARP as u32 {
+                bits |= shfl_xor(f32::from_bits(bits), m).to_bits();
+                m <<= 1;
+            }
+            let chunk = seg0 / CHUNK + lane;
+            if lane < 8 && bits & (1 << lane) != 0 {
+                let i = atomic_add_global(counts.add(chunk), 1);
+                *lists.add(chunk * rows + i as usize) = row as u32;
+            }
+            seg0 += 4 * ROW_THREADS;
+        }
+    }
+}
+
+/// `p[kk..kk + 4]` (zero past `k`): one 16-byte load when `vec` (rows 16-byte aligned).
+///
+/// # Safety
+/// `p` points at a row of `k` floats of global memory that nothing writes meanwhile.
+#[inline(always)]
+unsafe fn load4(p: *const f32, kk: usize, k: usize, vec: bool) -> [f32; 4] {
+    unsafe { load4_hint(p, kk, k, vec, None) }
+}
+
+/// [`load4`], the 16-byte load under an L2 policy (`l2_policy`) if given.
+///
+/// # Safety
+/// As [`load4`].
+#[inline(always)]
+unsafe fn load4_hint(p: *const f32, kk: usize, k: usize, vec: bool, policy: Option<u64>) -> [f32; 4] {
+    unsafe {
+        if vec && kk + 4 <= k {
+            match policy {
+                Some(pol) => load_v4_nc_hint(p.add(kk), pol),
+                None => load_v4_nc(p.add(kk)),
+            }
+        } else {
+            let mut v = [0.0; 4];
+            unroll!(e in 0..4 => {
+                if kk + e < k {
+                    v[e] = *p.add(kk + e);
+                }
+            });
+            v
+        }
+    }
+}
+
+/// `z[row, c] = bias[c] + sum_k x[row, k] w[c, k]` in f64, rounded once to f32, for the
+/// rows and chunks [`kink_scan`] listed.
+///
+/// # Safety
+/// Device pointers: `x` `(rows, k)`, `w` `(n, k)`, `bias` `(n,)`, `z` `(rows, n)`,
+/// `counts` and `lists` as `kink_scan` wrote them. Launch: grid
+/// `(n.div_ceil(CHUNK), 1, 1)`, `REFINE_THREADS` threads, `REFINE_SMEM_BYTES`.
+///
+/// # Thread mapping
+/// One block per chunk of `CHUNK` columns, its listed rows `REFINE_ROWS` at a time.
+/// The products run on the f64 tensor cores (`mma.m8n8k4.f64`: `A` 8 rows of `x`, `B`
+/// 8 columns of `w`, the products of two f32 exact in f64): per warp three 8-row tiles
+/// of `x` by two 8-column tiles of `w`, every warp a 16-deep slice of `k` in turn, so
+/// the block's warps split `k` and add their sums in shared memory at the end. Each
+/// lane loads 4 consecutive `k` of its row and column (one 16-byte load each) and
+/// feeds them to 4 MMAs as their `k = lane % 4`: the sum's order within a slice is
+/// the same permutation for `x` and `w`. No shared memory and no barrier in the loop.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "ptx-kernel" fn refine_z(
+    x: *const f32,
+    w: *const f32,
+    bias: *const f32,
+    z: *mut f32,
+    counts: *const u32,
+    lists: *const u32,
+    rows: u32,
+    n: u32,
+    k: u32,
+) {
+    const WARPS_R: usize = REFINE_THREADS / WARP;
+    let chunk = block_idx_x() as usize;
+    let t = thread_idx_x() as usize;
+    let (warp, lane) = (warp_id() as usize, lane_id() as usize);
+    let (g, q) = (lane / 4, lane % 4);
+    let (rows, n, k) = (rows as usize, n as usize, k as usize);
+    let vec = k.is_multiple_of(4);
+    let c0 = chunk * CHUNK;
+    let cols = CHUNK.min(n - c0);
+    // SAFETY (whole body): REFINE_SMEM_BYTES holds WARPS_R x REFINE_ROWS x CHUNK f64;
+    // the list holds counts[chunk] rows < rows; rows and columns are clamped to live
+    // ones before any load; the barriers are reached by the whole block.
+    unsafe {
+        let red = dynamic_shared::<f64>();
+        let count = *counts.add(chunk) as usize;
+        let list = lists.add(chunk * rows);
+        let mut first = 0;
+        while first < count {
+            let batch = REFINE_ROWS.min(count - first);
+            let tiles = batch.div_ceil(8);
+            let mut x_row = [x; 3];
+            unroll!(m in 0..3 => {
+                let r = (m * 8 + g).min(batch - 1);
+                x_row[m] = x.add(*list.add(first + r) as usize * k);
+            });
+            let mut w_row = [w; 2];
+            unroll!(c in 0..2 => { w_row[c] = w.add((c0 + (c * 8 + g).min(cols - 1)) * k); });
+            let mut acc = [[[0.0f64; 2]; 2]; 3];
+            // This lane's 4 values of the slice at `kb` of each row and column (zero
+            // for tiles past the batch), loaded a slice ahead of their MMAs.
+            // The weights stream through once, the listed rows of `x` come back for
+            // other chunks: keep the latter in L2.
+            let (keep, stream) = (Some(l2_policy(false)), Some(l2_policy(true)));
+            let load = |kb: usize| {
+                let kk = kb + 4 * q;
+                let mut xv = [[0.0f32; 4]; 3];
+                unroll!(m in 0..3 => {
+                    if m < tiles {
+                        xv[m] = load4_hint(x_row[m], kk, k, vec, keep);
+                    }
+                });
+                (xv, [load4_hint(w_row[0], kk, k, vec, stream), load4_hint(w_row[1], kk, k, vec, stream)])
+            };
+            let mut kb = warp * 16;
+            let mut next = load(kb);
+            while kb < k {
+                let (xv, wv) = next;
+                if kb + 16 * WARPS_R < k {
+                    next = load(kb + 16 * WARPS_R);
+                }
+                unroll!(m in 0..3 => {
+                    if m < tiles {
+                        unroll!(e in 0..4 => {
+                            mma_f64(&mut acc[m][0], xv[m][e] as f64, wv[0][e] as f64);
+                            mma_f64(&mut acc[m][1], xv[m][e] as f64, wv[1][e] as f64);
+                        });
+                    }
+                });
+                kb += 16 * WARPS_R;
+            }
+            unroll!(m in 0..3 => {
+                unroll!(c in 0..2 => {
+                    let at = (warp * REFINE_ROWS + m * 8 + g) * CHUNK + c * 8 + 2 * q;
+                    *red.add(at) = acc[m][c][0];
+                    *red.add(at + 1) = acc[m][c][1];
+                });
+            });
+            sync_threads();
+            let mut o = t;
+            while o < REFINE_ROWS * CHUNK {
+                let (r, d) = (o / CHUNK, o % CHUNK);
+                if r < batch && d < cols {
+                    let mut s = *bias.add(c0 + d) as f64;
+                    for wi in 0..WARPS_R {
+                        s += *red.add(wi * REFINE_ROWS * CHUNK + o);
+                    }
+                    *z.add(*list.add(first + r) as usize * n + c0 + d) = s as f32;
+                }
+                o += REFINE_THREADS;
+            }
+            sync_threads();
+            first += REFINE_ROWS;
+        }
+    }
+}
+
+/// `*p += v` on global memory, returning the old value (`atom.global.add.u32`).
+///
+/// # Safety
+/// `p` is a global-memory address of a `u32`.
+#[inline(always)]
+unsafe fn atomic_add_global(p: *mut u32, v: u32) -> u32 {
+    let old: u32;
+    unsafe {
+        core::arch::asm!("{{ .reg .b64 g; cvta.to.global.u64 g, {p}; atom.global.add.u32 {o}, [g], {v}; }}",
+             p = in(reg64) p as u64, v = in(reg32) v, o = out(reg32) old, options(nostack));
+    }
+    old
+}
