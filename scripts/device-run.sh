@@ -71,6 +71,7 @@ if has tensor; then
     run "bench $p" 300 "$C/host" bench --precision $p --repeat 20 --json "$OUT/bench-$p.json"
   done
   run "check bf16" 300 "$C/host" check --precision bf16 --random 24 --seed 2
+  run "check backward bf16" 300 "$C/host" check --backward --precision bf16 --random 24 --seed 3
   run "bench bf16" 300 "$C/host" bench --precision bf16 --repeat 20
   run "bench backward tf32x3" 300 "$C/host" bench --backward --precision tf32x3 --repeat 10 --json "$OUT/bench-tf32x3-bwd.json"
   run "bench backward tf32" 300 "$C/host" bench --backward --precision tf32 --repeat 10
