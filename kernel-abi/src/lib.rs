@@ -269,8 +269,13 @@ pub mod kinks {
     /// f64 MMA (`m8n8k4`) per warp (the ~20 rows a chunk of M3 or M5 lists under TF32;
     /// four spill at the 128 registers two blocks per SM allow).
     pub const REFINE_ROWS: usize = 24;
-    /// The warps' partial sums, added in shared memory at the end of each batch.
-    pub const REFINE_SMEM_BYTES: usize = REFINE_THREADS / 32 * REFINE_ROWS * CHUNK * 8;
+    /// Slices of `k` each warp of `refine_z` keeps in flight (`cp.async` ring slots):
+    /// one slice ahead in registers left each step waiting on memory.
+    pub const REFINE_STAGES: usize = 4;
+    /// The warps' partial sums, added in shared memory at the end of each batch, then
+    /// each warp's ring: per slot, 16 bytes per lane of its 3 row tiles and 2 column tiles.
+    pub const REFINE_SMEM_BYTES: usize =
+        REFINE_THREADS / 32 * REFINE_ROWS * CHUNK * 8 + REFINE_THREADS / 32 * REFINE_STAGES * 5 * 32 * 16;
     /// `kink_scan`'s shared memory for rows of `n`: values and radii (each with a
     /// second buffer when the scanned ops pool), a scratch value per warp, the
     /// whole-row flag and a byte per chunk.

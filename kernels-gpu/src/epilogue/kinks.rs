@@ -14,7 +14,9 @@
 use super::pointwise::*;
 use super::rows::features_after;
 use crate::prelude::math::{fabs, fma, max_nan, rsqrt, sqrt};
-use crate::prelude::global::{l2_policy, load_v4_nc, load_v4_nc_hint};
+use crate::prelude::async_copy::{cp_async_4, cp_async_16, cp_async_commit, cp_async_wait, cp_async_wait_all, shared_address};
+use crate::prelude::global::load_v4_nc;
+use crate::prelude::tensor_core::ld_shared_v4;
 use crate::prelude::tensor_core::mma_f64;
 use crate::prelude::warp::{segment_sum, shfl_xor, warp_max, warp_sum};
 use super::lanes::column_params;
@@ -534,21 +536,9 @@ pub unsafe extern "ptx-kernel" fn kink_scan_tiles(
 /// `p` points at a row of `k` floats of global memory that nothing writes meanwhile.
 #[inline(always)]
 unsafe fn load4(p: *const f32, kk: usize, k: usize, vec: bool) -> [f32; 4] {
-    unsafe { load4_hint(p, kk, k, vec, None) }
-}
-
-/// [`load4`], the 16-byte load under an L2 policy (`l2_policy`) if given.
-///
-/// # Safety
-/// As [`load4`].
-#[inline(always)]
-unsafe fn load4_hint(p: *const f32, kk: usize, k: usize, vec: bool, policy: Option<u64>) -> [f32; 4] {
     unsafe {
         if vec && kk + 4 <= k {
-            match policy {
-                Some(pol) => load_v4_nc_hint(p.add(kk), pol),
-                None => load_v4_nc(p.add(kk)),
-            }
+            load_v4_nc(p.add(kk))
         } else {
             let mut v = [0.0; 4];
             unroll!(e in 0..4 => {
@@ -605,6 +595,7 @@ pub unsafe extern "ptx-kernel" fn refine_z(
     // ones before any load; the barriers are reached by the whole block.
     unsafe {
         let red = dynamic_shared::<f64>();
+        let ring = shared_address(red) + (WARPS_R * REFINE_ROWS * CHUNK * 8) as u32;
         let count = *counts.add(chunk) as usize;
         let list = lists.add(chunk * rows);
         let mut first = 0;
@@ -619,38 +610,52 @@ pub unsafe extern "ptx-kernel" fn refine_z(
             let mut w_row = [w; 2];
             unroll!(c in 0..2 => { w_row[c] = w.add((c0 + (c * 8 + g).min(cols - 1)) * k); });
             let mut acc = [[[0.0f64; 2]; 2]; 3];
-            // This lane's 4 values of the slice at `kb` of each row and column (zero
-            // for tiles past the batch), loaded a slice ahead of their MMAs.
-            // The weights stream through once, the listed rows of `x` come back for
-            // other chunks: keep the latter in L2.
-            let (keep, stream) = (Some(l2_policy(false)), Some(l2_policy(true)));
-            let load = |kb: usize| {
-                let kk = kb + 4 * q;
-                let mut xv = [[0.0f32; 4]; 3];
+            // Each lane copies its own 16 bytes of every row and column of a slice
+            // (`cp.async`, zero past `k`) into its warp's ring of `REFINE_STAGES` slots,
+            // `REFINE_STAGES - 1` slices ahead of the MMAs, and reads back only what it
+            // copied itself (so its own wait suffices, no barrier).
+            let step = 16 * WARPS_R;
+            let slot_of = |i: usize, p: usize| ring + ((((warp * REFINE_STAGES + i % REFINE_STAGES) * 5 + p) * WARP + lane) * 16) as u32;
+            let issue = |i: usize| {
+                let kk = warp * 16 + i * step + 4 * q;
+                let copy = |dst: u32, src: *const f32| {
+                    if vec {
+                        let bytes = if kk < k { (4 * (k - kk)).min(16) as u32 } else { 0 };
+                        cp_async_16(dst, if bytes > 0 { src.add(kk) } else { src }, bytes);
+                    } else {
+                        unroll!(e in 0..4 => {
+                            let inside = kk + e < k;
+                            cp_async_4(dst + 4 * e as u32, if inside { src.add(kk + e) } else { src }, 4 * u32::from(inside));
+                        });
+                    }
+                };
                 unroll!(m in 0..3 => {
                     if m < tiles {
-                        xv[m] = load4_hint(x_row[m], kk, k, vec, keep);
+                        copy(slot_of(i, m), x_row[m]);
                     }
                 });
-                (xv, [load4_hint(w_row[0], kk, k, vec, stream), load4_hint(w_row[1], kk, k, vec, stream)])
+                unroll!(c in 0..2 => { copy(slot_of(i, 3 + c), w_row[c]); });
+                cp_async_commit();
             };
-            let mut kb = warp * 16;
-            let mut next = load(kb);
-            while kb < k {
-                let (xv, wv) = next;
-                if kb + 16 * WARPS_R < k {
-                    next = load(kb + 16 * WARPS_R);
-                }
+            let steps = (k - (warp * 16).min(k)).div_ceil(step);
+            for i in 0..REFINE_STAGES - 1 {
+                issue(i);
+            }
+            for i in 0..steps {
+                issue(i + REFINE_STAGES - 1);
+                cp_async_wait::<{ REFINE_STAGES as u32 - 1 }>();
+                let wv = [0, 1].map(|c| ld_shared_v4(slot_of(i, 3 + c)).map(f32::from_bits));
                 unroll!(m in 0..3 => {
                     if m < tiles {
+                        let xv = ld_shared_v4(slot_of(i, m)).map(f32::from_bits);
                         unroll!(e in 0..4 => {
-                            mma_f64(&mut acc[m][0], xv[m][e] as f64, wv[0][e] as f64);
-                            mma_f64(&mut acc[m][1], xv[m][e] as f64, wv[1][e] as f64);
+                            mma_f64(&mut acc[m][0], xv[e] as f64, wv[0][e] as f64);
+                            mma_f64(&mut acc[m][1], xv[e] as f64, wv[1][e] as f64);
                         });
                     }
                 });
-                kb += 16 * WARPS_R;
             }
+            cp_async_wait_all();
             unroll!(m in 0..3 => {
                 unroll!(c in 0..2 => {
                     let at = (warp * REFINE_ROWS + m * 8 + g) * CHUNK + c * 8 + 2 * q;

@@ -26,7 +26,7 @@ pub(crate) fn features_after(op: &OpDesc, f: usize) -> usize {
 
 /// Mean and `1 / sqrt(var + eps)` of `s[..size]` (one warp, two passes, biased variance).
 #[inline(always)]
-pub(crate) fn group_stats(s: *const f32, size: usize, eps: f32, lane: usize) -> (f32, f32) {
+fn group_stats(s: *const f32, size: usize, eps: f32, lane: usize) -> (f32, f32) {
     let mut sum = 0.0;
     let mut j = lane;
     while j < size {

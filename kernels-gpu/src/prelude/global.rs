@@ -68,38 +68,3 @@ pub unsafe fn prefetch_l1<T>(p: *const T) {
     }
 }
 
-/// An L2 cache policy for [`load_v4_nc_hint`]: lines loaded with it are evicted
-/// first (`createpolicy.fractional.L2::evict_first`), or last (`evict_last`), so a
-/// stream read once does not push out data read again.
-#[inline(always)]
-pub fn l2_policy(evict_first: bool) -> u64 {
-    let p: u64;
-    // SAFETY: creates a policy value in a register; no memory access.
-    unsafe {
-        if evict_first {
-            core::arch::asm!("createpolicy.fractional.L2::evict_first.b64 {p}, 1.0;", p = out(reg64) p,
-                 options(pure, nomem, nostack, preserves_flags));
-        } else {
-            core::arch::asm!("createpolicy.fractional.L2::evict_last.b64 {p}, 1.0;", p = out(reg64) p,
-                 options(pure, nomem, nostack, preserves_flags));
-        }
-    }
-    p
-}
-
-/// [`load_v4_nc`] under an L2 cache policy from [`l2_policy`].
-///
-/// # Safety
-/// As [`load_v4_nc`].
-#[inline(always)]
-pub unsafe fn load_v4_nc_hint(p: *const f32, policy: u64) -> [f32; 4] {
-    let v: [u32; 4];
-    unsafe {
-        let (a, b, c, d);
-        asm!("{{ .reg .b64 g; cvta.to.global.u64 g, {p}; ld.global.nc.L2::cache_hint.v4.b32 {{{a}, {b}, {c}, {d}}}, [g], {pol}; }}",
-             p = in(reg64) p as u64, pol = in(reg64) policy, a = out(reg32) a, b = out(reg32) b, c = out(reg32) c,
-             d = out(reg32) d, options(pure, readonly, nostack));
-        v = [a, b, c, d];
-    }
-    v.map(f32::from_bits)
-}
