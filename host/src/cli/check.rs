@@ -166,8 +166,8 @@ pub fn run(a: &CheckArgs) -> Result<(), Failure> {
         println!(
             "failing cases, against the exact gradients at the z the device's forward computed: {}\n\
              (within {tol:e} there, the backward is right and the difference is the forward's rounding of z, \
-             which a LeakyReLU or Hardtanh kink (a z near it takes the other side's derivative) or a GroupNorm \
-             over a few channels magnifies; docs/PERFORMANCE.md)",
+             which a kink (a z near it takes the other side's derivative) or a GroupNorm over a few channels \
+             magnifies and the refinement of z near them missed; docs/PERFORMANCE.md)",
             summary.join(", ")
         );
     }
