@@ -295,7 +295,7 @@ impl GpuBlock {
     /// Returns what was done.
     pub fn refine_saved(&self, gpu: &Gpu, x: &DeviceTensor, saved: &mut Saved) -> Result<Refined> {
         if saved.refined || !self.kink_refinement {
-            return Ok(Refined::NoKinks);
+            return Ok(Refined::Off);
         }
         let tiles = self.not_fusable.is_none() && tiles_fit(&self.chain);
         let done = refine_near_kinks(gpu, &self.chain, tiles, self.precision, x, self.gemm_params(), &mut saved.z)?;

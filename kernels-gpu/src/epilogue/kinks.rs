@@ -407,7 +407,6 @@ fn chunk_bits(col: usize, dep: usize, seg0: usize, n: usize) -> u32 {
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "ptx-kernel" fn kink_scan_tiles(
     z: *const f32,
-    rows: u32,
     n: u32,
     ops: *const OpDesc,
     n_ops: u32,
@@ -416,7 +415,7 @@ pub unsafe extern "ptx-kernel" fn kink_scan_tiles(
     counts: *mut u32,
     lists: *mut u32,
 ) {
-    let (rows, n) = (rows as usize, n as usize);
+    let (rows, n) = (grid_dim_x() as usize, n as usize);
     let row = block_idx_x() as usize;
     let (warp, lane) = (warp_id() as usize, lane_id() as usize);
     let vec = n.is_multiple_of(4);

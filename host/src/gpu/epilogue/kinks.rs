@@ -72,9 +72,13 @@ pub fn scanned_prefix(ops: &[OpDesc], n: usize) -> usize {
 /// What [`refine_near_kinks`] did.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Refined {
+    /// Turned off (`HOST_NO_KINK_REFINEMENT=1`), or done already for this `z`.
+    Off,
     /// The chain has no kink and no GroupNorm of small groups: nothing to do.
     NoKinks,
-    /// Rows of `n` features do not fit the scan's shared memory; `z` left as computed.
+    /// Rows of `n` features do not fit the row-wise scan's shared memory (about 28 K
+    /// features, 14 K when the chain pools; the tile path's chains have no limit): `z`
+    /// is left as computed.
     TooWide,
     /// Scanned, and the listed chunks of `z` recomputed.
     Done,
@@ -117,7 +121,7 @@ pub fn refine_near_kinks(
     let (rel, abs) = z_error(precision, k);
     let stream = gpu.stream();
     let oom = |e| Error::cuda("allocating the kink lists", e);
-    let (n32, ops32, rows32) = (n as u32, n_ops as u32, rows as u32);
+    let (n32, ops32) = (n as u32, n_ops as u32);
     let pooled = chain.ops[..n_ops].iter().any(|d| d.code == OP_AVG_POOL);
     let smem = if tiles { 0 } else { scan_smem_bytes(n, pooled) };
     if smem > gpu.props.max_shared_per_block_optin {
@@ -126,35 +130,22 @@ pub fn refine_near_kinks(
     let mut counts = stream.alloc_zeros::<u32>(chunks).map_err(oom)?;
     // SAFETY: the scan writes every entry that refine_z reads (those below counts).
     let mut lists = unsafe { stream.alloc::<u32>(chunks * rows) }.map_err(oom)?;
-    if tiles {
-        let func = gpu.function("kink_scan_tiles")?;
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (ROW_THREADS as u32, 1, 1),
-            shared_mem_bytes: (ROW_THREADS / 32 * 4) as u32,
-        };
-        let mut l = stream.launch_builder(&func);
-        l.arg(&z.buf).arg(&rows32).arg(&n32).arg(&chain.descs).arg(&ops32).arg(&rel).arg(&abs);
-        l.arg(&mut counts).arg(&mut lists);
-        // SAFETY: matches kink_scan_tiles' signature; z is rows x n; the chain's first
-        // n_ops ops were validated against n and are ones the tile path takes (the
-        // caller's `tiles`); counts (zeroed) and lists have chunks and chunks * rows entries.
-        launched("kink_scan_tiles", unsafe { l.launch(cfg) })?;
-    } else {
-        let func = gpu.function("kink_scan")?;
-        gpu.allow_shared(&func, "kink_scan", smem)?;
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (ROW_THREADS as u32, 1, 1),
-            shared_mem_bytes: smem as u32,
-        };
-        let mut l = stream.launch_builder(&func);
-        l.arg(&z.buf).arg(&n32).arg(&chain.descs).arg(&ops32).arg(&rel).arg(&abs).arg(&mut counts).arg(&mut lists);
-        // SAFETY: matches kink_scan's signature; z is rows x n; the chain's first n_ops
-        // ops were validated against n; counts (zeroed) and lists have chunks and
-        // chunks * rows entries.
-        launched("kink_scan", unsafe { l.launch(cfg) })?;
-    }
+    // Both scans: one block per row, the same arguments.
+    let (name, smem) = if tiles { ("kink_scan_tiles", ROW_THREADS / 32 * 4) } else { ("kink_scan", smem) };
+    let func = gpu.function(name)?;
+    gpu.allow_shared(&func, name, smem)?;
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (ROW_THREADS as u32, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    let mut l = stream.launch_builder(&func);
+    l.arg(&z.buf).arg(&n32).arg(&chain.descs).arg(&ops32).arg(&rel).arg(&abs).arg(&mut counts).arg(&mut lists);
+    // SAFETY: matches both scans' signature; z is rows x n; the chain's first n_ops ops
+    // were validated against n (and, for kink_scan_tiles, are ones the tile path
+    // takes: the caller's `tiles`); counts (zeroed) and lists have chunks and
+    // chunks * rows entries.
+    launched(name, unsafe { l.launch(cfg) })?;
     refine(gpu, x, w, b, z, &counts, &lists, (rows, n, k))
 }
 
