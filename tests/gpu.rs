@@ -182,7 +182,7 @@ fn tensor_core_precisions_match_reference() {
             let want_y = reference::block_forward(&spec, &x.to_f64(), &p64).unwrap();
             let (_, want) = reference::block_backward(&spec, &x.to_f64(), &p64, &dy.to_f64()).unwrap();
             let mut report = vec![("y".to_string(), compare_f32(y.data(), want_y.data()))];
-            report.extend(grad_report(&spec, &got, &want));
+            report.extend(got.compare(&spec, &want));
             let worst = report.iter().map(|(_, c)| c.rel).fold(0.0, f64::max);
             println!("{precision:<7} {text:<42} ({b}, {i}, {o}) worst rel {worst:.2e}");
             for (what, c) in &report {
@@ -190,19 +190,6 @@ fn tensor_core_precisions_match_reference() {
             }
         }
     }
-}
-
-/// Every gradient of `got` against `want`: `x` first, then the parameters in order.
-fn grad_report(
-    spec: &BlockSpec,
-    got: &host::gpu::block::HostGrads,
-    want: &reference::BlockGrads<f64>,
-) -> Vec<(String, host::check::Comparison)> {
-    let mut report = vec![("x".to_string(), compare_f32(got.x.data(), want.x.data()))];
-    for ((s, g), w) in spec.param_specs().iter().zip(got.params.flat()).zip(want.params.flat()) {
-        report.push((s.name.clone(), compare_f32(g.data(), w.data())));
-    }
-    report
 }
 
 /// The refinement of `z` near kinks, at sizes where TF32's and bf16's rounding of `z`
@@ -239,7 +226,7 @@ fn kink_refinement_gives_the_exact_functions_gradients() {
             let mut block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(precision);
             let worst = |block: &GpuBlock| {
                 let got = block.forward_backward(&gpu, &x, &dy).unwrap();
-                grad_report(&spec, &got, &want).into_iter().max_by(|a, b| a.1.rel.total_cmp(&b.1.rel)).unwrap()
+                got.compare(&spec, &want).into_iter().max_by(|a, b| a.1.rel.total_cmp(&b.1.rel)).unwrap()
             };
             block.kink_refinement = false;
             let (what_off, off) = worst(&block);

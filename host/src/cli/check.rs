@@ -7,9 +7,9 @@ use crate::chain::{Chain, Op, Preset};
 use crate::check::{Comparison, compare_f32};
 use crate::error::Result;
 use crate::gpu::Gpu;
-use crate::gpu::block::{GpuBlock, HostGrads};
+use crate::gpu::block::GpuBlock;
 use crate::gpu::gemm::simt::Precision;
-use crate::reference::{self, BlockGrads};
+use crate::reference;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -120,10 +120,10 @@ pub fn run(a: &CheckArgs) -> Result<(), Failure> {
             let got = block.forward_backward(&gpu, &x, &dy)?;
             let (x64, p64, dy64) = (x.to_f64(), params.map(f64::from), dy.to_f64());
             let (_, want) = reference::block_backward(&spec, &x64, &p64, &dy64)?;
-            let c = compare_grads(&spec, &got, &want);
+            let c = got.compare(&spec, &want);
             if !c.iter().all(|(_, c)| c.passes(tol)) && got.z.shape() == [b, o] {
                 let (_, want_z) = reference::block_backward_at(&spec, &x64, &p64, &dy64, &got.z.to_f64())?;
-                at_z = Some(compare_grads(&spec, &got, &want_z));
+                at_z = Some(got.compare(&spec, &want_z));
             }
             c
         } else {
@@ -176,15 +176,6 @@ pub fn run(a: &CheckArgs) -> Result<(), Failure> {
     }
     println!("all cases within {tol:e} of the f64 reference");
     Ok(())
-}
-
-/// The GPU's gradients against `want`, `x` first, then the parameters in order.
-fn compare_grads(spec: &BlockSpec, got: &HostGrads, want: &BlockGrads<f64>) -> Vec<(String, Comparison)> {
-    let mut c = vec![("x".to_string(), compare_f32(got.x.data(), want.x.data()))];
-    for ((s, g), w) in spec.param_specs().iter().zip(got.params.flat()).zip(want.params.flat()) {
-        c.push((s.name.clone(), compare_f32(g.data(), w.data())));
-    }
-    c
 }
 
 /// Raises each named entry of `worst` to the comparison's error (adding new names).

@@ -31,7 +31,9 @@ use super::gemm::simt::{Layout, Precision, forward_gemm, grad_input, grad_weight
 use super::{DeviceTensor, Gpu, Phases};
 use crate::block::{BlockSpec, Params};
 use crate::chain::Op;
+use crate::check::{Comparison, compare_f32};
 use crate::error::{Error, Result};
+use crate::reference::BlockGrads;
 use crate::tensor::Tensor;
 use kernel_abi::gemm_simt::{BLOCK_K, BLOCK_M, BLOCK_N};
 
@@ -384,6 +386,18 @@ pub struct HostGrads {
     /// near kinks), `(batch, GEMM width)` (the pooled width where AvgPool is folded
     /// into the weights).
     pub z: Tensor<f32>,
+}
+
+impl HostGrads {
+    /// These gradients against `want` (the f64 reference's), each by name: `x` first,
+    /// then the parameters in [`BlockSpec::param_specs`] order.
+    pub fn compare(&self, spec: &BlockSpec, want: &BlockGrads<f64>) -> Vec<(String, Comparison)> {
+        let mut c = vec![("x".to_string(), compare_f32(self.x.data(), want.x.data()))];
+        for ((s, g), w) in spec.param_specs().iter().zip(self.params.flat()).zip(want.params.flat()) {
+            c.push((s.name.clone(), compare_f32(g.data(), w.data())));
+        }
+        c
+    }
 }
 
 impl GpuBlock {
