@@ -16,9 +16,10 @@
 //! The backward works on the folded layer too and spreads its weight gradients back.
 //!
 //! Backward: the forward saves `z`, the chain's input (the GEMM output with bias).
-//! Where the chain has a kink (LeakyReLU, Hardtanh, row max), `kink_scan` and
-//! `refine_z` first recompute in f64 the few chunks of `z` whose rounding could put a
-//! kink's input on its other side (`epilogue/kinks.rs`). `epilogue_rows_backward` turns `dy` into `dz` and the chain's parameter gradients
+//! Where the chain has a kink (LeakyReLU, Hardtanh, row max) or a GroupNorm of small
+//! groups, a scan and `refine_z` first recompute in f64 the few chunks of `z` whose
+//! rounding could put a kink's input on its other side (`epilogue/kinks.rs`).
+//! `epilogue_rows_backward` turns `dy` into `dz` and the chain's parameter gradients
 //! (recomputing each op's input from `z`), `sum_partials` finishes those, and two
 //! GEMMs give `dX = dZ W` and `dW = dZ^T X`.
 

@@ -1,5 +1,6 @@
-//! Launchers of `kink_scan` and `refine_z` (kernels-gpu/src/epilogue/kinks.rs): the
-//! saved `z` recomputed exactly where its rounding could flip a kink's derivative.
+//! Launchers of `kink_scan`, `kink_scan_tiles` and `refine_z`
+//! (kernels-gpu/src/epilogue/kinks.rs): the saved `z` recomputed exactly where its
+//! rounding could flip a kink's derivative.
 
 use super::super::{DeviceTensor, Gpu, launched};
 use super::DeviceChain;
@@ -16,8 +17,8 @@ use kernel_abi::kinks::{CHUNK, REFINE_SMEM_BYTES, REFINE_THREADS, scan_smem_byte
 const SIGMAS: f32 = 4.0;
 
 /// The model of `z`'s error that `kink_scan` starts from: `(rel, abs)` such that a
-/// value's error is within `rel * rms(z row) + abs * |z|` (`SIGMAS` included; the
-/// `abs` part is common to the row, a relative shrink).
+/// value's error is within `rel * rms(z row) + abs * |z|` (`rel`: `SIGMAS` standard
+/// deviations of the random part; `abs`: a bound on a shrink common to the row).
 ///
 /// * TF32 (operands truncated to 10 mantissa bits): each product `x w` is off by
 ///   `x w (dx + dw)`, the truncations `dx`, `dw` in `[0, 2^-10)` relative, mean
@@ -31,13 +32,14 @@ const SIGMAS: f32 = 4.0;
 ///   (3xTF32 also drops the low parts' product, `2^-22`).
 pub fn z_error(precision: Precision, k: usize) -> (f32, f32) {
     let fp32 = (k as f32).sqrt() * f32::EPSILON / 2.0;
-    let (rel, abs) = match precision {
+    // (standard deviation of the random part, bound of the common shrink)
+    let (sigma, shrink) = match precision {
         Precision::Fp32 => (fp32, 0.0),
         Precision::Tf32x3 => (fp32 + 2f32.powi(-22), 0.0),
-        Precision::Tf32 => (3.1e-4, 2f32.powi(-10) / SIGMAS),
+        Precision::Tf32 => (3.1e-4, 2f32.powi(-10)),
         Precision::Bf16 => (1.2e-3, 0.0),
     };
-    (SIGMAS * rel, SIGMAS * abs)
+    (SIGMAS * sigma, shrink)
 }
 
 /// GroupNorm groups of at most this many channels are scanned for ill-conditioning
@@ -122,16 +124,19 @@ pub fn refine_near_kinks(
     let stream = gpu.stream();
     let oom = |e| Error::cuda("allocating the kink lists", e);
     let (n32, ops32) = (n as u32, n_ops as u32);
-    let pooled = chain.ops[..n_ops].iter().any(|d| d.code == OP_AVG_POOL);
-    let smem = if tiles { 0 } else { scan_smem_bytes(n, pooled) };
+    // Both scans: one block per row, the same arguments; the row-wise one holds the
+    // row (twice over where the chain pools) in shared memory.
+    let (name, smem) = if tiles {
+        ("kink_scan_tiles", ROW_THREADS / 32 * 4)
+    } else {
+        ("kink_scan", scan_smem_bytes(n, chain.ops[..n_ops].iter().any(|d| d.code == OP_AVG_POOL)))
+    };
     if smem > gpu.props.max_shared_per_block_optin {
         return Ok(Refined::TooWide);
     }
     let mut counts = stream.alloc_zeros::<u32>(chunks).map_err(oom)?;
     // SAFETY: the scan writes every entry that refine_z reads (those below counts).
     let mut lists = unsafe { stream.alloc::<u32>(chunks * rows) }.map_err(oom)?;
-    // Both scans: one block per row, the same arguments.
-    let (name, smem) = if tiles { ("kink_scan_tiles", ROW_THREADS / 32 * 4) } else { ("kink_scan", smem) };
     let func = gpu.function(name)?;
     gpu.allow_shared(&func, name, smem)?;
     let cfg = LaunchConfig {
