@@ -219,6 +219,17 @@ pub mod epilogue {
         pub param1: u64,
     }
 
+    /// Features after `op`, given `f` before it (the host validated the chain): what
+    /// the row-wise kernels and the kink scan's host side walk the chain by.
+    #[inline(always)]
+    pub fn features_after(op: &OpDesc, f: usize) -> usize {
+        match op.code {
+            OP_AVG_POOL => f / (op.count as usize).max(1),
+            OP_ROW_MAX => 1,
+            _ => f,
+        }
+    }
+
     /// Threads per block of the row-wise epilogue kernel (one block per row).
     pub const ROW_THREADS: usize = 256;
 

@@ -12,7 +12,6 @@
 //! kink as the exact function does.
 
 use super::pointwise::*;
-use super::rows::features_after;
 use crate::prelude::math::{fabs, fma, max_nan, rsqrt, sqrt};
 use crate::prelude::async_copy::{cp_async_4, cp_async_16, cp_async_commit, cp_async_wait, cp_async_wait_all, shared_address};
 use crate::prelude::global::load_v4_nc;

@@ -14,16 +14,6 @@ use kernel_abi::epilogue::*;
 const WARPS: usize = ROW_THREADS / WARP_SIZE as usize;
 const WARP: usize = WARP_SIZE as usize;
 
-/// Features after `op`, given `f` before it (the host validated the chain).
-#[inline(always)]
-pub(crate) fn features_after(op: &OpDesc, f: usize) -> usize {
-    match op.code {
-        OP_AVG_POOL => f / (op.count as usize).max(1),
-        OP_ROW_MAX => 1,
-        _ => f,
-    }
-}
-
 /// Mean and `1 / sqrt(var + eps)` of `s[..size]` (one warp, two passes, biased variance).
 #[inline(always)]
 fn group_stats(s: *const f32, size: usize, eps: f32, lane: usize) -> (f32, f32) {

@@ -7,7 +7,9 @@ use super::DeviceChain;
 use crate::error::{Error, Result};
 use crate::gpu::gemm::simt::Precision;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
-use kernel_abi::epilogue::{OP_AVG_POOL, OP_GROUP_NORM, OP_HARDTANH, OP_LEAKY_RELU, OP_ROW_MAX, OpDesc, ROW_THREADS};
+use kernel_abi::epilogue::{
+    OP_AVG_POOL, OP_GROUP_NORM, OP_HARDTANH, OP_LEAKY_RELU, OP_ROW_MAX, OpDesc, ROW_THREADS, features_after,
+};
 use kernel_abi::kinks::{CHUNK, REFINE_SMEM_BYTES, REFINE_THREADS, scan_smem_bytes};
 
 /// How many estimated standard deviations of the GEMM's error a value's radius spans.
@@ -62,11 +64,7 @@ pub fn scanned_prefix(ops: &[OpDesc], n: usize) -> usize {
         if sensitive {
             last = i + 1;
         }
-        f = match d.code {
-            OP_AVG_POOL => f / (d.count as usize).max(1),
-            OP_ROW_MAX => 1,
-            _ => f,
-        };
+        f = features_after(d, f);
     }
     last
 }
