@@ -54,6 +54,65 @@ fn nest(a: usize, b: usize) -> usize {
     }
 }
 
+/// One value through a pointwise op: its output, its radius, and whether the op's kink
+/// lies within that radius of the input (the one rule both scans apply). `p` is the
+/// op's parameter at the value's column (bias, multiplier), `c` the common relative
+/// error the input still carries: an added bias, a curved activation or a Hardtanh
+/// bound sees it as `c |x|`, a multiply scales it away with the value, a sign ignores it.
+#[inline(always)]
+fn pointwise_radius(code: u32, op: &OpDesc, p: f32, x: f32, rx: f32, c: f32) -> (f32, f32, bool) {
+    let rc = rx + c * fabs(x);
+    match code {
+        OP_BIAS => (x + p, rc, false),
+        OP_MUL => (x * p, rx * fabs(p), false),
+        OP_SCALE => (x * op.a, rx * fabs(op.a), false),
+        OP_SWISH => (swish(x), rc * SWISH_LIPSCHITZ, false),
+        OP_MISH => (mish(x), rc * MISH_LIPSCHITZ, false),
+        OP_GELU => (gelu(x), rc * GELU_LIPSCHITZ, false),
+        OP_LEAKY_RELU => (leaky_relu(x, op.a), rx * fabs(op.a).max(1.0), fabs(x) <= rx),
+        OP_HARDTANH => (hardtanh(x, op.a, op.b), rc, fabs(x - op.a) <= rc || fabs(x - op.b) <= rc),
+        _ => (f32::NAN, f32::NAN, false), // unknown code: poison
+    }
+}
+
+/// Whether the common relative error is gone after op `code`: folded into the radius
+/// (bias, curved activations, Hardtanh) or divided out (GroupNorm).
+#[inline(always)]
+fn clears_common(code: u32) -> bool {
+    matches!(code, OP_BIAS | OP_SWISH | OP_MISH | OP_GELU | OP_HARDTANH | OP_GROUP_NORM)
+}
+
+/// A group's statistics for the radius rules: `size` values, `r2` the sum of their
+/// squared radii, `rstd` their `1 / std`.
+#[derive(Clone, Copy)]
+struct GroupRadius {
+    mean: f32,
+    rstd: f32,
+    /// The statistics' own radius: the rms of the group's radii over sqrt(size)
+    /// (independent roundings average out in the mean and the variance).
+    r_stat: f32,
+    /// The group's spread is small against its values' radius: the error is magnified
+    /// into every normalised value and its gradients, so the group is recomputed whole.
+    ill_conditioned: bool,
+}
+
+impl GroupRadius {
+    #[inline(always)]
+    fn new(mean: f32, rstd: f32, r2: f32, size: usize, rel_err: f32) -> Self {
+        let inv = 1.0 / size as f32;
+        let ill_conditioned = size > 1 && rstd * sqrt(r2 * inv) > ILL_CONDITIONED * rel_err;
+        GroupRadius { mean, rstd, r_stat: sqrt(r2) * inv, ill_conditioned }
+    }
+
+    /// One value through the normalisation and the affine `gamma`, `beta`: its output
+    /// and radius (its own radius plus the statistics', through the mean and `1 / std`).
+    #[inline(always)]
+    fn apply(&self, x: f32, rx: f32, gamma: f32, beta: f32) -> (f32, f32) {
+        let d = (x - self.mean) * self.rstd;
+        (fma(d, gamma, beta), fabs(gamma) * self.rstd * (rx + self.r_stat * (1.0 + fabs(d))))
+    }
+}
+
 /// Sum of `v` over the block, in every thread (`red` holds `WARPS` floats; ends with a barrier).
 ///
 /// # Safety
@@ -94,26 +153,58 @@ unsafe fn each(v: *mut f32, r: *mut f32, f: usize, mut op: impl FnMut(usize, f32
     }
 }
 
-/// Marks the chunks of `z` columns that feature `j` (of the current op's input)
-/// depends on: `pool` columns of `z` per feature, decisions depending on aligned
-/// blocks of `dep` columns (or the whole row).
+/// Where [`kink_scan`] marks the chunks a doubtful decision depends on, for the op
+/// being scanned: `pool` columns of `z` per feature of its input, decisions depending
+/// on aligned blocks of `dep` columns (or the whole row).
+#[derive(Clone, Copy)]
+struct Marks {
+    flags: *mut u8,
+    row_flag: *mut u32,
+    pool: usize,
+    dep: usize,
+    n: usize,
+}
+
+impl Marks {
+    /// Marks the chunks of `z` columns that feature `j` of the op's input depends on.
+    ///
+    /// # Safety
+    /// `flags` holds `n.div_ceil(CHUNK)` bytes; `j * pool < n`.
+    #[inline(always)]
+    unsafe fn flag(&self, j: usize) {
+        unsafe {
+            if self.dep == WHOLE_ROW {
+                *self.row_flag = 1;
+                return;
+            }
+            let start = j * self.pool / self.dep * self.dep;
+            let end = (start + self.dep).min(self.n);
+            let mut c = start / CHUNK;
+            while c * CHUNK < end {
+                *self.flags.add(c) = 1;
+                c += 1;
+            }
+        }
+    }
+}
+
+/// [`each`] through one pointwise op, marking the values whose kink is within reach
+/// (`code` is a constant at every call, so the loop has no dispatch).
 ///
 /// # Safety
-/// `flags` holds `n.div_ceil(CHUNK)` bytes; `j * pool < n`.
+/// As [`each`] and [`Marks::flag`]; the op's parameter holds `f` floats.
 #[inline(always)]
-unsafe fn flag(flags: *mut u8, row_flag: *mut u32, j: usize, pool: usize, dep: usize, n: usize) {
+unsafe fn pointwise_pass(code: u32, op: &OpDesc, v: *mut f32, r: *mut f32, f: usize, c: f32, marks: Marks) {
+    let p0 = op.param0 as *const f32;
     unsafe {
-        if dep == WHOLE_ROW {
-            *row_flag = 1;
-            return;
-        }
-        let start = j * pool / dep * dep;
-        let end = (start + dep).min(n);
-        let mut c = start / CHUNK;
-        while c * CHUNK < end {
-            *flags.add(c) = 1;
-            c += 1;
-        }
+        each(v, r, f, |j, x, rx| {
+            let p = if matches!(code, OP_BIAS | OP_MUL) { *p0.add(j) } else { 0.0 };
+            let (y, ry, doubtful) = pointwise_radius(code, op, p, x, rx, c);
+            if doubtful {
+                marks.flag(j);
+            }
+            (y, ry)
+        })
     }
 }
 
@@ -203,6 +294,7 @@ pub unsafe extern "ptx-kernel" fn kink_scan(
             let op = &*ops.add(i);
             let (p0, p1) = (op.param0 as *const f32, op.param1 as *const f32);
             let f_out = features_after(op, f);
+            let marks = Marks { flags, row_flag, pool, dep, n };
             match op.code {
                 OP_GROUP_NORM => {
                     let (groups, size) = (op.count as usize, f / op.count as usize);
@@ -235,29 +327,21 @@ pub unsafe extern "ptx-kernel" fn kink_scan(
                             j += seg;
                         }
                         let rstd = rsqrt(fma(segment_sum(sq, seg as u32), inv, op.a));
-                        // The statistics' radius: the rms of the group's radii over
-                        // sqrt(size) (independent roundings average out in the mean and
-                        // the variance).
-                        let r_stat = sqrt(r2) * inv;
-                        // A group whose spread is small against its values' radius
-                        // magnifies their error into every normalised value and its
-                        // gradients: recompute it whole.
-                        if live && sl == 0 && size > 1 && rstd * sqrt(r2 * inv) > ILL_CONDITIONED * rel_err {
-                            flag(flags, row_flag, g * size, pool, nest(dep, size * pool), n);
+                        let stats = GroupRadius::new(mean, rstd, r2, size, rel_err);
+                        if live && sl == 0 && stats.ill_conditioned {
+                            Marks { dep: nest(dep, size * pool), ..marks }.flag(g * size);
                         }
                         let mut j = sl;
                         while live && j < size {
                             let ch = g * size + j;
-                            let d = (*vs.add(j) - mean) * rstd;
-                            let gamma = *p0.add(ch);
-                            *rs.add(j) = fabs(gamma) * rstd * (*rs.add(j) + r_stat * (1.0 + fabs(d)));
-                            *vs.add(j) = d * gamma + *p1.add(ch);
+                            let (y, ry) = stats.apply(*vs.add(j), *rs.add(j), *p0.add(ch), *p1.add(ch));
+                            *vs.add(j) = y;
+                            *rs.add(j) = ry;
                             j += seg;
                         }
                         g0 += WARPS * per_warp;
                     }
                     dep = nest(dep, size * pool);
-                    c = 0.0;
                 }
                 OP_AVG_POOL => {
                     let k = op.count as usize;
@@ -339,29 +423,19 @@ pub unsafe extern "ptx-kernel" fn kink_scan(
                     }
                     dep = WHOLE_ROW;
                 }
-                // One loop per op (a `match` per value would dispatch in the loop).
-                OP_BIAS => each(v, r, f, |j, x, rx| (x + *p0.add(j), rx + c * fabs(x))),
-                OP_MUL => each(v, r, f, |j, x, rx| (x * *p0.add(j), rx * fabs(*p0.add(j)))),
-                OP_SCALE => each(v, r, f, |_, x, rx| (x * op.a, rx * fabs(op.a))),
-                OP_SWISH => each(v, r, f, |_, x, rx| (swish(x), (rx + c * fabs(x)) * SWISH_LIPSCHITZ)),
-                OP_MISH => each(v, r, f, |_, x, rx| (mish(x), (rx + c * fabs(x)) * MISH_LIPSCHITZ)),
-                OP_GELU => each(v, r, f, |_, x, rx| (gelu(x), (rx + c * fabs(x)) * GELU_LIPSCHITZ)),
-                OP_LEAKY_RELU => each(v, r, f, |j, x, rx| {
-                    if fabs(x) <= rx {
-                        flag(flags, row_flag, j, pool, dep, n);
-                    }
-                    (leaky_relu(x, op.a), rx * fabs(op.a).max(1.0))
-                }),
-                OP_HARDTANH => each(v, r, f, |j, x, rx| {
-                    let rx = rx + c * fabs(x);
-                    if fabs(x - op.a) <= rx || fabs(x - op.b) <= rx {
-                        flag(flags, row_flag, j, pool, dep, n);
-                    }
-                    (hardtanh(x, op.a, op.b), rx)
-                }),
+                // One loop per op, its code a constant there (a `match` per value would
+                // dispatch in the loop).
+                OP_BIAS => pointwise_pass(OP_BIAS, op, v, r, f, c, marks),
+                OP_MUL => pointwise_pass(OP_MUL, op, v, r, f, c, marks),
+                OP_SCALE => pointwise_pass(OP_SCALE, op, v, r, f, c, marks),
+                OP_SWISH => pointwise_pass(OP_SWISH, op, v, r, f, c, marks),
+                OP_MISH => pointwise_pass(OP_MISH, op, v, r, f, c, marks),
+                OP_GELU => pointwise_pass(OP_GELU, op, v, r, f, c, marks),
+                OP_LEAKY_RELU => pointwise_pass(OP_LEAKY_RELU, op, v, r, f, c, marks),
+                OP_HARDTANH => pointwise_pass(OP_HARDTANH, op, v, r, f, c, marks),
                 _ => each(v, r, f, |_, _, _| (f32::NAN, f32::NAN)), // unknown code: poison
             }
-            if matches!(op.code, OP_BIAS | OP_SWISH | OP_MISH | OP_GELU | OP_HARDTANH) {
+            if clears_common(op.code) {
                 c = 0.0;
             }
             f = f_out;
@@ -463,53 +537,31 @@ pub unsafe extern "ptx-kernel" fn kink_scan_tiles(
                             s3 = fma(d, d, s3);
                         });
                         let rstd = rsqrt(fma(segment_sum(s3, lanes), inv, op.a));
-                        let r_stat = sqrt(r2) * inv;
+                        let stats = GroupRadius::new(mean, rstd, r2, size, rel_err);
                         dep = dep.max(size);
-                        if c < n && rstd * sqrt(r2 * inv) > ILL_CONDITIONED * rel_err {
+                        if c < n && stats.ill_conditioned {
                             bits |= chunk_bits(c, dep, seg0, n);
                         }
                         let gamma = column_params(p0, n, c);
                         let beta = column_params(p1, n, c);
                         unroll!(e in 0..4 => {
-                            let d = (v[e] - mean) * rstd;
-                            r[e] = fabs(gamma[e]) * rstd * (r[e] + r_stat * (1.0 + fabs(d)));
-                            v[e] = fma(d, gamma[e], beta[e]);
+                            (v[e], r[e]) = stats.apply(v[e], r[e], gamma[e], beta[e]);
                         });
-                        cc = 0.0;
                     }
                     code => {
                         let p = if matches!(code, OP_BIAS | OP_MUL) { column_params(p0, n, c) } else { [0.0; 4] };
                         unroll!(e in 0..4 => {
-                            let (x, rx) = (v[e], r[e]);
-                            let rc = rx + cc * fabs(x);
-                            let (y, ry) = match code {
-                                OP_BIAS => (x + p[e], rc),
-                                OP_MUL => (x * p[e], rx * fabs(p[e])),
-                                OP_SCALE => (x * op.a, rx * fabs(op.a)),
-                                OP_SWISH => (swish(x), rc * SWISH_LIPSCHITZ),
-                                OP_MISH => (mish(x), rc * MISH_LIPSCHITZ),
-                                OP_GELU => (gelu(x), rc * GELU_LIPSCHITZ),
-                                OP_LEAKY_RELU => {
-                                    if c + e < n && fabs(x) <= rx {
-                                        bits |= chunk_bits(c + e, dep, seg0, n);
-                                    }
-                                    (leaky_relu(x, op.a), rx * fabs(op.a).max(1.0))
-                                }
-                                OP_HARDTANH => {
-                                    if c + e < n && (fabs(x - op.a) <= rc || fabs(x - op.b) <= rc) {
-                                        bits |= chunk_bits(c + e, dep, seg0, n);
-                                    }
-                                    (hardtanh(x, op.a, op.b), rc)
-                                }
-                                _ => (f32::NAN, f32::NAN),
-                            };
+                            let (y, ry, doubtful) = pointwise_radius(code, op, p[e], v[e], r[e], cc);
+                            if doubtful && c + e < n {
+                                bits |= chunk_bits(c + e, dep, seg0, n);
+                            }
                             v[e] = y;
                             r[e] = ry;
                         });
-                        if matches!(code, OP_BIAS | OP_SWISH | OP_MISH | OP_GELU | OP_HARDTANH) {
-                            cc = 0.0;
-                        }
                     }
+                }
+                if clears_common(op.code) {
+                    cc = 0.0;
                 }
             }
             // The segment's chunks any lane flagged, each listed once by its lane.
