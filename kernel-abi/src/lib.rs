@@ -276,24 +276,27 @@ pub mod kinks {
     /// `refine_z` computes (its weights staged once for all listed rows).
     pub const CHUNK: usize = 16;
     pub const REFINE_THREADS: usize = 256;
-    /// Rows of `x` one block of `refine_z` takes at a time: three 8-row tiles of the
-    /// f64 MMA (`m8n8k4`) per warp (the ~20 rows a chunk of M3 or M5 lists under TF32;
-    /// four spill at the 128 registers two blocks per SM allow).
-    pub const REFINE_ROWS: usize = 24;
+    /// Rows of `x` one block of `refine_z` takes at a time: four 8-row tiles of the
+    /// f64 MMA (`m16n8k16`, the chunk's weights the 16-row side) per warp. A chunk of
+    /// M3 or M5 lists ~20 rows under TF32, rarely over 32, and a second batch reads the
+    /// chunk's weights again (24 rows: refine_z 8% slower on M3).
+    pub const REFINE_ROWS: usize = 32;
     /// Slices of `k` each warp of `refine_z` keeps in flight (`cp.async` ring slots):
     /// one slice ahead in registers left each step waiting on memory.
     pub const REFINE_STAGES: usize = 4;
-    /// The warps' partial sums, added in shared memory at the end of each batch, then
-    /// each warp's ring: per slot, 16 bytes per lane of its 3 row tiles and 2 column tiles.
-    pub const REFINE_SMEM_BYTES: usize =
-        REFINE_THREADS / 32 * REFINE_ROWS * CHUNK * 8 + REFINE_THREADS / 32 * REFINE_STAGES * 5 * 32 * 16;
+    /// 16-byte copies per lane and ring slot: its row of each of the 4 tiles of `x`
+    /// and its 2 weight rows.
+    pub const REFINE_LOADS: usize = REFINE_ROWS / 8 + 2;
+    /// Each warp's ring. After a batch's loop it holds the warp's partial sums.
+    pub const REFINE_SMEM_BYTES: usize = REFINE_THREADS / 32 * REFINE_STAGES * REFINE_LOADS * 32 * 16;
+    const _: () = assert!(REFINE_STAGES * REFINE_LOADS * 32 * 16 >= REFINE_ROWS * CHUNK * 8);
     /// `kink_scan`'s shared memory for rows of `n`: values and radii (each with a
     /// second buffer when the scanned ops pool), a scratch value per warp, the
     /// whole-row flag and a byte per chunk.
     pub const fn scan_smem_bytes(n: usize, pooled: bool) -> usize {
         ((if pooled { 4 } else { 2 }) * n + ROW_THREADS / 32 + 1) * 4 + n.div_ceil(CHUNK)
     }
-    const _: () = assert!(CHUNK == 16 && REFINE_ROWS == 24);
+    const _: () = assert!(CHUNK == 16 && REFINE_ROWS == 32);
 }
 
 /// The register-blocked FP32 GEMM with the fused epilogue (`kernels-gpu/src/gemm/simt.rs`).

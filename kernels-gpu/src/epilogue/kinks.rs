@@ -13,10 +13,12 @@
 
 use super::pointwise::*;
 use crate::prelude::math::{fabs, fma, max_nan, rsqrt, sqrt};
-use crate::prelude::async_copy::{cp_async_4, cp_async_16, cp_async_commit, cp_async_wait, cp_async_wait_all, shared_address};
+use crate::prelude::async_copy::{
+    cp_async_4, cp_async_16_hint, cp_async_commit, cp_async_wait, cp_async_wait_all, l2_policy, shared_address,
+};
 use crate::prelude::global::load_v4_nc;
 use crate::prelude::tensor_core::ld_shared_v4;
-use crate::prelude::tensor_core::mma_f64;
+use crate::prelude::tensor_core::mma_f64_m16n8k16;
 use crate::prelude::warp::{segment_sum, shfl_xor, warp_max, warp_sum};
 use super::lanes::column_params;
 use crate::prelude::*;
@@ -611,13 +613,16 @@ unsafe fn load4(p: *const f32, kk: usize, k: usize, vec: bool) -> [f32; 4] {
 ///
 /// # Thread mapping
 /// One block per chunk of `CHUNK` columns, its listed rows `REFINE_ROWS` at a time.
-/// The products run on the f64 tensor cores (`mma.m8n8k4.f64`: `A` 8 rows of `x`, `B`
-/// 8 columns of `w`, the products of two f32 exact in f64): per warp three 8-row tiles
-/// of `x` by two 8-column tiles of `w`, every warp a 16-deep slice of `k` in turn, so
-/// the block's warps split `k` and add their sums in shared memory at the end. Each
-/// lane loads 4 consecutive `k` of its row and column (one 16-byte load each) and
-/// feeds them to 4 MMAs as their `k = lane % 4`: the sum's order within a slice is
-/// the same permutation for `x` and `w`. No shared memory and no barrier in the loop.
+/// The products run on the f64 tensor cores (`mma.m16n8k16.f64`, Hopper's full-rate
+/// shape: 12% faster here than `m8n8k4`; the products of two f32 are exact in f64)
+/// with the chunk's 16 weight rows as `A` and four 8-row tiles of `x` as `B`, every
+/// warp a 16-deep slice of `k` in turn, so the block's warps split `k` and add their
+/// sums in shared memory at the end. Each lane loads 4 consecutive `k` of its weight
+/// rows and `x` rows (one 16-byte `cp.async` each) and feeds them as the `k` slots
+/// `4e + q` of both operands: the sum's order within a slice is the same permutation
+/// for `x` and `w`. Rows past the batch are zero-filled, not loaded. The weights are
+/// read once and marked first to leave L2, the rows of `x` (read again by other
+/// chunks) last. No barrier in the loop.
 #[unsafe(no_mangle)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "ptx-kernel" fn refine_z(
@@ -632,6 +637,8 @@ pub unsafe extern "ptx-kernel" fn refine_z(
     k: u32,
 ) {
     const WARPS_R: usize = REFINE_THREADS / WARP;
+    const TILES: usize = REFINE_ROWS / 8;
+    const _: () = assert!(TILES == 4, "the unrolled loops below");
     let chunk = block_idx_x() as usize;
     let t = thread_idx_x() as usize;
     let (warp, lane) = (warp_id() as usize, lane_id() as usize);
@@ -640,51 +647,61 @@ pub unsafe extern "ptx-kernel" fn refine_z(
     let vec = k.is_multiple_of(4);
     let c0 = chunk * CHUNK;
     let cols = CHUNK.min(n - c0);
-    // SAFETY (whole body): REFINE_SMEM_BYTES holds WARPS_R x REFINE_ROWS x CHUNK f64;
-    // the list holds counts[chunk] rows < rows; rows and columns are clamped to live
-    // ones before any load; the barriers are reached by the whole block.
+    // SAFETY (whole body): REFINE_SMEM_BYTES holds every warp's ring, which after the
+    // loop holds its REFINE_ROWS x CHUNK partial sums; the list holds counts[chunk]
+    // rows < rows; rows and columns are clamped to live ones before any load (dead
+    // ones copy 0 bytes); the barriers are reached by the whole block.
     unsafe {
-        let red = dynamic_shared::<f64>();
-        let ring = shared_address(red) + (WARPS_R * REFINE_ROWS * CHUNK * 8) as u32;
+        let ring_bytes = REFINE_STAGES * REFINE_LOADS * WARP * 16;
+        let ring = shared_address(dynamic_shared::<u8>()) + (warp * ring_bytes) as u32;
         let count = *counts.add(chunk) as usize;
         let list = lists.add(chunk * rows);
         let mut first = 0;
         while first < count {
             let batch = REFINE_ROWS.min(count - first);
             let tiles = batch.div_ceil(8);
-            let mut x_row = [x; 3];
-            unroll!(m in 0..3 => {
-                let r = (m * 8 + g).min(batch - 1);
-                x_row[m] = x.add(*list.add(first + r) as usize * k);
+            let mut x_row = [x; TILES];
+            let mut x_live = [false; TILES];
+            unroll!(m in 0..4 => {
+                let r = m * 8 + g;
+                x_live[m] = r < batch;
+                x_row[m] = x.add(*list.add(first + r.min(batch - 1)) as usize * k);
             });
             let mut w_row = [w; 2];
-            unroll!(c in 0..2 => { w_row[c] = w.add((c0 + (c * 8 + g).min(cols - 1)) * k); });
-            let mut acc = [[[0.0f64; 2]; 2]; 3];
-            // Each lane copies its own 16 bytes of every row and column of a slice
-            // (`cp.async`, zero past `k`) into its warp's ring of `REFINE_STAGES` slots,
-            // `REFINE_STAGES - 1` slices ahead of the MMAs, and reads back only what it
-            // copied itself (so its own wait suffices, no barrier).
+            let mut w_live = [false; 2];
+            unroll!(h in 0..2 => {
+                w_live[h] = h * 8 + g < cols;
+                w_row[h] = w.add((c0 + (h * 8 + g).min(cols - 1)) * k);
+            });
+            // acc[m]: weight rows g, g + 8 (d[0..2], d[2..4]) by x rows 8m + 2q, + 1.
+            let mut acc = [[0.0f64; 4]; TILES];
+            // Each lane copies its own 16 bytes of every row of a slice (`cp.async`,
+            // zero past `k` and for dead rows) into its warp's ring of `REFINE_STAGES`
+            // slots, `REFINE_STAGES - 1` slices ahead of the MMAs, and reads back only
+            // what it copied itself (so its own wait suffices, no barrier).
             let step = 16 * WARPS_R;
-            let slot_of = |i: usize, p: usize| ring + ((((warp * REFINE_STAGES + i % REFINE_STAGES) * 5 + p) * WARP + lane) * 16) as u32;
+            let (x_policy, w_policy) = (l2_policy(false), l2_policy(true));
+            let slot_of = |i: usize, p: usize| ring + ((((i % REFINE_STAGES) * REFINE_LOADS + p) * WARP + lane) * 16) as u32;
             let issue = |i: usize| {
                 let kk = warp * 16 + i * step + 4 * q;
-                let copy = |dst: u32, src: *const f32| {
+                let copy = |dst: u32, src: *const f32, live: bool, is_w: bool| {
                     if vec {
-                        let bytes = if kk < k { (4 * (k - kk)).min(16) as u32 } else { 0 };
-                        cp_async_16(dst, if bytes > 0 { src.add(kk) } else { src }, bytes);
+                        let bytes = if live && kk < k { (4 * (k - kk)).min(16) as u32 } else { 0 };
+                        let src = if bytes > 0 { src.add(kk) } else { src };
+                        cp_async_16_hint::<false>(dst, src, bytes, if is_w { w_policy } else { x_policy });
                     } else {
                         unroll!(e in 0..4 => {
-                            let inside = kk + e < k;
+                            let inside = live && kk + e < k;
                             cp_async_4(dst + 4 * e as u32, if inside { src.add(kk + e) } else { src }, 4 * u32::from(inside));
                         });
                     }
                 };
-                unroll!(m in 0..3 => {
+                unroll!(m in 0..4 => {
                     if m < tiles {
-                        copy(slot_of(i, m), x_row[m]);
+                        copy(slot_of(i, m), x_row[m], x_live[m], false);
                     }
                 });
-                unroll!(c in 0..2 => { copy(slot_of(i, 3 + c), w_row[c]); });
+                unroll!(h in 0..2 => { copy(slot_of(i, TILES + h), w_row[h], w_live[h], true); });
                 cp_async_commit();
             };
             let steps = (k - (warp * 16).min(k)).div_ceil(step);
@@ -694,23 +711,28 @@ pub unsafe extern "ptx-kernel" fn refine_z(
             for i in 0..steps {
                 issue(i + REFINE_STAGES - 1);
                 cp_async_wait::<{ REFINE_STAGES as u32 - 1 }>();
-                let wv = [0, 1].map(|c| ld_shared_v4(slot_of(i, 3 + c)).map(f32::from_bits));
-                unroll!(m in 0..3 => {
+                let (w_lo, w_hi) = (ld_shared_v4(slot_of(i, TILES)), ld_shared_v4(slot_of(i, TILES + 1)));
+                let mut a = [0.0f64; 8];
+                unroll!(e in 0..4 => {
+                    a[2 * e] = f32::from_bits(w_lo[e]) as f64;
+                    a[2 * e + 1] = f32::from_bits(w_hi[e]) as f64;
+                });
+                unroll!(m in 0..4 => {
                     if m < tiles {
-                        let xv = ld_shared_v4(slot_of(i, m)).map(f32::from_bits);
-                        unroll!(e in 0..4 => {
-                            mma_f64(&mut acc[m][0], xv[e] as f64, wv[0][e] as f64);
-                            mma_f64(&mut acc[m][1], xv[e] as f64, wv[1][e] as f64);
-                        });
+                        let b = ld_shared_v4(slot_of(i, m)).map(|v| f32::from_bits(v) as f64);
+                        mma_f64_m16n8k16(&mut acc[m], a, b);
                     }
                 });
             }
             cp_async_wait_all();
-            unroll!(m in 0..3 => {
-                unroll!(c in 0..2 => {
-                    let at = (warp * REFINE_ROWS + m * 8 + g) * CHUNK + c * 8 + 2 * q;
-                    *red.add(at) = acc[m][c][0];
-                    *red.add(at + 1) = acc[m][c][1];
+            // The warp's ring, drained, takes its partial sums (every lane past its
+            // last read of the ring first).
+            sync_warp();
+            let red = dynamic_shared::<u8>().add(warp * ring_bytes) as *mut f64;
+            unroll!(m in 0..4 => {
+                unroll!(j in 0..4 => {
+                    let (col, row) = (g + 8 * (j / 2), 8 * m + 2 * q + j % 2);
+                    *red.add(row * CHUNK + col) = acc[m][j];
                 });
             });
             sync_threads();
@@ -720,7 +742,7 @@ pub unsafe extern "ptx-kernel" fn refine_z(
                 if r < batch && d < cols {
                     let mut s = *bias.add(c0 + d) as f64;
                     for wi in 0..WARPS_R {
-                        s += *red.add(wi * REFINE_ROWS * CHUNK + o);
+                        s += *(dynamic_shared::<u8>().add(wi * ring_bytes) as *const f64).add(o);
                     }
                     *z.add(*list.add(first + r) as usize * n + c0 + d) = s as f32;
                 }

@@ -34,6 +34,45 @@ pub unsafe fn cp_async_16(dst: u32, src: *const f32, src_bytes: u32) {
     }
 }
 
+/// [`cp_async_16`] under an L2 cache policy from [`l2_policy`]; with `PREFETCH_256`
+/// the L2 also fetches the rest of the copy's 256-byte block from DRAM.
+///
+/// # Safety
+/// As [`cp_async_16`].
+#[inline(always)]
+pub unsafe fn cp_async_16_hint<const PREFETCH_256: bool>(dst: u32, src: *const f32, src_bytes: u32, policy: u64) {
+    unsafe {
+        if PREFETCH_256 {
+            asm!("cp.async.cg.shared.global.L2::cache_hint.L2::256B [{d}], [{s}], 16, {n}, {p};",
+                 d = in(reg32) dst, s = in(reg64) src as u64, n = in(reg32) src_bytes, p = in(reg64) policy,
+                 options(nostack, preserves_flags));
+        } else {
+            asm!("cp.async.cg.shared.global.L2::cache_hint [{d}], [{s}], 16, {n}, {p};",
+                 d = in(reg32) dst, s = in(reg64) src as u64, n = in(reg32) src_bytes, p = in(reg64) policy,
+                 options(nostack, preserves_flags));
+        }
+    }
+}
+
+/// An L2 cache policy for [`cp_async_16_hint`]: lines loaded with it are evicted first
+/// (`createpolicy.fractional.L2::evict_first`) or last (`evict_last`), so a stream
+/// read once does not push out data read again.
+#[inline(always)]
+pub fn l2_policy(evict_first: bool) -> u64 {
+    let p: u64;
+    // SAFETY: creates a policy value in a register; no memory access.
+    unsafe {
+        if evict_first {
+            asm!("createpolicy.fractional.L2::evict_first.b64 {p}, 1.0;", p = out(reg64) p,
+                 options(pure, nomem, nostack, preserves_flags));
+        } else {
+            asm!("createpolicy.fractional.L2::evict_last.b64 {p}, 1.0;", p = out(reg64) p,
+                 options(pure, nomem, nostack, preserves_flags));
+        }
+    }
+    p
+}
+
 /// [`cp_async_16`] for one float (4-byte aligned operands): `src_bytes` 0 or 4.
 ///
 /// # Safety

@@ -13,7 +13,7 @@ pub mod warp;
 
 pub use index::*;
 pub use shared::dynamic_shared;
-pub use sync::sync_threads;
+pub use sync::{sync_threads, sync_warp};
 
 /// Repeats `$body` with `$i` bound to `0, 1, ..` (`0..2`, `0..3`, `0..4`, `0..8` or `0..16`), unrolled in the
 /// source. Register arrays indexed only this way stay in registers: LLVM declines to

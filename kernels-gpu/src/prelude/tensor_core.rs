@@ -125,6 +125,29 @@ pub fn mma_f64(d: &mut [f64; 2], a: f64, b: f64) {
     *d = c.map(f64::from_bits);
 }
 
+/// `d += a b` for one `m16n8k16` f64 fragment product (`DMMA.16x8x16`, Hopper's full
+/// FP64 tensor-core rate; a warp-wide instruction). With `g = l / 4`, `q = l % 4` for
+/// lane `l`: `a[2e]` is `A[g][4e + q]`, `a[2e + 1]` is `A[g + 8][4e + q]`, `b[e]` is
+/// `B[4e + q][g]`; `d[0..2]` is `C[g][2q..][..2]`, `d[2..4]` is `C[g + 8][2q..][..2]`.
+#[inline(always)]
+pub fn mma_f64_m16n8k16(d: &mut [f64; 4], a: [f64; 8], b: [f64; 4]) {
+    let mut c = d.map(f64::to_bits);
+    let (a, b) = (a.map(f64::to_bits), b.map(f64::to_bits));
+    // SAFETY: register-only; every lane of the warp executes it.
+    unsafe {
+        asm!(
+            "mma.sync.aligned.m16n8k16.row.col.f64.f64.f64.f64 {{{d0},{d1},{d2},{d3}}}, \
+             {{{a0},{a1},{a2},{a3},{a4},{a5},{a6},{a7}}}, {{{b0},{b1},{b2},{b3}}}, {{{d0},{d1},{d2},{d3}}};",
+            d0 = inout(reg64) c[0], d1 = inout(reg64) c[1], d2 = inout(reg64) c[2], d3 = inout(reg64) c[3],
+            a0 = in(reg64) a[0], a1 = in(reg64) a[1], a2 = in(reg64) a[2], a3 = in(reg64) a[3],
+            a4 = in(reg64) a[4], a5 = in(reg64) a[5], a6 = in(reg64) a[6], a7 = in(reg64) a[7],
+            b0 = in(reg64) b[0], b1 = in(reg64) b[1], b2 = in(reg64) b[2], b3 = in(reg64) b[3],
+            options(nostack, preserves_flags),
+        );
+    }
+    *d = c.map(f64::from_bits);
+}
+
 /// Two floats rounded to bf16 (to nearest even) and packed: `lo` in the low half, the
 /// element with the lower `k` of an `m16n8k16` fragment register.
 #[inline(always)]
