@@ -290,6 +290,8 @@ pub mod kinks {
     /// Each warp's ring. After a batch's loop it holds the warp's partial sums.
     pub const REFINE_SMEM_BYTES: usize = REFINE_THREADS / 32 * REFINE_STAGES * REFINE_LOADS * 32 * 16;
     const _: () = assert!(REFINE_STAGES * REFINE_LOADS * 32 * 16 >= REFINE_ROWS * CHUNK * 8);
+    /// `refine_order`'s buckets of listed-row counts (larger counts share the last).
+    pub const ORDER_BUCKETS: usize = 256;
     /// `kink_scan`'s shared memory for rows of `n`: values and radii (each with a
     /// second buffer when the scanned ops pool), a scratch value per warp, the
     /// whole-row flag and a byte per chunk.

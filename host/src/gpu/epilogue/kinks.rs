@@ -10,7 +10,7 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use kernel_abi::epilogue::{
     OP_AVG_POOL, OP_GROUP_NORM, OP_HARDTANH, OP_LEAKY_RELU, OP_ROW_MAX, OpDesc, ROW_THREADS, features_after,
 };
-use kernel_abi::kinks::{CHUNK, REFINE_SMEM_BYTES, REFINE_THREADS, scan_smem_bytes};
+use kernel_abi::kinks::{CHUNK, ORDER_BUCKETS, REFINE_SMEM_BYTES, REFINE_THREADS, scan_smem_bytes};
 
 /// How many estimated standard deviations of the GEMM's error a value's radius spans.
 /// Outside 4 sigma a Gaussian error crosses a kink so rarely that the flips left
@@ -166,6 +166,21 @@ fn refine(
 ) -> Result<Refined> {
     let stream = gpu.stream();
     let chunks = n.div_ceil(CHUNK);
+    // The chunks most listed first (refine_order), so the grid's last blocks are short.
+    // SAFETY: refine_order writes all `chunks` entries before refine_z reads them.
+    let mut order =
+        unsafe { stream.alloc::<u32>(chunks) }.map_err(|e| Error::cuda("allocating the refine order", e))?;
+    let func = gpu.function("refine_order")?;
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (ROW_THREADS as u32, 1, 1),
+        shared_mem_bytes: (ORDER_BUCKETS * 4) as u32,
+    };
+    let chunks32 = chunks as u32;
+    let mut l = stream.launch_builder(&func);
+    l.arg(counts).arg(&chunks32).arg(&mut order);
+    // SAFETY: matches refine_order's signature; counts and order hold `chunks` entries.
+    launched("refine_order", unsafe { l.launch(cfg) })?;
     let func = gpu.function("refine_z")?;
     gpu.allow_shared(&func, "refine_z", REFINE_SMEM_BYTES)?;
     let cfg = LaunchConfig {
@@ -176,9 +191,9 @@ fn refine(
     let (rows32, n32, k32) = (rows as u32, n as u32, k as u32);
     let mut l = stream.launch_builder(&func);
     l.arg(&x.buf).arg(&w.buf).arg(&b.buf).arg(&mut z.buf).arg(counts).arg(lists);
-    l.arg(&rows32).arg(&n32).arg(&k32);
+    l.arg(&order).arg(&rows32).arg(&n32).arg(&k32);
     // SAFETY: matches refine_z's signature; shapes checked above; counts and lists as
-    // kink_scan leaves them, in stream order.
+    // kink_scan leaves them, order as refine_order leaves it, in stream order.
     launched("refine_z", unsafe { l.launch(cfg) })?;
     if std::env::var_os("HOST_KINK_STATS").is_some_and(|v| v == "1") {
         // How much was recomputed (waits for the stream): for tuning the error model.
