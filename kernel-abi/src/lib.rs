@@ -273,7 +273,7 @@ pub mod epilogue {
 pub mod kinks {
     use super::epilogue::ROW_THREADS;
     /// Columns of `z` refined together: the unit `kink_scan` lists and one block of
-    /// `refine_z` computes (its weights staged once for all listed rows).
+    /// `refine_z` computes (its weights read once per batch of listed rows).
     pub const CHUNK: usize = 16;
     pub const REFINE_THREADS: usize = 256;
     /// Rows of `x` one block of `refine_z` takes at a time: four 8-row tiles of the

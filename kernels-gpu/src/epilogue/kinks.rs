@@ -741,7 +741,7 @@ pub unsafe extern "ptx-kernel" fn refine_z(
                     if vec {
                         let bytes = if live && kk < k { (4 * (k - kk)).min(16) as u32 } else { 0 };
                         let src = if bytes > 0 { src.add(kk) } else { src };
-                        cp_async_16_hint::<false>(dst, src, bytes, if is_w { w_policy } else { x_policy });
+                        cp_async_16_hint(dst, src, bytes, if is_w { w_policy } else { x_policy });
                     } else {
                         unroll!(e in 0..4 => {
                             let inside = live && kk + e < k;

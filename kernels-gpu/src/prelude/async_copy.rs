@@ -34,23 +34,16 @@ pub unsafe fn cp_async_16(dst: u32, src: *const f32, src_bytes: u32) {
     }
 }
 
-/// [`cp_async_16`] under an L2 cache policy from [`l2_policy`]; with `PREFETCH_256`
-/// the L2 also fetches the rest of the copy's 256-byte block from DRAM.
+/// [`cp_async_16`] under an L2 cache policy from [`l2_policy`].
 ///
 /// # Safety
 /// As [`cp_async_16`].
 #[inline(always)]
-pub unsafe fn cp_async_16_hint<const PREFETCH_256: bool>(dst: u32, src: *const f32, src_bytes: u32, policy: u64) {
+pub unsafe fn cp_async_16_hint(dst: u32, src: *const f32, src_bytes: u32, policy: u64) {
     unsafe {
-        if PREFETCH_256 {
-            asm!("cp.async.cg.shared.global.L2::cache_hint.L2::256B [{d}], [{s}], 16, {n}, {p};",
-                 d = in(reg32) dst, s = in(reg64) src as u64, n = in(reg32) src_bytes, p = in(reg64) policy,
-                 options(nostack, preserves_flags));
-        } else {
-            asm!("cp.async.cg.shared.global.L2::cache_hint [{d}], [{s}], 16, {n}, {p};",
-                 d = in(reg32) dst, s = in(reg64) src as u64, n = in(reg32) src_bytes, p = in(reg64) policy,
-                 options(nostack, preserves_flags));
-        }
+        asm!("cp.async.cg.shared.global.L2::cache_hint [{d}], [{s}], 16, {n}, {p};",
+             d = in(reg32) dst, s = in(reg64) src as u64, n = in(reg32) src_bytes, p = in(reg64) policy,
+             options(nostack, preserves_flags));
     }
 }
 
