@@ -115,26 +115,46 @@ impl GroupRadius {
     }
 }
 
-/// Sum of `v` over the block, in every thread (`red` holds `WARPS` floats; ends with a barrier).
+/// `v` reduced over the block, in every thread: `in_warp` over each warp, then the
+/// warps' results folded by `fold` from `init` (`red` holds `WARPS` floats; ends with
+/// a barrier).
 ///
 /// # Safety
 /// Called by the whole block.
 #[inline(always)]
-unsafe fn block_sum(v: f32, red: *mut f32) -> f32 {
+unsafe fn block_reduce(v: f32, red: *mut f32, in_warp: fn(f32) -> f32, init: f32, fold: fn(f32, f32) -> f32) -> f32 {
     let (warp, lane) = (warp_id() as usize, lane_id() as usize);
-    let s = warp_sum(v);
+    let s = in_warp(v);
     unsafe {
         if lane == 0 {
             *red.add(warp) = s;
         }
         sync_threads();
-        let mut total = 0.0;
+        let mut total = init;
         for w in 0..WARPS {
-            total += *red.add(w);
+            total = fold(total, *red.add(w));
         }
         sync_threads();
         total
     }
+}
+
+/// Sum of `v` over the block, in every thread (see [`block_reduce`]).
+///
+/// # Safety
+/// Called by the whole block.
+#[inline(always)]
+unsafe fn block_sum(v: f32, red: *mut f32) -> f32 {
+    unsafe { block_reduce(v, red, warp_sum, 0.0, |a, b| a + b) }
+}
+
+/// Maximum of `v` over the block, NaN propagating, in every thread (see [`block_reduce`]).
+///
+/// # Safety
+/// Called by the whole block.
+#[inline(always)]
+unsafe fn block_max(v: f32, red: *mut f32) -> f32 {
+    unsafe { block_reduce(v, red, warp_max, f32::NEG_INFINITY, max_nan) }
 }
 
 /// `(v[j], r[j]) = op(j, v[j], r[j])` for the block's values `j < f`.
@@ -372,16 +392,7 @@ pub unsafe extern "ptx-kernel" fn kink_scan(
                         lo = max_nan(lo, *v.add(j) - *r.add(j));
                         j += ROW_THREADS;
                     }
-                    let lo = warp_max(lo);
-                    if lane == 0 {
-                        *red.add(warp) = lo;
-                    }
-                    sync_threads();
-                    let mut top = *red;
-                    for w in 1..WARPS {
-                        top = max_nan(top, *red.add(w));
-                    }
-                    sync_threads();
+                    let top = block_max(lo, red);
                     let (mut near, mut m, mut rm) = (0.0, f32::NEG_INFINITY, 0.0f32);
                     let mut j = t;
                     while j < f {
@@ -394,31 +405,12 @@ pub unsafe extern "ptx-kernel" fn kink_scan(
                         j += ROW_THREADS;
                     }
                     let near = block_sum(near, red);
-                    let m = warp_max(m);
-                    let rm = warp_max(rm);
-                    if lane == 0 {
-                        *red.add(warp) = m;
-                    }
-                    sync_threads();
+                    let m = block_max(m, red);
+                    // A bound on the max's own radius, for any op after it.
+                    let rm = block_reduce(rm, red, warp_max, 0.0, f32::max);
                     if t == 0 {
-                        let mut mm = *red;
-                        for w in 1..WARPS {
-                            mm = max_nan(mm, *red.add(w));
-                        }
-                        *v = mm;
-                    }
-                    sync_threads(); // red read by thread 0 before it is reused
-                    if lane == 0 {
-                        // A bound on the max's own radius, for any op after it.
-                        *red.add(warp) = rm;
-                    }
-                    sync_threads();
-                    if t == 0 {
-                        let mut rr = 0.0f32;
-                        for w in 0..WARPS {
-                            rr = rr.max(*red.add(w));
-                        }
-                        *r = rr;
+                        *v = m;
+                        *r = rm;
                         if near >= 2.0 && top == top {
                             *row_flag = 1;
                         }
