@@ -293,6 +293,12 @@ impl GpuBlock {
         Ok((ws.y, Saved { z, refined: false }))
     }
 
+    /// Whether the chain backward runs tile-wise (a chain the GEMM can fuse has a
+    /// tile-wise backward too; others go row by row): also which kink scan may walk it.
+    fn tile_backward(&self) -> bool {
+        self.not_fusable.is_none() && tiles_fit(&self.chain)
+    }
+
     /// Recomputes exactly the chunks of the saved `z` where its rounding could flip a
     /// kink's derivative in the backward (once; [`GpuBlock::backward`] calls it).
     /// Returns what was done.
@@ -300,8 +306,8 @@ impl GpuBlock {
         if saved.refined || !self.kink_refinement {
             return Ok(Refined::Off);
         }
-        let tiles = self.not_fusable.is_none() && tiles_fit(&self.chain);
-        let done = refine_near_kinks(gpu, &self.chain, tiles, self.precision, x, self.gemm_params(), &mut saved.z)?;
+        let (chain, tiles) = (&self.chain, self.tile_backward());
+        let done = refine_near_kinks(gpu, chain, tiles, self.precision, x, self.gemm_params(), &mut saved.z)?;
         saved.refined = true;
         Ok(done)
     }
@@ -328,8 +334,7 @@ impl GpuBlock {
         }
         let (w, _) = self.gemm_params();
         let n = self.gemm_width();
-        // A chain the GEMM can fuse has a tile-wise backward too; others go row by row.
-        let (dz, slots) = if self.not_fusable.is_none() && tiles_fit(&self.chain) {
+        let (dz, slots) = if self.tile_backward() {
             epilogue_tiles_backward(gpu, &self.chain, &saved.z, dy)?
         } else {
             epilogue_rows_backward(gpu, &self.chain, &saved.z, dy, self.out_width())?
