@@ -389,7 +389,14 @@ pub unsafe extern "ptx-kernel" fn epilogue_rows_backward(
                                 let d = *gs.add(j);
                                 *ps.add(ch) += d * xhat;
                                 *ps.add(n + ch) += d;
-                                *gs.add(j) = rstd * (d * *p0.add(ch) - m1 - xhat * m2);
+                                *gs.add(j) = if size == 2 {
+                                    // Two channels: xhat = ±sqrt(1 - eps rstd²), and the
+                                    // formula's 1 - xhat² cancels to noise in f32 when the
+                                    // variance dwarfs eps. Its exact value is eps rstd².
+                                    (d * *p0.add(ch) - m1) * (op.a * rstd * rstd * rstd)
+                                } else {
+                                    rstd * (d * *p0.add(ch) - m1 - xhat * m2)
+                                };
                                 j += WARP;
                             }
                             gi += WARPS;
