@@ -18,6 +18,12 @@ use kernel_abi::kinks::{CHUNK, ORDER_BUCKETS, REFINE_SMEM_BYTES, REFINE_THREADS,
 /// the margin is for the model below being an estimate.
 const SIGMAS: f32 = 4.0;
 
+/// Standard deviation of one product `x w`'s relative error with both operands
+/// truncated to TF32 (see [`z_error`]; `tests` checks both against a simulation).
+const TF32_PRODUCT_SIGMA: f32 = 3.1e-4;
+/// The same with both operands rounded to nearest bf16.
+const BF16_PRODUCT_SIGMA: f32 = 2.3e-3;
+
 /// The model of `z`'s error that `kink_scan` starts from: `(rel, abs)` such that a
 /// value's error is within `rel * rms(z row) + abs * |z|` (`rel`: `SIGMAS` standard
 /// deviations of the random part; `abs`: a bound on a shrink common to the row).
@@ -29,17 +35,24 @@ const SIGMAS: f32 = 4.0;
 ///   `3.1e-4 * sqrt(sum (x w)^2)`, which `rms(z row)` estimates for products of
 ///   unrelated signs (a row of `z` sums the same `x` against every weight row), and
 ///   the mean part shrinks `z` by `7e-4 |z|` (taken whole, as a bound: `2^-10`).
-/// * bf16 (rounded to nearest, 8 bits): `1.2e-3` per product, no bias.
+/// * bf16 (rounded to nearest, 8 significant bits): each operand off by a standard
+///   deviation of `1.6e-3`, a product by `2.3e-3`, no bias.
 /// * FP32 and 3xTF32: the FP32 accumulation over `k` terms, about `2^-24 sqrt(k)`
 ///   (3xTF32 also drops the low parts' product, `2^-22`).
+///
+/// `rms(z row)` estimates `sqrt(sum (x w)^2)` only on average over the row's columns:
+/// over a few terms the sum of squares varies from column to column (a coefficient of
+/// variation near `0.9 / sqrt(k)` for uniform weights), so the per-product parts are
+/// widened by `sqrt(1 + 3 * 0.9 / sqrt(k))` (1.5x at `k = 5`, 1.02x at 8192).
 pub fn z_error(precision: Precision, k: usize) -> (f32, f32) {
     let fp32 = (k as f32).sqrt() * f32::EPSILON / 2.0;
+    let spread = (1.0 + 2.7 / (k.max(1) as f32).sqrt()).sqrt();
     // (standard deviation of the random part, bound of the common shrink)
     let (sigma, shrink) = match precision {
         Precision::Fp32 => (fp32, 0.0),
         Precision::Tf32x3 => (fp32 + 2f32.powi(-22), 0.0),
-        Precision::Tf32 => (3.1e-4, 2f32.powi(-10)),
-        Precision::Bf16 => (1.2e-3, 0.0),
+        Precision::Tf32 => (TF32_PRODUCT_SIGMA * spread, 2f32.powi(-10)),
+        Precision::Bf16 => (BF16_PRODUCT_SIGMA * spread, 0.0),
     };
     (SIGMAS * sigma, shrink)
 }
@@ -228,6 +241,36 @@ mod tests {
         assert_eq!(scanned_prefix(&[gn(4), op(OP_LEAKY_RELU), op(OP_SWISH)], 256), 2);
         assert_eq!(scanned_prefix(&[op(OP_HARDTANH), op(OP_MISH), gn(4)], 256), 1);
         assert_eq!(scanned_prefix(&[op(OP_SWISH), op(OP_ROW_MAX)], 256), 2);
+    }
+
+    /// The per-product error the model assumes, against products of random operands
+    /// rounded as the GEMMs round them (TF32: low 13 bits dropped; bf16: to nearest even).
+    #[test]
+    fn per_product_error_matches_the_roundings() {
+        use rand::{Rng, SeedableRng, rngs::StdRng};
+        let tf32 = |v: f32| f32::from_bits(v.to_bits() & 0xffff_e000);
+        let bf16 = |v: f32| {
+            let b = v.to_bits();
+            f32::from_bits((b + 0x7fff + ((b >> 16) & 1)) & 0xffff_0000)
+        };
+        let mut rng = StdRng::seed_from_u64(5);
+        let pairs: Vec<(f32, f32)> =
+            (0..200_000).map(|_| (rng.random_range(-1.0..1.0), rng.random_range(-1.0..1.0))).collect();
+        for (round, model, name) in
+            [(&tf32 as &dyn Fn(f32) -> f32, TF32_PRODUCT_SIGMA, "tf32"), (&bf16, BF16_PRODUCT_SIGMA, "bf16")]
+        {
+            let errs: Vec<f64> = pairs
+                .iter()
+                .map(|&(x, w)| {
+                    let exact = f64::from(x) * f64::from(w);
+                    (f64::from(round(x)) * f64::from(round(w)) - exact) / exact
+                })
+                .collect();
+            let mean = errs.iter().sum::<f64>() / errs.len() as f64;
+            let sd = (errs.iter().map(|e| (e - mean).powi(2)).sum::<f64>() / errs.len() as f64).sqrt();
+            let ratio = f64::from(model) / sd;
+            assert!((0.95..1.15).contains(&ratio), "{name}: model {model:.3e} against a simulated {sd:.3e}");
+        }
     }
 
     #[test]
