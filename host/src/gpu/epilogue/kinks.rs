@@ -63,20 +63,24 @@ pub fn z_error(precision: Precision, k: usize) -> (f32, f32) {
 pub const SMALL_GROUP: usize = 8;
 
 /// Ops of a chain over `n` features up to and including its last kinked one
-/// (LeakyReLU, Hardtanh, row max) or GroupNorm of small groups: what the scan must
-/// walk. 0 when the chain has neither.
+/// (LeakyReLU, Hardtanh, row max), GroupNorm of small groups, or GroupNorm after a
+/// Hardtanh (the clamp can leave a group of any size with all but a few channels at
+/// one bound, its spread far under the others' radius): what the scan must walk. 0
+/// when the chain has none of them.
 pub fn scanned_prefix(ops: &[OpDesc], n: usize) -> usize {
     let mut f = n;
     let mut last = 0;
+    let mut clamped = false;
     for (i, d) in ops.iter().enumerate() {
         let sensitive = match d.code {
             OP_LEAKY_RELU | OP_HARDTANH | OP_ROW_MAX => true,
-            OP_GROUP_NORM => d.count > 0 && f / d.count as usize <= SMALL_GROUP,
+            OP_GROUP_NORM => d.count > 0 && (clamped || f / d.count as usize <= SMALL_GROUP),
             _ => false,
         };
         if sensitive {
             last = i + 1;
         }
+        clamped |= d.code == OP_HARDTANH;
         f = features_after(d, f);
     }
     last
@@ -239,7 +243,9 @@ mod tests {
         // After a pool of 4, 32 groups of 256 / 4 features hold 2 channels each.
         assert_eq!(scanned_prefix(&[pool(4), gn(32), op(OP_MISH)], 256), 2);
         assert_eq!(scanned_prefix(&[gn(4), op(OP_LEAKY_RELU), op(OP_SWISH)], 256), 2);
-        assert_eq!(scanned_prefix(&[op(OP_HARDTANH), op(OP_MISH), gn(4)], 256), 1);
+        // A GroupNorm after a clamp, whatever its groups (M5's chain).
+        assert_eq!(scanned_prefix(&[op(OP_HARDTANH), op(OP_MISH), gn(4)], 256), 3);
+        assert_eq!(scanned_prefix(&[op(OP_LEAKY_RELU), op(OP_MISH), gn(4)], 256), 1);
         assert_eq!(scanned_prefix(&[op(OP_SWISH), op(OP_ROW_MAX)], 256), 2);
     }
 
