@@ -128,9 +128,10 @@ fn check(
     let mut report = |what: &str, c: Comparison| {
         let ok = c.passes(tol);
         println!(
-            "  check     {what}: rel err {:.2e}, max abs {:.2e}, non-finite {} (tolerance {tol:e}): {}",
+            "  check     {what}: rel err {:.2e}, max abs {:.2e}, allclose(1e-4, 1e-4) ratio {:.2}, non-finite {} (tolerance {tol:e}): {}",
             c.rel,
             c.max_abs,
+            c.close,
             c.non_finite,
             if ok { "ok" } else { "FAILED" }
         );

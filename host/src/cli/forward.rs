@@ -142,9 +142,10 @@ fn check_rows(p: &Problem, y: &Tensor<f32>, n: usize, tol: f64) -> Result<Result
     let c = compare_f32(&got, reference.data());
     let ok = c.passes(tol);
     println!(
-        "  check     {n} rows vs f64 CPU reference: rel err {:.2e}, max abs {:.2e}, non-finite {} (tolerance {tol:e}): {}",
+        "  check     {n} rows vs f64 CPU reference: rel err {:.2e}, max abs {:.2e}, allclose(1e-4, 1e-4) ratio {:.2}, non-finite {} (tolerance {tol:e}): {}",
         c.rel,
         c.max_abs,
+        c.close,
         c.non_finite,
         if ok { "ok" } else { "FAILED" }
     );
