@@ -7,7 +7,7 @@ use host::check::{FP32_REL, compare_f32};
 use host::gpu::block::GpuBlock;
 use host::gpu::{Gpu, gemm::tiled::gemm_bias_tiled};
 use host::reference;
-use host::{BlockSpec, Chain, Params, Preset};
+use host::{BlockSpec, Chain, Params, Preset, Tensor};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
@@ -16,6 +16,20 @@ const GEMM_REL: f64 = 1e-5;
 
 fn gpu() -> Gpu {
     Gpu::open(0).unwrap_or_else(|e| panic!("these tests need a GPU: {e}"))
+}
+
+/// A block's parameters (the ops' too: random, so that e.g. gamma and beta cannot be
+/// swapped unnoticed), an input of `batch` rows and an output gradient, drawn in that
+/// order from `rng`.
+fn random_case(spec: &BlockSpec, batch: usize, rng: &mut StdRng) -> (Params<f32>, Tensor<f32>, Tensor<f32>) {
+    let mut params = Params::init(spec, rng);
+    for p in params.ops.iter_mut().flatten() {
+        *p = random_input(1, p.len(), rng).unwrap().reshape(p.shape()).unwrap();
+    }
+    let x = random_input(batch, spec.in_features, rng).unwrap();
+    let out = spec.output_shape(batch);
+    let dy = random_input(1, out.iter().product(), rng).unwrap().reshape(&out).unwrap();
+    (params, x, dy)
 }
 
 #[test]
@@ -122,15 +136,7 @@ fn gpu_block_backward_matches_reference() {
     }
     for (name, chain, (b, i, o)) in cases {
         let spec = BlockSpec::new(i, o, chain).unwrap();
-        let mut params = Params::init(&spec, &mut rng);
-        for p in params.ops.iter_mut().flatten() {
-            *p = random_input(1, p.len(), &mut rng).unwrap().reshape(p.shape()).unwrap();
-        }
-        let x = random_input(b, i, &mut rng).unwrap();
-        let dy = random_input(1, spec.output_shape(b).iter().product(), &mut rng)
-            .unwrap()
-            .reshape(&spec.output_shape(b))
-            .unwrap();
+        let (params, x, dy) = random_case(&spec, b, &mut rng);
         let block = GpuBlock::new(&gpu, &spec, &params).unwrap();
         let got = block.forward_backward(&gpu, &x, &dy).unwrap();
         let (_, want) = reference::block_backward(&spec, &x.to_f64(), &params.map(f64::from), &dy.to_f64()).unwrap();
@@ -162,13 +168,7 @@ fn group_norm_backward_over_two_channel_groups() {
         [("scale(50),groupnorm(48),swish", (40, 64, 96)), ("scale(50),groupnorm(48),max", (5, 16, 96))]
     {
         let spec = BlockSpec::new(i, o, text.parse().unwrap()).unwrap();
-        let mut params = Params::init(&spec, &mut rng);
-        for p in params.ops.iter_mut().flatten() {
-            *p = random_input(1, p.len(), &mut rng).unwrap().reshape(p.shape()).unwrap();
-        }
-        let x = random_input(b, i, &mut rng).unwrap();
-        let out = spec.output_shape(b);
-        let dy = random_input(1, out.iter().product(), &mut rng).unwrap().reshape(&out).unwrap();
+        let (params, x, dy) = random_case(&spec, b, &mut rng);
         let block = GpuBlock::new(&gpu, &spec, &params).unwrap();
         let got = block.forward_backward(&gpu, &x, &dy).unwrap();
         assert_eq!(got.z.shape(), [b, o]);
@@ -250,13 +250,7 @@ fn kink_refinement_gives_the_exact_functions_gradients() {
     for precision in [Precision::Tf32, Precision::Bf16] {
         for (n_case, (text, (b, i, o))) in cases.into_iter().enumerate() {
             let spec = BlockSpec::new(i, o, text.parse().unwrap()).unwrap();
-            let mut params = Params::init(&spec, &mut rng);
-            for p in params.ops.iter_mut().flatten() {
-                *p = random_input(1, p.len(), &mut rng).unwrap().reshape(p.shape()).unwrap();
-            }
-            let x = random_input(b, i, &mut rng).unwrap();
-            let out = spec.output_shape(b);
-            let dy = random_input(1, out.iter().product(), &mut rng).unwrap().reshape(&out).unwrap();
+            let (params, x, dy) = random_case(&spec, b, &mut rng);
             let (_, want) =
                 reference::block_backward(&spec, &x.to_f64(), &params.map(f64::from), &dy.to_f64()).unwrap();
             let mut block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(precision);
