@@ -18,14 +18,10 @@ fn gpu() -> Gpu {
     Gpu::open(0).unwrap_or_else(|e| panic!("these tests need a GPU: {e}"))
 }
 
-/// A block's parameters (the ops' too: random, so that e.g. gamma and beta cannot be
-/// swapped unnoticed), an input of `batch` rows and an output gradient, drawn in that
-/// order from `rng`.
+/// A block's parameters ([`Params::random`]), an input of `batch` rows and an output
+/// gradient, drawn in that order from `rng`.
 fn random_case(spec: &BlockSpec, batch: usize, rng: &mut StdRng) -> (Params<f32>, Tensor<f32>, Tensor<f32>) {
-    let mut params = Params::init(spec, rng);
-    for p in params.ops.iter_mut().flatten() {
-        *p = random_input(1, p.len(), rng).unwrap().reshape(p.shape()).unwrap();
-    }
+    let params = Params::random(spec, rng);
     let x = random_input(batch, spec.in_features, rng).unwrap();
     let out = spec.output_shape(batch);
     let dy = random_input(1, out.iter().product(), rng).unwrap().reshape(&out).unwrap();
@@ -89,11 +85,7 @@ fn gpu_block_forward_matches_reference() {
     }
     for (name, chain, (b, i, o)) in cases {
         let spec = BlockSpec::new(i, o, chain).unwrap();
-        let mut params = Params::init(&spec, &mut rng);
-        // Non-trivial GroupNorm affine, so a swapped gamma/beta cannot pass.
-        for p in params.ops.iter_mut().flatten() {
-            *p = random_input(1, p.len(), &mut rng).unwrap().reshape(p.shape()).unwrap();
-        }
+        let params = Params::random(&spec, &mut rng);
         let x = random_input(b, i, &mut rng).unwrap();
         let block = GpuBlock::new(&gpu, &spec, &params).unwrap();
         let path = block.describe(&block.plan(&gpu, b));

@@ -213,6 +213,17 @@ impl Params<f32> {
             .collect();
         Params::from_flat(spec, tensors).expect("shapes come from the spec")
     }
+
+    /// [`Params::init`], then every op parameter (GroupNorm's affine included) redrawn
+    /// from a standard normal: for checks against the reference, where ones and zeros
+    /// would let e.g. a swapped `gamma` and `beta` pass.
+    pub fn random(spec: &BlockSpec, rng: &mut impl Rng) -> Self {
+        let mut params = Self::init(spec, rng);
+        for p in params.ops.iter_mut().flatten() {
+            *p = Tensor::from_fn(p.shape(), |_| StandardNormal.sample(rng)).expect("an existing shape");
+        }
+        params
+    }
 }
 
 /// A `(batch, in)` input drawn from a standard normal (as `torch.randn`).
