@@ -290,8 +290,11 @@ unsafe fn gemm_tma<const SPLIT: bool, const BF16: bool>(
                 pipe.produce(|stage, row0, col0, k0, full| {
                     tma_load_2d(stage, map_a, k0, row0, full);
                     tma_load_2d(stage + a_bytes, map_b, k0, col0, full);
-                    if k0 == 0 {
-                        // A tile's first copies: its epilogue is a main loop away.
+                    if k0 == 0 && !SPLIT {
+                        // A tile's first copies: its epilogue is a main loop away. (Not
+                        // for 3xTF32: its epilogue is a smaller share of a tile's time,
+                        // and the parameters' pointers held through the producer's
+                        // loop cost it a spill at 24 registers once the flushes came.)
                         prefetch_tile_params(bias, ops, n_ops, col0, n);
                     }
                 })
@@ -308,12 +311,18 @@ unsafe fn gemm_tma<const SPLIT: bool, const BF16: bool>(
     let (wg, warp, lane) = (c / 128, (c / 32) % 4, c % 32);
     let (gid, tig) = ((lane / 4) as usize, (lane % 4) as usize);
     let (mut s, mut phase) = (0u32, 0u32);
-    let mut tile = block_idx_x();
-    while tile < pipe.tiles() {
+    // Work items: each tile's `k` in `runs` runs of `FLUSH_TILES` k-tiles (3xTF32; one
+    // run otherwise), taken in order by the block that owns the tile; every run but
+    // the last ends with its sums added into `y` (`FLUSH_K`), the last with the epilogue.
+    let runs = if SPLIT { k_tiles.div_ceil(FLUSH_TILES) } else { 1 };
+    let mut item = block_idx_x() * runs;
+    while item < pipe.tiles() * runs {
+        let (tile, run) = (item / runs, item % runs);
         let (row0, col0) = pipe.origin(tile);
         let mut acc = [0u32; 128];
         let mut held = None;
-        for _ in 0..k_tiles {
+        let k_end = if SPLIT { k_tiles.min((run + 1) * FLUSH_TILES) } else { k_tiles };
+        for _ in run * FLUSH_TILES * u32::from(SPLIT)..k_end {
             let sa = pipe.stage(s);
             let describe = if SPLIT { descriptor_64b } else { descriptor };
             // The warpgroup's 64 rows of `A` (rows of `block_k` 4- or 2-byte values).
@@ -368,6 +377,19 @@ unsafe fn gemm_tma<const SPLIT: bool, const BF16: bool>(
             // SAFETY: as above.
             unsafe { mbarrier_arrive(pipe.empty(prev)) };
         }
+        let places = || ((row0 + wg * 64 + warp * 16) as usize + gid, (col0 + 2 * tig as u32) as usize);
+        if SPLIT && run + 1 < runs {
+            // SAFETY: the MMAs are finished; `y` holds `m * n` floats, and only this
+            // thread reads or writes its accumulators' places until its epilogue
+            // overwrites them.
+            unsafe { flush_accumulators(&mut acc, y, run == 0, places(), (m, n)) };
+            item += 1;
+            continue;
+        }
+        if SPLIT && runs > 1 {
+            // SAFETY: as for the flushes.
+            unsafe { add_flushed(&mut acc, y, places(), (m, n)) };
+        }
         // The epilogue on the accumulators where they are (`epilogue::fragments`):
         // rows 16 warp + lane / 4 (+ 8) of the warpgroup's 64, columns 2 (lane % 4) + 8 j.
         let row = (row0 + wg * 64 + warp * 16) as usize + gid;
@@ -409,7 +431,8 @@ unsafe fn gemm_tma<const SPLIT: bool, const BF16: bool>(
                 h += 1;
             }
         }
-        tile += grid_dim_x();
+        // The block's next tile's first run.
+        item += opaque(grid_dim_x()) * runs - run;
     }
 }
 
@@ -643,6 +666,104 @@ unsafe fn gemm_tma_tk<const SPLIT: bool, const TRANS: bool>(maps: *const u8, y: 
         });
         tile += grid_dim_x();
     }
+}
+
+/// 3xTF32 adds three MMAs' products into the accumulators per `k`-step, and the tensor
+/// cores add into FP32 with a truncation that shrinks the sums: on the H100, a TF32
+/// GEMM of TF32-exact operands at `k` = 8192 came out 1.7e-5 small (relative; SGEMM:
+/// 1e-9), a quarter of that when summed as four GEMMs of 2048 (H100, seventh session).
+/// At `k` = 8192 that put 3xTF32's forward at 3e-5 of the f64 reference, and single
+/// values 2-3x outside `allclose(1e-4, 1e-4)`. So the forward adds its accumulators
+/// into `y` (in IEEE FP32) and restarts them from zero every `FLUSH_K` of `k`.
+const FLUSH_K: u32 = 2048;
+/// `FLUSH_K` in 3xTF32's k-tiles.
+const FLUSH_TILES: u32 = FLUSH_K / SPLIT_BLOCK_K as u32;
+
+/// What [`flush_quarter`] does with a quarter of the accumulators and their places in `y`.
+#[derive(Clone, Copy, PartialEq)]
+enum Flush {
+    /// `y = acc`
+    Store,
+    /// `y += acc`
+    Add,
+    /// `acc += y`
+    Take,
+}
+
+/// [`Flush`] on accumulators `32 q..32 q + 32` (chunks `8 q..8 q + 8`: rows `row`,
+/// `row + 8`, columns `col + 8 J`, `+ 1`), skipping places past `m` or `n`. A quarter at
+/// a time: the loads of a whole half beside the other accumulators spill.
+///
+/// # Safety
+/// `y` holds `m * n` floats; nothing else reads or writes these places meanwhile.
+#[inline(always)]
+unsafe fn flush_quarter(acc: &mut [u32; 128], y: *mut f32, q: usize, how: Flush, (row, col): (usize, usize), (m, n): (usize, usize)) {
+    unroll!(i in 0..2 => {
+        let r = row + 8 * i;
+        if r < m {
+            unroll!(j in 0..8 => {
+                let jj = 8 * q + j;
+                let (ia, ib) = (4 * jj + 2 * i, 4 * jj + 2 * i + 1);
+                let c = col + 8 * jj;
+                // SAFETY: r < m and each place's column < n.
+                unsafe {
+                    let at = y.add(r * n + c);
+                    let (a, b) = (f32::from_bits(acc[ia]), f32::from_bits(acc[ib]));
+                    if n % 2 == 0 && c + 2 <= n {
+                        let p = at as *mut [f32; 2];
+                        match how {
+                            Flush::Store => *p = [a, b],
+                            Flush::Add => {
+                                let [u, w] = *p;
+                                *p = [u + a, w + b];
+                            }
+                            Flush::Take => { let [u, w] = *p; acc[ia] = (a + u).to_bits(); acc[ib] = (b + w).to_bits(); }
+                        }
+                    } else {
+                        unroll!(e in 0..2 => {
+                            if c + e < n {
+                                let (x, slot) = if e == 0 { (a, ia) } else { (b, ib) };
+                                match how {
+                                    Flush::Store => *at.add(e) = x,
+                                    Flush::Add => *at.add(e) += x,
+                                    Flush::Take => acc[slot] = (x + *at.add(e)).to_bits(),
+                                }
+                            }
+                        });
+                    }
+                }
+            });
+        }
+    });
+}
+
+/// Adds the accumulators into their places in `y` (stores them, the first time) and
+/// zeroes them.
+///
+/// # Safety
+/// The warpgroup's MMAs are finished; `y` holds `m * n` floats.
+#[inline(always)]
+unsafe fn flush_accumulators(acc: &mut [u32; 128], y: *mut f32, first: bool, places: (usize, usize), (m, n): (u32, u32)) {
+    let how = if first { Flush::Store } else { Flush::Add };
+    unroll!(q in 0..4 => {
+        let sizes = (opaque(m) as usize, opaque(n) as usize);
+        // SAFETY: as the caller promises.
+        unsafe { flush_quarter(acc, y, q, how, places, sizes) };
+    });
+    *acc = [0; 128];
+}
+
+/// Adds the flushed sums in `y` back into the accumulators before the epilogue.
+///
+/// # Safety
+/// As [`flush_accumulators`], after at least one.
+#[inline(always)]
+unsafe fn add_flushed(acc: &mut [u32; 128], y: *mut f32, places: (usize, usize), (m, n): (u32, u32)) {
+    unroll!(q in 0..4 => {
+        let sizes = (opaque(m) as usize, opaque(n) as usize);
+        // SAFETY: as the caller promises.
+        unsafe { flush_quarter(acc, y, q, Flush::Take, places, sizes) };
+    });
 }
 
 /// Waits for all of the warpgroup's `wgmma`s (the accumulators are operands, so nothing
