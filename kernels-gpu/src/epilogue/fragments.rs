@@ -26,7 +26,7 @@ pub type HalfFragment = [f32; 64];
 /// 8 bytes, for vector stores.
 #[derive(Clone, Copy)]
 #[repr(C, align(8))]
-struct F2([f32; 2]);
+pub(crate) struct F2(pub(crate) [f32; 2]);
 
 /// `v = f(v, j, e)` for every value of a half fragment (chunk `j` of the half).
 #[inline(always)]
