@@ -327,8 +327,10 @@ fn tf32_linear_gradients_match_reference() {
     use host::gpu::gemm::simt::{Layout, Precision, grad_input_kernel, kernel_name};
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(29);
-    // The last: a batch of 4 (dX's `B` nearly all zero-filled rows; dW on `gemm_wg`).
-    for (m, n, k) in [(4100, 1028, 260), (1028, 1100, 261), (4, 1028, 260)] {
+    // 3xTF32 flushes every 2048 of `k`: dW's k = 4100 in three runs, and dX's k = 4100
+    // in three, the last tile of the batch ragged. The last: a batch of 4 (dX's `B`
+    // nearly all zero-filled rows; dW on `gemm_wg`).
+    for (m, n, k) in [(4100, 1028, 260), (1028, 4100, 264), (1028, 1100, 261), (4, 1028, 260)] {
         let x = random_input(m, k, &mut rng).unwrap();
         let dz = random_input(m, n, &mut rng).unwrap();
         let w = random_input(n, k, &mut rng).unwrap();

@@ -377,7 +377,11 @@ unsafe fn gemm_tma<const SPLIT: bool, const BF16: bool>(
             // SAFETY: as above.
             unsafe { mbarrier_arrive(pipe.empty(prev)) };
         }
-        let places = || ((row0 + wg * 64 + warp * 16) as usize + gid, (col0 + 2 * tig as u32) as usize);
+        let places = || Layout::Rows {
+            row: (row0 + wg * 64 + warp * 16) as usize + gid,
+            col: (col0 + 2 * tig as u32) as usize,
+            step: 8,
+        };
         if SPLIT && run + 1 < runs {
             // SAFETY: the MMAs are finished; `y` holds `m * n` floats, and only this
             // thread reads or writes its accumulators' places until its epilogue
@@ -545,12 +549,17 @@ unsafe fn gemm_tma_tk<const SPLIT: bool, const TRANS: bool>(maps: *const u8, y: 
     let at = |kk: u32| sub * sub_bytes + kk * 128 + ((chunk ^ kk) * 16) + 8 * p;
     let (lo, hi) = (at(tig), at(tig + 4));
     let (mut s, mut phase) = (0u32, 0u32);
-    let mut tile = block_idx_x();
-    while tile < pipe.tiles() {
+    // Work items as in the forward: 3xTF32 flushes its accumulators every `FLUSH_K`
+    // (M2's `dW` sums 32768 rows: 2.3e-4 of the f64 reference without, on the H100).
+    let runs = if SPLIT { k_tiles.div_ceil(FLUSH_TILES) } else { 1 };
+    let mut item = block_idx_x() * runs;
+    while item < pipe.tiles() * runs {
+        let (tile, run) = (item / runs, item % runs);
         let (row0, col0) = pipe.origin(tile);
         let mut acc = [0u32; 128];
         let mut held = None;
-        for _ in 0..k_tiles {
+        let k_end = if SPLIT { k_tiles.min((run + 1) * FLUSH_TILES) } else { k_tiles };
+        for _ in run * FLUSH_TILES * u32::from(SPLIT)..k_end {
             let sa = pipe.stage(s);
             // SAFETY: the stage is complete once its phase is; all 128 threads of the
             // warpgroup wait and issue the MMAs.
@@ -612,6 +621,20 @@ unsafe fn gemm_tma_tk<const SPLIT: bool, const TRANS: bool>(maps: *const u8, y: 
         }
         // Accumulator `4 j + e`: row `pair + e / 2` of the tile, column `8 j + 2 tig + e % 2`.
         let (r0, col) = ((row0 + pair) as usize, (col0 + 2 * tig) as usize);
+        if SPLIT && runs > 1 {
+            let layout = if TRANS { Layout::Transposed { row: r0, col } } else { Layout::Rows { row: r0, col, step: 1 } };
+            // (`Layout::Transposed` takes `(m, n)` too, for `y^T (n, m)`.)
+            let sizes = (m, n);
+            if run + 1 < runs {
+                // SAFETY: the MMAs are finished; only this thread reads or writes its
+                // accumulators' places until its stores overwrite them.
+                unsafe { flush_accumulators(&mut acc, y, run == 0, layout, sizes) };
+                item += 1;
+                continue;
+            }
+            // SAFETY: as for the flushes.
+            unsafe { add_flushed(&mut acc, y, layout, sizes) };
+        }
         let (m, n) = (m as usize, n as usize);
         if TRANS {
             // `y^T (n, m)`: row `8 j + 2 tig + e`, columns `r0` and `r0 + 1`.
@@ -637,7 +660,7 @@ unsafe fn gemm_tma_tk<const SPLIT: bool, const TRANS: bool>(maps: *const u8, y: 
                     }
                 }); }); });
             }
-            tile += grid_dim_x();
+            item += opaque(grid_dim_x()) * runs - run;
             continue;
         }
         unroll!(h in 0..2 => {
@@ -664,7 +687,7 @@ unsafe fn gemm_tma_tk<const SPLIT: bool, const TRANS: bool>(maps: *const u8, y: 
                 }); });
             }
         });
-        tile += grid_dim_x();
+        item += opaque(grid_dim_x()) * runs - run;
     }
 }
 
@@ -690,37 +713,80 @@ enum Flush {
     Take,
 }
 
-/// [`Flush`] on accumulators `32 q..32 q + 32` (chunks `8 q..8 q + 8`: rows `row`,
-/// `row + 8`, columns `col + 8 J`, `+ 1`), skipping places past `m` or `n`. A quarter at
-/// a time: the loads of a whole half beside the other accumulators spill.
+/// Where a thread's accumulators sit in `y`, as pairs of neighbouring places: pair
+/// `(i, jj)` (`i < 2`, `jj < 32`) holds accumulators `4 jj + a` and `4 jj + b` at
+/// `y[at]` and `y[at + 1]`. A flush uses the places the tile's own output takes, so
+/// that no other tile reads or writes them meanwhile.
+#[derive(Clone, Copy)]
+enum Layout {
+    /// The forward's and `tk`'s `y (m, n)`: `4 jj + 2 i` and `+ 1` at row `row + i
+    /// step`, columns `col + 8 jj`, `+ 1` (`step`: 8 for the forward's fragments, 1 for
+    /// `tk`'s neighbouring rows).
+    Rows { row: usize, col: usize, step: usize },
+    /// `tk_t`'s `y^T (n, m)`: `4 jj + i` and `4 jj + 2 + i` at row `col + 8 jj + i`,
+    /// columns `row`, `row + 1`.
+    Transposed { row: usize, col: usize },
+}
+
+impl Layout {
+    /// Pair `(i, jj)`: its accumulators, the offset of its first place, and whether each
+    /// place is inside `y (m, n)` (or `(n, m)`).
+    #[inline(always)]
+    fn pair(self, i: usize, jj: usize, (m, n): (usize, usize)) -> (usize, usize, usize, bool, bool) {
+        match self {
+            Layout::Rows { row, col, step } => {
+                let (r, c) = (row + step * i, col + 8 * jj);
+                (4 * jj + 2 * i, 4 * jj + 2 * i + 1, r * n + c, r < m && c < n, r < m && c + 1 < n)
+            }
+            Layout::Transposed { row, col } => {
+                let c = col + 8 * jj + i;
+                (4 * jj + i, 4 * jj + 2 + i, c * m + row, c < n && row < m, c < n && row + 1 < m)
+            }
+        }
+    }
+
+    /// Whether every place of quarter `q` is inside and each pair 8-byte aligned.
+    #[inline(always)]
+    fn quarter_inside(self, q: usize, (m, n): (usize, usize)) -> bool {
+        let last = 8 * (8 * q + 7);
+        match self {
+            Layout::Rows { row, col, step } => n % 2 == 0 && row + step < m && col + last + 2 <= n,
+            Layout::Transposed { row, col } => m % 2 == 0 && row + 1 < m && col + last + 1 < n,
+        }
+    }
+}
+
+/// [`Flush`] on accumulators `32 q..32 q + 32` (pairs `(i, 8 q..8 q + 8)` of the
+/// layout), skipping places outside `y`. A quarter at a time: the loads of a whole half
+/// beside the other accumulators spill.
 ///
-/// Where all 16 places are inside and `n` is even, the loads come first, with no branch
-/// between them, so they are in flight together: under a bounds check each, one went
-/// out after another, each waiting out L2's latency, and a flush cost ~17 us per tile
-/// (M1's forward 1.19 ms against 1.01 without flushes, 1.08 with one per tile).
+/// Where all 16 places are inside, the loads come first, with no branch between them,
+/// so they are in flight together: under a bounds check each, one went out after
+/// another, each waiting out L2's latency, and a flush cost ~17 us per tile (M1's
+/// forward 1.19 ms against 1.01 without flushes, 1.08 with one per tile).
 ///
 /// # Safety
 /// `y` holds `m * n` floats; nothing else reads or writes these places meanwhile.
 #[inline(always)]
-unsafe fn flush_quarter(acc: &mut [u32; 128], y: *mut f32, q: usize, how: Flush, (row, col): (usize, usize), (m, n): (usize, usize)) {
-    if n % 2 == 0 && row + 8 < m && col + 8 * (8 * q + 7) + 2 <= n {
+unsafe fn flush_quarter(acc: &mut [u32; 128], y: *mut f32, q: usize, how: Flush, layout: Layout, sizes: (usize, usize)) {
+    if layout.quarter_inside(q, sizes) {
         let mut u = [F2([0.0; 2]); 16];
-        // SAFETY (both loops): every place is inside, as just checked; pairs are 8-byte
-        // aligned (`col` and `n` even).
+        // SAFETY (both loops): every place is inside, as just checked, and each pair
+        // 8-byte aligned.
         if how != Flush::Store {
             unroll!(i in 0..2 => {
                 unroll!(j in 0..8 => {
-                    u[8 * i + j] = unsafe { *(y.add((row + 8 * i) * n + col + 8 * (8 * q + j)) as *const F2) };
+                    let (_, _, at, _, _) = layout.pair(i, 8 * q + j, sizes);
+                    u[8 * i + j] = unsafe { *(y.add(at) as *const F2) };
                 });
             });
         }
         unroll!(i in 0..2 => {
             unroll!(j in 0..8 => {
-                let jj = 8 * q + j;
-                let (ia, ib) = (4 * jj + 2 * i, 4 * jj + 2 * i + 1);
+                let (ia, ib, at, _, _) = layout.pair(i, 8 * q + j, sizes);
                 let (a, b) = (f32::from_bits(acc[ia]), f32::from_bits(acc[ib]));
                 let F2([v, w]) = u[8 * i + j];
-                let p = unsafe { y.add((row + 8 * i) * n + col + 8 * jj) } as *mut F2;
+                let p = unsafe { y.add(at) } as *mut F2;
                 match how {
                     Flush::Store => unsafe { *p = F2([a, b]) },
                     Flush::Add => unsafe { *p = F2([v + a, w + b]) },
@@ -734,41 +800,24 @@ unsafe fn flush_quarter(acc: &mut [u32; 128], y: *mut f32, q: usize, how: Flush,
         return;
     }
     unroll!(i in 0..2 => {
-        let r = row + 8 * i;
-        if r < m {
-            unroll!(j in 0..8 => {
-                let jj = 8 * q + j;
-                let (ia, ib) = (4 * jj + 2 * i, 4 * jj + 2 * i + 1);
-                let c = col + 8 * jj;
-                // SAFETY: r < m and each place's column < n.
-                unsafe {
-                    let at = y.add(r * n + c);
-                    let (a, b) = (f32::from_bits(acc[ia]), f32::from_bits(acc[ib]));
-                    if n % 2 == 0 && c + 2 <= n {
-                        let p = at as *mut [f32; 2];
+        unroll!(j in 0..8 => {
+            let (ia, ib, at, a_in, b_in) = layout.pair(i, 8 * q + j, sizes);
+            unroll!(e in 0..2 => {
+                let (slot, inside) = if e == 0 { (ia, a_in) } else { (ib, b_in) };
+                if inside {
+                    // SAFETY: the place is inside `y`.
+                    unsafe {
+                        let p = y.add(at + e);
+                        let x = f32::from_bits(acc[slot]);
                         match how {
-                            Flush::Store => *p = [a, b],
-                            Flush::Add => {
-                                let [u, w] = *p;
-                                *p = [u + a, w + b];
-                            }
-                            Flush::Take => { let [u, w] = *p; acc[ia] = (a + u).to_bits(); acc[ib] = (b + w).to_bits(); }
+                            Flush::Store => *p = x,
+                            Flush::Add => *p += x,
+                            Flush::Take => acc[slot] = (x + *p).to_bits(),
                         }
-                    } else {
-                        unroll!(e in 0..2 => {
-                            if c + e < n {
-                                let (x, slot) = if e == 0 { (a, ia) } else { (b, ib) };
-                                match how {
-                                    Flush::Store => *at.add(e) = x,
-                                    Flush::Add => *at.add(e) += x,
-                                    Flush::Take => acc[slot] = (x + *at.add(e)).to_bits(),
-                                }
-                            }
-                        });
                     }
                 }
             });
-        }
+        });
     });
 }
 
@@ -778,17 +827,32 @@ unsafe fn flush_quarter(acc: &mut [u32; 128], y: *mut f32, q: usize, how: Flush,
 /// # Safety
 /// The warpgroup's MMAs are finished; `y` holds `m * n` floats.
 #[inline(always)]
-unsafe fn flush_accumulators(acc: &mut [u32; 128], y: *mut f32, first: bool, places: (usize, usize), (m, n): (u32, u32)) {
+unsafe fn flush_accumulators(acc: &mut [u32; 128], y: *mut f32, first: bool, layout: Layout, (m, n): (u32, u32)) {
     // Each way its own code, so that nothing decides between a load and the next.
-    let quarters = |acc: &mut [u32; 128], how| {
-        unroll!(q in 0..4 => {
-            let sizes = (opaque(m) as usize, opaque(n) as usize);
-            // SAFETY: as the caller promises.
-            unsafe { flush_quarter(acc, y, q, how, places, sizes) };
-        });
-    };
-    if first { quarters(acc, Flush::Store) } else { quarters(acc, Flush::Add) }
+    // SAFETY: as the caller promises.
+    unsafe {
+        if first {
+            flush_quarters(acc, y, Flush::Store, layout, (m, n));
+        } else {
+            flush_quarters(acc, y, Flush::Add, layout, (m, n));
+        }
+    }
     *acc = [0; 128];
+}
+
+/// [`flush_quarter`] on all four quarters (a function, not a closure: LLVM took a
+/// closure out of line once three kernels used it, and ptxas then serialised the
+/// `wgmma`s around the call, C7514).
+///
+/// # Safety
+/// As [`flush_quarter`].
+#[inline(always)]
+unsafe fn flush_quarters(acc: &mut [u32; 128], y: *mut f32, how: Flush, layout: Layout, (m, n): (u32, u32)) {
+    unroll!(q in 0..4 => {
+        let sizes = (opaque(m) as usize, opaque(n) as usize);
+        // SAFETY: as the caller promises.
+        unsafe { flush_quarter(acc, y, q, how, layout, sizes) };
+    });
 }
 
 /// Adds the flushed sums in `y` back into the accumulators before the epilogue.
@@ -796,12 +860,9 @@ unsafe fn flush_accumulators(acc: &mut [u32; 128], y: *mut f32, first: bool, pla
 /// # Safety
 /// As [`flush_accumulators`], after at least one.
 #[inline(always)]
-unsafe fn add_flushed(acc: &mut [u32; 128], y: *mut f32, places: (usize, usize), (m, n): (u32, u32)) {
-    unroll!(q in 0..4 => {
-        let sizes = (opaque(m) as usize, opaque(n) as usize);
-        // SAFETY: as the caller promises.
-        unsafe { flush_quarter(acc, y, q, Flush::Take, places, sizes) };
-    });
+unsafe fn add_flushed(acc: &mut [u32; 128], y: *mut f32, layout: Layout, sizes: (u32, u32)) {
+    // SAFETY: as the caller promises.
+    unsafe { flush_quarters(acc, y, Flush::Take, layout, sizes) };
 }
 
 /// Waits for all of the warpgroup's `wgmma`s (the accumulators are operands, so nothing
