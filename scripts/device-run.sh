@@ -5,6 +5,8 @@
 # device tool returns at most 8 files); a short summary is printed last.
 #   STEPS="ptxas sass tests check forward backward bench train pytorch tensor parity compile"
 #   (default: all; `compile` runs the PyTorch baselines again under torch.compile)
+#   STEPS=seedparity: scripts/parity.py at the presets' seed sizes, every precision, against
+#   PyTorch's float64 on the GPU (~5 minutes: a call of its own, not in the default)
 #   TORCH_FLAGS="--compile default" etc. are passed to the PyTorch baselines.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -78,6 +80,12 @@ if has tensor; then
 fi
 has train && run "train" 200 "$C/host" train --device gpu --steps 60
 has parity && PYTHONUNBUFFERED=1 run "parity with PyTorch" 400 python3 scripts/parity.py --host "$C/host"
+if has seedparity; then
+  for p in fp32 tf32x3 tf32 bf16; do
+    PYTHONUNBUFFERED=1 run "parity at seed size, $p" 200 python3 scripts/parity.py --host "$C/host" --seed-sizes \
+      --precision $p --json "$OUT/parity-seed-$p.json"
+  done
+fi
 if has pytorch; then
   PYTHONUNBUFFERED=1 run "pytorch fp32 ${TORCH_FLAGS:-eager}" 500 python3 "$C/pytorch_baselines.py" --backward \
     ${TORCH_FLAGS:-} --json "$OUT/torch.json"
