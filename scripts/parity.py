@@ -15,8 +15,9 @@ torch.allclose(atol=1e-2, rtol=1e-2). With a binary that has `host backward`, th
 gradients (`grad.x`, `grad.<parameter>`) are compared with autograd's `y.backward(dy)`
 the same way; without one, backward is skipped and the script says so.
 
-A row fails when shapes differ, NaN/Inf sit in different places, allclose fails, or
-the relative error against float64 exceeds --rel-tol (1e-4: strict f32 arithmetic).
+A row fails when shapes differ, NaN/Inf sit in different places, allclose fails (not
+for `--precision tf32` or `bf16`, whose rounding alone misses it), or the relative error
+against float64 exceeds --rel-tol (default: the precision's; 1e-4 for strict f32).
 
 `--seed-sizes` runs the five presets at their seed sizes instead (docs: models.md), with
 the PyTorch modules on the GPU (float64 there takes seconds), and `--precision P` passes
@@ -292,7 +293,7 @@ def compare(got, ref, rel_tol, strict):
     why = []
     if not (same_nan and same_inf):
         why.append("NaN/Inf in different places")
-    if not close:
+    if not close and strict != "rel":
         why.append("allclose fails")
     if strict and rel > rel_tol:
         why.append(f"rel err above {rel_tol:g}")
@@ -346,6 +347,10 @@ def run_case(case, idx, args, work, backward):
 
     def add(tensor, got, ref64, ref32):
         for vs, ref, strict in (("f64", ref64, True), ("f32", ref32, False)):
+            # TF32 and bf16: held to their relative tolerance only (allclose(1e-2, 1e-2)
+            # is the field's bar for float32 results; their rounding alone misses it).
+            if strict and args.precision in ("tf32", "bf16"):
+                strict = "rel"
             r = compare(got, ref, args.rel_tol, strict)
             if args.seed_sizes and vs == "f32":
                 # At seed size PyTorch's float32 is itself far from float64 where `z`'s
