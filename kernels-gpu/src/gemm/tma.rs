@@ -696,8 +696,10 @@ unsafe fn gemm_tma_tk<const SPLIT: bool, const TRANS: bool>(maps: *const u8, y: 
 /// GEMM of TF32-exact operands at `k` = 8192 came out 1.7e-5 small (relative; SGEMM:
 /// 1e-9), a quarter of that when summed as four GEMMs of 2048 (H100, seventh session).
 /// At `k` = 8192 that put 3xTF32's forward at 3e-5 of the f64 reference, and single
-/// values 2-3x outside `allclose(1e-4, 1e-4)`. So the forward adds its accumulators
-/// into `y` (in IEEE FP32) and restarts them from zero every `FLUSH_K` of `k`.
+/// values 2-3x outside `allclose(1e-4, 1e-4)`, and M2's weight gradient (`k` = 32768)
+/// at 2.3e-4. So the 3xTF32 forward, `dW` and `dX` add their accumulators into `y` (in
+/// IEEE FP32) and restart them from zero every `FLUSH_K` of `k` (about 3% of the
+/// forward's time, t71).
 const FLUSH_K: u32 = 2048;
 /// `FLUSH_K` in 3xTF32's k-tiles.
 const FLUSH_TILES: u32 = FLUSH_K / SPLIT_BLOCK_K as u32;
