@@ -311,18 +311,17 @@ unsafe fn gemm_tma<const SPLIT: bool, const BF16: bool>(
     let (wg, warp, lane) = (c / 128, (c / 32) % 4, c % 32);
     let (gid, tig) = ((lane / 4) as usize, (lane % 4) as usize);
     let (mut s, mut phase) = (0u32, 0u32);
-    // Work items: each tile's `k` in `runs` runs of `FLUSH_TILES` k-tiles (3xTF32; one
-    // run otherwise), taken in order by the block that owns the tile; every run but
-    // the last ends with its sums added into `y` (`FLUSH_K`), the last with the epilogue.
-    let runs = if SPLIT { k_tiles.div_ceil(FLUSH_TILES) } else { 1 };
+    // Work items: each tile's `k` in `runs` runs (`k_runs`), taken in order by the block
+    // that owns the tile; every run but the last ends with its sums added into `y`
+    // (`FLUSH_K`), the last with the epilogue.
+    let runs = k_runs::<SPLIT>(k_tiles);
     let mut item = block_idx_x() * runs;
     while item < pipe.tiles() * runs {
         let (tile, run) = (item / runs, item % runs);
         let (row0, col0) = pipe.origin(tile);
         let mut acc = [0u32; 128];
         let mut held = None;
-        let k_end = if SPLIT { k_tiles.min((run + 1) * FLUSH_TILES) } else { k_tiles };
-        for _ in run * FLUSH_TILES * u32::from(SPLIT)..k_end {
+        for _ in run_k_tiles::<SPLIT>(run, k_tiles) {
             let sa = pipe.stage(s);
             let describe = if SPLIT { descriptor_64b } else { descriptor };
             // The warpgroup's 64 rows of `A` (rows of `block_k` 4- or 2-byte values).
@@ -377,22 +376,19 @@ unsafe fn gemm_tma<const SPLIT: bool, const BF16: bool>(
             // SAFETY: as above.
             unsafe { mbarrier_arrive(pipe.empty(prev)) };
         }
-        let places = || Layout::Rows {
-            row: (row0 + wg * 64 + warp * 16) as usize + gid,
-            col: (col0 + 2 * tig as u32) as usize,
-            step: 8,
-        };
+        let layout =
+            Layout::Rows { row: (row0 + wg * 64 + warp * 16) as usize + gid, col: (col0 + 2 * tig as u32) as usize, step: 8 };
         if SPLIT && run + 1 < runs {
             // SAFETY: the MMAs are finished; `y` holds `m * n` floats, and only this
             // thread reads or writes its accumulators' places until its epilogue
             // overwrites them.
-            unsafe { flush_accumulators(&mut acc, y, run == 0, places(), (m, n)) };
+            unsafe { flush_accumulators(&mut acc, y, run == 0, layout, (m, n)) };
             item += 1;
             continue;
         }
         if SPLIT && runs > 1 {
             // SAFETY: as for the flushes.
-            unsafe { add_flushed(&mut acc, y, places(), (m, n)) };
+            unsafe { add_flushed(&mut acc, y, layout, (m, n)) };
         }
         // The epilogue on the accumulators where they are (`epilogue::fragments`):
         // rows 16 warp + lane / 4 (+ 8) of the warpgroup's 64, columns 2 (lane % 4) + 8 j.
@@ -551,15 +547,14 @@ unsafe fn gemm_tma_tk<const SPLIT: bool, const TRANS: bool>(maps: *const u8, y: 
     let (mut s, mut phase) = (0u32, 0u32);
     // Work items as in the forward: 3xTF32 flushes its accumulators every `FLUSH_K`
     // (M2's `dW` sums 32768 rows: 2.3e-4 of the f64 reference without, on the H100).
-    let runs = if SPLIT { k_tiles.div_ceil(FLUSH_TILES) } else { 1 };
+    let runs = k_runs::<SPLIT>(k_tiles);
     let mut item = block_idx_x() * runs;
     while item < pipe.tiles() * runs {
         let (tile, run) = (item / runs, item % runs);
         let (row0, col0) = pipe.origin(tile);
         let mut acc = [0u32; 128];
         let mut held = None;
-        let k_end = if SPLIT { k_tiles.min((run + 1) * FLUSH_TILES) } else { k_tiles };
-        for _ in run * FLUSH_TILES * u32::from(SPLIT)..k_end {
+        for _ in run_k_tiles::<SPLIT>(run, k_tiles) {
             let sa = pipe.stage(s);
             // SAFETY: the stage is complete once its phase is; all 128 threads of the
             // warpgroup wait and issue the MMAs.
@@ -623,17 +618,15 @@ unsafe fn gemm_tma_tk<const SPLIT: bool, const TRANS: bool>(maps: *const u8, y: 
         let (r0, col) = ((row0 + pair) as usize, (col0 + 2 * tig) as usize);
         if SPLIT && runs > 1 {
             let layout = if TRANS { Layout::Transposed { row: r0, col } } else { Layout::Rows { row: r0, col, step: 1 } };
-            // (`Layout::Transposed` takes `(m, n)` too, for `y^T (n, m)`.)
-            let sizes = (m, n);
             if run + 1 < runs {
                 // SAFETY: the MMAs are finished; only this thread reads or writes its
                 // accumulators' places until its stores overwrite them.
-                unsafe { flush_accumulators(&mut acc, y, run == 0, layout, sizes) };
+                unsafe { flush_accumulators(&mut acc, y, run == 0, layout, (m, n)) };
                 item += 1;
                 continue;
             }
             // SAFETY: as for the flushes.
-            unsafe { add_flushed(&mut acc, y, layout, sizes) };
+            unsafe { add_flushed(&mut acc, y, layout, (m, n)) };
         }
         let (m, n) = (m as usize, n as usize);
         if TRANS {
@@ -703,6 +696,19 @@ unsafe fn gemm_tma_tk<const SPLIT: bool, const TRANS: bool>(maps: *const u8, y: 
 const FLUSH_K: u32 = 2048;
 /// `FLUSH_K` in 3xTF32's k-tiles.
 const FLUSH_TILES: u32 = FLUSH_K / SPLIT_BLOCK_K as u32;
+
+/// The runs a tile's `k_tiles` are taken in: `FLUSH_TILES` each for 3xTF32 (`SPLIT`),
+/// one otherwise.
+#[inline(always)]
+fn k_runs<const SPLIT: bool>(k_tiles: u32) -> u32 {
+    if SPLIT { k_tiles.div_ceil(FLUSH_TILES) } else { 1 }
+}
+
+/// The k-tiles of run `run` (of [`k_runs`]).
+#[inline(always)]
+fn run_k_tiles<const SPLIT: bool>(run: u32, k_tiles: u32) -> core::ops::Range<u32> {
+    if SPLIT { run * FLUSH_TILES..k_tiles.min((run + 1) * FLUSH_TILES) } else { 0..k_tiles }
+}
 
 /// What [`flush_quarter`] does with a quarter of the accumulators and their places in `y`.
 #[derive(Clone, Copy, PartialEq)]
