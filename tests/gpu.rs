@@ -267,6 +267,67 @@ fn kink_refinement_gives_the_exact_functions_gradients() {
     }
 }
 
+/// A row's lone doubtful values recomputed one by one (`refine_values`, for M5's chain:
+/// a Hardtanh before its GroupNorm; `k` divisible by 4 and not): every value rewritten
+/// is the exact `z` rounded once, every Hardtanh input is then on the exact function's
+/// side of its kinks (beyond f32's own rounding of the sum), and far fewer values are
+/// rewritten than `refine_z` rewrites over whole chunks with the path off (so it ran).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn kink_values_refined_one_by_one_are_exact() {
+    use host::gpu::gemm::simt::Precision;
+    let gpu = gpu();
+    let mut rng = StdRng::seed_from_u64(31);
+    for ((b, i, o), chain) in [
+        ((512, 4096, 1024), "bias,hardtanh(-1,1),mish,groupnorm(32)"),
+        ((300, 1001, 520), "bias,hardtanh(-1,1),groupnorm(65)"),
+    ] {
+        let spec = BlockSpec::new(i, o, chain.parse().unwrap()).unwrap();
+        let (params, x, _) = random_case(&spec, b, &mut rng);
+        let mut block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(Precision::Tf32);
+        let xd = gpu.upload(&x).unwrap();
+        let (w, lb, p) = (params.linear_weight.data(), params.linear_bias.data(), params.ops[0][0].data());
+        let exact: Vec<f64> = (0..b * o)
+            .map(|e| {
+                let (r, c) = (e / o, e % o);
+                let (xr, wr) = (&x.data()[r * i..(r + 1) * i], &w[c * i..(c + 1) * i]);
+                f64::from(lb[c]) + xr.iter().zip(wr).map(|(&a, &v)| f64::from(a) * f64::from(v)).sum::<f64>()
+            })
+            .collect();
+        let (_, saved) = block.forward_train(&gpu, &xd, false).unwrap();
+        let computed = gpu.download(&saved.z).unwrap();
+        let mut rewritten = [0usize; 2];
+        for (n_path, values) in [true, false].into_iter().enumerate() {
+            block.kink_values = values;
+            let (_, mut saved) = block.forward_train(&gpu, &xd, false).unwrap();
+            block.refine_saved(&gpu, &xd, &mut saved).unwrap();
+            let z = gpu.download(&saved.z).unwrap();
+            let mut wrong_side = 0;
+            for (e, (&got, &was)) in z.data().iter().zip(computed.data()).enumerate() {
+                let want = exact[e] as f32;
+                if got.to_bits() != was.to_bits() {
+                    rewritten[n_path] += 1;
+                    let ulp = f32::from_bits(want.abs().to_bits() + 1) - want.abs();
+                    assert!((got - want).abs() <= ulp, "{chain} ({b}, {i}, {o}): z[{e}] = {got}, exact {want}");
+                }
+                let pc = f64::from(p[e % o]);
+                let (v, ve) = (f64::from(got + p[e % o]), exact[e] + pc);
+                let side = |v: f64| (v > -1.0) as u8 + (v >= 1.0) as u8;
+                if side(v) != side(ve) && (ve.abs() - 1.0).abs() > 1e-6 {
+                    wrong_side += 1;
+                }
+            }
+            println!(
+                "{chain:<40} ({b}, {i}, {o}) one by one {values}: {} values rewritten, {wrong_side} on the \
+                 wrong side of a kink",
+                rewritten[n_path]
+            );
+            assert_eq!(wrong_side, 0, "{chain}: one by one {values}");
+        }
+        assert!(rewritten[0] > 0 && rewritten[0] * 4 < rewritten[1], "{chain}: rewritten {rewritten:?}");
+    }
+}
+
 /// The persistent TMA kernels (TF32, 3xTF32 and bf16) looping over more tiles than there are
 /// SMs (17 x 11 tiles of 128 x 256), at k = 4096 and at a ragged k = 1036 with groups
 /// of 4 channels; groups of 128 at a ragged batch; a deep k = 8192 with a narrow output:

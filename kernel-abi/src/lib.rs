@@ -72,6 +72,7 @@ pub const LAUNCH_BOUNDS_TMA: &[(&str, u32, u32)] = &[
 pub const LAUNCH_BOUNDS_EPILOGUE: &[(&str, u32, u32)] = &[
     ("epilogue_tiles_backward", epilogue::TILE_THREADS as u32, epilogue::TILES_BACKWARD_BLOCKS_PER_SM),
     ("refine_z", kinks::REFINE_THREADS as u32, 2),
+    ("refine_values", epilogue::ROW_THREADS as u32, kinks::REFINE_VALUES_BLOCKS_PER_SM as u32),
 ];
 
 /// The `wgmma` family (sm_90a): two warpgroups per block, operands read by the tensor
@@ -299,6 +300,32 @@ pub mod kinks {
         ((if pooled { 4 } else { 2 }) * n + ROW_THREADS / 32 + 1) * 4 + n.div_ceil(CHUNK)
     }
     const _: () = assert!(CHUNK == 16 && REFINE_ROWS == 32);
+
+    /// Values of one row that `kink_scan_tiles` lists for `refine_values`: one weight
+    /// row and `x`'s row are read per value, where `refine_z` reads a 16-row chunk of
+    /// weights and `x`'s row per listed chunk. M5 under TF32 has ~9 values per row,
+    /// plus a group of 32 now and then (18 of its 1024 rows; in `refine_z` those took a
+    /// 37 us tail, a block per chunk streaming 512 KB); M3's ~10 groups of 16 per row,
+    /// and bf16's ~80 values, read less in `refine_z`.
+    pub const ELEMENT_CAP: usize = 64;
+    const _: () = assert!(ELEMENT_CAP <= ROW_THREADS, "a thread per value copies the row's list");
+    /// `refine_values`' grid, per SM: its blocks of `ROW_THREADS` stride over the list,
+    /// as many resident at once as its registers allow (a warp's 8 16-byte loads in
+    /// flight per lane, and DRAM needs a few MB in flight).
+    pub const REFINE_VALUES_BLOCKS_PER_SM: usize = 4;
+
+    /// `kink_scan_tiles`'s shared memory, as byte offsets `[first, red, count, list,
+    /// marks, end]`, for rows of `n`, listing up to `cap` values: where the row's
+    /// values start in the global list, the block reduction's scratch, the count and
+    /// list of the row's values, and a word per 128-column segment with the chunks its
+    /// decisions depend on (bits 0-7 whole groups, 8-15 single values).
+    pub const fn tiles_scan_layout(n: usize, cap: usize) -> [usize; 6] {
+        let red = 4;
+        let count = red + ROW_THREADS / 32 * 4;
+        let list = count + 4;
+        let marks = list + 4 * cap;
+        [0, red, count, list, marks, marks + 4 * n.div_ceil(8 * CHUNK)]
+    }
 }
 
 /// The register-blocked FP32 GEMM with the fused epilogue (`kernels-gpu/src/gemm/simt.rs`).

@@ -25,7 +25,7 @@
 
 use super::elementwise::{fold_rows_mean, unfold_rows_mean_grad};
 use super::epilogue::DeviceChain;
-use super::epilogue::kinks::{Refined, refine_near_kinks};
+use super::epilogue::kinks::{Refined, Scan, refine_near_kinks};
 use super::epilogue::lanes::{epilogue_tiles_backward, fits as tiles_fit};
 use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
 use super::gemm::simt::{Layout, Precision, forward_gemm, grad_input, grad_weight, kernel_name, not_fusable};
@@ -89,6 +89,9 @@ pub struct GpuBlock {
     /// Recompute `z` exactly near kinks before the backward (on unless the environment
     /// sets `HOST_NO_KINK_REFINEMENT=1`, for A/B measurements).
     pub kink_refinement: bool,
+    /// Where the tile scan walks the chain and it pays, a row's few doubtful values are
+    /// recomputed one by one ([`Scan::Tiles`]; on unless `HOST_KINK_VALUES=0`).
+    pub kink_values: bool,
 }
 
 /// Which kernels run for one batch size.
@@ -137,6 +140,7 @@ impl GpuBlock {
             first_op,
             precision: Precision::Fp32,
             kink_refinement: std::env::var_os("HOST_NO_KINK_REFINEMENT").is_none_or(|v| v != "1"),
+            kink_values: std::env::var_os("HOST_KINK_VALUES").is_none_or(|v| v != "0"),
         };
         block.refold(gpu)?;
         Ok(block)
@@ -306,8 +310,8 @@ impl GpuBlock {
         if saved.refined || !self.kink_refinement {
             return Ok(Refined::Off);
         }
-        let (chain, tiles) = (&self.chain, self.tile_backward());
-        let done = refine_near_kinks(gpu, chain, tiles, self.precision, x, self.gemm_params(), &mut saved.z)?;
+        let scan = if self.tile_backward() { Scan::Tiles { values: self.kink_values } } else { Scan::Rows };
+        let done = refine_near_kinks(gpu, &self.chain, scan, self.precision, x, self.gemm_params(), &mut saved.z)?;
         saved.refined = true;
         Ok(done)
     }

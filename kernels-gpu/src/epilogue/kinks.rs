@@ -19,7 +19,7 @@ use crate::prelude::async_copy::{
 use crate::prelude::global::load_v4_nc;
 use crate::prelude::tensor_core::ld_shared_v4;
 use crate::prelude::tensor_core::mma_f64_m16n8k16;
-use crate::prelude::warp::{segment_sum, shfl_xor, warp_max, warp_sum};
+use crate::prelude::warp::{segment_sum, shfl_xor, warp_max, warp_sum, warp_sum_f64};
 use super::lanes::column_params;
 use crate::prelude::*;
 use crate::unroll;
@@ -465,15 +465,22 @@ fn chunk_bits(col: usize, dep: usize, seg0: usize, n: usize) -> u32 {
 /// each segment, values and radii in registers, a group's statistics by shuffles
 /// among its lanes. The same radii and tests as the row-wise scan.
 ///
-/// The block's warps take every 8th segment of one row.
+/// The block's warps take every 8th segment of one row. A row whose decisions depend
+/// on at most `cap` values of `z` (M5's under TF32: its Hardtanh's doubtful values
+/// alone, now and then a whole group of its GroupNorm) appends them to `values` as
+/// (row, column) pairs, `value_count` of them, for [`refine_values`]: `refine_z` would
+/// read a 16-column chunk of weights and `x`'s row for each. A row with more (M3's:
+/// every kink after its GroupNorm takes a group) lists the chunks for `refine_z`, each
+/// (row, chunk) once.
 ///
 /// # Safety
-/// As [`kink_scan`], and the chain as said. Launch: grid `(rows, 1, 1)`,
-/// `ROW_THREADS` threads, `ROW_THREADS / 32` floats of shared memory.
+/// As [`kink_scan`], and the chain as said; `values` has room for `2 * cap` u32 per
+/// row. Launch: grid `(rows, 1, 1)`, `ROW_THREADS` threads, `tiles_scan_layout(n,
+/// cap)[5]` bytes of shared memory.
 #[unsafe(no_mangle)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "ptx-kernel" fn kink_scan_tiles(
-    z: *const f32,
+    z: *mut f32,
     n: u32,
     ops: *const OpDesc,
     n_ops: u32,
@@ -481,14 +488,27 @@ pub unsafe extern "ptx-kernel" fn kink_scan_tiles(
     abs_err: f32,
     counts: *mut u32,
     lists: *mut u32,
+    cap: u32,
+    values: *mut u32,
+    value_count: *mut u32,
 ) {
-    let (rows, n) = (grid_dim_x() as usize, n as usize);
+    let (rows, n, cap) = (grid_dim_x() as usize, n as usize, cap as usize);
     let row = block_idx_x() as usize;
+    let t = thread_idx_x() as usize;
     let (warp, lane) = (warp_id() as usize, lane_id() as usize);
     let vec = n.is_multiple_of(4);
+    let [first, red, count, list, marks, _] = tiles_scan_layout(n, cap);
     // SAFETY (whole body): columns are read below n only; ops[..n_ops] as the contract
-    // says; the shared memory holds WARPS floats.
+    // says; the shared memory is laid out as tiles_scan_layout says, `list` written
+    // below `cap`, `marks` once per segment by its warp; the barriers are reached by
+    // the whole block (`found` is read by every thread after the last atomic).
     unsafe {
+        let smem = dynamic_shared::<u8>();
+        let (red, count) = (smem.add(red) as *mut f32, smem.add(count) as *mut u32);
+        let (list, marks) = (smem.add(list) as *mut u32, smem.add(marks) as *mut u32);
+        if t == 0 {
+            *count = 0;
+        }
         let zr = z.add(row * n);
         let mut sq = 0.0;
         let mut c = 4 * (warp * WARP + lane);
@@ -501,7 +521,8 @@ pub unsafe extern "ptx-kernel" fn kink_scan_tiles(
             });
             c += 4 * ROW_THREADS;
         }
-        let base = rel_err * sqrt(block_sum(sq, dynamic_shared::<f32>()) / n as f32);
+        // (Its barriers also order the count's reset before the atomics below.)
+        let base = rel_err * sqrt(block_sum(sq, red) / n as f32);
         let mut seg0 = 4 * WARP * warp;
         while seg0 < n {
             let c = seg0 + 4 * lane;
@@ -509,7 +530,9 @@ pub unsafe extern "ptx-kernel" fn kink_scan_tiles(
             let mut r = [base; 4];
             let mut cc = abs_err;
             let mut dep = 1usize;
+            // Chunks of decisions over whole groups; this lane's values doubtful alone.
             let mut bits = 0u32;
+            let mut alone = 0u32;
             for i in 0..n_ops as usize {
                 let op = &*ops.add(i);
                 let (p0, p1) = (op.param0 as *const f32, op.param1 as *const f32);
@@ -536,18 +559,25 @@ pub unsafe extern "ptx-kernel" fn kink_scan_tiles(
                         if c < n && stats.ill_conditioned {
                             bits |= chunk_bits(c, dep, seg0, n);
                         }
-                        let gamma = column_params(p0, n, c);
-                        let beta = column_params(p1, n, c);
-                        unroll!(e in 0..4 => {
-                            (v[e], r[e]) = stats.apply(v[e], r[e], gamma[e], beta[e]);
-                        });
+                        // (Last, as in M5's chain, only its conditioning is asked.)
+                        if i + 1 < n_ops as usize {
+                            let gamma = column_params(p0, n, c);
+                            let beta = column_params(p1, n, c);
+                            unroll!(e in 0..4 => {
+                                (v[e], r[e]) = stats.apply(v[e], r[e], gamma[e], beta[e]);
+                            });
+                        }
                     }
                     code => {
                         let p = if matches!(code, OP_BIAS | OP_MUL) { column_params(p0, n, c) } else { [0.0; 4] };
                         unroll!(e in 0..4 => {
                             let (y, ry, doubtful) = pointwise_radius(code, op, p[e], v[e], r[e], cc);
                             if doubtful && c + e < n {
-                                bits |= chunk_bits(c + e, dep, seg0, n);
+                                if dep == 1 {
+                                    alone |= 1 << e;
+                                } else {
+                                    bits |= chunk_bits(c + e, dep, seg0, n);
+                                }
                             }
                             v[e] = y;
                             r[e] = ry;
@@ -558,18 +588,156 @@ pub unsafe extern "ptx-kernel" fn kink_scan_tiles(
                     cc = 0.0;
                 }
             }
-            // The segment's chunks any lane flagged, each listed once by its lane.
+            let mut alone_bits = 0u32;
+            unroll!(e in 0..4 => {
+                if alone & (1 << e) != 0 {
+                    alone_bits |= chunk_bits(c + e, 1, seg0, n);
+                    if cap > 0 {
+                        let i = atomic_add_shared(count, 1) as usize;
+                        if i < cap {
+                            *list.add(i) = (c + e) as u32;
+                        }
+                    }
+                }
+            });
+            // The segment's chunks any lane flagged, kept for after the count is known.
             let mut m = 1;
             while m < WARP as u32 {
                 bits |= shfl_xor(f32::from_bits(bits), m).to_bits();
+                alone_bits |= shfl_xor(f32::from_bits(alone_bits), m).to_bits();
                 m <<= 1;
             }
-            let chunk = seg0 / CHUNK + lane;
-            if lane < 8 && bits & (1 << lane) != 0 {
-                let i = atomic_add_global(counts.add(chunk), 1);
-                *lists.add(chunk * rows + i as usize) = row as u32;
+            if lane == 0 {
+                *marks.add(seg0 / (4 * WARP)) = bits | alone_bits << 8;
             }
             seg0 += 4 * ROW_THREADS;
+        }
+        sync_threads();
+        // The whole groups' values join the list (a chunk at a time), so that a row with
+        // few doubtful values in all goes to refine_values whole.
+        let segs = n.div_ceil(4 * WARP);
+        if cap > 0 {
+            let mut s = t;
+            while s < segs {
+                let mut todo = *marks.add(s) & 0xff;
+                while todo != 0 {
+                    let c0 = (s * 8 + todo.trailing_zeros() as usize) * CHUNK;
+                    todo &= todo - 1;
+                    for c in c0..(c0 + CHUNK).min(n) {
+                        let i = atomic_add_shared(count, 1) as usize;
+                        if i < cap {
+                            *list.add(i) = c as u32;
+                        }
+                    }
+                }
+                s += ROW_THREADS;
+            }
+            sync_threads();
+        }
+        let found = if cap > 0 { *count as usize } else { 0 };
+        if found > 0 && found <= cap {
+            // The row's values appended to [`refine_values`]'s list as (row, column).
+            let first = smem.add(first) as *mut u32;
+            if t == 0 {
+                *first = atomic_add_global(value_count, found as u32);
+            }
+            sync_threads();
+            if t < found {
+                let at = 2 * (*first as usize + t);
+                *values.add(at) = row as u32;
+                *values.add(at + 1) = *list.add(t);
+            }
+        } else {
+            // Else every chunk a decision depends on, once per row (its list has room
+            // for every row).
+            let mut s = t;
+            while s < segs {
+                let m = *marks.add(s);
+                let mut todo = (m | m >> 8) & 0xff;
+                while todo != 0 {
+                    let chunk = s * 8 + todo.trailing_zeros() as usize;
+                    todo &= todo - 1;
+                    let i = atomic_add_global(counts.add(chunk), 1);
+                    *lists.add(chunk * rows + i as usize) = row as u32;
+                }
+                s += ROW_THREADS;
+            }
+        }
+    }
+}
+
+/// `z[row, c] = bias[c] + sum_k x[row, k] w[c, k]` in f64 (the products of two f32
+/// are exact there), rounded once to f32, for the `count` (row, column) pairs that
+/// [`kink_scan_tiles`] left in `values`.
+///
+/// # Safety
+/// Device pointers: `x` `(rows, k)`, `w` `(n, k)`, `bias` `(n,)`, `z` `(rows, n)`;
+/// `values` holds `*count` pairs inside `z`. Launch: any grid of `ROW_THREADS`-thread
+/// blocks, no shared memory.
+///
+/// # Thread mapping
+/// A warp per value, the grid's warps striding over the list: each lane takes every
+/// 32nd 4 of `k`, with 4 16-byte loads each of `x` and `w` in flight, so that the
+/// grid streams the listed weight rows at once (a value's `x` row, read by the row's
+/// other values too, mostly comes from L2).
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "ptx-kernel" fn refine_values(
+    x: *const f32,
+    w: *const f32,
+    bias: *const f32,
+    z: *mut f32,
+    values: *const u32,
+    count: *const u32,
+    n: u32,
+    k: u32,
+) {
+    const UNROLL: usize = 4;
+    let (n, k) = (n as usize, k as usize);
+    let lane = lane_id() as usize;
+    let warps = grid_dim_x() as usize * WARPS;
+    let quads = k / 4;
+    // SAFETY (whole body): pairs below *count are inside z (the scan's contract); reads
+    // below k of the row of x and of the weight row (16-byte aligned when k is
+    // divisible by 4: the allocations are, and rows are k floats).
+    unsafe {
+        let total = *count as usize;
+        let mut v = block_idx_x() as usize * WARPS + warp_id() as usize;
+        while v < total {
+            let (row, c) = (*values.add(2 * v) as usize, *values.add(2 * v + 1) as usize);
+            let (xr, wr) = (x.add(row * k), w.add(c * k));
+            let mut acc = [0.0f64; 4];
+            if k.is_multiple_of(4) {
+                let mut q = lane;
+                while q + WARP * (UNROLL - 1) < quads {
+                    let mut xv = [[0.0f32; 4]; UNROLL];
+                    let mut wv = [[0.0f32; 4]; UNROLL];
+                    unroll!(u in 0..4 => {
+                        xv[u] = load_v4_nc(xr.add(4 * (q + WARP * u)));
+                        wv[u] = load_v4_nc(wr.add(4 * (q + WARP * u)));
+                    });
+                    unroll!(u in 0..4 => {
+                        unroll!(e in 0..4 => { acc[e] += xv[u][e] as f64 * wv[u][e] as f64; });
+                    });
+                    q += WARP * UNROLL;
+                }
+                while q < quads {
+                    let (xv, wv) = (load_v4_nc(xr.add(4 * q)), load_v4_nc(wr.add(4 * q)));
+                    unroll!(e in 0..4 => { acc[e] += xv[e] as f64 * wv[e] as f64; });
+                    q += WARP;
+                }
+            } else {
+                let mut kk = lane;
+                while kk < k {
+                    acc[0] += *xr.add(kk) as f64 * *wr.add(kk) as f64;
+                    kk += WARP;
+                }
+            }
+            let s = warp_sum_f64((acc[0] + acc[1]) + (acc[2] + acc[3]));
+            if lane == 0 {
+                *z.add(row * n + c) = (*bias.add(c) as f64 + s) as f32;
+            }
+            v += warps;
         }
     }
 }

@@ -62,3 +62,18 @@ pub fn warp_max(mut v: f32) -> f32 {
     v
 }
 
+
+/// Sum of an f64 `v` over the whole warp, returned to every lane (each butterfly step
+/// exchanges the two 32-bit halves).
+#[inline(always)]
+pub fn warp_sum_f64(mut v: f64) -> f64 {
+    let mut m = 1;
+    while m < 32 {
+        let bits = v.to_bits();
+        let lo = shfl_xor(f32::from_bits(bits as u32), m).to_bits();
+        let hi = shfl_xor(f32::from_bits((bits >> 32) as u32), m).to_bits();
+        v += f64::from_bits(lo as u64 | (hi as u64) << 32);
+        m <<= 1;
+    }
+    v
+}

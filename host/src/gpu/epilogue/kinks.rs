@@ -1,4 +1,4 @@
-//! Launchers of `kink_scan`, `kink_scan_tiles` and `refine_z`
+//! Launchers of `kink_scan`, `kink_scan_tiles`, `refine_values` and `refine_z`
 //! (kernels-gpu/src/epilogue/kinks.rs): the saved `z` recomputed exactly where its
 //! rounding could flip a kink's derivative.
 
@@ -10,7 +10,10 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use kernel_abi::epilogue::{
     OP_AVG_POOL, OP_GROUP_NORM, OP_HARDTANH, OP_LEAKY_RELU, OP_ROW_MAX, OpDesc, ROW_THREADS, features_after,
 };
-use kernel_abi::kinks::{CHUNK, ORDER_BUCKETS, REFINE_SMEM_BYTES, REFINE_THREADS, scan_smem_bytes};
+use kernel_abi::kinks::{
+    CHUNK, ELEMENT_CAP, ORDER_BUCKETS, REFINE_SMEM_BYTES, REFINE_THREADS, REFINE_VALUES_BLOCKS_PER_SM, scan_smem_bytes,
+    tiles_scan_layout,
+};
 
 /// How many estimated standard deviations of the GEMM's error a value's radius spans.
 /// Outside 4 sigma a Gaussian error crosses a kink so rarely that the flips left
@@ -97,6 +100,26 @@ pub fn scanned_prefix(ops: &[OpDesc], n: usize) -> usize {
     last
 }
 
+/// Whether the tile scan's rows should hand their doubtful values to `refine_values`
+/// one by one rather than by chunks to `refine_z` (the scanned `ops`, `z` computed in
+/// `precision`). It pays where `refine_z` then has (almost) nothing left to do, since
+/// its weight reads cost the same for a few listed rows as for many: where every kink
+/// comes before any GroupNorm, so that a decision depends on its own value only (M5:
+/// TF32 ~9 values per row, 0.236 -> 0.200 ms), and the flags are sparse. A kink after
+/// a GroupNorm takes the whole group (M3: ~10 groups of 16 per row), and bf16's
+/// rounding flags ~80 values per row of M5: both read less by chunks (M3 0.215 ->
+/// 0.245 ms, bf16 M5 0.487 -> 0.525 one by one).
+pub fn values_one_by_one(ops: &[OpDesc], precision: Precision) -> bool {
+    let mut grouped = false;
+    for d in ops {
+        if matches!(d.code, OP_LEAKY_RELU | OP_HARDTANH | OP_ROW_MAX) && grouped {
+            return false;
+        }
+        grouped |= d.code == OP_GROUP_NORM;
+    }
+    precision != Precision::Bf16
+}
+
 /// What [`refine_near_kinks`] did.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Refined {
@@ -112,18 +135,29 @@ pub enum Refined {
     Done,
 }
 
+/// Which scan walks a chain.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Scan {
+    /// `kink_scan`: the row in shared memory (any chain).
+    Rows,
+    /// `kink_scan_tiles`: the chains the tile-wise path takes, in registers. With
+    /// `values`, where [`values_one_by_one`] says it pays, a row's doubtful values (up
+    /// to `ELEMENT_CAP` of them) go to `refine_values` one by one instead of to
+    /// `refine_z` by chunks (`HOST_KINK_VALUES=0` turns that off, for A/B measurements).
+    Tiles { values: bool },
+}
 /// Recomputes, in f64, the chunks of `z = x w^T + b` (`(w, b)` the Linear layer the
 /// GEMM ran, folded or not) whose rounding could put one of
 /// `chain`'s kinked ops' inputs on the other side of its kink, so that the backward
 /// takes the exact function's derivatives there (and the groups a GroupNorm of small
 /// groups would magnify that rounding in). `precision` is the arithmetic that
-/// computed `z`; `tiles` says the chain is one the tile-wise path takes (pointwise
-/// ops, GroupNorm over power-of-two groups of 4..=128 channels), which the
-/// register-resident `kink_scan_tiles` scans.
+/// computed `z`; `scan` says which scan walks the chain ([`Scan::Tiles`] only for one
+/// the tile-wise path takes: pointwise ops, GroupNorm over power-of-two groups of
+/// 4..=128 channels).
 pub fn refine_near_kinks(
     gpu: &Gpu,
     chain: &DeviceChain,
-    tiles: bool,
+    scan: Scan,
     precision: Precision,
     x: &DeviceTensor,
     (w, b): (&DeviceTensor, &DeviceTensor),
@@ -150,19 +184,27 @@ pub fn refine_near_kinks(
     let stream = gpu.stream();
     let oom = |e| Error::cuda("allocating the kink lists", e);
     let (n32, ops32) = (n as u32, n_ops as u32);
-    // Both scans: one block per row, the same arguments; the row-wise one holds the
-    // row (twice over where the chain pools) in shared memory.
-    let (name, smem) = if tiles {
-        ("kink_scan_tiles", ROW_THREADS / 32 * 4)
-    } else {
-        ("kink_scan", scan_smem_bytes(n, chain.ops[..n_ops].iter().any(|d| d.code == OP_AVG_POOL)))
+    // Both scans: one block per row, the row-wise one holding the row (twice over
+    // where the chain pools) in shared memory.
+    let max_smem = gpu.props.max_shared_per_block_optin;
+    let (name, cap, smem) = match scan {
+        Scan::Tiles { values } => {
+            let one_by_one = values && values_one_by_one(&chain.ops[..n_ops], precision);
+            let cap = if one_by_one { ELEMENT_CAP } else { 0 };
+            ("kink_scan_tiles", cap, tiles_scan_layout(n, cap)[5])
+        }
+        Scan::Rows => ("kink_scan", 0, scan_smem_bytes(n, chain.ops[..n_ops].iter().any(|d| d.code == OP_AVG_POOL))),
     };
-    if smem > gpu.props.max_shared_per_block_optin {
+    if smem > max_smem {
         return Ok(Refined::TooWide);
     }
     let mut counts = stream.alloc_zeros::<u32>(chunks).map_err(oom)?;
     // SAFETY: the scan writes every entry that refine_z reads (those below counts).
     let mut lists = unsafe { stream.alloc::<u32>(chunks * rows) }.map_err(oom)?;
+    // (row, column) pairs for refine_values, up to `cap` per row, and their count.
+    // SAFETY: the scan writes every pair below the count before refine_values reads it.
+    let mut values = unsafe { stream.alloc::<u32>((2 * cap * rows).max(1)) }.map_err(oom)?;
+    let mut value_count = stream.alloc_zeros::<u32>(1).map_err(oom)?;
     let func = gpu.function(name)?;
     gpu.allow_shared(&func, name, smem)?;
     let cfg = LaunchConfig {
@@ -170,14 +212,33 @@ pub fn refine_near_kinks(
         block_dim: (ROW_THREADS as u32, 1, 1),
         shared_mem_bytes: smem as u32,
     };
+    let cap32 = cap as u32;
     let mut l = stream.launch_builder(&func);
     l.arg(&z.buf).arg(&n32).arg(&chain.descs).arg(&ops32).arg(&rel).arg(&abs).arg(&mut counts).arg(&mut lists);
-    // SAFETY: matches both scans' signature; z is rows x n; the chain's first n_ops ops
+    if matches!(scan, Scan::Tiles { .. }) {
+        l.arg(&cap32).arg(&mut values).arg(&mut value_count);
+    }
+    // SAFETY: matches the scan's signature; z is rows x n; the chain's first n_ops ops
     // were validated against n (and, for kink_scan_tiles, are ones the tile path
-    // takes: the caller's `tiles`); counts (zeroed) and lists have chunks and
-    // chunks * rows entries.
+    // takes: the caller's `scan`); counts (zeroed) and lists have chunks and
+    // chunks * rows entries, values 2 * cap per row; the shared memory is the
+    // layout for (n, cap).
     launched(name, unsafe { l.launch(cfg) })?;
-    refine(gpu, x, w, b, z, &counts, &lists, (rows, n, k))
+    if cap > 0 {
+        let func = gpu.function("refine_values")?;
+        let cfg = LaunchConfig {
+            grid_dim: ((gpu.props.multiprocessors * REFINE_VALUES_BLOCKS_PER_SM) as u32, 1, 1),
+            block_dim: (ROW_THREADS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let k32 = k as u32;
+        let mut l = stream.launch_builder(&func);
+        l.arg(&x.buf).arg(&w.buf).arg(&b.buf).arg(&mut z.buf).arg(&values).arg(&value_count).arg(&n32).arg(&k32);
+        // SAFETY: matches refine_values' signature; x, w, b are z's operands (shapes
+        // checked above); the scan left value_count pairs inside z in values.
+        launched("refine_values", unsafe { l.launch(cfg) })?;
+    }
+    refine(gpu, x, w, b, z, &counts, &lists, &value_count, (rows, n, k))
 }
 
 /// Queues `refine_z` over the chunks and rows a scan listed.
@@ -190,6 +251,7 @@ fn refine(
     z: &mut DeviceTensor,
     counts: &CudaSlice<u32>,
     lists: &CudaSlice<u32>,
+    value_count: &CudaSlice<u32>,
     (rows, n, k): (usize, usize, usize),
 ) -> Result<Refined> {
     let stream = gpu.stream();
@@ -226,9 +288,11 @@ fn refine(
     if std::env::var_os("HOST_KINK_STATS").is_some_and(|v| v == "1") {
         // How much was recomputed (waits for the stream): for tuning the error model.
         let counts = stream.clone_dtoh(counts).map_err(|e| Error::cuda("reading the kink counts", e))?;
+        let values = stream.clone_dtoh(value_count).map_err(|e| Error::cuda("reading the kink counts", e))?[0];
         let listed: u64 = counts.iter().map(|&c| u64::from(c)).sum();
         eprintln!(
-            "kink refinement: {listed} (row, chunk) pairs of {} ({:.2}%), {} of {chunks} chunks, at most {} rows in one",
+            "kink refinement: {values} values one by one; {listed} (row, chunk) pairs of {} ({:.2}%), \
+             {} of {chunks} chunks, at most {} rows in one",
             rows * chunks,
             100.0 * listed as f64 / (rows * chunks) as f64,
             counts.iter().filter(|&&c| c > 0).count(),
@@ -258,6 +322,17 @@ mod tests {
         assert_eq!(scanned_prefix(&[op(OP_HARDTANH), op(OP_MISH), gn(4)], 256), 3);
         assert_eq!(scanned_prefix(&[op(OP_LEAKY_RELU), op(OP_MISH), gn(4)], 256), 1);
         assert_eq!(scanned_prefix(&[op(OP_SWISH), op(OP_ROW_MAX)], 256), 2);
+    }
+
+    #[test]
+    fn values_go_one_by_one_where_kinks_come_before_groups() {
+        let op = |code| OpDesc { code, ..OpDesc::default() };
+        let gn = OpDesc { code: OP_GROUP_NORM, count: 32, ..OpDesc::default() };
+        let m5 = [op(kernel_abi::epilogue::OP_BIAS), op(OP_HARDTANH), op(kernel_abi::epilogue::OP_MISH), gn];
+        let m3 = [gn, op(OP_LEAKY_RELU)];
+        assert!(values_one_by_one(&m5, Precision::Tf32) && values_one_by_one(&m5, Precision::Tf32x3));
+        assert!(!values_one_by_one(&m5, Precision::Bf16));
+        assert!(!values_one_by_one(&m3, Precision::Tf32));
     }
 
     /// The per-product error the model assumes, against products of random operands
