@@ -238,7 +238,7 @@ pub fn refine_near_kinks(
         // checked above); the scan left value_count pairs inside z in values.
         launched("refine_values", unsafe { l.launch(cfg) })?;
     }
-    refine(gpu, x, w, b, z, &counts, &lists, &value_count, (rows, n, k))
+    refine(gpu, x, w, b, z, &counts, &lists, &value_count, (rows, n, k), cap == 0)
 }
 
 /// Queues `refine_z` over the chunks and rows a scan listed.
@@ -253,24 +253,32 @@ fn refine(
     lists: &CudaSlice<u32>,
     value_count: &CudaSlice<u32>,
     (rows, n, k): (usize, usize, usize),
+    ordered: bool,
 ) -> Result<Refined> {
     let stream = gpu.stream();
     let chunks = n.div_ceil(CHUNK);
-    // The chunks most listed first (refine_order), so the grid's last blocks are short.
-    // SAFETY: refine_order writes all `chunks` entries before refine_z reads them.
-    let mut order =
-        unsafe { stream.alloc::<u32>(chunks) }.map_err(|e| Error::cuda("allocating the refine order", e))?;
-    let func = gpu.function("refine_order")?;
-    let cfg = LaunchConfig {
-        grid_dim: (1, 1, 1),
-        block_dim: (ROW_THREADS as u32, 1, 1),
-        shared_mem_bytes: (ORDER_BUCKETS * 4) as u32,
+    // The chunks most listed first (refine_order), so the grid's last blocks are short;
+    // where rows went to refine_values, the few rows past its cap in column order (the
+    // order costs ~4 us, all refine_z then has to do).
+    let order = if ordered {
+        // SAFETY: refine_order writes all `chunks` entries before refine_z reads them.
+        let mut order =
+            unsafe { stream.alloc::<u32>(chunks) }.map_err(|e| Error::cuda("allocating the refine order", e))?;
+        let func = gpu.function("refine_order")?;
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (ROW_THREADS as u32, 1, 1),
+            shared_mem_bytes: (ORDER_BUCKETS * 4) as u32,
+        };
+        let chunks32 = chunks as u32;
+        let mut l = stream.launch_builder(&func);
+        l.arg(counts).arg(&chunks32).arg(&mut order);
+        // SAFETY: matches refine_order's signature; counts and order hold `chunks` entries.
+        launched("refine_order", unsafe { l.launch(cfg) })?;
+        Some(order)
+    } else {
+        None
     };
-    let chunks32 = chunks as u32;
-    let mut l = stream.launch_builder(&func);
-    l.arg(counts).arg(&chunks32).arg(&mut order);
-    // SAFETY: matches refine_order's signature; counts and order hold `chunks` entries.
-    launched("refine_order", unsafe { l.launch(cfg) })?;
     let func = gpu.function("refine_z")?;
     gpu.allow_shared(&func, "refine_z", REFINE_SMEM_BYTES)?;
     let cfg = LaunchConfig {
@@ -281,9 +289,15 @@ fn refine(
     let (rows32, n32, k32) = (rows as u32, n as u32, k as u32);
     let mut l = stream.launch_builder(&func);
     l.arg(&x.buf).arg(&w.buf).arg(&b.buf).arg(&mut z.buf).arg(counts).arg(lists);
-    l.arg(&order).arg(&rows32).arg(&n32).arg(&k32);
+    let identity = 0u64;
+    match &order {
+        Some(order) => l.arg(order),
+        None => l.arg(&identity),
+    };
+    l.arg(&rows32).arg(&n32).arg(&k32);
     // SAFETY: matches refine_z's signature; shapes checked above; counts and lists as
-    // kink_scan leaves them, order as refine_order leaves it, in stream order.
+    // kink_scan leaves them, order as refine_order leaves it (or null: column order),
+    // in stream order.
     launched("refine_z", unsafe { l.launch(cfg) })?;
     if std::env::var_os("HOST_KINK_STATS").is_some_and(|v| v == "1") {
         // How much was recomputed (waits for the stream): for tuning the error model.
