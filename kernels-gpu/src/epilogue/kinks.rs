@@ -480,7 +480,7 @@ fn chunk_bits(col: usize, dep: usize, seg0: usize, n: usize) -> u32 {
 #[unsafe(no_mangle)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "ptx-kernel" fn kink_scan_tiles(
-    z: *mut f32,
+    z: *const f32,
     n: u32,
     ops: *const OpDesc,
     n_ops: u32,
@@ -678,8 +678,8 @@ pub unsafe extern "ptx-kernel" fn kink_scan_tiles(
 /// # Thread mapping
 /// A warp per value, the grid's warps striding over the list: each lane takes every
 /// 32nd 4 of `k`, with 4 16-byte loads each of `x` and `w` in flight, so that the
-/// grid streams the listed weight rows at once (a value's `x` row, read by the row's
-/// other values too, mostly comes from L2).
+/// grid streams the listed weight rows at once (a row's values stand together in the
+/// list, so the warps of a block mostly share `x`'s row, from L1).
 #[unsafe(no_mangle)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "ptx-kernel" fn refine_values(
