@@ -9,7 +9,9 @@
 //! `z` that each doubtful decision depends on (its GroupNorm group, pooling window or
 //! whole row). `refine_z` recomputes those chunks of `z` as dot products accumulated
 //! in f64 (the products of two f32 are exact there), so the backward decides every
-//! kink as the exact function does.
+//! kink as the exact function does. Where a row's decisions depend on a few values
+//! only (M5's Hardtanh before its GroupNorm), `kink_scan_tiles` lists those values and
+//! `refine_values` recomputes them one by one instead: a weight row each, not a chunk.
 
 use super::pointwise::*;
 use crate::prelude::math::{fabs, fma, max_nan, rsqrt, sqrt};
