@@ -286,14 +286,10 @@ fn kink_values_refined_one_by_one_are_exact() {
         let (params, x, _) = random_case(&spec, b, &mut rng);
         let mut block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(Precision::Tf32);
         let xd = gpu.upload(&x).unwrap();
-        let (w, lb, p) = (params.linear_weight.data(), params.linear_bias.data(), params.ops[0][0].data());
-        let exact: Vec<f64> = (0..b * o)
-            .map(|e| {
-                let (r, c) = (e / o, e % o);
-                let (xr, wr) = (&x.data()[r * i..(r + 1) * i], &w[c * i..(c + 1) * i]);
-                f64::from(lb[c]) + xr.iter().zip(wr).map(|(&a, &v)| f64::from(a) * f64::from(v)).sum::<f64>()
-            })
-            .collect();
+        let p = params.ops[0][0].data();
+        let (w, lb) = (params.linear_weight.to_f64(), params.linear_bias.to_f64());
+        let exact = reference::linear::linear_forward(&x.to_f64(), &w, &lb).unwrap();
+        let exact = exact.data();
         let (_, saved) = block.forward_train(&gpu, &xd, false).unwrap();
         let computed = gpu.download(&saved.z).unwrap();
         let mut rewritten = [0usize; 2];

@@ -309,9 +309,9 @@ pub mod kinks {
     /// and bf16's ~80 values, read less in `refine_z`.
     pub const ELEMENT_CAP: usize = 64;
     const _: () = assert!(ELEMENT_CAP <= ROW_THREADS, "a thread per value copies the row's list");
-    /// `refine_values`' grid, per SM: its blocks of `ROW_THREADS` stride over the list,
-    /// as many resident at once as its registers allow (a warp's 8 16-byte loads in
-    /// flight per lane, and DRAM needs a few MB in flight).
+    /// `refine_values`' grid, per SM, and its launch bounds: its blocks of `ROW_THREADS`
+    /// stride over the list. At this occupancy ptxas may spend 64 registers and keeps a
+    /// lane's 8 16-byte loads in flight together (at the 42 it chose unbounded, one).
     pub const REFINE_VALUES_BLOCKS_PER_SM: usize = 4;
 
     /// `kink_scan_tiles`'s shared memory, as byte offsets `[first, red, count, list,

@@ -819,8 +819,8 @@ pub unsafe extern "ptx-kernel" fn refine_order(counts: *const u32, chunks: u32, 
 /// # Safety
 /// Device pointers: `x` `(rows, k)`, `w` `(n, k)`, `bias` `(n,)`, `z` `(rows, n)`,
 /// `counts` and `lists` as `kink_scan` wrote them, `order` as [`refine_order`] wrote
-/// it (block `b` takes chunk `order[b]`) or null (block `b` takes chunk `b`). Launch: grid
-/// `(n.div_ceil(CHUNK), 1, 1)`, `REFINE_THREADS` threads, `REFINE_SMEM_BYTES`.
+/// it (block `b` takes chunk `order[b]`) or null (block `b` takes chunk `b`). Launch:
+/// grid `(n.div_ceil(CHUNK), 1, 1)`, `REFINE_THREADS` threads, `REFINE_SMEM_BYTES`.
 ///
 /// # Thread mapping
 /// One block per chunk of `CHUNK` columns, the most listed first (a fifth faster on
@@ -854,7 +854,11 @@ pub unsafe extern "ptx-kernel" fn refine_z(
     const TILES: usize = REFINE_ROWS / 8;
     const _: () = assert!(TILES == 4, "the unrolled loops below");
     // SAFETY: order, unless null, holds gridDim.x chunk indices (refine_order).
-    let chunk = if order.is_null() { block_idx_x() as usize } else { unsafe { *order.add(block_idx_x() as usize) as usize } };
+    let chunk = if order.is_null() {
+        block_idx_x() as usize
+    } else {
+        unsafe { *order.add(block_idx_x() as usize) as usize }
+    };
     let t = thread_idx_x() as usize;
     let (warp, lane) = (warp_id() as usize, lane_id() as usize);
     let (g, q) = (lane / 4, lane % 4);

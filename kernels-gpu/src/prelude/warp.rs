@@ -62,7 +62,6 @@ pub fn warp_max(mut v: f32) -> f32 {
     v
 }
 
-
 /// Sum of an f64 `v` over the whole warp, returned to every lane (each butterfly step
 /// exchanges the two 32-bit halves).
 #[inline(always)]

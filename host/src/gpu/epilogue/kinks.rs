@@ -86,11 +86,8 @@ pub fn scanned_prefix(ops: &[OpDesc], n: usize) -> usize {
     let mut last = 0;
     let mut clamped = false;
     for (i, d) in ops.iter().enumerate() {
-        let sensitive = match d.code {
-            OP_LEAKY_RELU | OP_HARDTANH | OP_ROW_MAX => true,
-            OP_GROUP_NORM => d.count > 0 && (clamped || f / d.count as usize <= SMALL_GROUP),
-            _ => false,
-        };
+        let sensitive = kinked(d.code)
+            || d.code == OP_GROUP_NORM && d.count > 0 && (clamped || f / d.count as usize <= SMALL_GROUP);
         if sensitive {
             last = i + 1;
         }
@@ -98,6 +95,11 @@ pub fn scanned_prefix(ops: &[OpDesc], n: usize) -> usize {
         f = features_after(d, f);
     }
     last
+}
+
+/// Whether op `code`'s derivative jumps (LeakyReLU, Hardtanh, row max).
+fn kinked(code: u32) -> bool {
+    matches!(code, OP_LEAKY_RELU | OP_HARDTANH | OP_ROW_MAX)
 }
 
 /// Whether the tile scan's rows should hand their doubtful values to `refine_values`
@@ -112,7 +114,7 @@ pub fn scanned_prefix(ops: &[OpDesc], n: usize) -> usize {
 pub fn values_one_by_one(ops: &[OpDesc], precision: Precision) -> bool {
     let mut grouped = false;
     for d in ops {
-        if matches!(d.code, OP_LEAKY_RELU | OP_HARDTANH | OP_ROW_MAX) && grouped {
+        if kinked(d.code) && grouped {
             return false;
         }
         grouped |= d.code == OP_GROUP_NORM;
@@ -186,7 +188,6 @@ pub fn refine_near_kinks(
     let (n32, ops32) = (n as u32, n_ops as u32);
     // Both scans: one block per row, the row-wise one holding the row (twice over
     // where the chain pools) in shared memory.
-    let max_smem = gpu.props.max_shared_per_block_optin;
     let (name, cap, smem) = match scan {
         Scan::Tiles { values } => {
             let one_by_one = values && values_one_by_one(&chain.ops[..n_ops], precision);
@@ -195,7 +196,7 @@ pub fn refine_near_kinks(
         }
         Scan::Rows => ("kink_scan", 0, scan_smem_bytes(n, chain.ops[..n_ops].iter().any(|d| d.code == OP_AVG_POOL))),
     };
-    if smem > max_smem {
+    if smem > gpu.props.max_shared_per_block_optin {
         return Ok(Refined::TooWide);
     }
     let mut counts = stream.alloc_zeros::<u32>(chunks).map_err(oom)?;
