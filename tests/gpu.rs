@@ -326,7 +326,8 @@ fn kink_values_refined_one_by_one_are_exact() {
 
 /// The persistent TMA kernels (TF32, 3xTF32 and bf16) looping over more tiles than there are
 /// SMs (17 x 11 tiles of 128 x 256), at k = 4096 and at a ragged k = 1036 with groups
-/// of 4 channels; groups of 128 at a ragged batch; a deep k = 8192 with a narrow output:
+/// of 4 channels; groups of 128 at a ragged batch; a deep k = 8192 with a narrow output;
+/// output rows that are not 16-byte multiples:
 /// sampled rows against the f64 reference (rows are independent, so a row subset of `x`
 /// gives the reference's rows), each held to its precision's tolerance.
 #[test]
@@ -340,6 +341,8 @@ fn tf32_persistent_forward_matches_reference_rows() {
         ((2100, 1036, 2600), "swish,bias,groupnorm(650)", Precision::Tf32, "gemm_tma_tf32_nt"),
         ((1001, 1024, 2560), "groupnorm(20),mish,bias", Precision::Tf32, "gemm_tma_tf32_nt"),
         ((4100, 8192, 512), "gelu", Precision::Tf32, "gemm_tma_tf32_nt"),
+        // Rows of 2562 floats: not 16-byte multiples, the stores' 8-byte path.
+        ((1001, 1024, 2562), "swish,bias", Precision::Tf32, "gemm_tma_tf32_nt"),
         ((2100, 4096, 2600), "groupnorm(325),swish,mul,swish", Precision::Tf32x3, "gemm_tma_tf32x3_nt"),
         ((2100, 1036, 2600), "swish,bias,groupnorm(650)", Precision::Tf32x3, "gemm_tma_tf32x3_nt"),
         ((2100, 4096, 2600), "groupnorm(325),swish,mul,swish", Precision::Bf16, "gemm_tma_bf16_nt"),
