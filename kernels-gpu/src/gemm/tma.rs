@@ -376,8 +376,9 @@ unsafe fn gemm_tma<const SPLIT: bool, const BF16: bool>(
             // SAFETY: as above.
             unsafe { mbarrier_arrive(pipe.empty(prev)) };
         }
-        let layout =
-            Layout::Rows { row: (row0 + wg * 64 + warp * 16) as usize + gid, col: (col0 + 2 * tig as u32) as usize, step: 8 };
+        // The thread's first row: 16 warp + lane / 4 of the warpgroup's 64 (and 8 below).
+        let row = (row0 + wg * 64 + warp * 16) as usize + gid;
+        let layout = Layout::Rows { row, col: (col0 + 2 * tig as u32) as usize, step: 8 };
         if SPLIT && run + 1 < runs {
             // SAFETY: the MMAs are finished; `y` holds `m * n` floats, and only this
             // thread reads or writes its accumulators' places until its epilogue
@@ -391,8 +392,7 @@ unsafe fn gemm_tma<const SPLIT: bool, const BF16: bool>(
             unsafe { add_flushed(&mut acc, y, layout, (m, n)) };
         }
         // The epilogue on the accumulators where they are (`epilogue::fragments`):
-        // rows 16 warp + lane / 4 (+ 8) of the warpgroup's 64, columns 2 (lane % 4) + 8 j.
-        let row = (row0 + wg * 64 + warp * 16) as usize + gid;
+        // rows `row` (+ 8), columns 2 (lane % 4) + 8 j.
         // The thread's first column and the sizes, opaque to the compiler at each use:
         // otherwise it derives the 64 column bounds once and holds them beside the 128
         // values through the whole epilogue (and spills).
