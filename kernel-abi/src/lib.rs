@@ -4,6 +4,10 @@
 //! and shared memory with it, so the two cannot drift apart.
 #![no_std]
 
+/// Words one `store_words` launch writes (a TMA tensor-map pair is 32): its argument
+/// array's length, 256 bytes of the 4 KiB a launch's arguments may take.
+pub const STORE_WORDS: usize = 32;
+
 /// `(kernel, max threads per block, min blocks per SM)`: CUDA's `__launch_bounds__`,
 /// which rustc cannot express; `host/build.rs` writes them into the PTX so that
 /// ptxas caps each kernel's registers to fit that many blocks.

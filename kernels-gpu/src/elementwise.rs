@@ -26,6 +26,33 @@ pub unsafe extern "ptx-kernel" fn add_assign(a: *mut f32, b: *const f32, len: u3
     }
 }
 
+/// `out[offset + i] = words[i]` for `i < count`: a small table (TMA tensor maps, op
+/// descriptors) written from the launch's own arguments, so a CUDA graph captures it
+/// with the launch and no host memory is read. One warp; lane `i` writes word `i`
+/// (unrolled over constant indices: the argument array stays in parameter space).
+///
+/// # Safety
+/// `out` holds `offset + count` words, `count <= STORE_WORDS`. Launch: one block of 32 threads.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn store_words(
+    out: *mut u64,
+    offset: u32,
+    count: u32,
+    words: [u64; kernel_abi::STORE_WORDS],
+) {
+    let lane = thread_idx_x() as usize;
+    unroll!(i in 0..16 => {
+        if lane == i && i < count as usize {
+            // SAFETY: i < count, inside `out` by the contract.
+            unsafe { *out.add(offset as usize + i) = words[i] };
+        }
+        if lane == i && i + 16 < count as usize {
+            // SAFETY: as above.
+            unsafe { *out.add(offset as usize + i + 16) = words[i + 16] };
+        }
+    });
+}
+
 /// AvgPool1d(k) after a Linear layer is a Linear layer with averaged rows:
 /// `out[j, c] = mean_e in[j k + e, c]` for `j < rows / k` (`in` is `(rows, cols)`).
 /// One block per output row `j` (no per-element division: with 64-bit index

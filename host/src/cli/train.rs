@@ -176,10 +176,7 @@ fn train_gpu(
         let vars: Vec<Vec<VarId>> =
             blocks.iter().map(|b| b.params.flat().iter().map(|_| tape.leaf()).collect()).collect();
         // The input gets no gradient use here; a copy keeps the dataset's tensor ours.
-        let x_in = Rc::new(DeviceTensor {
-            shape: x.shape.clone(),
-            buf: gpu.stream().clone_dtod(&x.buf).map_err(|e| Error::cuda("copying a batch", e))?,
-        });
+        let x_in = Rc::new(gpu.copy_range(x, 0..x.len())?.reshape(&x.shape)?);
         let (h, h_var) = blocks[0].forward_taped(gpu, &mut tape, x_in, x_var, &vars[0])?;
         let (y, y_var) = blocks[1].forward_taped(gpu, &mut tape, h, h_var, &vars[1])?;
         let (loss, dy) = mse_loss_grad(gpu, &y, target)?;

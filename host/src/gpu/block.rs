@@ -25,7 +25,7 @@
 
 use super::elementwise::{fold_rows_mean, unfold_rows_mean_grad};
 use super::epilogue::DeviceChain;
-use super::epilogue::kinks::{Refined, Scan, refine_near_kinks};
+use super::epilogue::kinks::{Refined, Scan, refine_near_kinks, scanned_prefix};
 use super::epilogue::lanes::{epilogue_tiles_backward, fits as tiles_fit};
 use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
 use super::gemm::simt::{Layout, Precision, forward_gemm, grad_input, grad_weight, kernel_name, not_fusable};
@@ -116,6 +116,17 @@ pub struct Saved {
     pub z: DeviceTensor,
     /// Whether `z` was refined near kinks already ([`GpuBlock::refine_saved`]).
     refined: bool,
+    /// Whether `z` may be refined in place: not where it is a caller's tensor (a
+    /// framework's saved state, which a second backward reads again unchanged).
+    own: bool,
+}
+
+impl Saved {
+    /// The state a forward saved, handed back by a caller who keeps it: the backward
+    /// refines a copy of it, never `z` itself.
+    pub fn kept_by_caller(z: DeviceTensor) -> Saved {
+        Saved { z, refined: false, own: false }
+    }
 }
 
 /// Gradients of one block: of its input and of every parameter.
@@ -126,7 +137,17 @@ pub struct DeviceGrads {
 
 impl GpuBlock {
     pub fn new(gpu: &Gpu, spec: &BlockSpec, params: &Params<f32>) -> Result<GpuBlock> {
-        let params = DeviceParams::upload(gpu, params)?;
+        Self::from_device(gpu, spec, DeviceParams::upload(gpu, params)?)
+    }
+
+    /// A block over parameters already in device memory (a framework's tensors,
+    /// borrowed: [`Gpu::borrow_tensor`]), shaped as `spec` says.
+    pub fn from_device(gpu: &Gpu, spec: &BlockSpec, params: DeviceParams) -> Result<GpuBlock> {
+        for (s, t) in spec.param_specs().iter().zip(params.flat()) {
+            if t.shape != s.shape {
+                return Err(Error::tensor(&s.name, format!("expected shape {:?}, got {:?}", s.shape, t.shape)));
+            }
+        }
         let first_op = usize::from(matches!(spec.chain.0.first(), Some(Op::AvgPool(_))));
         let ops = &spec.chain.0[first_op..];
         let chain = DeviceChain::new(gpu, ops, &params.ops[first_op..])?;
@@ -294,7 +315,7 @@ impl GpuBlock {
         let shape = [batch, self.gemm_width()];
         let mut z = if poison { gpu.poisoned(&shape)? } else { gpu.alloc(&shape)? };
         self.forward_into(gpu, x, &mut ws, Some(&mut z))?;
-        Ok((ws.y, Saved { z, refined: false }))
+        Ok((ws.y, Saved { z, refined: false, own: true }))
     }
 
     /// Whether the chain backward runs tile-wise (a chain the GEMM can fuse has a
@@ -311,6 +332,10 @@ impl GpuBlock {
             return Ok(Refined::Off);
         }
         let scan = if self.tile_backward() { Scan::Tiles { values: self.kink_values } } else { Scan::Rows };
+        if !saved.own && scanned_prefix(&self.chain.ops, self.gemm_width()) > 0 {
+            saved.z = gpu.copy_range(&saved.z, 0..saved.z.len())?.reshape(&saved.z.shape)?;
+            saved.own = true;
+        }
         let done = refine_near_kinks(gpu, &self.chain, scan, self.precision, x, self.gemm_params(), &mut saved.z)?;
         saved.refined = true;
         Ok(done)
@@ -356,13 +381,7 @@ impl GpuBlock {
         drop((dz, dw_scratch));
 
         // Slot 0: the (folded) Linear bias; then each op parameter in chain order.
-        let slot = |s: usize, len: usize| -> Result<DeviceTensor> {
-            let buf = gpu
-                .stream()
-                .clone_dtod(&slots.buf.slice(s * n..s * n + len))
-                .map_err(|e| Error::cuda("copying a gradient", e))?;
-            Ok(DeviceTensor { shape: vec![len], buf })
-        };
+        let slot = |s: usize, len: usize| gpu.copy_range(&slots, s * n..s * n + len);
         let db = slot(0, n)?;
         let (dw, db) = match &self.folded {
             Some((k, ..)) => {

@@ -25,7 +25,8 @@ impl Cublas {
         if !unsafe { cudarc::cublas::sys::is_culib_present() } {
             return Err(Error::NoGpu("libcublas was not found (add its folder to LD_LIBRARY_PATH)".into()));
         }
-        let blas = std::panic::catch_unwind(|| CudaBlas::new(gpu.stream().clone()))
+        let stream = gpu.stream().clone();
+        let blas = std::panic::catch_unwind(move || CudaBlas::new(stream))
             .map_err(|_| Error::NoGpu("libcublas lacks functions cudarc needs".into()))?
             .map_err(|e| Error::cuda("creating the cuBLAS handle", e))?;
         // SAFETY: a valid handle. DEFAULT_MATH keeps SGEMM on the FP32 FMA path;

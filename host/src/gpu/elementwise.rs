@@ -2,7 +2,7 @@
 //! fold of a Linear layer (forward) and its transpose (backward), and a matrix
 //! transpose.
 
-use super::{DeviceTensor, Gpu, launched};
+use super::{DeviceBuf, DeviceTensor, Gpu, launched};
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
@@ -96,7 +96,7 @@ pub fn transpose_to_bf16_on(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
     input: &DeviceTensor,
-) -> Result<Option<CudaSlice<u16>>> {
+) -> Result<Option<DeviceBuf<u16>>> {
     let (rows, cols) = matrix_dims(input)?;
     if rows % 4 != 0 || cols % 4 != 0 {
         return Ok(None);
@@ -115,22 +115,21 @@ fn matrix_dims(input: &DeviceTensor) -> Result<(usize, usize)> {
 /// Queues transpose kernel `kernel` (`tile x tile` tiles, `threads` per block, a
 /// `tile x (tile + 1)` float tile of shared memory: `(input, rows, cols, out)`) over the
 /// matrix `input` into a new `cols x rows` buffer of `T` allocated on `stream`.
-fn launch_transpose<T: cudarc::driver::DeviceRepr>(
+fn launch_transpose<T: cudarc::driver::DeviceRepr + 'static>(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
     input: &DeviceTensor,
     kernel: &str,
     tile: usize,
     threads: (u32, u32),
-) -> Result<CudaSlice<T>> {
+) -> Result<DeviceBuf<T>> {
     let (rows, cols) = matrix_dims(input)?;
     let grid = (cols.div_ceil(tile), rows.div_ceil(tile));
     if grid.1 > 65535 || rows * cols > u32::MAX as usize {
         return Err(Error::Shape(format!("transpose of {rows} x {cols} exceeds the kernel's limits")));
     }
     // SAFETY: the kernel below writes every element before anything reads it.
-    let mut buf = unsafe { stream.alloc::<T>((rows * cols).max(1)) }
-        .map_err(|e| Error::cuda(format!("allocating a {cols} x {rows} transpose"), e))?;
+    let mut buf = unsafe { gpu.alloc_buf::<T>(stream, rows * cols)? };
     let func = gpu.function(kernel)?;
     let cfg = LaunchConfig {
         grid_dim: (grid.0 as u32, grid.1 as u32, 1),
@@ -152,7 +151,7 @@ fn launch_transpose<T: cudarc::driver::DeviceRepr>(
 /// cuBLAS's bf16 GEMM in `host bench --precision bf16`.
 pub struct Bf16Tensor {
     pub shape: Vec<usize>,
-    pub buf: CudaSlice<u16>,
+    pub buf: DeviceBuf<u16>,
 }
 
 /// `input` rounded to bf16.
@@ -162,11 +161,10 @@ pub fn to_bf16(gpu: &Gpu, input: &DeviceTensor) -> Result<Bf16Tensor> {
 
 /// Every float of `input` rounded to bf16 (to nearest, ties to even), in a new buffer
 /// of as many 16-bit words, queued on `stream`.
-pub fn slice_to_bf16(gpu: &Gpu, stream: &Arc<CudaStream>, input: &CudaSlice<f32>) -> Result<CudaSlice<u16>> {
+pub fn slice_to_bf16(gpu: &Gpu, stream: &Arc<CudaStream>, input: &CudaSlice<f32>) -> Result<DeviceBuf<u16>> {
     let len = input.len();
     // SAFETY: the kernel below writes all `len` words before anything reads them.
-    let mut buf = unsafe { stream.alloc::<u16>(len.max(1)) }
-        .map_err(|e| Error::cuda(format!("allocating {len} bf16 words"), e))?;
+    let mut buf = unsafe { gpu.alloc_buf::<u16>(stream, len)? };
     let n = len as u32;
     let (func, cfg) = gpu.kernel_1d("f32_to_bf16", len, 0)?;
     let mut l = stream.launch_builder(&func);

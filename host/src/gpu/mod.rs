@@ -15,8 +15,13 @@ pub mod tape;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use cudarc::driver::sys::CUdevice_attribute as Attr;
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtrMut, LaunchConfig};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchArgs,
+    LaunchConfig, PushKernelArg,
+};
 use cudarc::nvrtc::Ptx;
+use std::any::Any;
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
 /// The kernels, compiled to PTX for sm_90a (Hopper: H100, H200) by `build.rs`; the
@@ -35,11 +40,32 @@ pub struct DeviceProps {
     pub total_memory: usize,
 }
 
+/// Device memory owned by someone other than cudarc — a framework's caching
+/// allocator — handed out in bytes on the GPU's stream (in that stream's order).
+///
+/// The keep-alive handle returned with the pointer owns the memory: dropping it gives
+/// the memory back (to the allocator, in the order of the stream it was allocated on).
+pub trait DeviceAllocator: Send + Sync {
+    /// `bytes` of device memory, at least 16-byte aligned.
+    fn allocate(&self, bytes: usize, element: ElementKind) -> Result<(u64, Box<dyn Any + Send + Sync>)>;
+}
+
+/// What an allocation holds, so an allocator can hand out a typed buffer (a framework
+/// tensor of that dtype) that its caller can use as it is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ElementKind {
+    F32,
+    /// Anything else: 16-bit words, 32-bit indices, 64-bit table words.
+    Bytes,
+}
+
 /// An open GPU: context, one stream, the kernel module. Cloning shares them.
 #[derive(Clone)]
 pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    /// Where buffers come from: cudarc's stream-ordered allocations when `None`.
+    allocator: Option<Arc<dyn DeviceAllocator>>,
     /// A second stream for independent work that can overlap the first (the backward's
     /// two GEMMs); ordered against `stream` with events by whoever uses it.
     side: Arc<CudaStream>,
@@ -108,7 +134,106 @@ impl Gpu {
         let side = ctx.new_stream_with_priority(least).map_err(|e| Error::cuda("creating a stream", e))?;
         let module =
             ctx.load_module(Ptx::from_src(KERNELS_PTX)).map_err(|e| Error::cuda("loading the kernel module", e))?;
-        Ok(Gpu { ctx, stream, side, module, props })
+        Ok(Gpu { ctx, stream, allocator: None, side, module, props })
+    }
+
+    /// The same GPU working on another library's stream `cu_stream` (of this device's
+    /// primary context) with buffers from `allocator` where given: how a framework
+    /// (PyTorch) calls the blocks on its current stream, its allocator owning the memory.
+    ///
+    /// # Safety
+    /// `cu_stream` must be a live stream of this device's primary context and stay so
+    /// while the returned `Gpu` (or anything allocated through it) is used.
+    pub unsafe fn on_stream(&self, cu_stream: u64, allocator: Option<Arc<dyn DeviceAllocator>>) -> Gpu {
+        // SAFETY: the caller's contract.
+        let stream = unsafe { self.ctx.wrap_borrowed_stream(cu_stream as cudarc::driver::sys::CUstream) };
+        Gpu { stream, allocator, ..self.clone() }
+    }
+
+    /// A device tensor over memory someone else owns (`ptr`, row-major `shape`); this
+    /// crate never frees it. The caller checked the pointer (alignment, device).
+    ///
+    /// # Safety
+    /// `ptr` must address `shape`'s product of f32 values on this device, live and not
+    /// written by anyone else while the returned tensor is used.
+    pub unsafe fn borrow_tensor(&self, ptr: u64, shape: &[usize]) -> Result<DeviceTensor> {
+        let len = crate::tensor::numel::<f32>(shape)?;
+        // SAFETY: the caller's contract; `Owner::Borrowed` leaks instead of freeing.
+        let slice = unsafe { self.stream.upgrade_device_ptr::<f32>(ptr, len) };
+        Ok(DeviceTensor {
+            shape: shape.to_vec(),
+            buf: DeviceBuf { slice: ManuallyDrop::new(slice), owner: Owner::Borrowed },
+        })
+    }
+
+    /// An uninitialised buffer of `len` values of `T` (at least one), from the
+    /// allocator if there is one, else from cudarc on `stream`.
+    ///
+    /// # Safety
+    /// Nothing may read the buffer before a write to it.
+    pub unsafe fn alloc_buf<T: DeviceRepr + 'static>(
+        &self,
+        stream: &Arc<CudaStream>,
+        len: usize,
+    ) -> Result<DeviceBuf<T>> {
+        let len = len.max(1);
+        let bytes = crate::tensor::numel::<T>(&[len])? * std::mem::size_of::<T>();
+        match &self.allocator {
+            None => {
+                // SAFETY: the caller's contract.
+                let slice = unsafe { stream.alloc::<T>(len) }.map_err(|e| oom_or("allocating", bytes / 4, e))?;
+                Ok(DeviceBuf { slice: ManuallyDrop::new(slice), owner: Owner::Cudarc })
+            }
+            Some(alloc) => {
+                let kind = if std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>() {
+                    ElementKind::F32
+                } else {
+                    ElementKind::Bytes
+                };
+                let (ptr, keep) = alloc.allocate(bytes, kind)?;
+                // SAFETY: the allocator handed out `bytes` on this device; the slice is
+                // leaked, not freed, when the buffer drops, and `keep` frees it then.
+                let slice = unsafe { stream.upgrade_device_ptr::<T>(ptr, len) };
+                Ok(DeviceBuf { slice: ManuallyDrop::new(slice), owner: Owner::External(keep) })
+            }
+        }
+    }
+
+    /// A zero-filled buffer of `len` values of `T` (a memset queued on `stream`).
+    pub fn zeroed_buf<T: DeviceRepr + 'static>(&self, stream: &Arc<CudaStream>, len: usize) -> Result<DeviceBuf<T>> {
+        // SAFETY: filled with zeros below before anything else is queued.
+        let mut buf = unsafe { self.alloc_buf::<T>(stream, len)? };
+        let bytes = buf.len() * std::mem::size_of::<T>();
+        let ptr = buf.slice.device_ptr_mut(stream).0;
+        // SAFETY: exactly the buffer's bytes, on `stream`.
+        unsafe { cudarc::driver::sys::cuMemsetD8Async(ptr, 0, bytes, stream.cu_stream()) }
+            .result()
+            .map_err(|e| Error::cuda("zero-filling a buffer", e))?;
+        Ok(buf)
+    }
+
+    /// A small table of 64-bit words (TMA tensor maps, op descriptors) in device
+    /// memory. Written by the `store_words` kernel from its launch arguments rather
+    /// than copied from host memory: a CUDA graph captures the words with the launch,
+    /// and no pageable host copy is queued on the stream.
+    pub fn words(&self, stream: &Arc<CudaStream>, words: &[u64]) -> Result<DeviceBuf<u64>> {
+        use kernel_abi::STORE_WORDS;
+        // SAFETY: every word below `words.len()` is written by the launches below; the
+        // one word of an empty table is never read.
+        let mut buf = unsafe { self.alloc_buf::<u64>(stream, words.len())? };
+        let func = self.function("store_words")?;
+        let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: 0 };
+        for (i, chunk) in words.chunks(STORE_WORDS).enumerate() {
+            let mut batch = [0u64; STORE_WORDS];
+            batch[..chunk.len()].copy_from_slice(chunk);
+            let (offset, count) = ((i * STORE_WORDS) as u32, chunk.len() as u32);
+            let mut l = stream.launch_builder(&func);
+            l.arg(&mut buf).arg(&offset).arg(&count).arg(&batch);
+            // SAFETY: (out, offset, count, words) as the kernel takes; out holds
+            // offset + count words.
+            launched("store_words", unsafe { l.launch(cfg) })?;
+        }
+        Ok(buf)
     }
 
     pub fn stream(&self) -> &Arc<CudaStream> {
@@ -165,7 +290,11 @@ impl Gpu {
 
     /// Copies a host tensor to the device.
     pub fn upload(&self, t: &Tensor<f32>) -> Result<DeviceTensor> {
-        let buf = self.stream.clone_htod(t.data()).map_err(|e| oom_or("copying to the device", t.len(), e))?;
+        // SAFETY: written in full by the copy below.
+        let mut buf = unsafe { self.alloc_buf::<f32>(&self.stream, t.len())? };
+        if !t.is_empty() {
+            self.stream.memcpy_htod(t.data(), &mut *buf).map_err(|e| Error::cuda("copying to the device", e))?;
+        }
         Ok(DeviceTensor { shape: t.shape().to_vec(), buf })
     }
 
@@ -174,15 +303,25 @@ impl Gpu {
         let len = crate::tensor::numel::<f32>(shape)?;
         // SAFETY: every caller passes the tensor to a kernel that writes all of it
         // before anything reads it (outputs and scratch of our launchers).
-        let buf = unsafe { self.stream.alloc::<f32>(len.max(1)) }.map_err(|e| oom_or("allocating", len, e))?;
+        let buf = unsafe { self.alloc_buf::<f32>(&self.stream, len)? };
         Ok(DeviceTensor { shape: shape.to_vec(), buf })
+    }
+
+    /// Values `range` of `src` as a new 1-D tensor (a device-to-device copy).
+    pub fn copy_range(&self, src: &DeviceTensor, range: std::ops::Range<usize>) -> Result<DeviceTensor> {
+        let mut out = self.alloc(&[range.len()])?;
+        if !range.is_empty() {
+            self.stream
+                .memcpy_dtod(&src.buf.slice(range), &mut *out.buf)
+                .map_err(|e| Error::cuda("copying on the device", e))?;
+        }
+        Ok(out)
     }
 
     /// A device tensor of zeros.
     pub fn zeros(&self, shape: &[usize]) -> Result<DeviceTensor> {
         let len = crate::tensor::numel::<f32>(shape)?;
-        let buf = self.stream.alloc_zeros::<f32>(len.max(1)).map_err(|e| oom_or("allocating", len, e))?;
-        Ok(DeviceTensor { shape: shape.to_vec(), buf })
+        Ok(DeviceTensor { shape: shape.to_vec(), buf: self.zeroed_buf::<f32>(&self.stream, len)? })
     }
 
     /// A device tensor filled with NaN (on the device), so an element a kernel fails
@@ -199,7 +338,7 @@ impl Gpu {
 
     /// Copies a device tensor back (waits for the stream: kernel faults surface here).
     pub fn download(&self, t: &DeviceTensor) -> Result<Tensor<f32>> {
-        let data = self.stream.clone_dtoh(&t.buf).map_err(|e| Error::cuda("copying from the device", e))?;
+        let data = self.stream.clone_dtoh(&*t.buf).map_err(|e| Error::cuda("copying from the device", e))?;
         Tensor::new(&t.shape, data)
     }
 
@@ -346,7 +485,87 @@ fn oom_or(context: &str, elements: usize, e: cudarc::driver::DriverError) -> Err
 /// A row-major f32 tensor in device memory.
 pub struct DeviceTensor {
     pub shape: Vec<usize>,
-    pub buf: CudaSlice<f32>,
+    pub buf: DeviceBuf<f32>,
+}
+
+/// Who frees a [`DeviceBuf`]'s memory.
+enum Owner {
+    /// cudarc, on the buffer's stream, when the buffer drops.
+    Cudarc,
+    /// Nobody here: the memory is a caller's (a framework tensor passed in).
+    Borrowed,
+    /// An allocator's keep-alive handle, dropped with the buffer.
+    External(Box<dyn Any + Send + Sync>),
+}
+
+/// Device memory for the kernels: a cudarc slice that frees itself, or one over memory
+/// an allocator or a caller owns (leaked, never freed, when the buffer drops). Derefs
+/// to the slice, so the launchers take either.
+pub struct DeviceBuf<T> {
+    slice: ManuallyDrop<CudaSlice<T>>,
+    owner: Owner,
+}
+
+impl<T> DeviceBuf<T> {
+    /// The allocator's keep-alive handle of this memory (its framework tensor), if it
+    /// came from one: the buffer is given up and the handle now owns the memory.
+    pub fn into_external(mut self) -> Option<Box<dyn Any + Send + Sync>> {
+        match std::mem::replace(&mut self.owner, Owner::Borrowed) {
+            Owner::External(keep) => Some(keep),
+            other => {
+                self.owner = other;
+                None
+            }
+        }
+    }
+
+    /// The device address of the first element.
+    pub fn device_address(&self) -> u64 {
+        // With event tracking off (`Gpu::open`), reading the address records nothing.
+        self.slice.device_ptr(self.slice.stream()).0
+    }
+}
+
+impl<T> Drop for DeviceBuf<T> {
+    fn drop(&mut self) {
+        // SAFETY: the slice is not touched again (`drop` runs once).
+        let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
+        match self.owner {
+            Owner::Cudarc => drop(slice),
+            // Not ours to free: forget the slice; `owner` (dropped next) frees it, if anyone here does.
+            Owner::Borrowed | Owner::External(_) => {
+                slice.leak();
+            }
+        }
+    }
+}
+
+impl<T> std::ops::Deref for DeviceBuf<T> {
+    type Target = CudaSlice<T>;
+    fn deref(&self) -> &CudaSlice<T> {
+        &self.slice
+    }
+}
+
+impl<T> std::ops::DerefMut for DeviceBuf<T> {
+    fn deref_mut(&mut self) -> &mut CudaSlice<T> {
+        &mut self.slice
+    }
+}
+
+// Kernel arguments: a buffer passes as its slice does.
+unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b DeviceBuf<T>> for LaunchArgs<'a> {
+    #[inline(always)]
+    fn arg(&mut self, arg: &'b DeviceBuf<T>) -> &mut Self {
+        <Self as PushKernelArg<&'b CudaSlice<T>>>::arg(self, &arg.slice)
+    }
+}
+
+unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b mut DeviceBuf<T>> for LaunchArgs<'a> {
+    #[inline(always)]
+    fn arg(&mut self, arg: &'b mut DeviceBuf<T>) -> &mut Self {
+        <Self as PushKernelArg<&'b mut CudaSlice<T>>>::arg(self, &mut arg.slice)
+    }
 }
 
 impl DeviceTensor {

@@ -20,7 +20,7 @@ pub fn mse_loss_grad(gpu: &Gpu, y: &DeviceTensor, target: &DeviceTensor) -> Resu
         // SAFETY: (y, target, dy, parts, len) as the kernel takes; parts holds one float per block.
         launched("mse_loss_grad", unsafe { l.launch(cfg) })
     }?;
-    let parts = gpu.stream().clone_dtoh(&parts.buf).map_err(|e| Error::cuda("reading the loss", e))?;
+    let parts = gpu.stream().clone_dtoh(&*parts.buf).map_err(|e| Error::cuda("reading the loss", e))?;
     Ok((parts.iter().map(|&p| p as f64).sum::<f64>() / y.len() as f64, dy))
 }
 

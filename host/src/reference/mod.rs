@@ -141,13 +141,24 @@ fn check_params<T: Copy>(spec: &BlockSpec, params: &Params<T>) -> Result<()> {
 
 /// The block's output for input `x`: Linear, then each op of the chain (inference).
 pub fn block_forward<T: Real>(spec: &BlockSpec, x: &Tensor<T>, params: &Params<T>) -> Result<Tensor<T>> {
+    Ok(block_forward_saving(spec, x, params)?.0)
+}
+
+/// [`block_forward`] and the Linear output `z` `(batch, out)` the chain started from:
+/// what [`block_backward_at`] takes to give the gradients without the GEMM again.
+pub fn block_forward_saving<T: Real>(
+    spec: &BlockSpec,
+    x: &Tensor<T>,
+    params: &Params<T>,
+) -> Result<(Tensor<T>, Tensor<T>)> {
     let batch = spec.check_input(x)?;
     check_params(spec, params)?;
-    let mut h = linear::linear_forward(x, &params.linear_weight, &params.linear_bias)?;
+    let z = linear::linear_forward(x, &params.linear_weight, &params.linear_bias)?;
+    let mut h = z.clone();
     for (op, op_params) in spec.chain.0.iter().zip(&params.ops) {
         h = op_forward(op, &h, op_params)?.0;
     }
-    h.reshape(&spec.output_shape(batch))
+    Ok((h.reshape(&spec.output_shape(batch))?, z))
 }
 
 /// Gradients of a block's input and of each of its parameters.

@@ -184,7 +184,6 @@ pub fn refine_near_kinks(
     }
     let (rel, abs) = z_error(precision, k);
     let stream = gpu.stream();
-    let oom = |e| Error::cuda("allocating the kink lists", e);
     let (n32, ops32) = (n as u32, n_ops as u32);
     // Both scans: one block per row, the row-wise one holding the row (twice over
     // where the chain pools) in shared memory.
@@ -199,13 +198,13 @@ pub fn refine_near_kinks(
     if smem > gpu.props.max_shared_per_block_optin {
         return Ok(Refined::TooWide);
     }
-    let mut counts = stream.alloc_zeros::<u32>(chunks).map_err(oom)?;
+    let mut counts = gpu.zeroed_buf::<u32>(stream, chunks)?;
     // SAFETY: the scan writes every entry that refine_z reads (those below counts).
-    let mut lists = unsafe { stream.alloc::<u32>(chunks * rows) }.map_err(oom)?;
+    let mut lists = unsafe { gpu.alloc_buf::<u32>(stream, chunks * rows)? };
     // (row, column) pairs for refine_values, up to `cap` per row, and their count.
     // SAFETY: the scan writes every pair below the count before refine_values reads it.
-    let mut values = unsafe { stream.alloc::<u32>((2 * cap * rows).max(1)) }.map_err(oom)?;
-    let mut value_count = stream.alloc_zeros::<u32>(1).map_err(oom)?;
+    let mut values = unsafe { gpu.alloc_buf::<u32>(stream, 2 * cap * rows)? };
+    let mut value_count = gpu.zeroed_buf::<u32>(stream, 1)?;
     let func = gpu.function(name)?;
     gpu.allow_shared(&func, name, smem)?;
     let cfg = LaunchConfig {
@@ -263,8 +262,7 @@ fn refine(
     // order costs ~4 us, all refine_z then has to do).
     let order = if ordered {
         // SAFETY: refine_order writes all `chunks` entries before refine_z reads them.
-        let mut order =
-            unsafe { stream.alloc::<u32>(chunks) }.map_err(|e| Error::cuda("allocating the refine order", e))?;
+        let mut order = unsafe { gpu.alloc_buf::<u32>(stream, chunks)? };
         let func = gpu.function("refine_order")?;
         let cfg = LaunchConfig {
             grid_dim: (1, 1, 1),

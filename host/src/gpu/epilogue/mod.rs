@@ -4,10 +4,10 @@ pub mod kinks;
 pub mod lanes;
 pub mod rows;
 
-use super::{DeviceTensor, Gpu};
+use super::{DeviceBuf, DeviceTensor, Gpu};
 use crate::chain::Op;
 use crate::error::{Error, Result};
-use cudarc::driver::{CudaSlice, DevicePtr};
+use cudarc::driver::DevicePtr;
 use kernel_abi::epilogue::*;
 
 /// A chain as the kernels see it: op descriptors in device memory, pointing at
@@ -15,7 +15,7 @@ use kernel_abi::epilogue::*;
 /// so they outlive it).
 pub struct DeviceChain {
     pub ops: Vec<OpDesc>,
-    pub descs: CudaSlice<u64>,
+    pub descs: DeviceBuf<u64>,
     /// Parameter-gradient slots of the backward: 1 (the Linear bias) + one per op parameter.
     pub grad_slots: usize,
 }
@@ -49,9 +49,7 @@ impl DeviceChain {
             descs.push(d);
         }
         let words: Vec<u64> = descs.iter().flat_map(op_words).collect();
-        // A zero-length allocation is not allowed; an empty chain still gets one word.
-        let words = if words.is_empty() { vec![0] } else { words };
-        let buf = gpu.stream().clone_htod(&words).map_err(|e| Error::cuda("uploading the chain", e))?;
+        let buf = gpu.words(gpu.stream(), &words)?;
         let grad_slots = 1 + ops.iter().map(|op| op.param_bases().len()).sum::<usize>();
         Ok(DeviceChain { ops: descs, descs: buf, grad_slots })
     }

@@ -4,7 +4,7 @@
 
 use super::super::elementwise::slice_to_bf16;
 use super::super::epilogue::DeviceChain;
-use super::super::{DeviceTensor, Gpu};
+use super::super::{DeviceBuf, DeviceTensor, Gpu};
 use super::simt::EpilogueArgs;
 use super::simt::Precision;
 use crate::error::{Error, Result};
@@ -118,7 +118,7 @@ fn encode_map_typed(
 /// (freed in stream order after the kernel: cudarc frees asynchronously on `stream`),
 /// the function with its shared memory allowed, and `min(tiles, SMs)` blocks.
 struct Persistent {
-    maps: CudaSlice<u64>,
+    maps: DeviceBuf<u64>,
     func: CudaFunction,
     cfg: LaunchConfig,
 }
@@ -133,7 +133,7 @@ fn persistent(
     (m, n): (usize, usize),
 ) -> Result<Persistent> {
     let words: Vec<u64> = maps.iter().flat_map(|map| map.opaque).collect();
-    let maps = stream.clone_htod(&words).map_err(|e| Error::cuda("uploading the TMA tensor maps", e))?;
+    let maps = gpu.words(stream, &words)?;
     let smem_bytes = if precision == Precision::Tf32x3 { SPLIT_SMEM_BYTES } else { SMEM_BYTES };
     let func = gpu.function(name)?;
     gpu.allow_shared(&func, name, smem_bytes)?;

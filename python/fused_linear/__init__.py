@@ -1,0 +1,244 @@
+"""Fused Linear + epilogue blocks (GroupNorm, Swish, Mish, GELU, ...) as a PyTorch op.
+
+The kernels and the host that launches them are written in Rust (`fused_linear._native`).
+This package registers them as the custom ops `torch.ops.fused_linear.forward` and
+`torch.ops.fused_linear.backward`, with autograd between them, and offers
+:func:`fused_linear` (functional) and :class:`FusedLinear` (an ``nn.Module``).
+
+On CUDA the op reads and writes the tensors' memory where it is, runs on
+``torch.cuda.current_stream()`` and allocates every buffer through PyTorch's caching
+allocator, so it can be captured in a CUDA graph. CPU tensors run the CPU backend in
+their own dtype (float32 or float64).
+"""
+
+import functools
+import re
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from . import _native
+
+__all__ = ["PRECISIONS", "PRESETS", "FusedLinear", "fused_linear"]
+__version__ = _native.__version__
+
+#: The GEMMs' arithmetic (the epilogue is always FP32): strict FP32 on the FMA units;
+#: 3xTF32 on the tensor cores (FP32-level accuracy); TF32; bf16 operands, FP32 accumulation.
+PRECISIONS = ("fp32", "tf32x3", "tf32", "bf16")
+
+#: The five reference blocks' chains (KernelBench level 2: #88, #37, #62, #98, #94).
+PRESETS: Dict[str, str] = {
+    "M1": "groupnorm(256),swish,mul,swish",
+    "M2": "swish,bias,groupnorm(64)",
+    "M3": "groupnorm(512),leakyrelu(0.01),double",
+    "M4": "avgpool(16),gelu,scale(2),max",
+    "M5": "bias,hardtanh(-1,1),mish,groupnorm(256)",
+}
+
+_ALIGNMENT = 16
+
+
+@functools.lru_cache(maxsize=512)
+def _describe(in_features: int, out_features: int, ops: str):
+    """(output shape after the batch, z's width on the GPU, on the CPU, ops, params)."""
+    return _native.describe(in_features, out_features, ops)
+
+
+def _allocator(device: torch.device, dtype: torch.dtype):
+    """Buffers for the Rust side, from PyTorch's allocator: kind 0 holds `dtype` values,
+    kind 1 bytes (the returned tensor owns the memory for as long as Rust keeps it)."""
+
+    def allocate(numel: int, kind: int) -> Tensor:
+        return torch.empty(numel, dtype=dtype if kind == 0 else torch.uint8, device=device)
+
+    return allocate
+
+
+def _stream(x: Tensor) -> int:
+    return torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
+
+
+@torch.library.custom_op("fused_linear::forward", mutates_args=())
+def _forward_op(
+    x: Tensor, weight: Tensor, bias: Tensor, params: List[Tensor], ops: str, precision: str
+) -> Tuple[Tensor, Tensor]:
+    """`(y, z)`: the block's output and the state its backward takes."""
+    return _native.forward(x, weight, bias, params, ops, precision, _stream(x), _allocator(x.device, x.dtype))
+
+
+@_forward_op.register_fake
+def _forward_fake(x, weight, bias, params, ops, precision):
+    out_shape, gpu_width, cpu_width, _, _ = _describe(int(x.shape[1]), int(weight.shape[0]), ops)
+    y = x.new_empty((x.shape[0], *out_shape))
+    z = x.new_empty((x.shape[0], gpu_width if x.device.type == "cuda" else cpu_width))
+    return y, z
+
+
+@torch.library.custom_op("fused_linear::backward", mutates_args=())
+def _backward_op(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    params: List[Tensor],
+    z: Tensor,
+    dy: Tensor,
+    ops: str,
+    precision: str,
+) -> List[Tensor]:
+    """`[dx, dweight, dbias, *dparams]` from the forward's `z` and the output's gradient `dy`."""
+    if not dy.is_contiguous() or (dy.is_cuda and dy.data_ptr() % _ALIGNMENT):
+        # Gradients arrive as autograd makes them (expanded, offset views): dense them.
+        dy = dy.contiguous().clone()
+    dx, dw, db, dparams = _native.backward(
+        x, weight, bias, params, z, dy, ops, precision, _stream(x), _allocator(x.device, x.dtype)
+    )
+    return [dx, dw, db, *dparams]
+
+
+@_backward_op.register_fake
+def _backward_fake(x, weight, bias, params, z, dy, ops, precision):
+    return [torch.empty_like(t) for t in (x, weight, bias, *params)]
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, params, ops, precision = inputs
+    _, z = output
+    ctx.save_for_backward(x, weight, bias, z, *params)
+    ctx.ops, ctx.precision = ops, precision
+    ctx.mark_non_differentiable(z)
+
+
+def _backward_rule(ctx, grad_y: Tensor, grad_z: Optional[Tensor]):
+    x, weight, bias, z, *params = ctx.saved_tensors
+    dx, dw, db, *dparams = torch.ops.fused_linear.backward(
+        x, weight, bias, params, z, grad_y, ctx.ops, ctx.precision
+    )
+    return dx, dw, db, dparams, None, None
+
+
+_forward_op.register_autograd(_backward_rule, setup_context=_setup_context)
+
+
+def fused_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    ops: str,
+    params: Sequence[Tensor] = (),
+    precision: str = "fp32",
+) -> Tensor:
+    """``chain(x @ weight.T + bias)`` in as few kernels as the chain allows.
+
+    ``x`` is ``(*, in_features)``: leading dimensions are flattened into the batch (each
+    row is one sample; a GroupNorm normalises a row's channels, as ``nn.GroupNorm`` does
+    on ``(N, C)``). ``ops`` is the chain (e.g. ``"groupnorm(256),swish,mul,swish"``),
+    ``params`` its parameters in chain order, ``precision`` one of :data:`PRECISIONS`.
+    Returns ``(*, F)``, or ``(*)`` when the chain ends in ``max``.
+    """
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision `{precision}` is not one of {', '.join(PRECISIONS)}")
+    if x.dim() == 2:
+        y, _ = torch.ops.fused_linear.forward(x, weight, bias, list(params), ops, precision)
+        return y
+    if x.dim() == 0:
+        raise ValueError("x: expected a tensor of shape (*, in_features), got a scalar")
+    if not x.is_contiguous():
+        raise ValueError(f"x is not contiguous (shape {tuple(x.shape)}); pass x.contiguous()")
+    lead = x.shape[:-1]
+    y, _ = torch.ops.fused_linear.forward(x.view(-1, x.shape[-1]), weight, bias, list(params), ops, precision)
+    return y.view(*lead, *y.shape[1:])
+
+
+_GROUPNORM = re.compile(r"groupnorm\((\d+),([^)]+)\)")
+
+
+class FusedLinear(nn.Module):
+    """``Linear(in_features, out_features)`` followed by the epilogue chain ``ops``, fused.
+
+    Parameters are named as the plain PyTorch modules name theirs — ``lin.weight``,
+    ``lin.bias``, ``gn.weight``, ``gn.bias``, ``w`` (``mul``), ``bias`` (the chain's
+    ``bias``); a second op of a kind gets a number (``gn2``, ``bias2``) — and are
+    initialised as PyTorch initialises them, in chain order, so ``load_state_dict`` from
+    the plain model works and the same seed draws the same values.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        ops: str = "",
+        precision: str = "fp32",
+        *,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision `{precision}` is not one of {', '.join(PRECISIONS)}")
+        _, _, _, canonical, params = _describe(in_features, out_features, ops)
+        self.in_features, self.out_features, self.ops, self.precision = in_features, out_features, ops, precision
+        factory = {"device": device, "dtype": dtype}
+        self.lin = nn.Linear(in_features, out_features, **factory)
+        self._param_names: List[str] = []
+        for name, shape, op_index in params:
+            module, _, field = name.rpartition(".")
+            if module:  # a GroupNorm's weight or bias: the module holds both
+                if field == "weight":
+                    groups, eps = _GROUPNORM.fullmatch(canonical[op_index]).groups()
+                    self.add_module(module, nn.GroupNorm(int(groups), shape[0], eps=float(eps), **factory))
+            else:
+                self.register_parameter(name, nn.Parameter(torch.randn(*shape, **factory)))
+            self._param_names.append(name)
+
+    def chain_parameters(self) -> List[Tensor]:
+        """The chain's parameters in the op's order (what :func:`fused_linear` takes)."""
+        return [self.get_parameter(name) for name in self._param_names]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return fused_linear(x, self.lin.weight, self.lin.bias, self.ops, self.chain_parameters(), self.precision)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, ops='{self.ops}', " + (
+            f"precision='{self.precision}'"
+        )
+
+    @classmethod
+    def from_module(
+        cls,
+        module: nn.Module,
+        ops: str,
+        precision: str = "fp32",
+        names: Optional[Dict[str, str]] = None,
+    ) -> "FusedLinear":
+        """A fused block with the parameters of a plain module (copied).
+
+        ``module`` holds an ``nn.Linear`` (its first) and the chain's parameters, named as
+        :class:`FusedLinear` names them, or as ``names`` maps them (ours to the module's,
+        e.g. ``{"lin.weight": "gemm.weight", "gn.weight": "group_norm.weight"}``).
+        """
+        linear = next((m for m in module.modules() if isinstance(m, nn.Linear)), None)
+        if linear is None:
+            raise ValueError(f"{type(module).__name__} holds no nn.Linear")
+        w = linear.weight
+        block = cls(linear.in_features, linear.out_features, ops, precision, device=w.device, dtype=w.dtype)
+        theirs = dict(module.named_parameters())
+        names = names or {}
+        missing = []
+        with torch.no_grad():
+            for ours, p in block.named_parameters():
+                source = theirs.get(names.get(ours, ours))
+                if ours in ("lin.weight", "lin.bias") and ours not in names and source is None:
+                    source = getattr(linear, ours.split(".")[1])
+                if source is None or source.shape != p.shape:
+                    missing.append(ours)
+                else:
+                    p.copy_(source)
+        if missing:
+            raise ValueError(
+                f"from_module: {type(module).__name__} has no parameter for {', '.join(missing)} "
+                f"(its parameters: {', '.join(theirs)}); pass names={{ours: theirs}}"
+            )
+        return block
