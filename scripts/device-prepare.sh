@@ -18,6 +18,12 @@ for line in sys.stdin:
             print("test binary:", m["target"]["name"])
 '
 cp "$(ls -t $(find target/release/build -name kernels_sm90.ptx) | head -1)" device-carry/
+# The Python package (abi3 wheel: any CPython >= 3.9) and pytest for its GPU tests (the
+# GPU machine has PyTorch but no network).
+PY=${PYTHON:-python3}
+"$PY" -m maturin build --release -m python/Cargo.toml -i "$PY" --out device-carry/wheels >/dev/null
+"$PY" -m pip download --quiet --only-binary :all: -d device-carry/wheels pytest
+ls device-carry/wheels
 ls -la device-carry
 du -sh device-carry
 # The PyTorch peers, timed in the same device call (shared/ beside the checkout does not travel).

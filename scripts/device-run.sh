@@ -4,6 +4,8 @@
 # same call. Everything goes to $OUT/log.txt (and the JSON tables beside it: the
 # device tool returns at most 8 files); a short summary is printed last.
 #   STEPS="ptxas sass tests check forward backward bench train pytorch tensor parity compile"
+#   Python package: STEPS="python kernelbench pybench pytrain" (pytest, the KernelBench ModelNews,
+#   the op against `host bench`, examples/train.py)
 #   (default: all; `compile` runs the PyTorch baselines again under torch.compile)
 #   STEPS=seedparity: scripts/parity.py at the presets' seed sizes, every precision, against
 #   PyTorch's float64 on the GPU (~5 minutes: a call of its own, not in the default)
@@ -36,6 +38,12 @@ for d in /usr/local/cuda/lib64 $(python3 -c 'import nvidia, os; print(os.path.jo
     break
   fi
 done
+
+# The Python package: installed from the carried wheels into a folder of its own.
+if [ -d "$C/wheels" ]; then
+  python3 -m pip install --quiet --no-index --no-deps --target /tmp/pylib "$C"/wheels/*.whl 2>&1 | tail -2
+  export PYTHONPATH="/tmp/pylib:${PYTHONPATH:-}"
+fi
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee -a "$LOG"
 
@@ -86,6 +94,12 @@ if has seedparity; then
       --precision $p --json "$OUT/parity-seed-$p.json"
   done
 fi
+has python && PYTHONUNBUFFERED=1 run "pytest (CPU and GPU)" 500 python3 -m pytest -q -p no:cacheprovider python/tests
+has kernelbench && PYTHONUNBUFFERED=1 run "KernelBench ModelNew" 560 python3 examples/kernelbench/run.py \
+  --precision fp32,tf32x3 --trials 5 --backward --json "$OUT/kernelbench.json"
+has pybench && PYTHONUNBUFFERED=1 run "op vs host bench" 560 python3 scripts/py-bench.py --host "$C/host" \
+  --json "$OUT/py-bench.json"
+has pytrain && PYTHONUNBUFFERED=1 run "train.py" 200 python3 examples/train.py --steps 50 --device cuda --precision fp32
 if has pytorch; then
   PYTHONUNBUFFERED=1 run "pytorch fp32 ${TORCH_FLAGS:-eager}" 500 python3 "$C/pytorch_baselines.py" --backward \
     ${TORCH_FLAGS:-} --json "$OUT/torch.json"

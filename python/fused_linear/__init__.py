@@ -75,6 +75,21 @@ def _forward_fake(x, weight, bias, params, ops, precision):
     return y, z
 
 
+@torch.library.custom_op("fused_linear::inference", mutates_args=())
+def _inference_op(
+    x: Tensor, weight: Tensor, bias: Tensor, params: List[Tensor], ops: str, precision: str
+) -> Tensor:
+    """The block's output alone: nothing is saved for a backward (no gradient wanted)."""
+    alloc = _allocator(x.device, x.dtype)
+    return _native.forward(x, weight, bias, params, ops, precision, _stream(x), alloc, save=False)[0]
+
+
+@_inference_op.register_fake
+def _inference_fake(x, weight, bias, params, ops, precision):
+    out_shape = _describe(int(x.shape[1]), int(weight.shape[0]), ops)[0]
+    return x.new_empty((x.shape[0], *out_shape))
+
+
 @torch.library.custom_op("fused_linear::backward", mutates_args=())
 def _backward_op(
     x: Tensor,
@@ -140,16 +155,24 @@ def fused_linear(
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision `{precision}` is not one of {', '.join(PRECISIONS)}")
+    params = list(params)
     if x.dim() == 2:
-        y, _ = torch.ops.fused_linear.forward(x, weight, bias, list(params), ops, precision)
-        return y
+        return _apply(x, weight, bias, params, ops, precision)
     if x.dim() == 0:
         raise ValueError("x: expected a tensor of shape (*, in_features), got a scalar")
     if not x.is_contiguous():
         raise ValueError(f"x is not contiguous (shape {tuple(x.shape)}); pass x.contiguous()")
     lead = x.shape[:-1]
-    y, _ = torch.ops.fused_linear.forward(x.view(-1, x.shape[-1]), weight, bias, list(params), ops, precision)
+    y = _apply(x.view(-1, x.shape[-1]), weight, bias, params, ops, precision)
     return y.view(*lead, *y.shape[1:])
+
+
+def _apply(x: Tensor, weight: Tensor, bias: Tensor, params: List[Tensor], ops: str, precision: str) -> Tensor:
+    """The forward op where a gradient may be wanted (it saves `z`), else the inference op."""
+    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, bias, *params))
+    if wants_grad:
+        return torch.ops.fused_linear.forward(x, weight, bias, params, ops, precision)[0]
+    return torch.ops.fused_linear.inference(x, weight, bias, params, ops, precision)
 
 
 _GROUPNORM = re.compile(r"groupnorm\((\d+),([^)]+)\)")
@@ -179,7 +202,12 @@ class FusedLinear(nn.Module):
         if precision not in PRECISIONS:
             raise ValueError(f"precision `{precision}` is not one of {', '.join(PRECISIONS)}")
         _, _, _, canonical, params = _describe(in_features, out_features, ops)
-        self.in_features, self.out_features, self.ops, self.precision = in_features, out_features, ops, precision
+        self.in_features, self.out_features, self.ops, self.precision = (
+            in_features,
+            out_features,
+            ops,
+            precision,
+        )
         factory = {"device": device, "dtype": dtype}
         self.lin = nn.Linear(in_features, out_features, **factory)
         self._param_names: List[str] = []
@@ -198,7 +226,9 @@ class FusedLinear(nn.Module):
         return [self.get_parameter(name) for name in self._param_names]
 
     def forward(self, x: Tensor) -> Tensor:
-        return fused_linear(x, self.lin.weight, self.lin.bias, self.ops, self.chain_parameters(), self.precision)
+        return fused_linear(
+            x, self.lin.weight, self.lin.bias, self.ops, self.chain_parameters(), self.precision
+        )
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, ops='{self.ops}', " + (

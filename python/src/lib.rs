@@ -401,10 +401,12 @@ fn cpu_params<T: Element>(call: &Call<'_>) -> PyResult<Params<T>> {
 fn cpu_forward<'py, T: Element>(
     call: &Call<'py>,
     allocate: &Bound<'py, PyAny>,
-) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    save: bool,
+) -> PyResult<(Bound<'py, PyAny>, Option<Bound<'py, PyAny>>)> {
     let (x, params) = (read_cpu::<T>(&call.x)?, cpu_params::<T>(call)?);
     let (y, z) = reference::block_forward_saving(&call.spec, &x, &params).map_err(to_py)?;
-    Ok((write_cpu(allocate, &y, y.shape())?, write_cpu(allocate, &z, z.shape())?))
+    let z = if save { Some(write_cpu(allocate, &z, z.shape())?) } else { None };
+    Ok((write_cpu(allocate, &y, y.shape())?, z))
 }
 
 type Grads<'py> = (Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>, Vec<Bound<'py, PyAny>>);
@@ -427,9 +429,10 @@ fn cpu_backward<'py, T: Element>(
 // ---------------------------------------------------------------------------------
 // The functions the package registers as custom ops.
 
-/// The block's forward: `(y, z)`, `z` the state the backward takes.
+/// The block's forward: `(y, z)`, `z` the state the backward takes, or `(y, None)`
+/// without `save` (inference: `z` is then neither written nor allocated).
 #[pyfunction]
-#[pyo3(signature = (x, weight, bias, params, ops, precision, stream, allocate))]
+#[pyo3(signature = (x, weight, bias, params, ops, precision, stream, allocate, save = true))]
 #[allow(clippy::too_many_arguments)]
 fn forward<'py>(
     x: &Bound<'py, PyAny>,
@@ -440,19 +443,24 @@ fn forward<'py>(
     precision: &str,
     stream: u64,
     allocate: &Bound<'py, PyAny>,
-) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    save: bool,
+) -> PyResult<(Bound<'py, PyAny>, Option<Bound<'py, PyAny>>)> {
     guarded(|| {
         let call = Call::new(x, weight, bias, &params, ops, precision)?;
         match (call.device.clone(), call.dtype) {
-            (Device::Cpu, DType::F32) => cpu_forward::<f32>(&call, allocate),
-            (Device::Cpu, DType::F64) => cpu_forward::<f64>(&call, allocate),
+            (Device::Cpu, DType::F32) => cpu_forward::<f32>(&call, allocate, save),
+            (Device::Cpu, DType::F64) => cpu_forward::<f64>(&call, allocate, save),
             (Device::Cuda(index), _) => {
                 let g = gpu_call(&call, index, stream, allocate)?;
-                let (y, saved) = g.block.forward_train(&g.gpu, &g.x, false).map_err(to_py)?;
                 let py = x.py();
-                let y = into_torch(py, y, &call.spec.output_shape(call.batch))?;
-                let z = into_torch(py, saved.z, &call.z_shape())?;
-                Ok((y, z))
+                let out_shape = call.spec.output_shape(call.batch);
+                if !save {
+                    let mut ws = g.block.workspace_with(&g.gpu, call.batch, false).map_err(to_py)?;
+                    g.block.forward_into(&g.gpu, &g.x, &mut ws, None).map_err(to_py)?;
+                    return Ok((into_torch(py, ws.y, &out_shape)?, None));
+                }
+                let (y, saved) = g.block.forward_train(&g.gpu, &g.x, false).map_err(to_py)?;
+                Ok((into_torch(py, y, &out_shape)?, Some(into_torch(py, saved.z, &call.z_shape())?)))
             }
         }
     })

@@ -1,0 +1,168 @@
+"""Times the PyTorch op against `host bench` in the same process's GPU, same shapes.
+
+Usage (GPU machine, fused_linear importable):
+    python3 scripts/py-bench.py --host device-carry/host [--precisions fp32,tf32x3] [--models M1,M3]
+                                [--repeat 20] [--json out.json]
+
+For each preset at its seed size and each precision: the op's forward (`torch.no_grad`) and
+forward+backward (`torch.autograd.grad`, so nothing accumulates into `.grad`), median of
+`--repeat` runs timed with CUDA events exactly as `host bench` times its own (no L2 flush,
+back to back), then `host bench` (and `--backward`) for the same models, and the ratio.
+The Python and launch overhead is measured at a small shape (64x1024x1024): host wall
+time per call against the GPU time of the same call.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import fused_linear as fl
+import torch
+
+SEED = {"M2": (32768, 1024, 4096)}
+DEFAULT = (1024, 8192, 8192)
+
+
+def median_ms(fn, repeat: int, warm: int = 3) -> float:
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def block(model: str, precision: str, shape=None):
+    b, i, o = shape or SEED.get(model, DEFAULT)
+    torch.manual_seed(1)
+    m = fl.FusedLinear(i, o, fl.PRESETS[model], precision, device="cuda")
+    x = torch.randn(b, i, device="cuda", requires_grad=True)
+    return m, x
+
+
+def time_op(model: str, precision: str, repeat: int):
+    m, x = block(model, precision)
+    with torch.no_grad():
+        fwd = median_ms(lambda: m(x), repeat)
+    y = m(x)
+    dy = torch.randn_like(y)
+    inputs = [x, *m.parameters()]
+
+    def step():
+        out = m(x)
+        torch.autograd.grad(out, inputs, dy)
+
+    both = median_ms(step, max(repeat // 2, 5))
+    return fwd, both
+
+
+def overhead(precision: str, calls: int = 200):
+    torch.manual_seed(1)
+    m = fl.FusedLinear(1024, 1024, "groupnorm(32),swish,mul,swish", precision, device="cuda")
+    x = torch.randn(64, 1024, device="cuda", requires_grad=True)
+    out = {}
+    for label, grad in (("forward", False), ("forward+backward", True)):
+        inputs = [x, *m.parameters()]
+
+        def call(grad=grad, inputs=inputs):
+            if grad:
+                y = m(x)
+                torch.autograd.grad(y, inputs, torch.ones_like(y))
+            else:
+                with torch.no_grad():
+                    m(x)
+
+        gpu = median_ms(call, 50)
+        for _ in range(10):
+            call()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        host = (time.perf_counter() - t0) / calls * 1e3
+        torch.cuda.synchronize()
+        out[label] = {"host_ms_per_call": host, "gpu_ms": gpu}
+    return out
+
+
+def host_bench(host: str, precision: str, models: str, backward: bool, repeat: int):
+    cmd = [
+        host,
+        "bench",
+        "--precision",
+        precision,
+        "--models",
+        models,
+        "--repeat",
+        str(repeat),
+        "--json",
+        "/tmp/hb.json",
+    ]
+    if backward:
+        cmd.append("--backward")
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open("/tmp/hb.json") as f:
+        return {r["model"]: r["ours_ms"] for r in json.load(f)["results"]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--host", required=True)
+    p.add_argument("--precisions", default="fp32,tf32x3,tf32,bf16")
+    p.add_argument("--models", default="M1,M2,M3,M4,M5")
+    p.add_argument("--repeat", type=int, default=20)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    rows = []
+    for precision in a.precisions.split(","):
+        hb_f = host_bench(a.host, precision, a.models, False, a.repeat)
+        hb_b = host_bench(a.host, precision, a.models, True, max(a.repeat // 2, 5))
+        for model in a.models.split(","):
+            fwd, both = time_op(model, precision, a.repeat)
+            rows.append(
+                {
+                    "model": model,
+                    "precision": precision,
+                    "op_fwd_ms": fwd,
+                    "host_fwd_ms": hb_f[model],
+                    "op_fwdbwd_ms": both,
+                    "host_fwdbwd_ms": hb_b[model],
+                }
+            )
+            hf, hb = hb_f[model], hb_b[model]
+            print(
+                f"{model} {precision:7s} fwd op {fwd:.3f} host {hf:.3f} ({fwd / hf:.3f}x)"
+                f"  fwd+bwd op {both:.3f} host {hb:.3f} ({both / hb:.3f}x)",
+                flush=True,
+            )
+    small = {prec: overhead(prec) for prec in a.precisions.split(",")[:2]}
+    print("\nop / host bench, seed sizes, CUDA events, same process")
+    heads = ("fwd op", "fwd host", "ratio", "f+b op", "f+b host", "ratio")
+    print(f"{'model':6} {'precision':9} " + " ".join(f"{h:>9}" for h in heads))
+    for r in rows:
+        print(
+            f"{r['model']:6} {r['precision']:9} {r['op_fwd_ms']:9.3f} {r['host_fwd_ms']:9.3f} "
+            f"{r['op_fwd_ms'] / r['host_fwd_ms']:9.3f} {r['op_fwdbwd_ms']:9.3f} {r['host_fwdbwd_ms']:9.3f} "
+            f"{r['op_fwdbwd_ms'] / r['host_fwdbwd_ms']:9.3f}"
+        )
+    print("\nPython + launch overhead at 64x1024x1024 (host wall ms per call, back to back; GPU ms per call)")
+    for prec, d in small.items():
+        for label, v in d.items():
+            print(f"  {prec:7s} {label:17s} host {v['host_ms_per_call']:.4f} ms  gpu {v['gpu_ms']:.4f} ms")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"rows": rows, "overhead": small}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
