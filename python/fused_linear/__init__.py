@@ -17,6 +17,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch._C._functorch import peek_interpreter_stack as _functorch_level
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 from . import _native
 
@@ -59,12 +61,29 @@ def _stream(x: Tensor) -> int:
     return torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
 
 
+def _run_forward(
+    x: Tensor, weight: Tensor, bias: Tensor, params: List[Tensor], ops: str, precision: str, save: bool
+):
+    return _native.forward(
+        x, weight, bias, params, ops, precision, _stream(x), _allocator(x.device, x.dtype), save=save
+    )
+
+
+def _run_backward(x, weight, bias, params, z, dy, ops: str, precision: str):
+    if not dy.is_contiguous() or (dy.is_cuda and dy.data_ptr() % _ALIGNMENT):
+        # Gradients arrive as autograd makes them (expanded, offset views): dense them.
+        dy = dy.contiguous().clone()
+    return _native.backward(
+        x, weight, bias, params, z, dy, ops, precision, _stream(x), _allocator(x.device, x.dtype)
+    )
+
+
 @torch.library.custom_op("fused_linear::forward", mutates_args=())
 def _forward_op(
     x: Tensor, weight: Tensor, bias: Tensor, params: List[Tensor], ops: str, precision: str
 ) -> Tuple[Tensor, Tensor]:
     """`(y, z)`: the block's output and the state its backward takes."""
-    return _native.forward(x, weight, bias, params, ops, precision, _stream(x), _allocator(x.device, x.dtype))
+    return _run_forward(x, weight, bias, params, ops, precision, True)
 
 
 @_forward_op.register_fake
@@ -80,8 +99,7 @@ def _inference_op(
     x: Tensor, weight: Tensor, bias: Tensor, params: List[Tensor], ops: str, precision: str
 ) -> Tensor:
     """The block's output alone: nothing is saved for a backward (no gradient wanted)."""
-    alloc = _allocator(x.device, x.dtype)
-    return _native.forward(x, weight, bias, params, ops, precision, _stream(x), alloc, save=False)[0]
+    return _run_forward(x, weight, bias, params, ops, precision, False)[0]
 
 
 @_inference_op.register_fake
@@ -102,12 +120,7 @@ def _backward_op(
     precision: str,
 ) -> List[Tensor]:
     """`[dx, dweight, dbias, *dparams]` from the forward's `z` and the output's gradient `dy`."""
-    if not dy.is_contiguous() or (dy.is_cuda and dy.data_ptr() % _ALIGNMENT):
-        # Gradients arrive as autograd makes them (expanded, offset views): dense them.
-        dy = dy.contiguous().clone()
-    dx, dw, db, dparams = _native.backward(
-        x, weight, bias, params, z, dy, ops, precision, _stream(x), _allocator(x.device, x.dtype)
-    )
+    dx, dw, db, dparams = _run_backward(x, weight, bias, params, z, dy, ops, precision)
     return [dx, dw, db, *dparams]
 
 
@@ -133,6 +146,38 @@ def _backward_rule(ctx, grad_y: Tensor, grad_z: Optional[Tensor]):
 
 
 _forward_op.register_autograd(_backward_rule, setup_context=_setup_context)
+
+
+class _Eager(torch.autograd.Function):
+    """The same forward and backward as the custom ops, called directly: in eager mode
+    the dispatcher's round trips through Python cost more host time per call than the
+    block's own work at small sizes. Taken only where nothing traces or transforms the
+    call (:func:`_plain_eager`); everything else goes through the registered ops."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, ops, precision, *params):
+        y, z = _run_forward(x, weight, bias, list(params), ops, precision, True)
+        ctx.save_for_backward(x, weight, bias, z, *params)
+        ctx.ops, ctx.precision = ops, precision
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, z, *params = ctx.saved_tensors
+        dx, dw, db, dparams = _run_backward(x, weight, bias, params, z, dy, ctx.ops, ctx.precision)
+        return (dx, dw, db, None, None, *dparams)
+
+
+def _plain_eager(tensors) -> bool:
+    """Whether this call runs eagerly on plain tensors: not under torch.compile or export,
+    no dispatch mode (fake tensors, functionalisation), no functorch transform, no
+    tensor subclass other than nn.Parameter."""
+    return (
+        not torch.compiler.is_compiling()
+        and _current_dispatch_mode() is None
+        and _functorch_level() is None
+        and all(type(t) is Tensor or type(t) is nn.Parameter for t in tensors)
+    )
 
 
 def fused_linear(
@@ -164,12 +209,17 @@ def fused_linear(
         raise ValueError(f"x is not contiguous (shape {tuple(x.shape)}); pass x.contiguous()")
     lead = x.shape[:-1]
     y = _apply(x.view(-1, x.shape[-1]), weight, bias, params, ops, precision)
-    return y.view(*lead, *y.shape[1:])
+    return y.view(tuple(lead) + tuple(y.shape[1:]))
 
 
 def _apply(x: Tensor, weight: Tensor, bias: Tensor, params: List[Tensor], ops: str, precision: str) -> Tensor:
     """The forward op where a gradient may be wanted (it saves `z`), else the inference op."""
-    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, bias, *params))
+    tensors = (x, weight, bias, *params)
+    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if _plain_eager(tensors):
+        if wants_grad:
+            return _Eager.apply(x, weight, bias, ops, precision, *params)
+        return _run_forward(x, weight, bias, params, ops, precision, False)[0]
     if wants_grad:
         return torch.ops.fused_linear.forward(x, weight, bias, params, ops, precision)[0]
     return torch.ops.fused_linear.inference(x, weight, bias, params, ops, precision)
@@ -211,6 +261,7 @@ class FusedLinear(nn.Module):
         factory = {"device": device, "dtype": dtype}
         self.lin = nn.Linear(in_features, out_features, **factory)
         self._param_names: List[str] = []
+        self._param_refs: List[Tuple[str, str]] = []  # (submodule or "", attribute): one getattr each
         for name, shape, op_index in params:
             module, _, field = name.rpartition(".")
             if module:  # a GroupNorm's weight or bias: the module holds both
@@ -220,10 +271,11 @@ class FusedLinear(nn.Module):
             else:
                 self.register_parameter(name, nn.Parameter(torch.randn(*shape, **factory)))
             self._param_names.append(name)
+            self._param_refs.append((module, field if module else name))
 
     def chain_parameters(self) -> List[Tensor]:
         """The chain's parameters in the op's order (what :func:`fused_linear` takes)."""
-        return [self.get_parameter(name) for name in self._param_names]
+        return [getattr(getattr(self, m) if m else self, f) for m, f in self._param_refs]
 
     def forward(self, x: Tensor) -> Tensor:
         return fused_linear(

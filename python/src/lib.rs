@@ -89,6 +89,16 @@ fn tensor_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
     TENSOR.import(py, "torch", "Tensor")
 }
 
+/// `torch.float32` and `torch.float64`, compared by identity (dtypes are singletons).
+fn float_dtypes(py: Python<'_>) -> PyResult<(&Bound<'_, PyAny>, &Bound<'_, PyAny>)> {
+    static F32: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    static F64: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    let get = |cell: &'static PyOnceLock<Py<PyAny>>, name: &str| -> PyResult<&Bound<'_, PyAny>> {
+        Ok(cell.get_or_try_init(py, || py.import("torch")?.getattr(name).map(Bound::unbind))?.bind(py))
+    };
+    Ok((get(&F32, "float32")?, get(&F64, "float64")?))
+}
+
 impl<'py> Arg<'py> {
     fn read(name: impl Into<String>, obj: &Bound<'py, PyAny>) -> PyResult<Arg<'py>> {
         let name = name.into();
@@ -96,24 +106,29 @@ impl<'py> Arg<'py> {
         if !obj.is_instance(tensor_type(py)?)? {
             return Err(PyTypeError::new_err(format!("{name} must be a torch.Tensor, got {}", obj.get_type().name()?)));
         }
-        let dtype = match obj.getattr("dtype")?.str()?.to_cow()?.as_ref() {
-            "torch.float32" => DType::F32,
-            "torch.float64" => DType::F64,
-            other => {
-                return Err(PyTypeError::new_err(format!(
-                    "{name} has dtype {other}; expected torch.float32 (or torch.float64 on the CPU)"
-                )));
-            }
+        // The cheapest reads PyTorch offers (each a few hundred ns): this runs for every
+        // tensor of every call.
+        let (f32_, f64_) = float_dtypes(py)?;
+        let dt = obj.getattr("dtype")?;
+        let dtype = if dt.is(f32_) {
+            DType::F32
+        } else if dt.is(f64_) {
+            DType::F64
+        } else {
+            return Err(PyTypeError::new_err(format!(
+                "{name} has dtype {}; expected torch.float32 (or torch.float64 on the CPU)",
+                dt.str()?
+            )));
         };
-        let dev = obj.getattr("device")?;
-        let device = match dev.getattr("type")?.str()?.to_cow()?.as_ref() {
-            "cpu" => Device::Cpu,
-            "cuda" => Device::Cuda(dev.getattr("index")?.extract::<Option<usize>>()?.unwrap_or(0)),
-            other => {
-                return Err(PyRuntimeError::new_err(format!(
-                    "{name} is on a `{other}` device; fused_linear runs on CUDA and on the CPU"
-                )));
-            }
+        let device = if obj.getattr("is_cuda")?.extract::<bool>()? {
+            Device::Cuda(obj.call_method0("get_device")?.extract::<usize>()?)
+        } else if obj.getattr("is_cpu")?.extract::<bool>()? {
+            Device::Cpu
+        } else {
+            return Err(PyRuntimeError::new_err(format!(
+                "{name} is on a `{}` device; fused_linear runs on CUDA and on the CPU",
+                obj.getattr("device")?.getattr("type")?.str()?
+            )));
         };
         let shape: Vec<usize> = obj.getattr("shape")?.extract()?;
         if !obj.call_method0("is_contiguous")?.extract::<bool>()? {
@@ -230,7 +245,10 @@ impl<'py> Call<'py> {
             }
         };
         bias.expect_shape(&[out_features], "out_features, as the weight's rows")?;
-        let spec = BlockSpec::new(in_features, out_features, chain).map_err(to_py)?;
+        let spec = BlockSpec::new(in_features, out_features, chain).map_err(|e| match e {
+            host::Error::Chain(_) => PyValueError::new_err(format!("ops: {e}")),
+            e => to_py(e),
+        })?;
         spec.check_batch(batch).map_err(to_py)?;
         let specs = spec.param_specs();
         let wanted = &specs[2..];
@@ -568,6 +586,10 @@ fn _raise_panic(message: &str) -> PyResult<()> {
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // A panic's message reaches Python in the RuntimeError `guarded` raises; the default
+    // hook would print it (and a backtrace) to stderr as well. This hook is this
+    // extension's own: Rust's runtime is linked into each extension separately.
+    std::panic::set_hook(Box::new(|_| {}));
     m.add_function(wrap_pyfunction!(forward, m)?)?;
     m.add_function(wrap_pyfunction!(backward, m)?)?;
     m.add_function(wrap_pyfunction!(describe, m)?)?;
