@@ -1,0 +1,420 @@
+"""GPU tests (marker ``gpu``: skipped only where ``torch.cuda.is_available()`` is False).
+
+Everything here is compared with plain PyTorch in float64 on the GPU (chain_ref), by
+relative error ``||got - ref|| / ||ref||``. Inputs are not steered away from kinks here
+(LeakyReLU, Hardtanh, row max): at these sizes some values always sit within float32's
+rounding of a kink, and the host refines those (README: kink refinement), so the
+gradients are held to the exact function's at each precision's tolerance.
+"""
+
+import random
+import time
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fused_linear
+from chain_ref import SPEC_PRESETS, make_case, out_shape, random_chain, reference_grads, rel_err, small_preset
+from fused_linear import FusedLinear
+
+pytestmark = pytest.mark.gpu
+
+TOL = {"fp32": 1e-4, "tf32x3": 1e-4, "tf32": 5e-3, "bf16": 2e-2}
+CUDA = "cuda"
+
+
+def gpu_case(shape, ops, seed):
+    """Seeded float32 inputs on the GPU and an output gradient: ((x, weight, bias, params), dy)."""
+    (x, weight, bias), params = make_case(shape, ops, seed, torch.float32, device=CUDA)
+    n = shape[-1]
+    g = torch.Generator().manual_seed(seed + 1)
+    dy = torch.randn(out_shape(tuple(shape[:-2]), ops, n), generator=g).to(CUDA)
+    return (x, weight, bias, params), dy
+
+
+def check_against_float64(shape, ops, precision, seed):
+    (x, weight, bias, params), dy = gpu_case(shape, ops, seed)
+    leaves = [t.clone().requires_grad_(True) for t in (x, weight, bias, *params)]
+    y = fused_linear.fused_linear(leaves[0], leaves[1], leaves[2], ops, leaves[3:], precision=precision)
+    assert y.device.type == "cuda" and y.dtype == torch.float32
+    grads = torch.autograd.grad(y, leaves, dy)
+    torch.cuda.synchronize()
+    y_ref, grads_ref = reference_grads(x, weight, bias, ops, params, dy)
+    names = ["y", "x", "weight", "bias"] + [f"params[{i}]" for i in range(len(params))]
+    errs = {}
+    for name, got, ref in zip(names, [y, *grads], [y_ref, *grads_ref]):
+        assert torch.isfinite(got).all(), f"{name}: non-finite values ({ops} at {shape}, {precision})"
+        errs[name] = rel_err(got, ref)
+    bad = {n: f"{e:.2e}" for n, e in errs.items() if not e < TOL[precision]}
+    assert not bad, f"{ops} at {shape}, {precision}: relative error above {TOL[precision]:g}: {bad}"
+
+
+# ---------------------------------------------------------------- parity
+
+# (batch..., in, out): odd shapes, tiny to large.
+GPU_SHAPES = [
+    (1, 5, 16),
+    (7, 64, 96),
+    (130, 1000, 1000),
+    (1001, 1024, 4096),
+    (7, 1024, 16),
+    (130, 5, 4096),
+    (1001, 64, 96),
+    (1, 1000, 1000),
+    (130, 64, 4096),
+    (1001, 5, 1000),
+    (7, 1000, 96),
+    (1, 1024, 4096),
+    (130, 1024, 96),
+    (1001, 1000, 16),
+    (2, 65, 64, 96),  # a 3-D batch: 130 rows
+]
+RANDOM_CASES = [
+    (s, random_chain(random.Random(1000 + i), s[-1])) for i, s in enumerate(GPU_SHAPES + GPU_SHAPES[:5])
+]
+# The presets at a small size: 512 features in groups of 16, AvgPool(16) for M4.
+PRESET_CASES = [
+    ((64, 256, 512), small_preset(SPEC_PRESETS[m], 512, group_size=16, pool=16)) for m in sorted(SPEC_PRESETS)
+]
+# Odd sizes for the presets too: groups of 24 channels, k not a multiple of 4.
+PRESET_CASES += [
+    ((33, 77, 96), small_preset(SPEC_PRESETS[m], 96, group_size=24, pool=16)) for m in ("M1", "M5")
+]
+
+CASES = [(s, o, p) for s, o in PRESET_CASES + RANDOM_CASES for p in ("fp32", "tf32x3")]
+# TF32 and bf16 on the presets and every fourth random chain.
+CASES += [(s, o, p) for s, o in PRESET_CASES + RANDOM_CASES[::4] for p in ("tf32", "bf16")]
+
+
+@pytest.mark.parametrize(
+    "shape,ops,precision", CASES, ids=[f"{p}-{'x'.join(map(str, s))}-{o}" for s, o, p in CASES]
+)
+def test_parity_float64(shape, ops, precision):
+    check_against_float64(shape, ops, precision, seed=sum(shape) + len(ops))
+
+
+def test_module_on_gpu_matches_cpu():
+    torch.manual_seed(3)
+    ops = "groupnorm(8),swish,mul,swish"
+    cpu = FusedLinear(40, 96, ops)
+    gpu = FusedLinear(40, 96, ops, device=CUDA)
+    gpu.load_state_dict(cpu.state_dict())
+    assert all(p.device.type == "cuda" for p in gpu.parameters())
+    x = torch.randn(17, 40)
+    torch.testing.assert_close(gpu(x.to(CUDA)).cpu(), cpu(x), rtol=1e-4, atol=1e-5)
+    moved = FusedLinear(40, 96, ops).cuda()
+    assert all(p.device.type == "cuda" for p in moved.parameters())
+    assert moved(x.to(CUDA)).device.type == "cuda"
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_misaligned_memory():
+    n, k, f = 8, 64, 96
+    weight, bias = torch.randn(f, k, device=CUDA), torch.randn(f, device=CUDA)
+    params = [torch.ones(f, device=CUDA), torch.zeros(f, device=CUDA), torch.randn(f, device=CUDA)]
+    ops = "groupnorm(8),swish,mul,swish"
+    x = torch.empty(n * k + 1, device=CUDA)[1:].view(n, k)  # contiguous, 4 bytes off
+    x.normal_()
+    assert x.is_contiguous() and x.data_ptr() % 16 != 0
+    with pytest.raises(ValueError, match="aligned"):
+        fused_linear.fused_linear(x, weight, bias, ops, params)
+    w = torch.empty(f * k + 1, device=CUDA)[1:].view(f, k)
+    w.normal_()
+    with pytest.raises(ValueError, match="aligned"):
+        fused_linear.fused_linear(x.clone(), w, bias, ops, params)
+
+
+def test_two_devices():
+    ops = "groupnorm(8),swish,mul,swish"
+    x = torch.randn(8, 64, device=CUDA)
+    weight, bias = torch.randn(96, 64), torch.randn(96)
+    params = [torch.ones(96), torch.zeros(96), torch.randn(96)]
+    with pytest.raises(RuntimeError, match="device"):
+        fused_linear.fused_linear(x, weight, bias, ops, params)
+    # Everything on the GPU but one chain parameter.
+    gpu_params = [p.to(CUDA) for p in params[:2]] + [params[2]]
+    with pytest.raises(RuntimeError, match="device"):
+        fused_linear.fused_linear(x, weight.to(CUDA), bias.to(CUDA), ops, gpu_params)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_gpu_dtypes_other_than_float32(dtype):
+    ops = "swish,mul"
+    x = torch.randn(8, 64, device=CUDA, dtype=dtype)
+    weight, bias = torch.randn(96, 64, device=CUDA, dtype=dtype), torch.randn(96, device=CUDA, dtype=dtype)
+    with pytest.raises(TypeError, match=r"\bx\b"):
+        fused_linear.fused_linear(x, weight, bias, ops, [torch.randn(96, device=CUDA, dtype=dtype)])
+
+
+# ---------------------------------------------------------------- CUDA graphs
+
+GRAPH_CASES = [
+    ("groupnorm(8),swish,mul,swish", "fp32"),
+    ("bias,hardtanh(-1,1),mish,groupnorm(8)", "tf32"),  # kinks: the refinement scan runs too
+    ("avgpool(4),gelu,scale(2),max", "tf32x3"),
+]
+
+
+@pytest.mark.filterwarnings("error:The AccumulateGrad node's stream does not match")
+@pytest.mark.parametrize("ops,precision", GRAPH_CASES)
+def test_cuda_graph_capture_and_replay(ops, precision):
+    torch.manual_seed(0)
+    batch, k, f = 48, 96, 128
+    model = FusedLinear(k, f, ops, precision=precision, device=CUDA)
+    params = list(model.parameters())
+    static_x = torch.randn(batch, k, device=CUDA, requires_grad=True)
+    static_dy = torch.randn(out_shape((batch,), ops, f), device=CUDA)
+
+    def step():
+        y = model(static_x)
+        y.backward(static_dy)
+        return y
+
+    def clear_grads():
+        for t in [static_x, *params]:
+            t.grad = None
+
+    # Warm up on a side stream (as the PyTorch docs show), then capture on that stream (so
+    # that autograd's AccumulateGrad nodes, made in the warm-up, are on the capture's stream).
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            clear_grads()
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    clear_grads()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        # Detached, so that no autograd graph (and no AccumulateGrad node of the capture's
+        # stream) outlives the capture into the eager runs below.
+        static_y = step().detach()
+
+    previous = None
+    for replay in range(2):
+        data = torch.randn(batch, k, device=CUDA)
+        with torch.no_grad():
+            static_x.copy_(data)
+        g.replay()
+        torch.cuda.synchronize()
+        got = [static_y.clone(), static_x.grad.clone()] + [p.grad.clone() for p in params]
+        # Eager, same data and parameters (autograd.grad leaves the captured .grad alone).
+        xe = data.clone().requires_grad_(True)
+        ye = model(xe)
+        want = [ye.detach()] + list(torch.autograd.grad(ye, [xe, *params], static_dy))
+        names = ["y", "x.grad"] + [f"{n}.grad" for n, _ in model.named_parameters()]
+        for name, a, b in zip(names, got, want):
+            assert torch.isfinite(a).all(), f"replay {replay}: {name} not finite"
+            torch.testing.assert_close(
+                a, b, rtol=1e-6, atol=1e-6, msg=lambda m, name=name, r=replay: f"replay {r}, {name}: {m}"
+            )
+        if previous is not None:  # the replay computed anew, not the capture's numbers again
+            assert not torch.equal(got[0], previous[0])
+        previous = got
+
+
+@pytest.mark.parametrize("ops,precision", GRAPH_CASES)
+def test_cuda_graph_inference(ops, precision):
+    """Forward alone under torch.no_grad (the inference op), captured and replayed."""
+    torch.manual_seed(0)
+    batch, k, f = 48, 96, 128
+    model = FusedLinear(k, f, ops, precision=precision, device=CUDA)
+    static_x = torch.randn(batch, k, device=CUDA)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad():
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                model(static_x)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            static_y = model(static_x)
+        for _ in range(2):
+            data = torch.randn(batch, k, device=CUDA)
+            static_x.copy_(data)
+            g.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(static_y, model(data), rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------- torch.compile and opcheck
+
+
+class Net(nn.Module):
+    def __init__(self, precision):
+        super().__init__()
+        self.a = FusedLinear(64, 128, "groupnorm(8),swish,mul,swish", precision=precision, device=CUDA)
+        self.mid = nn.Linear(128, 96, device=CUDA)
+        self.b = FusedLinear(
+            96, 160, "bias,hardtanh(-1,1),mish,groupnorm(10)", precision=precision, device=CUDA
+        )
+        self.head = FusedLinear(160, 64, "avgpool(4),gelu,scale(2),max", precision=precision, device=CUDA)
+
+    def forward(self, x):
+        return self.head(self.b(torch.tanh(self.mid(self.a(x))))) * 0.5
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32x3"])
+def test_compile_inductor_matches_eager(precision):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Net(precision)
+    compiled = torch.compile(model, fullgraph=True)
+    names = ["x"] + [n for n, _ in model.named_parameters()]
+    for batch in (33, 130):
+        x = torch.randn(batch, 64, device=CUDA)
+        results = []
+        for m in (model, compiled):
+            xx = x.clone().requires_grad_(True)
+            y = m(xx)
+            dy = torch.linspace(-1, 1, y.numel(), device=CUDA).reshape(y.shape)
+            results.append((y.detach(), torch.autograd.grad(y, [xx, *model.parameters()], dy)))
+        (y_e, g_e), (y_c, g_c) = results
+        assert y_c.shape == (batch,)
+        torch.testing.assert_close(y_c, y_e, rtol=1e-5, atol=1e-5)
+        for name, a, b in zip(names, g_c, g_e):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+        with torch.no_grad():  # the inference op's path, compiled
+            torch.testing.assert_close(compiled(x), y_e, rtol=1e-5, atol=1e-5)
+
+
+OPCHECK_SAMPLES = [
+    ((33, 77, 96), "groupnorm(4),swish,mul,swish", "fp32"),
+    ((7, 64, 128), "bias,hardtanh(-1,1),mish,groupnorm(8)", "tf32x3"),
+    ((5, 40, 64), "avgpool(16),gelu,scale(2),max", "fp32"),
+    ((6, 32, 48), "swish,bias,leakyrelu(0.2),mul", "tf32"),
+]
+
+
+@pytest.mark.parametrize("shape,ops,precision", OPCHECK_SAMPLES)
+def test_opcheck_cuda(shape, ops, precision):
+    # See test_opcheck_compile.py for what each check means and where it applies.
+    all_utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    no_grad = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+    (x, weight, bias, params), dy = gpu_case(shape, ops, seed=5)
+    fwd = torch.ops.fused_linear.forward.default
+    leaves = [t.clone().requires_grad_(True) for t in (x, weight, bias, *params)]
+    torch.library.opcheck(
+        fwd, (leaves[0], leaves[1], leaves[2], leaves[3:], ops, precision), test_utils=all_utils
+    )
+    torch.library.opcheck(fwd, (x, weight, bias, params, ops, precision), test_utils=no_grad)
+    y, z = torch.ops.fused_linear.forward(x, weight, bias, params, ops, precision)
+    assert y.shape == dy.shape
+    bwd = torch.ops.fused_linear.backward.default
+    torch.library.opcheck(bwd, (x, weight, bias, params, z, dy, ops, precision), test_utils=no_grad)
+    inf = torch.ops.fused_linear.inference.default
+    torch.library.opcheck(inf, (x, weight, bias, params, ops, precision), test_utils=no_grad)
+    y_inf = torch.ops.fused_linear.inference(x, weight, bias, params, ops, precision)
+    torch.testing.assert_close(y_inf, y, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------- streams and synchronisation
+
+
+def sleep_cycles(ms):
+    """Cycles of torch.cuda._sleep that keep the GPU busy for about ``ms`` milliseconds."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = 20_000_000
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return int(cycles * ms / start.elapsed_time(end))
+
+
+STREAM_CASES = [("groupnorm(8),swish,mul,swish", "fp32"), ("bias,hardtanh(-1,1),mish,groupnorm(8)", "tf32")]
+
+
+@pytest.mark.parametrize("ops,precision", STREAM_CASES)
+def test_runs_on_the_current_stream(ops, precision):
+    """Work on a side stream: the input is written there after a long sleep kernel, so an op
+    that ran on another stream (the default one, or its own without waiting on the current
+    one) would read the input before it is written and give other numbers."""
+    torch.manual_seed(0)
+    model = FusedLinear(256, 512, ops, precision=precision, device=CUDA)
+    params = list(model.parameters())
+    x = torch.randn(130, 256, device=CUDA)
+    dy = torch.randn(130, 512, device=CUDA)
+
+    def run(inp):
+        inp = inp.requires_grad_(True)
+        y = model(inp)
+        return [y.detach()] + list(torch.autograd.grad(y, [inp, *params], dy))
+
+    want = run(x.clone())
+    torch.cuda.synchronize()
+    cycles = sleep_cycles(200)
+
+    side = torch.cuda.Stream()
+    x_side = torch.zeros_like(x)  # zeros until the side stream's copy lands
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(cycles)
+        x_side.copy_(x)
+        got = run(x_side)
+        assert torch.cuda.current_stream() == side
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    names = ["y", "x.grad"] + [f"{n}.grad" for n, _ in model.named_parameters()]
+    for name, a, b in zip(names, got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("ops,precision", STREAM_CASES + [("avgpool(4),gelu,scale(2),max", "bf16")])
+def test_no_host_synchronisation(ops, precision):
+    """Forward and backward (and the no-grad inference path) queue their work and return
+    without waiting for the GPU.
+
+    Two checks:
+    - ``torch.cuda.set_sync_debug_mode("error")`` raises on the implicit synchronisation of
+      PyTorch ops (``.item()``, ``.cpu()``, ``.tolist()``, nonzero, ...), e.g. in the
+      package's Python code. PyTorch's own autograd makes none in a plain same-stream
+      backward. It sees neither an explicit ``torch.cuda.synchronize()`` (checked: not
+      flagged) nor what the Rust host does through the CUDA driver itself
+      (cuStreamSynchronize, a blocking cuMemcpyDtoH, ...).
+    - So also: a sleep kernel of ~300 ms is queued first on the same stream; if forward and
+      backward return to the host well before it can have finished, nothing in them waited
+      for the GPU, whatever API it used (a stand-in op that called torch.cuda.synchronize()
+      or cudaDeviceSynchronize through ctypes failed here with 303 ms).
+    """
+    torch.manual_seed(0)
+    model = FusedLinear(256, 512, ops, precision=precision, device=CUDA)
+    params = list(model.parameters())
+    x = torch.randn(130, 256, device=CUDA, requires_grad=True)
+    dy = torch.randn(out_shape((130,), ops, 512), device=CUDA)
+
+    def run():
+        y = model(x)
+        with torch.no_grad():  # the inference op too
+            y_inference = model(x)
+        return [y, y_inference] + list(torch.autograd.grad(y, [x, *params], dy))
+
+    want = [t.clone() for t in run()]  # warm-up: lazy loading and allocations happen here
+    torch.cuda.synchronize()
+    sleep_ms = 300
+    cycles = sleep_cycles(sleep_ms)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    torch.cuda._sleep(cycles)
+    with warnings.catch_warnings():  # "a prototype feature": said once, not an error here
+        warnings.simplefilter("ignore")
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = run()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    host_ms = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    total_ms = (time.perf_counter() - t0) * 1e3
+    assert total_ms > 0.8 * sleep_ms, f"the sleep kernel did not hold the GPU ({total_ms:.0f} ms)"
+    assert host_ms < 0.5 * sleep_ms, (
+        f"forward+backward took {host_ms:.0f} ms on the host behind a {sleep_ms} ms GPU sleep: "
+        "it waited for the GPU"
+    )
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
