@@ -19,26 +19,42 @@ import subprocess
 import sys
 import time
 
-import fused_linear as fl
 import torch
+
+import fused_linear as fl
 
 SEED = {"M2": (32768, 1024, 4096)}
 DEFAULT = (1024, 8192, 8192)
 
 
 def median_ms(fn, repeat: int, warm: int = 3) -> float:
+    """Median GPU milliseconds of `fn`, as `host bench` measures its own: an event pair
+    around each run, the runs queued back to back (the host runs ahead; no sync between)."""
     for _ in range(warm):
         fn()
     torch.cuda.synchronize()
-    times = []
+    events = []
     for _ in range(repeat):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
         b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+        events.append((a, b))
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in events)
+
+
+def host_us(fn, calls: int = 300) -> float:
+    """Host microseconds per call of `fn`, back to back (the GPU may lag behind)."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    return t
 
 
 def block(model: str, precision: str, shape=None):
@@ -65,32 +81,40 @@ def time_op(model: str, precision: str, repeat: int):
     return fwd, both
 
 
-def overhead(precision: str, calls: int = 200):
+def overhead(precision: str):
+    """Where the host time of one small call goes, layer by layer (64x1024x1024, M1's chain
+    with 32 groups): GPU milliseconds of a call, and host microseconds per call of each layer."""
+    from fused_linear import _allocator, _native, _stream
+
     torch.manual_seed(1)
-    m = fl.FusedLinear(1024, 1024, "groupnorm(32),swish,mul,swish", precision, device="cuda")
+    ops = "groupnorm(32),swish,mul,swish"
+    m = fl.FusedLinear(1024, 1024, ops, precision, device="cuda")
     x = torch.randn(64, 1024, device="cuda", requires_grad=True)
-    out = {}
-    for label, grad in (("forward", False), ("forward+backward", True)):
-        inputs = [x, *m.parameters()]
+    params = m.chain_parameters()
+    w, b = m.lin.weight, m.lin.bias
+    inputs = [x, *m.parameters()]
+    alloc = _allocator(x.device, x.dtype)
 
-        def call(grad=grad, inputs=inputs):
-            if grad:
-                y = m(x)
-                torch.autograd.grad(y, inputs, torch.ones_like(y))
-            else:
-                with torch.no_grad():
-                    m(x)
+    def train_step():
+        y = m(x)
+        torch.autograd.grad(y, inputs, torch.ones_like(y))
 
-        gpu = median_ms(call, 50)
-        for _ in range(10):
-            call()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            call()
-        host = (time.perf_counter() - t0) / calls * 1e3
-        torch.cuda.synchronize()
-        out[label] = {"host_ms_per_call": host, "gpu_ms": gpu}
+    with torch.no_grad():
+        layers = {
+            "torch.empty (one allocation)": lambda: torch.empty(64 * 1024, device="cuda"),
+            "_native.describe (a PyO3 call)": lambda: _native.describe(1024, 1024, ops),
+            "_native.forward, no save": lambda: _native.forward(
+                x, w, b, params, ops, precision, _stream(x), alloc, save=False
+            ),
+            "torch.ops.fused_linear.inference": lambda: torch.ops.fused_linear.inference(
+                x, w, b, params, ops, precision
+            ),
+            "FusedLinear forward (no grad)": lambda: m(x),
+        }
+        out = {name: host_us(fn) for name, fn in layers.items()}
+        out["gpu ms, forward"] = median_ms(lambda: m(x), 50)
+    out["FusedLinear forward+backward"] = host_us(train_step, 100)
+    out["gpu ms, forward+backward"] = median_ms(train_step, 50)
     return out
 
 
@@ -154,10 +178,10 @@ def main() -> int:
             f"{r['op_fwd_ms'] / r['host_fwd_ms']:9.3f} {r['op_fwdbwd_ms']:9.3f} {r['host_fwdbwd_ms']:9.3f} "
             f"{r['op_fwdbwd_ms'] / r['host_fwdbwd_ms']:9.3f}"
         )
-    print("\nPython + launch overhead at 64x1024x1024 (host wall ms per call, back to back; GPU ms per call)")
+    print("\nPython + launch overhead at 64x1024x1024 (host us per call, back to back; GPU ms per call)")
     for prec, d in small.items():
         for label, v in d.items():
-            print(f"  {prec:7s} {label:17s} host {v['host_ms_per_call']:.4f} ms  gpu {v['gpu_ms']:.4f} ms")
+            print(f"  {prec:7s} {label:36s} {v:9.3f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"rows": rows, "overhead": small}, f, indent=1)
