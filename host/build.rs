@@ -10,7 +10,8 @@ fn main() {
     let root = manifest.parent().unwrap();
     let out = PathBuf::from(std::env::var_os("OUT_DIR").unwrap()).join("kernels_sm90.ptx");
     let mut builder =
-        ptx_builder::PtxBuilder::new(root.join("kernels-gpu")).arch("sm_90a").watch(root.join("kernel-abi"));
+        // PTX ISA 8.3: `fence.proxy.tensormap` (tensor maps written by a kernel, `prelude::bulk_copy`).
+        ptx_builder::PtxBuilder::new(root.join("kernels-gpu")).arch("sm_90a").ptx_isa("ptx83").watch(root.join("kernel-abi"));
     for &(kernel, threads, blocks) in kernel_abi::LAUNCH_BOUNDS
         .iter()
         .chain(kernel_abi::LAUNCH_BOUNDS_TC)

@@ -129,6 +129,9 @@ impl Pipeline {
                     mbarrier_init(p.full(s), 1);
                     mbarrier_init(p.empty(s), (CONSUMER_THREADS / 32) as u32);
                 }
+                // Thread 0 is also the producer, the only thread that reads the maps.
+                acquire_tensor_map(maps);
+                acquire_tensor_map(maps.add(128));
                 prefetch_tensor_map(maps);
                 prefetch_tensor_map(maps.add(128));
             }

@@ -73,6 +73,26 @@ pub unsafe fn mbarrier_wait(bar: u32, parity: u32) {
     }
 }
 
+/// Makes the tensor map at `map` (128 bytes of global memory), as the generic proxy wrote
+/// it (the `store_words` kernel, earlier on the stream), the one this thread's later TMA
+/// operations read: the TMA unit reads maps through the tensormap proxy and caches them,
+/// and a map a kernel wrote — rather than a host copy — needs this acquire (PTX ISA 8.3;
+/// without it a CUDA graph's replays, which reuse addresses for other maps, read stale
+/// maps and the pipeline waits forever for bytes that never come).
+///
+/// # Safety
+/// `map` points at a valid `CUtensorMap`.
+#[inline(always)]
+pub unsafe fn acquire_tensor_map(map: *const u8) {
+    unsafe {
+        asm!(
+            "fence.proxy.tensormap::generic.acquire.gpu [{m}], 128;",
+            m = in(reg64) map as u64,
+            options(nostack, readonly)
+        )
+    }
+}
+
 /// Asks the TMA unit to fetch the tensor map at `map` (global memory) into its cache.
 ///
 /// # Safety
