@@ -159,11 +159,17 @@ GRAPH_CASES = [
 ]
 
 
+# Small, and with k >= 1024, where the tensor-core GEMMs run on the TMA kernel (whose
+# tensor maps a kernel writes: a graph's replays must read the maps they wrote).
+GRAPH_SIZES = pytest.mark.parametrize("size", [(48, 96, 128), (256, 1024, 512)], ids=["small", "tma"])
+
+
 @pytest.mark.filterwarnings("error:The AccumulateGrad node's stream does not match")
 @pytest.mark.parametrize("ops,precision", GRAPH_CASES)
-def test_cuda_graph_capture_and_replay(ops, precision):
+@GRAPH_SIZES
+def test_cuda_graph_capture_and_replay(ops, precision, size):
     torch.manual_seed(0)
-    batch, k, f = 48, 96, 128
+    batch, k, f = size
     model = FusedLinear(k, f, ops, precision=precision, device=CUDA)
     params = list(model.parameters())
     static_x = torch.randn(batch, k, device=CUDA, requires_grad=True)
@@ -218,10 +224,11 @@ def test_cuda_graph_capture_and_replay(ops, precision):
 
 
 @pytest.mark.parametrize("ops,precision", GRAPH_CASES)
-def test_cuda_graph_inference(ops, precision):
+@GRAPH_SIZES
+def test_cuda_graph_inference(ops, precision, size):
     """Forward alone under torch.no_grad (the inference op), captured and replayed."""
     torch.manual_seed(0)
-    batch, k, f = 48, 96, 128
+    batch, k, f = size
     model = FusedLinear(k, f, ops, precision=precision, device=CUDA)
     static_x = torch.randn(batch, k, device=CUDA)
     s = torch.cuda.Stream()
