@@ -534,7 +534,10 @@ fn backward<'py>(
                 // SAFETY: z and dy were checked as the other arguments were.
                 let z_dev = unsafe { g.gpu.borrow_tensor(z.ptr, &z.shape) }.map_err(to_py)?;
                 let dy_dev = unsafe { g.gpu.borrow_tensor(dy.ptr, &dy.shape) }.map_err(to_py)?;
-                let grads = g.block.backward(&g.gpu, &g.x, Saved::kept_by_caller(z_dev), &dy_dev).map_err(to_py)?;
+                let grads = g.block.backward(&g.gpu, &g.x, Saved::kept_by_caller(z_dev), &dy_dev);
+                // A backward that failed half way may leave side-stream buffers held.
+                g.gpu.join_side().map_err(to_py)?;
+                let grads = grads.map_err(to_py)?;
                 let py = x.py();
                 let specs = call.spec.param_specs();
                 let dx = into_torch(py, grads.x, &call.x.shape)?;

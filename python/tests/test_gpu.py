@@ -95,6 +95,25 @@ def test_parity_float64(shape, ops, precision):
     check_against_float64(shape, ops, precision, seed=sum(shape) + len(ops))
 
 
+# A batch of 2048 at k = 2048: the tensor-core backward runs dW on the TMA kernel on a side
+# stream, over transposes and tensor maps allocated through PyTorch; each must outlive the
+# side stream's work (a buffer freed early is handed out again at once). Twice each, so the
+# second call runs on memory the first one freed.
+TMA_CASES = [
+    ((2048, 2048, 2048), small_preset(SPEC_PRESETS[m], 2048, group_size=32, pool=16), p)
+    for m in sorted(SPEC_PRESETS)
+    for p in ("tf32x3", "tf32", "bf16")
+]
+
+
+@pytest.mark.parametrize(
+    "shape,ops,precision", TMA_CASES, ids=[f"{p}-{'x'.join(map(str, s))}-{o}" for s, o, p in TMA_CASES]
+)
+def test_parity_float64_tensor_core_backward(shape, ops, precision):
+    for attempt in range(2):
+        check_against_float64(shape, ops, precision, seed=attempt + len(ops))
+
+
 def test_module_on_gpu_matches_cpu():
     torch.manual_seed(3)
     ops = "groupnorm(8),swish,mul,swish"

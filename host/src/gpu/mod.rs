@@ -66,6 +66,11 @@ pub struct Gpu {
     stream: Arc<CudaStream>,
     /// Where buffers come from: cudarc's stream-ordered allocations when `None`.
     allocator: Option<Arc<dyn DeviceAllocator>>,
+    /// The allocator's handles of buffers allocated for the side stream, held until the
+    /// main stream is ordered after it ([`Gpu::order`]): an allocator hands freed memory
+    /// out again in the order of the stream it belongs to (the main one), not of the
+    /// side stream that may still be reading or writing it.
+    side_frees: SideFrees,
     /// A second stream for independent work that can overlap the first (the backward's
     /// two GEMMs); ordered against `stream` with events by whoever uses it.
     side: Arc<CudaStream>,
@@ -134,7 +139,7 @@ impl Gpu {
         let side = ctx.new_stream_with_priority(least).map_err(|e| Error::cuda("creating a stream", e))?;
         let module =
             ctx.load_module(Ptx::from_src(KERNELS_PTX)).map_err(|e| Error::cuda("loading the kernel module", e))?;
-        Ok(Gpu { ctx, stream, allocator: None, side, module, props })
+        Ok(Gpu { ctx, stream, allocator: None, side_frees: SideFrees::default(), side, module, props })
     }
 
     /// The same GPU working on another library's stream `cu_stream` (of this device's
@@ -147,7 +152,7 @@ impl Gpu {
     pub unsafe fn on_stream(&self, cu_stream: u64, allocator: Option<Arc<dyn DeviceAllocator>>) -> Gpu {
         // SAFETY: the caller's contract.
         let stream = unsafe { self.ctx.wrap_borrowed_stream(cu_stream as cudarc::driver::sys::CUstream) };
-        Gpu { stream, allocator, ..self.clone() }
+        Gpu { stream, allocator, side_frees: SideFrees::default(), ..self.clone() }
     }
 
     /// A device tensor over memory someone else owns (`ptr`, row-major `shape`); this
@@ -160,10 +165,7 @@ impl Gpu {
         let len = crate::tensor::numel::<f32>(shape)?;
         // SAFETY: the caller's contract; `Owner::Borrowed` leaks instead of freeing.
         let slice = unsafe { self.stream.upgrade_device_ptr::<f32>(ptr, len) };
-        Ok(DeviceTensor {
-            shape: shape.to_vec(),
-            buf: DeviceBuf { slice: ManuallyDrop::new(slice), owner: Owner::Borrowed },
-        })
+        Ok(DeviceTensor { shape: shape.to_vec(), buf: DeviceBuf::new(slice, Owner::Borrowed, None) })
     }
 
     /// An uninitialised buffer of `len` values of `T` (at least one), from the
@@ -182,7 +184,7 @@ impl Gpu {
             None => {
                 // SAFETY: the caller's contract.
                 let slice = unsafe { stream.alloc::<T>(len) }.map_err(|e| oom_or("allocating", bytes / 4, e))?;
-                Ok(DeviceBuf { slice: ManuallyDrop::new(slice), owner: Owner::Cudarc })
+                Ok(DeviceBuf::new(slice, Owner::Cudarc, None))
             }
             Some(alloc) => {
                 let kind = if std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>() {
@@ -194,7 +196,8 @@ impl Gpu {
                 // SAFETY: the allocator handed out `bytes` on this device; the slice is
                 // leaked, not freed, when the buffer drops, and `keep` frees it then.
                 let slice = unsafe { stream.upgrade_device_ptr::<T>(ptr, len) };
-                Ok(DeviceBuf { slice: ManuallyDrop::new(slice), owner: Owner::External(keep) })
+                let defer = (!Arc::ptr_eq(stream, &self.stream)).then(|| self.side_frees.clone());
+                Ok(DeviceBuf::new(slice, Owner::External(keep), defer))
             }
         }
     }
@@ -247,7 +250,18 @@ impl Gpu {
     /// Makes `later` wait for everything queued on `earlier` so far.
     pub fn order(&self, earlier: &CudaStream, later: &CudaStream) -> Result<()> {
         let e = earlier.record_event(None).map_err(|e| Error::cuda("recording an event", e))?;
-        later.wait(&e).map_err(|e| Error::cuda("waiting for an event", e))
+        later.wait(&e).map_err(|e| Error::cuda("waiting for an event", e))?;
+        if std::ptr::eq(earlier, &*self.side) && std::ptr::eq(later, &*self.stream) {
+            // The main stream now follows the side stream's work: its buffers may go.
+            self.side_frees.release();
+        }
+        Ok(())
+    }
+
+    /// Orders the main stream after the side stream if buffers of the side stream are
+    /// still held (a call that failed between the two): for the end of a call.
+    pub fn join_side(&self) -> Result<()> {
+        if self.side_frees.is_empty() { Ok(()) } else { self.order(&self.side, &self.stream) }
     }
 
     pub fn context(&self) -> &Arc<CudaContext> {
@@ -498,15 +512,39 @@ enum Owner {
     External(Box<dyn Any + Send + Sync>),
 }
 
+/// Handles of an allocator's buffers whose memory the side stream may still use.
+#[derive(Clone, Default)]
+struct SideFrees(Arc<std::sync::Mutex<Vec<Box<dyn Any + Send + Sync>>>>);
+
+impl SideFrees {
+    fn hold(&self, keep: Box<dyn Any + Send + Sync>) {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).push(keep);
+    }
+    fn release(&self) {
+        let held = std::mem::take(&mut *self.0.lock().unwrap_or_else(|p| p.into_inner()));
+        drop(held);
+    }
+    fn is_empty(&self) -> bool {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
+    }
+}
+
 /// Device memory for the kernels: a cudarc slice that frees itself, or one over memory
 /// an allocator or a caller owns (leaked, never freed, when the buffer drops). Derefs
 /// to the slice, so the launchers take either.
 pub struct DeviceBuf<T> {
     slice: ManuallyDrop<CudaSlice<T>>,
     owner: Owner,
+    /// For an allocator's buffer of the side stream: where its handle waits when the
+    /// buffer drops, instead of freeing the memory at once.
+    defer: Option<SideFrees>,
 }
 
 impl<T> DeviceBuf<T> {
+    fn new(slice: CudaSlice<T>, owner: Owner, defer: Option<SideFrees>) -> Self {
+        DeviceBuf { slice: ManuallyDrop::new(slice), owner, defer }
+    }
+
     /// The allocator's keep-alive handle of this memory (its framework tensor), if it
     /// came from one: the buffer is given up and the handle now owns the memory.
     pub fn into_external(mut self) -> Option<Box<dyn Any + Send + Sync>> {
@@ -536,6 +574,11 @@ impl<T> Drop for DeviceBuf<T> {
             Owner::Borrowed | Owner::External(_) => {
                 slice.leak();
             }
+        }
+        if let Some(side) = self.defer.take()
+            && let Owner::External(keep) = std::mem::replace(&mut self.owner, Owner::Borrowed)
+        {
+            side.hold(keep);
         }
     }
 }
