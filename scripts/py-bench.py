@@ -5,7 +5,8 @@ Usage (GPU machine, fused_linear importable):
                                 [--repeat 20] [--json out.json]
 
 For each preset at its seed size and each precision: the op's forward (`torch.no_grad`) and
-forward+backward (`torch.autograd.grad`, so nothing accumulates into `.grad`), median of
+forward+backward (`torch.autograd.grad`, so nothing accumulates into `.grad`; eagerly, and
+replayed from a CUDA graph, which leaves out the host's time), median of
 `--repeat` runs timed with CUDA events exactly as `host bench` times its own (no L2 flush,
 back to back), then `host bench` (and `--backward`) for the same models, and the ratio.
 The Python and launch overhead is measured at a small shape (64x1024x1024): host wall
@@ -69,8 +70,8 @@ def time_op(model: str, precision: str, repeat: int):
     m, x = block(model, precision)
     with torch.no_grad():
         fwd = median_ms(lambda: m(x), repeat)
-    y = m(x)
-    dy = torch.randn_like(y)
+        # (No autograd graph may outlive a step: its nodes would pin the capture's streams.)
+        dy = torch.randn_like(m(x))
     inputs = [x, *m.parameters()]
 
     def step():
@@ -78,7 +79,19 @@ def time_op(model: str, precision: str, repeat: int):
         torch.autograd.grad(out, inputs, dy)
 
     both = median_ms(step, max(repeat // 2, 5))
-    return fwd, both
+    # The same step captured in a CUDA graph: the GPU's work alone, without the host's.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    replay = median_ms(graph.replay, max(repeat // 2, 5))
+    del graph
+    return fwd, both, replay
 
 
 def overhead(precision: str):
@@ -151,7 +164,7 @@ def main() -> int:
         hb_f = host_bench(a.host, precision, a.models, False, a.repeat)
         hb_b = host_bench(a.host, precision, a.models, True, max(a.repeat // 2, 5))
         for model in a.models.split(","):
-            fwd, both = time_op(model, precision, a.repeat)
+            fwd, both, replay = time_op(model, precision, a.repeat)
             rows.append(
                 {
                     "model": model,
@@ -160,6 +173,7 @@ def main() -> int:
                     "host_fwd_ms": hb_f[model],
                     "op_fwdbwd_ms": both,
                     "host_fwdbwd_ms": hb_b[model],
+                    "op_fwdbwd_graph_ms": replay,
                 }
             )
             hf, hb = hb_f[model], hb_b[model]
@@ -170,13 +184,14 @@ def main() -> int:
             )
     small = {prec: overhead(prec) for prec in a.precisions.split(",")[:2]}
     print("\nop / host bench, seed sizes, CUDA events, same process")
-    heads = ("fwd op", "fwd host", "ratio", "f+b op", "f+b host", "ratio")
+    heads = ("fwd op", "fwd host", "ratio", "f+b op", "f+b host", "ratio", "f+b graph", "ratio")
     print(f"{'model':6} {'precision':9} " + " ".join(f"{h:>9}" for h in heads))
     for r in rows:
         print(
             f"{r['model']:6} {r['precision']:9} {r['op_fwd_ms']:9.3f} {r['host_fwd_ms']:9.3f} "
             f"{r['op_fwd_ms'] / r['host_fwd_ms']:9.3f} {r['op_fwdbwd_ms']:9.3f} {r['host_fwdbwd_ms']:9.3f} "
-            f"{r['op_fwdbwd_ms'] / r['host_fwdbwd_ms']:9.3f}"
+            f"{r['op_fwdbwd_ms'] / r['host_fwdbwd_ms']:9.3f} {r['op_fwdbwd_graph_ms']:9.3f} "
+            f"{r['op_fwdbwd_graph_ms'] / r['host_fwdbwd_ms']:9.3f}"
         )
     print("\nPython + launch overhead at 64x1024x1024 (host us per call, back to back; GPU ms per call)")
     for prec, d in small.items():
