@@ -141,6 +141,18 @@ impl<'py> Arg<'py> {
         Ok(Arg { name, _tensor: std::marker::PhantomData, dtype, device, shape, ptr })
     }
 
+    /// For the GPU: the kernels' 16-byte vector accesses and TMA need aligned memory.
+    fn expect_aligned(&self) -> PyResult<()> {
+        if !self.ptr.is_multiple_of(ALIGNMENT) {
+            return Err(PyValueError::new_err(format!(
+                "{}: its memory (0x{:x}) is not {ALIGNMENT}-byte aligned, as the GPU kernels need \
+                 (a view at an offset?); pass {}.clone()",
+                self.name, self.ptr, self.name
+            )));
+        }
+        Ok(())
+    }
+
     fn expect_shape(&self, want: &[usize], what: &str) -> PyResult<()> {
         if self.shape != want {
             return Err(PyValueError::new_err(format!(
@@ -268,13 +280,7 @@ impl<'py> Call<'py> {
         if let Device::Cuda(_) = device {
             host::gpu::check_launch_sizes(batch, in_features, out_features).map_err(to_py)?;
             for a in [&x, &weight, &bias].into_iter().chain(&params) {
-                if a.ptr % ALIGNMENT != 0 {
-                    return Err(PyValueError::new_err(format!(
-                        "{}: its memory (0x{:x}) is not {ALIGNMENT}-byte aligned, as the GPU kernels need \
-                         (a view at an offset?); pass {}.clone()",
-                        a.name, a.ptr, a.name
-                    )));
-                }
+                a.expect_aligned()?;
             }
         }
         Ok(Call { spec, precision, batch, device, dtype, x, weight, bias, params })
@@ -522,14 +528,8 @@ fn backward<'py>(
             (Device::Cpu, DType::F32) => cpu_backward::<f32>(&call, &z, &dy, allocate),
             (Device::Cpu, DType::F64) => cpu_backward::<f64>(&call, &z, &dy, allocate),
             (Device::Cuda(index), _) => {
-                for a in [&z, &dy] {
-                    if a.ptr % ALIGNMENT != 0 {
-                        return Err(PyValueError::new_err(format!(
-                            "{}: its memory is not {ALIGNMENT}-byte aligned; pass {}.clone()",
-                            a.name, a.name
-                        )));
-                    }
-                }
+                z.expect_aligned()?;
+                dy.expect_aligned()?;
                 let g = gpu_call(&call, index, stream, allocate)?;
                 // SAFETY: z and dy were checked as the other arguments were.
                 let z_dev = unsafe { g.gpu.borrow_tensor(z.ptr, &z.shape) }.map_err(to_py)?;
