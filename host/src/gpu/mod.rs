@@ -66,6 +66,10 @@ pub struct Gpu {
     stream: Arc<CudaStream>,
     /// Where buffers come from: cudarc's stream-ordered allocations when `None`.
     allocator: Option<Arc<dyn DeviceAllocator>>,
+    /// Small tables the main stream's launches read, by content ([`Gpu::words`]).
+    tables: Tables,
+    /// Those of the other streams a framework lent ([`Gpu::on_stream`]), by stream.
+    lent_tables: Arc<std::sync::Mutex<std::collections::HashMap<u64, Tables>>>,
     /// The allocator's handles of buffers allocated for the side stream, held until the
     /// main stream is ordered after it ([`Gpu::order`]): an allocator hands freed memory
     /// out again in the order of the stream it belongs to (the main one), not of the
@@ -139,7 +143,8 @@ impl Gpu {
         let side = ctx.new_stream_with_priority(least).map_err(|e| Error::cuda("creating a stream", e))?;
         let module =
             ctx.load_module(Ptx::from_src(KERNELS_PTX)).map_err(|e| Error::cuda("loading the kernel module", e))?;
-        Ok(Gpu { ctx, stream, allocator: None, side_frees: SideFrees::default(), side, module, props })
+        let (tables, lent_tables, side_frees) = Default::default();
+        Ok(Gpu { ctx, stream, allocator: None, tables, lent_tables, side_frees, side, module, props })
     }
 
     /// The same GPU working on another library's stream `cu_stream` (of this device's
@@ -152,7 +157,8 @@ impl Gpu {
     pub unsafe fn on_stream(&self, cu_stream: u64, allocator: Option<Arc<dyn DeviceAllocator>>) -> Gpu {
         // SAFETY: the caller's contract.
         let stream = unsafe { self.ctx.wrap_borrowed_stream(cu_stream as cudarc::driver::sys::CUstream) };
-        Gpu { stream, allocator, side_frees: SideFrees::default(), ..self.clone() }
+        let tables = self.lent_tables.lock().unwrap_or_else(|p| p.into_inner()).entry(cu_stream).or_default().clone();
+        Gpu { stream, allocator, tables, side_frees: SideFrees::default(), ..self.clone() }
     }
 
     /// A device tensor over memory someone else owns (`ptr`, row-major `shape`); this
@@ -208,6 +214,8 @@ impl Gpu {
         let mut buf = unsafe { self.alloc_buf::<T>(stream, len)? };
         let bytes = buf.len() * std::mem::size_of::<T>();
         let ptr = buf.slice.device_ptr_mut(stream).0;
+        // A raw driver call: the context must be current on this thread (see `capturing`).
+        self.ctx.bind_to_thread().map_err(|e| Error::cuda("making the context current", e))?;
         // SAFETY: exactly the buffer's bytes, on `stream`.
         unsafe { cudarc::driver::sys::cuMemsetD8Async(ptr, 0, bytes, stream.cu_stream()) }
             .result()
@@ -219,7 +227,37 @@ impl Gpu {
     /// memory. Written by the `store_words` kernel from its launch arguments rather
     /// than copied from host memory: a CUDA graph captures the words with the launch,
     /// and no pageable host copy is queued on the stream.
-    pub fn words(&self, stream: &Arc<CudaStream>, words: &[u64]) -> Result<DeviceBuf<u64>> {
+    ///
+    /// Tables of the main stream are kept and handed out again for the same words
+    /// ([`Tables`]), except while the stream is being captured into a graph: a
+    /// captured `store_words` writes nothing until the graph is replayed.
+    pub fn words(&self, stream: &Arc<CudaStream>, words: &[u64]) -> Result<Table> {
+        let reusable = Arc::ptr_eq(stream, &self.stream) && !self.capturing(stream)?;
+        if reusable && let Some(table) = self.tables.get(words) {
+            return Ok(table);
+        }
+        let table = Table(Arc::new(self.write_words(stream, words)?));
+        if reusable {
+            self.tables.insert(words, &table);
+        }
+        Ok(table)
+    }
+
+    /// Whether `stream` is being captured into a CUDA graph.
+    fn capturing(&self, stream: &CudaStream) -> Result<bool> {
+        use cudarc::driver::sys::{CUstreamCaptureStatus, cuStreamIsCapturing};
+        // A raw driver call: the calling thread (PyTorch's autograd engine runs the
+        // backward on threads of its own) needs the context current first.
+        self.ctx.bind_to_thread().map_err(|e| Error::cuda("making the context current", e))?;
+        let mut status = CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: a live stream of the current context; writes one status.
+        unsafe { cuStreamIsCapturing(stream.cu_stream(), &mut status) }
+            .result()
+            .map_err(|e| Error::cuda("asking whether the stream is being captured", e))?;
+        Ok(status != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
+    fn write_words(&self, stream: &Arc<CudaStream>, words: &[u64]) -> Result<DeviceBuf<u64>> {
         use kernel_abi::STORE_WORDS;
         // SAFETY: every word below `words.len()` is written by the launches below; the
         // one word of an empty table is never read.
@@ -510,6 +548,40 @@ enum Owner {
     Borrowed,
     /// An allocator's keep-alive handle, dropped with the buffer.
     External(Box<dyn Any + Send + Sync>),
+}
+
+/// A small table in device memory that launches read (written once, never again):
+/// shared by every launch that asks for the same words.
+#[derive(Clone)]
+pub struct Table(Arc<DeviceBuf<u64>>);
+
+unsafe impl<'a, 'b: 'a> PushKernelArg<&'b Table> for LaunchArgs<'a> {
+    #[inline(always)]
+    fn arg(&mut self, arg: &'b Table) -> &mut Self {
+        <Self as PushKernelArg<&'b CudaSlice<u64>>>::arg(self, &arg.0.slice)
+    }
+}
+
+/// The main stream's tables by content. The words hold the pointers and shapes they
+/// describe, so a table found here describes exactly what was asked for; a table is
+/// freed (in the main stream's order) only when the cache is cleared, at `TABLES_KEPT`.
+#[derive(Clone, Default)]
+struct Tables(Arc<std::sync::Mutex<std::collections::HashMap<Vec<u64>, Table>>>);
+
+/// Tables [`Tables`] keeps before it starts again (each 256 bytes to a few KB).
+const TABLES_KEPT: usize = 512;
+
+impl Tables {
+    fn get(&self, words: &[u64]) -> Option<Table> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).get(words).cloned()
+    }
+    fn insert(&self, words: &[u64], table: &Table) {
+        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if map.len() >= TABLES_KEPT {
+            map.clear();
+        }
+        map.insert(words.to_vec(), table.clone());
+    }
 }
 
 /// Handles of an allocator's buffers whose memory the side stream may still use.

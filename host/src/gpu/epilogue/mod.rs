@@ -4,7 +4,7 @@ pub mod kinks;
 pub mod lanes;
 pub mod rows;
 
-use super::{DeviceBuf, DeviceTensor, Gpu};
+use super::{DeviceTensor, Gpu, Table};
 use crate::chain::Op;
 use crate::error::{Error, Result};
 use cudarc::driver::DevicePtr;
@@ -15,7 +15,7 @@ use kernel_abi::epilogue::*;
 /// so they outlive it).
 pub struct DeviceChain {
     pub ops: Vec<OpDesc>,
-    pub descs: DeviceBuf<u64>,
+    pub descs: Table,
     /// Parameter-gradient slots of the backward: 1 (the Linear bias) + one per op parameter.
     pub grad_slots: usize,
 }

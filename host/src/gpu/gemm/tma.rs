@@ -4,7 +4,7 @@
 
 use super::super::elementwise::slice_to_bf16;
 use super::super::epilogue::DeviceChain;
-use super::super::{DeviceBuf, DeviceTensor, Gpu};
+use super::super::{DeviceTensor, Gpu, Table};
 use super::simt::EpilogueArgs;
 use super::simt::Precision;
 use crate::error::{Error, Result};
@@ -118,7 +118,7 @@ fn encode_map_typed(
 /// (freed in stream order after the kernel: cudarc frees asynchronously on `stream`),
 /// the function with its shared memory allowed, and `min(tiles, SMs)` blocks.
 struct Persistent {
-    maps: DeviceBuf<u64>,
+    maps: Table,
     func: CudaFunction,
     cfg: LaunchConfig,
 }
