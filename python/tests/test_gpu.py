@@ -3,7 +3,7 @@
 Everything here is compared with plain PyTorch in float64 on the GPU (chain_ref), by
 relative error ``||got - ref|| / ||ref||``. Inputs are not steered away from kinks here
 (LeakyReLU, Hardtanh, row max): at these sizes some values always sit within float32's
-rounding of a kink, and the host refines those (README: kink refinement), so the
+rounding of a kink, and the host refines those (docs/NUMERICS.md: kink refinement), so the
 gradients are held to the exact function's at each precision's tolerance.
 """
 
