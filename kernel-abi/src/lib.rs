@@ -185,7 +185,7 @@ pub mod gemm_tiled {
     pub const SMEM_BYTES: usize = BLOCK_K * ((BLOCK_M + SMEM_PAD) + (BLOCK_N + SMEM_PAD)) * 4;
 }
 
-/// The epilogue chain as the kernels see it: one [`OpDesc`] per op, in a device array.
+/// The epilogue chain as the kernels see it: one [`OpDesc`](epilogue::OpDesc) per op, in a device array.
 pub mod epilogue {
     pub const OP_BIAS: u32 = 1;
     pub const OP_MUL: u32 = 2;

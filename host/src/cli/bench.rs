@@ -35,7 +35,7 @@ pub struct BenchArgs {
     #[arg(long)]
     backward: bool,
     /// Arithmetic of our GEMMs; cuBLAS runs the same math (SGEMM for fp32 and tf32x3,
-    /// TF32 tensor-op math for tf32).
+    /// TF32 tensor-op math for tf32, its bf16 GEMM on bf16 copies for bf16).
     #[arg(long, value_enum, default_value = "fp32")]
     precision: Precision,
     /// Also write the table as JSON.

@@ -27,7 +27,7 @@ pub struct CheckArgs {
     /// Check the gradients of `x` and every parameter instead of the forward output.
     #[arg(long)]
     backward: bool,
-    /// Arithmetic of the GEMMs (tolerance: 1e-4 for fp32 and tf32x3, 2e-3 for tf32).
+    /// Arithmetic of the GEMMs (tolerance: 1e-4 for fp32 and tf32x3, 2e-3 for tf32, 2e-2 for bf16).
     #[arg(long, value_enum, default_value = "fp32")]
     precision: Precision,
 }

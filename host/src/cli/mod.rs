@@ -93,8 +93,9 @@ pub struct BlockArgs {
     #[arg(long)]
     input: Option<PathBuf>,
     /// Arithmetic of the GPU GEMMs: fp32 (FMA units), tf32x3 (tensor cores,
-    /// FP32-accurate), tf32 (tensor cores, TF32 operands). The epilogue is always FP32;
-    /// the CPU backend always computes in FP32.
+    /// FP32-accurate), tf32 (tensor cores, TF32 operands), bf16 (tensor cores, bf16
+    /// operands, FP32 sums). The epilogue is always FP32; the CPU backend always
+    /// computes in FP32.
     #[arg(long, value_enum, default_value = "fp32")]
     precision: Precision,
 }

@@ -229,7 +229,7 @@ impl Gpu {
     /// and no pageable host copy is queued on the stream.
     ///
     /// Tables of the main stream are kept and handed out again for the same words
-    /// ([`Tables`]), except while the stream is being captured into a graph: a
+    /// (by content), except while the stream is being captured into a graph: a
     /// captured `store_words` writes nothing until the graph is replayed.
     pub fn words(&self, stream: &Arc<CudaStream>, words: &[u64]) -> Result<Table> {
         let reusable = Arc::ptr_eq(stream, &self.stream) && !self.capturing(stream)?;

@@ -183,7 +183,7 @@ fn kernel(
 }
 
 /// Name of the kernel for a precision, layout, leading dimensions, depth `k` and split-K
-/// count (see [`kernel`]).
+/// count (see `kernel`).
 pub fn kernel_name(
     precision: Precision,
     layout: Layout,
