@@ -10,7 +10,7 @@ use host::check::{FD_REL, FD_STEP, compare};
 use host::reference::linear::linear_forward;
 use host::reference::{block_backward, block_forward, block_forward_taped, op_backward, op_forward};
 use host::tape::{Tape, VarId};
-use host::{BlockSpec, Chain, Op, Params, Preset, Tensor};
+use host::{BlockSpec, Chain, Op, Params, Pointwise, Preset, Tensor};
 mod common;
 use common::{random_params, random_tensor};
 use rand::SeedableRng;
@@ -58,11 +58,11 @@ fn assert_gradient(what: &str, analytic: &Tensor<f64>, fd: &[f64]) {
 /// Asserts that `x`, about to enter `op`, is at least `KINK_MARGIN` from its kinks.
 fn assert_away_from_kinks(op: &Op, x: &Tensor<f64>) {
     match *op {
-        Op::LeakyRelu(_) => {
+        Op::Pointwise(Pointwise::LeakyRelu, _) => {
             let closest = x.data().iter().map(|v| v.abs()).fold(f64::INFINITY, f64::min);
             assert!(closest > KINK_MARGIN, "{op}: an input is {closest} from 0");
         }
-        Op::Hardtanh(lo, hi) => {
+        Op::Pointwise(Pointwise::Hardtanh, [lo, hi]) => {
             let closest = x
                 .data()
                 .iter()
@@ -122,17 +122,17 @@ fn every_op_backward_matches_finite_differences() {
     let (batch, features) = (3, 30);
     let gn = |groups, eps| Op::GroupNorm { groups, eps };
     let ops = [
-        Op::Bias,
-        Op::ChannelMul,
-        Op::Scale(-1.5),
-        Op::Scale(2.0),
-        Op::Swish,
-        Op::Mish,
-        Op::Gelu,
-        Op::LeakyRelu(0.01),
-        Op::LeakyRelu(0.2),
-        Op::Hardtanh(-1.0, 1.0),
-        Op::Hardtanh(-0.5, 0.7),
+        Op::of(Pointwise::Bias),
+        Op::of(Pointwise::Mul),
+        Op::Pointwise(Pointwise::Scale, [-1.5, 0.0]),
+        Op::Pointwise(Pointwise::Scale, [2.0, 0.0]),
+        Op::of(Pointwise::Swish),
+        Op::of(Pointwise::Mish),
+        Op::of(Pointwise::Gelu),
+        Op::Pointwise(Pointwise::LeakyRelu, [0.01, 0.0]),
+        Op::Pointwise(Pointwise::LeakyRelu, [0.2, 0.0]),
+        Op::Pointwise(Pointwise::Hardtanh, [-1.0, 1.0]),
+        Op::Pointwise(Pointwise::Hardtanh, [-0.5, 0.7]),
         gn(5, 1e-5),    // group size 6
         gn(10, 1e-5),   // 3
         gn(3, 1e-3),    // 10
@@ -142,6 +142,10 @@ fn every_op_backward_matches_finite_differences() {
         Op::AvgPool(30),
         Op::RowMax,
     ];
+    // Every per-element op of the registry is checked here.
+    for kind in Pointwise::ALL {
+        assert!(ops.iter().any(|op| matches!(op, Op::Pointwise(k, _) if k == kind)), "{kind:?} is not gradchecked");
+    }
     for op in ops {
         // Spread 2x wider than a standard normal, so the activations' tails are covered too.
         let x = random_tensor(&mut rng, &[batch, features]).map(|v| 2.0 * v);
@@ -155,7 +159,7 @@ fn activation_backwards_hold_far_out() {
     let mut rng = StdRng::seed_from_u64(22);
     // Large magnitudes, where a naive softplus or sigmoid would overflow.
     let x = Tensor::new(&[2, 6], vec![-30.0, -15.0, -8.5, 8.5, 15.0, 30.0, -12.3, -4.1, -0.3, 0.2, 3.7, 11.9]).unwrap();
-    for op in [Op::Swish, Op::Mish, Op::Gelu] {
+    for op in [Op::of(Pointwise::Swish), Op::of(Pointwise::Mish), Op::of(Pointwise::Gelu)] {
         check_op(op, x.clone(), vec![], &mut rng);
     }
 }

@@ -7,7 +7,7 @@
 
 use host::check::{F64_REL, compare};
 use host::reference::block_forward;
-use host::{BlockSpec, Chain, Op, Params, Tensor};
+use host::{BlockSpec, Chain, Op, Params, Pointwise, Tensor};
 use proptest::prelude::*;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -27,16 +27,16 @@ const BOUNDS: [(f32, f32); 3] = [(-1.0, 1.0), (-0.5, 0.75), (-2.0, 0.25)];
 fn pick_op(kind: u8, arg: u32, f: usize) -> Op {
     let arg = arg as usize;
     match kind % 11 {
-        0 => Op::Bias,
-        1 => Op::ChannelMul,
-        2 => Op::Scale(SCALES[arg % SCALES.len()]),
-        3 => Op::Swish,
-        4 => Op::Mish,
-        5 => Op::Gelu,
-        6 => Op::LeakyRelu(SLOPES[arg % SLOPES.len()]),
+        0 => Op::of(Pointwise::Bias),
+        1 => Op::of(Pointwise::Mul),
+        2 => Op::Pointwise(Pointwise::Scale, [SCALES[arg % SCALES.len()], 0.0]),
+        3 => Op::of(Pointwise::Swish),
+        4 => Op::of(Pointwise::Mish),
+        5 => Op::of(Pointwise::Gelu),
+        6 => Op::Pointwise(Pointwise::LeakyRelu, [SLOPES[arg % SLOPES.len()], 0.0]),
         7 => {
             let (lo, hi) = BOUNDS[arg % BOUNDS.len()];
-            Op::Hardtanh(lo, hi)
+            Op::Pointwise(Pointwise::Hardtanh, [lo, hi])
         }
         8 => {
             let divisors: Vec<usize> = (1..=f).filter(|g| f.is_multiple_of(*g)).collect();
@@ -70,21 +70,27 @@ fn naive_block(x: &Rows, w: &Rows, b: &[f64], chain: &[Op], params: &[Vec<f64>])
     for op in chain {
         let elementwise = |h: &mut Rows, f: &dyn Fn(f64) -> f64| h.iter_mut().flatten().for_each(|v| *v = f(*v));
         match *op {
-            Op::Bias => {
+            Op::Pointwise(Pointwise::Bias, _) => {
                 let p = next.next().unwrap();
                 h.iter_mut().for_each(|row| (0..row.len()).for_each(|c| row[c] += p[c]));
             }
-            Op::ChannelMul => {
+            Op::Pointwise(Pointwise::Mul, _) => {
                 let p = next.next().unwrap();
                 h.iter_mut().for_each(|row| (0..row.len()).for_each(|c| row[c] *= p[c]));
             }
-            Op::Scale(s) => elementwise(&mut h, &|v| constant(s) * v),
-            Op::Swish => elementwise(&mut h, &|v| v * sigmoid(v)),
-            Op::Mish => elementwise(&mut h, &|v| v * v.exp().ln_1p().tanh()),
+            Op::Pointwise(Pointwise::Scale, [s, _]) => elementwise(&mut h, &|v| constant(s) * v),
+            Op::Pointwise(Pointwise::Swish, _) => elementwise(&mut h, &|v| v * sigmoid(v)),
+            Op::Pointwise(Pointwise::Mish, _) => elementwise(&mut h, &|v| v * v.exp().ln_1p().tanh()),
             // Phi(x) = erfc(-x / sqrt 2) / 2: erfc, not the reference's erf.
-            Op::Gelu => elementwise(&mut h, &|v| 0.5 * v * libm::erfc(-v / std::f64::consts::SQRT_2)),
-            Op::LeakyRelu(s) => elementwise(&mut h, &|v| if v > 0.0 { v } else { constant(s) * v }),
-            Op::Hardtanh(lo, hi) => elementwise(&mut h, &|v| v.max(constant(lo)).min(constant(hi))),
+            Op::Pointwise(Pointwise::Gelu, _) => {
+                elementwise(&mut h, &|v| 0.5 * v * libm::erfc(-v / std::f64::consts::SQRT_2))
+            }
+            Op::Pointwise(Pointwise::LeakyRelu, [s, _]) => {
+                elementwise(&mut h, &|v| if v > 0.0 { v } else { constant(s) * v })
+            }
+            Op::Pointwise(Pointwise::Hardtanh, [lo, hi]) => {
+                elementwise(&mut h, &|v| v.max(constant(lo)).min(constant(hi)))
+            }
             Op::GroupNorm { groups, eps } => {
                 let (gamma, beta) = (next.next().unwrap(), next.next().unwrap());
                 for row in h.iter_mut() {

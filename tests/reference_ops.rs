@@ -9,12 +9,11 @@
 
 use host::check::{F64_REL, FP32_REL, compare, compare_f32};
 use host::reference::activation::{hardtanh_grad, leaky_relu_grad, mish, mish_grad, softplus, swish, swish_grad};
-use host::reference::channel::{bias_backward, bias_forward, channel_mul_backward, channel_mul_forward};
 use host::reference::group_norm::group_norm_forward;
 use host::reference::linear::{linear_backward, linear_forward};
 use host::reference::reduce::{avg_pool_backward, avg_pool_forward, row_max_backward, row_max_forward};
 use host::reference::{Real, block_backward, block_forward, op_backward, op_forward};
-use host::{BlockSpec, Chain, Error, Op, Params, Preset, Tensor};
+use host::{BlockSpec, Chain, Error, Op, Params, Pointwise, Preset, Tensor};
 mod common;
 use common::{random_params, random_tensor};
 use rand::SeedableRng;
@@ -140,14 +139,20 @@ fn naive_block(spec: &BlockSpec, x: &Rows, p: &Params<f64>) -> Vec<f64> {
     for (op, params) in spec.chain.0.iter().zip(&p.ops) {
         let param = |i: usize| params[i].data();
         h = match *op {
-            Op::Bias => h.iter().map(|row| row.iter().zip(param(0)).map(|(v, b)| v + b).collect()).collect(),
-            Op::ChannelMul => h.iter().map(|row| row.iter().zip(param(0)).map(|(v, w)| v * w).collect()).collect(),
-            Op::Scale(s) => map_rows(&h, |v| constant(s) * v),
-            Op::Swish => map_rows(&h, naive_swish),
-            Op::Mish => map_rows(&h, naive_mish),
-            Op::Gelu => map_rows(&h, naive_gelu),
-            Op::LeakyRelu(s) => map_rows(&h, |v| naive_leaky_relu(v, constant(s))),
-            Op::Hardtanh(lo, hi) => map_rows(&h, |v| naive_hardtanh(v, constant(lo), constant(hi))),
+            Op::Pointwise(Pointwise::Bias, _) => {
+                h.iter().map(|row| row.iter().zip(param(0)).map(|(v, b)| v + b).collect()).collect()
+            }
+            Op::Pointwise(Pointwise::Mul, _) => {
+                h.iter().map(|row| row.iter().zip(param(0)).map(|(v, w)| v * w).collect()).collect()
+            }
+            Op::Pointwise(Pointwise::Scale, [s, _]) => map_rows(&h, |v| constant(s) * v),
+            Op::Pointwise(Pointwise::Swish, _) => map_rows(&h, naive_swish),
+            Op::Pointwise(Pointwise::Mish, _) => map_rows(&h, naive_mish),
+            Op::Pointwise(Pointwise::Gelu, _) => map_rows(&h, naive_gelu),
+            Op::Pointwise(Pointwise::LeakyRelu, [s, _]) => map_rows(&h, |v| naive_leaky_relu(v, constant(s))),
+            Op::Pointwise(Pointwise::Hardtanh, [lo, hi]) => {
+                map_rows(&h, |v| naive_hardtanh(v, constant(lo), constant(hi)))
+            }
             Op::GroupNorm { groups, eps } => naive_group_norm(&h, groups, constant(eps), param(0), param(1)),
             Op::AvgPool(k) => naive_avg_pool(&h, k),
             Op::RowMax => naive_row_max(&h),
@@ -266,14 +271,14 @@ fn activations_match_naive_formulas() {
     let mut rng = StdRng::seed_from_u64(3);
     let x = activation_inputs(&mut rng);
     let cases: Vec<Elementwise> = vec![
-        (Op::Swish, Box::new(naive_swish)),
-        (Op::Mish, Box::new(naive_mish)),
-        (Op::Gelu, Box::new(naive_gelu)),
-        (Op::LeakyRelu(0.01), Box::new(|v| naive_leaky_relu(v, 0.01))),
-        (Op::LeakyRelu(0.2), Box::new(|v| naive_leaky_relu(v, 0.2))),
-        (Op::Hardtanh(-1.0, 1.0), Box::new(|v| naive_hardtanh(v, -1.0, 1.0))),
-        (Op::Hardtanh(-0.5, 0.7), Box::new(|v| naive_hardtanh(v, -0.5, 0.7))),
-        (Op::Scale(-1.5), Box::new(|v| -1.5 * v)),
+        (Op::of(Pointwise::Swish), Box::new(naive_swish)),
+        (Op::of(Pointwise::Mish), Box::new(naive_mish)),
+        (Op::of(Pointwise::Gelu), Box::new(naive_gelu)),
+        (Op::Pointwise(Pointwise::LeakyRelu, [0.01, 0.0]), Box::new(|v| naive_leaky_relu(v, 0.01))),
+        (Op::Pointwise(Pointwise::LeakyRelu, [0.2, 0.0]), Box::new(|v| naive_leaky_relu(v, 0.2))),
+        (Op::Pointwise(Pointwise::Hardtanh, [-1.0, 1.0]), Box::new(|v| naive_hardtanh(v, -1.0, 1.0))),
+        (Op::Pointwise(Pointwise::Hardtanh, [-0.5, 0.7]), Box::new(|v| naive_hardtanh(v, -0.5, 0.7))),
+        (Op::Pointwise(Pointwise::Scale, [-1.5, 0.0]), Box::new(|v| -1.5 * v)),
     ];
     for (op, f) in cases {
         let (y, _) = op_forward(&op, &x, &[]).unwrap();
@@ -320,9 +325,9 @@ fn piecewise_backwards_match_naive_derivatives() {
     let x = activation_inputs(&mut rng);
     let dy = random_tensor(&mut rng, x.shape());
     let cases: Vec<Elementwise> = vec![
-        (Op::LeakyRelu(0.2), Box::new(|v| if v > 0.0 { 1.0 } else { 0.2 })),
-        (Op::Hardtanh(-0.5, 0.7), Box::new(|v| if -0.5 < v && v < 0.7 { 1.0 } else { 0.0 })),
-        (Op::Scale(-1.5), Box::new(|_| -1.5)),
+        (Op::Pointwise(Pointwise::LeakyRelu, [0.2, 0.0]), Box::new(|v| if v > 0.0 { 1.0 } else { 0.2 })),
+        (Op::Pointwise(Pointwise::Hardtanh, [-0.5, 0.7]), Box::new(|v| if -0.5 < v && v < 0.7 { 1.0 } else { 0.0 })),
+        (Op::Pointwise(Pointwise::Scale, [-1.5, 0.0]), Box::new(|_| -1.5)),
     ];
     for (op, df) in cases {
         let (_, saved) = op_forward(&op, &x, &[]).unwrap();
@@ -357,17 +362,21 @@ fn channel_ops_match_naive_loops() {
         }
     }
 
-    assert_close("bias", bias_forward(&x, &p).unwrap().data(), &flatten(&plus));
-    let (dx, dbias) = bias_backward(&dy).unwrap();
+    let (bias, mul) = (Op::of(Pointwise::Bias), Op::of(Pointwise::Mul));
+    let (y, saved) = op_forward(&bias, &x, std::slice::from_ref(&p)).unwrap();
+    assert_close("bias", y.data(), &flatten(&plus));
+    let (dx, dbias) = op_backward(&bias, &saved, std::slice::from_ref(&p), &dy).unwrap();
     assert_close("bias dx", dx.data(), dy.data());
-    assert_close("bias dbias", dbias.data(), &sum_dy);
+    assert_close("bias dbias", dbias[0].data(), &sum_dy);
 
-    assert_close("mul", channel_mul_forward(&x, &p).unwrap().data(), &flatten(&times));
-    let (dx, dw) = channel_mul_backward(&x, &p, &dy).unwrap();
+    let (y, saved) = op_forward(&mul, &x, std::slice::from_ref(&p)).unwrap();
+    assert_close("mul", y.data(), &flatten(&times));
+    let (dx, dw) = op_backward(&mul, &saved, std::slice::from_ref(&p), &dy).unwrap();
     assert_close("mul dx", dx.data(), &flatten(&dx_mul));
-    assert_close("mul dw", dw.data(), &sum_dy_x);
+    assert_close("mul dw", dw[0].data(), &sum_dy_x);
 
-    assert!(matches!(bias_forward(&x, &Tensor::full(&[44], 0.0).unwrap()), Err(Error::Tensor { .. })));
+    let short = Tensor::full(&[44], 0.0).unwrap();
+    assert!(matches!(op_forward(&bias, &x, &[short]), Err(Error::Tensor { .. })));
 }
 
 // ---------------------------------------------------------------- reductions

@@ -7,7 +7,7 @@
 use host::check::{FP32_REL, compare, compare_f32};
 use host::io::{TensorFile, write};
 use host::reference::{self, op_forward};
-use host::{BlockSpec, Op, Params, Preset, Tensor};
+use host::{BlockSpec, Op, Params, Pointwise, Preset, Tensor};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand_distr::{Distribution, StandardNormal};
@@ -411,14 +411,14 @@ fn nan_and_inf_follow_pytorch_op_by_op() {
     };
     let input = [nan, inf, -inf, 0.0];
     for (op, want) in [
-        (Op::Hardtanh(-1.0, 1.0), [nan, 1.0, -1.0, 0.0]),
-        (Op::LeakyRelu(0.01), [nan, inf, -inf, 0.0]),
-        (Op::Swish, [nan, inf, nan, 0.0]),
-        (Op::Mish, [nan, inf, nan, 0.0]),
+        (Op::Pointwise(Pointwise::Hardtanh, [-1.0, 1.0]), [nan, 1.0, -1.0, 0.0]),
+        (Op::Pointwise(Pointwise::LeakyRelu, [0.01, 0.0]), [nan, inf, -inf, 0.0]),
+        (Op::of(Pointwise::Swish), [nan, inf, nan, 0.0]),
+        (Op::of(Pointwise::Mish), [nan, inf, nan, 0.0]),
         // torch.gelu(inf) is inf on its scalar path (and mathematically), NaN on its
         // vectorised CPU path; the reference keeps the mathematical value.
-        (Op::Gelu, [nan, inf, nan, 0.0]),
-        (Op::Scale(2.0), [nan, inf, -inf, 0.0]),
+        (Op::of(Pointwise::Gelu), [nan, inf, nan, 0.0]),
+        (Op::Pointwise(Pointwise::Scale, [2.0, 0.0]), [nan, inf, -inf, 0.0]),
     ] {
         let got = apply(op, &input);
         assert!(same(&got, &want), "{op}: got {got:?}, want {want:?}");

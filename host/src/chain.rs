@@ -1,45 +1,73 @@
 //! The epilogue chain as data: the ops applied to a Linear layer's output, the five
 //! reference models as presets, and the `--ops` syntax.
 //!
-//! Syntax (comma-separated, case-insensitive, spaces ignored):
+//! Syntax: comma-separated ops, case-insensitive, spaces ignored. The per-element ops
+//! and their arguments come from the registry (`kernel_abi::ops`; listed by
+//! [`syntax_help`]); the others are `groupnorm(G[,eps])` (GroupNorm over `G` groups,
+//! eps 1e-5 by default, parameters `gn.weight` and `gn.bias`), `avgpool(k)`
+//! (AvgPool1d over features, `F -> F / k`) and `max` (over features, `(N, F) -> (N,)`).
 //!
-//! | op                      | meaning                                   | parameters        |
-//! |-------------------------|-------------------------------------------|-------------------|
-//! | `bias`                  | `x + bias[c]`                             | `bias` `(F,)`     |
-//! | `mul`                   | `x * w[c]`                                | `w` `(F,)`        |
-//! | `scale(s)`              | `s * x`                                   |                   |
-//! | `double`                | `x + x` (same as `scale(2)`)              |                   |
-//! | `swish`, `mish`, `gelu` | activations (GELU: exact erf form)        |                   |
-//! | `leakyrelu(slope)`      | default slope 0.01                        |                   |
-//! | `hardtanh(min,max)`     | default -1, 1                             |                   |
-//! | `groupnorm(G[,eps])`    | GroupNorm over `G` groups, default eps 1e-5 | `gn.weight`, `gn.bias` |
-//! | `avgpool(k)`            | AvgPool1d(k) over features: `F -> F / k`  |                   |
-//! | `max`                   | max over features: `(N, F) -> (N,)`       |                   |
-//!
-//! Parameter names follow the PyTorch modules of `shared/baselines/pytorch_baselines.py`
-//! (`lin.weight`, `lin.bias`, `gn.weight`, `gn.bias`, `w`, `bias`). When a chain uses
-//! the same kind twice, later ones get a number: `bias2`, `w2`, `gn2.weight`.
+//! Parameter names follow the PyTorch modules of the reference models (`lin.weight`,
+//! `lin.bias`, `gn.weight`, `gn.bias`, `w`, `bias`). When a chain uses the same kind
+//! twice, later ones get a number: `bias2`, `w2`, `gn2.weight`.
 
 use crate::error::{Error, Result};
+pub use kernel_abi::ops::Pointwise;
+use kernel_abi::ops::SHORTHANDS;
 use std::fmt;
 
 /// One op of an epilogue chain.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Op {
-    Bias,
-    ChannelMul,
-    Scale(f32),
-    Swish,
-    Mish,
-    Gelu,
-    LeakyRelu(f32),
-    Hardtanh(f32, f32),
-    GroupNorm { groups: usize, eps: f32 },
+    /// A per-element op with its arguments (`OpDesc::a`, `OpDesc::b`; 0 where it has fewer).
+    Pointwise(Pointwise, [f32; 2]),
+    GroupNorm {
+        groups: usize,
+        eps: f32,
+    },
     AvgPool(usize),
     RowMax,
 }
 
 impl Op {
+    /// `kind` with its default arguments (0 for an argument without one).
+    pub fn of(kind: Pointwise) -> Op {
+        let mut args = [0.0; 2];
+        for (a, spec) in args.iter_mut().zip(kind.info().args) {
+            *a = spec.default.unwrap_or(0.0);
+        }
+        Op::Pointwise(kind, args)
+    }
+
+    /// `kind` with the arguments given, checked as the `--ops` parser checks them.
+    pub fn with_args(kind: Pointwise, given: &[f32]) -> Result<Op> {
+        let info = kind.info();
+        if given.len() != info.args.len() {
+            return Err(Error::Chain(format!(
+                "`{}` takes {} argument(s), got {}",
+                kind.name(),
+                info.args.len(),
+                given.len()
+            )));
+        }
+        let mut args = [0.0; 2];
+        args[..given.len()].copy_from_slice(given);
+        let op = Op::Pointwise(kind, args);
+        op.out_features(1)?;
+        Ok(op)
+    }
+
+    /// A per-element op drawn at random, its arguments from the registry's sample
+    /// ranges (the random chains of `host check` and the tests).
+    pub fn random_pointwise(rng: &mut impl rand::Rng) -> Op {
+        let kind = Pointwise::ALL[rng.random_range(0..Pointwise::ALL.len())];
+        let mut args = [0.0; 2];
+        for (a, spec) in args.iter_mut().zip(kind.info().args) {
+            *a = rng.random_range(spec.sample.0..spec.sample.1);
+        }
+        Op::Pointwise(kind, args)
+    }
+
     /// Features after this op, given `f` before it, or why it cannot apply.
     pub fn out_features(&self, f: usize) -> Result<usize> {
         match *self {
@@ -65,21 +93,26 @@ impl Op {
                 Ok(f / k)
             }
             Op::RowMax => Ok(1),
-            Op::Hardtanh(lo, hi) if lo.is_nan() || hi.is_nan() || lo > hi => {
-                Err(Error::Chain(format!("hardtanh({lo},{hi}): min must not exceed max")))
+            Op::Pointwise(kind, args) => {
+                let info = kind.info();
+                for (spec, &a) in info.args.iter().zip(&args) {
+                    if a.is_nan() || (a.is_infinite() && !spec.infinite_ok) {
+                        return Err(Error::Chain(format!("{self}: `{}` must be finite", spec.name)));
+                    }
+                }
+                if info.ordered && args[..info.args.len()].windows(2).any(|w| w[0] > w[1]) {
+                    let names: Vec<&str> = info.args.iter().map(|a| a.name).collect();
+                    return Err(Error::Chain(format!("{self}: {} must not decrease", names.join(" <= "))));
+                }
+                Ok(f)
             }
-            Op::Scale(s) | Op::LeakyRelu(s) if !s.is_finite() => {
-                Err(Error::Chain(format!("{self}: the factor must be finite")))
-            }
-            _ => Ok(f),
         }
     }
 
     /// Base names of this op's parameters, in order.
     pub fn param_bases(&self) -> &'static [&'static str] {
         match self {
-            Op::Bias => &["bias"],
-            Op::ChannelMul => &["w"],
+            Op::Pointwise(kind, _) => kind.info().params,
             Op::GroupNorm { .. } => &["gn.weight", "gn.bias"],
             _ => &[],
         }
@@ -89,19 +122,48 @@ impl Op {
 impl fmt::Display for Op {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match *self {
-            Op::Bias => write!(f, "bias"),
-            Op::ChannelMul => write!(f, "mul"),
-            Op::Scale(s) => write!(f, "scale({s})"),
-            Op::Swish => write!(f, "swish"),
-            Op::Mish => write!(f, "mish"),
-            Op::Gelu => write!(f, "gelu"),
-            Op::LeakyRelu(s) => write!(f, "leakyrelu({s})"),
-            Op::Hardtanh(lo, hi) => write!(f, "hardtanh({lo},{hi})"),
+            Op::Pointwise(kind, args) => {
+                write!(f, "{}", kind.name())?;
+                let n = kind.info().args.len();
+                if n > 0 {
+                    let list: Vec<String> = args[..n].iter().map(f32::to_string).collect();
+                    write!(f, "({})", list.join(","))?;
+                }
+                Ok(())
+            }
             Op::GroupNorm { groups, eps } => write!(f, "groupnorm({groups},{eps:e})"),
             Op::AvgPool(k) => write!(f, "avgpool({k})"),
             Op::RowMax => write!(f, "max"),
         }
     }
+}
+
+/// The `--ops` syntax, one line per op (from the registry), for help and errors.
+pub fn syntax_help() -> String {
+    let mut lines = Vec::new();
+    for &kind in Pointwise::ALL {
+        let info = kind.info();
+        let args: Vec<String> = info
+            .args
+            .iter()
+            .map(|a| match a.default {
+                Some(d) => format!("{}={d}", a.name),
+                None => a.name.to_string(),
+            })
+            .collect();
+        let call =
+            if args.is_empty() { info.names.join(" | ") } else { format!("{}({})", info.names[0], args.join(",")) };
+        let param = info.params.iter().map(|p| format!(" [parameter `{p}`]")).collect::<String>();
+        lines.push(format!("  {call:<28} {}{param}", info.meaning.replace('`', "")));
+    }
+    for (name, kind, args) in SHORTHANDS {
+        lines.push(format!("  {name:<28} {}", Op::Pointwise(*kind, *args)));
+    }
+    lines
+        .push(format!("  {:<28} GroupNorm over G groups [parameters `gn.weight`, `gn.bias`]", "groupnorm(G,eps=1e-5)"));
+    lines.push(format!("  {:<28} AvgPool1d over features: F -> F / k", "avgpool(k)"));
+    lines.push(format!("  {:<28} max over features: (N, F) -> (N,)", "max"));
+    lines.join("\n")
 }
 
 /// "group counts that divide N: 1, 2, ...", for errors about a GroupNorm's groups.
@@ -200,43 +262,41 @@ fn parse_op(token: &str) -> Result<Op> {
         }
         Ok(())
     };
+    if name.is_empty() {
+        return Err(Error::Chain("empty op (two commas in a row?)".into()));
+    }
+    if let Some((_, kind, fixed)) = SHORTHANDS.iter().find(|(n, ..)| *n == name) {
+        arity(0, 0)?;
+        return Ok(Op::Pointwise(*kind, *fixed));
+    }
+    if let Some(&kind) = Pointwise::ALL.iter().find(|k| k.info().names.contains(&name)) {
+        let specs = kind.info().args;
+        let required = specs.iter().filter(|a| a.default.is_none()).count();
+        // All arguments or (when each has a default) none: one bound of two is ambiguous.
+        if !args.is_empty() || required > 0 {
+            arity(specs.len(), specs.len())?;
+        }
+        let mut values = [0.0; 2];
+        for (i, (v, spec)) in values.iter_mut().zip(specs).enumerate() {
+            *v = if args.is_empty() { spec.default.unwrap_or(0.0) } else { num(i)? };
+        }
+        return Ok(Op::Pointwise(kind, values));
+    }
     let op = match name {
-        "bias" => arity(0, 0).map(|_| Op::Bias)?,
-        "mul" => arity(0, 0).map(|_| Op::ChannelMul)?,
-        "scale" => arity(1, 1).and_then(|_| num(0)).map(Op::Scale)?,
-        "double" => arity(0, 0).map(|_| Op::Scale(2.0))?,
-        "swish" | "silu" => arity(0, 0).map(|_| Op::Swish)?,
-        "mish" => arity(0, 0).map(|_| Op::Mish)?,
-        "gelu" => arity(0, 0).map(|_| Op::Gelu)?,
-        "leakyrelu" => {
-            arity(0, 1)?;
-            Op::LeakyRelu(if args.is_empty() { 0.01 } else { num(0)? })
-        }
-        "hardtanh" => {
-            if args.len() == 1 {
-                arity(0, 0)?; // a single bound is ambiguous
-            }
-            arity(0, 2)?;
-            if args.is_empty() { Op::Hardtanh(-1.0, 1.0) } else { Op::Hardtanh(num(0)?, num(1)?) }
-        }
         "groupnorm" | "gn" => {
             arity(1, 2)?;
             Op::GroupNorm { groups: count(0)?, eps: if args.len() == 2 { num(1)? } else { 1e-5 } }
         }
         "avgpool" => arity(1, 1).and_then(|_| count(0)).map(Op::AvgPool)?,
         "max" | "rowmax" => arity(0, 0).map(|_| Op::RowMax)?,
-        "" => return Err(Error::Chain("empty op (two commas in a row?)".into())),
         other => {
-            return Err(Error::Chain(format!(
-                "unknown op `{other}`; known: bias, mul, scale(s), double, swish, mish, gelu, leakyrelu(slope), \
-                 hardtanh(min,max), groupnorm(G[,eps]), avgpool(k), max"
-            )));
+            return Err(Error::Chain(format!("unknown op `{other}`; known:\n{}", syntax_help())));
         }
     };
     Ok(op)
 }
 
-/// The five reference models of `shared/spec/models.md`.
+/// The five reference models (docs/MODELS.md).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Preset {
     M1,
@@ -250,14 +310,15 @@ impl Preset {
     pub const ALL: [Preset; 5] = [Preset::M1, Preset::M2, Preset::M3, Preset::M4, Preset::M5];
 
     pub fn chain(self) -> Chain {
-        use Op::*;
-        let gn = |groups| GroupNorm { groups, eps: 1e-5 };
+        use Pointwise::*;
+        let gn = |groups| Op::GroupNorm { groups, eps: 1e-5 };
+        let (scale, leaky) = (Op::Pointwise(Scale, [2.0, 0.0]), Op::Pointwise(LeakyRelu, [0.01, 0.0]));
         Chain(match self {
-            Preset::M1 => vec![gn(256), Swish, ChannelMul, Swish],
-            Preset::M2 => vec![Swish, Bias, gn(64)],
-            Preset::M3 => vec![gn(512), LeakyRelu(0.01), Scale(2.0)],
-            Preset::M4 => vec![AvgPool(16), Gelu, Scale(2.0), RowMax],
-            Preset::M5 => vec![Bias, Hardtanh(-1.0, 1.0), Mish, gn(256)],
+            Preset::M1 => vec![gn(256), Op::of(Swish), Op::of(Mul), Op::of(Swish)],
+            Preset::M2 => vec![Op::of(Swish), Op::of(Bias), gn(64)],
+            Preset::M3 => vec![gn(512), leaky, scale],
+            Preset::M4 => vec![Op::AvgPool(16), Op::of(Gelu), scale, Op::RowMax],
+            Preset::M5 => vec![Op::of(Bias), Op::Pointwise(Hardtanh, [-1.0, 1.0]), Op::of(Mish), gn(256)],
         })
     }
 
@@ -317,7 +378,15 @@ mod tests {
         let again: Chain = c.to_string().parse().unwrap();
         assert_eq!(again, c);
         let c: Chain = "hardtanh(-2,3),leakyrelu,avgpool(4),max,double".parse().unwrap();
-        assert_eq!(c.0, vec![Op::Hardtanh(-2.0, 3.0), Op::LeakyRelu(0.01), Op::AvgPool(4), Op::RowMax, Op::Scale(2.0)]);
+        use Pointwise::*;
+        let want = [
+            Op::Pointwise(Hardtanh, [-2.0, 3.0]),
+            Op::Pointwise(LeakyRelu, [0.01, 0.0]),
+            Op::AvgPool(4),
+            Op::RowMax,
+            Op::Pointwise(Scale, [2.0, 0.0]),
+        ];
+        assert_eq!(c.0, want);
     }
 
     #[test]
@@ -328,7 +397,7 @@ mod tests {
             ("groupnorm", "takes 1 to 2"),
             ("groupnorm(x)", "not a whole number"),
             ("scale(1", "unbalanced"),
-            ("hardtanh(1)", "takes 0"),
+            ("hardtanh(1)", "takes 2 argument(s), got 1"),
         ] {
             let err = text.parse::<Chain>().unwrap_err().to_string();
             assert!(err.contains(needle), "`{text}` gave `{err}`");

@@ -13,6 +13,6 @@ pub mod tape;
 pub mod tensor;
 
 pub use block::{BlockSpec, Params};
-pub use chain::{Chain, Op, Preset};
+pub use chain::{Chain, Op, Pointwise, Preset};
 pub use error::{Error, Result};
 pub use tensor::Tensor;

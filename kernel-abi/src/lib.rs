@@ -4,6 +4,8 @@
 //! and shared memory with it, so the two cannot drift apart.
 #![no_std]
 
+pub mod ops;
+
 /// Words one `store_words` launch writes (a TMA tensor-map pair is 32): its argument
 /// array's length, 256 bytes of the 4 KiB a launch's arguments may take.
 pub const STORE_WORDS: usize = 32;
@@ -187,30 +189,17 @@ pub mod gemm_tiled {
 
 /// The epilogue chain as the kernels see it: one [`OpDesc`](epilogue::OpDesc) per op, in a device array.
 pub mod epilogue {
-    pub const OP_BIAS: u32 = 1;
-    pub const OP_MUL: u32 = 2;
-    pub const OP_SCALE: u32 = 3;
-    pub const OP_SWISH: u32 = 4;
-    pub const OP_MISH: u32 = 5;
-    pub const OP_GELU: u32 = 6;
-    pub const OP_LEAKY_RELU: u32 = 7;
-    pub const OP_HARDTANH: u32 = 8;
-    pub const OP_GROUP_NORM: u32 = 9;
-    pub const OP_AVG_POOL: u32 = 10;
-    pub const OP_ROW_MAX: u32 = 11;
+    pub use crate::ops::{OP_AVG_POOL, OP_GROUP_NORM, OP_ROW_MAX, Pointwise, code};
 
     /// One op of an epilogue chain. Fields unused by an op are zero.
     ///
     /// | code            | `count`  | `a`   | `b`  | `param0` | `param1` |
     /// |-----------------|----------|-------|------|----------|----------|
-    /// | `OP_BIAS`       |          |       |      | bias     |          |
-    /// | `OP_MUL`        |          |       |      | w        |          |
-    /// | `OP_SCALE`      |          | s     |      |          |          |
-    /// | `OP_LEAKY_RELU` |          | slope |      |          |          |
-    /// | `OP_HARDTANH`   |          | min   | max  |          |          |
+    /// | per-element     |          | 1st argument | 2nd | its parameter, if any |  |
     /// | `OP_GROUP_NORM` | groups   | eps   |      | gamma    | beta     |
     /// | `OP_AVG_POOL`   | k        |       |      |          |          |
     ///
+    /// (A per-element op's arguments and parameter: [`Pointwise::info`].)
     /// `param0`/`param1` are device addresses of f32 vectors with one entry per
     /// feature at that point of the chain.
     #[repr(C)]

@@ -39,22 +39,12 @@ pub fn random_chain(rng: &mut impl Rng, out: usize) -> Chain {
     let len = rng.random_range(1..=5);
     for i in 0..len {
         let op = match rng.random_range(0..10) {
-            0 => Op::Bias,
-            1 => Op::ChannelMul,
-            2 => Op::Scale(rng.random_range(-2.0..2.0)),
-            3 => Op::Swish,
-            4 => Op::Mish,
-            5 => Op::Gelu,
-            6 => Op::LeakyRelu(rng.random_range(0.0..0.3)),
-            7 => {
-                let lo = rng.random_range(-2.0f32..0.0);
-                Op::Hardtanh(lo, lo + rng.random_range(0.1..3.0))
-            }
             8 if f >= 2 && i + 1 < len => Op::AvgPool(rng.random_range(2..=4.min(f))),
-            _ => {
+            8 | 9 => {
                 let divisors: Vec<usize> = (1..=f).filter(|g| f.is_multiple_of(*g)).collect();
                 Op::GroupNorm { groups: divisors[rng.random_range(0..divisors.len())], eps: 1e-5 }
             }
+            _ => Op::random_pointwise(rng),
         };
         f = op.out_features(f).expect("generated ops are valid");
         ops.push(op);

@@ -68,6 +68,14 @@ pub enum DeviceChoice {
     Gpu,
 }
 
+/// `--ops`'s long help: the syntax of every op, from the registry.
+fn ops_help() -> String {
+    format!(
+        "Epilogue chain instead of the model's, comma-separated, e.g. \"groupnorm(256),swish,mul,swish\":\n{}",
+        crate::chain::syntax_help()
+    )
+}
+
 /// Flags that say which block to build and with what data; shared by commands.
 #[derive(clap::Args, Debug, Clone)]
 pub struct BlockArgs {
@@ -75,7 +83,7 @@ pub struct BlockArgs {
     #[arg(long, default_value = "M1")]
     model: String,
     /// Epilogue chain instead of the model's, e.g. "groupnorm(256),swish,mul,swish".
-    #[arg(long)]
+    #[arg(long, long_help = ops_help())]
     ops: Option<String>,
     /// BATCH,IN,OUT (default: from --input/--weights, else the model's seed size).
     #[arg(long)]

@@ -1,9 +1,98 @@
-//! Elementwise activations: each `f(x)` next to its derivative `f'(x)`. The backward
-//! of every one is `dx = dy * f'(x)`, so it needs the input `x`.
+//! The per-element ops (`kernel_abi::ops::Pointwise`): each `f(x)` next to its
+//! derivative `f'(x)`, written from their definitions in `T` (f64 for the checks),
+//! independently of the kernels. The backward of every one is `dx = dy * f'(x)`, so
+//! it needs the input `x`; an op with a per-channel parameter `p` also sums
+//! `dy * df/dp` over the batch.
 
-use super::{Real, matrix_dims};
+use super::{Real, check_vector, matrix_dims};
+use crate::chain::Pointwise;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
+
+/// `f(x)` of a per-element op: `p` its parameter at `x`'s column (0 without one),
+/// `a` and `b` its arguments.
+pub fn pointwise<T: Real>(op: Pointwise, x: T, p: T, a: T, b: T) -> T {
+    match op {
+        Pointwise::Bias => x + p,
+        Pointwise::Mul => x * p,
+        Pointwise::Scale => a * x,
+        Pointwise::Swish => swish(x),
+        Pointwise::Mish => mish(x),
+        Pointwise::Gelu => gelu(x),
+        Pointwise::LeakyRelu => leaky_relu(x, a),
+        Pointwise::Hardtanh => hardtanh(x, a, b),
+    }
+}
+
+/// `(df/dx, df/dp)` of a per-element op at `x` (arguments as [`pointwise`]).
+pub fn pointwise_grad<T: Real>(op: Pointwise, x: T, p: T, a: T, b: T) -> (T, T) {
+    match op {
+        Pointwise::Bias => (T::ONE, T::ONE),
+        Pointwise::Mul => (p, x),
+        Pointwise::Scale => (a, T::ZERO),
+        Pointwise::Swish => (swish_grad(x), T::ZERO),
+        Pointwise::Mish => (mish_grad(x), T::ZERO),
+        Pointwise::Gelu => (gelu_grad(x), T::ZERO),
+        Pointwise::LeakyRelu => (leaky_relu_grad(x, a), T::ZERO),
+        Pointwise::Hardtanh => (hardtanh_grad(x, a, b), T::ZERO),
+    }
+}
+
+/// `y = f(x)` of a per-element op on `(B, C)`; `param` is its per-channel parameter
+/// (`(C,)`) when it has one.
+pub fn pointwise_forward<T: Real>(
+    op: Pointwise,
+    x: &Tensor<T>,
+    param: Option<&Tensor<T>>,
+    a: T,
+    b: T,
+) -> Result<Tensor<T>> {
+    let (_, channels) = matrix_dims("x", x)?;
+    let p = column_values(op, param, channels)?;
+    let y = x.data().iter().enumerate().map(|(i, &v)| pointwise(op, v, p(i % channels), a, b)).collect();
+    Tensor::new(x.shape(), y)
+}
+
+/// The backward of [`pointwise_forward`]: `dx = dy * df/dx` and, for an op with a
+/// parameter, its gradient `sum_b dy * df/dp`.
+pub fn pointwise_backward<T: Real>(
+    op: Pointwise,
+    x: &Tensor<T>,
+    param: Option<&Tensor<T>>,
+    dy: &Tensor<T>,
+    a: T,
+    b: T,
+) -> Result<(Tensor<T>, Option<Tensor<T>>)> {
+    let (_, channels) = matrix_dims("x", x)?;
+    if dy.shape() != x.shape() {
+        return Err(Error::tensor("dy", format!("expected shape {:?}, got {:?}", x.shape(), dy.shape())));
+    }
+    let p = column_values(op, param, channels)?;
+    let mut dx = Vec::with_capacity(x.data().len());
+    let mut dp = vec![T::ZERO; channels];
+    for (i, (&v, &g)) in x.data().iter().zip(dy.data()).enumerate() {
+        let (gx, gp) = pointwise_grad(op, v, p(i % channels), a, b);
+        dx.push(g * gx);
+        dp[i % channels] += g * gp;
+    }
+    let dp = if param.is_some() { Some(Tensor::new(&[channels], dp)?) } else { None };
+    Ok((Tensor::new(x.shape(), dx)?, dp))
+}
+
+/// The op's parameter by column (0 for an op without one), checked against `channels`.
+fn column_values<'a, T: Real>(
+    op: Pointwise,
+    param: Option<&'a Tensor<T>>,
+    channels: usize,
+) -> Result<impl Fn(usize) -> T + 'a> {
+    let wanted = op.info().params;
+    match (param, wanted.first()) {
+        (Some(t), Some(name)) => check_vector(name, t, channels)?,
+        (None, None) => {}
+        _ => return Err(Error::Argument(format!("`{}` takes {} parameter(s)", op.name(), wanted.len()))),
+    }
+    Ok(move |c: usize| param.map_or(T::ZERO, |t| t.data()[c]))
+}
 
 /// `sigmoid(x) = 1 / (1 + e^-x)`, evaluated so that `exp` never overflows.
 pub fn sigmoid<T: Real>(x: T) -> T {
@@ -87,19 +176,4 @@ pub fn hardtanh<T: Real>(x: T, min: T, max: T) -> T {
 /// PyTorch, which also lets a NaN's gradient through: no comparison with NaN holds).
 pub fn hardtanh_grad<T: Real>(x: T, min: T, max: T) -> T {
     if x <= min || x >= max { T::ZERO } else { T::ONE }
-}
-
-/// `y = f(x)` elementwise.
-pub fn elementwise_forward<T: Real>(x: &Tensor<T>, f: impl Fn(T) -> T) -> Tensor<T> {
-    x.map(f)
-}
-
-/// `dx = dy * f'(x)` elementwise; `x` is the forward's input.
-pub fn elementwise_backward<T: Real>(x: &Tensor<T>, dy: &Tensor<T>, df: impl Fn(T) -> T) -> Result<Tensor<T>> {
-    matrix_dims("x", x)?;
-    if dy.shape() != x.shape() {
-        return Err(Error::tensor("dy", format!("expected shape {:?}, got {:?}", x.shape(), dy.shape())));
-    }
-    let dx = x.data().iter().zip(dy.data()).map(|(&v, &g)| g * df(v)).collect();
-    Tensor::new(x.shape(), dx)
 }

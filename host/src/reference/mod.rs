@@ -13,7 +13,6 @@
 //! Linear layer, one per chain op) and back-propagates the caller's `dy`.
 
 pub mod activation;
-pub mod channel;
 pub mod group_norm;
 pub mod linear;
 pub mod op;

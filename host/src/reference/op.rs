@@ -1,10 +1,7 @@
 //! Dispatch from a chain [`Op`] to its forward and backward, and the state a
 //! forward saves for its backward.
 
-use super::activation::{self as act, elementwise_backward, elementwise_forward};
-use super::channel::{
-    bias_backward, bias_forward, channel_mul_backward, channel_mul_forward, scale_backward, scale_forward,
-};
+use super::activation::{pointwise_backward, pointwise_forward};
 use super::group_norm::{GroupNormStats, group_norm_backward, group_norm_forward};
 use super::reduce::{avg_pool_backward, avg_pool_forward, row_max_backward, row_max_forward};
 use super::{Real, matrix_dims};
@@ -15,9 +12,7 @@ use crate::tensor::Tensor;
 /// What an op's backward needs from its forward.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Saved<T> {
-    /// Bias and scale: nothing.
-    Nothing,
-    /// Channel multiply and the activations: the op's input.
+    /// A per-element op: its input.
     Input(Tensor<T>),
     /// GroupNorm: the input and its per-(row, group) mean and rstd.
     GroupNorm { x: Tensor<T>, stats: GroupNormStats<T> },
@@ -34,14 +29,9 @@ pub fn op_forward<T: Real>(op: &Op, x: &Tensor<T>, params: &[Tensor<T>]) -> Resu
     let (batch, features) = matrix_dims("x", x)?;
     let c = T::from_chain_constant;
     Ok(match *op {
-        Op::Bias => (bias_forward(x, &params[0])?, Saved::Nothing),
-        Op::ChannelMul => (channel_mul_forward(x, &params[0])?, Saved::Input(x.clone())),
-        Op::Scale(s) => (scale_forward(x, c(s)), Saved::Nothing),
-        Op::Swish => (elementwise_forward(x, act::swish), Saved::Input(x.clone())),
-        Op::Mish => (elementwise_forward(x, act::mish), Saved::Input(x.clone())),
-        Op::Gelu => (elementwise_forward(x, act::gelu), Saved::Input(x.clone())),
-        Op::LeakyRelu(slope) => (elementwise_forward(x, |v| act::leaky_relu(v, c(slope))), Saved::Input(x.clone())),
-        Op::Hardtanh(lo, hi) => (elementwise_forward(x, |v| act::hardtanh(v, c(lo), c(hi))), Saved::Input(x.clone())),
+        Op::Pointwise(kind, [a, b]) => {
+            (pointwise_forward(kind, x, params.first(), c(a), c(b))?, Saved::Input(x.clone()))
+        }
         Op::GroupNorm { groups, eps } => {
             let (y, stats) = group_norm_forward(x, groups, c(eps), &params[0], &params[1])?;
             (y, Saved::GroupNorm { x: x.clone(), stats })
@@ -65,23 +55,9 @@ pub fn op_backward<T: Real>(
     check_param_count(op, params)?;
     let c = T::from_chain_constant;
     Ok(match (*op, saved) {
-        (Op::Bias, Saved::Nothing) => {
-            let (dx, dbias) = bias_backward(dy)?;
-            (dx, vec![dbias])
-        }
-        (Op::ChannelMul, Saved::Input(x)) => {
-            let (dx, dw) = channel_mul_backward(x, &params[0], dy)?;
-            (dx, vec![dw])
-        }
-        (Op::Scale(s), Saved::Nothing) => (scale_backward(dy, c(s)), vec![]),
-        (Op::Swish, Saved::Input(x)) => (elementwise_backward(x, dy, act::swish_grad)?, vec![]),
-        (Op::Mish, Saved::Input(x)) => (elementwise_backward(x, dy, act::mish_grad)?, vec![]),
-        (Op::Gelu, Saved::Input(x)) => (elementwise_backward(x, dy, act::gelu_grad)?, vec![]),
-        (Op::LeakyRelu(slope), Saved::Input(x)) => {
-            (elementwise_backward(x, dy, |v| act::leaky_relu_grad(v, c(slope)))?, vec![])
-        }
-        (Op::Hardtanh(lo, hi), Saved::Input(x)) => {
-            (elementwise_backward(x, dy, |v| act::hardtanh_grad(v, c(lo), c(hi)))?, vec![])
+        (Op::Pointwise(kind, [a, b]), Saved::Input(x)) => {
+            let (dx, dp) = pointwise_backward(kind, x, params.first(), dy, c(a), c(b))?;
+            (dx, dp.into_iter().collect())
         }
         (Op::GroupNorm { .. }, Saved::GroupNorm { x, stats }) => {
             let (dx, dgamma, dbeta) = group_norm_backward(x, stats, &params[0], dy)?;

@@ -61,15 +61,13 @@ pub fn fragment_forward(op: &OpDesc, v: &mut HalfFragment, n: usize, col: usize)
     let checked = |p: *const f32, j: usize| column_pair(p, n, col + 8 * j);
     match op.code {
         OP_GROUP_NORM => group_norm_sized(op, v, n, checked),
-        OP_BIAS => per_column(v, p0, n, col, |x, b| x + b),
-        OP_MUL => per_column(v, p0, n, col, |x, w| x * w),
-        OP_SCALE => each_half_value(v, |x, _, _| x * op.a),
-        OP_SWISH => each_half_value(v, |x, _, _| swish(x)),
-        OP_MISH => each_half_value(v, |x, _, _| mish(x)),
-        OP_GELU => each_half_value(v, |x, _, _| gelu(x)),
-        OP_LEAKY_RELU => each_half_value(v, |x, _, _| leaky_relu(x, op.a)),
-        OP_HARDTANH => each_half_value(v, |x, _, _| hardtanh(x, op.a, op.b)),
-        _ => unfusable(),
+        code => match_pointwise!(code, P => {
+            if P::HAS_PARAM {
+                per_column(v, p0, n, col, |x, p| P::forward(x, p, op.a, op.b))
+            } else {
+                each_half_value(v, |x, _, _| P::forward(x, 0.0, op.a, op.b))
+            }
+        }, _ => unfusable()),
     }
 }
 
@@ -157,12 +155,15 @@ pub unsafe fn prefetch_tile_params(bias: *const f32, ops: *const OpDesc, n_ops: 
         // SAFETY: o < n_ops.
         let op = unsafe { &*ops.add(o) };
         match op.code {
-            OP_BIAS | OP_MUL => lines(op.param0 as *const f32),
             OP_GROUP_NORM => {
                 lines(op.param0 as *const f32);
                 lines(op.param1 as *const f32);
             }
-            _ => {}
+            code => {
+                if match_pointwise!(code, P => P::HAS_PARAM, _ => false) {
+                    lines(op.param0 as *const f32);
+                }
+            }
         }
     }
 }

@@ -13,7 +13,7 @@
 //! only (M5's Hardtanh before its GroupNorm), `kink_scan_tiles` lists those values and
 //! `refine_values` recomputes them one by one instead: a weight row each, not a chunk.
 
-use super::pointwise::*;
+use super::pointwise::{PointwiseMath, match_pointwise, param_count};
 use crate::prelude::math::{fabs, fma, max_nan, rsqrt, sqrt};
 use crate::prelude::async_copy::{
     cp_async_4, cp_async_16_hint, cp_async_commit, cp_async_wait, cp_async_wait_all, l2_policy, shared_address,
@@ -27,16 +27,12 @@ use crate::prelude::*;
 use crate::unroll;
 use kernel_abi::epilogue::*;
 use kernel_abi::kinks::*;
+use kernel_abi::ops::ErrorRule;
 
 const WARPS: usize = ROW_THREADS / WARP_SIZE as usize;
 const WARP: usize = WARP_SIZE as usize;
 /// A dependency that spans the whole row (`dep` below).
 const WHOLE_ROW: usize = 0;
-/// Largest slopes of the smooth activations (swish' 1.0998, mish' 1.0885, gelu'
-/// 1.1289), rounded up: how far an input's error can move their output.
-const SWISH_LIPSCHITZ: f32 = 1.1;
-const MISH_LIPSCHITZ: f32 = 1.09;
-const GELU_LIPSCHITZ: f32 = 1.13;
 /// A GroupNorm group is recomputed whole when its normalised values' radius exceeds
 /// this many times `z`'s own relative error (`rel_err`: for a GroupNorm first in the
 /// chain, a group whose spread is below a quarter of the row's rms): its gradients
@@ -58,32 +54,28 @@ fn nest(a: usize, b: usize) -> usize {
     }
 }
 
-/// One value through a pointwise op: its output, its radius, and whether the op's kink
-/// lies within that radius of the input (the one rule both scans apply). `p` is the
-/// op's parameter at the value's column (bias, multiplier), `c` the common relative
-/// error the input still carries: an added bias, a curved activation or a Hardtanh
-/// bound sees it as `c |x|`, a multiply scales it away with the value, a sign ignores it.
+/// One value through a per-element op: its output, its radius, and whether the op's
+/// kink lies within that radius of the input (the one rule both scans apply: the op's
+/// [`ErrorRule`] in the registry). `p` is the op's parameter at the value's column,
+/// `rc = rx + c |x|` its radius with the common relative error `c` the input still
+/// carries.
 #[inline(always)]
-fn pointwise_radius(code: u32, op: &OpDesc, p: f32, x: f32, rx: f32, c: f32) -> (f32, f32, bool) {
-    let rc = rx + c * fabs(x);
-    match code {
-        OP_BIAS => (x + p, rc, false),
-        OP_MUL => (x * p, rx * fabs(p), false),
-        OP_SCALE => (x * op.a, rx * fabs(op.a), false),
-        OP_SWISH => (swish(x), rc * SWISH_LIPSCHITZ, false),
-        OP_MISH => (mish(x), rc * MISH_LIPSCHITZ, false),
-        OP_GELU => (gelu(x), rc * GELU_LIPSCHITZ, false),
-        OP_LEAKY_RELU => (leaky_relu(x, op.a), rx * fabs(op.a).max(1.0), fabs(x) <= rx),
-        OP_HARDTANH => (hardtanh(x, op.a, op.b), rc, fabs(x - op.a) <= rc || fabs(x - op.b) <= rc),
-        _ => (f32::NAN, f32::NAN, false), // unknown code: poison
+fn pointwise_radius<P: PointwiseMath>(op: &OpDesc, p: f32, x: f32, rx: f32, rc: f32) -> (f32, f32, bool) {
+    let y = P::forward(x, p, op.a, op.b);
+    match const { P::OP.info().error } {
+        ErrorRule::Shift => (y, rc, false),
+        ErrorRule::Linear => (y, rx * fabs(P::grad(x, p, op.a, op.b)), false),
+        ErrorRule::Smooth { lipschitz } => (y, rc * lipschitz, false),
+        ErrorRule::KinkAtZero => (y, rx * fabs(op.a).max(1.0), fabs(x) <= rx),
+        ErrorRule::Clamp => (y, rc, fabs(x - op.a) <= rc || fabs(x - op.b) <= rc),
     }
 }
 
 /// Whether the common relative error is gone after op `code`: folded into the radius
-/// (bias, curved activations, Hardtanh) or divided out (GroupNorm).
+/// (see [`ErrorRule::clears_common`]) or divided out (GroupNorm).
 #[inline(always)]
 fn clears_common(code: u32) -> bool {
-    matches!(code, OP_BIAS | OP_SWISH | OP_MISH | OP_GELU | OP_HARDTANH | OP_GROUP_NORM)
+    code == OP_GROUP_NORM || match_pointwise!(code, P => const { P::OP.info().error.clears_common() }, _ => false)
 }
 
 /// A group's statistics for the radius rules: `size` values, `r2` the sum of their
@@ -212,18 +204,18 @@ impl Marks {
     }
 }
 
-/// [`each`] through one pointwise op, marking the values whose kink is within reach
-/// (`code` is a constant at every call, so the loop has no dispatch).
+/// [`each`] through one per-element op `P`, marking the values whose kink is within
+/// reach (the op a constant here, so the loop has no dispatch).
 ///
 /// # Safety
 /// As [`each`] and [`Marks::flag`]; the op's parameter holds `f` floats.
 #[inline(always)]
-unsafe fn pointwise_pass(code: u32, op: &OpDesc, v: *mut f32, r: *mut f32, f: usize, c: f32, marks: Marks) {
+unsafe fn pointwise_pass<P: PointwiseMath>(op: &OpDesc, v: *mut f32, r: *mut f32, f: usize, c: f32, marks: Marks) {
     let p0 = op.param0 as *const f32;
     unsafe {
         each(v, r, f, |j, x, rx| {
-            let p = if matches!(code, OP_BIAS | OP_MUL) { *p0.add(j) } else { 0.0 };
-            let (y, ry, doubtful) = pointwise_radius(code, op, p, x, rx, c);
+            let p = if P::HAS_PARAM { *p0.add(j) } else { 0.0 };
+            let (y, ry, doubtful) = pointwise_radius::<P>(op, p, x, rx, rx + c * fabs(x));
             if doubtful {
                 marks.flag(j);
             }
@@ -421,15 +413,8 @@ pub unsafe extern "ptx-kernel" fn kink_scan(
                 }
                 // One loop per op, its code a constant there (a `match` per value would
                 // dispatch in the loop).
-                OP_BIAS => pointwise_pass(OP_BIAS, op, v, r, f, c, marks),
-                OP_MUL => pointwise_pass(OP_MUL, op, v, r, f, c, marks),
-                OP_SCALE => pointwise_pass(OP_SCALE, op, v, r, f, c, marks),
-                OP_SWISH => pointwise_pass(OP_SWISH, op, v, r, f, c, marks),
-                OP_MISH => pointwise_pass(OP_MISH, op, v, r, f, c, marks),
-                OP_GELU => pointwise_pass(OP_GELU, op, v, r, f, c, marks),
-                OP_LEAKY_RELU => pointwise_pass(OP_LEAKY_RELU, op, v, r, f, c, marks),
-                OP_HARDTANH => pointwise_pass(OP_HARDTANH, op, v, r, f, c, marks),
-                _ => each(v, r, f, |_, _, _| (f32::NAN, f32::NAN)), // unknown code: poison
+                code => match_pointwise!(code, P => pointwise_pass::<P>(op, v, r, f, c, marks),
+                    _ => each(v, r, f, |_, _, _| (f32::NAN, f32::NAN))), // unknown code: poison
             }
             if clears_common(op.code) {
                 c = 0.0;
@@ -571,9 +556,12 @@ pub unsafe extern "ptx-kernel" fn kink_scan_tiles(
                         }
                     }
                     code => {
-                        let p = if matches!(code, OP_BIAS | OP_MUL) { column_params(p0, n, c) } else { [0.0; 4] };
+                        let p = if param_count(op) > 0 { column_params(p0, n, c) } else { [0.0; 4] };
                         unroll!(e in 0..4 => {
-                            let (y, ry, doubtful) = pointwise_radius(code, op, p[e], v[e], r[e], cc);
+                            let rc = r[e] + cc * fabs(v[e]);
+                            let (y, ry, doubtful) = match_pointwise!(code,
+                                P => pointwise_radius::<P>(op, p[e], v[e], r[e], rc),
+                                _ => (f32::NAN, f32::NAN, false)); // unknown code: poison
                             if doubtful && c + e < n {
                                 if dep == 1 {
                                     alone |= 1 << e;

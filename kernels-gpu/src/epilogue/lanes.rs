@@ -7,7 +7,7 @@
 //! lanes, so its statistics are shuffle sums and no barrier is needed. Columns past
 //! `n` carry values that are never stored and never reach a group's sums.
 
-use super::pointwise::*;
+use super::pointwise::{PointwiseMath, match_pointwise, param_count};
 use crate::prelude::async_copy::{cp_async_4, cp_async_16, cp_async_commit, cp_async_wait, cp_async_wait_all, shared_address};
 use crate::prelude::global::{load_v4_nc, store_v4};
 use crate::prelude::math::{fma, rsqrt};
@@ -102,22 +102,10 @@ pub fn lane_forward_rows<const R: usize>(op: &OpDesc, rows: &mut [[f32; 4]; R], 
         }
         // One arm per op, each a straight run over the rows' values: a `match` per
         // element would branch 8 times per op and serialise the rows.
-        OP_BIAS => {
-            let bias = column_params(p0, n, c);
-            each(rows, |x, e| x + bias[e])
-        }
-        OP_MUL => {
-            let w = column_params(p0, n, c);
-            each(rows, |x, e| x * w[e])
-        }
-        OP_SCALE => each(rows, |x, _| x * op.a),
-        OP_SWISH => each(rows, |x, _| swish(x)),
-        OP_MISH => each(rows, |x, _| mish(x)),
-        OP_GELU => each(rows, |x, _| gelu(x)),
-        OP_LEAKY_RELU => each(rows, |x, _| leaky_relu(x, op.a)),
-        OP_HARDTANH => each(rows, |x, _| hardtanh(x, op.a, op.b)),
-        // Not fusable: the host never sends it; poison, never pass through.
-        _ => each(rows, |x, _| poison(x)),
+        code => match_pointwise!(code, P => {
+            let p = if P::HAS_PARAM { column_params(p0, n, c) } else { [0.0; 4] };
+            each(rows, |x, e| P::forward(x, p[e], op.a, op.b))
+        }, _ => each(rows, |x, _| poison(x))), // not fusable: the host never sends it
     }
 }
 
@@ -227,24 +215,19 @@ unsafe fn lane_backward_rows(
                 unroll!(e in 0..4 => { g[i][e] = rstd[i] * fma(-xhat[i][e], b, dyg[i][e] - a); });
             });
         }
-        OP_BIAS => unsafe { add_to_slot(sums, slot, lane, g, both) },
-        OP_MUL => {
-            let gx = [0, 1].map(|i| [0, 1, 2, 3].map(|e| g[i][e] * x[i][e]));
-            unsafe { add_to_slot(sums, slot, lane, &gx, both) };
-            let w = column_params(p0, n, c);
-            unroll!(i in 0..2 => { unroll!(e in 0..4 => { g[i][e] *= w[e]; }); });
-        }
         // One arm per op, each a straight run over the 8 values (as the forward's):
         // a `match` per element dispatched 8 times per op and serialised the values'
         // `exp` chains.
-        OP_SCALE => scale_by(g, x, |_| op.a),
-        OP_SWISH => scale_by(g, x, swish_grad),
-        OP_MISH => scale_by(g, x, mish_grad),
-        OP_GELU => scale_by(g, x, gelu_grad),
-        OP_LEAKY_RELU => scale_by(g, x, |v| leaky_relu_grad(v, op.a)),
-        OP_HARDTANH => scale_by(g, x, |v| hardtanh_grad(v, op.a, op.b)),
-        // Not fusable: the host never sends it; poison, never pass through.
-        _ => scale_by(g, x, poison),
+        code => match_pointwise!(code, P => {
+            if P::HAS_PARAM {
+                let gp = [0, 1].map(|i| [0, 1, 2, 3].map(|e| g[i][e] * P::param_grad(x[i][e])));
+                unsafe { add_to_slot(sums, slot, lane, &gp, both) };
+                let p = column_params(p0, n, c);
+                unroll!(i in 0..2 => { unroll!(e in 0..4 => { g[i][e] *= P::grad(x[i][e], p[e], op.a, op.b); }); });
+            } else {
+                scale_by(g, x, |v| P::grad(v, 0.0, op.a, op.b))
+            }
+        }, _ => scale_by(g, x, poison)), // not fusable: the host never sends it
     }
 }
 
@@ -252,16 +235,6 @@ unsafe fn lane_backward_rows(
 #[inline(always)]
 fn scale_by(g: &mut [[f32; 4]; 2], x: &[[f32; 4]; 2], df: impl Fn(f32) -> f32) {
     unroll!(i in 0..2 => { unroll!(e in 0..4 => { g[i][e] *= df(x[i][e]); }); });
-}
-
-/// Gradient slots an op's parameters take.
-#[inline(always)]
-fn op_slots(op: &OpDesc) -> usize {
-    match op.code {
-        OP_BIAS | OP_MUL => 1,
-        OP_GROUP_NORM => 2,
-        _ => 0,
-    }
 }
 
 /// Backward of a fusable chain (what the GEMM's epilogue can run forward), tile by
@@ -323,7 +296,7 @@ pub unsafe extern "ptx-kernel" fn epilogue_tiles_backward(
     let op_at = |i: usize| unsafe { &*descs.add(i) };
     let mut slots = 1;
     for i in 0..n_ops {
-        slots += op_slots(op_at(i));
+        slots += param_count(op_at(i));
     }
     // SAFETY (offsets): inside the launch's tiles_backward_smem_bytes(slots, n_ops); the
     // descriptors take a multiple of 16 bytes.
@@ -397,8 +370,8 @@ pub unsafe extern "ptx-kernel" fn epilogue_tiles_backward(
                 unsafe { x = [(*saved.add(i * 64 + lane)).0, (*saved.add(i * 64 + 32 + lane)).0] };
             }
             let op = op_at(i);
-            slot_end -= op_slots(op);
-            // SAFETY: slot_end + op_slots(op) <= slots.
+            slot_end -= param_count(op);
+            // SAFETY: slot_end + param_count(op) <= slots.
             unsafe { lane_backward_rows(op, &x, &mut g, n, c, sums, slot_end, lane, both) };
         }
         // SAFETY: slot 0 < slots; rows below row_end (row 1 only when `both`).

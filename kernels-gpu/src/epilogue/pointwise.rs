@@ -1,21 +1,128 @@
-//! Elementwise ops of the epilogue, forward `f` and derivative `df` side by side.
+//! The per-element ops' math, forward `f` and derivatives side by side, one type per
+//! op of `kernel_abi::ops` (the registry), and [`match_pointwise!`], the one dispatch
+//! from an op code to its type that every register layout and the kink scans use.
 //!
-//! Written from the math in shared/spec/models.md, on the fast functions of
+//! Written from the ops' definitions (docs/MODELS.md), on the fast functions of
 //! `prelude::math` (accuracy stated there).
 
 use crate::prelude::math::{erfc, exp, fma, recip, sigmoid};
+use kernel_abi::epilogue::OpDesc;
+use kernel_abi::ops::Pointwise;
 
-/// `swish(x) = x * sigmoid(x)`
-#[inline(always)]
-pub fn swish(x: f32) -> f32 {
-    x * sigmoid(x)
+/// The math of one per-element op.
+pub trait PointwiseMath {
+    const OP: Pointwise;
+    /// Whether it reads a per-channel parameter (`OpDesc::param0`).
+    const HAS_PARAM: bool = !Self::OP.info().params.is_empty();
+    /// `f(x)`: `p` is the op's parameter at `x`'s column (0 without one), `a` and `b`
+    /// its arguments (`OpDesc::a`, `OpDesc::b`; passed as values, read before any
+    /// branch, so that a clamp or a sign compiles to selects).
+    fn forward(x: f32, p: f32, a: f32, b: f32) -> f32;
+    /// `df/dx`. Needs the input.
+    fn grad(x: f32, p: f32, a: f32, b: f32) -> f32;
+    /// `df/dp` (ops with a parameter).
+    #[inline(always)]
+    fn param_grad(_x: f32) -> f32 {
+        0.0
+    }
 }
 
-/// `swish'(x) = s + x * s * (1 - s)`, `s = sigmoid(x)`. Needs the input.
+/// `match code { <each per-element op> => { type P = <its math>; body } _ => other }`:
+/// `body` is compiled once per op with `P` its [`PointwiseMath`], so in each arm the
+/// op is a constant (no dispatch per value).
+macro_rules! match_pointwise {
+    ($code:expr, $P:ident => $body:expr, _ => $other:expr $(,)?) => {
+        kernel_abi::for_each_pointwise!(crate::epilogue::pointwise::pointwise_arms!($code, $P, $body, $other))
+    };
+}
+
+/// The arms of [`match_pointwise!`], from the registry's list.
+macro_rules! pointwise_arms {
+    (($code:expr, $P:ident, $body:expr, $other:expr) [$($name:ident = $c:literal,)*]) => {
+        match $code {
+            $(kernel_abi::ops::code::$name => {
+                type $P = crate::epilogue::pointwise::$name;
+                $body
+            })*
+            _ => $other,
+        }
+    };
+}
+pub(crate) use {match_pointwise, pointwise_arms};
+
+/// Parameter vectors of any op (`param0`, then `param1`), each with its gradient slot
+/// in the backward: a per-element op's own, GroupNorm's gamma and beta.
 #[inline(always)]
-pub fn swish_grad(x: f32) -> f32 {
-    let s = sigmoid(x);
-    s * fma(x, 1.0 - s, 1.0)
+pub fn param_count(op: &OpDesc) -> usize {
+    match op.code {
+        kernel_abi::ops::OP_GROUP_NORM => 2,
+        code => match_pointwise!(code, P => usize::from(P::HAS_PARAM), _ => 0),
+    }
+}
+
+/// `x + bias[c]`.
+pub struct Bias;
+impl PointwiseMath for Bias {
+    const OP: Pointwise = Pointwise::Bias;
+    #[inline(always)]
+    fn forward(x: f32, p: f32, _: f32, _: f32) -> f32 {
+        x + p
+    }
+    #[inline(always)]
+    fn grad(_: f32, _: f32, _: f32, _: f32) -> f32 {
+        1.0
+    }
+    #[inline(always)]
+    fn param_grad(_: f32) -> f32 {
+        1.0
+    }
+}
+
+/// `x * w[c]`.
+pub struct Mul;
+impl PointwiseMath for Mul {
+    const OP: Pointwise = Pointwise::Mul;
+    #[inline(always)]
+    fn forward(x: f32, p: f32, _: f32, _: f32) -> f32 {
+        x * p
+    }
+    #[inline(always)]
+    fn grad(_: f32, p: f32, _: f32, _: f32) -> f32 {
+        p
+    }
+    #[inline(always)]
+    fn param_grad(x: f32) -> f32 {
+        x
+    }
+}
+
+/// `s * x`, `s = a`.
+pub struct Scale;
+impl PointwiseMath for Scale {
+    const OP: Pointwise = Pointwise::Scale;
+    #[inline(always)]
+    fn forward(x: f32, _: f32, a: f32, _: f32) -> f32 {
+        x * a
+    }
+    #[inline(always)]
+    fn grad(_: f32, _: f32, a: f32, _: f32) -> f32 {
+        a
+    }
+}
+
+/// `swish(x) = x * sigmoid(x)`; `swish'(x) = s + x * s * (1 - s)`, `s = sigmoid(x)`.
+pub struct Swish;
+impl PointwiseMath for Swish {
+    const OP: Pointwise = Pointwise::Swish;
+    #[inline(always)]
+    fn forward(x: f32, _: f32, _: f32, _: f32) -> f32 {
+        x * sigmoid(x)
+    }
+    #[inline(always)]
+    fn grad(x: f32, _: f32, _: f32, _: f32) -> f32 {
+        let s = sigmoid(x);
+        s * fma(x, 1.0 - s, 1.0)
+    }
 }
 
 /// `mish(x) = x * tanh(softplus(x))`. With `e = e^x`,
@@ -23,22 +130,25 @@ pub fn swish_grad(x: f32) -> f32 {
 /// Above 20, `tanh(softplus(x))` is 1 in f32 (and `e (e + 2)` would overflow near 44):
 /// computed at `min(x, 20)` and selected, so a row of values has no branch (a NaN `x`
 /// still gives NaN through the factor `x`).
-#[inline(always)]
-pub fn mish(x: f32) -> f32 {
-    let e = exp(if x < 20.0 { x } else { 20.0 });
-    let n = e * (e + 2.0);
-    let y = x * n * recip(n + 2.0);
-    if x > 20.0 { x } else { y }
-}
-
-/// `mish'(x) = t + x * sigmoid(x) * (1 - t^2)`, `t = tanh(softplus(x))`. Needs the input.
-#[inline(always)]
-pub fn mish_grad(x: f32) -> f32 {
-    let e = exp(if x < 20.0 { x } else { 20.0 });
-    let n = e * (e + 2.0);
-    let t = n * recip(n + 2.0);
-    let d = t + x * sigmoid(x) * (1.0 - t * t);
-    if x > 20.0 { 1.0 } else { d }
+/// `mish'(x) = t + x * sigmoid(x) * (1 - t^2)`, `t = tanh(softplus(x))`.
+pub struct Mish;
+impl PointwiseMath for Mish {
+    const OP: Pointwise = Pointwise::Mish;
+    #[inline(always)]
+    fn forward(x: f32, _: f32, _: f32, _: f32) -> f32 {
+        let e = exp(if x < 20.0 { x } else { 20.0 });
+        let n = e * (e + 2.0);
+        let y = x * n * recip(n + 2.0);
+        if x > 20.0 { x } else { y }
+    }
+    #[inline(always)]
+    fn grad(x: f32, _: f32, _: f32, _: f32) -> f32 {
+        let e = exp(if x < 20.0 { x } else { 20.0 });
+        let n = e * (e + 2.0);
+        let t = n * recip(n + 2.0);
+        let d = t + x * sigmoid(x) * (1.0 - t * t);
+        if x > 20.0 { 1.0 } else { d }
+    }
 }
 
 const FRAC_1_SQRT_2: f32 = core::f32::consts::FRAC_1_SQRT_2;
@@ -46,44 +156,52 @@ const FRAC_1_SQRT_2: f32 = core::f32::consts::FRAC_1_SQRT_2;
 const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
 
 /// `gelu(x) = x * Phi(x) = 0.5 x erfc(-x / sqrt 2)` (exact form; erfc keeps the negative
-/// tail accurate where `1 + erf` would cancel).
-#[inline(always)]
-pub fn gelu(x: f32) -> f32 {
-    0.5 * x * erfc(-x * FRAC_1_SQRT_2)
-}
-
-/// `gelu'(x) = Phi(x) + x phi(x)`. Needs the input.
-#[inline(always)]
-pub fn gelu_grad(x: f32) -> f32 {
-    0.5 * erfc(-x * FRAC_1_SQRT_2) + x * FRAC_1_SQRT_2PI * exp(-0.5 * x * x)
-}
-
-/// `leaky_relu(x) = x` for `x > 0`, else `slope * x`.
-#[inline(always)]
-pub fn leaky_relu(x: f32, slope: f32) -> f32 {
-    if x > 0.0 { x } else { slope * x }
-}
-
-/// 1 for `x > 0`, else `slope` (PyTorch: `slope` at exactly 0). Needs the input.
-#[inline(always)]
-pub fn leaky_relu_grad(x: f32, slope: f32) -> f32 {
-    if x > 0.0 { 1.0 } else { slope }
-}
-
-/// `clamp(x, lo, hi)`; NaN stays NaN.
-#[inline(always)]
-pub fn hardtanh(x: f32, lo: f32, hi: f32) -> f32 {
-    if x < lo {
-        lo
-    } else if x > hi {
-        hi
-    } else {
-        x
+/// tail accurate where `1 + erf` would cancel); `gelu'(x) = Phi(x) + x phi(x)`.
+pub struct Gelu;
+impl PointwiseMath for Gelu {
+    const OP: Pointwise = Pointwise::Gelu;
+    #[inline(always)]
+    fn forward(x: f32, _: f32, _: f32, _: f32) -> f32 {
+        0.5 * x * erfc(-x * FRAC_1_SQRT_2)
+    }
+    #[inline(always)]
+    fn grad(x: f32, _: f32, _: f32, _: f32) -> f32 {
+        0.5 * erfc(-x * FRAC_1_SQRT_2) + x * FRAC_1_SQRT_2PI * exp(-0.5 * x * x)
     }
 }
 
-/// 1 strictly inside `(lo, hi)`, else 0. Needs the input.
-#[inline(always)]
-pub fn hardtanh_grad(x: f32, lo: f32, hi: f32) -> f32 {
-    if x > lo && x < hi { 1.0 } else { 0.0 }
+/// `x` for `x > 0`, else `slope * x` (`slope = a`); the derivative is `slope` at
+/// exactly 0, as PyTorch's.
+pub struct LeakyRelu;
+impl PointwiseMath for LeakyRelu {
+    const OP: Pointwise = Pointwise::LeakyRelu;
+    #[inline(always)]
+    fn forward(x: f32, _: f32, a: f32, _: f32) -> f32 {
+        if x > 0.0 { x } else { a * x }
+    }
+    #[inline(always)]
+    fn grad(x: f32, _: f32, a: f32, _: f32) -> f32 {
+        if x > 0.0 { 1.0 } else { a }
+    }
 }
+
+/// `clamp(x, a, b)`, NaN staying NaN; the derivative is 1 strictly inside, else 0.
+pub struct Hardtanh;
+impl PointwiseMath for Hardtanh {
+    const OP: Pointwise = Pointwise::Hardtanh;
+    #[inline(always)]
+    fn forward(x: f32, _: f32, a: f32, b: f32) -> f32 {
+        if x < a {
+            a
+        } else if x > b {
+            b
+        } else {
+            x
+        }
+    }
+    #[inline(always)]
+    fn grad(x: f32, _: f32, a: f32, b: f32) -> f32 {
+        if x > a && x < b { 1.0 } else { 0.0 }
+    }
+}
+

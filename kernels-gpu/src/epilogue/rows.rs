@@ -5,7 +5,7 @@
 //! store (see docs/PERFORMANCE.md for what it costs: one extra read and write of
 //! the GEMM output), and for every backward.
 
-use super::pointwise::*;
+use super::pointwise::{PointwiseMath, match_pointwise, param_count};
 use crate::prelude::math::{max_nan, rsqrt};
 use crate::prelude::warp::{shfl_xor, warp_max, warp_sum};
 use crate::prelude::*;
@@ -106,17 +106,9 @@ unsafe fn op_forward(op: &OpDesc, cur: &mut *mut f32, alt: &mut *mut f32, red: *
                 let mut j = t;
                 while j < f {
                     let v = *x.add(j);
-                    *x.add(j) = match code {
-                        OP_BIAS => v + *p0.add(j),
-                        OP_MUL => v * *p0.add(j),
-                        OP_SCALE => v * op.a,
-                        OP_SWISH => swish(v),
-                        OP_MISH => mish(v),
-                        OP_GELU => gelu(v),
-                        OP_LEAKY_RELU => leaky_relu(v, op.a),
-                        OP_HARDTANH => hardtanh(v, op.a, op.b),
-                        _ => f32::NAN, // unknown code: poison rather than pass through
-                    };
+                    *x.add(j) = match_pointwise!(code, P => {
+                        P::forward(v, if P::HAS_PARAM { *p0.add(j) } else { 0.0 }, op.a, op.b)
+                    }, _ => f32::NAN); // unknown code: poison rather than pass through
                     j += ROW_THREADS;
                 }
             }
@@ -303,11 +295,7 @@ pub unsafe extern "ptx-kernel" fn epilogue_rows_backward(
     let mut slots = 1;
     let mut f_out = n;
     for i in 0..n_ops {
-        slots += match op_at(i).code {
-            OP_BIAS | OP_MUL => 1,
-            OP_GROUP_NORM => 2,
-            _ => 0,
-        };
+        slots += param_count(&op_at(i));
         f_out = features_after(&op_at(i), f_out);
     }
     // SAFETY: this block's slice of the partial sums.
@@ -354,11 +342,7 @@ pub unsafe extern "ptx-kernel" fn epilogue_rows_backward(
                 }
                 // `g` holds the gradient of op i's output; make it that of its input.
                 let p0 = op.param0 as *const f32;
-                let n_slots = match op.code {
-                    OP_BIAS | OP_MUL => 1,
-                    OP_GROUP_NORM => 2,
-                    _ => 0,
-                };
+                let n_slots = param_count(&op);
                 slot_end -= n_slots;
                 let ps = part.add(slot_end * n); // this op's first slot
                 match op.code {
@@ -427,23 +411,14 @@ pub unsafe extern "ptx-kernel" fn epilogue_rows_backward(
                         let mut j = t;
                         while j < f {
                             let (v, d) = (*x.add(j), *g.add(j));
-                            *g.add(j) = match code {
-                                OP_BIAS => {
-                                    *ps.add(j) += d;
-                                    d
+                            *g.add(j) = match_pointwise!(code, P => {
+                                if P::HAS_PARAM {
+                                    *ps.add(j) += d * P::param_grad(v);
+                                    d * P::grad(v, *p0.add(j), op.a, op.b)
+                                } else {
+                                    d * P::grad(v, 0.0, op.a, op.b)
                                 }
-                                OP_MUL => {
-                                    *ps.add(j) += d * v;
-                                    d * *p0.add(j)
-                                }
-                                OP_SCALE => d * op.a,
-                                OP_SWISH => d * swish_grad(v),
-                                OP_MISH => d * mish_grad(v),
-                                OP_GELU => d * gelu_grad(v),
-                                OP_LEAKY_RELU => d * leaky_relu_grad(v, op.a),
-                                OP_HARDTANH => d * hardtanh_grad(v, op.a, op.b),
-                                _ => f32::NAN,
-                            };
+                            }, _ => f32::NAN);
                             j += ROW_THREADS;
                         }
                     }

@@ -7,13 +7,12 @@ use super::DeviceChain;
 use crate::error::{Error, Result};
 use crate::gpu::gemm::simt::Precision;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
-use kernel_abi::epilogue::{
-    OP_AVG_POOL, OP_GROUP_NORM, OP_HARDTANH, OP_LEAKY_RELU, OP_ROW_MAX, OpDesc, ROW_THREADS, features_after,
-};
+use kernel_abi::epilogue::{OP_AVG_POOL, OP_GROUP_NORM, OP_ROW_MAX, OpDesc, ROW_THREADS, features_after};
 use kernel_abi::kinks::{
     CHUNK, ELEMENT_CAP, ORDER_BUCKETS, REFINE_SMEM_BYTES, REFINE_THREADS, REFINE_VALUES_BLOCKS_PER_SM, scan_smem_bytes,
     tiles_scan_layout,
 };
+use kernel_abi::ops::{ErrorRule, Pointwise};
 
 /// How many estimated standard deviations of the GEMM's error a value's radius spans.
 /// Outside 4 sigma a Gaussian error crosses a kink so rarely that the flips left
@@ -91,15 +90,21 @@ pub fn scanned_prefix(ops: &[OpDesc], n: usize) -> usize {
         if sensitive {
             last = i + 1;
         }
-        clamped |= d.code == OP_HARDTANH;
+        clamped |= rule(d.code) == Some(ErrorRule::Clamp);
         f = features_after(d, f);
     }
     last
 }
 
-/// Whether op `code`'s derivative jumps (LeakyReLU, Hardtanh, row max).
+/// Whether op `code`'s derivative jumps (a per-element op's kink, as the registry
+/// says: LeakyReLU, Hardtanh; or the row max).
 fn kinked(code: u32) -> bool {
-    matches!(code, OP_LEAKY_RELU | OP_HARDTANH | OP_ROW_MAX)
+    code == OP_ROW_MAX || rule(code).is_some_and(ErrorRule::has_kink)
+}
+
+/// A per-element op's error rule (`None` for the other ops).
+fn rule(code: u32) -> Option<ErrorRule> {
+    Pointwise::from_code(code).map(|p| p.info().error)
 }
 
 /// Whether the tile scan's rows should hand their doubtful values to `refine_values`
@@ -321,7 +326,9 @@ mod tests {
 
     #[test]
     fn the_scan_walks_the_chain_up_to_its_last_kink_or_small_group() {
-        use kernel_abi::epilogue::{OP_MISH, OP_SWISH};
+        use kernel_abi::ops::code::{
+            Hardtanh as OP_HARDTANH, LeakyRelu as OP_LEAKY_RELU, Mish as OP_MISH, Swish as OP_SWISH,
+        };
         let op = |code| OpDesc { code, ..OpDesc::default() };
         let gn = |groups| OpDesc { code: OP_GROUP_NORM, count: groups, ..OpDesc::default() };
         let pool = |k| OpDesc { code: OP_AVG_POOL, count: k, ..OpDesc::default() };
@@ -339,10 +346,11 @@ mod tests {
 
     #[test]
     fn values_go_one_by_one_where_kinks_come_before_groups() {
+        use kernel_abi::ops::code::{Bias, Hardtanh, LeakyRelu, Mish};
         let op = |code| OpDesc { code, ..OpDesc::default() };
         let gn = OpDesc { code: OP_GROUP_NORM, count: 32, ..OpDesc::default() };
-        let m5 = [op(kernel_abi::epilogue::OP_BIAS), op(OP_HARDTANH), op(kernel_abi::epilogue::OP_MISH), gn];
-        let m3 = [gn, op(OP_LEAKY_RELU)];
+        let m5 = [op(Bias), op(Hardtanh), op(Mish), gn];
+        let m3 = [gn, op(LeakyRelu)];
         assert!(values_one_by_one(&m5, Precision::Tf32) && values_one_by_one(&m5, Precision::Tf32x3));
         assert!(!values_one_by_one(&m5, Precision::Bf16));
         assert!(!values_one_by_one(&m3, Precision::Tf32));

@@ -34,14 +34,7 @@ impl DeviceChain {
             }
             let mut d = OpDesc { param0: ptrs[0], param1: ptrs[1], ..OpDesc::default() };
             match *op {
-                Op::Bias => d.code = OP_BIAS,
-                Op::ChannelMul => d.code = OP_MUL,
-                Op::Scale(s) => (d.code, d.a) = (OP_SCALE, s),
-                Op::Swish => d.code = OP_SWISH,
-                Op::Mish => d.code = OP_MISH,
-                Op::Gelu => d.code = OP_GELU,
-                Op::LeakyRelu(s) => (d.code, d.a) = (OP_LEAKY_RELU, s),
-                Op::Hardtanh(lo, hi) => (d.code, d.a, d.b) = (OP_HARDTANH, lo, hi),
+                Op::Pointwise(kind, [a, b]) => (d.code, d.a, d.b) = (kind as u32, a, b),
                 Op::GroupNorm { groups, eps } => (d.code, d.count, d.a) = (OP_GROUP_NORM, count_u32(op, groups)?, eps),
                 Op::AvgPool(k) => (d.code, d.count) = (OP_AVG_POOL, count_u32(op, k)?),
                 Op::RowMax => d.code = OP_ROW_MAX,
