@@ -129,6 +129,7 @@ fn every_op_backward_matches_finite_differences() {
         Op::of(Pointwise::Swish),
         Op::of(Pointwise::Mish),
         Op::of(Pointwise::Gelu),
+        Op::of(Pointwise::Tanh),
         Op::Pointwise(Pointwise::LeakyRelu, [0.01, 0.0]),
         Op::Pointwise(Pointwise::LeakyRelu, [0.2, 0.0]),
         Op::Pointwise(Pointwise::Hardtanh, [-1.0, 1.0]),
@@ -159,7 +160,7 @@ fn activation_backwards_hold_far_out() {
     let mut rng = StdRng::seed_from_u64(22);
     // Large magnitudes, where a naive softplus or sigmoid would overflow.
     let x = Tensor::new(&[2, 6], vec![-30.0, -15.0, -8.5, 8.5, 15.0, 30.0, -12.3, -4.1, -0.3, 0.2, 3.7, 11.9]).unwrap();
-    for op in [Op::of(Pointwise::Swish), Op::of(Pointwise::Mish), Op::of(Pointwise::Gelu)] {
+    for op in [Op::of(Pointwise::Swish), Op::of(Pointwise::Mish), Op::of(Pointwise::Gelu), Op::of(Pointwise::Tanh)] {
         check_op(op, x.clone(), vec![], &mut rng);
     }
 }

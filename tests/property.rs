@@ -26,7 +26,7 @@ const BOUNDS: [(f32, f32); 3] = [(-1.0, 1.0), (-0.5, 0.75), (-2.0, 0.25)];
 /// pooling kernels from 1 to `f`.
 fn pick_op(kind: u8, arg: u32, f: usize) -> Op {
     let arg = arg as usize;
-    match kind % 11 {
+    match kind % 12 {
         0 => Op::of(Pointwise::Bias),
         1 => Op::of(Pointwise::Mul),
         2 => Op::Pointwise(Pointwise::Scale, [SCALES[arg % SCALES.len()], 0.0]),
@@ -46,6 +46,7 @@ fn pick_op(kind: u8, arg: u32, f: usize) -> Op {
             }
         }
         9 => Op::AvgPool(1 + arg % f),
+        10 => Op::of(Pointwise::Tanh),
         _ => Op::RowMax,
     }
 }
@@ -91,6 +92,7 @@ fn naive_block(x: &Rows, w: &Rows, b: &[f64], chain: &[Op], params: &[Vec<f64>])
             Op::Pointwise(Pointwise::Hardtanh, [lo, hi]) => {
                 elementwise(&mut h, &|v| v.max(constant(lo)).min(constant(hi)))
             }
+            Op::Pointwise(Pointwise::Tanh, _) => elementwise(&mut h, &|v| v.sinh() / v.cosh()),
             Op::GroupNorm { groups, eps } => {
                 let (gamma, beta) = (next.next().unwrap(), next.next().unwrap());
                 for row in h.iter_mut() {

@@ -110,6 +110,11 @@ fn naive_mish(x: f64) -> f64 {
 fn naive_gelu(x: f64) -> f64 {
     0.5 * x * (1.0 + libm::erf(x / 2f64.sqrt()))
 }
+
+/// `(e^x - e^-x) / (e^x + e^-x)`, as `1 - 2 / (e^{2x} + 1)` (no overflow to inf/inf).
+fn naive_tanh(x: f64) -> f64 {
+    1.0 - 2.0 / ((2.0 * x).exp() + 1.0)
+}
 fn naive_leaky_relu(x: f64, slope: f64) -> f64 {
     if x > 0.0 { x } else { slope * x }
 }
@@ -149,6 +154,7 @@ fn naive_block(spec: &BlockSpec, x: &Rows, p: &Params<f64>) -> Vec<f64> {
             Op::Pointwise(Pointwise::Swish, _) => map_rows(&h, naive_swish),
             Op::Pointwise(Pointwise::Mish, _) => map_rows(&h, naive_mish),
             Op::Pointwise(Pointwise::Gelu, _) => map_rows(&h, naive_gelu),
+            Op::Pointwise(Pointwise::Tanh, _) => map_rows(&h, naive_tanh),
             Op::Pointwise(Pointwise::LeakyRelu, [s, _]) => map_rows(&h, |v| naive_leaky_relu(v, constant(s))),
             Op::Pointwise(Pointwise::Hardtanh, [lo, hi]) => {
                 map_rows(&h, |v| naive_hardtanh(v, constant(lo), constant(hi)))
@@ -274,6 +280,7 @@ fn activations_match_naive_formulas() {
         (Op::of(Pointwise::Swish), Box::new(naive_swish)),
         (Op::of(Pointwise::Mish), Box::new(naive_mish)),
         (Op::of(Pointwise::Gelu), Box::new(naive_gelu)),
+        (Op::of(Pointwise::Tanh), Box::new(naive_tanh)),
         (Op::Pointwise(Pointwise::LeakyRelu, [0.01, 0.0]), Box::new(|v| naive_leaky_relu(v, 0.01))),
         (Op::Pointwise(Pointwise::LeakyRelu, [0.2, 0.0]), Box::new(|v| naive_leaky_relu(v, 0.2))),
         (Op::Pointwise(Pointwise::Hardtanh, [-1.0, 1.0]), Box::new(|v| naive_hardtanh(v, -1.0, 1.0))),

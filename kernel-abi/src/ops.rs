@@ -30,6 +30,7 @@ macro_rules! for_each_pointwise {
             Gelu = 6,
             LeakyRelu = 7,
             Hardtanh = 8,
+            Tanh = 12,
         ] }
     };
 }
@@ -180,6 +181,7 @@ impl Pointwise {
                 error: Clamp,
                 meaning: "`clamp(x, min, max)`",
             },
+            Tanh => row(&["tanh"], &[], &[], Smooth { lipschitz: 1.0 }, "`tanh(x)`"),
         }
     }
 

@@ -32,7 +32,7 @@ KINKED = ("leakyrelu", "hardtanh", "max")
 
 @dataclass(frozen=True)
 class Op:
-    kind: str  # bias, mul, scale, swish, mish, gelu, leakyrelu, hardtanh, groupnorm, avgpool, max
+    kind: str  # bias, mul, scale, swish, mish, gelu, tanh, leakyrelu, hardtanh, groupnorm, avgpool, max
     args: tuple = ()
 
     def __str__(self) -> str:
@@ -65,7 +65,7 @@ def parse_chain(text: str) -> list[Op]:
     for tok in _split_top_level(text):
         name, _, rest = tok.partition("(")
         args = [a for a in rest.rstrip(")").split(",") if a] if rest else []
-        if name in ("bias", "mul", "mish", "gelu"):
+        if name in ("bias", "mul", "mish", "gelu", "tanh"):
             ops.append(Op(name))
         elif name in ("swish", "silu"):
             ops.append(Op("swish"))
@@ -150,6 +150,8 @@ def apply_chain(h: torch.Tensor, ops, params, trace=None) -> torch.Tensor:
             h = F.mish(h)
         elif k == "gelu":
             h = F.gelu(h)  # exact erf form
+        elif k == "tanh":
+            h = torch.tanh(h)
         elif k == "leakyrelu":
             h = F.leaky_relu(h, op.args[0])
         elif k == "hardtanh":
@@ -241,7 +243,7 @@ def random_chain(
     ops, f = [], features
     n = rng.randint(1, max_ops)
     for i in range(n):
-        choices = ["bias", "mul", "scale", "swish", "mish", "gelu", "groupnorm"]
+        choices = ["bias", "mul", "scale", "swish", "mish", "gelu", "tanh", "groupnorm"]
         if kinks:
             choices += ["leakyrelu", "hardtanh"]
         if f >= 4 and i + 1 < n:

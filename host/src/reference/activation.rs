@@ -21,6 +21,7 @@ pub fn pointwise<T: Real>(op: Pointwise, x: T, p: T, a: T, b: T) -> T {
         Pointwise::Gelu => gelu(x),
         Pointwise::LeakyRelu => leaky_relu(x, a),
         Pointwise::Hardtanh => hardtanh(x, a, b),
+        Pointwise::Tanh => x.tanh(),
     }
 }
 
@@ -35,6 +36,10 @@ pub fn pointwise_grad<T: Real>(op: Pointwise, x: T, p: T, a: T, b: T) -> (T, T) 
         Pointwise::Gelu => (gelu_grad(x), T::ZERO),
         Pointwise::LeakyRelu => (leaky_relu_grad(x, a), T::ZERO),
         Pointwise::Hardtanh => (hardtanh_grad(x, a, b), T::ZERO),
+        Pointwise::Tanh => {
+            let t = x.tanh();
+            (T::ONE - t * t, T::ZERO)
+        }
     }
 }
 

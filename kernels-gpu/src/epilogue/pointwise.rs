@@ -5,7 +5,7 @@
 //! Written from the ops' definitions (docs/MODELS.md), on the fast functions of
 //! `prelude::math` (accuracy stated there).
 
-use crate::prelude::math::{erfc, exp, fma, recip, sigmoid};
+use crate::prelude::math::{erfc, exp, fma, recip, sigmoid, tanh};
 use kernel_abi::epilogue::OpDesc;
 use kernel_abi::ops::Pointwise;
 
@@ -205,3 +205,17 @@ impl PointwiseMath for Hardtanh {
     }
 }
 
+/// `tanh(x)`; `tanh'(x) = 1 - tanh(x)^2`.
+pub struct Tanh;
+impl PointwiseMath for Tanh {
+    const OP: Pointwise = Pointwise::Tanh;
+    #[inline(always)]
+    fn forward(x: f32, _: f32, _: f32, _: f32) -> f32 {
+        tanh(x)
+    }
+    #[inline(always)]
+    fn grad(x: f32, _: f32, _: f32, _: f32) -> f32 {
+        let t = tanh(x);
+        fma(-t, t, 1.0)
+    }
+}
