@@ -6,6 +6,8 @@ cd "$(dirname "$0")/.."
 rm -rf device-carry && mkdir -p device-carry
 cargo build --release -p host
 cp target/release/host device-carry/
+# An older build to compare against in the same device call (STEPS=ab).
+if [ -n "${OLD_HOST:-}" ]; then cp "$OLD_HOST" device-carry/host-old; fi
 # Test executables that hold GPU tests (run there with --include-ignored).
 cargo test --release --no-run --message-format=json -p host 2>/dev/null \
   | python3 -c '

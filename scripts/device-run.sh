@@ -7,6 +7,7 @@
 #   Python package: STEPS="python kernelbench pybench pytrain" (pytest, the KernelBench ModelNews,
 #   the op against `host bench`, examples/train.py)
 #   (default: all; `compile` runs the PyTorch baselines again under torch.compile)
+#   STEPS=ab: this build against device-carry/host-old (OLD_HOST= in device-prepare.sh), same call
 #   STEPS=seedparity: scripts/parity.py at the presets' seed sizes, every precision, against
 #   PyTorch's float64 on the GPU (~5 minutes: a call of its own, not in the default)
 #   TORCH_FLAGS="--compile default" etc. are passed to the PyTorch baselines.
@@ -85,6 +86,20 @@ if has tensor; then
   run "bench bf16" 300 "$C/host" bench --precision bf16 --repeat 20
   run "bench backward tf32x3" 300 "$C/host" bench --backward --precision tf32x3 --repeat 10 --json "$OUT/bench-tf32x3-bwd.json"
   run "bench backward tf32" 300 "$C/host" bench --backward --precision tf32 --repeat 10
+fi
+# Same-call A/B of this build against an older one (device-carry/host-old, see
+# device-prepare.sh): every precision, forward and forward+backward, the two builds
+# alternating so that clock drift touches both alike.
+if has ab && [ -x "$C/host-old" ]; then
+  for p in fp32 tf32x3 tf32 bf16; do
+    for dir in "" "--backward"; do
+      for b in old new; do
+        bin="$C/host"; [ "$b" = old ] && bin="$C/host-old"
+        run "bench $b $p $dir" 200 "$bin" bench --precision $p $dir --repeat 10 --json "$OUT/ab-$b-$p${dir:+-bwd}.json" >/dev/null
+      done
+    done
+  done
+  python3 scripts/ab-table.py "$OUT" | tee -a "$LOG"
 fi
 has train && run "train" 200 "$C/host" train --device gpu --steps 60
 has parity && PYTHONUNBUFFERED=1 run "parity with PyTorch" 400 python3 scripts/parity.py --host "$C/host"
