@@ -182,7 +182,7 @@ fn group_norm_backward_over_two_channel_groups() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tensor_core_precisions_match_reference() {
-    use host::gpu::gemm::simt::Precision;
+    use host::Precision;
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(19);
     let cases: [(&str, (usize, usize, usize)); 6] = [
@@ -228,7 +228,7 @@ fn tensor_core_precisions_match_reference() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn kink_refinement_gives_the_exact_functions_gradients() {
-    use host::gpu::gemm::simt::Precision;
+    use host::Precision;
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(23);
     // The first two are scanned in registers (`kink_scan_tiles`), the others row by
@@ -275,7 +275,7 @@ fn kink_refinement_gives_the_exact_functions_gradients() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn kink_values_refined_one_by_one_are_exact() {
-    use host::gpu::gemm::simt::Precision;
+    use host::Precision;
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(31);
     for ((b, i, o), chain) in [
@@ -333,7 +333,7 @@ fn kink_values_refined_one_by_one_are_exact() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tf32_persistent_forward_matches_reference_rows() {
-    use host::gpu::gemm::simt::Precision;
+    use host::Precision;
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(23);
     let cases = [
@@ -384,7 +384,8 @@ fn tf32_persistent_forward_matches_reference_rows() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tf32_linear_gradients_match_reference() {
-    use host::gpu::gemm::simt::{Layout, Precision, grad_input_kernel, kernel_name};
+    use host::Precision;
+    use host::gpu::gemm::simt::{Layout, grad_input_kernel, kernel_name};
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(29);
     // 3xTF32 flushes every 2048 of `k`: dW's k = 4100 in three runs, and dX's k = 4100
@@ -415,7 +416,7 @@ fn tf32_linear_gradients_match_reference() {
 /// `precision` against the f64 reference, at the precision's tolerance.
 fn check_linear_gradients(
     gpu: &Gpu,
-    precision: host::gpu::gemm::simt::Precision,
+    precision: host::Precision,
     (x, dz, w): (&host::Tensor<f32>, &host::Tensor<f32>, &host::Tensor<f32>),
 ) {
     use host::gpu::gemm::simt::{grad_input, grad_weight_into};
@@ -444,7 +445,8 @@ fn check_linear_gradients(
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn bf16_linear_gradients_match_reference() {
-    use host::gpu::gemm::simt::{Precision, grad_input_kernel};
+    use host::Precision;
+    use host::gpu::gemm::simt::grad_input_kernel;
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(31);
     let precision = Precision::Bf16;

@@ -8,7 +8,7 @@ use crate::check::{Comparison, compare_f32};
 use crate::error::Result;
 use crate::gpu::Gpu;
 use crate::gpu::block::GpuBlock;
-use crate::gpu::gemm::simt::Precision;
+use crate::precision::Precision;
 use crate::reference;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};

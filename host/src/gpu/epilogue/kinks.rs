@@ -5,7 +5,7 @@
 use super::super::{DeviceTensor, Gpu, launched};
 use super::DeviceChain;
 use crate::error::{Error, Result};
-use crate::gpu::gemm::simt::Precision;
+use crate::precision::Precision;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use kernel_abi::epilogue::{
     OP_AVG_POOL, OP_GROUP_NORM, OP_HARDTANH, OP_LEAKY_RELU, OP_ROW_MAX, OpDesc, ROW_THREADS, features_after,

@@ -9,6 +9,7 @@ use super::super::epilogue::DeviceChain;
 use super::super::{DeviceTensor, Gpu};
 use crate::chain::Op;
 use crate::error::{Error, Result};
+use crate::precision::Precision;
 use cudarc::driver::{CudaSlice, CudaStream, LaunchArgs, LaunchConfig, PushKernelArg};
 use kernel_abi::gemm_simt::{BLOCK_M, BLOCK_N, MAX_FUSED_GROUP, MIN_FUSED_GROUP, THREADS};
 use kernel_abi::{gemm_simt, gemm_tc, gemm_tma, gemm_wg};
@@ -45,64 +46,27 @@ pub enum Layout {
     Tk,
 }
 
-/// The arithmetic of the GEMMs (the epilogue is always FP32).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Precision {
-    /// Strict FP32 on the FMA units.
-    Fp32,
-    /// Tensor cores, each FP32 operand as a TF32 high and low part, three MMAs per
-    /// product: FP32-level accuracy.
-    Tf32x3,
-    /// Tensor cores, operands rounded to TF32 (10-bit mantissa).
-    Tf32,
-    /// Tensor cores, operands rounded to bf16 (7-bit mantissa), FP32 accumulation.
-    Bf16,
+/// Whether the `wgmma` kernels implement this precision (TF32 and 3xTF32; bf16 runs
+/// on `mma.sync` only).
+fn on_wgmma(precision: Precision) -> bool {
+    matches!(precision, Precision::Tf32 | Precision::Tf32x3)
 }
 
-impl Precision {
-    /// Relative error against the f64 reference this precision is held to
-    /// (`shared/spec/models.md`, and the tensor-core issue).
-    pub fn tolerance(self) -> f64 {
-        match self {
-            Precision::Fp32 | Precision::Tf32x3 => crate::check::FP32_REL,
-            Precision::Tf32 => crate::check::TF32_REL,
-            Precision::Bf16 => crate::check::BF16_REL,
-        }
-    }
-
-    /// Whether the `wgmma` kernels implement this precision (TF32 and 3xTF32; bf16 runs
-    /// on `mma.sync` only).
-    fn on_wgmma(self) -> bool {
-        matches!(self, Precision::Tf32 | Precision::Tf32x3)
-    }
-
-    fn prefix(self) -> &'static str {
-        match self {
-            Precision::Fp32 => "gemm_f32",
-            Precision::Tf32x3 => "gemm_tc_tf32x3",
-            Precision::Tf32 => "gemm_tc_tf32",
-            Precision::Bf16 => "gemm_tc_bf16",
-        }
-    }
-
-    /// The kernel family's `k` depth per stage (split-K slices are multiples of it) and
-    /// dynamic shared memory in bytes.
-    fn stage_k_and_smem(self) -> (usize, usize) {
-        match self {
-            Precision::Fp32 => (gemm_simt::BLOCK_K, gemm_simt::SMEM_BYTES),
-            Precision::Tf32x3 | Precision::Tf32 | Precision::Bf16 => (gemm_tc::BLOCK_K, gemm_tc::SMEM_BYTES),
-        }
+fn prefix(precision: Precision) -> &'static str {
+    match precision {
+        Precision::Fp32 => "gemm_f32",
+        Precision::Tf32x3 => "gemm_tc_tf32x3",
+        Precision::Tf32 => "gemm_tc_tf32",
+        Precision::Bf16 => "gemm_tc_bf16",
     }
 }
 
-impl std::fmt::Display for Precision {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Precision::Fp32 => "fp32",
-            Precision::Tf32x3 => "tf32x3",
-            Precision::Tf32 => "tf32",
-            Precision::Bf16 => "bf16",
-        })
+/// The kernel family's `k` depth per stage (split-K slices are multiples of it) and
+/// dynamic shared memory in bytes.
+fn stage_k_and_smem(precision: Precision) -> (usize, usize) {
+    match precision {
+        Precision::Fp32 => (gemm_simt::BLOCK_K, gemm_simt::SMEM_BYTES),
+        Precision::Tf32x3 | Precision::Tf32 | Precision::Bf16 => (gemm_tc::BLOCK_K, gemm_tc::SMEM_BYTES),
     }
 }
 
@@ -144,21 +108,21 @@ fn kernel(
     // forward (over bf16 copies of the operands).
     let (on_tma, pitched) = match precision {
         Precision::Bf16 => (true, lda.is_multiple_of(8) && ldb.is_multiple_of(8)),
-        _ => (precision.on_wgmma(), vec4),
+        _ => (on_wgmma(precision), vec4),
     };
     if on_tma && splits <= 1 && k >= gemm_tma::MIN_K && pitched && tma_allowed() {
         // `Nt` (the forward), `Tk` (TF32 and 3xTF32: `A` row-contiguous, `dW` with `dZ`
         // as stored, and `dX^T = W^T dZ^T` with `W` as stored; `A` through registers).
         let name = match layout {
             Layout::Nt => Some(super::tma::kernel(precision)),
-            Layout::Tk if precision.on_wgmma() => Some(super::tma::tk_kernel(precision, transpose_y)),
+            Layout::Tk if on_wgmma(precision) => Some(super::tma::tk_kernel(precision, transpose_y)),
             _ => None,
         };
         if let Some(name) = name {
             return Kernel { name: name.into(), block_k: 0, smem_bytes: 0, tma: true };
         }
     }
-    if precision.on_wgmma() && vec4 && matches!(layout, Layout::Nt | Layout::Tk) {
+    if on_wgmma(precision) && vec4 && matches!(layout, Layout::Nt | Layout::Tk) {
         let what = match (layout, transpose_y) {
             (Layout::Nt, _) => "nt",
             (_, true) => "dx",
@@ -177,9 +141,9 @@ fn kernel(
         Layout::Tn => "tn",
         Layout::Tk => "tk", // refused by `Gemm::launch` before it gets here
     };
-    let (block_k, smem_bytes) = precision.stage_k_and_smem();
+    let (block_k, smem_bytes) = stage_k_and_smem(precision);
     let vec = if vec4 { "vec4" } else { "scalar" };
-    Kernel { name: format!("{}_{layout}_{vec}", precision.prefix()), block_k, smem_bytes, tma: false }
+    Kernel { name: format!("{}_{layout}_{vec}", prefix(precision)), block_k, smem_bytes, tma: false }
 }
 
 /// Name of the kernel for a precision, layout, leading dimensions, depth `k` and split-K
@@ -255,7 +219,7 @@ impl<'a> Gemm<'a> {
         if self.transpose_y && (!tk || self.bias.is_some() || self.chain.is_some()) {
             return Err(Error::Shape("a transposed GEMM output takes layout Tk and no bias or chain".into()));
         }
-        if tk && (!self.precision.on_wgmma() || !(self.lda.is_multiple_of(4) && self.ldb.is_multiple_of(4))) {
+        if tk && (!on_wgmma(self.precision) || !(self.lda.is_multiple_of(4) && self.ldb.is_multiple_of(4))) {
             return Err(Error::Unsupported("layout Tk runs on tensor cores with 16-byte aligned rows only".into()));
         }
         if y.shape != want {
@@ -375,7 +339,7 @@ pub fn forward_gemm<'a>(precision: Precision, x: &'a DeviceTensor, w: &'a Device
 /// Whether the tensor-core backward GEMMs can run on `wgmma` (`Layout::Tk`): 16-byte
 /// aligned rows in every operand it reads.
 fn backward_on_wgmma(precision: Precision, dims: &[usize]) -> bool {
-    precision.on_wgmma() && dims.iter().all(|d| d.is_multiple_of(4))
+    on_wgmma(precision) && dims.iter().all(|d| d.is_multiple_of(4))
 }
 
 /// Whether a bf16 GEMM of depth `k` whose operands are transposed into rows of `k`

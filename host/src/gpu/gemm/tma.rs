@@ -6,8 +6,8 @@ use super::super::elementwise::slice_to_bf16;
 use super::super::epilogue::DeviceChain;
 use super::super::{DeviceTensor, Gpu, Table};
 use super::simt::EpilogueArgs;
-use super::simt::Precision;
 use crate::error::{Error, Result};
+use crate::precision::Precision;
 use cudarc::driver::sys::{self, CUtensorMap};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use kernel_abi::gemm_tma::{
