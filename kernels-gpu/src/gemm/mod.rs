@@ -77,6 +77,5 @@ impl BlockTile {
 pub mod simt;
 pub mod staged;
 pub mod tensor_core;
-pub mod tiled;
 pub mod tma;
 pub mod wgmma;

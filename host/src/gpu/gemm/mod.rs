@@ -1,7 +1,6 @@
 //! Launchers of the GEMM family (`kernels-gpu/src/gemm`).
 
 pub mod simt;
-pub mod tiled;
 pub mod tma;
 
 use super::DeviceTensor;
