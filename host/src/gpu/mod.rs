@@ -20,6 +20,7 @@ use cudarc::driver::{
     LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
+use kernel_abi::Kernel;
 use std::any::Any;
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
@@ -262,7 +263,7 @@ impl Gpu {
         // SAFETY: every word below `words.len()` is written by the launches below; the
         // one word of an empty table is never read.
         let mut buf = unsafe { self.alloc_buf::<u64>(stream, words.len())? };
-        let func = self.function("store_words")?;
+        let func = self.function(Kernel::StoreWords)?;
         let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: 0 };
         for (i, chunk) in words.chunks(STORE_WORDS).enumerate() {
             let mut batch = [0u64; STORE_WORDS];
@@ -272,7 +273,7 @@ impl Gpu {
             l.arg(&mut buf).arg(&offset).arg(&count).arg(&batch);
             // SAFETY: (out, offset, count, words) as the kernel takes; out holds
             // offset + count words.
-            launched("store_words", unsafe { l.launch(cfg) })?;
+            launched(Kernel::StoreWords, unsafe { l.launch(cfg) })?;
         }
         Ok(buf)
     }
@@ -306,8 +307,10 @@ impl Gpu {
         &self.ctx
     }
 
-    /// A kernel of the module, by its exported name.
-    pub fn function(&self, name: &str) -> Result<CudaFunction> {
+    /// A kernel of the module: a [`Kernel`] identifier (launches name kernels by
+    /// identifier; the epilogue's launchers still pass the name itself).
+    pub fn function(&self, kernel: impl AsRef<str>) -> Result<CudaFunction> {
+        let name = kernel.as_ref();
         self.module.load_function(name).map_err(|e| Error::cuda(format!("loading kernel `{name}`"), e))
     }
 
@@ -328,7 +331,13 @@ impl Gpu {
     }
 
     /// A kernel and a 1-D launch configuration (256-thread blocks) covering `len` elements.
-    pub fn kernel_1d(&self, name: &str, len: usize, shared_bytes: u32) -> Result<(CudaFunction, LaunchConfig)> {
+    pub fn kernel_1d(
+        &self,
+        kernel: impl AsRef<str>,
+        len: usize,
+        shared_bytes: u32,
+    ) -> Result<(CudaFunction, LaunchConfig)> {
+        let name = kernel.as_ref();
         if len > u32::MAX as usize {
             return Err(Error::Shape(format!("`{name}` over {len} elements exceeds 32-bit indexing")));
         }
@@ -434,8 +443,8 @@ fn keep_freed_memory(ctx: &CudaContext) -> Result<()> {
 }
 
 /// Maps a launch's result to the crate's error, naming the kernel.
-pub fn launched<T>(name: &str, r: std::result::Result<T, cudarc::driver::DriverError>) -> Result<()> {
-    r.map(|_| ()).map_err(|e| Error::cuda(format!("launching `{name}`"), e))
+pub fn launched<T>(kernel: impl AsRef<str>, r: std::result::Result<T, cudarc::driver::DriverError>) -> Result<()> {
+    r.map(|_| ()).map_err(|e| Error::cuda(format!("launching `{}`", kernel.as_ref()), e))
 }
 
 /// CUDA events recorded between the phases of a piece of work, for a breakdown of
