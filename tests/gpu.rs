@@ -383,7 +383,7 @@ fn tf32_persistent_forward_matches_reference_rows() {
 #[ignore = "needs a CUDA GPU"]
 fn tf32_linear_gradients_match_reference() {
     use host::Precision;
-    use host::gpu::gemm::simt::{Layout, grad_input_kernel, kernel_name};
+    use host::gpu::gemm::{Role, route};
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(29);
     // 3xTF32 flushes every 2048 of `k`: dW's k = 4100 in three runs, and dX's k = 4100
@@ -393,17 +393,14 @@ fn tf32_linear_gradients_match_reference() {
         let x = random_input(m, k, &mut rng).unwrap();
         let dz = random_input(m, n, &mut rng).unwrap();
         let w = random_input(n, k, &mut rng).unwrap();
-        let (dz_dev, w_dev) = (gpu.upload(&dz).unwrap(), gpu.upload(&w).unwrap());
         for precision in [Precision::Tf32, Precision::Tf32x3] {
             // W and dZ read as stored: `A` through registers.
+            let kernel = |role| route(precision, role, (m, n, k), true).kernel.name();
             let dw_kernel =
                 if m >= 1024 { format!("gemm_tma_{precision}_tk") } else { format!("gemm_wg_{precision}_dw_vec4") };
-            assert_eq!(kernel_name(precision, Layout::Tk, (n, m, m), 1), dw_kernel);
+            assert_eq!(kernel(Role::GradWeight), dw_kernel);
             if k % 4 == 0 {
-                assert_eq!(
-                    grad_input_kernel(precision, &dz_dev, &w_dev).unwrap(),
-                    format!("gemm_tma_{precision}_tk_t")
-                );
+                assert_eq!(kernel(Role::GradInput), format!("gemm_tma_{precision}_tk_t"));
             }
             check_linear_gradients(&gpu, precision, (&x, &dz, &w));
         }
@@ -417,7 +414,7 @@ fn check_linear_gradients(
     precision: host::Precision,
     (x, dz, w): (&host::Tensor<f32>, &host::Tensor<f32>, &host::Tensor<f32>),
 ) {
-    use host::gpu::gemm::simt::{grad_input, grad_weight_into};
+    use host::gpu::gemm::{grad_input, grad_weight_into};
     let (m, k, n) = (x.shape()[0], x.shape()[1], w.shape()[0]);
     let (want_dx, want_dw, _) = reference::linear::linear_backward(&x.to_f64(), &w.to_f64(), &dz.to_f64()).unwrap();
     let (x_dev, dz_dev, w_dev) = (gpu.upload(x).unwrap(), gpu.upload(dz).unwrap(), gpu.upload(w).unwrap());
@@ -444,7 +441,7 @@ fn check_linear_gradients(
 #[ignore = "needs a CUDA GPU"]
 fn bf16_linear_gradients_match_reference() {
     use host::Precision;
-    use host::gpu::gemm::simt::grad_input_kernel;
+    use host::gpu::gemm::{Role, route};
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(31);
     let precision = Precision::Bf16;
@@ -452,8 +449,7 @@ fn bf16_linear_gradients_match_reference() {
         let x = random_input(m, k, &mut rng).unwrap();
         let dz = random_input(m, n, &mut rng).unwrap();
         let w = random_input(n, k, &mut rng).unwrap();
-        let (dz_dev, w_dev) = (gpu.upload(&dz).unwrap(), gpu.upload(&w).unwrap());
-        assert_eq!(grad_input_kernel(precision, &dz_dev, &w_dev).unwrap(), "gemm_tma_bf16_nt");
+        assert_eq!(route(precision, Role::GradInput, (m, n, k), true).kernel.name(), "gemm_tma_bf16_nt");
         check_linear_gradients(&gpu, precision, (&x, &dz, &w));
     }
 }

@@ -28,7 +28,8 @@ use super::epilogue::DeviceChain;
 use super::epilogue::kinks::{Refined, Scan, refine_near_kinks, scanned_prefix};
 use super::epilogue::lanes::{epilogue_tiles_backward, fits as tiles_fit};
 use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
-use super::gemm::simt::{Layout, forward_gemm, grad_input, grad_weight, kernel_name, not_fusable};
+use super::gemm::linear::tma_allowed;
+use super::gemm::{Role, forward_gemm, grad_input, grad_weight, not_fusable, route};
 use super::{DeviceTensor, Gpu, Phases};
 use crate::block::{BlockSpec, Params};
 use crate::chain::Op;
@@ -226,7 +227,8 @@ impl GpuBlock {
             Plan::Fused => 1,
             Plan::GemmThenRows { splits } => *splits,
         };
-        let gemm = kernel_name(self.precision, Layout::Nt, (k, k, k), splits);
+        // (The forward's route depends on `k` and the split only.)
+        let gemm = route(self.precision, Role::Forward { splits }, (0, self.gemm_width(), k), tma_allowed()).kernel;
         let fold =
             self.folded.as_ref().map_or(String::new(), |(k, ..)| format!("; avgpool({k}) folded into the weights"));
         match plan {
