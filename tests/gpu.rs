@@ -4,8 +4,8 @@
 
 use host::block::random_input;
 use host::check::{FP32_REL, compare_f32};
-use host::gpu::Gpu;
 use host::gpu::block::GpuBlock;
+use host::gpu::{Gpu, Tuning};
 use host::reference;
 use host::{BlockSpec, Chain, Params, Preset, Tensor};
 use rand::SeedableRng;
@@ -86,7 +86,7 @@ fn gpu_block_forward_matches_reference() {
         let params = Params::random(&spec, &mut rng);
         let x = random_input(b, i, &mut rng).unwrap();
         let block = GpuBlock::new(&gpu, &spec, &params).unwrap();
-        let path = block.describe(&block.plan(&gpu, b));
+        let path = block.describe(&gpu, &block.plan(&gpu, b));
         let y = block.forward(&gpu, &x).unwrap();
         let want = reference::block_forward(&spec, &x.to_f64(), &params.map(f64::from)).unwrap();
         assert_eq!(y.shape(), want.shape(), "{name}");
@@ -243,15 +243,14 @@ fn kink_refinement_gives_the_exact_functions_gradients() {
             let (params, x, dy) = random_case(&spec, b, &mut rng);
             let (_, want) =
                 reference::block_backward(&spec, &x.to_f64(), &params.map(f64::from), &dy.to_f64()).unwrap();
-            let mut block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(precision);
-            let worst = |block: &GpuBlock| {
+            let block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(precision);
+            let worst = |refine: bool| {
+                let gpu = gpu.clone().with_tuning(Tuning { kink_refinement: refine, ..Tuning::default() });
                 let got = block.forward_backward(&gpu, &x, &dy).unwrap();
                 got.compare(&spec, &want).into_iter().max_by(|a, b| a.1.rel.total_cmp(&b.1.rel)).unwrap()
             };
-            block.kink_refinement = false;
-            let (what_off, off) = worst(&block);
-            block.kink_refinement = true;
-            let (what_on, on) = worst(&block);
+            let (what_off, off) = worst(false);
+            let (what_on, on) = worst(true);
             println!(
                 "{precision:<5} {text:<40} ({b}, {i}, {o}): worst gradient {what_off} {:.2e} as computed, \
                  {what_on} {:.2e} refined",
@@ -282,7 +281,7 @@ fn kink_values_refined_one_by_one_are_exact() {
     ] {
         let spec = BlockSpec::new(i, o, chain.parse().unwrap()).unwrap();
         let (params, x, _) = random_case(&spec, b, &mut rng);
-        let mut block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(Precision::Tf32);
+        let block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(Precision::Tf32);
         let xd = gpu.upload(&x).unwrap();
         let p = params.ops[0][0].data();
         let (w, lb) = (params.linear_weight.to_f64(), params.linear_bias.to_f64());
@@ -292,7 +291,7 @@ fn kink_values_refined_one_by_one_are_exact() {
         let computed = gpu.download(&saved.z).unwrap();
         let mut rewritten = [0usize; 2];
         for (n_path, values) in [true, false].into_iter().enumerate() {
-            block.kink_values = values;
+            let gpu = gpu.clone().with_tuning(Tuning { kink_values: values, ..Tuning::default() });
             let (_, mut saved) = block.forward_train(&gpu, &xd, false).unwrap();
             block.refine_saved(&gpu, &xd, &mut saved).unwrap();
             let z = gpu.download(&saved.z).unwrap();
@@ -353,7 +352,7 @@ fn tf32_persistent_forward_matches_reference_rows() {
         let params = Params::init(&spec, &mut rng);
         let x = random_input(b, i, &mut rng).unwrap();
         let block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(precision);
-        let path = block.describe(&block.plan(&gpu, b));
+        let path = block.describe(&gpu, &block.plan(&gpu, b));
         assert!(path.contains(kernel), "expected {kernel}, got {path}");
         let y = block.forward(&gpu, &x).unwrap();
         let rows: Vec<usize> = (0..b).step_by(131).chain([b - 1]).collect();
@@ -395,7 +394,7 @@ fn tf32_linear_gradients_match_reference() {
         let w = random_input(n, k, &mut rng).unwrap();
         for precision in [Precision::Tf32, Precision::Tf32x3] {
             // W and dZ read as stored: `A` through registers.
-            let kernel = |role| route(precision, role, (m, n, k), true).kernel.name();
+            let kernel = |role| route(precision, role, (m, n, k), gpu.tuning().tma).kernel.name();
             let dw_kernel =
                 if m >= 1024 { format!("gemm_tma_{precision}_tk") } else { format!("gemm_wg_{precision}_dw_vec4") };
             assert_eq!(kernel(Role::GradWeight), dw_kernel);
@@ -449,7 +448,7 @@ fn bf16_linear_gradients_match_reference() {
         let x = random_input(m, k, &mut rng).unwrap();
         let dz = random_input(m, n, &mut rng).unwrap();
         let w = random_input(n, k, &mut rng).unwrap();
-        assert_eq!(route(precision, Role::GradInput, (m, n, k), true).kernel.name(), "gemm_tma_bf16_nt");
+        assert_eq!(route(precision, Role::GradInput, (m, n, k), gpu.tuning().tma).kernel.name(), "gemm_tma_bf16_nt");
         check_linear_gradients(&gpu, precision, (&x, &dz, &w));
     }
 }

@@ -11,6 +11,7 @@ pub mod epilogue;
 pub mod gemm;
 pub mod optim;
 pub mod tape;
+pub mod tuning;
 
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -24,6 +25,7 @@ use kernel_abi::Kernel;
 use std::any::Any;
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
+pub use tuning::Tuning;
 
 /// The kernels, compiled to PTX for sm_90a (Hopper: H100, H200) by `build.rs`; the
 /// `a` features (`wgmma`) tie the module to compute capability 9.0 exactly.
@@ -81,6 +83,8 @@ pub struct Gpu {
     side: Arc<CudaStream>,
     module: Arc<CudaModule>,
     pub props: DeviceProps,
+    /// Which production paths the work on this GPU may take ([`Gpu::with_tuning`]).
+    tuning: Tuning,
 }
 
 /// Why there is no usable GPU, or `Ok` if the driver library is present.
@@ -145,7 +149,20 @@ impl Gpu {
         let module =
             ctx.load_module(Ptx::from_src(KERNELS_PTX)).map_err(|e| Error::cuda("loading the kernel module", e))?;
         let (tables, lent_tables, side_frees) = Default::default();
-        Ok(Gpu { ctx, stream, allocator: None, tables, lent_tables, side_frees, side, module, props })
+        let tuning = Tuning::default();
+        Ok(Gpu { ctx, stream, allocator: None, tables, lent_tables, side_frees, side, module, props, tuning })
+    }
+
+    /// The same GPU with `tuning`'s production paths (a clone shares the context,
+    /// streams and kernels; each carries its own tuning).
+    pub fn with_tuning(mut self, tuning: Tuning) -> Gpu {
+        self.tuning = tuning;
+        self
+    }
+
+    /// Which production paths the work on this GPU may take.
+    pub fn tuning(&self) -> Tuning {
+        self.tuning
     }
 
     /// The same GPU working on another library's stream `cu_stream` (of this device's

@@ -69,7 +69,7 @@ pub fn values_one_by_one(ops: &[OpDesc], precision: Precision) -> bool {
 /// What [`refine_near_kinks`] did.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Refined {
-    /// Turned off (`HOST_NO_KINK_REFINEMENT=1`), or done already for this `z`.
+    /// Turned off (`Tuning::kink_refinement`, `--no-kink-refinement`), or done already for this `z`.
     Off,
     /// The chain has no kink and no GroupNorm of small groups: nothing to do.
     NoKinks,
@@ -89,7 +89,7 @@ pub enum Scan {
     /// `kink_scan_tiles`: the chains the tile-wise path takes, in registers. With
     /// `values`, where [`values_one_by_one`] says it pays, a row's doubtful values (up
     /// to `ELEMENT_CAP` of them) go to `refine_values` one by one instead of to
-    /// `refine_z` by chunks (`HOST_KINK_VALUES=0` turns that off, for A/B measurements).
+    /// `refine_z` by chunks (`--kink-chunks-only` turns that off, for A/B measurements).
     Tiles { values: bool },
 }
 /// Recomputes, in f64, the chunks of `z = x w^T + b` (`(w, b)` the Linear layer the
@@ -242,7 +242,7 @@ fn refine(
     // kink_scan leaves them, order as refine_order leaves it (or null: column order),
     // in stream order.
     launched("refine_z", unsafe { l.launch(cfg) })?;
-    if std::env::var_os("HOST_KINK_STATS").is_some_and(|v| v == "1") {
+    if gpu.tuning().kink_stats {
         // How much was recomputed (waits for the stream): for tuning the error model.
         let counts = stream.clone_dtoh(counts).map_err(|e| Error::cuda("reading the kink counts", e))?;
         let values = stream.clone_dtoh(value_count).map_err(|e| Error::cuda("reading the kink counts", e))?[0];

@@ -75,8 +75,8 @@ pub struct Route {
 
 /// The dispatch table: the route of `role` in `precision` for a Linear layer of
 /// `(m, n, k)` (batch, out, in features). `tma`: whether the TMA kernels may run
-/// (the A/B switch `HOST_GEMM_NO_TMA` says no); without them a TMA row is skipped and the next row
-/// that fits runs. The first row that fits wins:
+/// ([`Tuning::tma`](crate::gpu::Tuning::tma)); without them a TMA row is skipped and
+/// the next row that fits runs. The first row that fits wins:
 ///
 /// | role | precision | when | family: kernel | operands |
 /// |------|-----------|------|----------------|----------|

@@ -5,7 +5,7 @@
 
 use super::super::elementwise::{slice_to_bf16, transpose_on, transpose_to_bf16_on};
 use super::super::epilogue::DeviceChain;
-use super::super::{DeviceTensor, Gpu};
+use super::super::{DeviceTensor, Gpu, Tuning};
 use super::args::Operands;
 use super::dispatch::{Family, Layout, Role, Route, Transposed, route};
 use crate::error::{Error, Result};
@@ -23,14 +23,6 @@ pub fn linear_dims(x: &DeviceTensor, w: &DeviceTensor) -> Result<(usize, usize, 
         [n, wk] if wk == k => Ok((m, n, k)),
         _ => Err(Error::tensor("lin.weight", format!("expected shape (out, {k}), got {:?}", w.shape))),
     }
-}
-
-/// Whether the TF32, 3xTF32 and bf16 GEMMs may use the TMA kernels: yes unless
-/// `HOST_GEMM_NO_TMA` is set (an A/B switch for measurements: the `gemm_wg` kernels
-/// then run instead).
-pub(crate) fn tma_allowed() -> bool {
-    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ALLOWED.get_or_init(|| std::env::var_os("HOST_GEMM_NO_TMA").is_none())
 }
 
 /// The forward GEMM of a Linear layer, `y (m, n) = chain(x W^T + bias)` with `x (m, k)`
@@ -53,9 +45,9 @@ pub fn forward_gemm<'a>(precision: Precision, x: &'a DeviceTensor, w: &'a Device
 }
 
 impl Gemm<'_> {
-    /// How it runs (see [`route`]).
-    pub fn route(&self) -> Route {
-        route(self.precision, Role::Forward { splits: self.splits.max(1) }, self.dims, tma_allowed())
+    /// How it runs on a GPU of this `tuning` (see [`route`]).
+    pub fn route(&self, tuning: Tuning) -> Route {
+        route(self.precision, Role::Forward { splits: self.splits.max(1) }, self.dims, tuning.tma)
     }
 
     /// Queues the GEMM. `save_z`, if given, receives `x W^T + bias` before the chain.
@@ -75,7 +67,7 @@ impl Gemm<'_> {
         let (a, b) = (&self.x.buf, &self.w.buf);
         let (bias, chain, splits) = (self.bias, self.chain, self.splits.max(1));
         let op = Operands { a, b, m, n, k, lda: k, ldb: k, bias, chain, splits };
-        launch(gpu, stream, &self.route(), &op, y, save_z)
+        launch(gpu, stream, &self.route(gpu.tuning()), &op, y, save_z)
     }
 }
 
@@ -131,9 +123,11 @@ fn launch(
     }
 }
 
-/// The route of `dX = dZ W` for these operands, and `(m, n, k)`: `dz (m, n)`, `w (n, k)`.
+/// The route of `dX = dZ W` for these operands on a GPU of this `tuning`, and
+/// `(m, n, k)`: `dz (m, n)`, `w (n, k)`.
 pub fn grad_input_route(
     precision: Precision,
+    tuning: Tuning,
     dz: &DeviceTensor,
     w: &DeviceTensor,
 ) -> Result<(Route, (usize, usize, usize))> {
@@ -143,7 +137,7 @@ pub fn grad_input_route(
     if wn != n {
         return Err(Error::Shape(format!("dX = dZ W: dZ {:?}, W {:?}", dz.shape, w.shape)));
     }
-    Ok((route(precision, Role::GradInput, (m, n, k), tma_allowed()), (m, n, k)))
+    Ok((route(precision, Role::GradInput, (m, n, k), tuning.tma), (m, n, k)))
 }
 
 /// `dX (m, k) = dZ (m, n) W (n, k)`, as [`route`] says: `dX^T = W^T dZ^T` (`Tk`) reading
@@ -151,7 +145,7 @@ pub fn grad_input_route(
 /// the shapes allow, else transposed here and rounded by the launcher; freed in stream
 /// order after the GEMM), or `Nn` as stored.
 pub fn grad_input(gpu: &Gpu, precision: Precision, dz: &DeviceTensor, w: &DeviceTensor) -> Result<DeviceTensor> {
-    let (route, (m, n, k)) = grad_input_route(precision, dz, w)?;
+    let (route, (m, n, k)) = grad_input_route(precision, gpu.tuning(), dz, w)?;
     let mut dx = gpu.alloc(&[m, k])?;
     let stream = gpu.stream();
     let op = |a, b, (lda, ldb)| Operands { a, b, m, n: k, k: n, lda, ldb, bias: None, chain: None, splits: 1 };
@@ -238,7 +232,7 @@ pub fn grad_weight_into(
     if xm != m || dw.shape != [n, k] {
         return Err(Error::Shape(format!("dW {:?} = dZ^T X: dZ {:?}, X {:?}", dw.shape, dz.shape, x.shape)));
     }
-    let route = route(precision, Role::GradWeight, (m, n, k), tma_allowed());
+    let route = route(precision, Role::GradWeight, (m, n, k), gpu.tuning().tma);
     // `stream` starts after everything queued on the GPU's stream, `dw`'s allocation included.
     gpu.order(gpu.stream(), stream)?;
     let op = |a, b, (lda, ldb)| Operands { a, b, m: n, n: k, k: m, lda, ldb, bias: None, chain: None, splits: 1 };
