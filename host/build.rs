@@ -12,14 +12,12 @@ fn main() {
     let mut builder =
         // PTX ISA 8.3: `fence.proxy.tensormap` (tensor maps written by a kernel, `prelude::bulk_copy`).
         ptx_builder::PtxBuilder::new(root.join("kernels-gpu")).arch("sm_90a").ptx_isa("ptx83").watch(root.join("kernel-abi"));
-    for &(kernel, threads, blocks) in kernel_abi::LAUNCH_BOUNDS
-        .iter()
-        .chain(kernel_abi::LAUNCH_BOUNDS_TC)
-        .chain(kernel_abi::LAUNCH_BOUNDS_WG)
-        .chain(kernel_abi::LAUNCH_BOUNDS_TMA)
-        .chain(kernel_abi::LAUNCH_BOUNDS_EPILOGUE)
-    {
-        builder = builder.launch_bounds(kernel, threads, blocks);
+    // Launch bounds from the kernels' identifiers (`kernel_abi::Kernel`), which the host's
+    // launches use too; `tests/ptx.rs` checks that they and the PTX's entries agree.
+    for &kernel in kernel_abi::Kernel::ALL {
+        if let Some(b) = kernel.launch_bounds() {
+            builder = builder.launch_bounds(kernel.name(), b.max_threads, b.min_blocks_per_sm);
+        }
     }
     if let Err(e) = builder.build(&out) {
         eprintln!("error: {e}");

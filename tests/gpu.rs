@@ -5,7 +5,7 @@
 use host::block::random_input;
 use host::check::{FP32_REL, compare_f32};
 use host::gpu::block::GpuBlock;
-use host::gpu::{Gpu, gemm::tiled::gemm_bias_tiled};
+use host::gpu::{Gpu, Tuning};
 use host::reference;
 use host::{BlockSpec, Chain, Params, Preset, Tensor};
 use rand::SeedableRng;
@@ -28,28 +28,26 @@ fn random_case(spec: &BlockSpec, batch: usize, rng: &mut StdRng) -> (Params<f32>
     (params, x, dy)
 }
 
+/// The plain GEMM with bias (an empty chain: the FMA kernel `gemm_f32_nt_*`, split-K
+/// where the tiles are few) at shapes below, at and above its tiles and not multiples
+/// of them, held to the issue's 1e-5.
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn tiled_gemm_matches_reference_at_odd_shapes() {
+fn plain_gemm_matches_reference_at_odd_shapes() {
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(7);
-    // Shapes below, at and above the 64x64x16 tile, and not multiples of it.
     for (m, k, n) in
         [(1, 1, 1), (33, 77, 96), (64, 16, 64), (65, 17, 63), (127, 300, 129), (1000, 1024, 1000), (256, 8192, 384)]
     {
         let spec = BlockSpec::new(k, n, Chain::default()).unwrap();
         let params = Params::init(&spec, &mut rng);
         let x = random_input(m, k, &mut rng).unwrap();
-        let dx = gpu.upload(&x).unwrap();
-        let dw = gpu.upload(&params.linear_weight).unwrap();
-        let db = gpu.upload(&params.linear_bias).unwrap();
-        let mut dy = gpu.poisoned(&[m, n]).unwrap();
-        gemm_bias_tiled(&gpu, &dx, &dw, &db, &mut dy).unwrap();
-        let y = gpu.download(&dy).unwrap();
+        let block = GpuBlock::new(&gpu, &spec, &params).unwrap();
+        let y = block.forward(&gpu, &x).unwrap();
         let p64 = params.map(f64::from);
         let want = reference::linear::linear_forward(&x.to_f64(), &p64.linear_weight, &p64.linear_bias).unwrap();
         let c = compare_f32(y.data(), want.data());
-        println!("gemm_bias_tiled m={m:<5} k={k:<5} n={n:<5} rel {:.2e} max abs {:.2e}", c.rel, c.max_abs);
+        println!("plain GEMM m={m:<5} k={k:<5} n={n:<5} rel {:.2e} max abs {:.2e}", c.rel, c.max_abs);
         assert!(c.passes(GEMM_REL), "({m}, {k}, {n}): {c:?}");
     }
 }
@@ -88,7 +86,7 @@ fn gpu_block_forward_matches_reference() {
         let params = Params::random(&spec, &mut rng);
         let x = random_input(b, i, &mut rng).unwrap();
         let block = GpuBlock::new(&gpu, &spec, &params).unwrap();
-        let path = block.describe(&block.plan(&gpu, b));
+        let path = block.describe(&gpu, &block.plan(&gpu, b));
         let y = block.forward(&gpu, &x).unwrap();
         let want = reference::block_forward(&spec, &x.to_f64(), &params.map(f64::from)).unwrap();
         assert_eq!(y.shape(), want.shape(), "{name}");
@@ -182,7 +180,7 @@ fn group_norm_backward_over_two_channel_groups() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tensor_core_precisions_match_reference() {
-    use host::gpu::gemm::simt::Precision;
+    use host::Precision;
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(19);
     let cases: [(&str, (usize, usize, usize)); 6] = [
@@ -228,7 +226,7 @@ fn tensor_core_precisions_match_reference() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn kink_refinement_gives_the_exact_functions_gradients() {
-    use host::gpu::gemm::simt::Precision;
+    use host::Precision;
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(23);
     // The first two are scanned in registers (`kink_scan_tiles`), the others row by
@@ -245,15 +243,14 @@ fn kink_refinement_gives_the_exact_functions_gradients() {
             let (params, x, dy) = random_case(&spec, b, &mut rng);
             let (_, want) =
                 reference::block_backward(&spec, &x.to_f64(), &params.map(f64::from), &dy.to_f64()).unwrap();
-            let mut block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(precision);
-            let worst = |block: &GpuBlock| {
+            let block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(precision);
+            let worst = |refine: bool| {
+                let gpu = gpu.clone().with_tuning(Tuning { kink_refinement: refine, ..Tuning::default() });
                 let got = block.forward_backward(&gpu, &x, &dy).unwrap();
                 got.compare(&spec, &want).into_iter().max_by(|a, b| a.1.rel.total_cmp(&b.1.rel)).unwrap()
             };
-            block.kink_refinement = false;
-            let (what_off, off) = worst(&block);
-            block.kink_refinement = true;
-            let (what_on, on) = worst(&block);
+            let (what_off, off) = worst(false);
+            let (what_on, on) = worst(true);
             println!(
                 "{precision:<5} {text:<40} ({b}, {i}, {o}): worst gradient {what_off} {:.2e} as computed, \
                  {what_on} {:.2e} refined",
@@ -275,7 +272,7 @@ fn kink_refinement_gives_the_exact_functions_gradients() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn kink_values_refined_one_by_one_are_exact() {
-    use host::gpu::gemm::simt::Precision;
+    use host::Precision;
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(31);
     for ((b, i, o), chain) in [
@@ -284,7 +281,7 @@ fn kink_values_refined_one_by_one_are_exact() {
     ] {
         let spec = BlockSpec::new(i, o, chain.parse().unwrap()).unwrap();
         let (params, x, _) = random_case(&spec, b, &mut rng);
-        let mut block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(Precision::Tf32);
+        let block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(Precision::Tf32);
         let xd = gpu.upload(&x).unwrap();
         let p = params.ops[0][0].data();
         let (w, lb) = (params.linear_weight.to_f64(), params.linear_bias.to_f64());
@@ -294,7 +291,7 @@ fn kink_values_refined_one_by_one_are_exact() {
         let computed = gpu.download(&saved.z).unwrap();
         let mut rewritten = [0usize; 2];
         for (n_path, values) in [true, false].into_iter().enumerate() {
-            block.kink_values = values;
+            let gpu = gpu.clone().with_tuning(Tuning { kink_values: values, ..Tuning::default() });
             let (_, mut saved) = block.forward_train(&gpu, &xd, false).unwrap();
             block.refine_saved(&gpu, &xd, &mut saved).unwrap();
             let z = gpu.download(&saved.z).unwrap();
@@ -333,7 +330,7 @@ fn kink_values_refined_one_by_one_are_exact() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tf32_persistent_forward_matches_reference_rows() {
-    use host::gpu::gemm::simt::Precision;
+    use host::Precision;
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(23);
     let cases = [
@@ -355,7 +352,7 @@ fn tf32_persistent_forward_matches_reference_rows() {
         let params = Params::init(&spec, &mut rng);
         let x = random_input(b, i, &mut rng).unwrap();
         let block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(precision);
-        let path = block.describe(&block.plan(&gpu, b));
+        let path = block.describe(&gpu, &block.plan(&gpu, b));
         assert!(path.contains(kernel), "expected {kernel}, got {path}");
         let y = block.forward(&gpu, &x).unwrap();
         let rows: Vec<usize> = (0..b).step_by(131).chain([b - 1]).collect();
@@ -384,7 +381,8 @@ fn tf32_persistent_forward_matches_reference_rows() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tf32_linear_gradients_match_reference() {
-    use host::gpu::gemm::simt::{Layout, Precision, grad_input_kernel, kernel_name};
+    use host::Precision;
+    use host::gpu::gemm::{Role, route};
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(29);
     // 3xTF32 flushes every 2048 of `k`: dW's k = 4100 in three runs, and dX's k = 4100
@@ -394,17 +392,14 @@ fn tf32_linear_gradients_match_reference() {
         let x = random_input(m, k, &mut rng).unwrap();
         let dz = random_input(m, n, &mut rng).unwrap();
         let w = random_input(n, k, &mut rng).unwrap();
-        let (dz_dev, w_dev) = (gpu.upload(&dz).unwrap(), gpu.upload(&w).unwrap());
         for precision in [Precision::Tf32, Precision::Tf32x3] {
             // W and dZ read as stored: `A` through registers.
+            let kernel = |role| route(precision, role, (m, n, k), gpu.tuning().tma).kernel.name();
             let dw_kernel =
                 if m >= 1024 { format!("gemm_tma_{precision}_tk") } else { format!("gemm_wg_{precision}_dw_vec4") };
-            assert_eq!(kernel_name(precision, Layout::Tk, (n, m, m), 1), dw_kernel);
+            assert_eq!(kernel(Role::GradWeight), dw_kernel);
             if k % 4 == 0 {
-                assert_eq!(
-                    grad_input_kernel(precision, &dz_dev, &w_dev).unwrap(),
-                    format!("gemm_tma_{precision}_tk_t")
-                );
+                assert_eq!(kernel(Role::GradInput), format!("gemm_tma_{precision}_tk_t"));
             }
             check_linear_gradients(&gpu, precision, (&x, &dz, &w));
         }
@@ -415,10 +410,10 @@ fn tf32_linear_gradients_match_reference() {
 /// `precision` against the f64 reference, at the precision's tolerance.
 fn check_linear_gradients(
     gpu: &Gpu,
-    precision: host::gpu::gemm::simt::Precision,
+    precision: host::Precision,
     (x, dz, w): (&host::Tensor<f32>, &host::Tensor<f32>, &host::Tensor<f32>),
 ) {
-    use host::gpu::gemm::simt::{grad_input, grad_weight_into};
+    use host::gpu::gemm::{grad_input, grad_weight_into};
     let (m, k, n) = (x.shape()[0], x.shape()[1], w.shape()[0]);
     let (want_dx, want_dw, _) = reference::linear::linear_backward(&x.to_f64(), &w.to_f64(), &dz.to_f64()).unwrap();
     let (x_dev, dz_dev, w_dev) = (gpu.upload(x).unwrap(), gpu.upload(dz).unwrap(), gpu.upload(w).unwrap());
@@ -444,7 +439,8 @@ fn check_linear_gradients(
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn bf16_linear_gradients_match_reference() {
-    use host::gpu::gemm::simt::{Precision, grad_input_kernel};
+    use host::Precision;
+    use host::gpu::gemm::{Role, route};
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(31);
     let precision = Precision::Bf16;
@@ -452,8 +448,7 @@ fn bf16_linear_gradients_match_reference() {
         let x = random_input(m, k, &mut rng).unwrap();
         let dz = random_input(m, n, &mut rng).unwrap();
         let w = random_input(n, k, &mut rng).unwrap();
-        let (dz_dev, w_dev) = (gpu.upload(&dz).unwrap(), gpu.upload(&w).unwrap());
-        assert_eq!(grad_input_kernel(precision, &dz_dev, &w_dev).unwrap(), "gemm_tma_bf16_nt");
+        assert_eq!(route(precision, Role::GradInput, (m, n, k), gpu.tuning().tma).kernel.name(), "gemm_tma_bf16_nt");
         check_linear_gradients(&gpu, precision, (&x, &dz, &w));
     }
 }

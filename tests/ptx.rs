@@ -1,12 +1,40 @@
-//! Every kernel in the embedded PTX assembles for sm_90a with no spills and no stack
-//! frame (local memory), read off `ptxas -v`. Needs `ptxas`: CI installs it from
-//! PyPI (`nvidia-cuda-nvcc`); set `PTXAS` to its path, or have it on `PATH`.
+//! The embedded PTX's entry points are exactly the kernel identifiers
+//! (`kernel_abi::Kernel`), and every kernel assembles for sm_90a with no spills and no
+//! stack frame (local memory), read off `ptxas -v`. The second needs `ptxas`: CI
+//! installs it from PyPI (`nvidia-cuda-nvcc`); set `PTXAS` to its path, or have it on
+//! `PATH`.
 
 use host::gpu::KERNELS_PTX;
+use kernel_abi::Kernel;
 use std::process::Command;
 
 fn ptxas() -> String {
     std::env::var("PTXAS").unwrap_or_else(|_| "ptxas".into())
+}
+
+/// The names of the PTX's entry points.
+fn entries() -> Vec<String> {
+    KERNELS_PTX
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix(".visible .entry ").map(|r| r.split('(').next().unwrap().to_string()))
+        .collect()
+}
+
+/// Every kernel identifier names an entry point of the PTX, and every entry point has an
+/// identifier (each once): what the host launches and what `host/build.rs` gives launch
+/// bounds to are exactly the kernels there are.
+#[test]
+fn kernel_identifiers_are_the_ptx_entry_points() {
+    let entries = entries();
+    for k in Kernel::ALL {
+        assert!(entries.iter().any(|e| e == k.name()), "{k:?}: no entry `{}` in the PTX", k.name());
+        assert_eq!(Kernel::ALL.iter().filter(|o| o.name() == k.name()).count(), 1, "{k:?} named twice");
+        assert_eq!(Kernel::by_name(k.name()), Some(*k));
+    }
+    for e in &entries {
+        assert!(Kernel::by_name(e).is_some(), "PTX entry `{e}` has no `kernel_abi::Kernel` identifier");
+    }
+    assert_eq!(entries.len(), Kernel::ALL.len());
 }
 
 /// `(kernel, registers, stack bytes, spill store bytes, spill load bytes)` per entry point.
@@ -24,10 +52,7 @@ fn resources(arch: &str) -> Vec<(String, u32, u32, u32, u32)> {
     assert!(out.status.success(), "ptxas failed:\n{log}");
     std::fs::remove_dir_all(&dir).unwrap();
 
-    let entries: Vec<String> = KERNELS_PTX
-        .lines()
-        .filter_map(|l| l.trim().strip_prefix(".visible .entry ").map(|r| r.split('(').next().unwrap().to_string()))
-        .collect();
+    let entries = entries();
     let num = |s: &str, before: &str| -> u32 {
         let i = s.find(before).unwrap_or_else(|| panic!("`{before}` not in `{s}`"));
         s[..i].split_whitespace().last().unwrap().parse().unwrap()
@@ -70,14 +95,10 @@ fn every_kernel_assembles_for_sm90_without_spills() {
     // Launch bounds: every kernel given them fits its blocks per SM in the 64 K register
     // file, and every kernel that moves registers between warpgroups (`setmaxnreg`,
     // which needs a register count fixed at entry) has them.
-    let bounds: Vec<(&str, u32, u32)> = [
-        kernel_abi::LAUNCH_BOUNDS,
-        kernel_abi::LAUNCH_BOUNDS_TC,
-        kernel_abi::LAUNCH_BOUNDS_WG,
-        kernel_abi::LAUNCH_BOUNDS_TMA,
-        kernel_abi::LAUNCH_BOUNDS_EPILOGUE,
-    ]
-    .concat();
+    let bounds: Vec<(&str, u32, u32)> = Kernel::ALL
+        .iter()
+        .filter_map(|k| k.launch_bounds().map(|b| (k.name(), b.max_threads, b.min_blocks_per_sm)))
+        .collect();
     for &(name, threads, blocks) in &bounds {
         let (_, regs, ..) = kernels.iter().find(|k| k.0 == name).unwrap_or_else(|| panic!("no kernel `{name}`"));
         assert!(regs * threads * blocks <= 65536, "`{name}`: {regs} registers x {threads} threads x {blocks} blocks");

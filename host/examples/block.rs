@@ -4,11 +4,11 @@
 //!
 //! `cargo run --release -p host --example block`
 
+use host::Precision;
 use host::block::random_input;
 use host::check::compare_f32;
 use host::gpu::Gpu;
 use host::gpu::block::GpuBlock;
-use host::gpu::gemm::simt::Precision;
 use host::{BlockSpec, Params, Tensor, reference};
 use rand::SeedableRng;
 use rand::rngs::StdRng;

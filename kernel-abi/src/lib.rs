@@ -1,7 +1,8 @@
 //! Constants shared by the device kernels (`kernels-gpu`) and their host launchers.
 //!
 //! A tile size lives here once; the kernel indexes with it and the host sizes grids
-//! and shared memory with it, so the two cannot drift apart.
+//! and shared memory with it, so the two cannot drift apart. So does each kernel's
+//! identity ([`Kernel`]): its entry point's name and its launch bounds.
 #![no_std]
 
 pub mod ops;
@@ -10,76 +11,8 @@ pub mod ops;
 /// array's length, 256 bytes of the 4 KiB a launch's arguments may take.
 pub const STORE_WORDS: usize = 32;
 
-/// `(kernel, max threads per block, min blocks per SM)`: CUDA's `__launch_bounds__`,
-/// which rustc cannot express; `host/build.rs` writes them into the PTX so that
-/// ptxas caps each kernel's registers to fit that many blocks.
-pub const LAUNCH_BOUNDS: &[(&str, u32, u32)] = &gemm_simt::bounds([
-    "gemm_f32_nt_vec4",
-    "gemm_f32_nt_scalar",
-    "gemm_f32_nn_vec4",
-    "gemm_f32_nn_scalar",
-    "gemm_f32_tn_vec4",
-    "gemm_f32_tn_scalar",
-]);
-
-/// The tensor-core GEMMs (`kernels-gpu/src/gemm/tensor_core.rs`): 2 blocks per SM (128
-/// registers), except the 3xTF32 forward (its two `ldmatrix` operands and their
-/// residuals need ~8 registers more: ptxas spills at 128) and the bf16 kernels (two
-/// TF32 steps' words feed one `m16n8k16`): 1 block per SM.
-pub const LAUNCH_BOUNDS_TC: &[(&str, u32, u32)] = &[
-    ("gemm_tc_tf32_nt_vec4", gemm_tc::THREADS as u32, 2),
-    ("gemm_tc_tf32_nt_scalar", gemm_tc::THREADS as u32, 2),
-    ("gemm_tc_tf32_nn_vec4", gemm_tc::THREADS as u32, 2),
-    ("gemm_tc_tf32_nn_scalar", gemm_tc::THREADS as u32, 2),
-    ("gemm_tc_tf32_tn_vec4", gemm_tc::THREADS as u32, 2),
-    ("gemm_tc_tf32_tn_scalar", gemm_tc::THREADS as u32, 2),
-    ("gemm_tc_bf16_nt_vec4", gemm_tc::THREADS as u32, 1),
-    ("gemm_tc_bf16_nt_scalar", gemm_tc::THREADS as u32, 1),
-    ("gemm_tc_bf16_nn_vec4", gemm_tc::THREADS as u32, 1),
-    ("gemm_tc_bf16_nn_scalar", gemm_tc::THREADS as u32, 1),
-    ("gemm_tc_bf16_tn_vec4", gemm_tc::THREADS as u32, 1),
-    ("gemm_tc_bf16_tn_scalar", gemm_tc::THREADS as u32, 1),
-    ("gemm_tc_tf32x3_nt_vec4", gemm_tc::THREADS as u32, 1),
-    ("gemm_tc_tf32x3_nt_scalar", gemm_tc::THREADS as u32, 1),
-    ("gemm_tc_tf32x3_nn_vec4", gemm_tc::THREADS as u32, 2),
-    ("gemm_tc_tf32x3_nn_scalar", gemm_tc::THREADS as u32, 2),
-    ("gemm_tc_tf32x3_tn_vec4", gemm_tc::THREADS as u32, 2),
-    ("gemm_tc_tf32x3_tn_scalar", gemm_tc::THREADS as u32, 2),
-];
-
-/// The `wgmma` forward GEMMs (`kernels-gpu/src/gemm/wgmma.rs`): TF32 keeps 64
-/// accumulators and no fragments (2 blocks per SM); 3xTF32 also holds `A` fragments
-/// and needs 193 KiB of shared memory (1 block per SM).
-pub const LAUNCH_BOUNDS_WG: &[(&str, u32, u32)] = &[
-    ("gemm_wg_tf32_nt_vec4", gemm_wg::THREADS as u32, 2),
-    ("gemm_wg_tf32x3_nt_vec4", gemm_wg::THREADS as u32, 1),
-    ("gemm_wg_tf32_dx_vec4", gemm_wg::THREADS as u32, 2),
-    ("gemm_wg_tf32x3_dx_vec4", gemm_wg::THREADS as u32, 1),
-    ("gemm_wg_tf32_dw_vec4", gemm_wg::THREADS as u32, 2),
-    ("gemm_wg_tf32x3_dw_vec4", gemm_wg::THREADS as u32, 1),
-];
-
-/// The TMA-fed, warp-specialised `wgmma` GEMMs (`kernels-gpu/src/gemm/tma.rs`): one
-/// producer warpgroup and two consumer warpgroups holding 128 accumulators each, 1
-/// block per SM: 168 registers at entry, then `setmaxnreg` moves the producer's to the
-/// consumers (24 and 240 per thread).
-pub const LAUNCH_BOUNDS_TMA: &[(&str, u32, u32)] = &[
-    ("gemm_tma_tf32_nt", gemm_tma::THREADS as u32, 1),
-    ("gemm_tma_tf32x3_nt", gemm_tma::THREADS as u32, 1),
-    ("gemm_tma_bf16_nt", gemm_tma::THREADS as u32, 1),
-    ("gemm_tma_tf32_tk", gemm_tma::THREADS as u32, 1),
-    ("gemm_tma_tf32_tk_t", gemm_tma::THREADS as u32, 1),
-    ("gemm_tma_tf32x3_tk", gemm_tma::THREADS as u32, 1),
-    ("gemm_tma_tf32x3_tk_t", gemm_tma::THREADS as u32, 1),
-];
-
-/// The tile-wise chain backward (`kernels-gpu/src/epilogue/lanes.rs`): the blocks per
-/// SM its grid is sized for.
-pub const LAUNCH_BOUNDS_EPILOGUE: &[(&str, u32, u32)] = &[
-    ("epilogue_tiles_backward", epilogue::TILE_THREADS as u32, epilogue::TILES_BACKWARD_BLOCKS_PER_SM),
-    ("refine_z", kinks::REFINE_THREADS as u32, 2),
-    ("refine_values", epilogue::ROW_THREADS as u32, kinks::REFINE_VALUES_BLOCKS_PER_SM as u32),
-];
+pub mod kernels;
+pub use kernels::{Kernel, LaunchBounds};
 
 /// The `wgmma` family (sm_90a): two warpgroups per block, operands read by the tensor
 /// cores from 128-byte-swizzled shared memory.
@@ -167,24 +100,6 @@ pub mod gemm_tc {
     /// Dynamic shared memory: the pipeline, later reused for the staged output tile.
     pub const SMEM_BYTES: usize = if PIPELINE_BYTES > OUTPUT_BYTES { PIPELINE_BYTES } else { OUTPUT_BYTES };
     const _: () = assert!(BLOCK_M == BLOCK_N && BLOCK_M == super::gemm_simt::BLOCK_M && THREADS == 256);
-}
-
-/// The shared-memory tiled GEMM with bias (`y = x W^T + b`).
-pub mod gemm_tiled {
-    /// Rows of `y` (batch) per block.
-    pub const BLOCK_M: usize = 64;
-    /// Columns of `y` (output features) per block.
-    pub const BLOCK_N: usize = 64;
-    /// Depth of the reduction step held in shared memory.
-    pub const BLOCK_K: usize = 16;
-    /// Each thread owns `THREAD_M x THREAD_N` outputs.
-    pub const THREAD_M: usize = 4;
-    pub const THREAD_N: usize = 4;
-    pub const THREADS: usize = (BLOCK_M / THREAD_M) * (BLOCK_N / THREAD_N);
-    /// Padding of each shared-memory row, in floats, to spread the transposed stores over banks.
-    pub const SMEM_PAD: usize = 4;
-    /// Dynamic shared memory the kernel needs, in bytes.
-    pub const SMEM_BYTES: usize = BLOCK_K * ((BLOCK_M + SMEM_PAD) + (BLOCK_N + SMEM_PAD)) * 4;
 }
 
 /// The epilogue chain as the kernels see it: one [`OpDesc`](epilogue::OpDesc) per op, in a device array.
@@ -333,21 +248,6 @@ pub mod gemm_simt {
     /// Two resident blocks per SM: caps registers at 128 per thread.
     pub const MIN_BLOCKS_PER_SM: u32 = 2;
 
-    /// Launch bounds of the FMA GEMMs: `THREADS` threads, `MIN_BLOCKS_PER_SM` blocks.
-    pub const fn bounds<const N: usize>(names: [&'static str; N]) -> [(&'static str, u32, u32); N] {
-        bounds_with(MIN_BLOCKS_PER_SM, names)
-    }
-
-    /// Launch bounds with `blocks` resident blocks per SM.
-    pub const fn bounds_with<const N: usize>(blocks: u32, names: [&'static str; N]) -> [(&'static str, u32, u32); N] {
-        let mut out = [("", 0, 0); N];
-        let mut i = 0;
-        while i < N {
-            out[i] = (names[i], THREADS as u32, blocks);
-            i += 1;
-        }
-        out
-    }
     /// Row of a staged operand tile: 4 floats of padding (see `Fma` in simt.rs).
     pub const SMEM_STRIDE: usize = BLOCK_M + 4;
     /// Two stages (double buffering) of the x and w tiles.

@@ -10,10 +10,10 @@
 //! Errors are Python exceptions naming the argument; a Rust panic is caught at this
 //! boundary and raised as a `RuntimeError`, so the interpreter lives on.
 
+use host::Precision;
 use host::block::{BlockSpec, Params};
 use host::chain::Chain;
 use host::gpu::block::{DeviceParams, GpuBlock, Saved};
-use host::gpu::gemm::simt::Precision;
 use host::gpu::{DeviceAllocator, DeviceTensor, ElementKind, Gpu};
 use host::reference::{self, Real};
 use host::tensor::Tensor;

@@ -1,7 +1,7 @@
 //! `host backward`: one block's forward and backward, gradients of `x` and of every
 //! parameter, with a one-screen summary and an f64 check.
 
-use super::{Backend, BlockArgs, DeviceChoice, Failure, Problem};
+use super::{Backend, BlockArgs, DeviceChoice, Failure, Problem, TuningArgs};
 use crate::block::Params;
 use crate::check::{Comparison, compare_f32};
 use crate::error::Result;
@@ -40,6 +40,8 @@ pub struct BackwardArgs {
     /// Timed repetitions on the GPU (the median is reported).
     #[arg(long, default_value_t = 5)]
     repeat: usize,
+    #[command(flatten)]
+    tuning: TuningArgs,
 }
 
 pub fn run(a: &BackwardArgs) -> Result<(), Failure> {
@@ -53,7 +55,7 @@ pub fn run(a: &BackwardArgs) -> Result<(), Failure> {
             Tensor::from_fn(&out_shape, |_| StandardNormal.sample(&mut rng))?
         }
     };
-    let (backend, y, dx, grads, ms, timing) = match Backend::open(a.device)? {
+    let (backend, y, dx, grads, ms, timing) = match Backend::open(a.device, a.tuning.tuning())? {
         Backend::Cpu => {
             let t0 = Instant::now();
             let (y, g) = reference::block_backward::<f32>(&p.spec, &p.x, &p.params, &dy)?;
@@ -74,7 +76,7 @@ pub fn run(a: &BackwardArgs) -> Result<(), Failure> {
             times.sort_by(f64::total_cmp);
             let pr = &gpu.props;
             let backend = format!("gpu: {} ({} SMs), {} GEMMs", pr.name, pr.multiprocessors, p.precision);
-            let path = block.describe(&block.plan(&gpu, batch));
+            let path = block.describe(&gpu, &block.plan(&gpu, batch));
             let timing = format!("median of {} after a checked run, CUDA events; forward {path}", times.len());
             (backend, out.y, out.x, out.params, times[times.len() / 2], timing)
         }

@@ -1,14 +1,14 @@
 //! `host bench`: times each block on the GPU against cuBLAS's SGEMM alone, same
 //! process, same shapes, strict FP32.
 
-use super::{BlockArgs, Failure};
+use super::{BlockArgs, Failure, TuningArgs};
 use crate::block::random_input;
 use crate::error::{Error, Result};
 use crate::gpu::block::GpuBlock;
 use crate::gpu::cublas::{Cublas, Operand};
 use crate::gpu::elementwise::to_bf16;
-use crate::gpu::gemm::simt::Precision;
 use crate::gpu::{DeviceTensor, Gpu, Phases};
+use crate::precision::Precision;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use std::path::PathBuf;
@@ -41,6 +41,8 @@ pub struct BenchArgs {
     /// Also write the table as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
+    #[command(flatten)]
+    tuning: TuningArgs,
 }
 
 /// One row of the table.
@@ -92,7 +94,7 @@ fn time_cublas<T: Operand>(
 }
 
 pub fn run(a: &BenchArgs) -> Result<(), Failure> {
-    let gpu = Gpu::open(0)?;
+    let gpu = Gpu::open(0)?.with_tuning(a.tuning.tuning());
     let cublas = Cublas::new(&gpu, a.precision == Precision::Tf32)?;
     let models: Vec<&str> = if a.ops.is_some() { vec!["custom"] } else { a.models.split(',').map(str::trim).collect() };
     let mut rows = Vec::new();
@@ -112,7 +114,7 @@ pub fn run(a: &BenchArgs) -> Result<(), Failure> {
         let block = GpuBlock::new(&gpu, &p.spec, &p.params)?.with_precision(a.precision);
         let x = gpu.upload(&p.x)?;
         let ws = block.workspace(&gpu, b)?;
-        let path = block.describe(&ws.plan);
+        let path = block.describe(&gpu, &ws.plan);
         let passes = if a.backward { 3.0 } else { 1.0 };
         // Rate of the arithmetic actually done (a folded avgpool shrinks the GEMMs).
         let flops = passes * block.executed_flops(b);

@@ -1,14 +1,14 @@
 //! `host check`: every preset and a set of random chains and shapes, run on the GPU
 //! against the f64 CPU reference, on fresh random inputs into NaN-poisoned outputs.
 
-use super::Failure;
+use super::{Failure, TuningArgs};
 use crate::block::{BlockSpec, Params, random_input};
 use crate::chain::{Chain, Op, Preset};
 use crate::check::{Comparison, compare_f32};
 use crate::error::Result;
 use crate::gpu::Gpu;
 use crate::gpu::block::GpuBlock;
-use crate::gpu::gemm::simt::Precision;
+use crate::precision::Precision;
 use crate::reference;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -30,6 +30,8 @@ pub struct CheckArgs {
     /// Arithmetic of the GEMMs (tolerance: 1e-4 for fp32 and tf32x3, 2e-3 for tf32, 2e-2 for bf16).
     #[arg(long, value_enum, default_value = "fp32")]
     precision: Precision,
+    #[command(flatten)]
+    tuning: TuningArgs,
 }
 
 /// A chain of 1..=5 random ops valid for `out` features, ending in `max` sometimes.
@@ -56,7 +58,7 @@ pub fn random_chain(rng: &mut impl Rng, out: usize) -> Chain {
 }
 
 pub fn run(a: &CheckArgs) -> Result<(), Failure> {
-    let gpu = Gpu::open(0)?;
+    let gpu = Gpu::open(0)?.with_tuning(a.tuning.tuning());
     let mut rng = StdRng::seed_from_u64(a.seed);
     let mut cases: Vec<(String, Chain, (usize, usize, usize))> = Vec::new();
     for p in Preset::ALL {
@@ -140,7 +142,7 @@ pub fn run(a: &CheckArgs) -> Result<(), Failure> {
             max_abs,
             if ok { "ok" } else { "FAILED" },
             spec.chain,
-            block.describe(&plan)
+            block.describe(&gpu, &plan)
         );
         if !ok {
             for (what, c) in comparisons.iter().filter(|(_, c)| !c.passes(tol)) {

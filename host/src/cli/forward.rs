@@ -1,6 +1,6 @@
 //! `host forward`: one block's forward pass, with a one-screen summary.
 
-use super::{Backend, BlockArgs, DeviceChoice, Failure, Problem};
+use super::{Backend, BlockArgs, DeviceChoice, Failure, Problem, TuningArgs};
 use crate::check::compare_f32;
 use crate::error::{Error, Result};
 use crate::gpu::block::GpuBlock;
@@ -25,6 +25,8 @@ pub struct ForwardArgs {
     /// Timed repetitions on the GPU (the median is reported).
     #[arg(long, default_value_t = 5)]
     repeat: usize,
+    #[command(flatten)]
+    tuning: TuningArgs,
 }
 
 /// What a run produced.
@@ -47,7 +49,7 @@ pub fn run(a: &ForwardArgs) -> Result<(), Failure> {
     if a.device == DeviceChoice::Gpu {
         setup.check_gpu_limits()?; // also where no GPU opens: the sizes are the problem
     }
-    let backend = Backend::open(a.device)?;
+    let backend = Backend::open(a.device, a.tuning.tuning())?;
     let activations = match &backend {
         Backend::Cpu => 3, // the GEMM's result, its copy and one op's output
         Backend::Gpu(gpu) => {
@@ -79,7 +81,7 @@ pub fn run(a: &ForwardArgs) -> Result<(), Failure> {
                     "gpu: {} ({} SMs, sm_{}{}), {} GEMM",
                     pr.name, pr.multiprocessors, pr.compute_capability.0, pr.compute_capability.1, p.precision
                 ),
-                path: block.describe(&ws.plan),
+                path: block.describe(gpu, &ws.plan),
                 flops: block.executed_flops(batch),
                 y: out,
                 ms: times[times.len() / 2],

@@ -10,9 +10,9 @@ mod train;
 use crate::block::{BlockSpec, Params};
 use crate::chain::{Chain, Op, Preset};
 use crate::error::{Error, Result};
-use crate::gpu::Gpu;
-use crate::gpu::gemm::simt::Precision;
+use crate::gpu::{Gpu, Tuning};
 use crate::io::TensorFile;
+use crate::precision::Precision;
 use crate::tensor::Tensor;
 use clap::{Parser, Subcommand, ValueEnum};
 use rand::SeedableRng;
@@ -106,6 +106,40 @@ pub struct BlockArgs {
     /// computes in FP32.
     #[arg(long, value_enum, default_value = "fp32")]
     precision: Precision,
+}
+
+/// The GPU backend's A/B switches ([`Tuning`]): without any of them, production. Shared
+/// by every command that runs on the GPU.
+#[derive(clap::Args, Debug, Clone, Copy, Default)]
+#[command(next_help_heading = "Tuning (A/B switches of the GPU backend; default: production)")]
+pub struct TuningArgs {
+    /// Keep the TF32, 3xTF32 and bf16 GEMMs off the persistent TMA kernels: the
+    /// `gemm_wg` kernels (bf16: `mma.sync`) run them instead.
+    #[arg(long)]
+    no_tma: bool,
+    /// Backward: skip the exact recomputation of `z` near kinks (faster; the gradients
+    /// are taken at the forward's rounded `z`).
+    #[arg(long)]
+    no_kink_refinement: bool,
+    /// Backward: refine near kinks by 16-column chunks only, never value by value.
+    #[arg(long)]
+    kink_chunks_only: bool,
+    /// Backward: print how much of `z` the kink refinement recomputed (waits for the
+    /// GPU after each refinement).
+    #[arg(long)]
+    kink_stats: bool,
+}
+
+impl TuningArgs {
+    /// The switches as the GPU backend takes them.
+    pub fn tuning(&self) -> Tuning {
+        Tuning {
+            tma: !self.no_tma,
+            kink_refinement: !self.no_kink_refinement,
+            kink_values: !self.kink_chunks_only,
+            kink_stats: self.kink_stats,
+        }
+    }
 }
 
 /// A block ready to run: its spec, parameters and input.
@@ -331,13 +365,14 @@ pub enum Backend {
 }
 
 impl Backend {
-    /// Opens the backend asked for. `auto` falls back to the CPU with a one-line note.
-    pub fn open(choice: DeviceChoice) -> Result<Backend> {
+    /// Opens the backend asked for, a GPU with `tuning`'s production paths. `auto` falls
+    /// back to the CPU with a one-line note.
+    pub fn open(choice: DeviceChoice, tuning: Tuning) -> Result<Backend> {
         match choice {
             DeviceChoice::Cpu => Ok(Backend::Cpu),
-            DeviceChoice::Gpu => Ok(Backend::Gpu(Box::new(Gpu::open(0)?))),
+            DeviceChoice::Gpu => Ok(Backend::Gpu(Box::new(Gpu::open(0)?.with_tuning(tuning)))),
             DeviceChoice::Auto => match Gpu::open(0) {
-                Ok(gpu) => Ok(Backend::Gpu(Box::new(gpu))),
+                Ok(gpu) => Ok(Backend::Gpu(Box::new(gpu.with_tuning(tuning)))),
                 Err(e) => {
                     eprintln!("note: {e}; running on the CPU backend");
                     Ok(Backend::Cpu)
@@ -369,5 +404,36 @@ where
         Command::Bench(a) => bench::run(&a),
         Command::Check(a) => check::run(&a),
         Command::Train(a) => train::run(&a),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// No flag is production; each flag turns off (or on) exactly its switch.
+    #[test]
+    fn tuning_flags_are_the_gpu_tuning() {
+        #[derive(Parser)]
+        struct Flags {
+            #[command(flatten)]
+            tuning: TuningArgs,
+        }
+        let tuning = |args: &[&str]| Flags::try_parse_from([&["t"], args].concat()).unwrap().tuning.tuning();
+        let production = Tuning::default();
+        assert_eq!(tuning(&[]), production);
+        assert_eq!(tuning(&["--no-tma"]), Tuning { tma: false, ..production });
+        assert_eq!(tuning(&["--no-kink-refinement"]), Tuning { kink_refinement: false, ..production });
+        assert_eq!(tuning(&["--kink-chunks-only"]), Tuning { kink_values: false, ..production });
+        assert_eq!(tuning(&["--kink-stats"]), Tuning { kink_stats: true, ..production });
+    }
+
+    /// Every command that runs on the GPU takes the tuning flags.
+    #[test]
+    fn every_gpu_command_takes_the_tuning_flags() {
+        for command in ["forward", "backward", "bench", "check", "train"] {
+            let args = ["host", command, "--no-tma", "--no-kink-refinement", "--kink-chunks-only", "--kink-stats"];
+            assert!(Cli::try_parse_from(args).is_ok(), "{command}");
+        }
     }
 }

@@ -3,7 +3,7 @@
 //! CPU). Both blocks sit on one autograd tape, so the gradient flows from the loss
 //! through block 2 into block 1.
 
-use super::{Backend, DeviceChoice, Failure};
+use super::{Backend, DeviceChoice, Failure, TuningArgs};
 use crate::block::{BlockSpec, Params, random_input};
 use crate::chain::{Chain, Preset};
 use crate::error::{Error, Result};
@@ -56,6 +56,8 @@ pub struct TrainArgs {
     device: DeviceChoice,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    #[command(flatten)]
+    tuning: TuningArgs,
 }
 
 fn chain(text: &str, groups: usize) -> Result<Chain> {
@@ -111,7 +113,7 @@ pub fn run(a: &TrainArgs) -> Result<(), Failure> {
         })
         .collect::<Result<_>>()?;
 
-    let backend = Backend::open(a.device)?;
+    let backend = Backend::open(a.device, a.tuning.tuning())?;
     println!(
         "host train: 2 blocks, Linear({}, {}) -> {} | Linear({}, {}) -> {}",
         s1.in_features, s1.out_features, s1.chain, s2.in_features, s2.out_features, s2.chain

@@ -28,12 +28,13 @@ use super::epilogue::DeviceChain;
 use super::epilogue::kinks::{Refined, Scan, refine_near_kinks, scanned_prefix};
 use super::epilogue::lanes::{epilogue_tiles_backward, fits as tiles_fit};
 use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
-use super::gemm::simt::{Layout, Precision, forward_gemm, grad_input, grad_weight, kernel_name, not_fusable};
+use super::gemm::{Role, forward_gemm, grad_input, grad_weight, not_fusable, route};
 use super::{DeviceTensor, Gpu, Phases};
 use crate::block::{BlockSpec, Params};
 use crate::chain::Op;
 use crate::check::{Comparison, compare_f32};
 use crate::error::{Error, Result};
+use crate::precision::Precision;
 use crate::reference::BlockGrads;
 use crate::tensor::Tensor;
 use kernel_abi::gemm_simt::{BLOCK_K, BLOCK_M, BLOCK_N};
@@ -86,12 +87,6 @@ pub struct GpuBlock {
     first_op: usize,
     /// Arithmetic of the three GEMMs.
     pub precision: Precision,
-    /// Recompute `z` exactly near kinks before the backward (on unless the environment
-    /// sets `HOST_NO_KINK_REFINEMENT=1`, for A/B measurements).
-    pub kink_refinement: bool,
-    /// Where the tile scan walks the chain and it pays, a row's few doubtful values are
-    /// recomputed one by one ([`Scan::Tiles`]; on unless `HOST_KINK_VALUES=0`).
-    pub kink_values: bool,
 }
 
 /// Which kernels run for one batch size.
@@ -160,8 +155,6 @@ impl GpuBlock {
             not_fusable,
             first_op,
             precision: Precision::Fp32,
-            kink_refinement: std::env::var_os("HOST_NO_KINK_REFINEMENT").is_none_or(|v| v != "1"),
-            kink_values: std::env::var_os("HOST_KINK_VALUES").is_none_or(|v| v != "0"),
         };
         block.refold(gpu)?;
         Ok(block)
@@ -218,14 +211,16 @@ impl GpuBlock {
         2.0 * batch as f64 * self.spec.in_features as f64 * self.gemm_width() as f64
     }
 
-    /// Which kernels run, and why: for the summary line.
-    pub fn describe(&self, plan: &Plan) -> String {
+    /// Which kernels run on `gpu` (its tuning picks among the GEMMs), and why: for the
+    /// summary line.
+    pub fn describe(&self, gpu: &Gpu, plan: &Plan) -> String {
         let k = self.spec.in_features;
         let splits = match plan {
             Plan::Fused => 1,
             Plan::GemmThenRows { splits } => *splits,
         };
-        let gemm = kernel_name(self.precision, Layout::Nt, (k, k, k), splits);
+        // (The forward's route depends on `k` and the split only.)
+        let gemm = route(self.precision, Role::Forward { splits }, (0, self.gemm_width(), k), gpu.tuning().tma).kernel;
         let fold =
             self.folded.as_ref().map_or(String::new(), |(k, ..)| format!("; avgpool({k}) folded into the weights"));
         match plan {
@@ -325,13 +320,15 @@ impl GpuBlock {
     }
 
     /// Recomputes exactly the chunks of the saved `z` where its rounding could flip a
-    /// kink's derivative in the backward (once; [`GpuBlock::backward`] calls it).
-    /// Returns what was done.
+    /// kink's derivative in the backward (once; [`GpuBlock::backward`] calls it), as
+    /// `gpu`'s tuning allows ([`Tuning::kink_refinement`](super::Tuning::kink_refinement),
+    /// [`Tuning::kink_values`](super::Tuning::kink_values)). Returns what was done.
     pub fn refine_saved(&self, gpu: &Gpu, x: &DeviceTensor, saved: &mut Saved) -> Result<Refined> {
-        if saved.refined || !self.kink_refinement {
+        let tuning = gpu.tuning();
+        if saved.refined || !tuning.kink_refinement {
             return Ok(Refined::Off);
         }
-        let scan = if self.tile_backward() { Scan::Tiles { values: self.kink_values } } else { Scan::Rows };
+        let scan = if self.tile_backward() { Scan::Tiles { values: tuning.kink_values } } else { Scan::Rows };
         if !saved.own && scanned_prefix(&self.chain.ops, self.gemm_width()) > 0 {
             saved.z = gpu.copy_range(&saved.z, 0..saved.z.len())?.reshape(&saved.z.shape)?;
             saved.own = true;

@@ -5,6 +5,7 @@
 use super::{DeviceBuf, DeviceTensor, Gpu, launched};
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use kernel_abi::Kernel;
 use std::sync::Arc;
 
 /// `a += b` (same shape).
@@ -14,11 +15,11 @@ pub fn add_assign(gpu: &Gpu, a: &mut DeviceTensor, b: &DeviceTensor) -> Result<(
     }
     let len = a.len() as u32;
     {
-        let (func, cfg) = gpu.kernel_1d("add_assign", a.len(), 0)?;
+        let (func, cfg) = gpu.kernel_1d(Kernel::AddAssign, a.len(), 0)?;
         let mut l = gpu.stream().launch_builder(&func);
         l.arg(&mut a.buf).arg(&b.buf).arg(&len);
         // SAFETY: (a, b, len) as the kernel takes; both hold len floats.
-        launched("add_assign", unsafe { l.launch(cfg) })
+        launched(Kernel::AddAssign, unsafe { l.launch(cfg) })
     }
 }
 
@@ -34,24 +35,24 @@ pub fn fold_rows_mean(gpu: &Gpu, input: &DeviceTensor, k: usize) -> Result<Devic
     let mut out = gpu.alloc(&shape)?;
     let (r, c, k32) = (rows as u32, cols as u32, k as u32);
     {
-        let (func, cfg) = row_blocks(gpu, "fold_rows_mean", rows / k, cols)?;
+        let (func, cfg) = row_blocks(gpu, Kernel::FoldRowsMean, rows / k, cols)?;
         let mut l = gpu.stream().launch_builder(&func);
         l.arg(&input.buf).arg(&r).arg(&c).arg(&k32).arg(&mut out.buf);
         // SAFETY: (input, rows, cols, k, out) as the kernel takes; out holds (rows / k) * cols.
-        launched("fold_rows_mean", unsafe { l.launch(cfg) })
+        launched(Kernel::FoldRowsMean, unsafe { l.launch(cfg) })
     }?;
     Ok(out)
 }
 
 /// The launch of a one-block-per-row kernel over `rows` rows of `cols` columns: up to
 /// 256 threads, each taking 4 columns at a time.
-fn row_blocks(gpu: &Gpu, name: &str, rows: usize, cols: usize) -> Result<(CudaFunction, LaunchConfig)> {
+fn row_blocks(gpu: &Gpu, kernel: Kernel, rows: usize, cols: usize) -> Result<(CudaFunction, LaunchConfig)> {
     if rows * cols > u32::MAX as usize || rows > i32::MAX as usize {
-        return Err(Error::Shape(format!("`{name}` over {rows} x {cols} exceeds its 32-bit launch")));
+        return Err(Error::Shape(format!("`{kernel}` over {rows} x {cols} exceeds its 32-bit launch")));
     }
     let threads = cols.div_ceil(4).next_multiple_of(32).clamp(32, 256) as u32;
     let cfg = LaunchConfig { grid_dim: (rows.max(1) as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
-    Ok((gpu.function(name)?, cfg))
+    Ok((gpu.function(kernel)?, cfg))
 }
 
 /// The gradient of [`fold_rows_mean`]: `g (rows / k, cols)` spread back over `rows` rows.
@@ -65,11 +66,11 @@ pub fn unfold_rows_mean_grad(gpu: &Gpu, g: &DeviceTensor, rows: usize, k: usize)
     let mut out = gpu.alloc(&shape)?;
     let (r, c, k32) = (rows as u32, cols as u32, k as u32);
     {
-        let (func, cfg) = row_blocks(gpu, "unfold_rows_mean_grad", rows, cols)?;
+        let (func, cfg) = row_blocks(gpu, Kernel::UnfoldRowsMeanGrad, rows, cols)?;
         let mut l = gpu.stream().launch_builder(&func);
         l.arg(&g.buf).arg(&r).arg(&c).arg(&k32).arg(&mut out.buf);
         // SAFETY: (g, rows, cols, k, out) as the kernel takes; out holds rows * cols.
-        launched("unfold_rows_mean_grad", unsafe { l.launch(cfg) })
+        launched(Kernel::UnfoldRowsMeanGrad, unsafe { l.launch(cfg) })
     }?;
     Ok(out)
 }
@@ -81,9 +82,9 @@ pub fn transpose_on(gpu: &Gpu, stream: &Arc<CudaStream>, input: &DeviceTensor) -
     let (rows, cols) = matrix_dims(input)?;
     // 16-byte rows both ways (allocations are 256-byte aligned): the vectorised kernel.
     let buf = if rows % 4 == 0 && cols % 4 == 0 {
-        launch_transpose::<f32>(gpu, stream, input, "transpose_vec4", 64, (256, 1))?
+        launch_transpose::<f32>(gpu, stream, input, Kernel::TransposeVec4, 64, (256, 1))?
     } else {
-        launch_transpose::<f32>(gpu, stream, input, "transpose", 32, (32, 8))?
+        launch_transpose::<f32>(gpu, stream, input, Kernel::Transpose, 32, (32, 8))?
     };
     Ok(DeviceTensor { shape: vec![cols, rows], buf })
 }
@@ -101,7 +102,7 @@ pub fn transpose_to_bf16_on(
     if rows % 4 != 0 || cols % 4 != 0 {
         return Ok(None);
     }
-    launch_transpose::<u16>(gpu, stream, input, "transpose_vec4_to_bf16", 64, (256, 1)).map(Some)
+    launch_transpose::<u16>(gpu, stream, input, Kernel::TransposeVec4ToBf16, 64, (256, 1)).map(Some)
 }
 
 /// The `(rows, cols)` of a matrix to transpose.
@@ -119,7 +120,7 @@ fn launch_transpose<T: cudarc::driver::DeviceRepr + 'static>(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
     input: &DeviceTensor,
-    kernel: &str,
+    kernel: Kernel,
     tile: usize,
     threads: (u32, u32),
 ) -> Result<DeviceBuf<T>> {
@@ -166,10 +167,10 @@ pub fn slice_to_bf16(gpu: &Gpu, stream: &Arc<CudaStream>, input: &CudaSlice<f32>
     // SAFETY: the kernel below writes all `len` words before anything reads them.
     let mut buf = unsafe { gpu.alloc_buf::<u16>(stream, len)? };
     let n = len as u32;
-    let (func, cfg) = gpu.kernel_1d("f32_to_bf16", len, 0)?;
+    let (func, cfg) = gpu.kernel_1d(Kernel::F32ToBf16, len, 0)?;
     let mut l = stream.launch_builder(&func);
     l.arg(input).arg(&n).arg(&mut buf);
     // SAFETY: (input, len, out) as the kernel takes; out holds len words.
-    launched("f32_to_bf16", unsafe { l.launch(cfg) })?;
+    launched(Kernel::F32ToBf16, unsafe { l.launch(cfg) })?;
     Ok(buf)
 }

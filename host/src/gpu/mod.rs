@@ -11,6 +11,7 @@ pub mod epilogue;
 pub mod gemm;
 pub mod optim;
 pub mod tape;
+pub mod tuning;
 
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -20,9 +21,11 @@ use cudarc::driver::{
     LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
+use kernel_abi::Kernel;
 use std::any::Any;
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
+pub use tuning::Tuning;
 
 /// The kernels, compiled to PTX for sm_90a (Hopper: H100, H200) by `build.rs`; the
 /// `a` features (`wgmma`) tie the module to compute capability 9.0 exactly.
@@ -80,6 +83,8 @@ pub struct Gpu {
     side: Arc<CudaStream>,
     module: Arc<CudaModule>,
     pub props: DeviceProps,
+    /// Which production paths the work on this GPU may take ([`Gpu::with_tuning`]).
+    tuning: Tuning,
 }
 
 /// Why there is no usable GPU, or `Ok` if the driver library is present.
@@ -144,7 +149,20 @@ impl Gpu {
         let module =
             ctx.load_module(Ptx::from_src(KERNELS_PTX)).map_err(|e| Error::cuda("loading the kernel module", e))?;
         let (tables, lent_tables, side_frees) = Default::default();
-        Ok(Gpu { ctx, stream, allocator: None, tables, lent_tables, side_frees, side, module, props })
+        let tuning = Tuning::default();
+        Ok(Gpu { ctx, stream, allocator: None, tables, lent_tables, side_frees, side, module, props, tuning })
+    }
+
+    /// The same GPU with `tuning`'s production paths (a clone shares the context,
+    /// streams and kernels; each carries its own tuning).
+    pub fn with_tuning(mut self, tuning: Tuning) -> Gpu {
+        self.tuning = tuning;
+        self
+    }
+
+    /// Which production paths the work on this GPU may take.
+    pub fn tuning(&self) -> Tuning {
+        self.tuning
     }
 
     /// The same GPU working on another library's stream `cu_stream` (of this device's
@@ -262,7 +280,7 @@ impl Gpu {
         // SAFETY: every word below `words.len()` is written by the launches below; the
         // one word of an empty table is never read.
         let mut buf = unsafe { self.alloc_buf::<u64>(stream, words.len())? };
-        let func = self.function("store_words")?;
+        let func = self.function(Kernel::StoreWords)?;
         let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (32, 1, 1), shared_mem_bytes: 0 };
         for (i, chunk) in words.chunks(STORE_WORDS).enumerate() {
             let mut batch = [0u64; STORE_WORDS];
@@ -272,7 +290,7 @@ impl Gpu {
             l.arg(&mut buf).arg(&offset).arg(&count).arg(&batch);
             // SAFETY: (out, offset, count, words) as the kernel takes; out holds
             // offset + count words.
-            launched("store_words", unsafe { l.launch(cfg) })?;
+            launched(Kernel::StoreWords, unsafe { l.launch(cfg) })?;
         }
         Ok(buf)
     }
@@ -306,8 +324,10 @@ impl Gpu {
         &self.ctx
     }
 
-    /// A kernel of the module, by its exported name.
-    pub fn function(&self, name: &str) -> Result<CudaFunction> {
+    /// A kernel of the module: a [`Kernel`] identifier (launches name kernels by
+    /// identifier; the epilogue's launchers still pass the name itself).
+    pub fn function(&self, kernel: impl AsRef<str>) -> Result<CudaFunction> {
+        let name = kernel.as_ref();
         self.module.load_function(name).map_err(|e| Error::cuda(format!("loading kernel `{name}`"), e))
     }
 
@@ -328,7 +348,13 @@ impl Gpu {
     }
 
     /// A kernel and a 1-D launch configuration (256-thread blocks) covering `len` elements.
-    pub fn kernel_1d(&self, name: &str, len: usize, shared_bytes: u32) -> Result<(CudaFunction, LaunchConfig)> {
+    pub fn kernel_1d(
+        &self,
+        kernel: impl AsRef<str>,
+        len: usize,
+        shared_bytes: u32,
+    ) -> Result<(CudaFunction, LaunchConfig)> {
+        let name = kernel.as_ref();
         if len > u32::MAX as usize {
             return Err(Error::Shape(format!("`{name}` over {len} elements exceeds 32-bit indexing")));
         }
@@ -434,8 +460,8 @@ fn keep_freed_memory(ctx: &CudaContext) -> Result<()> {
 }
 
 /// Maps a launch's result to the crate's error, naming the kernel.
-pub fn launched<T>(name: &str, r: std::result::Result<T, cudarc::driver::DriverError>) -> Result<()> {
-    r.map(|_| ()).map_err(|e| Error::cuda(format!("launching `{name}`"), e))
+pub fn launched<T>(kernel: impl AsRef<str>, r: std::result::Result<T, cudarc::driver::DriverError>) -> Result<()> {
+    r.map(|_| ()).map_err(|e| Error::cuda(format!("launching `{}`", kernel.as_ref()), e))
 }
 
 /// CUDA events recorded between the phases of a piece of work, for a breakdown of

@@ -3,6 +3,7 @@
 use super::{DeviceTensor, Gpu, launched};
 use crate::error::{Error, Result};
 use cudarc::driver::PushKernelArg;
+use kernel_abi::Kernel;
 
 /// Mean squared error of `y` against `target`: returns the loss and `dloss/dy`.
 pub fn mse_loss_grad(gpu: &Gpu, y: &DeviceTensor, target: &DeviceTensor) -> Result<(f64, DeviceTensor)> {
@@ -14,11 +15,11 @@ pub fn mse_loss_grad(gpu: &Gpu, y: &DeviceTensor, target: &DeviceTensor) -> Resu
     let mut parts = gpu.alloc(&[blocks])?;
     let len = y.len() as u32;
     {
-        let (func, cfg) = gpu.kernel_1d("mse_loss_grad", y.len(), 32)?;
+        let (func, cfg) = gpu.kernel_1d(Kernel::MseLossGrad, y.len(), 32)?;
         let mut l = gpu.stream().launch_builder(&func);
         l.arg(&y.buf).arg(&target.buf).arg(&mut dy.buf).arg(&mut parts.buf).arg(&len);
         // SAFETY: (y, target, dy, parts, len) as the kernel takes; parts holds one float per block.
-        launched("mse_loss_grad", unsafe { l.launch(cfg) })
+        launched(Kernel::MseLossGrad, unsafe { l.launch(cfg) })
     }?;
     let parts = gpu.stream().clone_dtoh(&*parts.buf).map_err(|e| Error::cuda("reading the loss", e))?;
     Ok((parts.iter().map(|&p| p as f64).sum::<f64>() / y.len() as f64, dy))
@@ -31,11 +32,11 @@ pub fn sgd_step(gpu: &Gpu, p: &mut DeviceTensor, g: &DeviceTensor, lr: f32) -> R
     }
     let len = p.len() as u32;
     {
-        let (func, cfg) = gpu.kernel_1d("sgd_step", p.len(), 0)?;
+        let (func, cfg) = gpu.kernel_1d(Kernel::SgdStep, p.len(), 0)?;
         let mut l = gpu.stream().launch_builder(&func);
         l.arg(&mut p.buf).arg(&g.buf).arg(&lr).arg(&len);
         // SAFETY: (p, g, lr, len) as the kernel takes.
-        launched("sgd_step", unsafe { l.launch(cfg) })
+        launched(Kernel::SgdStep, unsafe { l.launch(cfg) })
     }
 }
 
@@ -56,11 +57,11 @@ pub fn adam_step(gpu: &Gpu, p: &mut DeviceTensor, g: &DeviceTensor, s: &mut Adam
     let c2 = 1.0 / (1.0 - b2.powi(t));
     let len = p.len() as u32;
     {
-        let (func, cfg) = gpu.kernel_1d("adam_step", p.len(), 0)?;
+        let (func, cfg) = gpu.kernel_1d(Kernel::AdamStep, p.len(), 0)?;
         let mut l = gpu.stream().launch_builder(&func);
         l.arg(&mut p.buf).arg(&g.buf).arg(&mut s.m.buf).arg(&mut s.v.buf);
         l.arg(&lr).arg(&b1).arg(&b2).arg(&eps).arg(&c1).arg(&c2).arg(&len);
         // SAFETY: (p, g, m, v, lr, b1, b2, eps, c1, c2, len) as the kernel takes.
-        launched("adam_step", unsafe { l.launch(cfg) })
+        launched(Kernel::AdamStep, unsafe { l.launch(cfg) })
     }
 }

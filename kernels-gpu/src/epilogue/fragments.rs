@@ -1,5 +1,5 @@
 //! The chain on `wgmma` accumulator fragments, in registers: the TMA GEMM's epilogue
-//! (`gemm/tma.rs`), with no staging through shared memory and no barrier.
+//! (`gemm/tma/`), with no staging through shared memory and no barrier.
 //!
 //! A thread of an `m64n256` warpgroup holds 128 values of a `256`-column tile: value
 //! `4 j + e` is row `r + 8 (e / 2)` (two rows), column `col + 8 j + e % 2`

@@ -21,12 +21,16 @@
 //! part) and the FP32 residual; `B`'s residual is written by each thread for the
 //! chunks it copied into a third tile of the stage. Three `wgmma` per `k`-step:
 //! `A_lo B + A B_lo + A B`.
+//!
+//! The MMAs and their descriptors are [`crate::prelude::wgmma`]'s (`m64n128` k-tiles),
+//! the layer the TMA kernels ([`super::tma`]) use too.
 
 use super::BlockTile;
 use super::staged::write_staged_tile;
 use super::tensor_core::TileCopy;
 use crate::prelude::async_copy::*;
 use crate::prelude::tensor_core::*;
+use crate::prelude::wgmma::*;
 use crate::prelude::*;
 use crate::unroll;
 use kernel_abi::epilogue::OpDesc;
@@ -35,15 +39,6 @@ use kernel_abi::gemm_wg::{BLOCK_K, BLOCK_M, SPLIT_STAGES, TF32_STAGES};
 /// Bytes of one operand tile (`128 x 32` floats) and of one 128-byte row.
 const TILE_BYTES: u32 = (BLOCK_M * BLOCK_K * 4) as u32;
 const ROW_BYTES: u32 = (BLOCK_K * 4) as u32;
-
-/// A shared-memory matrix descriptor for a `k`-contiguous, 128-byte-swizzled operand
-/// at `addr` (1024-byte aligned, or offset by a multiple of 32 bytes along `k` inside
-/// the swizzle atom): start address, stride between 8-row groups (1024 bytes), mode
-/// "128B swizzle". The leading offset is unused for this layout (conventionally 1).
-#[inline(always)]
-fn descriptor(addr: u32) -> u64 {
-    ((addr as u64 >> 4) & 0x3fff) | (1 << 16) | ((1024u64 >> 4) << 32) | (1 << 62)
-}
 
 /// `y = chain(A B^T + bias)` on `wgmma`, or with `TRANS` its transpose `y^T (n, m)`
 /// (no chain or bias then). The contract is [`super::simt`]'s `gemm_f32` with
@@ -146,8 +141,8 @@ unsafe fn gemm_wg<const SPLIT: bool, const A_K: bool, const TRANS: bool, const S
             issue(kt + ahead, write);
         }
         cp_async_commit();
-        let da = descriptor(sa + warpgroup * 64 * ROW_BYTES);
-        let db = descriptor(sb);
+        let da = descriptor_128b(sa + warpgroup * 64 * ROW_BYTES);
+        let db = descriptor_128b(sb);
         // k-step s: 32 bytes along the swizzled row = start address + 2 (units of 16 B).
         let (da, db) = ([da, da + 2, da + 4, da + 6], [db, db + 2, db + 4, db + 6]);
         if INFLIGHT > 0 && (SPLIT || !A_K) {
@@ -175,14 +170,14 @@ unsafe fn gemm_wg<const SPLIT: bool, const A_K: bool, const TRANS: bool, const S
         // SAFETY (MMAs): descriptors of complete, fenced tiles; all 128 threads of
         // each warpgroup execute them.
         if SPLIT {
-            let db_lo = descriptor(sb + TILE_BYTES);
+            let db_lo = descriptor_128b(sb + TILE_BYTES);
             let db_lo = [db_lo, db_lo + 2, db_lo + 4, db_lo + 6];
             let a_lo = af.map(|f| f.map(tf32_residual));
-            unsafe { wgmma_split_k_tile::<INFLIGHT>(&mut acc, af, a_lo, db, db_lo) };
+            unsafe { wgmma_n128_split_k_tile::<INFLIGHT>(&mut acc, af, a_lo, db, db_lo) };
         } else if A_K {
-            unsafe { wgmma_k_tile::<INFLIGHT>(&mut acc, da, db) };
+            unsafe { wgmma_n128_k_tile::<INFLIGHT>(&mut acc, da, db) };
         } else {
-            unsafe { wgmma_rs_k_tile::<INFLIGHT>(&mut acc, af, db) };
+            unsafe { wgmma_n128_rs_k_tile::<INFLIGHT>(&mut acc, af, db) };
         }
         read = if read + 1 == STAGES { 0 } else { read + 1 };
         write = if write + 1 == STAGES { 0 } else { write + 1 };
@@ -213,113 +208,6 @@ unsafe fn gemm_wg<const SPLIT: bool, const A_K: bool, const TRANS: bool, const S
         } else {
             write_staged_tile(t as usize, smem, y, bias, save_z, (m as usize, n as usize), (row0 as usize, col0 as usize), ops, n_ops);
         }
-    }
-}
-
-/// Waits for all of the warpgroup's `wgmma`s (the accumulators are operands, so
-/// nothing reads them before).
-///
-/// # Safety
-/// Every thread of the warpgroup calls it.
-#[inline(always)]
-unsafe fn wgmma_wait_all(acc: &mut [u32; 64]) {
-    // (The accumulators are named in a PTX comment: operands of the statement.)
-    unsafe { wgmma_asm!(64, acc; [concat!("wgmma.wait_group.sync.aligned 0; // ", accumulators!(64))];) }
-}
-
-/// One k-tile (4 `k`-steps of 8) of a warpgroup: `acc += A B^T` with both operands
-/// from shared memory, issued and committed; returns with at most `INFLIGHT` groups
-/// (this one) still running.
-///
-/// # Safety
-/// Descriptors of complete tiles made visible to the async proxy; every thread of
-/// the warpgroup calls it.
-#[inline(always)]
-unsafe fn wgmma_k_tile<const INFLIGHT: u32>(acc: &mut [u32; 64], da: [u64; 4], db: [u64; 4]) {
-    unsafe {
-        wgmma_asm!(64, acc; [
-            "{{ .reg .pred p; setp.ne.b32 p, {one}, 0;",
-            "wgmma.fence.sync.aligned;",
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {a0}, {b0}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {a1}, {b1}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {a2}, {b2}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {a3}, {b3}, p, 1, 1;"),
-            "wgmma.commit_group.sync.aligned;",
-            "wgmma.wait_group.sync.aligned {inflight}; }}",
-        ];
-            one = in(reg32) 1u32, inflight = const INFLIGHT,
-            a0 = in(reg64) da[0], a1 = in(reg64) da[1], a2 = in(reg64) da[2], a3 = in(reg64) da[3],
-            b0 = in(reg64) db[0], b1 = in(reg64) db[1], b2 = in(reg64) db[2], b3 = in(reg64) db[3],
-        )
-    }
-}
-
-/// One k-tile with `A` from registers (the warp's `m16k8` fragments of the 4 steps)
-/// and `B` from shared memory.
-///
-/// # Safety
-/// As [`wgmma_k_tile`].
-#[inline(always)]
-unsafe fn wgmma_rs_k_tile<const INFLIGHT: u32>(acc: &mut [u32; 64], a: [[u32; 4]; 4], db: [u64; 4]) {
-    unsafe {
-        wgmma_asm!(64, acc; [
-            "{{ .reg .pred p; setp.ne.b32 p, {one}, 0;",
-            "wgmma.fence.sync.aligned;",
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{h00}, {h01}, {h02}, {h03}}}, {b0}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{h10}, {h11}, {h12}, {h13}}}, {b1}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{h20}, {h21}, {h22}, {h23}}}, {b2}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{h30}, {h31}, {h32}, {h33}}}, {b3}, p, 1, 1;"),
-            "wgmma.commit_group.sync.aligned;",
-            "wgmma.wait_group.sync.aligned {inflight}; }}",
-        ];
-            one = in(reg32) 1u32, inflight = const INFLIGHT,
-            h00 = in(reg32) a[0][0], h01 = in(reg32) a[0][1], h02 = in(reg32) a[0][2], h03 = in(reg32) a[0][3],
-            h10 = in(reg32) a[1][0], h11 = in(reg32) a[1][1], h12 = in(reg32) a[1][2], h13 = in(reg32) a[1][3],
-            h20 = in(reg32) a[2][0], h21 = in(reg32) a[2][1], h22 = in(reg32) a[2][2], h23 = in(reg32) a[2][3],
-            h30 = in(reg32) a[3][0], h31 = in(reg32) a[3][1], h32 = in(reg32) a[3][2], h33 = in(reg32) a[3][3],
-            b0 = in(reg64) db[0], b1 = in(reg64) db[1], b2 = in(reg64) db[2], b3 = in(reg64) db[3],
-        )
-    }
-}
-
-/// One k-tile of the 3xTF32 split: per `k`-step, `A_lo B + A B_lo + A B` with `A`
-/// (raw, and its residual) in registers and `B`, `B_lo` from shared memory.
-///
-/// # Safety
-/// As [`wgmma_k_tile`]; `a`, `a_lo` are the warp's `m16k8` fragments of the 4 steps.
-#[inline(always)]
-unsafe fn wgmma_split_k_tile<const INFLIGHT: u32>(acc: &mut [u32; 64], a: [[u32; 4]; 4], a_lo: [[u32; 4]; 4], db: [u64; 4], db_lo: [u64; 4]) {
-    unsafe {
-        wgmma_asm!(64, acc; [
-            "{{ .reg .pred p; setp.ne.b32 p, {one}, 0;",
-            "wgmma.fence.sync.aligned;",
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{l00}, {l01}, {l02}, {l03}}}, {b0}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{h00}, {h01}, {h02}, {h03}}}, {c0}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{h00}, {h01}, {h02}, {h03}}}, {b0}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{l10}, {l11}, {l12}, {l13}}}, {b1}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{h10}, {h11}, {h12}, {h13}}}, {c1}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{h10}, {h11}, {h12}, {h13}}}, {b1}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{l20}, {l21}, {l22}, {l23}}}, {b2}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{h20}, {h21}, {h22}, {h23}}}, {c2}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{h20}, {h21}, {h22}, {h23}}}, {b2}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{l30}, {l31}, {l32}, {l33}}}, {b3}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{h30}, {h31}, {h32}, {h33}}}, {c3}, p, 1, 1;"),
-            concat!("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 ", accumulators!(64), ", {{{h30}, {h31}, {h32}, {h33}}}, {b3}, p, 1, 1;"),
-            "wgmma.commit_group.sync.aligned;",
-            "wgmma.wait_group.sync.aligned {inflight}; }}",
-        ];
-            one = in(reg32) 1u32, inflight = const INFLIGHT,
-            h00 = in(reg32) a[0][0], h01 = in(reg32) a[0][1], h02 = in(reg32) a[0][2], h03 = in(reg32) a[0][3],
-            h10 = in(reg32) a[1][0], h11 = in(reg32) a[1][1], h12 = in(reg32) a[1][2], h13 = in(reg32) a[1][3],
-            h20 = in(reg32) a[2][0], h21 = in(reg32) a[2][1], h22 = in(reg32) a[2][2], h23 = in(reg32) a[2][3],
-            h30 = in(reg32) a[3][0], h31 = in(reg32) a[3][1], h32 = in(reg32) a[3][2], h33 = in(reg32) a[3][3],
-            l00 = in(reg32) a_lo[0][0], l01 = in(reg32) a_lo[0][1], l02 = in(reg32) a_lo[0][2], l03 = in(reg32) a_lo[0][3],
-            l10 = in(reg32) a_lo[1][0], l11 = in(reg32) a_lo[1][1], l12 = in(reg32) a_lo[1][2], l13 = in(reg32) a_lo[1][3],
-            l20 = in(reg32) a_lo[2][0], l21 = in(reg32) a_lo[2][1], l22 = in(reg32) a_lo[2][2], l23 = in(reg32) a_lo[2][3],
-            l30 = in(reg32) a_lo[3][0], l31 = in(reg32) a_lo[3][1], l32 = in(reg32) a_lo[3][2], l33 = in(reg32) a_lo[3][3],
-            b0 = in(reg64) db[0], b1 = in(reg64) db[1], b2 = in(reg64) db[2], b3 = in(reg64) db[3],
-            c0 = in(reg64) db_lo[0], c1 = in(reg64) db_lo[1], c2 = in(reg64) db_lo[2], c3 = in(reg64) db_lo[3],
-        )
     }
 }
 

@@ -10,6 +10,7 @@ pub mod shared;
 pub mod sync;
 pub mod tensor_core;
 pub mod warp;
+pub mod wgmma;
 
 pub use index::*;
 pub use shared::dynamic_shared;

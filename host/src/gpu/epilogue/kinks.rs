@@ -5,7 +5,7 @@
 use super::super::{DeviceTensor, Gpu, launched};
 use super::DeviceChain;
 use crate::error::{Error, Result};
-use crate::gpu::gemm::simt::Precision;
+use crate::precision::Precision;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use kernel_abi::epilogue::{OP_AVG_POOL, OP_GROUP_NORM, OP_ROW_MAX, OpDesc, ROW_THREADS, features_after};
 use kernel_abi::kinks::{
@@ -13,62 +13,6 @@ use kernel_abi::kinks::{
     tiles_scan_layout,
 };
 use kernel_abi::ops::{ErrorRule, Pointwise};
-
-/// How many estimated standard deviations of the GEMM's error a value's radius spans.
-/// Outside 4 sigma a Gaussian error crosses a kink so rarely that the flips left
-/// (~2e-5 of those the radius catches, were it exact) are far below any tolerance;
-/// the margin is for the model below being an estimate.
-const SIGMAS: f32 = 4.0;
-
-/// Standard deviation of one product `x w`'s relative error with both operands
-/// truncated to TF32 (see [`z_error`]; `tests` checks both against a simulation).
-const TF32_PRODUCT_SIGMA: f32 = 3.1e-4;
-/// The same with both operands rounded to nearest bf16.
-const BF16_PRODUCT_SIGMA: f32 = 2.3e-3;
-/// 3xTF32: the tensor cores' accumulation, per accumulating MMA (three per 8 of `k`),
-/// relative to `rms(z row)`. They truncate as they add, and the errors of a run of
-/// adds sum like its partial sums: H100, M1 / M3 / M5 at `k` = 8192, the forward's
-/// rows came out 3.1e-5 (norm-wise) from the f64 reference with 3072 adds in a run,
-/// 7.8e-6 flushed every 2048 of `k` (768): 1.0e-8 per add either way. 1.5x that here.
-const TF32X3_ADD_SIGMA: f32 = 1.5e-8;
-
-/// The model of `z`'s error that `kink_scan` starts from: `(rel, abs)` such that a
-/// value's error is within `rel * rms(z row) + abs * |z|` (`rel`: `SIGMAS` standard
-/// deviations of the random part; `abs`: a bound on a shrink common to the row).
-///
-/// * TF32 (operands truncated to 10 mantissa bits): each product `x w` is off by
-///   `x w (dx + dw)`, the truncations `dx`, `dw` in `[0, 2^-10)` relative, mean
-///   `0.72 * 2^-11` and standard deviation `2.2e-4` each (mantissas log-uniform).
-///   Summed over `k`, the random part has a standard deviation of
-///   `3.1e-4 * sqrt(sum (x w)^2)`, which `rms(z row)` estimates for products of
-///   unrelated signs (a row of `z` sums the same `x` against every weight row), and
-///   the mean part shrinks `z` by `7e-4 |z|` (taken whole, as a bound: `2^-10`).
-/// * bf16 (rounded to nearest, 8 significant bits): each operand off by a standard
-///   deviation of `1.6e-3`, a product by `2.3e-3`, no bias.
-/// * FP32 and 3xTF32: the FP32 accumulation over `k` terms, about `2^-24 sqrt(k)`
-///   (3xTF32 also drops the low parts' product, `2^-22`, and the tensor cores'
-///   accumulation adds `TF32X3_ADD_SIGMA` per MMA, `3 k / 8` of them: no credit is
-///   taken for the forward's flushes, which not every path makes). Without that term
-///   the radius was 3 of the flushed forward's standard deviations, and M5's 3xTF32
-///   gradients at seed size were 6.1e-4 from the f64 reference (a few kinks taken on
-///   the wrong side).
-///
-/// `rms(z row)` estimates `sqrt(sum (x w)^2)` only on average over the row's columns:
-/// over a few terms the sum of squares varies from column to column (a coefficient of
-/// variation near `0.9 / sqrt(k)` for uniform weights), so the per-product parts are
-/// widened by `sqrt(1 + 3 * 0.9 / sqrt(k))` (1.5x at `k = 5`, 1.02x at 8192).
-pub fn z_error(precision: Precision, k: usize) -> (f32, f32) {
-    let fp32 = (k as f32).sqrt() * f32::EPSILON / 2.0;
-    let spread = (1.0 + 2.7 / (k.max(1) as f32).sqrt()).sqrt();
-    // (standard deviation of the random part, bound of the common shrink)
-    let (sigma, shrink) = match precision {
-        Precision::Fp32 => (fp32, 0.0),
-        Precision::Tf32x3 => (fp32 + 2f32.powi(-22) + TF32X3_ADD_SIGMA * (3 * k).div_ceil(8) as f32, 0.0),
-        Precision::Tf32 => (TF32_PRODUCT_SIGMA * spread, 2f32.powi(-10)),
-        Precision::Bf16 => (BF16_PRODUCT_SIGMA * spread, 0.0),
-    };
-    (SIGMAS * sigma, shrink)
-}
 
 /// GroupNorm groups of at most this many channels are scanned for ill-conditioning
 /// (a spread under a quarter of the row's magnifies `z`'s error 4x or more): likely
@@ -130,7 +74,7 @@ pub fn values_one_by_one(ops: &[OpDesc], precision: Precision) -> bool {
 /// What [`refine_near_kinks`] did.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Refined {
-    /// Turned off (`HOST_NO_KINK_REFINEMENT=1`), or done already for this `z`.
+    /// Turned off (`Tuning::kink_refinement`, `--no-kink-refinement`), or done already for this `z`.
     Off,
     /// The chain has no kink and no GroupNorm of small groups: nothing to do.
     NoKinks,
@@ -150,7 +94,7 @@ pub enum Scan {
     /// `kink_scan_tiles`: the chains the tile-wise path takes, in registers. With
     /// `values`, where [`values_one_by_one`] says it pays, a row's doubtful values (up
     /// to `ELEMENT_CAP` of them) go to `refine_values` one by one instead of to
-    /// `refine_z` by chunks (`HOST_KINK_VALUES=0` turns that off, for A/B measurements).
+    /// `refine_z` by chunks (`--kink-chunks-only` turns that off, for A/B measurements).
     Tiles { values: bool },
 }
 /// Recomputes, in f64, the chunks of `z = x w^T + b` (`(w, b)` the Linear layer the
@@ -187,7 +131,7 @@ pub fn refine_near_kinks(
     if rows > i32::MAX as usize || chunks * rows > u32::MAX as usize || k > u32::MAX as usize {
         return Err(Error::Shape(format!("refining a {rows} x {n} z (k = {k}) is outside the kernels' range")));
     }
-    let (rel, abs) = z_error(precision, k);
+    let (rel, abs) = precision.z_error(k);
     let stream = gpu.stream();
     let (n32, ops32) = (n as u32, n_ops as u32);
     // Both scans: one block per row, the row-wise one holding the row (twice over
@@ -303,7 +247,7 @@ fn refine(
     // kink_scan leaves them, order as refine_order leaves it (or null: column order),
     // in stream order.
     launched("refine_z", unsafe { l.launch(cfg) })?;
-    if std::env::var_os("HOST_KINK_STATS").is_some_and(|v| v == "1") {
+    if gpu.tuning().kink_stats {
         // How much was recomputed (waits for the stream): for tuning the error model.
         let counts = stream.clone_dtoh(counts).map_err(|e| Error::cuda("reading the kink counts", e))?;
         let values = stream.clone_dtoh(value_count).map_err(|e| Error::cuda("reading the kink counts", e))?[0];
@@ -354,47 +298,5 @@ mod tests {
         assert!(values_one_by_one(&m5, Precision::Tf32) && values_one_by_one(&m5, Precision::Tf32x3));
         assert!(!values_one_by_one(&m5, Precision::Bf16));
         assert!(!values_one_by_one(&m3, Precision::Tf32));
-    }
-
-    /// The per-product error the model assumes, against products of random operands
-    /// rounded as the GEMMs round them (TF32: low 13 bits dropped; bf16: to nearest even).
-    #[test]
-    fn per_product_error_matches_the_roundings() {
-        use rand::{Rng, SeedableRng, rngs::StdRng};
-        let tf32 = |v: f32| f32::from_bits(v.to_bits() & 0xffff_e000);
-        let bf16 = |v: f32| {
-            let b = v.to_bits();
-            f32::from_bits((b + 0x7fff + ((b >> 16) & 1)) & 0xffff_0000)
-        };
-        let mut rng = StdRng::seed_from_u64(5);
-        let pairs: Vec<(f32, f32)> =
-            (0..200_000).map(|_| (rng.random_range(-1.0..1.0), rng.random_range(-1.0..1.0))).collect();
-        for (round, model, name) in
-            [(&tf32 as &dyn Fn(f32) -> f32, TF32_PRODUCT_SIGMA, "tf32"), (&bf16, BF16_PRODUCT_SIGMA, "bf16")]
-        {
-            let errs: Vec<f64> = pairs
-                .iter()
-                .map(|&(x, w)| {
-                    let exact = f64::from(x) * f64::from(w);
-                    (f64::from(round(x)) * f64::from(round(w)) - exact) / exact
-                })
-                .collect();
-            let mean = errs.iter().sum::<f64>() / errs.len() as f64;
-            let sd = (errs.iter().map(|e| (e - mean).powi(2)).sum::<f64>() / errs.len() as f64).sqrt();
-            let ratio = f64::from(model) / sd;
-            assert!((0.95..1.15).contains(&ratio), "{name}: model {model:.3e} against a simulated {sd:.3e}");
-        }
-    }
-
-    #[test]
-    fn error_model_orders_the_precisions() {
-        let k = 8192;
-        let rel = |p| z_error(p, k).0;
-        assert!(rel(Precision::Fp32) < rel(Precision::Tf32x3));
-        // (3xTF32's tensor-core accumulation, taken unflushed, is 5-6x under TF32's rounding.)
-        assert!(rel(Precision::Tf32x3) * 5.0 < rel(Precision::Tf32));
-        assert!(rel(Precision::Tf32) < rel(Precision::Bf16));
-        // TF32 truncates (biased toward zero), so only it has a value-proportional part.
-        assert!(z_error(Precision::Tf32, k).1 > 0.0 && z_error(Precision::Bf16, k).1 == 0.0);
     }
 }

@@ -1,20 +1,47 @@
-//! Launchers of the GEMM family (`kernels-gpu/src/gemm`).
+//! Launchers of the GEMM kernels (`kernels-gpu/src/gemm`), by module:
+//!
+//! * [`dispatch`] — which family and kernel runs each GEMM of a Linear layer: the one
+//!   table ([`dispatch::route`]) and the typed route it gives;
+//! * [`linear`] — the layer's three GEMMs (forward with its fused epilogue, `dX`,
+//!   `dW`): routes them, transposes operands where a route asks, checks, and hands
+//!   each to its family's launcher;
+//! * one launcher per family: [`simt`] (FMA, `gemm_f32_*`), [`tensor_core`]
+//!   (`mma.sync`, `gemm_tc_*`), [`wgmma`] (`gemm_wg_*`) — the three share one grid of
+//!   tiles and one kernel signature ([`grid`]) — and [`tma`] (the persistent TMA
+//!   kernels, `gemm_tma_*`, with their tensor maps);
+//! * [`args`] — the GEMM as a kernel reads it, and the arguments all kernels share.
+//!
+//! Nothing here depends on a family's launcher but [`linear`].
 
+pub mod args;
+pub mod dispatch;
+pub mod grid;
+pub mod linear;
 pub mod simt;
-pub mod tiled;
+pub mod tensor_core;
 pub mod tma;
+pub mod wgmma;
 
-use super::DeviceTensor;
-use crate::error::{Error, Result};
+pub use dispatch::{Family, Layout, Role, Route, Transposed, route};
+pub use linear::{Gemm, forward_gemm, grad_input, grad_input_route, grad_weight, grad_weight_into, linear_dims};
 
-/// Checks a Linear layer's `x (m, k)` against its weight `w (n, k)`; returns `(m, n, k)`.
-pub fn linear_dims(x: &DeviceTensor, w: &DeviceTensor) -> Result<(usize, usize, usize)> {
-    let (m, k) = match x.shape[..] {
-        [m, k] => (m, k),
-        _ => return Err(Error::tensor("x", format!("expected 2 dimensions, got {:?}", x.shape))),
-    };
-    match w.shape[..] {
-        [n, wk] if wk == k => Ok((m, n, k)),
-        _ => Err(Error::tensor("lin.weight", format!("expected shape (out, {k}), got {:?}", w.shape))),
+use crate::chain::Op;
+use kernel_abi::gemm_simt::{MAX_FUSED_GROUP, MIN_FUSED_GROUP};
+
+/// Why the GEMMs' fused epilogue cannot apply `op` to `features` channels, or `None`
+/// if it can.
+pub fn not_fusable(op: &Op, features: usize) -> Option<String> {
+    match *op {
+        Op::AvgPool(_) | Op::RowMax => Some(format!("`{op}` reduces across tiles")),
+        Op::GroupNorm { groups, .. } => {
+            let g = features / groups;
+            (!(g.is_power_of_two() && (MIN_FUSED_GROUP..=MAX_FUSED_GROUP).contains(&g))).then(|| {
+                format!(
+                    "`{op}` has groups of {g} channels; the fused kernel takes powers of two from \
+                     {MIN_FUSED_GROUP} to {MAX_FUSED_GROUP}"
+                )
+            })
+        }
+        _ => None,
     }
 }

@@ -1,40 +1,50 @@
-//! Launcher of `gemm_tma_tf32_nt`, `gemm_tma_tf32x3_nt` and `gemm_tma_bf16_nt`
-//! (kernels-gpu/src/gemm/tma.rs), the persistent, TMA-fed TF32, 3xTF32 and bf16 `Nt` GEMMs: their two tensor maps (the TMA unit's description of each operand:
-//! base, sizes, row pitch, box, swizzle) are encoded here and uploaded beside the launch.
+//! Launcher of the persistent, TMA-fed GEMMs (kernels-gpu/src/gemm/tma/): the TF32,
+//! 3xTF32 and bf16 forwards `gemm_tma_{tf32,tf32x3,bf16}_nt` and the TF32 and 3xTF32
+//! backward `gemm_tma_{tf32,tf32x3}_tk{,_t}`. Their two tensor maps (the TMA unit's
+//! description of each operand: base, sizes, row pitch, box, swizzle) are encoded here
+//! and uploaded beside the launch; what each kernel's maps look like follows from the
+//! kernel the dispatch chose.
 
 use super::super::elementwise::slice_to_bf16;
 use super::super::epilogue::DeviceChain;
 use super::super::{DeviceTensor, Gpu, Table};
-use super::simt::EpilogueArgs;
-use super::simt::Precision;
+use super::args::{EpilogueArgs, Operands};
 use crate::error::{Error, Result};
 use cudarc::driver::sys::{self, CUtensorMap};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use kernel_abi::Kernel;
 use kernel_abi::gemm_tma::{
     BF16_BLOCK_K, BLOCK_K, BLOCK_M, BLOCK_N, SMEM_BYTES, SPLIT_BLOCK_K, SPLIT_SMEM_BYTES, THREADS,
 };
 use std::sync::Arc;
 
-/// The forward kernel for `precision` (TF32, 3xTF32 or bf16); `simt::kernel` picks it
-/// when both operands' row pitches are multiples of 16 bytes (as TMA wants; 4 floats,
-/// or 8 bf16 values of the rounded copies) and no split-K.
-pub fn kernel(precision: Precision) -> &'static str {
-    match precision {
-        Precision::Tf32x3 => "gemm_tma_tf32x3_nt",
-        Precision::Bf16 => "gemm_tma_bf16_nt",
-        _ => "gemm_tma_tf32_nt",
+/// The arithmetic of a TMA kernel, which shapes its tensor maps and stages.
+#[derive(Clone, Copy, PartialEq)]
+enum Arith {
+    /// 32-deep stages, the 128-byte swizzle.
+    Tf32,
+    /// 16-deep stages beside their residuals, the 64-byte swizzle.
+    Tf32x3,
+    /// bf16 copies of the operands, 64-deep stages of the same 128-byte rows.
+    Bf16,
+}
+
+/// The forward kernels: `Nt`, both operands `k`-contiguous.
+fn forward_arith(kernel: Kernel) -> Result<Arith> {
+    match kernel {
+        Kernel::GemmTmaTf32Nt => Ok(Arith::Tf32),
+        Kernel::GemmTmaTf32x3Nt => Ok(Arith::Tf32x3),
+        Kernel::GemmTmaBf16Nt => Ok(Arith::Bf16),
+        _ => Err(Error::Unsupported(format!("`{kernel}` is not a TMA forward GEMM"))),
     }
 }
 
-/// The TF32 or 3xTF32 GEMM with `A` stored transposed (`Layout::Tk`: the weight
-/// gradient reading `dZ` as stored; with `transpose_y` the input gradient
-/// `dX^T = W^T dZ^T` reading `W` as stored); `simt::kernel` picks it as it picks [`kernel`].
-pub fn tk_kernel(precision: Precision, transpose_y: bool) -> &'static str {
-    match (precision == Precision::Tf32x3, transpose_y) {
-        (false, false) => "gemm_tma_tf32_tk",
-        (false, true) => "gemm_tma_tf32_tk_t",
-        (true, false) => "gemm_tma_tf32x3_tk",
-        (true, true) => "gemm_tma_tf32x3_tk_t",
+/// The `Tk` kernels (`A` stored transposed; the `_t` ones store `y^T`).
+fn tk_arith(kernel: Kernel) -> Result<Arith> {
+    match kernel {
+        Kernel::GemmTmaTf32Tk | Kernel::GemmTmaTf32TkT => Ok(Arith::Tf32),
+        Kernel::GemmTmaTf32x3Tk | Kernel::GemmTmaTf32x3TkT => Ok(Arith::Tf32x3),
+        _ => Err(Error::Unsupported(format!("`{kernel}` is not a TMA `Tk` GEMM"))),
     }
 }
 
@@ -47,9 +57,9 @@ fn tensor_map(
     buf: &CudaSlice<f32>,
     (rows, k, pitch): (usize, usize, usize),
     box_rows: usize,
-    precision: Precision,
+    arith: Arith,
 ) -> Result<CUtensorMap> {
-    let (box_k, swizzle) = if precision == Precision::Tf32x3 {
+    let (box_k, swizzle) = if arith == Arith::Tf32x3 {
         (SPLIT_BLOCK_K, sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B)
     } else {
         (BLOCK_K, sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B)
@@ -123,20 +133,20 @@ struct Persistent {
     cfg: LaunchConfig,
 }
 
-/// [`Persistent`] for kernel `name` in `precision` over an `(m, n)` output.
+/// [`Persistent`] for `kernel` of `arith` over an `(m, n)` output.
 fn persistent(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
-    name: &str,
-    precision: Precision,
+    kernel: Kernel,
+    arith: Arith,
     maps: [CUtensorMap; 2],
     (m, n): (usize, usize),
 ) -> Result<Persistent> {
     let words: Vec<u64> = maps.iter().flat_map(|map| map.opaque).collect();
     let maps = gpu.words(stream, &words)?;
-    let smem_bytes = if precision == Precision::Tf32x3 { SPLIT_SMEM_BYTES } else { SMEM_BYTES };
-    let func = gpu.function(name)?;
-    gpu.allow_shared(&func, name, smem_bytes)?;
+    let smem_bytes = if arith == Arith::Tf32x3 { SPLIT_SMEM_BYTES } else { SMEM_BYTES };
+    let func = gpu.function(kernel)?;
+    gpu.allow_shared(&func, kernel.name(), smem_bytes)?;
     let tiles = m.div_ceil(BLOCK_M) * n.div_ceil(BLOCK_N);
     let cfg = LaunchConfig {
         grid_dim: (tiles.min(gpu.props.multiprocessors) as u32, 1, 1),
@@ -146,37 +156,36 @@ fn persistent(
     Ok(Persistent { maps, func, cfg })
 }
 
-/// Queues `y (m, n) = chain(x W^T + bias)` in `precision` (TF32 or 3xTF32) with `x (m, k)` in `a` and `W (n, k)` in `b`
-/// (both `k`-contiguous, row pitches `lda`, `ldb`). The caller has checked shapes and
-/// extents, and that the pitches are multiples of 4.
-#[allow(clippy::too_many_arguments)]
+/// Queues the forward `kernel` (`gemm_tma_{tf32,tf32x3,bf16}_nt`): `y (m, n) = chain(x
+/// W^T + bias)` with `x (m, k)` in `op.a` and `W (n, k)` in `op.b`, both `k`-contiguous
+/// (row pitches `op.lda`, `op.ldb`). The bf16 kernel reads bf16 copies of both, rounded
+/// here first (freed in stream order after the GEMM). The caller has checked shapes and
+/// extents, and that the pitches suit the kernel (16 bytes of its operands' elements).
 pub fn launch_forward(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
-    precision: Precision,
-    (a, b): (&CudaSlice<f32>, &CudaSlice<f32>),
-    (m, n, k): (usize, usize, usize),
-    (lda, ldb): (usize, usize),
-    bias: Option<&CudaSlice<f32>>,
-    chain: Option<&DeviceChain>,
+    kernel: Kernel,
+    op: &Operands,
     y: &mut DeviceTensor,
     save_z: Option<&mut DeviceTensor>,
 ) -> Result<()> {
-    if precision == Precision::Bf16 {
-        // The operands rounded into bf16 copies first (freed in stream order after the GEMM).
-        let (a16, b16) = (slice_to_bf16(gpu, stream, a)?, slice_to_bf16(gpu, stream, b)?);
-        return launch_forward_bf16(gpu, stream, (&a16, &b16), (m, n, k), (lda, ldb), bias, chain, y, save_z);
+    let (m, n, k, lda, ldb) = (op.m, op.n, op.k, op.lda, op.ldb);
+    let arith = forward_arith(kernel)?;
+    if arith == Arith::Bf16 {
+        let (a16, b16) = (slice_to_bf16(gpu, stream, op.a)?, slice_to_bf16(gpu, stream, op.b)?);
+        return launch_forward_bf16(gpu, stream, (&a16, &b16), (m, n, k), (lda, ldb), op.bias, op.chain, y, save_z);
     }
     let maps = [
-        tensor_map(stream, a, (m, k, lda), BLOCK_M, precision)?,
-        tensor_map(stream, b, (n, k, ldb), BLOCK_N, precision)?,
+        tensor_map(stream, op.a, (m, k, lda), BLOCK_M, arith)?,
+        tensor_map(stream, op.b, (n, k, ldb), BLOCK_N, arith)?,
     ];
-    launch_with_maps(gpu, stream, precision, maps, (m, n, k), bias, chain, y, save_z)
+    launch_with_maps(gpu, stream, kernel, arith, maps, (m, n, k), op.bias, op.chain, y, save_z)
 }
 
-/// [`launch_forward`] in bf16 over operands already rounded (16-bit words, row pitches
-/// `lda`, `ldb` divisible by 8), read in 128-byte rows of 64 values as TF32 reads 32
-/// floats.
+/// `gemm_tma_bf16_nt` over operands already rounded (16-bit words, row pitches `lda`,
+/// `ldb` divisible by 8), read in 128-byte rows of 64 values as TF32 reads 32 floats:
+/// the forward after [`launch_forward`] rounded them, and the backward's bf16 GEMMs,
+/// which transpose and round in one pass.
 #[allow(clippy::too_many_arguments)]
 pub fn launch_forward_bf16(
     gpu: &Gpu,
@@ -202,15 +211,16 @@ pub fn launch_forward_bf16(
         encode_map_typed(a16.device_ptr(stream).0, 2, (m, k, lda), (BLOCK_M, BF16_BLOCK_K), swizzle)?,
         encode_map_typed(b16.device_ptr(stream).0, 2, (n, k, ldb), (BLOCK_N, BF16_BLOCK_K), swizzle)?,
     ];
-    launch_with_maps(gpu, stream, Precision::Bf16, maps, (m, n, k), bias, chain, y, save_z)
+    launch_with_maps(gpu, stream, Kernel::GemmTmaBf16Nt, Arith::Bf16, maps, (m, n, k), bias, chain, y, save_z)
 }
 
-/// Launches the forward kernel of `precision` over its two tensor maps.
+/// Launches the forward `kernel` over its two tensor maps.
 #[allow(clippy::too_many_arguments)]
 fn launch_with_maps(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
-    precision: Precision,
+    kernel: Kernel,
+    arith: Arith,
     maps: [CUtensorMap; 2],
     (m, n, k): (usize, usize, usize),
     bias: Option<&CudaSlice<f32>>,
@@ -218,48 +228,48 @@ fn launch_with_maps(
     y: &mut DeviceTensor,
     save_z: Option<&mut DeviceTensor>,
 ) -> Result<()> {
-    let name = kernel(precision);
-    let Persistent { maps, func, cfg } = persistent(gpu, stream, name, precision, maps, (m, n))?;
+    let Persistent { maps, func, cfg } = persistent(gpu, stream, kernel, arith, maps, (m, n))?;
     let tail = EpilogueArgs::new(&[m, n, k], chain);
     let mut launch = stream.launch_builder(&func);
     launch.arg(&maps);
     tail.push(&mut launch, bias, y, save_z, chain);
     // SAFETY: matches the kernel's signature; the maps describe `a` and `b` within the
     // extents the caller checked; grid, block and shared memory follow kernel_abi::gemm_tma.
-    unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{name}`"), e))?;
+    unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{kernel}`"), e))?;
     Ok(())
 }
 
-/// Queues `y (m, n) = A B^T` (or, with `transpose_y`, `y^T (n, m)`) in `precision` (TF32
-/// or 3xTF32) on [`tk_kernel`], `A` stored as `(k, m)` (`m`-contiguous, pitch `lda`) and
-/// `B` as `(n, k)` (pitch `ldb`). The caller has checked shapes, extents and pitches.
-#[allow(clippy::too_many_arguments)]
+/// Queues the `Tk` `kernel` (`gemm_tma_{tf32,tf32x3}_tk{,_t}`): `y (m, n) = A B^T` (or,
+/// for the `_t` kernels, `y^T (n, m)`), `A` stored as `(k, m)` (`m`-contiguous, pitch
+/// `op.lda`) and `B` as `(n, k)` (pitch `op.ldb`); no bias, chain or saved output. The
+/// caller has checked shapes, extents and pitches.
 pub fn launch_tk(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
-    precision: Precision,
-    (a, b): (&CudaSlice<f32>, &CudaSlice<f32>),
-    (m, n, k): (usize, usize, usize),
-    (lda, ldb): (usize, usize),
-    transpose_y: bool,
+    kernel: Kernel,
+    op: &Operands,
     y: &mut DeviceTensor,
 ) -> Result<()> {
-    let name = tk_kernel(precision, transpose_y);
-    let block_k = if precision == Precision::Tf32x3 { SPLIT_BLOCK_K } else { BLOCK_K };
+    let arith = tk_arith(kernel)?;
+    if op.bias.is_some() || op.chain.is_some() {
+        return Err(Error::Unsupported(format!("`{kernel}` takes no bias or chain")));
+    }
+    let (m, n, k) = (op.m, op.n, op.k);
+    let block_k = if arith == Arith::Tf32x3 { SPLIT_BLOCK_K } else { BLOCK_K };
     let swizzle = sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B;
     // `A` in boxes of one stage's `k` rows x 32 `m` (one 128-byte swizzle row), four
     // per tile; `B` as in the forward.
     let maps = [
-        encode_map(stream, a, (k, m, lda), (block_k, 32), swizzle)?,
-        tensor_map(stream, b, (n, k, ldb), BLOCK_N, precision)?,
+        encode_map(stream, op.a, (k, m, op.lda), (block_k, 32), swizzle)?,
+        tensor_map(stream, op.b, (n, k, op.ldb), BLOCK_N, arith)?,
     ];
-    let Persistent { maps, func, cfg } = persistent(gpu, stream, name, precision, maps, (m, n))?;
+    let Persistent { maps, func, cfg } = persistent(gpu, stream, kernel, arith, maps, (m, n))?;
     let (m32, n32, k32) = (m as u32, n as u32, k as u32);
     let mut launch = stream.launch_builder(&func);
     launch.arg(&maps).arg(&mut y.buf).arg(&m32).arg(&n32).arg(&k32);
     // SAFETY: matches the kernel's signature; the maps describe `a` and `b` within the
     // extents the caller checked; `y` holds `m n` floats; grid, block and shared memory
     // follow kernel_abi::gemm_tma.
-    unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{name}`"), e))?;
+    unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{kernel}`"), e))?;
     Ok(())
 }

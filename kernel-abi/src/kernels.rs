@@ -1,0 +1,151 @@
+//! Every entry point of `kernels-gpu`, by identifier: its name in the PTX and its launch
+//! bounds. Host launches load kernels through these identifiers, and `host/build.rs`
+//! writes the launch bounds into the PTX from [`Kernel::ALL`]; `tests/ptx.rs` checks
+//! that the identifiers and the PTX's entries are the same set.
+
+use crate::{epilogue, gemm_simt, gemm_tc, gemm_tma, gemm_wg, kinks};
+
+/// `__launch_bounds__(max_threads, min_blocks_per_sm)`, which rustc cannot express:
+/// `host/build.rs` writes them into the PTX (`.maxntid`, `.minnctapersm`) so that
+/// ptxas caps each kernel's registers to fit that many blocks per SM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchBounds {
+    pub max_threads: u32,
+    pub min_blocks_per_sm: u32,
+}
+
+/// Declares [`Kernel`]: each variant with its entry point's name and, where it has
+/// them, its launch bounds `(threads, blocks per SM)`.
+macro_rules! kernels {
+    ($($(#[$doc:meta])* $variant:ident = $name:literal $(, bounds($threads:expr, $blocks:expr))?;)*) => {
+        /// A kernel entry point of `kernels-gpu` (see the module).
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        pub enum Kernel {
+            $($(#[$doc])* $variant,)*
+        }
+
+        impl Kernel {
+            /// Every kernel, in the order declared.
+            pub const ALL: &'static [Kernel] = &[$(Kernel::$variant,)*];
+
+            /// The entry point's name in the PTX.
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $(Kernel::$variant => $name,)*
+                }
+            }
+
+            /// The launch bounds the PTX carries for this kernel, if any.
+            pub const fn launch_bounds(self) -> Option<LaunchBounds> {
+                match self {
+                    $(Kernel::$variant => kernels!(@bounds $($threads, $blocks)?),)*
+                }
+            }
+        }
+    };
+    (@bounds) => { None };
+    (@bounds $threads:expr, $blocks:expr) => {
+        Some(LaunchBounds { max_threads: $threads as u32, min_blocks_per_sm: $blocks as u32 })
+    };
+}
+
+kernels! {
+    // The register-blocked FP32 GEMMs (`gemm/simt.rs`): 2 blocks per SM, 128 registers.
+    GemmF32NtVec4 = "gemm_f32_nt_vec4", bounds(gemm_simt::THREADS, gemm_simt::MIN_BLOCKS_PER_SM);
+    GemmF32NtScalar = "gemm_f32_nt_scalar", bounds(gemm_simt::THREADS, gemm_simt::MIN_BLOCKS_PER_SM);
+    GemmF32NnVec4 = "gemm_f32_nn_vec4", bounds(gemm_simt::THREADS, gemm_simt::MIN_BLOCKS_PER_SM);
+    GemmF32NnScalar = "gemm_f32_nn_scalar", bounds(gemm_simt::THREADS, gemm_simt::MIN_BLOCKS_PER_SM);
+    GemmF32TnVec4 = "gemm_f32_tn_vec4", bounds(gemm_simt::THREADS, gemm_simt::MIN_BLOCKS_PER_SM);
+    GemmF32TnScalar = "gemm_f32_tn_scalar", bounds(gemm_simt::THREADS, gemm_simt::MIN_BLOCKS_PER_SM);
+
+    // The `mma.sync` GEMMs (`gemm/tensor_core.rs`): 2 blocks per SM (128 registers),
+    // except the 3xTF32 forward (its two `ldmatrix` operands and their residuals need
+    // ~8 registers more: ptxas spills at 128) and the bf16 kernels (two TF32 steps'
+    // words feed one `m16n8k16`): 1 block per SM.
+    GemmTcTf32NtVec4 = "gemm_tc_tf32_nt_vec4", bounds(gemm_tc::THREADS, 2);
+    GemmTcTf32NtScalar = "gemm_tc_tf32_nt_scalar", bounds(gemm_tc::THREADS, 2);
+    GemmTcTf32NnVec4 = "gemm_tc_tf32_nn_vec4", bounds(gemm_tc::THREADS, 2);
+    GemmTcTf32NnScalar = "gemm_tc_tf32_nn_scalar", bounds(gemm_tc::THREADS, 2);
+    GemmTcTf32TnVec4 = "gemm_tc_tf32_tn_vec4", bounds(gemm_tc::THREADS, 2);
+    GemmTcTf32TnScalar = "gemm_tc_tf32_tn_scalar", bounds(gemm_tc::THREADS, 2);
+    GemmTcBf16NtVec4 = "gemm_tc_bf16_nt_vec4", bounds(gemm_tc::THREADS, 1);
+    GemmTcBf16NtScalar = "gemm_tc_bf16_nt_scalar", bounds(gemm_tc::THREADS, 1);
+    GemmTcBf16NnVec4 = "gemm_tc_bf16_nn_vec4", bounds(gemm_tc::THREADS, 1);
+    GemmTcBf16NnScalar = "gemm_tc_bf16_nn_scalar", bounds(gemm_tc::THREADS, 1);
+    GemmTcBf16TnVec4 = "gemm_tc_bf16_tn_vec4", bounds(gemm_tc::THREADS, 1);
+    GemmTcBf16TnScalar = "gemm_tc_bf16_tn_scalar", bounds(gemm_tc::THREADS, 1);
+    GemmTcTf32x3NtVec4 = "gemm_tc_tf32x3_nt_vec4", bounds(gemm_tc::THREADS, 1);
+    GemmTcTf32x3NtScalar = "gemm_tc_tf32x3_nt_scalar", bounds(gemm_tc::THREADS, 1);
+    GemmTcTf32x3NnVec4 = "gemm_tc_tf32x3_nn_vec4", bounds(gemm_tc::THREADS, 2);
+    GemmTcTf32x3NnScalar = "gemm_tc_tf32x3_nn_scalar", bounds(gemm_tc::THREADS, 2);
+    GemmTcTf32x3TnVec4 = "gemm_tc_tf32x3_tn_vec4", bounds(gemm_tc::THREADS, 2);
+    GemmTcTf32x3TnScalar = "gemm_tc_tf32x3_tn_scalar", bounds(gemm_tc::THREADS, 2);
+
+    // The `wgmma` GEMMs (`gemm/wgmma.rs`): TF32 keeps 64 accumulators and no fragments
+    // (2 blocks per SM); 3xTF32 also holds `A` fragments and needs 193 KiB of shared
+    // memory (1 block per SM).
+    GemmWgTf32NtVec4 = "gemm_wg_tf32_nt_vec4", bounds(gemm_wg::THREADS, 2);
+    GemmWgTf32x3NtVec4 = "gemm_wg_tf32x3_nt_vec4", bounds(gemm_wg::THREADS, 1);
+    GemmWgTf32DxVec4 = "gemm_wg_tf32_dx_vec4", bounds(gemm_wg::THREADS, 2);
+    GemmWgTf32x3DxVec4 = "gemm_wg_tf32x3_dx_vec4", bounds(gemm_wg::THREADS, 1);
+    GemmWgTf32DwVec4 = "gemm_wg_tf32_dw_vec4", bounds(gemm_wg::THREADS, 2);
+    GemmWgTf32x3DwVec4 = "gemm_wg_tf32x3_dw_vec4", bounds(gemm_wg::THREADS, 1);
+
+    // The TMA-fed, warp-specialised `wgmma` GEMMs (`gemm/tma/`): one producer warpgroup
+    // and two consumer warpgroups holding 128 accumulators each, 1 block per SM: 168
+    // registers at entry, then `setmaxnreg` moves the producer's to the consumers (24
+    // and 240 per thread).
+    GemmTmaTf32Nt = "gemm_tma_tf32_nt", bounds(gemm_tma::THREADS, 1);
+    GemmTmaTf32x3Nt = "gemm_tma_tf32x3_nt", bounds(gemm_tma::THREADS, 1);
+    GemmTmaBf16Nt = "gemm_tma_bf16_nt", bounds(gemm_tma::THREADS, 1);
+    GemmTmaTf32Tk = "gemm_tma_tf32_tk", bounds(gemm_tma::THREADS, 1);
+    GemmTmaTf32TkT = "gemm_tma_tf32_tk_t", bounds(gemm_tma::THREADS, 1);
+    GemmTmaTf32x3Tk = "gemm_tma_tf32x3_tk", bounds(gemm_tma::THREADS, 1);
+    GemmTmaTf32x3TkT = "gemm_tma_tf32x3_tk_t", bounds(gemm_tma::THREADS, 1);
+
+    // The epilogue chain on whole rows and tiles, its backward, the kink scan and
+    // refinement (`epilogue/`). The tile-wise backward and the refinements carry the
+    // blocks per SM their grids are sized for.
+    EpilogueRows = "epilogue_rows";
+    EpilogueRowsBackward = "epilogue_rows_backward";
+    EpilogueTilesBackward = "epilogue_tiles_backward",
+        bounds(epilogue::TILE_THREADS, epilogue::TILES_BACKWARD_BLOCKS_PER_SM);
+    SumPartials = "sum_partials";
+    KinkScan = "kink_scan";
+    KinkScanTiles = "kink_scan_tiles";
+    RefineOrder = "refine_order";
+    RefineZ = "refine_z", bounds(kinks::REFINE_THREADS, 2);
+    RefineValues = "refine_values", bounds(epilogue::ROW_THREADS, kinks::REFINE_VALUES_BLOCKS_PER_SM);
+
+    // Elementwise kernels (`elementwise.rs`), the optimisers (`optim.rs`).
+    AddAssign = "add_assign";
+    FoldRowsMean = "fold_rows_mean";
+    UnfoldRowsMeanGrad = "unfold_rows_mean_grad";
+    Transpose = "transpose";
+    TransposeVec4 = "transpose_vec4";
+    TransposeVec4ToBf16 = "transpose_vec4_to_bf16";
+    F32ToBf16 = "f32_to_bf16";
+    StoreWords = "store_words";
+    MseLossGrad = "mse_loss_grad";
+    SgdStep = "sgd_step";
+    AdamStep = "adam_step";
+}
+
+impl Kernel {
+    /// The kernel whose entry point is `name`, if any.
+    pub fn by_name(name: &str) -> Option<Kernel> {
+        Kernel::ALL.iter().copied().find(|k| k.name() == name)
+    }
+}
+
+impl AsRef<str> for Kernel {
+    fn as_ref(&self) -> &str {
+        self.name()
+    }
+}
+
+impl core::fmt::Display for Kernel {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str(self.name())
+    }
+}

@@ -1,0 +1,254 @@
+//! The forward `y = chain(x W^T + b)` on the persistent kernels, TF32, 3xTF32 and bf16
+//! (`gemm_tma_*_nt`), its epilogue on the accumulators in registers.
+
+use super::flush::{Layout, add_flushed, flush_accumulators, k_runs, run_k_tiles};
+use super::opaque;
+use super::pipeline::{CONSUMER_REGISTERS, PRODUCER_REGISTERS, Pipeline};
+use crate::epilogue::fragments::{HalfFragment, add_column_bias, each_half_value, fragment_forward, prefetch_tile_params, store_half};
+use crate::prelude::bulk_copy::*;
+use crate::prelude::tensor_core::{fence_proxy_async_shared, ld_shared_v4, st_shared_v4, tf32_residual};
+use crate::prelude::wgmma::*;
+use crate::prelude::*;
+use crate::unroll;
+use kernel_abi::epilogue::OpDesc;
+use kernel_abi::gemm_tma::*;
+
+/// Declares forward entry points, each an instance of [`gemm_tma`] with the given
+/// `SPLIT` and `BF16` (one signature: the two tensor maps, then as `simt::gemm_f32`).
+macro_rules! gemm_tma_entries {
+    ($($(#[$doc:meta])* $name:ident = <$split:literal, $bf16:literal>;)*) => {$(
+        $(#[$doc])*
+        #[unsafe(no_mangle)]
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe extern "ptx-kernel" fn $name(
+            maps: *const u8,
+            bias: *const f32,
+            y: *mut f32,
+            save_z: *mut f32,
+            m: u32,
+            n: u32,
+            k: u32,
+            ops: *const OpDesc,
+            n_ops: u32,
+        ) {
+            unsafe { gemm_tma::<$split, $bf16>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
+        }
+    )*};
+}
+
+gemm_tma_entries! {
+    /// The forward `y (m, n) = chain(x W^T + bias)` in TF32, `A` = `x (m, k)` and
+    /// `B` = `W (n, k)` described by the two TMA tensor maps at `maps` (128 bytes each:
+    /// `A`'s with a `32 x 128` box, `B`'s with `32 x 256`, both with the 128-byte swizzle);
+    /// `save_z` as in the other GEMMs.
+    ///
+    /// # Safety
+    /// The maps describe readable `f32` tensors of `(m, k)` and `(n, k)` in global memory;
+    /// `y` holds `m * n` floats; bias, `save_z` and `ops` as in `simt::gemm_f32`; `THREADS`
+    /// threads, dynamic shared memory `SMEM_BYTES`, any grid; an sm_90a device.
+    gemm_tma_tf32_nt = <false, false>;
+
+    /// [`gemm_tma_tf32_nt`] in 3xTF32 (FP32-level accuracy): each stage also holds the
+    /// FP32 residuals `x - tf32(x)` of its `A` and `B` tiles, which the consumers write
+    /// (the stage's share of each thread) while the previous stage's MMAs run, and every
+    /// `k`-step is three MMAs, `A B + A B_lo + A_lo B` (the tensor core reads the TF32
+    /// part of the raw operands). Stages are 16 deep (64-byte swizzle) so that four fit
+    /// (`SPLIT_STAGES`, `SPLIT_SMEM_BYTES`): with two 32-deep ones the copies and the
+    /// residuals did not keep up (M2 3.01 ms against 2.36).
+    ///
+    /// # Safety
+    /// As [`gemm_tma_tf32_nt`], with `SPLIT_SMEM_BYTES` of shared memory.
+    gemm_tma_tf32x3_nt = <true, false>;
+
+    /// [`gemm_tma_tf32_nt`] in bf16: `A` and `B` are bf16 copies of `x` and `W` (rounded to
+    /// nearest), their tensor maps with `64 x 128` and `64 x 256` boxes (128-byte rows of
+    /// 64 values, the same swizzle and stage bytes as TF32's 32 floats), and each 16-deep
+    /// `k`-step one `wgmma.m64n256k16.f32.bf16.bf16` (FP32 accumulators in the TF32
+    /// kernel's layout, so the same epilogue).
+    ///
+    /// # Safety
+    /// As [`gemm_tma_tf32_nt`], the maps describing `u16` (bf16) tensors.
+    gemm_tma_bf16_nt = <false, true>;
+}
+
+/// The body of the forward entry points (`SPLIT`: 3xTF32; `BF16`: bf16 operands).
+///
+/// # Safety
+/// See [`gemm_tma_tf32_nt`].
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_tma<const SPLIT: bool, const BF16: bool>(
+    maps: *const u8,
+    bias: *const f32,
+    y: *mut f32,
+    save_z: *mut f32,
+    m: u32,
+    n: u32,
+    k: u32,
+    ops: *const OpDesc,
+    n_ops: u32,
+) {
+    let t = thread_idx_x();
+    // SAFETY: the second of the two maps.
+    let (map_a, map_b) = (maps, unsafe { maps.add(128) });
+    // SAFETY: every thread, first; the launch's shared memory.
+    let pipe = unsafe { Pipeline::new::<SPLIT, BF16>(maps, (m, n, k)) };
+    let Pipeline { tile_bytes, block_k, a_bytes, k_tiles, .. } = pipe;
+
+    if t < 128 {
+        // The producer: one thread; its warpgroup hands most of its registers to the
+        // consumers (`PRODUCER_REGISTERS`, `CONSUMER_REGISTERS`).
+        // SAFETY: the whole warpgroup.
+        unsafe { set_max_registers::<false, PRODUCER_REGISTERS>() };
+        if t == 0 {
+            // SAFETY: `A`'s `BLOCK_M` rows and `B`'s `BLOCK_N` fill the stage's tiles.
+            unsafe {
+                pipe.produce(|stage, row0, col0, k0, full| {
+                    tma_load_2d(stage, map_a, k0, row0, full);
+                    tma_load_2d(stage + a_bytes, map_b, k0, col0, full);
+                    if k0 == 0 && !SPLIT {
+                        // A tile's first copies: its epilogue is a main loop away. (Not
+                        // for 3xTF32: its epilogue is a smaller share of a tile's time,
+                        // and the parameters' pointers held through the producer's
+                        // loop cost it a spill at 24 registers once the flushes came.)
+                        prefetch_tile_params(bias, ops, n_ops, col0, n);
+                    }
+                })
+            };
+        }
+        return;
+    }
+
+    // The consumers: warpgroup `wg` owns rows `64 wg..64 wg + 64` of each tile, its
+    // 128 accumulators and the epilogue's values all in registers.
+    // SAFETY: whole warpgroups.
+    unsafe { set_max_registers::<true, CONSUMER_REGISTERS>() };
+    let c = t - 128;
+    let (wg, warp, lane) = (c / 128, (c / 32) % 4, c % 32);
+    let (gid, tig) = ((lane / 4) as usize, (lane % 4) as usize);
+    let (mut s, mut phase) = (0u32, 0u32);
+    // Work items: each tile's `k` in `runs` runs (`k_runs`), taken in order by the block
+    // that owns the tile; every run but the last ends with its sums added into `y`
+    // (`FLUSH_K`), the last with the epilogue.
+    let runs = k_runs::<SPLIT>(k_tiles);
+    let mut item = block_idx_x() * runs;
+    while item < pipe.tiles() * runs {
+        let (tile, run) = (item / runs, item % runs);
+        let (row0, col0) = pipe.origin(tile);
+        let mut acc = [0u32; 128];
+        let mut held = None;
+        for _ in run_k_tiles::<SPLIT>(run, k_tiles) {
+            let sa = pipe.stage(s);
+            let describe = if SPLIT { descriptor_64b } else { descriptor_128b };
+            // The warpgroup's 64 rows of `A` (rows of `block_k` 4- or 2-byte values).
+            let da = describe(sa + wg * 64 * block_k * if BF16 { 2 } else { 4 });
+            let db = describe(sa + a_bytes);
+            // k-step i: 32 bytes along the swizzled rows = start address + 2 (16-byte units).
+            // SAFETY: the stage is complete once its phase is; all 128 threads of the
+            // warpgroup issue the MMAs.
+            unsafe {
+                mbarrier_wait(pipe.full(s), phase);
+                if SPLIT {
+                    // The residuals of the stage's 1536 16-byte chunks, 6 per consumer
+                    // thread, written at the same offsets one stage-half on (the swizzle
+                    // moves whole chunks, so the residual tiles share the layout).
+                    let mut v = [[0u32; 4]; 6];
+                    unroll!(i in 0..8 => {
+                        if i < 6 {
+                            v[i] = ld_shared_v4(sa + (c + 256 * i as u32) * 16);
+                        }
+                    });
+                    unroll!(i in 0..8 => {
+                        if i < 6 {
+                            st_shared_v4(sa + tile_bytes + (c + 256 * i as u32) * 16, v[i].map(tf32_residual));
+                        }
+                    });
+                    // Visible to the tensor cores (async proxy), then to both warpgroups.
+                    fence_proxy_async_shared();
+                    named_barrier(1, CONSUMER_THREADS as u32);
+                    let (dal, dbl) = (da + (tile_bytes as u64 >> 4), db + (tile_bytes as u64 >> 4));
+                    wgmma_n256_k_tile_split(&mut acc, [da, db, dal, dbl]);
+                } else if BF16 {
+                    wgmma_n256_k_tile_bf16(&mut acc, [da, da + 2, da + 4, da + 6], [db, db + 2, db + 4, db + 6]);
+                } else {
+                    wgmma_n256_k_tile(&mut acc, [da, da + 2, da + 4, da + 6], [db, db + 2, db + 4, db + 6]);
+                }
+            }
+            // The previous k-tile's MMAs are done (one group is left in flight): free its stage.
+            if let Some(prev) = held
+                && lane == 0
+            {
+                // SAFETY: one arrival per consumer warp per phase.
+                unsafe { mbarrier_arrive(pipe.empty(prev)) };
+            }
+            held = Some(s);
+            (s, phase) = pipe.next(s, phase);
+        }
+        // SAFETY: all threads of each warpgroup.
+        unsafe { wgmma_wait_all(&mut acc) };
+        if let Some(prev) = held
+            && lane == 0
+        {
+            // SAFETY: as above.
+            unsafe { mbarrier_arrive(pipe.empty(prev)) };
+        }
+        // The thread's first row: 16 warp + lane / 4 of the warpgroup's 64 (and 8 below).
+        let row = (row0 + wg * 64 + warp * 16) as usize + gid;
+        let layout = Layout::Rows { row, col: (col0 + 2 * tig as u32) as usize, step: 8 };
+        if SPLIT && run + 1 < runs {
+            // SAFETY: the MMAs are finished; `y` holds `m * n` floats, and only this
+            // thread reads or writes its accumulators' places until its epilogue
+            // overwrites them.
+            unsafe { flush_accumulators(&mut acc, y, run == 0, layout, (m, n)) };
+            item += 1;
+            continue;
+        }
+        if SPLIT && runs > 1 {
+            // SAFETY: as for the flushes.
+            unsafe { add_flushed(&mut acc, y, layout, (m, n)) };
+        }
+        // The epilogue on the accumulators where they are (`epilogue::fragments`):
+        // rows `row` (+ 8), columns 2 (lane % 4) + 8 j.
+        // The thread's first column and the sizes, opaque to the compiler at each use:
+        // otherwise it derives the 64 column bounds once and holds them beside the 128
+        // values through the whole epilogue (and spills).
+        let fresh = |offset: u32| (opaque(col0 + 2 * tig as u32 + offset) as usize, opaque(m) as usize, opaque(n) as usize);
+        // SAFETY: `y` and `save_z` (if not null) hold `m * n` floats; `ops` holds `n_ops`.
+        unsafe {
+            // The halves in a loop, not unrolled (the opaque bound), so the chain's code
+            // exists once (14 k instructions instead of 28 k): unrolled, M2's three ops
+            // cost 0.6 ms more than its three one-op chains together; as a loop its
+            // forward went from 1.83 to 1.14 ms (the code is fetched anew for every
+            // tile; see docs/PERFORMANCE.md, t12). The second half waits in `rest` and
+            // moves into `v`, so only the half in flight and the one waiting are live,
+            // as when unrolled.
+            // (Element by element: `map` would take the arrays through local memory.)
+            let (mut v, mut rest): (HalfFragment, HalfFragment) = ([0.0; 64], [0.0; 64]);
+            each_half_value(&mut v, |_, j, e| f32::from_bits(acc[4 * j + e]));
+            each_half_value(&mut rest, |_, j, e| f32::from_bits(acc[64 + 4 * j + e]));
+            let mut h = 0u32;
+            while h < opaque(2) {
+                let offset = 128 * h;
+                if !bias.is_null() {
+                    let (col, _, n) = fresh(offset);
+                    add_column_bias(&mut v, bias, n, col);
+                }
+                if !save_z.is_null() {
+                    let (col, m, n) = fresh(offset);
+                    store_half(save_z, &v, (m, n), row, col);
+                }
+                for o in 0..n_ops as usize {
+                    let (col, _, n) = fresh(offset);
+                    fragment_forward(&*ops.add(o), &mut v, n, col);
+                }
+                let (col, m, n) = fresh(offset);
+                store_half(y, &v, (m, n), row, col);
+                v = rest;
+                h += 1;
+            }
+        }
+        // The block's next tile's first run.
+        item += opaque(grid_dim_x()) * runs - run;
+    }
+}
+

@@ -1,0 +1,150 @@
+//! The warp-specialised pipeline the persistent kernels share: the producer's and the
+//! consumers' registers, the stages with their "full" and "empty" barriers, and the
+//! walk over the output's tiles.
+
+use crate::prelude::async_copy::shared_address;
+use crate::prelude::bulk_copy::*;
+use crate::prelude::*;
+use kernel_abi::gemm_tma::*;
+
+/// Registers per thread of the producer and of the consumer warpgroups. The block's
+/// registers are those it launched with (168 per thread, the launch bounds' cap):
+/// `setmaxnreg.inc` waits until the producer's `dec` has freed enough, so the two must
+/// fit in them, or the consumers wait forever (32 / 240 hung). The consumers' epilogue
+/// is at the cap: at 232 it spilled 8 bytes (a tile's row and column bases).
+pub(super) const PRODUCER_REGISTERS: u32 = 24;
+pub(super) const CONSUMER_REGISTERS: u32 = 240;
+const _: () = assert!(128 * PRODUCER_REGISTERS + CONSUMER_THREADS as u32 * CONSUMER_REGISTERS <= 168 * THREADS as u32);
+
+/// The origin `(row0, col0)` of tile `tile`: panels of [`PANEL_M`] row tiles, walked
+/// row tile fastest, so the blocks in flight share `B` tiles and few `A` rows.
+#[inline(always)]
+fn tile_origin(tile: u32, tiles_m: u32, tiles_n: u32) -> (u32, u32) {
+    let panel_tiles = PANEL_M as u32 * tiles_n;
+    let (panel, local) = (tile / panel_tiles, tile % panel_tiles);
+    let first = panel * PANEL_M as u32;
+    let height = if tiles_m - first < PANEL_M as u32 { tiles_m - first } else { PANEL_M as u32 };
+    ((first + local % height) * BLOCK_M as u32, (local / height) * BLOCK_N as u32)
+}
+
+/// The stages of a persistent TMA kernel, their "full" and "empty" barriers and the
+/// tile walk, shared by the `nt` and `tk` bodies. A stage holds the `A` and `B` tiles
+/// (`tile_bytes`, `A` first), then with 3xTF32 their residuals in the same layout.
+#[derive(Clone, Copy)]
+pub(super) struct Pipeline {
+    pub(super) base: u32,
+    pub(super) stages: u32,
+    pub(super) stage_bytes: u32,
+    pub(super) tile_bytes: u32,
+    pub(super) block_k: u32,
+    pub(super) a_bytes: u32,
+    pub(super) tiles_m: u32,
+    pub(super) tiles_n: u32,
+    pub(super) k_tiles: u32,
+}
+
+impl Pipeline {
+    /// The layout for `SPLIT` (3xTF32: four 16-deep stages with the 64-byte swizzle,
+    /// so that they fit beside their residuals) and a `(m, n, k)` GEMM. Thread 0 sets
+    /// up the barriers ("full": the producer's one arrival plus the stage's bytes;
+    /// "empty": one arrival per consumer warp) and prefetches both tensor maps; then
+    /// the block's only barrier.
+    ///
+    /// # Safety
+    /// Every thread of the block calls it once, first; `maps` holds two tensor maps;
+    /// the dynamic shared memory is `SMEM_BYTES` (`SPLIT_SMEM_BYTES` with `SPLIT`).
+    #[inline(always)]
+    pub(super) unsafe fn new<const SPLIT: bool, const BF16: bool>(maps: *const u8, (m, n, k): (u32, u32, u32)) -> Pipeline {
+        // The hardware swizzle is a function of address bits 7-9: stages start
+        // 1024-byte aligned.
+        let base = (shared_address(dynamic_shared::<f32>()) + 1023) & !1023;
+        let (stages, tile_bytes, block_k, a_bytes) = if SPLIT {
+            (SPLIT_STAGES, SPLIT_STAGE_BYTES, SPLIT_BLOCK_K, SPLIT_A_BYTES)
+        } else if BF16 {
+            // The same bytes: 128-byte rows of 64 bf16 values.
+            (STAGES, STAGE_BYTES, BF16_BLOCK_K, A_BYTES)
+        } else {
+            (STAGES, STAGE_BYTES, BLOCK_K, A_BYTES)
+        };
+        let (stages, tile_bytes, block_k, a_bytes) = (stages as u32, tile_bytes as u32, block_k as u32, a_bytes as u32);
+        let stage_bytes = if SPLIT { 2 * tile_bytes } else { tile_bytes };
+        let (tiles_m, tiles_n) = (m.div_ceil(BLOCK_M as u32), n.div_ceil(BLOCK_N as u32));
+        let p = Pipeline { base, stages, stage_bytes, tile_bytes, block_k, a_bytes, tiles_m, tiles_n, k_tiles: k.div_ceil(block_k) };
+        if thread_idx_x() == 0 {
+            // SAFETY: fresh barriers inside the dynamic shared memory; valid tensor maps.
+            unsafe {
+                for s in 0..stages {
+                    mbarrier_init(p.full(s), 1);
+                    mbarrier_init(p.empty(s), (CONSUMER_THREADS / 32) as u32);
+                }
+                // Thread 0 is also the producer, the only thread that reads the maps.
+                acquire_tensor_map(maps);
+                acquire_tensor_map(maps.add(128));
+                prefetch_tensor_map(maps);
+                prefetch_tensor_map(maps.add(128));
+            }
+            fence_barrier_init();
+        }
+        // SAFETY: uniform; the only block-wide barrier.
+        unsafe { sync_threads() };
+        p
+    }
+
+    /// Shared-memory address of stage `s`.
+    #[inline(always)]
+    pub(super) fn stage(&self, s: u32) -> u32 {
+        self.base + s * self.stage_bytes
+    }
+
+    #[inline(always)]
+    pub(super) fn full(&self, s: u32) -> u32 {
+        self.base + self.stages * self.stage_bytes + 8 * s
+    }
+
+    #[inline(always)]
+    pub(super) fn empty(&self, s: u32) -> u32 {
+        self.full(self.stages + s)
+    }
+
+    /// The stage after `s` and its barriers' phase.
+    #[inline(always)]
+    pub(super) fn next(&self, s: u32, phase: u32) -> (u32, u32) {
+        if s + 1 == self.stages { (0, phase ^ 1) } else { (s + 1, phase) }
+    }
+
+    pub(super) fn tiles(&self) -> u32 {
+        self.tiles_m * self.tiles_n
+    }
+
+    /// The origin of tile `tile`.
+    #[inline(always)]
+    pub(super) fn origin(&self, tile: u32) -> (u32, u32) {
+        tile_origin(tile, self.tiles_m, self.tiles_n)
+    }
+
+    /// The producer (one thread): walks the same tiles as the consumers and fills each
+    /// stage once the consumers have released it, `copy(stage, row0, col0, k0, full)`
+    /// issuing its TMA copies (`tile_bytes` in all).
+    ///
+    /// # Safety
+    /// One thread calls it, after [`Pipeline::new`]; `copy`'s boxes land inside the stage.
+    #[inline(always)]
+    pub(super) unsafe fn produce(&self, copy: impl Fn(u32, u32, u32, u32, u32)) {
+        let (mut s, mut phase) = (0u32, 0u32);
+        let mut tile = block_idx_x();
+        while tile < self.tiles() {
+            let (row0, col0) = self.origin(tile);
+            for kt in 0..self.k_tiles {
+                // SAFETY: initialised barriers.
+                unsafe {
+                    mbarrier_wait(self.empty(s), phase ^ 1);
+                    mbarrier_arrive_expect_tx(self.full(s), self.tile_bytes);
+                }
+                copy(self.stage(s), row0, col0, kt * self.block_k, self.full(s));
+                (s, phase) = self.next(s, phase);
+            }
+            tile += grid_dim_x();
+        }
+    }
+}
+
