@@ -24,13 +24,14 @@
 /// Strict-f32 GPU or CPU result vs the f64 reference, norm-wise relative error.
 /// (3xTF32 tensor-core GEMMs are held to it too: their products are FP32-accurate.)
 pub const FP32_REL: f64 = 1e-4;
-/// TF32 tensor-core GEMMs: operands keep 10 mantissa bits (relative rounding 2^-11),
-/// so a k-term product is off by about 2^-11 / sqrt(few) relative; 2e-3 is the bound
-/// the tensor-core issue sets.
+/// TF32 tensor-core GEMMs (and the CPU backend's TF32 operands): operands keep 10
+/// mantissa bits (relative rounding 2^-11), so a k-term product is off by about
+/// 2^-11 / sqrt(few) relative; 2e-3 is the bound the tensor-core issue sets.
 pub const TF32_REL: f64 = 2e-3;
 
-/// `--precision bf16`: operands rounded to bf16 (8 mantissa bits, ~2e-3 per element),
-/// FP32 accumulation: the tensor-core issue's bar.
+/// `--precision bf16` (GPU, or the CPU backend's bf16 operands): operands rounded to
+/// bf16 (8 mantissa bits, ~2e-3 per element), FP32 accumulation: the tensor-core
+/// issue's bar.
 pub const BF16_REL: f64 = 2e-2;
 /// `allclose`'s elementwise bound `|got - ref| <= atol + rtol |ref|` (PyTorch's), with
 /// these two: measured and reported, see the module.

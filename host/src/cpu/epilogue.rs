@@ -1,0 +1,318 @@
+//! The epilogue chain in f32, one row at a time (every op acts on each row alone).
+//!
+//! [`forward_row`] and [`backward_row`] are the only places that match on [`Op`]: each
+//! op's math, written from its formula (the table in `crate::chain`), in f32. This is
+//! deliberately separate from the f64 reference (`crate::reference`), which the
+//! backend is checked against. Statistics and reductions inside a row (GroupNorm's
+//! mean and variance, AvgPool's windows) are summed in f32 over eight interleaved
+//! partial sums, which vectorises and keeps the rounding error near that of a tree.
+
+use crate::chain::Op;
+
+/// `op`'s forward applied in place to one row `v` (the op's input); returns the row's
+/// new length (`avgpool(k)` leaves `len / k` values at the front, `max` one).
+/// `p` holds the op's parameters in [`Op::param_bases`] order, each `v.len()` long.
+pub(crate) fn forward_row(op: &Op, p: &[&[f32]], v: &mut [f32]) -> usize {
+    let n = v.len();
+    match *op {
+        Op::Bias => v.iter_mut().zip(p[0]).for_each(|(x, &b)| *x += b),
+        Op::ChannelMul => v.iter_mut().zip(p[0]).for_each(|(x, &w)| *x *= w),
+        Op::Scale(s) => v.iter_mut().for_each(|x| *x *= s),
+        Op::Swish => v.iter_mut().for_each(|x| *x *= sigmoid(*x)),
+        Op::Mish => v.iter_mut().for_each(|x| *x *= softplus(*x).tanh()),
+        Op::Gelu => v.iter_mut().for_each(|x| *x *= normal_cdf(*x)),
+        Op::LeakyRelu(slope) => v.iter_mut().for_each(|x| {
+            // NaN stays NaN either way.
+            if *x <= 0.0 {
+                *x *= slope;
+            }
+        }),
+        // Comparisons with NaN fail, so NaN stays NaN (as torch.clamp).
+        Op::Hardtanh(lo, hi) => v.iter_mut().for_each(|x| {
+            if *x < lo {
+                *x = lo;
+            } else if *x > hi {
+                *x = hi;
+            }
+        }),
+        Op::GroupNorm { groups, eps } => {
+            let size = n / groups;
+            for (g, xs) in v.chunks_exact_mut(size).enumerate() {
+                let (mean, rstd) = group_stats(xs, eps);
+                let (gamma, beta) = (&p[0][g * size..], &p[1][g * size..]);
+                for ((x, &gm), &bt) in xs.iter_mut().zip(gamma).zip(beta) {
+                    *x = (*x - mean) * rstd * gm + bt;
+                }
+            }
+        }
+        Op::AvgPool(k) => {
+            // Window j reads v[j k..], at or after v[j]: overwriting the front in order is safe.
+            for j in 0..n / k {
+                v[j] = sum(&v[j * k..(j + 1) * k]) / k as f32;
+            }
+            return n / k;
+        }
+        Op::RowMax => {
+            v[0] = v[argmax(v)];
+            return 1;
+        }
+    }
+    n
+}
+
+/// `op`'s backward on one row: `x` is the op's forward input, `dy` the gradient of its
+/// output; writes `dx` (as long as `x`) and adds this row's share of each parameter's
+/// gradient to `dp` (in [`Op::param_bases`] order, each as long as `x`).
+pub(crate) fn backward_row(op: &Op, p: &[&[f32]], x: &[f32], dy: &[f32], dx: &mut [f32], dp: &mut [Vec<f32>]) {
+    let pointwise = |dx: &mut [f32], df: &dyn Fn(f32) -> f32| {
+        for ((d, &g), &v) in dx.iter_mut().zip(dy).zip(x) {
+            *d = g * df(v);
+        }
+    };
+    match *op {
+        Op::Bias => {
+            dx.copy_from_slice(dy);
+            dp[0].iter_mut().zip(dy).for_each(|(a, &g)| *a += g);
+        }
+        Op::ChannelMul => {
+            for (((d, a), (&g, &v)), &w) in dx.iter_mut().zip(dp[0].iter_mut()).zip(dy.iter().zip(x)).zip(p[0]) {
+                *d = g * w;
+                *a += g * v;
+            }
+        }
+        Op::Scale(s) => dx.iter_mut().zip(dy).for_each(|(d, &g)| *d = s * g),
+        // f'(x) = s (1 + x (1 - s)), s = sigmoid(x).
+        Op::Swish => pointwise(dx, &|v| {
+            let s = sigmoid(v);
+            s * (1.0 + v * (1.0 - s))
+        }),
+        // f'(x) = t + x (1 - t^2) sigmoid(x), t = tanh(softplus(x)).
+        Op::Mish => pointwise(dx, &|v| {
+            let t = softplus(v).tanh();
+            t + v * (1.0 - t * t) * sigmoid(v)
+        }),
+        // f'(x) = Phi(x) + x phi(x).
+        Op::Gelu => pointwise(dx, &|v| {
+            const INV_SQRT_2PI: f32 = 0.398_942_3;
+            normal_cdf(v) + v * (-0.5 * v * v).exp() * INV_SQRT_2PI
+        }),
+        // Derivative 1 only for x > 0 (slope at 0, as PyTorch).
+        Op::LeakyRelu(slope) => pointwise(dx, &|v| if v > 0.0 { 1.0 } else { slope }),
+        // 1 strictly inside (lo, hi); 0 at the bounds and outside (as PyTorch).
+        Op::Hardtanh(lo, hi) => pointwise(dx, &|v| if v <= lo || v >= hi { 0.0 } else { 1.0 }),
+        // With xhat = (x - mean) rstd and g = dy gamma, means over the group:
+        // dx = rstd (g - mean(g) - xhat mean(g xhat)); dgamma += dy xhat; dbeta += dy.
+        Op::GroupNorm { groups, eps } => {
+            let size = x.len() / groups;
+            let (dgamma, dbeta) = dp.split_at_mut(1);
+            let (dgamma, dbeta) = (&mut dgamma[0], &mut dbeta[0]);
+            for g in 0..groups {
+                let c = g * size..(g + 1) * size;
+                let (xs, dys, gamma) = (&x[c.clone()], &dy[c.clone()], &p[0][c.clone()]);
+                let (mean, rstd) = group_stats(xs, eps);
+                let (mut sum_g, mut sum_gx) = (0.0f32, 0.0f32);
+                for (((&v, &d), &gm), (dg, db)) in
+                    xs.iter().zip(dys).zip(gamma).zip(dgamma[c.clone()].iter_mut().zip(&mut dbeta[c.clone()]))
+                {
+                    let xhat = (v - mean) * rstd;
+                    sum_g += d * gm;
+                    sum_gx += d * gm * xhat;
+                    *dg += d * xhat;
+                    *db += d;
+                }
+                let (mean_g, mean_gx) = (sum_g / size as f32, sum_gx / size as f32);
+                for (((d, &v), &dyv), &gm) in dx[c].iter_mut().zip(xs).zip(dys).zip(gamma) {
+                    let xhat = (v - mean) * rstd;
+                    *d = rstd * (dyv * gm - mean_g - xhat * mean_gx);
+                }
+            }
+        }
+        // Each input of window j gets dy[j] / k; the F mod k trailing inputs get 0.
+        Op::AvgPool(k) => {
+            dx.fill(0.0);
+            for (window, &g) in dx.chunks_exact_mut(k).zip(dy) {
+                window.fill(g / k as f32);
+            }
+        }
+        Op::RowMax => {
+            dx.fill(0.0);
+            dx[argmax(x)] = dy[0];
+        }
+    }
+}
+
+/// `1 / (1 + e^-x)`, never overflowing `exp`.
+fn sigmoid(x: f32) -> f32 {
+    if x >= 0.0 {
+        1.0 / (1.0 + (-x).exp())
+    } else {
+        let e = x.exp();
+        e / (1.0 + e)
+    }
+}
+
+/// `ln(1 + e^x)` as `max(x, 0) + ln(1 + e^-|x|)`: no overflow, no lost tail.
+fn softplus(x: f32) -> f32 {
+    x.max(0.0) + (-x.abs()).exp().ln_1p()
+}
+
+/// `Phi(x) = erfc(-x / sqrt 2) / 2` (= `(1 + erf(x / sqrt 2)) / 2`, without the
+/// cancellation of `1 + erf` in the negative tail, where GELU's value is tiny).
+fn normal_cdf(x: f32) -> f32 {
+    0.5 * libm::erfcf(-x * std::f32::consts::FRAC_1_SQRT_2)
+}
+
+/// Sum over eight interleaved partial sums.
+fn sum(xs: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let chunks = xs.chunks_exact(8);
+    let tail: f32 = chunks.remainder().iter().sum();
+    for c in chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += v;
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// A group's mean and `1 / sqrt(var + eps)` (biased variance, two passes: the
+/// squares are of the residuals, so no cancellation).
+fn group_stats(xs: &[f32], eps: f32) -> (f32, f32) {
+    let n = xs.len() as f32;
+    let mean = sum(xs) / n;
+    let mut acc = [0.0f32; 8];
+    let chunks = xs.chunks_exact(8);
+    let tail: f32 = chunks.remainder().iter().map(|&v| (v - mean) * (v - mean)).sum();
+    for c in chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += (v - mean) * (v - mean);
+        }
+    }
+    let var = (acc.iter().sum::<f32>() + tail) / n;
+    (mean, 1.0 / (var + eps).sqrt())
+}
+
+/// Index of the row's maximum as `torch.max`: the first of equal maxima, and the
+/// first NaN if there is one (NaN propagates).
+fn argmax(v: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x.is_nan() {
+            return i;
+        }
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// A chain ready to run on rows: its ops, each op's parameters as slices, and the
+/// features entering each op (`features[len]`: the output's).
+pub(crate) struct ChainRows<'a> {
+    pub ops: &'a [Op],
+    pub params: Vec<Vec<&'a [f32]>>,
+    pub features: Vec<usize>,
+}
+
+/// Per-thread buffers of [`ChainRows::backward`].
+pub(crate) struct Scratch {
+    /// Every op's input for the current row, op `i` at `offsets[i]`.
+    inputs: Vec<f32>,
+    offsets: Vec<usize>,
+    grad: Vec<f32>,
+    grad_next: Vec<f32>,
+}
+
+impl<'a> ChainRows<'a> {
+    /// Runs the chain in place on a row whose first `features[0]` values are the
+    /// Linear output; returns the output's length (`features[len]`).
+    pub(crate) fn forward(&self, row: &mut [f32]) -> usize {
+        let mut len = self.features[0];
+        for (op, p) in self.ops.iter().zip(&self.params) {
+            len = forward_row(op, p, &mut row[..len]);
+        }
+        len
+    }
+
+    pub(crate) fn scratch(&self) -> Scratch {
+        let mut offsets = vec![0];
+        for &f in &self.features[..self.ops.len()] {
+            offsets.push(offsets.last().unwrap() + f);
+        }
+        let widest = self.features.iter().copied().max().unwrap_or(0);
+        Scratch {
+            inputs: vec![0.0; *offsets.last().unwrap()],
+            offsets,
+            grad: vec![0.0; widest],
+            grad_next: vec![0.0; widest],
+        }
+    }
+
+    /// Gradient flat list of the chain's parameters: one zero vector per parameter.
+    pub(crate) fn zero_grads(&self) -> Vec<Vec<f32>> {
+        self.params.iter().flatten().map(|p| vec![0.0; p.len()]).collect()
+    }
+
+    /// One row's backward through the chain: `z` is the row's Linear output, `dy` the
+    /// gradient of its chain output; writes `dz` and adds the row's share of the
+    /// chain parameters' gradients to `dp` (as [`ChainRows::zero_grads`] lays them out).
+    /// The forward is recomputed from `z`, keeping each op's input for this row only.
+    pub(crate) fn backward(&self, z: &[f32], dy: &[f32], dz: &mut [f32], s: &mut Scratch, dp: &mut [Vec<f32>]) {
+        let ops = self.ops.len();
+        if ops == 0 {
+            dz.copy_from_slice(dy);
+            return;
+        }
+        s.inputs[..z.len()].copy_from_slice(z);
+        for i in 0..ops - 1 {
+            // Op i runs on a copy of its input (a row may shrink), its output becomes
+            // op i + 1's saved input.
+            let (f_in, f_out) = (self.features[i], self.features[i + 1]);
+            let work = &mut s.grad[..f_in];
+            work.copy_from_slice(&s.inputs[s.offsets[i]..s.offsets[i] + f_in]);
+            forward_row(&self.ops[i], &self.params[i], work);
+            s.inputs[s.offsets[i + 1]..s.offsets[i + 1] + f_out].copy_from_slice(&work[..f_out]);
+        }
+        let mut first_param = dp.len();
+        let (mut g, mut g_next) = (&mut s.grad, &mut s.grad_next);
+        g[..dy.len()].copy_from_slice(dy);
+        for i in (0..ops).rev() {
+            first_param -= self.params[i].len();
+            let (f_in, f_out) = (self.features[i], self.features[i + 1]);
+            let x = &s.inputs[s.offsets[i]..s.offsets[i] + f_in];
+            let dp_op = &mut dp[first_param..first_param + self.params[i].len()];
+            backward_row(&self.ops[i], &self.params[i], x, &g[..f_out], &mut g_next[..f_in], dp_op);
+            std::mem::swap(&mut g, &mut g_next);
+        }
+        dz.copy_from_slice(&g[..self.features[0]]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn argmax_takes_the_first_maximum_and_the_first_nan() {
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0]), 1);
+        assert_eq!(argmax(&[1.0, f32::NAN, 5.0, f32::NAN]), 1);
+        assert_eq!(argmax(&[f32::NEG_INFINITY, f32::NEG_INFINITY]), 0);
+    }
+
+    #[test]
+    fn avgpool_shrinks_the_row_in_place() {
+        let mut v = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0];
+        assert_eq!(forward_row(&Op::AvgPool(3), &[], &mut v), 2);
+        assert_eq!(v[..2], [2.0, 5.0]);
+    }
+
+    #[test]
+    fn sums_cover_every_element() {
+        let xs: Vec<f32> = (1..=19).map(|i| i as f32).collect();
+        assert_eq!(sum(&xs), 190.0);
+        let (mean, rstd) = group_stats(&[2.0, 4.0, 4.0, 4.0, 5.0, 5.0, 7.0, 9.0, 1.0, 9.0], 0.0);
+        assert_eq!(mean, 5.0);
+        assert!((1.0 / rstd - 6.4f32.sqrt()).abs() < 1e-6, "{rstd}"); // variance 64 / 10
+    }
+}
