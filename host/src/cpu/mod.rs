@@ -8,11 +8,15 @@
 //!   every op's f32 math). The backward recomputes each row's chain from the saved
 //!   Linear output `z`, back-propagates it to `dz` (summing the chain parameters'
 //!   gradients over rows in f32, tree-wise), then runs the two GEMMs.
-//! * Precision: [`Precision::Fp32`] is strict FP32 (what `--precision fp32` and
-//!   `tf32x3` mean). [`Precision::Tf32`] and [`Precision::Bf16`] round every GEMM
-//!   operand as the GPU's tensor cores take them (TF32: the low 13 mantissa bits
-//!   dropped; bf16: to nearest even) and still sum in f32, so the CPU shows the
-//!   error those precisions give; the epilogue is always f32.
+//! * Precision: [`Precision::Fp32`] (the default) is strict FP32, what the CLI and
+//!   the Python op run on the CPU whatever their precision. [`Precision::Tf32`] and
+//!   [`Precision::Bf16`] round every GEMM operand as the GPU's tensor cores take them
+//!   (TF32: the low 13 mantissa bits dropped; bf16: to nearest even), still summing in
+//!   f32: a library option to see those precisions' forward error on the CPU. Their
+//!   gradients are those of the rounded `z`: unlike the GPU, this backend does not
+//!   recompute in f64 the values of `z` whose rounding could flip a kink (LeakyReLU,
+//!   Hardtanh, max), so against the f64 reference M3's and M5's TF32 gradients were
+//!   off by 1.6e-2 (tolerance 2e-3). The epilogue is always f32.
 //!
 //! The backend shares no code with the f64 reference in [`crate::reference`]: the
 //! reference is the oracle it is tested against (tests/cpu_backend.rs).
@@ -57,19 +61,6 @@ impl Precision {
             Precision::Tf32 => f32::from_bits(bits & 0xffff_e000),
             // Cannot overflow: the largest non-NaN pattern is 0xff80_0000.
             Precision::Bf16 => f32::from_bits((bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff_0000),
-        }
-    }
-}
-
-impl From<crate::gpu::gemm::simt::Precision> for Precision {
-    /// The GPU precisions' meaning on the CPU: FP32 and 3xTF32 (FP32-accurate) are
-    /// FP32; TF32 and bf16 round the operands the same way.
-    fn from(p: crate::gpu::gemm::simt::Precision) -> Self {
-        use crate::gpu::gemm::simt::Precision as Gpu;
-        match p {
-            Gpu::Fp32 | Gpu::Tf32x3 => Precision::Fp32,
-            Gpu::Tf32 => Precision::Tf32,
-            Gpu::Bf16 => Precision::Bf16,
         }
     }
 }
