@@ -97,7 +97,11 @@ pub fn describe(precision: Precision) -> String {
         Precision::Tf32 => "f32 GEMMs of TF32-rounded operands",
         Precision::Bf16 => "f32 GEMMs of bf16-rounded operands",
     };
-    format!("{gemm} (gemm crate, {} threads), f32 epilogue", threads())
+    let threads = match threads() {
+        1 => "1 thread".to_string(),
+        n => format!("{n} threads"),
+    };
+    format!("{gemm} (gemm crate, {threads}), f32 epilogue")
 }
 
 /// The block's output for input `x` (inference).
@@ -280,7 +284,6 @@ fn forward_impl(
             },
         );
     }
-    progress.finish();
     Ok((y.reshape(&spec.output_shape(batch))?, z))
 }
 
@@ -348,7 +351,6 @@ fn backward_impl(
     let mut dw = Tensor::full(&[out_f, in_f], 0.0f32)?;
     let x_mat = MatRef::row_major(&x_op, batch, in_f);
     matmul_tiled(dw.data_mut(), dz_mat.t(), x_mat, Tiles::new(out_f, in_f, batch), progress);
-    progress.finish();
 
     let mut dchain = dchain.into_iter();
     let ops = params

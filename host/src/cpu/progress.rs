@@ -72,7 +72,7 @@ impl Progress {
     }
 
     /// Ends the line if one was shown (with the final state).
-    pub(crate) fn finish(&mut self) {
+    fn finish(&mut self) {
         if self.last.take().is_some() {
             let secs = self.start.elapsed().as_secs_f64();
             let label = self.label.as_deref().unwrap_or("");
@@ -83,6 +83,7 @@ impl Progress {
     }
 }
 
+/// The line ends when the run does (also on an error's early return).
 impl Drop for Progress {
     fn drop(&mut self) {
         self.finish();
