@@ -3,9 +3,9 @@
 //! * The GEMMs (`x W^T`, and in the backward `dz W` and `dz^T x`) run on the `gemm`
 //!   crate, whose kernels pick AVX2/AVX-512/NEON at run time, threaded on rayon's
 //!   global pool (`RAYON_NUM_THREADS` sets its size). See `matmul.rs`.
-//! * The forward computes the Linear output in row panels and runs the epilogue
-//!   chain on each panel while it is in cache, row by row in parallel (`epilogue.rs`:
-//!   every op's f32 math). The backward recomputes each row's chain from the saved
+//! * The forward computes the Linear output (in row panels when it is large, for
+//!   progress) and runs the epilogue chain on each panel's rows in parallel
+//!   (`epilogue.rs`: every op's f32 math). The backward recomputes each row's chain from the saved
 //!   Linear output `z`, back-propagates it to `dz` (summing the chain parameters'
 //!   gradients over rows in f32, tree-wise), then runs the two GEMMs.
 //! * Precision: [`Precision::Fp32`] (the default) is strict FP32, what the CLI and
