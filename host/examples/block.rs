@@ -1,6 +1,7 @@
 //! One block through the `host` library, without the CLI: `Linear(256, 512)` followed by
 //! `groupnorm(16),swish,mul,swish`, forward and backward, on the GPU where one is usable
-//! (3xTF32 GEMMs) and on the CPU reference otherwise, checked against the f64 reference.
+//! (3xTF32 GEMMs) and on the CPU backend (`host::cpu`, f32) otherwise, checked against
+//! the f64 reference.
 //!
 //! `cargo run --release -p host --example block`
 
@@ -35,8 +36,8 @@ fn main() -> host::Result<()> {
             (format!("GPU ({}), 3xTF32", gpu.props.name), got.y, got.x, got.params.linear_weight)
         }
         Err(why) => {
-            // The CPU backend: the reference's code in f32.
-            let (y, grads) = reference::block_backward(&spec, &x, &params, &dy)?;
+            // The CPU backend: f32 on every core.
+            let (y, grads) = host::cpu::backward(&spec, &x, &params, &dy, &Default::default())?;
             (format!("CPU ({why})"), y, grads.x, grads.params.linear_weight)
         }
     };

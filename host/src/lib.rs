@@ -1,10 +1,12 @@
 //! Host side of the fused Linear + epilogue blocks: tensors, chains, the CPU reference,
-//! the autograd tape, the CUDA runtime and the launchers of the kernels in `kernels-gpu`.
+//! the CPU backend, the autograd tape, the CUDA runtime and the launchers of the
+//! kernels in `kernels-gpu`.
 
 pub mod block;
 pub mod chain;
 pub mod check;
 pub mod cli;
+pub mod cpu;
 pub mod error;
 pub mod gpu;
 pub mod io;

@@ -15,7 +15,7 @@ use host::block::{BlockSpec, Params};
 use host::chain::Chain;
 use host::gpu::block::{DeviceParams, GpuBlock, Saved};
 use host::gpu::{DeviceAllocator, DeviceTensor, ElementKind, Gpu};
-use host::reference::{self, Real};
+use host::reference::{self, BlockGrads, Real};
 use host::tensor::Tensor;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -388,10 +388,63 @@ fn gpu_call(call: &Call<'_>, index: usize, stream: u64, allocate: &Bound<'_, PyA
 // ---------------------------------------------------------------------------------
 // CPU
 
-/// The CPU backend's element types.
-trait Element: Real {}
-impl Element for f32 {}
-impl Element for f64 {}
+/// The CPU element types and what computes in each: float32 on the CPU backend
+/// (`host::cpu`, FP32 on every core whatever the precision), float64 on the f64
+/// reference.
+trait Element: Real {
+    /// `(y, z)`: the output and the Linear output the backward takes.
+    fn forward_saving(
+        spec: &BlockSpec,
+        x: &Tensor<Self>,
+        params: &Params<Self>,
+    ) -> host::Result<(Tensor<Self>, Tensor<Self>)>;
+    /// The gradients at the forward's `z`.
+    fn backward_at(
+        spec: &BlockSpec,
+        x: &Tensor<Self>,
+        params: &Params<Self>,
+        dy: &Tensor<Self>,
+        z: &Tensor<Self>,
+    ) -> host::Result<BlockGrads<Self>>;
+}
+
+impl Element for f32 {
+    fn forward_saving(
+        spec: &BlockSpec,
+        x: &Tensor<f32>,
+        params: &Params<f32>,
+    ) -> host::Result<(Tensor<f32>, Tensor<f32>)> {
+        host::cpu::forward_saving(spec, x, params, &Default::default())
+    }
+    fn backward_at(
+        spec: &BlockSpec,
+        x: &Tensor<f32>,
+        params: &Params<f32>,
+        dy: &Tensor<f32>,
+        z: &Tensor<f32>,
+    ) -> host::Result<BlockGrads<f32>> {
+        host::cpu::backward_at(spec, x, params, dy, z, &Default::default())
+    }
+}
+
+impl Element for f64 {
+    fn forward_saving(
+        spec: &BlockSpec,
+        x: &Tensor<f64>,
+        params: &Params<f64>,
+    ) -> host::Result<(Tensor<f64>, Tensor<f64>)> {
+        reference::block_forward_saving(spec, x, params)
+    }
+    fn backward_at(
+        spec: &BlockSpec,
+        x: &Tensor<f64>,
+        params: &Params<f64>,
+        dy: &Tensor<f64>,
+        z: &Tensor<f64>,
+    ) -> host::Result<BlockGrads<f64>> {
+        Ok(reference::block_backward_at(spec, x, params, dy, z)?.1)
+    }
+}
 
 /// A copy of a checked CPU tensor's values.
 fn read_cpu<T: Copy>(a: &Arg<'_>) -> PyResult<Tensor<T>> {
@@ -428,7 +481,7 @@ fn cpu_forward<'py, T: Element>(
     save: bool,
 ) -> PyResult<(Bound<'py, PyAny>, Option<Bound<'py, PyAny>>)> {
     let (x, params) = (read_cpu::<T>(&call.x)?, cpu_params::<T>(call)?);
-    let (y, z) = reference::block_forward_saving(&call.spec, &x, &params).map_err(to_py)?;
+    let (y, z) = T::forward_saving(&call.spec, &x, &params).map_err(to_py)?;
     let z = if save { Some(write_cpu(allocate, &z, z.shape())?) } else { None };
     Ok((write_cpu(allocate, &y, y.shape())?, z))
 }
@@ -443,7 +496,7 @@ fn cpu_backward<'py, T: Element>(
 ) -> PyResult<Grads<'py>> {
     let (x, params) = (read_cpu::<T>(&call.x)?, cpu_params::<T>(call)?);
     let (z, dy) = (read_cpu::<T>(z)?, read_cpu::<T>(dy)?);
-    let (_, grads) = reference::block_backward_at(&call.spec, &x, &params, &dy, &z).map_err(to_py)?;
+    let grads = T::backward_at(&call.spec, &x, &params, &dy, &z).map_err(to_py)?;
     let flat = grads.params.flat();
     let mut out = flat.iter().map(|g| write_cpu(allocate, g, g.shape())).collect::<PyResult<Vec<_>>>()?.into_iter();
     let (dw, db) = (out.next().unwrap(), out.next().unwrap());

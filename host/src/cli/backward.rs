@@ -4,6 +4,7 @@
 use super::{Backend, BlockArgs, DeviceChoice, Failure, Problem, TuningArgs};
 use crate::block::Params;
 use crate::check::{Comparison, compare_f32};
+use crate::cpu;
 use crate::error::Result;
 use crate::gpu::block::GpuBlock;
 use crate::io::TensorFile;
@@ -57,10 +58,18 @@ pub fn run(a: &BackwardArgs) -> Result<(), Failure> {
     };
     let (backend, y, dx, grads, ms, timing) = match Backend::open(a.device, a.tuning.tuning())? {
         Backend::Cpu => {
+            let opts = cpu::Options::default().with_progress("cpu forward+backward");
             let t0 = Instant::now();
-            let (y, g) = reference::block_backward::<f32>(&p.spec, &p.x, &p.params, &dy)?;
+            let (y, g) = cpu::backward(&p.spec, &p.x, &p.params, &dy, &opts)?;
             let ms = t0.elapsed().as_secs_f64() * 1e3;
-            ("cpu (f32 reference code, nalgebra GEMMs)".to_string(), y, g.x, g.params, ms, "one run, wall clock".into())
+            (
+                format!("cpu: {}{}", cpu::describe(cpu::Precision::Fp32), super::cpu_precision_note(p.precision)),
+                y,
+                g.x,
+                g.params,
+                ms,
+                "one run, wall clock".into(),
+            )
         }
         Backend::Gpu(gpu) => {
             let block = GpuBlock::new(&gpu, &p.spec, &p.params)?.with_precision(p.precision);
@@ -83,17 +92,18 @@ pub fn run(a: &BackwardArgs) -> Result<(), Failure> {
     };
 
     let spec = &p.spec;
-    let tflops = 3.0 * spec.forward_flops(batch) / (ms * 1e-3) / 1e12;
     println!("host backward");
     println!("  backend   {backend}");
     println!("  model     {}: Linear({}, {}) -> {}", p.name, spec.in_features, spec.out_features, spec.chain);
     println!("  shape     x [{batch}, {}] -> y {:?}", spec.in_features, y.shape());
-    println!("  time      {ms:.3} ms forward+backward, {tflops:.2} TFLOP/s of 3 GEMMs ({timing})");
+    let rate = super::flop_rate(3.0 * spec.forward_flops(batch), ms);
+    println!("  time      {ms:.3} ms forward+backward, {rate} of 3 GEMMs ({timing})");
     let sum = |t: &Tensor<f32>| t.data().iter().map(|&v| v as f64).sum::<f64>();
     let names: Vec<String> = spec.param_specs().into_iter().map(|s| s.name).collect();
     let sums: Vec<String> = names.iter().zip(grads.flat()).map(|(n, g)| format!("{n} {:.4e}", sum(g))).collect();
     println!("  checksums grad.x {:.4e}; {}", sum(&dx), sums.join(", "));
 
+    // The CPU backend computes in FP32 whatever --precision says.
     let tol = if backend.starts_with("gpu") { p.precision.tolerance() } else { crate::check::FP32_REL };
     let verdict = check(&p, &dy, &dx, &grads, a.check_rows, tol)?;
     if let Some(path) = &a.grads {

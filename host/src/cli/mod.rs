@@ -382,6 +382,21 @@ impl Backend {
     }
 }
 
+/// `flops` done in `ms` milliseconds as a rate: TFLOP/s from 1 TFLOP/s up, else GFLOP/s.
+pub fn flop_rate(flops: f64, ms: f64) -> String {
+    let per_s = flops / (ms * 1e-3);
+    if per_s >= 1e12 { format!("{:.2} TFLOP/s", per_s / 1e12) } else { format!("{:.1} GFLOP/s", per_s / 1e9) }
+}
+
+/// What the CPU backend's summary line adds when `--precision` asked for something
+/// it does not do (it computes in FP32, which 3xTF32 matches).
+pub fn cpu_precision_note(p: Precision) -> String {
+    match p {
+        Precision::Fp32 | Precision::Tf32x3 => String::new(),
+        p => format!(" (--precision {p} is the GPU's: FP32 here)"),
+    }
+}
+
 /// `n` row indices spread evenly over `batch` rows, first and last included (at most
 /// `batch` of them), for checks against the reference on a sample.
 pub fn sample_rows(batch: usize, n: usize) -> Vec<usize> {

@@ -6,6 +6,7 @@
 use super::{Backend, DeviceChoice, Failure, TuningArgs};
 use crate::block::{BlockSpec, Params, random_input};
 use crate::chain::{Chain, Preset};
+use crate::cpu;
 use crate::error::{Error, Result};
 use crate::gpu::block::GpuBlock;
 use crate::gpu::optim::{AdamState, adam_step, mse_loss_grad, sgd_step};
@@ -129,7 +130,7 @@ pub fn run(a: &TrainArgs) -> Result<(), Failure> {
             train_gpu(gpu, a, (&s1, &s2), student, &data)?
         }
         Backend::Cpu => {
-            println!("  backend cpu (f32 reference code)");
+            println!("  backend cpu: {}", crate::cpu::describe(crate::cpu::Precision::Fp32));
             train_cpu(a, (&s1, &s2), student, &data)?
         }
     };
@@ -211,6 +212,7 @@ fn train_cpu(
 ) -> Result<Vec<f64>> {
     let zeros = |p: &Params<f32>| p.map(|_| 0.0f32);
     let mut moments = [(zeros(&student.0), zeros(&student.0)), (zeros(&student.1), zeros(&student.1))];
+    let opts = cpu::Options::default();
     let mut losses = Vec::new();
     for step in 1..=a.steps {
         let (x, target) = &data[(step - 1) % data.len()];
@@ -218,8 +220,8 @@ fn train_cpu(
         let x_var = tape.leaf();
         let v1: Vec<VarId> = student.0.flat().iter().map(|_| tape.leaf()).collect();
         let v2: Vec<VarId> = student.1.flat().iter().map(|_| tape.leaf()).collect();
-        let (h, h_var) = reference::block_forward_taped(&mut tape, s1, x, x_var, &student.0, &v1)?;
-        let (y, y_var) = reference::block_forward_taped(&mut tape, s2, &h, h_var, &student.1, &v2)?;
+        let (h, h_var) = cpu::block_forward_taped(&mut tape, s1, x, x_var, &student.0, &v1, &opts)?;
+        let (y, y_var) = cpu::block_forward_taped(&mut tape, s2, &h, h_var, &student.1, &v2, &opts)?;
         let n = y.len() as f64;
         let loss = y.data().iter().zip(target.data()).map(|(&p, &t)| ((p - t) as f64).powi(2)).sum::<f64>() / n;
         let dy = Tensor::new(

@@ -1,0 +1,381 @@
+//! The CPU backend: a block's forward and backward in f32, on every core.
+//!
+//! * The GEMMs (`x W^T`, and in the backward `dz W` and `dz^T x`) run on the `gemm`
+//!   crate, whose kernels pick AVX2/AVX-512/NEON at run time, threaded on rayon's
+//!   global pool (`RAYON_NUM_THREADS` sets its size). See `matmul.rs`.
+//! * The forward computes the Linear output (in row panels when it is large, for
+//!   progress) and runs the epilogue chain on each panel's rows in parallel
+//!   (`epilogue.rs`: every op's f32 math). The backward recomputes each row's chain from the saved
+//!   Linear output `z`, back-propagates it to `dz` (summing the chain parameters'
+//!   gradients over rows in f32, tree-wise), then runs the two GEMMs.
+//! * Precision: [`Precision::Fp32`] (the default) is strict FP32, what the CLI and
+//!   the Python op run on the CPU whatever their precision. [`Precision::Tf32`] and
+//!   [`Precision::Bf16`] round every GEMM operand as the GPU's tensor cores take them
+//!   (TF32: the low 13 mantissa bits dropped; bf16: to nearest even), still summing in
+//!   f32: a library option to see those precisions' forward error on the CPU. Their
+//!   gradients are those of the rounded `z`: unlike the GPU, this backend does not
+//!   recompute in f64 the values of `z` whose rounding could flip a kink (LeakyReLU,
+//!   Hardtanh, max), so against the f64 reference M3's and M5's TF32 gradients were
+//!   off by 1.6e-2 (tolerance 2e-3). The epilogue is always f32.
+//!
+//! The backend shares no code with the f64 reference in [`crate::reference`]: the
+//! reference is the oracle it is tested against (tests/cpu_backend.rs).
+
+mod epilogue;
+mod matmul;
+mod progress;
+
+use crate::block::{BlockSpec, Params};
+use crate::error::{Error, Result};
+use crate::reference::BlockGrads;
+use crate::tape::{Tape, VarId};
+use crate::tensor::Tensor;
+use epilogue::ChainRows;
+use matmul::{MatRef, Tiles, matmul_rows, matmul_tiled};
+use progress::Progress;
+use rayon::prelude::*;
+use std::borrow::Cow;
+
+/// The arithmetic of the CPU backend's GEMMs (the epilogue is always f32).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Precision {
+    /// Strict FP32 products and sums.
+    #[default]
+    Fp32,
+    /// Operands truncated to TF32 (10 mantissa bits, as the tensor cores read FP32
+    /// registers), FP32 sums.
+    Tf32,
+    /// Operands rounded to bf16 (7 mantissa bits, to nearest even), FP32 sums.
+    Bf16,
+}
+
+impl Precision {
+    /// `v` as this precision's GEMMs take it (NaN stays NaN, infinities stay).
+    pub fn round(self, v: f32) -> f32 {
+        if v.is_nan() {
+            return v;
+        }
+        let bits = v.to_bits();
+        match self {
+            Precision::Fp32 => v,
+            Precision::Tf32 => f32::from_bits(bits & 0xffff_e000),
+            // Cannot overflow: the largest non-NaN pattern is 0xff80_0000.
+            Precision::Bf16 => f32::from_bits((bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff_0000),
+        }
+    }
+}
+
+/// How a call runs.
+#[derive(Clone, Debug, Default)]
+pub struct Options {
+    pub precision: Precision,
+    /// Shows a progress line on stderr under this label once the work has taken a
+    /// second and looks like taking two or more; `None` prints nothing.
+    pub progress: Option<String>,
+}
+
+impl Options {
+    pub fn new(precision: Precision) -> Self {
+        Options { precision, progress: None }
+    }
+
+    pub fn with_progress(mut self, label: &str) -> Self {
+        self.progress = Some(label.to_string());
+        self
+    }
+}
+
+/// Threads the backend runs on (rayon's global pool).
+pub fn threads() -> usize {
+    rayon::current_num_threads()
+}
+
+/// One line saying what computes: for the CLI's summaries.
+pub fn describe(precision: Precision) -> String {
+    let gemm = match precision {
+        Precision::Fp32 => "f32 GEMMs",
+        Precision::Tf32 => "f32 GEMMs of TF32-rounded operands",
+        Precision::Bf16 => "f32 GEMMs of bf16-rounded operands",
+    };
+    let threads = match threads() {
+        1 => "1 thread".to_string(),
+        n => format!("{n} threads"),
+    };
+    format!("{gemm} (gemm crate, {threads}), f32 epilogue")
+}
+
+/// The block's output for input `x` (inference).
+pub fn forward(spec: &BlockSpec, x: &Tensor<f32>, params: &Params<f32>, opts: &Options) -> Result<Tensor<f32>> {
+    let mut progress = Progress::new(opts.progress.as_deref(), spec.forward_flops(x.rows()));
+    Ok(forward_impl(spec, x, params, opts.precision, false, &mut progress)?.0)
+}
+
+/// [`forward`] and the Linear output `z` `(batch, out)`: what [`backward_at`] takes.
+pub fn forward_saving(
+    spec: &BlockSpec,
+    x: &Tensor<f32>,
+    params: &Params<f32>,
+    opts: &Options,
+) -> Result<(Tensor<f32>, Tensor<f32>)> {
+    let mut progress = Progress::new(opts.progress.as_deref(), spec.forward_flops(x.rows()));
+    let (y, z) = forward_impl(spec, x, params, opts.precision, true, &mut progress)?;
+    Ok((y, z.expect("kept when asked for")))
+}
+
+/// Gradients of `L = sum(y * dy)` with respect to `x` and every parameter, given the
+/// Linear output `z` that [`forward_saving`] returned for the same `x` and `params`.
+pub fn backward_at(
+    spec: &BlockSpec,
+    x: &Tensor<f32>,
+    params: &Params<f32>,
+    dy: &Tensor<f32>,
+    z: &Tensor<f32>,
+    opts: &Options,
+) -> Result<BlockGrads<f32>> {
+    let mut progress = Progress::new(opts.progress.as_deref(), 2.0 * spec.forward_flops(x.rows()));
+    backward_impl(spec, x, params, dy, z, opts.precision, &mut progress)
+}
+
+/// Output and gradients: [`forward_saving`] then [`backward_at`], under one progress line.
+pub fn backward(
+    spec: &BlockSpec,
+    x: &Tensor<f32>,
+    params: &Params<f32>,
+    dy: &Tensor<f32>,
+    opts: &Options,
+) -> Result<(Tensor<f32>, BlockGrads<f32>)> {
+    let batch = spec.check_input(x)?;
+    check_dy(spec, batch, dy)?;
+    let mut progress = Progress::new(opts.progress.as_deref(), 3.0 * spec.forward_flops(batch));
+    let (y, z) = forward_impl(spec, x, params, opts.precision, true, &mut progress)?;
+    let z = z.expect("kept when asked for");
+    let grads = backward_impl(spec, x, params, dy, &z, opts.precision, &mut progress)?;
+    Ok((y, grads))
+}
+
+/// The block's forward recorded on `tape` as one node (inputs: `x_var`, then
+/// `param_vars` in [`Params::flat`] order), as [`crate::reference::block_forward_taped`]
+/// records the reference's: the tape's backward then runs [`backward_at`].
+pub fn block_forward_taped(
+    tape: &mut Tape<Tensor<f32>>,
+    spec: &BlockSpec,
+    x: &Tensor<f32>,
+    x_var: VarId,
+    params: &Params<f32>,
+    param_vars: &[VarId],
+    opts: &Options,
+) -> Result<(Tensor<f32>, VarId)> {
+    let n_params = params.flat().len();
+    if param_vars.len() != n_params {
+        return Err(Error::Argument(format!(
+            "the block has {n_params} parameters, got {} tape variables for them",
+            param_vars.len()
+        )));
+    }
+    let (y, z) = forward_saving(spec, x, params, opts)?;
+    let mut inputs = vec![x_var];
+    inputs.extend_from_slice(param_vars);
+    let (spec, x, params, opts) = (spec.clone(), x.clone(), params.clone(), opts.clone());
+    let var = tape.record(&inputs, move |dy: Tensor<f32>| {
+        let g = backward_at(&spec, &x, &params, &dy, &z, &opts)?;
+        let p = g.params;
+        let grads = [g.x, p.linear_weight, p.linear_bias].into_iter().chain(p.ops.into_iter().flatten());
+        Ok(grads.map(Some).collect())
+    });
+    Ok((y, var))
+}
+
+/// Checks that `params` fit `spec`: one list per op, each op's count, every shape.
+fn check_params(spec: &BlockSpec, params: &Params<f32>) -> Result<()> {
+    let ops = &spec.chain.0;
+    if params.ops.len() != ops.len() {
+        return Err(Error::Shape(format!(
+            "the chain `{}` has {} ops, the parameters have {} op entries",
+            spec.chain,
+            ops.len(),
+            params.ops.len()
+        )));
+    }
+    for (i, (op, p)) in ops.iter().zip(&params.ops).enumerate() {
+        if p.len() != op.param_bases().len() {
+            return Err(Error::Shape(format!(
+                "op {} (`{op}`) takes {} parameter(s), got {}",
+                i + 1,
+                op.param_bases().len(),
+                p.len()
+            )));
+        }
+    }
+    for (s, t) in spec.param_specs().iter().zip(params.flat()) {
+        if t.shape() != s.shape.as_slice() {
+            return Err(Error::tensor(&s.name, format!("expected shape {:?}, got {:?}", s.shape, t.shape())));
+        }
+    }
+    Ok(())
+}
+
+fn check_dy(spec: &BlockSpec, batch: usize, dy: &Tensor<f32>) -> Result<()> {
+    let want = spec.output_shape(batch);
+    if dy.shape() != want.as_slice() {
+        return Err(Error::tensor("dy", format!("expected the block's output shape {want:?}, got {:?}", dy.shape())));
+    }
+    Ok(())
+}
+
+/// The chain of `spec` with `params` (checked) as slices.
+fn chain_rows<'a>(spec: &'a BlockSpec, params: &'a Params<f32>) -> ChainRows<'a> {
+    let ops = &spec.chain.0;
+    ChainRows {
+        ops,
+        params: params.ops.iter().map(|p| p.iter().map(Tensor::data).collect()).collect(),
+        features: (0..=ops.len()).map(|i| spec.features_at(i)).collect(),
+    }
+}
+
+/// A GEMM operand as `precision` takes it: the data itself for FP32, else a rounded copy.
+fn operand(data: &[f32], precision: Precision) -> Cow<'_, [f32]> {
+    match precision {
+        Precision::Fp32 => Cow::Borrowed(data),
+        p => Cow::Owned(data.par_iter().map(|&v| p.round(v)).collect()),
+    }
+}
+
+/// The forward: `z = x W^T + b` in row panels, each panel's rows then through the
+/// chain in parallel. Returns `y` (shaped as [`BlockSpec::output_shape`]) and, with
+/// `keep_z`, `z`.
+fn forward_impl(
+    spec: &BlockSpec,
+    x: &Tensor<f32>,
+    params: &Params<f32>,
+    precision: Precision,
+    keep_z: bool,
+    progress: &mut Progress,
+) -> Result<(Tensor<f32>, Option<Tensor<f32>>)> {
+    let batch = spec.check_input(x)?;
+    check_params(spec, params)?;
+    let (in_f, out_f) = (spec.in_features, spec.out_features);
+    let chain = chain_rows(spec, params);
+    let out_w = *chain.features.last().expect("features of the input at least");
+    let mut y = Tensor::full(&[batch, out_w], 0.0f32)?;
+    let mut z = if keep_z { Some(Tensor::full(&[batch, out_f], 0.0f32)?) } else { None };
+    let x_op = operand(x.data(), precision);
+    let w_op = operand(params.linear_weight.data(), precision);
+    let a = MatRef::row_major(&x_op, batch, in_f);
+    let b = MatRef::row_major(&w_op, out_f, in_f).t();
+    let tiles = Tiles::new(batch, out_f, in_f);
+    // Without `z` to keep, one panel's worth of it is reused.
+    let mut panel = if keep_z { Vec::new() } else { Tensor::full(&[tiles.rows, out_f], 0.0f32)?.into_data() };
+    let bias = params.linear_bias.data();
+    for r0 in (0..batch).step_by(tiles.rows) {
+        let r1 = (r0 + tiles.rows).min(batch);
+        let zp = match &mut z {
+            Some(z) => &mut z.data_mut()[r0 * out_f..r1 * out_f],
+            None => &mut panel[..(r1 - r0) * out_f],
+        };
+        matmul_rows(zp, a, (r0, r1), b, tiles.cols, progress);
+        let yp = &mut y.data_mut()[r0 * out_w..r1 * out_w];
+        zp.par_chunks_mut(out_f).zip(yp.par_chunks_mut(out_w)).for_each_init(
+            || vec![0.0f32; out_f],
+            |row, (zr, yr)| {
+                zr.iter_mut().zip(bias).for_each(|(v, &b)| *v += b);
+                row.copy_from_slice(zr);
+                let n = chain.forward(row);
+                yr.copy_from_slice(&row[..n]);
+            },
+        );
+    }
+    Ok((y.reshape(&spec.output_shape(batch))?, z))
+}
+
+/// Rows of the chain's backward per task: the parameter gradients are summed over a
+/// task's rows in order, then over tasks tree-wise.
+const ROWS_PER_TASK: usize = 16;
+
+fn backward_impl(
+    spec: &BlockSpec,
+    x: &Tensor<f32>,
+    params: &Params<f32>,
+    dy: &Tensor<f32>,
+    z: &Tensor<f32>,
+    precision: Precision,
+    progress: &mut Progress,
+) -> Result<BlockGrads<f32>> {
+    let batch = spec.check_input(x)?;
+    check_params(spec, params)?;
+    check_dy(spec, batch, dy)?;
+    let (in_f, out_f) = (spec.in_features, spec.out_features);
+    if z.shape() != [batch, out_f] {
+        return Err(Error::tensor(
+            "z",
+            format!("expected the Linear output's shape [{batch}, {out_f}], got {:?}", z.shape()),
+        ));
+    }
+    let chain = chain_rows(spec, params);
+    let out_w = *chain.features.last().expect("features of the input at least");
+
+    // dz, row by row through the chain; dbias and the chain's parameter gradients.
+    let mut dz = Tensor::full(&[batch, out_f], 0.0f32)?;
+    let zeros = || (vec![0.0f32; out_f], chain.zero_grads());
+    let add = |mut a: (Vec<f32>, Vec<Vec<f32>>), b: (Vec<f32>, Vec<Vec<f32>>)| {
+        a.0.iter_mut().zip(&b.0).for_each(|(s, v)| *s += v);
+        for (sa, sb) in a.1.iter_mut().zip(&b.1) {
+            sa.iter_mut().zip(sb).for_each(|(s, v)| *s += v);
+        }
+        a
+    };
+    let (db, dchain) = dz
+        .data_mut()
+        .par_chunks_mut(ROWS_PER_TASK * out_f)
+        .enumerate()
+        .map(|(task, dz_rows)| {
+            let (mut db, mut dp) = zeros();
+            let mut scratch = chain.scratch();
+            for (j, dzr) in dz_rows.chunks_exact_mut(out_f).enumerate() {
+                let r = task * ROWS_PER_TASK + j;
+                let (zr, dyr) = (&z.data()[r * out_f..(r + 1) * out_f], &dy.data()[r * out_w..(r + 1) * out_w]);
+                chain.backward(zr, dyr, dzr, &mut scratch, &mut dp);
+                db.iter_mut().zip(dzr.iter()).for_each(|(s, v)| *s += v);
+            }
+            (db, dp)
+        })
+        .reduce(zeros, add);
+
+    // dx = dz W (batch x in), dW = dz^T x (out x in).
+    let dz_op = operand(dz.data(), precision);
+    let w_op = operand(params.linear_weight.data(), precision);
+    let x_op = operand(x.data(), precision);
+    let dz_mat = MatRef::row_major(&dz_op, batch, out_f);
+    let mut dx = Tensor::full(&[batch, in_f], 0.0f32)?;
+    let w_mat = MatRef::row_major(&w_op, out_f, in_f);
+    matmul_tiled(dx.data_mut(), dz_mat, w_mat, Tiles::new(batch, in_f, out_f), progress);
+    let mut dw = Tensor::full(&[out_f, in_f], 0.0f32)?;
+    let x_mat = MatRef::row_major(&x_op, batch, in_f);
+    matmul_tiled(dw.data_mut(), dz_mat.t(), x_mat, Tiles::new(out_f, in_f, batch), progress);
+
+    let mut dchain = dchain.into_iter();
+    let ops = params
+        .ops
+        .iter()
+        .map(|p| p.iter().map(|t| Tensor::new(t.shape(), dchain.next().expect("one per parameter"))).collect())
+        .collect::<Result<Vec<Vec<_>>>>()?;
+    let grads = Params { linear_weight: dw, linear_bias: Tensor::new(&[out_f], db)?, ops };
+    Ok(BlockGrads { x: dx, params: grads })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounding_matches_the_formats() {
+        let v = 1.0 + 2f32.powi(-9) + 2f32.powi(-12); // needs 12 mantissa bits
+        assert_eq!(Precision::Fp32.round(v), v);
+        assert_eq!(Precision::Tf32.round(v), 1.0 + 2f32.powi(-9)); // truncated to 10 bits
+        assert_eq!(Precision::Bf16.round(v), 1.0); // 7 bits, nearest
+        assert_eq!(Precision::Bf16.round(1.0 + 3.0 * 2f32.powi(-8)), 1.0 + 2f32.powi(-6)); // ties to even
+        assert_eq!(Precision::Bf16.round(1.0 + 2f32.powi(-8)), 1.0); // ties to even
+        assert!(Precision::Tf32.round(f32::from_bits(0x7f80_0001)).is_nan());
+        assert_eq!(Precision::Bf16.round(f32::MAX), f32::INFINITY);
+        assert_eq!(Precision::Bf16.round(f32::NEG_INFINITY), f32::NEG_INFINITY);
+    }
+}
