@@ -4,14 +4,14 @@
 //! [`Pointwise::info`] gives the `--ops` syntax, the arguments and their defaults, the
 //! per-channel parameter, and how the op moves a rounding error (which tells whether
 //! it has a kink, and the bound the kink scan carries through it). The kernels take
-//! the list from [`for_each_pointwise!`], so each op's math (`kernels-gpu`'s
+//! the list from [`for_each_pointwise!`](crate::for_each_pointwise), so each op's math (`kernels-gpu`'s
 //! `epilogue::pointwise`) runs in every register layout and in both kink scans; a
 //! missing math type, table row or reference formula fails to compile.
 //!
 //! GroupNorm, AvgPool and the row max are not per-element: each kernel handles them
 //! by name ([`OP_GROUP_NORM`], [`OP_AVG_POOL`], [`OP_ROW_MAX`]).
 //!
-//! Adding a per-element op: a line in [`for_each_pointwise!`], a row in
+//! Adding a per-element op: a line in [`for_each_pointwise!`](crate::for_each_pointwise), a row in
 //! [`Pointwise::info`], its math in `kernels-gpu/src/epilogue/pointwise.rs` and its
 //! f64 formula in `host/src/reference/activation.rs` (and a row in the README's
 //! chain table).
