@@ -326,13 +326,14 @@ impl Gpu {
 
     /// A kernel of the module: a [`Kernel`] identifier (launches name kernels by
     /// identifier; the epilogue's launchers still pass the name itself).
-    pub fn function(&self, kernel: impl AsRef<str>) -> Result<CudaFunction> {
-        let name = kernel.as_ref();
+    pub fn function(&self, kernel: Kernel) -> Result<CudaFunction> {
+        let name = kernel.name();
         self.module.load_function(name).map_err(|e| Error::cuda(format!("loading kernel `{name}`"), e))
     }
 
     /// Prepares `func` to take `bytes` of dynamic shared memory, or explains why it can't.
-    pub fn allow_shared(&self, func: &CudaFunction, name: &str, bytes: usize) -> Result<()> {
+    pub fn allow_shared(&self, func: &CudaFunction, kernel: Kernel, bytes: usize) -> Result<()> {
+        let name = kernel.name();
         if bytes > self.props.max_shared_per_block_optin {
             return Err(Error::Unsupported(format!(
                 "`{name}` needs {bytes} bytes of shared memory per block; {} allows {}",
@@ -348,13 +349,8 @@ impl Gpu {
     }
 
     /// A kernel and a 1-D launch configuration (256-thread blocks) covering `len` elements.
-    pub fn kernel_1d(
-        &self,
-        kernel: impl AsRef<str>,
-        len: usize,
-        shared_bytes: u32,
-    ) -> Result<(CudaFunction, LaunchConfig)> {
-        let name = kernel.as_ref();
+    pub fn kernel_1d(&self, kernel: Kernel, len: usize, shared_bytes: u32) -> Result<(CudaFunction, LaunchConfig)> {
+        let name = kernel.name();
         if len > u32::MAX as usize {
             return Err(Error::Shape(format!("`{name}` over {len} elements exceeds 32-bit indexing")));
         }
@@ -363,7 +359,7 @@ impl Gpu {
             block_dim: (256, 1, 1),
             shared_mem_bytes: shared_bytes,
         };
-        Ok((self.function(name)?, cfg))
+        Ok((self.function(kernel)?, cfg))
     }
 
     /// Copies a host tensor to the device.

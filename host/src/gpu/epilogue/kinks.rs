@@ -8,6 +8,7 @@ use crate::error::{Error, Result};
 use crate::precision::Precision;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use kernel_abi::epilogue::{OP_AVG_POOL, OP_GROUP_NORM, OP_ROW_MAX, OpDesc, ROW_THREADS, features_after};
+use kernel_abi::kernels::Kernel;
 use kernel_abi::kinks::{
     CHUNK, ELEMENT_CAP, ORDER_BUCKETS, REFINE_SMEM_BYTES, REFINE_THREADS, REFINE_VALUES_BLOCKS_PER_SM, scan_smem_bytes,
     tiles_scan_layout,
@@ -140,9 +141,11 @@ pub fn refine_near_kinks(
         Scan::Tiles { values } => {
             let one_by_one = values && values_one_by_one(&chain.ops[..n_ops], precision);
             let cap = if one_by_one { ELEMENT_CAP } else { 0 };
-            ("kink_scan_tiles", cap, tiles_scan_layout(n, cap)[5])
+            (Kernel::KinkScanTiles, cap, tiles_scan_layout(n, cap)[5])
         }
-        Scan::Rows => ("kink_scan", 0, scan_smem_bytes(n, chain.ops[..n_ops].iter().any(|d| d.code == OP_AVG_POOL))),
+        Scan::Rows => {
+            (Kernel::KinkScan, 0, scan_smem_bytes(n, chain.ops[..n_ops].iter().any(|d| d.code == OP_AVG_POOL)))
+        }
     };
     if smem > gpu.props.max_shared_per_block_optin {
         return Ok(Refined::TooWide);
@@ -174,7 +177,7 @@ pub fn refine_near_kinks(
     // layout for (n, cap).
     launched(name, unsafe { l.launch(cfg) })?;
     if cap > 0 {
-        let func = gpu.function("refine_values")?;
+        let func = gpu.function(Kernel::RefineValues)?;
         let cfg = LaunchConfig {
             grid_dim: ((gpu.props.multiprocessors * REFINE_VALUES_BLOCKS_PER_SM) as u32, 1, 1),
             block_dim: (ROW_THREADS as u32, 1, 1),
@@ -185,7 +188,7 @@ pub fn refine_near_kinks(
         l.arg(&x.buf).arg(&w.buf).arg(&b.buf).arg(&mut z.buf).arg(&values).arg(&value_count).arg(&n32).arg(&k32);
         // SAFETY: matches refine_values' signature; x, w, b are z's operands (shapes
         // checked above); the scan left value_count pairs inside z in values.
-        launched("refine_values", unsafe { l.launch(cfg) })?;
+        launched(Kernel::RefineValues, unsafe { l.launch(cfg) })?;
     }
     refine(gpu, x, w, b, z, &counts, &lists, &value_count, (rows, n, k), cap == 0)
 }
@@ -212,7 +215,7 @@ fn refine(
     let order = if ordered {
         // SAFETY: refine_order writes all `chunks` entries before refine_z reads them.
         let mut order = unsafe { gpu.alloc_buf::<u32>(stream, chunks)? };
-        let func = gpu.function("refine_order")?;
+        let func = gpu.function(Kernel::RefineOrder)?;
         let cfg = LaunchConfig {
             grid_dim: (1, 1, 1),
             block_dim: (ROW_THREADS as u32, 1, 1),
@@ -222,13 +225,13 @@ fn refine(
         let mut l = stream.launch_builder(&func);
         l.arg(counts).arg(&chunks32).arg(&mut order);
         // SAFETY: matches refine_order's signature; counts and order hold `chunks` entries.
-        launched("refine_order", unsafe { l.launch(cfg) })?;
+        launched(Kernel::RefineOrder, unsafe { l.launch(cfg) })?;
         Some(order)
     } else {
         None
     };
-    let func = gpu.function("refine_z")?;
-    gpu.allow_shared(&func, "refine_z", REFINE_SMEM_BYTES)?;
+    let func = gpu.function(Kernel::RefineZ)?;
+    gpu.allow_shared(&func, Kernel::RefineZ, REFINE_SMEM_BYTES)?;
     let cfg = LaunchConfig {
         grid_dim: (chunks as u32, 1, 1),
         block_dim: (REFINE_THREADS as u32, 1, 1),
@@ -246,7 +249,7 @@ fn refine(
     // SAFETY: matches refine_z's signature; shapes checked above; counts and lists as
     // kink_scan leaves them, order as refine_order leaves it (or null: column order),
     // in stream order.
-    launched("refine_z", unsafe { l.launch(cfg) })?;
+    launched(Kernel::RefineZ, unsafe { l.launch(cfg) })?;
     if gpu.tuning().kink_stats {
         // How much was recomputed (waits for the stream): for tuning the error model.
         let counts = stream.clone_dtoh(counts).map_err(|e| Error::cuda("reading the kink counts", e))?;

@@ -7,8 +7,9 @@ use crate::error::{Error, Result};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use kernel_abi::epilogue::{TILE_THREADS, TILES_BACKWARD_BLOCKS_PER_SM, tiles_backward_smem_bytes};
 use kernel_abi::gemm_simt::{MAX_GRAD_SLOTS, MAX_TILE_OPS};
+use kernel_abi::kernels::Kernel;
 
-const KERNEL: &str = "epilogue_tiles_backward";
+const KERNEL: Kernel = Kernel::EpilogueTilesBackward;
 
 /// Whether the tile-wise backward can take `chain` (its ops must also be fusable).
 pub fn fits(chain: &DeviceChain) -> bool {

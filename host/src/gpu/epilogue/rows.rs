@@ -6,9 +6,10 @@ use super::DeviceChain;
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use kernel_abi::epilogue::{ROW_THREADS, row_backward_smem_bytes, row_smem_bytes};
+use kernel_abi::kernels::Kernel;
 
-const FORWARD: &str = "epilogue_rows";
-const BACKWARD: &str = "epilogue_rows_backward";
+const FORWARD: Kernel = Kernel::EpilogueRows;
+const BACKWARD: Kernel = Kernel::EpilogueRowsBackward;
 
 /// Refuses what the kernel cannot launch: one block per row (`gridDim.x` < 2^31),
 /// `n` and `splits` as u32 (at most 64 split-K parts).
@@ -124,11 +125,11 @@ pub fn sum_partials(gpu: &Gpu, partials: &DeviceTensor, blocks: usize, len: usiz
     }
     let mut out = gpu.alloc(&[len])?;
     let (b32, len32) = (blocks as u32, len as u32);
-    let (func, cfg) = gpu.kernel_1d("sum_partials", len, 0)?;
+    let (func, cfg) = gpu.kernel_1d(Kernel::SumPartials, len, 0)?;
     let mut l = gpu.stream().launch_builder(&func);
     l.arg(&partials.buf).arg(&b32).arg(&len32).arg(&mut out.buf);
     // SAFETY: (partials, blocks, len, out) as `sum_partials` takes; sizes checked above.
-    launched("sum_partials", unsafe { l.launch(cfg) })?;
+    launched(Kernel::SumPartials, unsafe { l.launch(cfg) })?;
     Ok(out)
 }
 

@@ -35,7 +35,7 @@ pub fn launch(
     let (m, n, k, splits) = (op.m, op.n, op.k, op.splits.max(1));
     let k_split = k.div_ceil(splits).div_ceil(block_k) * block_k;
     let func = gpu.function(kernel)?;
-    gpu.allow_shared(&func, kernel.name(), smem_bytes)?;
+    gpu.allow_shared(&func, kernel, smem_bytes)?;
     let grid = (n.div_ceil(BLOCK_N), m.div_ceil(BLOCK_M), splits);
     if grid.1 > 65535 || grid.2 > 65535 {
         return Err(Error::Shape(format!("GEMM grid {grid:?} exceeds the launch limits")));

@@ -146,7 +146,7 @@ fn persistent(
     let maps = gpu.words(stream, &words)?;
     let smem_bytes = if arith == Arith::Tf32x3 { SPLIT_SMEM_BYTES } else { SMEM_BYTES };
     let func = gpu.function(kernel)?;
-    gpu.allow_shared(&func, kernel.name(), smem_bytes)?;
+    gpu.allow_shared(&func, kernel, smem_bytes)?;
     let tiles = m.div_ceil(BLOCK_M) * n.div_ceil(BLOCK_N);
     let cfg = LaunchConfig {
         grid_dim: (tiles.min(gpu.props.multiprocessors) as u32, 1, 1),
