@@ -25,13 +25,13 @@ pub enum Layout {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Family {
     /// `gemm_f32_*`: strict FP32 on the FMA units, any alignment, split-K
-    /// (kernels-gpu/src/gemm/simt.rs; launcher [`super::simt`]).
+    /// (kernels-gpu/src/gemm/simt.rs; launcher [`super::grid`]).
     Fma,
     /// `gemm_tc_*`: `mma.sync` TF32, 3xTF32 and bf16, any alignment, split-K
-    /// (kernels-gpu/src/gemm/tensor_core.rs; launcher [`super::tensor_core`]).
+    /// (kernels-gpu/src/gemm/tensor_core.rs; launcher [`super::grid`]).
     MmaSync,
     /// `gemm_wg_*`: `wgmma` TF32 and 3xTF32 over 16-byte rows, split-K
-    /// (kernels-gpu/src/gemm/wgmma.rs; launcher [`super::wgmma`]).
+    /// (kernels-gpu/src/gemm/wgmma.rs; launcher [`super::grid`]).
     Wgmma,
     /// `gemm_tma_*`: persistent, TMA-fed, warp-specialised `wgmma`, TF32, 3xTF32 and
     /// bf16 over 16-byte rows, `k >= MIN_K`, no split-K (kernels-gpu/src/gemm/tma/;

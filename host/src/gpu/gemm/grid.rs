@@ -1,14 +1,16 @@
 //! The launch the three grid-of-tiles GEMM families share — FMA (`gemm_f32_*`),
 //! `mma.sync` (`gemm_tc_*`) and `wgmma` (`gemm_wg_*`): one kernel signature (see
 //! `kernels-gpu/src/gemm/mod.rs`), a block per `128 x 128` tile of `y`, `gridDim.z`
-//! split-K slices. Each family's module passes its own stage depth and shared memory.
+//! split-K slices. Each family's stage depth and shared memory come from `kernel_abi`
+//! ([`stages`]).
 
 use super::super::{DeviceTensor, Gpu};
 use super::args::{EpilogueArgs, Operands};
+use super::dispatch::Family;
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
-use kernel_abi::Kernel;
 use kernel_abi::gemm_simt::{BLOCK_M, BLOCK_N, THREADS};
+use kernel_abi::{Kernel, gemm_simt, gemm_tc, gemm_wg};
 use std::sync::Arc;
 
 // The three families tile `y` alike.
@@ -19,19 +21,35 @@ const _: () = assert!(
         && kernel_abi::gemm_wg::THREADS == THREADS
 );
 
-/// Queues `kernel` over `op` on `stream`: `block_k` is its `k` depth per stage (split-K
-/// slices are multiples of it), `smem_bytes` its dynamic shared memory. The caller has
-/// checked shapes, extents and 32-bit limits.
-#[allow(clippy::too_many_arguments)]
+/// A grid family's `k` depth per stage (split-K slices are multiples of it) and the
+/// dynamic shared memory of `kernel`: the 3xTF32 `wgmma` kernels hold `B`'s residual
+/// in a third tile per stage and more stages.
+pub fn stages(family: Family, kernel: Kernel) -> Result<(usize, usize)> {
+    match family {
+        Family::Fma => Ok((gemm_simt::BLOCK_K, gemm_simt::SMEM_BYTES)),
+        Family::MmaSync => Ok((gemm_tc::BLOCK_K, gemm_tc::SMEM_BYTES)),
+        Family::Wgmma => {
+            let split =
+                matches!(kernel, Kernel::GemmWgTf32x3NtVec4 | Kernel::GemmWgTf32x3DxVec4 | Kernel::GemmWgTf32x3DwVec4);
+            Ok((gemm_wg::BLOCK_K, gemm_wg::smem_bytes(split)))
+        }
+        Family::Tma => Err(Error::Unsupported(format!("`{}` is not a grid-of-tiles kernel", kernel.name()))),
+    }
+}
+
+/// Queues `kernel` (of a grid family: FMA, `mma.sync` or `wgmma`, as the dispatch
+/// chose) over `op` on `stream`. The caller has checked shapes, extents and 32-bit
+/// limits.
 pub fn launch(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
+    family: Family,
     kernel: Kernel,
-    (block_k, smem_bytes): (usize, usize),
     op: &Operands,
     y: &mut DeviceTensor,
     save_z: Option<&mut DeviceTensor>,
 ) -> Result<()> {
+    let (block_k, smem_bytes) = stages(family, kernel)?;
     let (m, n, k, splits) = (op.m, op.n, op.k, op.splits.max(1));
     let k_split = k.div_ceil(splits).div_ceil(block_k) * block_k;
     let func = gpu.function(kernel)?;

@@ -115,9 +115,9 @@ fn launch(
         return Err(Error::Shape(format!("GEMM size ({m}, {n}, {k}) exceeds the kernel's 32-bit arguments")));
     }
     match route.family {
-        Family::Fma => super::simt::launch(gpu, stream, route.kernel, op, y, save_z),
-        Family::MmaSync => super::tensor_core::launch(gpu, stream, route.kernel, op, y, save_z),
-        Family::Wgmma => super::wgmma::launch(gpu, stream, route.kernel, op, y, save_z),
+        Family::Fma | Family::MmaSync | Family::Wgmma => {
+            super::grid::launch(gpu, stream, route.family, route.kernel, op, y, save_z)
+        }
         Family::Tma if tk => super::tma::launch_tk(gpu, stream, route.kernel, op, y),
         Family::Tma => super::tma::launch_forward(gpu, stream, route.kernel, op, y, save_z),
     }

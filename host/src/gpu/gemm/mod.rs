@@ -5,10 +5,10 @@
 //! * [`linear`] — the layer's three GEMMs (forward with its fused epilogue, `dX`,
 //!   `dW`): routes them, transposes operands where a route asks, checks, and hands
 //!   each to its family's launcher;
-//! * one launcher per family: [`simt`] (FMA, `gemm_f32_*`), [`tensor_core`]
-//!   (`mma.sync`, `gemm_tc_*`), [`wgmma`] (`gemm_wg_*`) — the three share one grid of
-//!   tiles and one kernel signature ([`grid`]) — and [`tma`] (the persistent TMA
-//!   kernels, `gemm_tma_*`, with their tensor maps);
+//! * the launchers: [`grid`] for the three grid-of-tiles families (FMA `gemm_f32_*`,
+//!   `mma.sync` `gemm_tc_*`, `wgmma` `gemm_wg_*`: one grid of tiles, one kernel
+//!   signature, each family's stage depth and shared memory), and [`tma`] (the
+//!   persistent TMA kernels, `gemm_tma_*`, with their tensor maps);
 //! * [`args`] — the GEMM as a kernel reads it, and the arguments all kernels share.
 //!
 //! Nothing here depends on a family's launcher but [`linear`].
@@ -17,10 +17,7 @@ pub mod args;
 pub mod dispatch;
 pub mod grid;
 pub mod linear;
-pub mod simt;
-pub mod tensor_core;
 pub mod tma;
-pub mod wgmma;
 
 pub use dispatch::{Family, Layout, Role, Route, Transposed, route};
 pub use linear::{Gemm, forward_gemm, grad_input, grad_input_route, grad_weight, grad_weight_into, linear_dims};
