@@ -39,24 +39,6 @@ impl Op {
         Op::Pointwise(kind, args)
     }
 
-    /// `kind` with the arguments given, checked as the `--ops` parser checks them.
-    pub fn with_args(kind: Pointwise, given: &[f32]) -> Result<Op> {
-        let info = kind.info();
-        if given.len() != info.args.len() {
-            return Err(Error::Chain(format!(
-                "`{}` takes {} argument(s), got {}",
-                kind.name(),
-                info.args.len(),
-                given.len()
-            )));
-        }
-        let mut args = [0.0; 2];
-        args[..given.len()].copy_from_slice(given);
-        let op = Op::Pointwise(kind, args);
-        op.out_features(1)?;
-        Ok(op)
-    }
-
     /// A per-element op drawn at random, its arguments from the registry's sample
     /// ranges (the random chains of `host check` and the tests).
     pub fn random_pointwise(rng: &mut impl rand::Rng) -> Op {
