@@ -87,6 +87,40 @@ impl Tensor<f32> {
     pub fn to_f64(&self) -> Tensor<f64> {
         self.map(f64::from)
     }
+
+    /// Every value rounded to bf16 (to nearest, ties to even).
+    pub fn to_bf16(&self) -> Tensor<Bf16> {
+        self.map(Bf16::from_f32)
+    }
+}
+
+impl Tensor<Bf16> {
+    /// The values as FP32 (exact).
+    pub fn to_f32(&self) -> Tensor<f32> {
+        self.map(Bf16::to_f32)
+    }
+}
+
+/// A bfloat16 value (its 16-bit pattern: the top half of an FP32's): how a bf16
+/// model's tensors are stored, on the host and in device memory.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[repr(transparent)]
+pub struct Bf16(pub u16);
+
+impl Bf16 {
+    /// `v` rounded to the nearest bf16, ties to even (NaN stays NaN).
+    pub fn from_f32(v: f32) -> Bf16 {
+        let b = v.to_bits();
+        if v.is_nan() {
+            return Bf16(((b >> 16) | 0x40) as u16);
+        }
+        Bf16(((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16)
+    }
+
+    /// The value as FP32 (exact).
+    pub fn to_f32(self) -> f32 {
+        f32::from_bits((self.0 as u32) << 16)
+    }
 }
 
 impl Tensor<f64> {
@@ -98,6 +132,21 @@ impl Tensor<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bf16_rounds_to_nearest_even() {
+        assert_eq!(Bf16::from_f32(1.0).0, 0x3f80);
+        assert_eq!(Bf16::from_f32(1.0).to_f32(), 1.0);
+        // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to even (1).
+        assert_eq!(Bf16::from_f32(1.0 + 1.0 / 256.0).to_f32(), 1.0);
+        // 1 + 3 * 2^-8 is halfway between 1 + 2^-7 and 1 + 2^-6: even is the upper one.
+        assert_eq!(Bf16::from_f32(1.0 + 3.0 / 256.0).to_f32(), 1.0 + 1.0 / 64.0);
+        assert_eq!(Bf16::from_f32(1.0 + 1.1 / 256.0).to_f32(), 1.0 + 1.0 / 128.0);
+        assert_eq!(Bf16::from_f32(-2.5).to_f32(), -2.5);
+        assert!(Bf16::from_f32(f32::NAN).to_f32().is_nan());
+        assert_eq!(Bf16::from_f32(f32::INFINITY).to_f32(), f32::INFINITY);
+        assert_eq!(Bf16::from_f32(f32::MAX).to_f32(), f32::INFINITY);
+    }
 
     #[test]
     fn sizes_that_overflow_are_refused_not_wrapped() {

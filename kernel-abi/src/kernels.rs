@@ -98,6 +98,11 @@ kernels! {
     GemmTmaTf32Nt = "gemm_tma_tf32_nt", bounds(gemm_tma::THREADS, 1);
     GemmTmaTf32x3Nt = "gemm_tma_tf32x3_nt", bounds(gemm_tma::THREADS, 1);
     GemmTmaBf16Nt = "gemm_tma_bf16_nt", bounds(gemm_tma::THREADS, 1);
+    // bf16 tensors as stored, bf16 out: the forward, `dX` and `dW`.
+    GemmTmaBf16NtToBf16 = "gemm_tma_bf16_nt_to_bf16", bounds(gemm_tma::THREADS, 1);
+    GemmTmaBf16NnToBf16 = "gemm_tma_bf16_nn_to_bf16", bounds(gemm_tma::THREADS, 1);
+    GemmTmaBf16TnToBf16 = "gemm_tma_bf16_tn_to_bf16", bounds(gemm_tma::THREADS, 1);
+    GemmTmaBf16Tn = "gemm_tma_bf16_tn", bounds(gemm_tma::THREADS, 1);
     GemmTmaTf32Tk = "gemm_tma_tf32_tk", bounds(gemm_tma::THREADS, 1);
     GemmTmaTf32TkT = "gemm_tma_tf32_tk_t", bounds(gemm_tma::THREADS, 1);
     GemmTmaTf32x3Tk = "gemm_tma_tf32x3_tk", bounds(gemm_tma::THREADS, 1);
@@ -110,6 +115,8 @@ kernels! {
     EpilogueRowsBackward = "epilogue_rows_backward";
     EpilogueTilesBackward = "epilogue_tiles_backward",
         bounds(epilogue::TILE_THREADS, epilogue::TILES_BACKWARD_BLOCKS_PER_SM);
+    EpilogueTilesBackwardBf16 = "epilogue_tiles_backward_bf16",
+        bounds(epilogue::TILE_THREADS, epilogue::TILES_BACKWARD_BLOCKS_PER_SM);
     SumPartials = "sum_partials";
     KinkScan = "kink_scan";
     KinkScanTiles = "kink_scan_tiles";
@@ -120,11 +127,14 @@ kernels! {
     // Elementwise kernels (`elementwise.rs`), the optimisers (`optim.rs`).
     AddAssign = "add_assign";
     FoldRowsMean = "fold_rows_mean";
+    FoldRowsMeanBf16 = "fold_rows_mean_bf16";
     UnfoldRowsMeanGrad = "unfold_rows_mean_grad";
+    UnfoldRowsMeanGradToBf16 = "unfold_rows_mean_grad_to_bf16";
     Transpose = "transpose";
     TransposeVec4 = "transpose_vec4";
     TransposeVec4ToBf16 = "transpose_vec4_to_bf16";
     F32ToBf16 = "f32_to_bf16";
+    Bf16ToF32 = "bf16_to_f32";
     StoreWords = "store_words";
     MseLossGrad = "mse_loss_grad";
     SgdStep = "sgd_step";

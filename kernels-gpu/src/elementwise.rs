@@ -4,6 +4,7 @@
 //! The elementwise ones are 1-D (one thread per output element, any grid that covers
 //! `len`); the fold, unfold and transposes take a block per row or tile, as each says.
 
+use crate::prelude::element::Element;
 use crate::prelude::global::{load_v4_nc, store_v2, store_v4};
 use crate::prelude::*;
 use crate::unroll;
@@ -64,6 +65,21 @@ pub unsafe extern "ptx-kernel" fn store_words(
 /// Launch: grid `rows / k` blocks, any block size.
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn fold_rows_mean(input: *const f32, rows: u32, cols: u32, k: u32, out: *mut f32) {
+    unsafe { fold_rows::<f32>(input, rows, cols, k, out) }
+}
+
+/// [`fold_rows_mean`] of a bf16 weight (a bf16 model's): the means in FP32.
+///
+/// # Safety
+/// As [`fold_rows_mean`], `input` holding 16-bit words, 8-byte aligned.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn fold_rows_mean_bf16(input: *const u16, rows: u32, cols: u32, k: u32, out: *mut f32) {
+    unsafe { fold_rows::<u16>(input, rows, cols, k, out) }
+}
+
+/// The body of the folds.
+#[inline(always)]
+unsafe fn fold_rows<I: Element>(input: *const I, rows: u32, cols: u32, k: u32, out: *mut f32) {
     let (cols, k, j) = (cols as usize, k as usize, block_idx_x() as usize);
     if j >= rows as usize / k {
         return;
@@ -73,14 +89,14 @@ pub unsafe extern "ptx-kernel" fn fold_rows_mean(input: *const f32, rows: u32, c
     each_column(cols, |c| {
         let mut s = [0.0f32; 4];
         for e in 0..k {
-            let v = unsafe { load_v4_nc(input.add(first + e * cols + c)) };
+            let v = unsafe { I::load4_nc(input.add(first + e * cols + c)) };
             unroll!(q in 0..4 => { s[q] += v[q]; });
         }
         unsafe { store_v4(out.add(j * cols + c), s.map(|x| x * inv)) };
     }, |c| {
         let mut s = 0.0;
         for e in 0..k {
-            s += unsafe { *input.add(first + e * cols + c) };
+            s += unsafe { I::load1(input.add(first + e * cols + c)) };
         }
         unsafe { *out.add(j * cols + c) = s * inv };
     });
@@ -95,6 +111,21 @@ pub unsafe extern "ptx-kernel" fn fold_rows_mean(input: *const f32, rows: u32, c
 /// Launch: grid `rows` blocks, any block size.
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn unfold_rows_mean_grad(g: *const f32, rows: u32, cols: u32, k: u32, out: *mut f32) {
+    unsafe { unfold_rows::<f32>(g, rows, cols, k, out) }
+}
+
+/// [`unfold_rows_mean_grad`] into a bf16 weight gradient (rounded to nearest).
+///
+/// # Safety
+/// As [`unfold_rows_mean_grad`], `out` holding 16-bit words, 8-byte aligned.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn unfold_rows_mean_grad_to_bf16(g: *const f32, rows: u32, cols: u32, k: u32, out: *mut u16) {
+    unsafe { unfold_rows::<u16>(g, rows, cols, k, out) }
+}
+
+/// The body of the unfolds.
+#[inline(always)]
+unsafe fn unfold_rows<O: Element>(g: *const f32, rows: u32, cols: u32, k: u32, out: *mut O) {
     let (rows, cols, k, r) = (rows as usize, cols as usize, k as usize, block_idx_x() as usize);
     if r >= rows {
         return;
@@ -104,8 +135,8 @@ pub unsafe extern "ptx-kernel" fn unfold_rows_mean_grad(g: *const f32, rows: u32
     // SAFETY (each access): row src < rows / k of g, row r of out, columns below cols.
     each_column(cols, |c| unsafe {
         let v = load_v4_nc(g.add(src * cols + c));
-        store_v4(out.add(r * cols + c), v.map(|x| x * scale));
-    }, |c| unsafe { *out.add(r * cols + c) = *g.add(src * cols + c) * scale });
+        O::store4(out.add(r * cols + c), v.map(|x| x * scale));
+    }, |c| unsafe { O::store1(out.add(r * cols + c), *g.add(src * cols + c) * scale) });
 }
 
 /// Runs `quad(c)` for `c` = 0, 4, 8, .. when `cols` is a multiple of 4, else `one(c)` for
@@ -242,5 +273,19 @@ pub unsafe extern "ptx-kernel" fn f32_to_bf16(input: *const f32, len: u32, out: 
     if i < len as usize {
         // SAFETY: i < len.
         unsafe { *out.add(i) = crate::prelude::tensor_core::pack_bf16x2((*input.add(i)).to_bits(), 0) as u16 };
+    }
+}
+
+/// `out[i] = input[i]` widened from bf16 to FP32 (exact): a bf16 caller's tensors on
+/// the paths that compute from FP32 ones.
+///
+/// # Safety
+/// `input` holds `len` 16-bit words, `out` `len` floats.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn bf16_to_f32(input: *const u16, len: u32, out: *mut f32) {
+    let i = global_index();
+    if i < len as usize {
+        // SAFETY: i < len.
+        unsafe { *out.add(i) = u16::load1(input.add(i)) };
     }
 }

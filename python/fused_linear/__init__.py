@@ -49,10 +49,11 @@ def _describe(in_features: int, out_features: int, ops: str):
 
 def _allocator(device: torch.device, dtype: torch.dtype):
     """Buffers for the Rust side, from PyTorch's allocator: kind 0 holds `dtype` values,
-    kind 1 bytes (the returned tensor owns the memory for as long as Rust keeps it)."""
+    kind 1 bytes, kind 2 bfloat16 values (the returned tensor owns the memory for as long as Rust keeps it)."""
 
     def allocate(numel: int, kind: int) -> Tensor:
-        return torch.empty(numel, dtype=dtype if kind == 0 else torch.uint8, device=device)
+        kinds = {0: dtype, 1: torch.uint8, 2: torch.bfloat16}
+        return torch.empty(numel, dtype=kinds[kind], device=device)
 
     return allocate
 

@@ -340,6 +340,7 @@ impl DeviceAllocator for TorchAllocator {
             let (numel, kind) = match element {
                 ElementKind::F32 => (bytes / 4, 0),
                 ElementKind::Bytes => (bytes, 1),
+                ElementKind::Bf16 => (bytes / 2, 2),
             };
             let t = self.allocate.call1(py, (numel, kind))?;
             let ptr: u64 = t.call_method0(py, "data_ptr")?.extract(py)?;

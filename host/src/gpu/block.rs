@@ -29,7 +29,7 @@ use super::epilogue::kinks::{Refined, Scan, refine_near_kinks, scanned_prefix};
 use super::epilogue::lanes::{epilogue_tiles_backward, fits as tiles_fit};
 use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
 use super::gemm::{Role, forward_gemm, grad_input, grad_weight, not_fusable, route};
-use super::{DeviceTensor, Gpu, Phases};
+use super::{DeviceElement, DeviceTensor, Gpu, Phases};
 use crate::block::{BlockSpec, Params};
 use crate::chain::Op;
 use crate::check::{Comparison, compare_f32};
@@ -39,11 +39,23 @@ use crate::reference::BlockGrads;
 use crate::tensor::Tensor;
 use kernel_abi::gemm_simt::{BLOCK_K, BLOCK_M, BLOCK_N};
 
-/// A block's parameters in device memory, in [`Params`]'s structure.
-pub struct DeviceParams {
-    pub linear_weight: DeviceTensor,
+/// A block's parameters in device memory, in [`Params`]'s structure. The Linear
+/// layer's weight is FP32 or, for a bf16 model, bf16 (`W`); the bias and the chain's
+/// per-channel parameters are FP32 in both (a bf16 model's are widened by the caller:
+/// the epilogue computes in FP32, as PyTorch does).
+pub struct DeviceParams<W = f32> {
+    pub linear_weight: DeviceTensor<W>,
     pub linear_bias: DeviceTensor,
     pub ops: Vec<Vec<DeviceTensor>>,
+}
+
+impl<W> DeviceParams<W> {
+    /// Every tensor's shape in [`BlockSpec::param_specs`] order.
+    pub fn shapes(&self) -> Vec<&[usize]> {
+        let mut v = vec![&self.linear_weight.shape[..], &self.linear_bias.shape[..]];
+        v.extend(self.ops.iter().flatten().map(|t| &t.shape[..]));
+        v
+    }
 }
 
 impl DeviceParams {
@@ -73,18 +85,20 @@ impl DeviceParams {
     }
 }
 
-/// A block resident on the GPU.
-pub struct GpuBlock {
+/// A block resident on the GPU, over FP32 tensors or (`GpuBlock<Bf16>`, see
+/// `block_bf16.rs`) a bf16 model's.
+pub struct GpuBlock<W = f32> {
     pub spec: BlockSpec,
-    pub params: DeviceParams,
-    /// `k` of a leading avgpool folded into the GEMM, with the folded weight and bias.
-    folded: Option<(usize, DeviceTensor, DeviceTensor)>,
+    pub params: DeviceParams<W>,
+    /// `k` of a leading avgpool folded into the GEMM, with the folded weight and bias
+    /// (FP32 means, whatever the weight's type).
+    pub(super) folded: Option<(usize, DeviceTensor, DeviceTensor)>,
     /// The chain the kernels run (without a folded avgpool). Points into `params`.
-    chain: DeviceChain,
+    pub(super) chain: DeviceChain,
     /// Why the fused kernel cannot run this chain, if it cannot.
-    not_fusable: Option<String>,
+    pub(super) not_fusable: Option<String>,
     /// The chain's first op index the kernels run (1 when an avgpool is folded).
-    first_op: usize,
+    pub(super) first_op: usize,
     /// Arithmetic of the three GEMMs.
     pub precision: Precision,
 }
@@ -97,12 +111,12 @@ pub enum Plan {
 }
 
 /// Buffers of one forward pass for a batch size, and the plan they serve.
-pub struct Workspace {
+pub struct Workspace<T = f32> {
     pub plan: Plan,
     /// GEMM output or its split-K parts (unused by the fused plan).
-    z: Option<DeviceTensor>,
+    pub(super) z: Option<DeviceTensor>,
     /// The block's output, `(batch, features out)`.
-    pub y: DeviceTensor,
+    pub y: DeviceTensor<T>,
 }
 
 /// What the forward keeps for the backward: the chain's input `(batch, n)`, `n` the
@@ -110,10 +124,10 @@ pub struct Workspace {
 pub struct Saved {
     pub z: DeviceTensor,
     /// Whether `z` was refined near kinks already ([`GpuBlock::refine_saved`]).
-    refined: bool,
+    pub(super) refined: bool,
     /// Whether `z` may be refined in place: not where it is a caller's tensor (a
     /// framework's saved state, which a second backward reads again unchanged).
-    own: bool,
+    pub(super) own: bool,
 }
 
 impl Saved {
@@ -124,23 +138,26 @@ impl Saved {
     }
 }
 
-/// Gradients of one block: of its input and of every parameter.
-pub struct DeviceGrads {
-    pub x: DeviceTensor,
-    pub params: DeviceParams,
+/// Gradients of one block: of its input and of every parameter (the input's and the
+/// Linear weight's in their own type, `W`).
+pub struct DeviceGrads<W = f32> {
+    pub x: DeviceTensor<W>,
+    pub params: DeviceParams<W>,
 }
 
 impl GpuBlock {
     pub fn new(gpu: &Gpu, spec: &BlockSpec, params: &Params<f32>) -> Result<GpuBlock> {
         Self::from_device(gpu, spec, DeviceParams::upload(gpu, params)?)
     }
+}
 
+impl<W: DeviceElement> GpuBlock<W> {
     /// A block over parameters already in device memory (a framework's tensors,
     /// borrowed: [`Gpu::borrow_tensor`]), shaped as `spec` says.
-    pub fn from_device(gpu: &Gpu, spec: &BlockSpec, params: DeviceParams) -> Result<GpuBlock> {
-        for (s, t) in spec.param_specs().iter().zip(params.flat()) {
-            if t.shape != s.shape {
-                return Err(Error::tensor(&s.name, format!("expected shape {:?}, got {:?}", s.shape, t.shape)));
+    pub fn from_device(gpu: &Gpu, spec: &BlockSpec, params: DeviceParams<W>) -> Result<GpuBlock<W>> {
+        for (s, shape) in spec.param_specs().iter().zip(params.shapes()) {
+            if shape != s.shape {
+                return Err(Error::tensor(&s.name, format!("expected shape {:?}, got {:?}", s.shape, shape)));
             }
         }
         let first_op = usize::from(matches!(spec.chain.0.first(), Some(Op::AvgPool(_))));
@@ -160,9 +177,9 @@ impl GpuBlock {
         Ok(block)
     }
 
-    /// The same block with its GEMMs in `precision`.
-    pub fn with_precision(mut self, precision: Precision) -> GpuBlock {
-        self.precision = precision;
+    /// The same block with its GEMMs in `precision` (a bf16 model's are bf16 always).
+    pub fn with_precision(mut self, precision: Precision) -> GpuBlock<W> {
+        self.precision = if std::mem::size_of::<W>() == 2 { Precision::Bf16 } else { precision };
         self
     }
 
@@ -176,17 +193,12 @@ impl GpuBlock {
         Ok(())
     }
 
-    /// Weight and bias of the GEMM the kernels run (folded or the block's own).
-    fn gemm_params(&self) -> (&DeviceTensor, &DeviceTensor) {
-        match &self.folded {
-            Some((_, w, b)) => (w, b),
-            None => (&self.params.linear_weight, &self.params.linear_bias),
-        }
-    }
-
     /// Width of the GEMM the kernels run.
-    fn gemm_width(&self) -> usize {
-        self.gemm_params().0.shape[0]
+    pub(super) fn gemm_width(&self) -> usize {
+        match &self.folded {
+            Some((_, w, _)) => w.shape[0],
+            None => self.params.linear_weight.shape[0],
+        }
     }
 
     /// Chooses the kernels for `batch` rows on this GPU.
@@ -236,17 +248,17 @@ impl GpuBlock {
         }
     }
 
-    fn out_width(&self) -> usize {
+    pub(super) fn out_width(&self) -> usize {
         self.spec.features_at(self.spec.chain.0.len())
     }
 
     /// Allocates the buffers for `batch` rows, NaN-poisoned (so a missed element shows).
-    pub fn workspace(&self, gpu: &Gpu, batch: usize) -> Result<Workspace> {
+    pub fn workspace(&self, gpu: &Gpu, batch: usize) -> Result<Workspace<W>> {
         self.workspace_with(gpu, batch, true)
     }
 
     /// Allocates the buffers for `batch` rows, poisoned or left as they come.
-    pub fn workspace_with(&self, gpu: &Gpu, batch: usize, poison: bool) -> Result<Workspace> {
+    pub fn workspace_with(&self, gpu: &Gpu, batch: usize, poison: bool) -> Result<Workspace<W>> {
         let plan = self.plan(gpu, batch);
         let n = self.gemm_width();
         let new = |shape: &[usize]| if poison { gpu.poisoned(shape) } else { gpu.alloc(shape) };
@@ -255,8 +267,88 @@ impl GpuBlock {
             Plan::GemmThenRows { splits: 1 } => Some(new(&[batch, n])?),
             Plan::GemmThenRows { splits } => Some(new(&[splits, batch, n])?),
         };
-        let y = new(&[batch, self.out_width()])?;
+        let y_shape = [batch, self.out_width()];
+        let y = if poison { gpu.poisoned_as::<W>(&y_shape)? } else { gpu.alloc_as::<W>(&y_shape)? };
         Ok(Workspace { plan, z, y })
+    }
+
+    /// Whether the chain backward runs tile-wise (a chain the GEMM can fuse has a
+    /// tile-wise backward too; others go row by row): also which kink scan may walk it.
+    pub(super) fn tile_backward(&self) -> bool {
+        self.not_fusable.is_none() && tiles_fit(&self.chain)
+    }
+}
+
+impl<W: DeviceElement> GpuBlock<W> {
+    /// The forward on FP32 operands `x` and `(w, b)` (the block's, or a bf16 block's
+    /// widened copies) as `plan` says, into the FP32 `y`.
+    pub(super) fn forward_f32(
+        &self,
+        gpu: &Gpu,
+        x: &DeviceTensor,
+        (w, b): (&DeviceTensor, &DeviceTensor),
+        (plan, z): (&Plan, Option<&mut DeviceTensor>),
+        y: &mut DeviceTensor,
+        save: Option<&mut DeviceTensor>,
+    ) -> Result<()> {
+        let mut gemm = forward_gemm(self.precision, x, w)?;
+        match (plan, z) {
+            (Plan::Fused, _) => {
+                gemm.bias = Some(&b.buf);
+                gemm.chain = Some(&self.chain);
+                gemm.launch(gpu, y, save)
+            }
+            (Plan::GemmThenRows { splits: 1 }, Some(z)) => {
+                gemm.bias = Some(&b.buf);
+                gemm.launch(gpu, z, None)?;
+                epilogue_rows(gpu, &self.chain, z, None, y, save)
+            }
+            (Plan::GemmThenRows { splits }, Some(z)) => {
+                gemm.splits = *splits;
+                gemm.launch(gpu, z, None)?;
+                epilogue_rows(gpu, &self.chain, z, Some(&b.buf), y, save)
+            }
+            (Plan::GemmThenRows { .. }, None) => unreachable!("workspace() allocates z for this plan"),
+        }
+    }
+
+    /// The bias's and the chain parameters' gradients from the chain backward's sums
+    /// `slots` (slot 0: the GEMM's bias; then each op parameter in chain order), spread
+    /// back over the unfolded bias where an AvgPool was folded.
+    pub(super) fn small_grads(
+        &self,
+        gpu: &Gpu,
+        slots: &DeviceTensor,
+    ) -> Result<(DeviceTensor, Vec<Vec<DeviceTensor>>)> {
+        let n = self.gemm_width();
+        let slot = |s: usize, len: usize| gpu.copy_range(slots, s * n..s * n + len);
+        let db = slot(0, n)?;
+        let db = match &self.folded {
+            Some((k, ..)) => unfold_rows_mean_grad::<f32>(gpu, &db, self.spec.out_features, *k)?,
+            None => db,
+        };
+        let mut ops: Vec<Vec<DeviceTensor>> = (0..self.first_op).map(|_| Vec::new()).collect();
+        let mut s = 1;
+        for (i, op) in self.spec.chain.0.iter().enumerate().skip(self.first_op) {
+            let f = self.spec.features_at(i);
+            let mut grads = Vec::new();
+            for _ in op.param_bases() {
+                grads.push(slot(s, f)?);
+                s += 1;
+            }
+            ops.push(grads);
+        }
+        Ok((db, ops))
+    }
+}
+
+impl GpuBlock {
+    /// Weight and bias of the GEMM the kernels run (folded or the block's own).
+    fn gemm_params(&self) -> (&DeviceTensor, &DeviceTensor) {
+        match &self.folded {
+            Some((_, w, b)) => (w, b),
+            None => (&self.params.linear_weight, &self.params.linear_bias),
+        }
     }
 
     /// Queues the forward of `x` into `ws.y`; with `save`, also writes the chain's
@@ -271,26 +363,7 @@ impl GpuBlock {
         if x.shape.get(1) != Some(&self.spec.in_features) || x.shape.first() != ws.y.shape.first() {
             return Err(Error::tensor("x", format!("shape {:?} does not fit this workspace", x.shape)));
         }
-        let (w, b) = self.gemm_params();
-        let mut gemm = forward_gemm(self.precision, x, w)?;
-        match (&ws.plan, ws.z.as_mut()) {
-            (Plan::Fused, _) => {
-                gemm.bias = Some(&b.buf);
-                gemm.chain = Some(&self.chain);
-                gemm.launch(gpu, &mut ws.y, save)
-            }
-            (Plan::GemmThenRows { splits: 1 }, Some(z)) => {
-                gemm.bias = Some(&b.buf);
-                gemm.launch(gpu, z, None)?;
-                epilogue_rows(gpu, &self.chain, z, None, &mut ws.y, save)
-            }
-            (Plan::GemmThenRows { splits }, Some(z)) => {
-                gemm.splits = *splits;
-                gemm.launch(gpu, z, None)?;
-                epilogue_rows(gpu, &self.chain, z, Some(&b.buf), &mut ws.y, save)
-            }
-            (Plan::GemmThenRows { .. }, None) => unreachable!("workspace() allocates z for this plan"),
-        }
+        self.forward_f32(gpu, x, self.gemm_params(), (&ws.plan, ws.z.as_mut()), &mut ws.y, save)
     }
 
     /// Uploads `x`, runs the block and downloads the output (shape as the CPU reference's).
@@ -311,12 +384,6 @@ impl GpuBlock {
         let mut z = if poison { gpu.poisoned(&shape)? } else { gpu.alloc(&shape)? };
         self.forward_into(gpu, x, &mut ws, Some(&mut z))?;
         Ok((ws.y, Saved { z, refined: false, own: true }))
-    }
-
-    /// Whether the chain backward runs tile-wise (a chain the GEMM can fuse has a
-    /// tile-wise backward too; others go row by row): also which kink scan may walk it.
-    fn tile_backward(&self) -> bool {
-        self.not_fusable.is_none() && tiles_fit(&self.chain)
     }
 
     /// Recomputes exactly the chunks of the saved `z` where its rounding could flip a
@@ -359,7 +426,6 @@ impl GpuBlock {
             mark("kink refinement")?;
         }
         let (w, _) = self.gemm_params();
-        let n = self.gemm_width();
         let (dz, slots) = if self.tile_backward() {
             epilogue_tiles_backward(gpu, &self.chain, &saved.z, dy)?
         } else {
@@ -377,27 +443,11 @@ impl GpuBlock {
         mark("dX and dW GEMMs")?;
         drop((dz, dw_scratch));
 
-        // Slot 0: the (folded) Linear bias; then each op parameter in chain order.
-        let slot = |s: usize, len: usize| gpu.copy_range(&slots, s * n..s * n + len);
-        let db = slot(0, n)?;
-        let (dw, db) = match &self.folded {
-            Some((k, ..)) => {
-                let rows = self.spec.out_features;
-                (unfold_rows_mean_grad(gpu, &dw, rows, *k)?, unfold_rows_mean_grad(gpu, &db, rows, *k)?)
-            }
-            None => (dw, db),
+        let dw = match &self.folded {
+            Some((k, ..)) => unfold_rows_mean_grad::<f32>(gpu, &dw, self.spec.out_features, *k)?,
+            None => dw,
         };
-        let mut ops: Vec<Vec<DeviceTensor>> = (0..self.first_op).map(|_| Vec::new()).collect();
-        let mut s = 1;
-        for (i, op) in self.spec.chain.0.iter().enumerate().skip(self.first_op) {
-            let f = self.spec.features_at(i);
-            let mut grads = Vec::new();
-            for _ in op.param_bases() {
-                grads.push(slot(s, f)?);
-                s += 1;
-            }
-            ops.push(grads);
-        }
+        let (db, ops) = self.small_grads(gpu, &slots)?;
         mark("gradient bookkeeping")?;
         Ok(DeviceGrads { x: dx, params: DeviceParams { linear_weight: dw, linear_bias: db, ops } })
     }

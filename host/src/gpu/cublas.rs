@@ -2,9 +2,9 @@
 //! SGEMM (strict FP32 or TF32 tensor-op math) on f32 operands, and the bf16 GEMM
 //! (`cublasGemmEx`, FP32 accumulation and output) on bf16 copies of them.
 
-use super::elementwise::Bf16Tensor;
 use super::{DeviceTensor, Gpu};
 use crate::error::{Error, Result};
+use crate::tensor::Bf16;
 use cudarc::cublas::sys::{cublasMath_t, cublasOperation_t};
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
@@ -116,8 +116,8 @@ impl Cublas {
         &self,
         (transa, transb): (cublasOperation_t, cublasOperation_t),
         (m, n, k): (usize, usize, usize),
-        (a, lda): (&CudaSlice<u16>, usize),
-        (b, ldb): (&CudaSlice<u16>, usize),
+        (a, lda): (&CudaSlice<Bf16>, usize),
+        (b, ldb): (&CudaSlice<Bf16>, usize),
         (c, ldc): (&mut CudaSlice<f32>, usize),
     ) -> Result<()> {
         use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType_t};
@@ -164,7 +164,7 @@ pub trait Operand {
 /// The buffer of an [`Operand`].
 pub enum Data<'a> {
     F32(&'a CudaSlice<f32>),
-    Bf16(&'a CudaSlice<u16>),
+    Bf16(&'a CudaSlice<Bf16>),
 }
 
 impl Operand for DeviceTensor {
@@ -176,7 +176,7 @@ impl Operand for DeviceTensor {
     }
 }
 
-impl Operand for Bf16Tensor {
+impl Operand for DeviceTensor<Bf16> {
     fn shape(&self) -> &[usize] {
         &self.shape
     }

@@ -2,8 +2,9 @@
 //! fold of a Linear layer (forward) and its transpose (backward), and a matrix
 //! transpose.
 
-use super::{DeviceBuf, DeviceTensor, Gpu, launched};
+use super::{DeviceBuf, DeviceElement, DeviceTensor, Gpu, launched};
 use crate::error::{Error, Result};
+use crate::tensor::Bf16;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use kernel_abi::Kernel;
 use std::sync::Arc;
@@ -25,7 +26,7 @@ pub fn add_assign(gpu: &Gpu, a: &mut DeviceTensor, b: &DeviceTensor) -> Result<(
 
 /// Rows of `input (rows, cols)` averaged in blocks of `k`: `(rows / k, cols)` (a 1-D
 /// input is one column).
-pub fn fold_rows_mean(gpu: &Gpu, input: &DeviceTensor, k: usize) -> Result<DeviceTensor> {
+pub fn fold_rows_mean<T: DeviceElement>(gpu: &Gpu, input: &DeviceTensor<T>, k: usize) -> Result<DeviceTensor> {
     let (rows, cols) = (input.shape[0], input.shape.get(1).copied().unwrap_or(1));
     if k == 0 || k > rows {
         return Err(Error::Chain(format!("avgpool({k}) over {rows} features")));
@@ -34,12 +35,15 @@ pub fn fold_rows_mean(gpu: &Gpu, input: &DeviceTensor, k: usize) -> Result<Devic
     shape[0] = rows / k;
     let mut out = gpu.alloc(&shape)?;
     let (r, c, k32) = (rows as u32, cols as u32, k as u32);
+    // The means in FP32 from FP32 or bf16 rows.
+    let kernel = if std::mem::size_of::<T>() == 2 { Kernel::FoldRowsMeanBf16 } else { Kernel::FoldRowsMean };
     {
-        let (func, cfg) = row_blocks(gpu, Kernel::FoldRowsMean, rows / k, cols)?;
+        let (func, cfg) = row_blocks(gpu, kernel, rows / k, cols)?;
         let mut l = gpu.stream().launch_builder(&func);
         l.arg(&input.buf).arg(&r).arg(&c).arg(&k32).arg(&mut out.buf);
-        // SAFETY: (input, rows, cols, k, out) as the kernel takes; out holds (rows / k) * cols.
-        launched(Kernel::FoldRowsMean, unsafe { l.launch(cfg) })
+        // SAFETY: (input, rows, cols, k, out) as the kernel takes (its element type
+        // `T`'s); out holds (rows / k) * cols.
+        launched(kernel, unsafe { l.launch(cfg) })
     }?;
     Ok(out)
 }
@@ -56,21 +60,30 @@ fn row_blocks(gpu: &Gpu, kernel: Kernel, rows: usize, cols: usize) -> Result<(Cu
 }
 
 /// The gradient of [`fold_rows_mean`]: `g (rows / k, cols)` spread back over `rows` rows.
-pub fn unfold_rows_mean_grad(gpu: &Gpu, g: &DeviceTensor, rows: usize, k: usize) -> Result<DeviceTensor> {
+pub fn unfold_rows_mean_grad<T: DeviceElement>(
+    gpu: &Gpu,
+    g: &DeviceTensor,
+    rows: usize,
+    k: usize,
+) -> Result<DeviceTensor<T>> {
     let cols = g.shape.get(1).copied().unwrap_or(1);
     if g.shape[0] != rows / k {
         return Err(Error::Shape(format!("folded gradient {:?} for {rows} rows pooled by {k}", g.shape)));
     }
     let mut shape = g.shape.clone();
     shape[0] = rows;
-    let mut out = gpu.alloc(&shape)?;
+    let mut out = gpu.alloc_as::<T>(&shape)?;
     let (r, c, k32) = (rows as u32, cols as u32, k as u32);
+    // FP32 out, or rounded once into a bf16 weight's gradient.
+    let kernel =
+        if std::mem::size_of::<T>() == 2 { Kernel::UnfoldRowsMeanGradToBf16 } else { Kernel::UnfoldRowsMeanGrad };
     {
-        let (func, cfg) = row_blocks(gpu, Kernel::UnfoldRowsMeanGrad, rows, cols)?;
+        let (func, cfg) = row_blocks(gpu, kernel, rows, cols)?;
         let mut l = gpu.stream().launch_builder(&func);
         l.arg(&g.buf).arg(&r).arg(&c).arg(&k32).arg(&mut out.buf);
-        // SAFETY: (g, rows, cols, k, out) as the kernel takes; out holds rows * cols.
-        launched(Kernel::UnfoldRowsMeanGrad, unsafe { l.launch(cfg) })
+        // SAFETY: (g, rows, cols, k, out) as the kernel takes; out holds rows * cols
+        // values of `T`.
+        launched(kernel, unsafe { l.launch(cfg) })
     }?;
     Ok(out)
 }
@@ -148,16 +161,37 @@ fn launch_transpose<T: cudarc::driver::DeviceRepr + 'static>(
     Ok(buf)
 }
 
-/// A row-major bf16 matrix in device memory (raw 16-bit words): the operands of
-/// cuBLAS's bf16 GEMM in `host bench --precision bf16`.
-pub struct Bf16Tensor {
-    pub shape: Vec<usize>,
-    pub buf: DeviceBuf<u16>,
+/// `input` rounded to bf16 (to nearest, ties to even), queued on the GPU's stream.
+pub fn to_bf16(gpu: &Gpu, input: &DeviceTensor) -> Result<DeviceTensor<Bf16>> {
+    to_bf16_on(gpu, gpu.stream(), input)
 }
 
-/// `input` rounded to bf16.
-pub fn to_bf16(gpu: &Gpu, input: &DeviceTensor) -> Result<Bf16Tensor> {
-    Ok(Bf16Tensor { shape: input.shape.clone(), buf: slice_to_bf16(gpu, gpu.stream(), &input.buf)? })
+/// [`to_bf16`] on `stream`.
+pub fn to_bf16_on(gpu: &Gpu, stream: &Arc<CudaStream>, input: &DeviceTensor) -> Result<DeviceTensor<Bf16>> {
+    let words = slice_to_bf16(gpu, stream, &input.buf)?;
+    // SAFETY (of the view): `Bf16` is a transparent `u16`; the words are its bits.
+    let buf = unsafe { words.retype::<Bf16>() };
+    Ok(DeviceTensor { shape: input.shape.clone(), buf })
+}
+
+/// A bf16 tensor's values as FP32 (exact), queued on `stream`: for the paths that
+/// compute from FP32 operands (shapes the bf16 kernels do not take).
+pub fn widen_on(gpu: &Gpu, stream: &Arc<CudaStream>, input: &DeviceTensor<Bf16>) -> Result<DeviceTensor> {
+    let len = input.len();
+    // SAFETY: the kernel below writes all `len` floats before anything reads them.
+    let mut buf = unsafe { gpu.alloc_buf::<f32>(stream, len)? };
+    let n = u32::try_from(len).map_err(|_| Error::Shape(format!("{len} values exceed a 32-bit launch")))?;
+    let (func, cfg) = gpu.kernel_1d(Kernel::Bf16ToF32, len, 0)?;
+    let mut l = stream.launch_builder(&func);
+    l.arg(&input.buf).arg(&n).arg(&mut buf);
+    // SAFETY: (input, len, out) as the kernel takes; out holds len floats.
+    launched(Kernel::Bf16ToF32, unsafe { l.launch(cfg) })?;
+    Ok(DeviceTensor { shape: input.shape.clone(), buf })
+}
+
+/// [`widen_on`] on the GPU's stream.
+pub fn widen(gpu: &Gpu, input: &DeviceTensor<Bf16>) -> Result<DeviceTensor> {
+    widen_on(gpu, gpu.stream(), input)
 }
 
 /// Every float of `input` rounded to bf16 (to nearest, ties to even), in a new buffer

@@ -5,6 +5,7 @@
 //! checks for the library first and turns every failure into an [`Error`].
 
 pub mod block;
+pub mod block_bf16;
 pub mod cublas;
 pub mod elementwise;
 pub mod epilogue;
@@ -14,7 +15,7 @@ pub mod tape;
 pub mod tuning;
 
 use crate::error::{Error, Result};
-use crate::tensor::Tensor;
+use crate::tensor::{Bf16, Tensor};
 use cudarc::driver::sys::CUdevice_attribute as Attr;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchArgs,
@@ -58,6 +59,8 @@ pub trait DeviceAllocator: Send + Sync {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ElementKind {
     F32,
+    /// A bf16 tensor's values.
+    Bf16,
     /// Anything else: 16-bit words, 32-bit indices, 64-bit table words.
     Bytes,
 }
@@ -185,10 +188,10 @@ impl Gpu {
     /// # Safety
     /// `ptr` must address `shape`'s product of f32 values on this device, live and not
     /// written by anyone else while the returned tensor is used.
-    pub unsafe fn borrow_tensor(&self, ptr: u64, shape: &[usize]) -> Result<DeviceTensor> {
-        let len = crate::tensor::numel::<f32>(shape)?;
+    pub unsafe fn borrow_tensor<T: DeviceElement>(&self, ptr: u64, shape: &[usize]) -> Result<DeviceTensor<T>> {
+        let len = crate::tensor::numel::<T>(shape)?;
         // SAFETY: the caller's contract; `Owner::Borrowed` leaks instead of freeing.
-        let slice = unsafe { self.stream.upgrade_device_ptr::<f32>(ptr, len) };
+        let slice = unsafe { self.stream.upgrade_device_ptr::<T>(ptr, len) };
         Ok(DeviceTensor { shape: shape.to_vec(), buf: DeviceBuf::new(slice, Owner::Borrowed, None) })
     }
 
@@ -213,6 +216,8 @@ impl Gpu {
             Some(alloc) => {
                 let kind = if std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>() {
                     ElementKind::F32
+                } else if std::any::TypeId::of::<T>() == std::any::TypeId::of::<Bf16>() {
+                    ElementKind::Bf16
                 } else {
                     ElementKind::Bytes
                 };
@@ -363,9 +368,9 @@ impl Gpu {
     }
 
     /// Copies a host tensor to the device.
-    pub fn upload(&self, t: &Tensor<f32>) -> Result<DeviceTensor> {
+    pub fn upload<T: DeviceElement>(&self, t: &Tensor<T>) -> Result<DeviceTensor<T>> {
         // SAFETY: written in full by the copy below.
-        let mut buf = unsafe { self.alloc_buf::<f32>(&self.stream, t.len())? };
+        let mut buf = unsafe { self.alloc_buf::<T>(&self.stream, t.len())? };
         if !t.is_empty() {
             self.stream.memcpy_htod(t.data(), &mut *buf).map_err(|e| Error::cuda("copying to the device", e))?;
         }
@@ -374,10 +379,15 @@ impl Gpu {
 
     /// An uninitialised device tensor, for outputs a kernel writes in full.
     pub fn alloc(&self, shape: &[usize]) -> Result<DeviceTensor> {
-        let len = crate::tensor::numel::<f32>(shape)?;
+        self.alloc_as::<f32>(shape)
+    }
+
+    /// [`Gpu::alloc`] for any element type.
+    pub fn alloc_as<T: DeviceElement>(&self, shape: &[usize]) -> Result<DeviceTensor<T>> {
+        let len = crate::tensor::numel::<T>(shape)?;
         // SAFETY: every caller passes the tensor to a kernel that writes all of it
         // before anything reads it (outputs and scratch of our launchers).
-        let buf = unsafe { self.alloc_buf::<f32>(&self.stream, len)? };
+        let buf = unsafe { self.alloc_buf::<T>(&self.stream, len)? };
         Ok(DeviceTensor { shape: shape.to_vec(), buf })
     }
 
@@ -401,17 +411,27 @@ impl Gpu {
     /// A device tensor filled with NaN (on the device), so an element a kernel fails
     /// to write shows up.
     pub fn poisoned(&self, shape: &[usize]) -> Result<DeviceTensor> {
-        let mut t = self.alloc(shape)?;
+        self.poisoned_as::<f32>(shape)
+    }
+
+    /// [`Gpu::poisoned`] for any element type.
+    pub fn poisoned_as<T: DeviceElement>(&self, shape: &[usize]) -> Result<DeviceTensor<T>> {
+        let mut t = self.alloc_as::<T>(shape)?;
         let ptr = t.buf.device_ptr_mut(&self.stream).0;
-        // SAFETY: fills exactly the allocation's len 32-bit words on our stream.
-        unsafe { cudarc::driver::sys::cuMemsetD32Async(ptr, f32::NAN.to_bits(), t.buf.len(), self.stream.cu_stream()) }
-            .result()
-            .map_err(|e| Error::cuda("filling with NaN", e))?;
+        let (len, stream) = (t.buf.len(), self.stream.cu_stream());
+        // SAFETY: fills exactly the allocation's `len` elements on our stream.
+        let filled = unsafe {
+            match std::mem::size_of::<T>() {
+                2 => cudarc::driver::sys::cuMemsetD16Async(ptr, T::NAN_BITS as u16, len, stream),
+                _ => cudarc::driver::sys::cuMemsetD32Async(ptr, T::NAN_BITS, len, stream),
+            }
+        };
+        filled.result().map_err(|e| Error::cuda("filling with NaN", e))?;
         Ok(t)
     }
 
     /// Copies a device tensor back (waits for the stream: kernel faults surface here).
-    pub fn download(&self, t: &DeviceTensor) -> Result<Tensor<f32>> {
+    pub fn download<T: DeviceElement>(&self, t: &DeviceTensor<T>) -> Result<Tensor<T>> {
         let data = self.stream.clone_dtoh(&*t.buf).map_err(|e| Error::cuda("copying from the device", e))?;
         Tensor::new(&t.shape, data)
     }
@@ -557,9 +577,31 @@ fn oom_or(context: &str, elements: usize, e: cudarc::driver::DriverError) -> Err
 }
 
 /// A row-major f32 tensor in device memory.
-pub struct DeviceTensor {
+pub struct DeviceTensor<T = f32> {
     pub shape: Vec<usize>,
-    pub buf: DeviceBuf<f32>,
+    pub buf: DeviceBuf<T>,
+}
+
+/// What a device tensor holds: FP32, or bf16 (a bf16 model's tensors, kept as they are).
+pub trait DeviceElement: DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Default + Send + Sync + 'static {
+    /// The dtype's name in messages.
+    const NAME: &'static str;
+    /// The bit pattern of a quiet NaN (poisoned outputs).
+    const NAN_BITS: u32;
+}
+
+impl DeviceElement for f32 {
+    const NAME: &'static str = "float32";
+    const NAN_BITS: u32 = 0x7fc0_0000;
+}
+
+// SAFETY: `Bf16` is a `repr(transparent)` `u16`: plain bits, any pattern valid, zero included.
+unsafe impl DeviceRepr for Bf16 {}
+unsafe impl cudarc::driver::ValidAsZeroBits for Bf16 {}
+
+impl DeviceElement for Bf16 {
+    const NAME: &'static str = "bfloat16";
+    const NAN_BITS: u32 = 0x7fc0;
 }
 
 /// Who frees a [`DeviceBuf`]'s memory.
@@ -651,6 +693,25 @@ impl<T> DeviceBuf<T> {
         }
     }
 
+    /// The same memory read as another element type of the same size.
+    ///
+    /// # Safety
+    /// Every bit pattern the buffer holds is a valid `U`.
+    pub unsafe fn retype<U>(self) -> DeviceBuf<U> {
+        assert_eq!(std::mem::size_of::<T>(), std::mem::size_of::<U>(), "retype to another element size");
+        let mut this = ManuallyDrop::new(self);
+        // SAFETY: the fields are moved out once and `this` is never dropped.
+        let (slice, owner, defer) =
+            unsafe { (ManuallyDrop::take(&mut this.slice), std::ptr::read(&this.owner), std::ptr::read(&this.defer)) };
+        let stream = slice.stream().clone();
+        let len = slice.len();
+        // The slice's memory under the new type; the old slice is forgotten, not freed.
+        let ptr = slice.leak();
+        // SAFETY: the same allocation, `len` elements of an equal size.
+        let slice = unsafe { stream.upgrade_device_ptr::<U>(ptr, len) };
+        DeviceBuf { slice: ManuallyDrop::new(slice), owner, defer }
+    }
+
     /// The device address of the first element.
     pub fn device_address(&self) -> u64 {
         // With event tracking off (`Gpu::open`), reading the address records nothing.
@@ -705,7 +766,7 @@ unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b mut DeviceBuf<T>> for LaunchArgs<'a
     }
 }
 
-impl DeviceTensor {
+impl<T> DeviceTensor<T> {
     pub fn len(&self) -> usize {
         self.buf.len()
     }
@@ -714,7 +775,7 @@ impl DeviceTensor {
     }
 
     /// The same buffer under another shape of equal size.
-    pub fn reshape(self, shape: &[usize]) -> Result<DeviceTensor> {
+    pub fn reshape(self, shape: &[usize]) -> Result<DeviceTensor<T>> {
         if shape.iter().product::<usize>() != self.buf.len() {
             return Err(Error::Shape(format!("cannot view {} values as {shape:?}", self.buf.len())));
         }

@@ -12,6 +12,7 @@
 
 use super::lanes::column_param;
 use super::pointwise::*;
+use crate::prelude::element::Element;
 use crate::prelude::math::{fma, rsqrt};
 use crate::prelude::warp::shfl_xor;
 use crate::unroll;
@@ -278,14 +279,14 @@ fn group_norm<const CPG: usize, const SHUFFLES: u32, const BJ: usize>(
 }
 
 /// Stores a half fragment's values (rows `row`, `row + 8`; columns from `col` as in the
-/// module) into the `(m, n)` row-major `dst`, 8 bytes at a time when aligned, skipping
-/// rows past `m` and columns past `n`.
+/// module) into the `(m, n)` row-major `dst` (FP32, or bf16 rounded to nearest), a pair
+/// at a time when aligned, skipping rows past `m` and columns past `n`.
 ///
 /// # Safety
-/// `dst` holds `m * n` floats.
+/// `dst` holds `m * n` elements.
 #[inline(always)]
-pub unsafe fn store_half(dst: *mut f32, v: &HalfFragment, (m, n): (usize, usize), row: usize, col: usize) {
-    // Even `n` keeps every pair 8-byte aligned (`col` is even).
+pub unsafe fn store_half<O: Element>(dst: *mut O, v: &HalfFragment, (m, n): (usize, usize), row: usize, col: usize) {
+    // Even `n` keeps every pair aligned to two elements (`col` is even).
     let inside = n % 2 == 0 && half_inside(n, col);
     unroll!(i in 0..2 => {
         let r = row + 8 * i;
@@ -295,18 +296,18 @@ pub unsafe fn store_half(dst: *mut f32, v: &HalfFragment, (m, n): (usize, usize)
                 let at = dst.add(r * n + col);
                 if inside {
                     unroll!(j in 0..16 => {
-                        *(at.add(8 * j) as *mut F2) = F2([v[4 * j + 2 * i], v[4 * j + 2 * i + 1]]);
+                        O::store2(at.add(8 * j), v[4 * j + 2 * i], v[4 * j + 2 * i + 1]);
                     });
                 } else {
                     unroll!(j in 0..16 => {
                         let (a, b) = (v[4 * j + 2 * i], v[4 * j + 2 * i + 1]);
                         let c = col + 8 * j;
                         if n % 2 == 0 && c + 2 <= n {
-                            *(at.add(8 * j) as *mut F2) = F2([a, b]);
+                            O::store2(at.add(8 * j), a, b);
                         } else if c < n {
-                            *at.add(8 * j) = a;
+                            O::store1(at.add(8 * j), a);
                             if c + 1 < n {
-                                *at.add(8 * j + 1) = b;
+                                O::store1(at.add(8 * j + 1), b);
                             }
                         }
                     });

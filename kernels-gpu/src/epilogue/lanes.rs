@@ -8,8 +8,9 @@
 //! `n` carry values that are never stored and never reach a group's sums.
 
 use super::pointwise::{PointwiseMath, match_pointwise, param_count};
-use crate::prelude::async_copy::{cp_async_4, cp_async_16, cp_async_commit, cp_async_wait, cp_async_wait_all, shared_address};
-use crate::prelude::global::{load_v4_nc, store_v4};
+use crate::prelude::async_copy::{cp_async_4, cp_async_8, cp_async_16, cp_async_commit, cp_async_wait, cp_async_wait_all, shared_address};
+use crate::prelude::element::{Element, unpack_bf16x2};
+use crate::prelude::global::load_v4_nc;
 use crate::prelude::math::{fma, rsqrt};
 use crate::prelude::warp::{segment_sum, shfl_xor};
 use crate::prelude::*;
@@ -48,14 +49,14 @@ pub fn column_params(p: *const f32, n: usize, c: usize) -> [f32; 4] {
 /// # Safety
 /// `row` and the columns below `n` are inside `dst`.
 #[inline(always)]
-pub unsafe fn store_row4(dst: *mut f32, v: [f32; 4], row: usize, n: usize, c: usize) {
+pub unsafe fn store_row4<O: Element>(dst: *mut O, v: [f32; 4], row: usize, n: usize, c: usize) {
     unsafe {
         if n % 4 == 0 && c + 4 <= n {
-            store_v4(dst.add(row * n + c), v);
+            O::store4(dst.add(row * n + c), v);
         } else {
             unroll!(e in 0..4 => {
                 if c + e < n {
-                    *dst.add(row * n + c + e) = v[e];
+                    O::store1(dst.add(row * n + c + e), v[e]);
                 }
             });
         }
@@ -273,6 +274,49 @@ pub unsafe extern "ptx-kernel" fn epilogue_tiles_backward(
     n_ops: u32,
     rows_per_block: u32,
 ) {
+    unsafe { tiles_backward(z, dy, dz, partials, rows, n, ops, n_ops, rows_per_block) }
+}
+
+/// [`epilogue_tiles_backward`] for a bf16 model: `dy` and `dz` in bf16 (the chain in
+/// FP32, `dz` rounded to nearest once), `z` and the partial sums in FP32.
+///
+/// # Safety
+/// As [`epilogue_tiles_backward`], with `n % 4 == 0` (8-byte copies of `dy`; otherwise
+/// the kernel writes nothing).
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "ptx-kernel" fn epilogue_tiles_backward_bf16(
+    z: *const f32,
+    dy: *const u16,
+    dz: *mut u16,
+    partials: *mut f32,
+    rows: u32,
+    n: u32,
+    ops: *const OpDesc,
+    n_ops: u32,
+    rows_per_block: u32,
+) {
+    if n % 4 != 0 {
+        return;
+    }
+    unsafe { tiles_backward(z, dy, dz, partials, rows, n, ops, n_ops, rows_per_block) }
+}
+
+/// The body of the tile-wise backwards, `G` the type of `dy` and `dz`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tiles_backward<G: Element>(
+    z: *const f32,
+    dy: *const G,
+    dz: *mut G,
+    partials: *mut f32,
+    rows: u32,
+    n: u32,
+    ops: *const OpDesc,
+    n_ops: u32,
+    rows_per_block: u32,
+) {
+    let bf16 = core::mem::size_of::<G>() == 2;
     let (rows, n, n_ops) = (rows as usize, n as usize, (n_ops as usize).min(MAX_TILE_OPS));
     let (warp, lane) = (warp_id() as usize, lane_id() as usize);
     let warps = TILE_THREADS / 32;
@@ -324,16 +368,23 @@ pub unsafe extern "ptx-kernel" fn epilogue_tiles_backward(
             let live = r + i < row_end;
             let at = at + i * n;
             unroll!(t in 0..2 => {
-                let src = if t == 0 { z } else { dy };
                 let dst = shared_address(ring.add(((slot * 2 + i) * 2 + t) * 32 + lane));
-                if n % 4 == 0 {
+                if t == 1 && bf16 {
+                    // Four bf16 values of `dy`, 8 bytes (the host sends `n % 4 == 0`).
                     let ok = live && c < n;
-                    cp_async_16(dst, if ok { src.add(at) } else { z }, if ok { 16 } else { 0 });
+                    let dy16 = dy as *const u16;
+                    cp_async_8(dst, if ok { dy16.add(at) } else { dy16 }, if ok { 8 } else { 0 });
                 } else {
-                    unroll!(e in 0..4 => {
-                        let ok = live && c + e < n;
-                        cp_async_4(dst + 4 * e as u32, if ok { src.add(at + e) } else { z }, if ok { 4 } else { 0 });
-                    });
+                    let src = if t == 0 { z } else { dy as *const f32 };
+                    if n % 4 == 0 {
+                        let ok = live && c < n;
+                        cp_async_16(dst, if ok { src.add(at) } else { z }, if ok { 16 } else { 0 });
+                    } else {
+                        unroll!(e in 0..4 => {
+                            let ok = live && c + e < n;
+                            cp_async_4(dst + 4 * e as u32, if ok { src.add(at + e) } else { z }, if ok { 4 } else { 0 });
+                        });
+                    }
                 }
             });
         });
@@ -349,7 +400,15 @@ pub unsafe extern "ptx-kernel" fn epilogue_tiles_backward(
         fetch(row + step, at, slot ^ 1);
         cp_async_wait::<1>();
         // SAFETY: the lane's own slots, landed.
-        let cur = [0, 1].map(|i| [0, 1].map(|t| unsafe { (*ring.add(((slot * 2 + i) * 2 + t) * 32 + lane)).0 }));
+        let mut cur = [0, 1].map(|i| [0, 1].map(|t| unsafe { (*ring.add(((slot * 2 + i) * 2 + t) * 32 + lane)).0 }));
+        if bf16 {
+            // `dy`'s four bf16 values sit in the slot's first 8 bytes.
+            unroll!(i in 0..2 => {
+                let w = cur[i][1].map(f32::to_bits);
+                let ([a, b], [c, d]) = (unpack_bf16x2(w[0]), unpack_bf16x2(w[1]));
+                cur[i][1] = [a, b, c, d];
+            });
+        }
         slot ^= 1;
         let both = row + 1 < row_end;
         let mut x = [cur[0][0], cur[1][0]];

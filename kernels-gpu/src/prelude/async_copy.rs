@@ -66,6 +66,20 @@ pub fn l2_policy(evict_first: bool) -> u64 {
     p
 }
 
+/// Copies 8 bytes (bf16 values) from global to shared memory asynchronously; bytes
+/// past `src_bytes` (0 or 8) are zero-filled.
+///
+/// # Safety
+/// `dst` is an 8-byte aligned shared address; `src` is 8-byte aligned and valid for
+/// `src_bytes` bytes.
+#[inline(always)]
+pub unsafe fn cp_async_8(dst: u32, src: *const u16, src_bytes: u32) {
+    unsafe {
+        asm!("cp.async.ca.shared.global [{d}], [{s}], 8, {n};",
+             d = in(reg32) dst, s = in(reg64) src as u64, n = in(reg32) src_bytes, options(nostack, preserves_flags));
+    }
+}
+
 /// [`cp_async_16`] for one float (4-byte aligned operands): `src_bytes` 0 or 4.
 ///
 /// # Safety

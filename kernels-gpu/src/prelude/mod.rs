@@ -3,6 +3,7 @@
 
 pub mod async_copy;
 pub mod bulk_copy;
+pub mod element;
 pub mod global;
 pub mod index;
 pub mod math;

@@ -47,6 +47,16 @@ pub fn descriptor_128b(addr: u32) -> u64 {
     ((addr as u64 >> 4) & 0x3fff) | (1 << 16) | ((1024u64 >> 4) << 32) | (1 << 62)
 }
 
+/// A descriptor for an MN-major 16-bit operand with the 128-byte swizzle at `addr`
+/// (1024-byte aligned): boxes of 64 values along M (or N, one 128-byte row) x 64 of
+/// `k`, 8 KB each, side by side. The leading offset is the stride between boxes (the
+/// next 64 values of M or N, 8192 bytes); the stride offset between 8-row groups of `k`
+/// (1024 bytes). A 16-deep `k`-step starts 2048 bytes further.
+#[inline(always)]
+pub fn descriptor_128b_mn(addr: u32) -> u64 {
+    ((addr as u64 >> 4) & 0x3fff) | ((8192u64 >> 4) << 16) | ((1024u64 >> 4) << 32) | (1 << 62)
+}
+
 /// The same for 64-byte rows (16 floats) with the 64-byte swizzle: 512 bytes between
 /// 8-row groups, swizzle mode 2.
 #[inline(always)]
@@ -329,4 +339,14 @@ wgmma_n256_k_tile_fn!(
     /// A 64-deep bf16 k-tile: four `m64n256k16` steps, both operands `k`-major (no
     /// transpose: the last two immediates).
     wgmma_n256_k_tile_bf16, "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16", ", 0, 0"
+);
+wgmma_n256_k_tile_fn!(
+    /// A 64-deep bf16 k-tile with `A` `k`-major and `B` N-major (`dX = dZ W` with `W`
+    /// as stored): the last immediate transposes `B`.
+    wgmma_n256_k_tile_bf16_nn, "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16", ", 0, 1"
+);
+wgmma_n256_k_tile_fn!(
+    /// A 64-deep bf16 k-tile with both operands MN-major (`dW = dZ^T X` with `dZ` and
+    /// `X` as stored).
+    wgmma_n256_k_tile_bf16_tn, "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16", ", 1, 1"
 );

@@ -1,7 +1,7 @@
 //! Launcher of `epilogue_tiles_backward` (kernels-gpu/src/epilogue/lanes.rs): the
 //! backward of a chain the GEMM's epilogue can fuse, tile by tile.
 
-use super::super::{DeviceTensor, Gpu, launched};
+use super::super::{DeviceElement, DeviceTensor, Gpu, launched};
 use super::DeviceChain;
 use crate::error::{Error, Result};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -18,16 +18,25 @@ pub fn fits(chain: &DeviceChain) -> bool {
 
 /// `dz` and the parameter-gradient sums `(grad_slots, n)` (slot 0 the Linear bias, then
 /// each op parameter in chain order), from the saved chain input `z` and `dy`, both `(rows, n)`.
-pub fn epilogue_tiles_backward(
+pub fn epilogue_tiles_backward<G: DeviceElement>(
     gpu: &Gpu,
     chain: &DeviceChain,
     z: &DeviceTensor,
-    dy: &DeviceTensor,
-) -> Result<(DeviceTensor, DeviceTensor)> {
+    dy: &DeviceTensor<G>,
+) -> Result<(DeviceTensor<G>, DeviceTensor)> {
+    // bf16 `dy` and `dz` (a bf16 model's): 8-byte copies of four values.
+    let bf16 = std::mem::size_of::<G>() == 2;
+    let kernel = if bf16 { Kernel::EpilogueTilesBackwardBf16 } else { KERNEL };
     let [rows, n] = z.shape[..] else {
         return Err(Error::Shape(format!("saved chain input must be 2-D, got {:?}", z.shape)));
     };
-    if dy.len() != rows * n || !fits(chain) || rows == 0 || n == 0 || rows * n > u32::MAX as usize {
+    if dy.len() != rows * n
+        || !fits(chain)
+        || rows == 0
+        || n == 0
+        || rows * n > u32::MAX as usize
+        || (bf16 && n % 4 != 0)
+    {
         return Err(Error::Shape(format!("tile-wise backward of {rows} x {n} with dy {:?}", dy.shape)));
     }
     // One wave of blocks, each with a long run of rows: its sums and its final
@@ -43,10 +52,10 @@ pub fn epilogue_tiles_backward(
     let row_blocks = rows.div_ceil(rows_per_block);
     let slots = chain.grad_slots;
     let mut partials = gpu.alloc(&[row_blocks, slots, n])?;
-    let mut dz = gpu.alloc(&[rows, n])?;
-    let func = gpu.function(KERNEL)?;
+    let mut dz = gpu.alloc_as::<G>(&[rows, n])?;
+    let func = gpu.function(kernel)?;
     let smem = tiles_backward_smem_bytes(slots, chain.ops.len());
-    gpu.allow_shared(&func, KERNEL, smem)?;
+    gpu.allow_shared(&func, kernel, smem)?;
     let cfg = LaunchConfig {
         grid_dim: (col_tiles as u32, row_blocks as u32, 1),
         block_dim: (TILE_THREADS as u32, 1, 1),
@@ -59,7 +68,7 @@ pub fn epilogue_tiles_backward(
     // SAFETY: matches the kernel's signature; z, dy and dz hold rows * n; partials
     // row_blocks * slots * n, every entry written by the kernel; the chain is fusable
     // (the caller checked) and validated against n.
-    launched(KERNEL, unsafe { launch.launch(cfg) })?;
+    launched(kernel, unsafe { launch.launch(cfg) })?;
     let grads = super::rows::sum_partials(gpu, &partials, row_blocks, slots * n)?;
     Ok((dz, grads.reshape(&[slots, n])?))
 }

@@ -1,8 +1,8 @@
 //! What every GEMM launcher takes: the GEMM as its kernel reads it ([`Operands`]) and
 //! the arguments all the kernels take after their operands ([`EpilogueArgs`]).
 
-use super::super::DeviceTensor;
 use super::super::epilogue::DeviceChain;
+use super::super::{DeviceElement, DeviceTensor};
 use cudarc::driver::{CudaSlice, LaunchArgs, PushKernelArg};
 
 /// One GEMM as its kernel reads it: `y (m, n) = chain(A B^T + bias)`, or
@@ -38,11 +38,11 @@ impl EpilogueArgs {
     }
 
     /// Pushes them onto `launch`, after the operands.
-    pub fn push<'a>(
+    pub fn push<'a, O: DeviceElement>(
         &'a self,
         launch: &mut LaunchArgs<'a>,
         bias: Option<&'a CudaSlice<f32>>,
-        y: &'a mut DeviceTensor,
+        y: &'a mut DeviceTensor<O>,
         save_z: Option<&'a mut DeviceTensor>,
         chain: Option<&'a DeviceChain>,
     ) {

@@ -7,9 +7,10 @@
 
 use super::super::elementwise::slice_to_bf16;
 use super::super::epilogue::DeviceChain;
-use super::super::{DeviceTensor, Gpu, Table};
+use super::super::{DeviceElement, DeviceTensor, Gpu, Table};
 use super::args::{EpilogueArgs, Operands};
 use crate::error::{Error, Result};
+use crate::tensor::Bf16;
 use cudarc::driver::sys::{self, CUtensorMap};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use kernel_abi::Kernel;
@@ -270,6 +271,107 @@ pub fn launch_tk(
     // SAFETY: matches the kernel's signature; the maps describe `a` and `b` within the
     // extents the caller checked; `y` holds `m n` floats; grid, block and shared memory
     // follow kernel_abi::gemm_tma.
+    unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{kernel}`"), e))?;
+    Ok(())
+}
+
+/// The GEMMs of a bf16 model, on its tensors as stored (see
+/// `kernels-gpu/src/gemm/tma/forward.rs`): which operand is MN-major, and the output.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NativeBf16 {
+    /// `y = chain(x W^T + bias)`, `x (m, k)` and `W (n, k)` `k`-contiguous, `y` in bf16
+    /// (`gemm_tma_bf16_nt_to_bf16`); or, with an FP32 `y`, the GEMM alone before a
+    /// row-wise epilogue (`gemm_tma_bf16_nt`).
+    Forward,
+    /// `dX (m, n) = dZ (m, k) W (k, n)`: `W` `n`-contiguous (`gemm_tma_bf16_nn_to_bf16`).
+    GradInput,
+    /// `dW (m, n) = dZ (k, m)^T X (k, n)`: both MN-major (`gemm_tma_bf16_tn_to_bf16`, or
+    /// `gemm_tma_bf16_tn` into FP32).
+    GradWeight,
+}
+
+impl NativeBf16 {
+    /// Whether this GEMM runs on bf16 tensors of these row pitches (elements): the TMA
+    /// unit wants 16-byte pitches (multiples of 8 values) and a non-empty problem.
+    pub fn fits((m, n, k): (usize, usize, usize), (lda, ldb): (usize, usize)) -> bool {
+        m > 0 && n > 0 && k > 0 && lda.is_multiple_of(8) && ldb.is_multiple_of(8)
+    }
+
+    fn kernel(self, bf16_out: bool) -> Result<Kernel> {
+        match (self, bf16_out) {
+            (NativeBf16::Forward, true) => Ok(Kernel::GemmTmaBf16NtToBf16),
+            (NativeBf16::Forward, false) => Ok(Kernel::GemmTmaBf16Nt),
+            (NativeBf16::GradInput, true) => Ok(Kernel::GemmTmaBf16NnToBf16),
+            (NativeBf16::GradWeight, true) => Ok(Kernel::GemmTmaBf16TnToBf16),
+            (NativeBf16::GradWeight, false) => Ok(Kernel::GemmTmaBf16Tn),
+            (NativeBf16::GradInput, false) => Err(Error::Unsupported("dX of bf16 tensors is stored in bf16".into())),
+        }
+    }
+}
+
+/// Queues the bf16 GEMM `which` on bf16 tensors as stored: `y (m, n)` (bf16 or FP32,
+/// as `O`) from `a` and `b`, whose layouts `which` says, with pitches `lda`, `ldb`
+/// (elements) and depth `k`; the forward with its bias, chain and saved `z`.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_native_bf16<O: DeviceElement>(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    which: NativeBf16,
+    (a, b): (&CudaSlice<Bf16>, &CudaSlice<Bf16>),
+    (m, n, k): (usize, usize, usize),
+    (lda, ldb): (usize, usize),
+    (bias, chain): (Option<&CudaSlice<f32>>, Option<&DeviceChain>),
+    y: &mut DeviceTensor<O>,
+    save_z: Option<&mut DeviceTensor>,
+) -> Result<()> {
+    let bf16_out = std::mem::size_of::<O>() == 2;
+    let kernel = which.kernel(bf16_out)?;
+    // Extents: `A` is (m, k) or, MN-major, (k, m); `B` (n, k) or (k, n).
+    let (a_rows, a_cols, b_rows, b_cols) = match which {
+        NativeBf16::Forward => (m, k, n, k),
+        NativeBf16::GradInput => (m, k, k, n),
+        NativeBf16::GradWeight => (k, m, k, n),
+    };
+    let fits = |len: usize, rows: usize, cols: usize, pitch: usize| pitch >= cols && len >= (rows - 1) * pitch + cols;
+    if !NativeBf16::fits((m, n, k), (lda, ldb))
+        || !fits(a.len(), a_rows, a_cols, lda)
+        || !fits(b.len(), b_rows, b_cols, ldb)
+        || y.shape != [m, n]
+        || save_z.as_ref().is_some_and(|z| z.shape != [m, n])
+    {
+        return Err(Error::Shape(format!(
+            "bf16 GEMM {which:?} ({m}, {n}, {k}): operands of {} and {} values at pitches {lda}, {ldb}, output {:?}",
+            a.len(),
+            b.len(),
+            y.shape
+        )));
+    }
+    if which != NativeBf16::Forward && (bias.is_some() || chain.is_some() || save_z.is_some()) {
+        return Err(Error::Unsupported(format!("`{kernel}` takes no bias, chain or saved output")));
+    }
+    if [m, n, k, lda, ldb, a.len(), b.len()].iter().any(|&d| d > u32::MAX as usize) {
+        return Err(Error::Shape(format!("bf16 GEMM ({m}, {n}, {k}) exceeds the kernel's 32-bit arguments")));
+    }
+    let swizzle = sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B;
+    let (pa, pb) = (a.device_ptr(stream).0, b.device_ptr(stream).0);
+    // `k`-major: boxes of a tile's rows x 64 of `k`; MN-major: 64 of `k` x 64 of M or N
+    // (one 128-byte swizzle row), several per tile.
+    let k_major =
+        |ptr, rows, pitch, box_rows| encode_map_typed(ptr, 2, (rows, k, pitch), (box_rows, BF16_BLOCK_K), swizzle);
+    let mn_major = |ptr, cols, pitch| encode_map_typed(ptr, 2, (k, cols, pitch), (BF16_BLOCK_K, 64), swizzle);
+    let maps = match which {
+        NativeBf16::Forward => [k_major(pa, m, lda, BLOCK_M)?, k_major(pb, n, ldb, BLOCK_N)?],
+        NativeBf16::GradInput => [k_major(pa, m, lda, BLOCK_M)?, mn_major(pb, n, ldb)?],
+        NativeBf16::GradWeight => [mn_major(pa, m, lda)?, mn_major(pb, n, ldb)?],
+    };
+    let Persistent { maps, func, cfg } = persistent(gpu, stream, kernel, Arith::Bf16, maps, (m, n))?;
+    let tail = EpilogueArgs::new(&[m, n, k], chain);
+    let mut launch = stream.launch_builder(&func);
+    launch.arg(&maps);
+    tail.push(&mut launch, bias, y, save_z, chain);
+    // SAFETY: matches the kernel's signature (`y` of its output type); the maps
+    // describe `a` and `b` within the extents checked above; grid, block and shared
+    // memory follow kernel_abi::gemm_tma.
     unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{kernel}`"), e))?;
     Ok(())
 }

@@ -6,6 +6,7 @@ use super::opaque;
 use super::pipeline::{CONSUMER_REGISTERS, PRODUCER_REGISTERS, Pipeline};
 use crate::epilogue::fragments::{HalfFragment, add_column_bias, each_half_value, fragment_forward, prefetch_tile_params, store_half};
 use crate::prelude::bulk_copy::*;
+use crate::prelude::element::Element;
 use crate::prelude::tensor_core::{fence_proxy_async_shared, ld_shared_v4, st_shared_v4, tf32_residual};
 use crate::prelude::wgmma::*;
 use crate::prelude::*;
@@ -13,17 +14,22 @@ use crate::unroll;
 use kernel_abi::epilogue::OpDesc;
 use kernel_abi::gemm_tma::*;
 
-/// Declares forward entry points, each an instance of [`gemm_tma`] with the given
-/// `SPLIT` and `BF16` (one signature: the two tensor maps, then as `simt::gemm_f32`).
+/// Bytes of one MN-major box: 64 values of 2 bytes x 64 of `k`.
+const MN_BOX_BYTES: u32 = 64 * 64 * 2;
+
+/// Declares entry points, each an instance of [`gemm_tma`]: `SPLIT`, `BF16`, whether
+/// `A` and `B` are stored MN-major (`TRANS_A`, `TRANS_B`: bf16 only), whether the
+/// epilogue runs a chain (`CHAIN`; else it only stores), and the output's element type
+/// (one signature: the two tensor maps, then as `simt::gemm_f32` with `y` of that type).
 macro_rules! gemm_tma_entries {
-    ($($(#[$doc:meta])* $name:ident = <$split:literal, $bf16:literal>;)*) => {$(
+    ($($(#[$doc:meta])* $name:ident = <$split:literal, $bf16:literal, $ta:literal, $tb:literal, $chain:literal, $out:ty>;)*) => {$(
         $(#[$doc])*
         #[unsafe(no_mangle)]
         #[allow(clippy::too_many_arguments)]
         pub unsafe extern "ptx-kernel" fn $name(
             maps: *const u8,
             bias: *const f32,
-            y: *mut f32,
+            y: *mut $out,
             save_z: *mut f32,
             m: u32,
             n: u32,
@@ -31,7 +37,7 @@ macro_rules! gemm_tma_entries {
             ops: *const OpDesc,
             n_ops: u32,
         ) {
-            unsafe { gemm_tma::<$split, $bf16>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
+            unsafe { gemm_tma::<$split, $bf16, $ta, $tb, $chain, $out>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
         }
     )*};
 }
@@ -46,7 +52,7 @@ gemm_tma_entries! {
     /// The maps describe readable `f32` tensors of `(m, k)` and `(n, k)` in global memory;
     /// `y` holds `m * n` floats; bias, `save_z` and `ops` as in `simt::gemm_f32`; `THREADS`
     /// threads, dynamic shared memory `SMEM_BYTES`, any grid; an sm_90a device.
-    gemm_tma_tf32_nt = <false, false>;
+    gemm_tma_tf32_nt = <false, false, false, false, true, f32>;
 
     /// [`gemm_tma_tf32_nt`] in 3xTF32 (FP32-level accuracy): each stage also holds the
     /// FP32 residuals `x - tf32(x)` of its `A` and `B` tiles, which the consumers write
@@ -58,7 +64,7 @@ gemm_tma_entries! {
     ///
     /// # Safety
     /// As [`gemm_tma_tf32_nt`], with `SPLIT_SMEM_BYTES` of shared memory.
-    gemm_tma_tf32x3_nt = <true, false>;
+    gemm_tma_tf32x3_nt = <true, false, false, false, true, f32>;
 
     /// [`gemm_tma_tf32_nt`] in bf16: `A` and `B` are bf16 copies of `x` and `W` (rounded to
     /// nearest), their tensor maps with `64 x 128` and `64 x 256` boxes (128-byte rows of
@@ -68,19 +74,52 @@ gemm_tma_entries! {
     ///
     /// # Safety
     /// As [`gemm_tma_tf32_nt`], the maps describing `u16` (bf16) tensors.
-    gemm_tma_bf16_nt = <false, true>;
+    gemm_tma_bf16_nt = <false, true, false, false, true, f32>;
+
+    /// [`gemm_tma_bf16_nt`] on bf16 tensors as a bf16 model keeps them: `x` and `W`
+    /// read as stored (nothing rounded per call), `y` stored in bf16 (each value rounded
+    /// to nearest once, after the FP32 epilogue), `save_z` in FP32.
+    ///
+    /// # Safety
+    /// As [`gemm_tma_bf16_nt`]; `y` holds `m * n` 16-bit words.
+    gemm_tma_bf16_nt_to_bf16 = <false, true, false, false, true, u16>;
+
+    /// `dX (m, n) = dZ (m, k) W (k, n)` on bf16 tensors as stored: `A` = `dZ`
+    /// `k`-contiguous (its map as the forward's `A`), `B` = `W` `n`-contiguous
+    /// (MN-major: boxes of 64 columns x 64 rows of `k`, four per `256`-wide tile, the
+    /// `wgmma` reading them transposed), `y` in bf16. No bias or chain (pass null and 0).
+    ///
+    /// # Safety
+    /// As [`gemm_tma_bf16_nt_to_bf16`], `B`'s map describing a `(k, n)` tensor.
+    gemm_tma_bf16_nn_to_bf16 = <false, true, false, true, false, u16>;
+
+    /// `dW (m, n) = dZ^T X` on bf16 tensors as stored: `A` = `dZ (k, m)`, `B` =
+    /// `X (k, n)`, both MN-major (boxes of 64 x 64, two per `A` tile and four per `B`
+    /// tile), `y` in bf16. No bias or chain.
+    ///
+    /// # Safety
+    /// As [`gemm_tma_bf16_nn_to_bf16`], `A`'s map describing a `(k, m)` tensor.
+    gemm_tma_bf16_tn_to_bf16 = <false, true, true, true, false, u16>;
+
+    /// [`gemm_tma_bf16_tn_to_bf16`] with an FP32 `y`: the folded weight's gradient of a
+    /// leading AvgPool, spread over the whole weight (and rounded) afterwards.
+    ///
+    /// # Safety
+    /// As [`gemm_tma_bf16_tn_to_bf16`], `y` holding `m * n` floats.
+    gemm_tma_bf16_tn = <false, true, true, true, false, f32>;
 }
 
-/// The body of the forward entry points (`SPLIT`: 3xTF32; `BF16`: bf16 operands).
+/// The body of the entry points (`SPLIT`: 3xTF32; `BF16`: bf16 operands, `TRANS_A`,
+/// `TRANS_B` MN-major; `CHAIN`: bias, saved `z` and chain; `O`: the output's type).
 ///
 /// # Safety
 /// See [`gemm_tma_tf32_nt`].
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_tma<const SPLIT: bool, const BF16: bool>(
+unsafe fn gemm_tma<const SPLIT: bool, const BF16: bool, const TRANS_A: bool, const TRANS_B: bool, const CHAIN: bool, O: Element>(
     maps: *const u8,
     bias: *const f32,
-    y: *mut f32,
+    y: *mut O,
     save_z: *mut f32,
     m: u32,
     n: u32,
@@ -104,9 +143,22 @@ unsafe fn gemm_tma<const SPLIT: bool, const BF16: bool>(
             // SAFETY: `A`'s `BLOCK_M` rows and `B`'s `BLOCK_N` fill the stage's tiles.
             unsafe {
                 pipe.produce(|stage, row0, col0, k0, full| {
-                    tma_load_2d(stage, map_a, k0, row0, full);
-                    tma_load_2d(stage + a_bytes, map_b, k0, col0, full);
-                    if k0 == 0 && !SPLIT {
+                    // MN-major operands arrive as boxes of 64 rows (or columns) x 64 of
+                    // `k`, 8 KB each, side by side.
+                    if TRANS_A {
+                        tma_load_2d(stage, map_a, row0, k0, full);
+                        tma_load_2d(stage + MN_BOX_BYTES, map_a, row0 + 64, k0, full);
+                    } else {
+                        tma_load_2d(stage, map_a, k0, row0, full);
+                    }
+                    if TRANS_B {
+                        unroll!(j in 0..4 => {
+                            tma_load_2d(stage + a_bytes + j as u32 * MN_BOX_BYTES, map_b, col0 + 64 * j as u32, k0, full);
+                        });
+                    } else {
+                        tma_load_2d(stage + a_bytes, map_b, k0, col0, full);
+                    }
+                    if CHAIN && k0 == 0 && !SPLIT {
                         // A tile's first copies: its epilogue is a main loop away. (Not
                         // for 3xTF32: its epilogue is a smaller share of a tile's time,
                         // and the parameters' pointers held through the producer's
@@ -168,6 +220,18 @@ unsafe fn gemm_tma<const SPLIT: bool, const BF16: bool>(
                     named_barrier(1, CONSUMER_THREADS as u32);
                     let (dal, dbl) = (da + (tile_bytes as u64 >> 4), db + (tile_bytes as u64 >> 4));
                     wgmma_n256_k_tile_split(&mut acc, [da, db, dal, dbl]);
+                } else if BF16 && (TRANS_A || TRANS_B) {
+                    // MN-major: k-step i is 16 rows of 128 bytes further (2048 bytes =
+                    // 128 16-byte units); K-major as below.
+                    let (da, db) = (if TRANS_A { descriptor_128b_mn(sa + wg * MN_BOX_BYTES) } else { da }, if TRANS_B { descriptor_128b_mn(sa + a_bytes) } else { db });
+                    let step = |d: u64, mn: bool, i: u64| d + if mn { 128 * i } else { 2 * i };
+                    let a = [0, 1, 2, 3].map(|i| step(da, TRANS_A, i));
+                    let b = [0, 1, 2, 3].map(|i| step(db, TRANS_B, i));
+                    if TRANS_A {
+                        wgmma_n256_k_tile_bf16_tn(&mut acc, a, b);
+                    } else {
+                        wgmma_n256_k_tile_bf16_nn(&mut acc, a, b);
+                    }
                 } else if BF16 {
                     wgmma_n256_k_tile_bf16(&mut acc, [da, da + 2, da + 4, da + 6], [db, db + 2, db + 4, db + 6]);
                 } else {
@@ -195,17 +259,18 @@ unsafe fn gemm_tma<const SPLIT: bool, const BF16: bool>(
         // The thread's first row: 16 warp + lane / 4 of the warpgroup's 64 (and 8 below).
         let row = (row0 + wg * 64 + warp * 16) as usize + gid;
         let layout = Layout::Rows { row, col: (col0 + 2 * tig as u32) as usize, step: 8 };
+        // (3xTF32 alone flushes, and its `y` is FP32.)
         if SPLIT && run + 1 < runs {
             // SAFETY: the MMAs are finished; `y` holds `m * n` floats, and only this
             // thread reads or writes its accumulators' places until its epilogue
             // overwrites them.
-            unsafe { flush_accumulators(&mut acc, y, run == 0, layout, (m, n)) };
+            unsafe { flush_accumulators(&mut acc, y as *mut f32, run == 0, layout, (m, n)) };
             item += 1;
             continue;
         }
         if SPLIT && runs > 1 {
             // SAFETY: as for the flushes.
-            unsafe { add_flushed(&mut acc, y, layout, (m, n)) };
+            unsafe { add_flushed(&mut acc, y as *mut f32, layout, (m, n)) };
         }
         // The epilogue on the accumulators where they are (`epilogue::fragments`):
         // rows `row` (+ 8), columns 2 (lane % 4) + 8 j.
@@ -229,15 +294,15 @@ unsafe fn gemm_tma<const SPLIT: bool, const BF16: bool>(
             let mut h = 0u32;
             while h < opaque(2) {
                 let offset = 128 * h;
-                if !bias.is_null() {
+                if CHAIN && !bias.is_null() {
                     let (col, _, n) = fresh(offset);
                     add_column_bias(&mut v, bias, n, col);
                 }
-                if !save_z.is_null() {
+                if CHAIN && !save_z.is_null() {
                     let (col, m, n) = fresh(offset);
                     store_half(save_z, &v, (m, n), row, col);
                 }
-                for o in 0..n_ops as usize {
+                for o in 0..if CHAIN { n_ops as usize } else { 0 } {
                     let (col, _, n) = fresh(offset);
                     fragment_forward(&*ops.add(o), &mut v, n, col);
                 }

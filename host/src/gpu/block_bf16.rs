@@ -1,0 +1,269 @@
+//! A bf16 model's block on the GPU (`GpuBlock<Bf16>`): `x`, the Linear weight, `y`,
+//! `dy`, `dX` and `dW` in bf16 as the model keeps them. The three GEMMs read them as
+//! stored — `wgmma` takes 16-bit operands `k`-major or MN-major from shared memory —
+//! so nothing is rounded or transposed per call; the bias, the chain's parameters and
+//! arithmetic (GroupNorm statistics included) and the saved `z` stay FP32, and each
+//! bf16 output is rounded once, from FP32.
+//!
+//! Shapes the bf16 kernels cannot take (rows not 16-byte aligned), split-K forwards
+//! and a folded AvgPool's weight (FP32 means) run the FP32-tensor kernels at bf16
+//! precision on widened copies, their outputs rounded once: slower, the same numbers.
+//! The kink refinement does not run: with the operands exact in bf16, `z` carries only
+//! the FP32 accumulation's error (docs/NUMERICS.md).
+
+use super::block::{DeviceGrads, DeviceParams, GpuBlock, HostGrads, Plan, Saved, Workspace};
+use super::elementwise::{to_bf16, to_bf16_on, unfold_rows_mean_grad, widen, widen_on};
+use super::epilogue::lanes::epilogue_tiles_backward;
+use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
+use super::gemm::tma::{NativeBf16, launch_native_bf16};
+use super::gemm::{grad_input, grad_weight};
+use super::{DeviceTensor, Gpu};
+use crate::block::{BlockSpec, Params};
+use crate::error::{Error, Result};
+use crate::precision::Precision;
+use crate::tensor::{Bf16, Tensor};
+
+impl DeviceParams<Bf16> {
+    /// Uploads a bf16 model's parameters: the Linear weight as bf16, the others
+    /// widened to FP32.
+    pub fn upload_bf16(gpu: &Gpu, p: &Params<Bf16>) -> Result<DeviceParams<Bf16>> {
+        Ok(DeviceParams {
+            linear_weight: gpu.upload(&p.linear_weight)?,
+            linear_bias: gpu.upload(&p.linear_bias.to_f32())?,
+            ops: p.ops.iter().map(|v| v.iter().map(|t| gpu.upload(&t.to_f32())).collect()).collect::<Result<_>>()?,
+        })
+    }
+}
+
+impl GpuBlock<Bf16> {
+    /// A bf16 model's block from host parameters.
+    pub fn new_bf16(gpu: &Gpu, spec: &BlockSpec, params: &Params<Bf16>) -> Result<GpuBlock<Bf16>> {
+        Ok(Self::from_device(gpu, spec, DeviceParams::upload_bf16(gpu, params)?)?.with_precision(Precision::Bf16))
+    }
+
+    /// The forward of bf16 `x (batch, in)` into `ws.y` (bf16); with `save`, the chain's
+    /// input `z` (FP32) too.
+    pub fn forward_into(
+        &self,
+        gpu: &Gpu,
+        x: &DeviceTensor<Bf16>,
+        ws: &mut Workspace<Bf16>,
+        save: Option<&mut DeviceTensor>,
+    ) -> Result<()> {
+        let (n, k) = (self.gemm_width(), self.spec.in_features);
+        let m = match x.shape[..] {
+            [m, xk] if xk == k && Some(&m) == ws.y.shape.first() => m,
+            _ => return Err(Error::tensor("x", format!("shape {:?} does not fit this workspace", x.shape))),
+        };
+        let w = &self.params.linear_weight;
+        let b = &self.params.linear_bias;
+        let native = self.folded.is_none() && NativeBf16::fits((m, n, k), (k, k));
+        match (&ws.plan, ws.z.as_mut(), native) {
+            // One kernel: x and W as stored, bf16 y.
+            (Plan::Fused, _, true) => launch_native_bf16(
+                gpu,
+                gpu.stream(),
+                NativeBf16::Forward,
+                (&x.buf, &w.buf),
+                (m, n, k),
+                (k, k),
+                (Some(&b.buf), Some(&self.chain)),
+                &mut ws.y,
+                save,
+            ),
+            // The GEMM as stored into FP32 `z`, the row-wise epilogue, `y` rounded.
+            (Plan::GemmThenRows { splits: 1 }, Some(z), true) => {
+                let ops: (Option<&cudarc::driver::CudaSlice<f32>>, _) = (Some(&b.buf), None);
+                launch_native_bf16(
+                    gpu,
+                    gpu.stream(),
+                    NativeBf16::Forward,
+                    (&x.buf, &w.buf),
+                    (m, n, k),
+                    (k, k),
+                    ops,
+                    z,
+                    None,
+                )?;
+                let mut y = gpu.alloc(&ws.y.shape)?;
+                epilogue_rows(gpu, &self.chain, z, None, &mut y, save)?;
+                ws.y = to_bf16(gpu, &y)?;
+                Ok(())
+            }
+            (plan, z, _) => {
+                let x32 = widen(gpu, x)?;
+                let w32;
+                let (w, b) = match &self.folded {
+                    Some((_, w, b)) => (w, b),
+                    None => {
+                        w32 = widen(gpu, w)?;
+                        (&w32, b)
+                    }
+                };
+                let mut y = gpu.alloc(&ws.y.shape)?;
+                self.forward_f32(gpu, &x32, (w, b), (plan, z), &mut y, save)?;
+                ws.y = to_bf16(gpu, &y)?;
+                Ok(())
+            }
+        }
+    }
+
+    /// The forward of a training step on bf16 `x`: `y` in bf16 and the FP32 `z` the
+    /// backward needs. `poison` NaN-fills the buffers first (for checks).
+    pub fn forward_train(
+        &self,
+        gpu: &Gpu,
+        x: &DeviceTensor<Bf16>,
+        poison: bool,
+    ) -> Result<(DeviceTensor<Bf16>, Saved)> {
+        let batch = x.shape.first().copied().unwrap_or(0);
+        let mut ws = self.workspace_with(gpu, batch, poison)?;
+        let shape = [batch, self.gemm_width()];
+        let mut z = if poison { gpu.poisoned(&shape)? } else { gpu.alloc(&shape)? };
+        self.forward_into(gpu, x, &mut ws, Some(&mut z))?;
+        Ok((ws.y, Saved { z, refined: true, own: true }))
+    }
+
+    /// Gradients of a bf16 block: `dX` and `dW` in bf16, the bias's and the chain
+    /// parameters' in FP32 (the caller rounds them into its parameters' type), from the
+    /// output's gradient `dy (batch, features out)` in bf16, the input `x` and the
+    /// forward's saved `z`.
+    pub fn backward(
+        &self,
+        gpu: &Gpu,
+        x: &DeviceTensor<Bf16>,
+        saved: Saved,
+        dy: &DeviceTensor<Bf16>,
+    ) -> Result<DeviceGrads<Bf16>> {
+        let (n, k) = (self.gemm_width(), self.spec.in_features);
+        let m = match x.shape[..] {
+            [m, xk] if xk == k && saved.z.shape == [m, n] => m,
+            _ => {
+                return Err(Error::tensor(
+                    "x",
+                    format!("shape {:?} does not fit the saved state {:?}", x.shape, saved.z.shape),
+                ));
+            }
+        };
+        if dy.len() != m * self.out_width() {
+            return Err(Error::tensor("dy", format!("expected {m} x {} values, got {:?}", self.out_width(), dy.shape)));
+        }
+        // dz in bf16: the tile-wise backward reads and writes bf16 where rows are
+        // 8-byte aligned; otherwise the FP32 one on a widened dy, rounded.
+        let (dz, slots) = if self.tile_backward() && n % 4 == 0 {
+            epilogue_tiles_backward(gpu, &self.chain, &saved.z, dy)?
+        } else {
+            let dy32 = widen(gpu, dy)?;
+            let (dz, slots) = if self.tile_backward() {
+                epilogue_tiles_backward(gpu, &self.chain, &saved.z, &dy32)?
+            } else {
+                epilogue_rows_backward(gpu, &self.chain, &saved.z, &dy32, self.out_width())?
+            };
+            (to_bf16(gpu, &dz)?, slots)
+        };
+        drop(saved);
+        let x16 = x;
+        // The GEMMs' weight: the block's, or a folded AvgPool's rounded to bf16.
+        let folded16 = self.folded.as_ref().map(|(_, w, _)| to_bf16(gpu, w)).transpose()?;
+        let w16 = folded16.as_ref().unwrap_or(&self.params.linear_weight);
+
+        // dW = dZ^T X on the side stream, overlapping dX (as the FP32 block does); its
+        // inputs and output are allocated on the main stream first.
+        let side = gpu.side_stream();
+        let mut dw32 = self.folded.as_ref().map(|_| gpu.alloc(&[n, k])).transpose()?;
+        let mut dw16 = if dw32.is_none() { Some(gpu.alloc_as::<Bf16>(&[n, k])?) } else { None };
+        let mut keep = Vec::new();
+        gpu.order(gpu.stream(), side)?;
+        if NativeBf16::fits((n, k, m), (n, k)) {
+            let ops = (None, None);
+            match (&mut dw32, &mut dw16) {
+                (Some(dw), _) => launch_native_bf16(
+                    gpu,
+                    side,
+                    NativeBf16::GradWeight,
+                    (&dz.buf, &x16.buf),
+                    (n, k, m),
+                    (n, k),
+                    ops,
+                    dw,
+                    None,
+                )?,
+                (None, Some(dw)) => launch_native_bf16(
+                    gpu,
+                    side,
+                    NativeBf16::GradWeight,
+                    (&dz.buf, &x16.buf),
+                    (n, k, m),
+                    (n, k),
+                    ops,
+                    dw,
+                    None,
+                )?,
+                (None, None) => unreachable!("one of the two is allocated"),
+            }
+        } else {
+            let (dz32, x32) = (widen_on(gpu, side, &dz)?, widen_on(gpu, side, x16)?);
+            let (dw, scratch) = grad_weight(gpu, Precision::Bf16, side, &dz32, &x32)?;
+            match &mut dw16 {
+                Some(out) => *out = to_bf16_on(gpu, side, &dw)?,
+                None => dw32 = Some(dw),
+            }
+            keep.extend(scratch);
+            keep.extend([dz32, x32]);
+        }
+        // dX = dZ W on the main stream.
+        let dx = if NativeBf16::fits((m, k, n), (n, k)) {
+            let mut dx = gpu.alloc_as::<Bf16>(&[m, k])?;
+            launch_native_bf16(
+                gpu,
+                gpu.stream(),
+                NativeBf16::GradInput,
+                (&dz.buf, &w16.buf),
+                (m, k, n),
+                (n, k),
+                (None, None),
+                &mut dx,
+                None,
+            )?;
+            dx
+        } else {
+            let (dz32, w32) = (widen(gpu, &dz)?, widen(gpu, w16)?);
+            to_bf16(gpu, &grad_input(gpu, Precision::Bf16, &dz32, &w32)?)?
+        };
+        gpu.order(side, gpu.stream())?;
+        drop((dz, keep, folded16));
+        let dw = match (dw32, dw16, &self.folded) {
+            (Some(dw), _, Some((pool, ..))) => unfold_rows_mean_grad::<Bf16>(gpu, &dw, self.spec.out_features, *pool)?,
+            (Some(dw), _, None) => to_bf16(gpu, &dw)?,
+            (None, Some(dw), _) => dw,
+            (None, None, _) => unreachable!("one of the two is allocated"),
+        };
+        let (db, ops) = self.small_grads(gpu, &slots)?;
+        Ok(DeviceGrads { x: dx, params: DeviceParams { linear_weight: dw, linear_bias: db, ops } })
+    }
+
+    /// Uploads bf16 `x` and `dy` (shaped as the output), runs the training forward and
+    /// the backward, and downloads everything widened to FP32 (exact): the output, the
+    /// gradients and the saved `z`.
+    pub fn forward_backward(&self, gpu: &Gpu, x: &Tensor<Bf16>, dy: &Tensor<Bf16>) -> Result<HostGrads> {
+        let batch = self.spec.check_input(&x.to_f32())?;
+        let out_shape = self.spec.output_shape(batch);
+        if dy.shape() != out_shape.as_slice() {
+            return Err(Error::tensor("dy", format!("expected shape {out_shape:?}, got {:?}", dy.shape())));
+        }
+        let dx = gpu.upload(x)?;
+        let (y, saved) = self.forward_train(gpu, &dx, true)?;
+        let z = gpu.download(&saved.z)?;
+        let g = self.backward(gpu, &dx, saved, &gpu.upload(dy)?)?;
+        let mut flat = vec![gpu.download(&g.params.linear_weight)?.to_f32(), gpu.download(&g.params.linear_bias)?];
+        for t in g.params.ops.iter().flatten() {
+            flat.push(gpu.download(t)?);
+        }
+        Ok(HostGrads {
+            y: gpu.download(&y)?.to_f32().reshape(&out_shape)?,
+            x: gpu.download(&g.x)?.to_f32(),
+            params: Params::from_flat(&self.spec, flat)?,
+            z,
+        })
+    }
+}
