@@ -518,3 +518,56 @@ fn opening_the_gpu_never_panics() {
         }
     }
 }
+
+/// A bf16 model's block (`GpuBlock<Bf16>`: `x`, `W`, `y`, `dy`, `dX`, `dW` in bf16)
+/// against the f64 reference from the same bf16 values, at shapes that take each path:
+/// the GEMMs on the tensors as stored (forward fused or before the row-wise epilogue,
+/// `dX`, `dW`), the bf16 tile-wise backward, and the FP32 fallbacks (rows not 16-byte
+/// aligned, odd widths, a folded AvgPool, the row-wise backward). Outputs poisoned.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bf16_model_blocks_match_reference() {
+    use host::precision::BF16_STORED_REL;
+    use host::tensor::Bf16;
+    let gpu = gpu();
+    let mut rng = StdRng::seed_from_u64(29);
+    let cases: [(&str, (usize, usize, usize)); 9] = [
+        ("", (300, 520, 264)),
+        ("groupnorm(65),swish,mul,swish", (300, 4104, 520)),
+        // More tiles than SMs (persistent blocks loop over tiles).
+        ("groupnorm(325),swish", (2100, 200, 2600)),
+        // `k` = 517: widened copies for the forward and both GEMMs of the backward.
+        ("bias,hardtanh(-1,1),mish,groupnorm(125)", (130, 517, 1000)),
+        // Folded AvgPool, max: the FP32 forward and row-wise backward, dW in FP32 spread.
+        ("avgpool(16),gelu,scale(2),max", (100, 2048, 512)),
+        ("swish,bias,groupnorm(4)", (65, 1024, 96)),
+        // Odd width: pairs of bf16 stores end early; dz widened.
+        ("swish", (64, 256, 77)),
+        // Not fusable (avgpool inside): the GEMM into FP32 `z`, then rows.
+        ("leakyrelu(0.2),hardtanh(-0.5,0.7),avgpool(3),scale(-1.5),max", (9, 32, 100)),
+        ("groupnorm(256),swish,mul,swish", (1024, 2048, 2048)),
+    ];
+    for (text, (b, i, o)) in cases {
+        let spec = BlockSpec::new(i, o, text.parse().unwrap()).unwrap();
+        let params = Params::init(&spec, &mut rng).map(Bf16::from_f32);
+        let x = random_input(b, i, &mut rng).unwrap().to_bf16();
+        let out = spec.output_shape(b);
+        let dy = random_input(1, out.iter().product(), &mut rng).unwrap().reshape(&out).unwrap().to_bf16();
+        let block = GpuBlock::new_bf16(&gpu, &spec, &params).unwrap();
+        let got = block.forward_backward(&gpu, &x, &dy).unwrap();
+        let (x64, dy64) = (x.to_f32().to_f64(), dy.to_f32().to_f64());
+        let p64 = params.map(|v| f64::from(v.to_f32()));
+        let want_y = reference::block_forward(&spec, &x64, &p64).unwrap();
+        let (_, want) = reference::block_backward(&spec, &x64, &p64, &dy64).unwrap();
+        let mut report = vec![("y".to_string(), compare_f32(got.y.data(), want_y.data()))];
+        report.extend(got.compare(&spec, &want));
+        let worst = report.iter().map(|(_, c)| c.rel).fold(0.0, f64::max);
+        println!(
+            "bf16 model {text:<62} ({b}, {i}, {o}) worst rel {worst:.2e}: {}",
+            block.describe(&gpu, &block.plan(&gpu, b))
+        );
+        for (what, c) in &report {
+            assert!(c.passes(BF16_STORED_REL), "bf16 model {text}: {what}: {c:?}");
+        }
+    }
+}

@@ -28,6 +28,7 @@ use super::epilogue::DeviceChain;
 use super::epilogue::kinks::{Refined, Scan, refine_near_kinks, scanned_prefix};
 use super::epilogue::lanes::{epilogue_tiles_backward, fits as tiles_fit};
 use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
+use super::gemm::tma::NativeBf16;
 use super::gemm::{Role, forward_gemm, grad_input, grad_weight, not_fusable, route};
 use super::{DeviceElement, DeviceTensor, Gpu, Phases};
 use crate::block::{BlockSpec, Params};
@@ -37,6 +38,7 @@ use crate::error::{Error, Result};
 use crate::precision::Precision;
 use crate::reference::BlockGrads;
 use crate::tensor::Tensor;
+use kernel_abi::Kernel;
 use kernel_abi::gemm_simt::{BLOCK_K, BLOCK_M, BLOCK_N};
 
 /// A block's parameters in device memory, in [`Params`]'s structure. The Linear
@@ -232,7 +234,17 @@ impl<W: DeviceElement> GpuBlock<W> {
             Plan::GemmThenRows { splits } => *splits,
         };
         // (The forward's route depends on `k` and the split only.)
-        let gemm = route(self.precision, Role::Forward { splits }, (0, self.gemm_width(), k), gpu.tuning().tma).kernel;
+        let mut gemm = route(self.precision, Role::Forward { splits }, (0, self.gemm_width(), k), gpu.tuning().tma)
+            .kernel
+            .to_string();
+        let bf16_model = std::mem::size_of::<W>() == 2;
+        if bf16_model {
+            gemm = match (self.native_bf16_forward(plan), plan) {
+                (true, Plan::Fused) => format!("{} (bf16 x, W, y as stored)", Kernel::GemmTmaBf16NtToBf16),
+                (true, _) => format!("{} (bf16 x, W as stored)", Kernel::GemmTmaBf16Nt),
+                (false, _) => format!("{gemm} (on FP32 copies of bf16 x, W; y rounded)"),
+            };
+        }
         let fold =
             self.folded.as_ref().map_or(String::new(), |(k, ..)| format!("; avgpool({k}) folded into the weights"));
         match plan {
@@ -246,6 +258,15 @@ impl<W: DeviceElement> GpuBlock<W> {
                 format!("{gemm}{split} + epilogue_rows (2 kernels: {why}{fold})")
             }
         }
+    }
+
+    /// Whether a bf16 block's forward reads `x` and `W` as stored under `plan`: no folded
+    /// weight (its means are FP32), no split-K, 16-byte rows.
+    pub(super) fn native_bf16_forward(&self, plan: &Plan) -> bool {
+        let k = self.spec.in_features;
+        self.folded.is_none()
+            && matches!(plan, Plan::Fused | Plan::GemmThenRows { splits: 1 })
+            && NativeBf16::fits((1, self.gemm_width(), k), (k, k))
     }
 
     pub(super) fn out_width(&self) -> usize {

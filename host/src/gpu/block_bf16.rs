@@ -57,7 +57,7 @@ impl GpuBlock<Bf16> {
         };
         let w = &self.params.linear_weight;
         let b = &self.params.linear_bias;
-        let native = self.folded.is_none() && NativeBf16::fits((m, n, k), (k, k));
+        let native = self.native_bf16_forward(&ws.plan);
         match (&ws.plan, ws.z.as_mut(), native) {
             // One kernel: x and W as stored, bf16 y.
             (Plan::Fused, _, true) => launch_native_bf16(
