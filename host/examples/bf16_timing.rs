@@ -1,0 +1,64 @@
+//! Development timing of a bf16 model's blocks (`GpuBlock<Bf16>`) at the presets' seed
+//! sizes, beside cuBLAS's bf16 GEMM (FP32 output) on the same bf16 operands, in one
+//! process: forward, and forward + backward against cuBLAS's three GEMMs. `host bench`
+//! is the project's benchmark; this is a quick look while kernels change.
+//!
+//! `cargo run --release -p host --example bf16_timing [-- M1,M3]`
+
+use host::block::random_input;
+use host::gpu::block::GpuBlock;
+use host::gpu::cublas::Cublas;
+use host::gpu::{DeviceTensor, Gpu};
+use host::tensor::Bf16;
+use host::{BlockSpec, Params, Preset};
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+
+fn median(gpu: &Gpu, mut work: impl FnMut() -> host::Result<()>) -> host::Result<f64> {
+    for _ in 0..3 {
+        work()?;
+    }
+    gpu.synchronize()?;
+    let mut t = (0..15).map(|_| gpu.time_ms(&mut work)).collect::<host::Result<Vec<_>>>()?;
+    t.sort_by(f64::total_cmp);
+    Ok(t[t.len() / 2])
+}
+
+fn main() -> host::Result<()> {
+    let gpu = Gpu::open(0)?;
+    let cublas = Cublas::new(&gpu, false)?;
+    let only = std::env::args().nth(1).unwrap_or_default();
+    println!("model  fwd ms  cublas  ratio | f+b ms  cublas3  ratio | path");
+    for p in Preset::ALL {
+        if !only.is_empty() && !only.split(',').any(|m| m == p.to_string()) {
+            continue;
+        }
+        let (b, i, o) = p.seed_shape();
+        let spec = BlockSpec::new(i, o, p.chain())?;
+        let mut rng = StdRng::seed_from_u64(1);
+        let params = Params::init(&spec, &mut rng).map(Bf16::from_f32);
+        let block = GpuBlock::new_bf16(&gpu, &spec, &params)?;
+        let x = gpu.upload(&random_input(b, i, &mut rng)?.to_bf16())?;
+        let out = spec.output_shape(b);
+        let dy = gpu.upload(&random_input(1, out.iter().product(), &mut rng)?.reshape(&out)?.to_bf16())?;
+        let mut ws = block.workspace_with(&gpu, b, false)?;
+        let fwd = median(&gpu, || block.forward_into(&gpu, &x, &mut ws, None))?;
+        let fb = median(&gpu, || {
+            let (_, saved) = block.forward_train(&gpu, &x, false)?;
+            block.backward(&gpu, &x, saved, &dy).map(drop)
+        })?;
+        let w = &block.params.linear_weight;
+        let mut y: DeviceTensor = gpu.alloc(&[b, o])?;
+        let dz = gpu.upload(&random_input(b, o, &mut rng)?.to_bf16())?;
+        let (mut dx, mut dw): (DeviceTensor, DeviceTensor) = (gpu.alloc(&[b, i])?, gpu.alloc(&[o, i])?);
+        let c1 = median(&gpu, || cublas.forward(&x, w, &mut y))?;
+        let c3 = median(&gpu, || {
+            cublas.forward(&x, w, &mut y)?;
+            cublas.grad_input(&dz, w, &mut dx)?;
+            cublas.grad_weight(&dz, &x, &mut dw)
+        })?;
+        let path = block.describe(&gpu, &block.plan(&gpu, b));
+        println!("{p}  {fwd:.3}  {c1:.3}  {:.2} | {fb:.3}  {c3:.3}  {:.2} | {path}", fwd / c1, fb / c3);
+    }
+    Ok(())
+}
