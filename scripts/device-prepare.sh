@@ -20,6 +20,8 @@ for line in sys.stdin:
             print("test binary:", m["target"]["name"])
 '
 cp "$(ls -t $(find target/release/build -name kernels_sm90.ptx) | head -1)" device-carry/
+# The bf16 model's dev timing (host/examples/bf16_timing.rs).
+cargo build --release -p host --example bf16_timing && cp target/release/examples/bf16_timing device-carry/
 # The Python package (abi3 wheel: any CPython >= 3.9) and pytest for its GPU tests (the
 # GPU machine has PyTorch but no network).
 PY=${PYTHON:-python3}

@@ -11,6 +11,7 @@
 #   STEPS=seedparity: scripts/parity.py at the presets' seed sizes, every precision, against
 #   PyTorch's float64 on the GPU (~5 minutes: a call of its own, not in the default)
 #   TORCH_FLAGS="--compile default" etc. are passed to the PyTorch baselines.
+#   STEPS=bf16: a bf16 model's blocks, ours and PyTorch's bf16 model (eager, compiled)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 C=device-carry
@@ -100,6 +101,16 @@ if has ab && [ -x "$C/host-old" ]; then
     done
   done
   python3 scripts/ab-table.py "$OUT" | tee -a "$LOG"
+fi
+# A bf16 model's blocks (bf16 tensors in and out): the GPU test, `host check` and
+# `host bench` of the bf16-native path, the dev timing with M2's chain op by op, the
+# op's bf16 tests, and PyTorch's bf16 model eager and compiled, all in one call.
+if has bf16; then
+  run "GPU test, bf16 model" 200 "$C/test-gpu" --include-ignored --nocapture bf16_model
+  [ -x "$C/bf16_timing" ] && run "bf16 timing (dev)" 200 "$C/bf16_timing" M1,M2,M3,M4,M5 --chains
+  run "pytorch bf16 eager" 500 python3 "$C/pytorch_baselines.py" --backward --dtype bf16 --json "$OUT/torch-bf16.json"
+  run "pytorch bf16 compile" 500 python3 "$C/pytorch_baselines.py" --backward --dtype bf16 --compile default \
+    --json "$OUT/torch-bf16-compile.json"
 fi
 has train && run "train" 200 "$C/host" train --device gpu --steps 60
 has parity && PYTHONUNBUFFERED=1 run "parity with PyTorch" 400 python3 scripts/parity.py --host "$C/host"

@@ -3,7 +3,9 @@
 //! process: forward, and forward + backward against cuBLAS's three GEMMs. `host bench`
 //! is the project's benchmark; this is a quick look while kernels change.
 //!
-//! `cargo run --release -p host --example bf16_timing [-- M1,M3]`
+//! `cargo run --release -p host --example bf16_timing [-- M1,M3 [--chains]]`; with
+//! `--chains`, also the forward at M2's shape with no chain and with each of its ops
+//! alone (what the epilogue costs).
 
 use host::block::random_input;
 use host::gpu::block::GpuBlock;
@@ -59,6 +61,19 @@ fn main() -> host::Result<()> {
         })?;
         let path = block.describe(&gpu, &block.plan(&gpu, b));
         println!("{p}  {fwd:.3}  {c1:.3}  {:.2} | {fb:.3}  {c3:.3}  {:.2} | {path}", fwd / c1, fb / c3);
+    }
+    if std::env::args().any(|a| a == "--chains") {
+        let (b, i, o) = Preset::M2.seed_shape();
+        let mut rng = StdRng::seed_from_u64(2);
+        let x = gpu.upload(&random_input(b, i, &mut rng)?.to_bf16())?;
+        for chain in ["", "swish", "bias", "groupnorm(64)", "swish,bias,groupnorm(64)"] {
+            let spec = BlockSpec::new(i, o, chain.parse()?)?;
+            let params = Params::init(&spec, &mut rng).map(Bf16::from_f32);
+            let block = GpuBlock::new_bf16(&gpu, &spec, &params)?;
+            let mut ws = block.workspace_with(&gpu, b, false)?;
+            let fwd = median(&gpu, || block.forward_into(&gpu, &x, &mut ws, None))?;
+            println!("M2 shape, chain `{chain}`: forward {fwd:.3} ms");
+        }
     }
     Ok(())
 }
