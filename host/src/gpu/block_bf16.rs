@@ -57,7 +57,7 @@ impl GpuBlock<Bf16> {
         };
         let w = &self.params.linear_weight;
         let b = &self.params.linear_bias;
-        let native = self.native_bf16_forward(&ws.plan);
+        let native = self.native_bf16_forward(&ws.plan) && aligned(&[x, w]);
         match (&ws.plan, ws.z.as_mut(), native) {
             // One kernel: x and W as stored, bf16 y.
             (Plan::Fused, _, true) => launch_native_bf16(
@@ -150,7 +150,7 @@ impl GpuBlock<Bf16> {
         }
         // dz in bf16: the tile-wise backward reads and writes bf16 where rows are
         // 8-byte aligned; otherwise the FP32 one on a widened dy, rounded.
-        let (dz, slots) = if self.tile_backward() && n % 4 == 0 {
+        let (dz, slots) = if self.tile_backward() && n % 4 == 0 && dy.buf.device_address().is_multiple_of(8) {
             epilogue_tiles_backward(gpu, &self.chain, &saved.z, dy)?
         } else {
             let dy32 = widen(gpu, dy)?;
@@ -174,7 +174,7 @@ impl GpuBlock<Bf16> {
         let mut dw16 = if dw32.is_none() { Some(gpu.alloc_as::<Bf16>(&[n, k])?) } else { None };
         let mut keep = Vec::new();
         gpu.order(gpu.stream(), side)?;
-        if NativeBf16::fits((n, k, m), (n, k)) {
+        if NativeBf16::fits((n, k, m), (n, k)) && aligned(&[&dz, x16]) {
             let ops = (None, None);
             match (&mut dw32, &mut dw16) {
                 (Some(dw), _) => launch_native_bf16(
@@ -212,7 +212,7 @@ impl GpuBlock<Bf16> {
             keep.extend([dz32, x32]);
         }
         // dX = dZ W on the main stream.
-        let dx = if NativeBf16::fits((m, k, n), (n, k)) {
+        let dx = if NativeBf16::fits((m, k, n), (n, k)) && aligned(&[&dz, w16]) {
             let mut dx = gpu.alloc_as::<Bf16>(&[m, k])?;
             launch_native_bf16(
                 gpu,
@@ -266,4 +266,10 @@ impl GpuBlock<Bf16> {
             z,
         })
     }
+}
+
+/// Whether every tensor starts on a 16-byte boundary, as the TMA unit reads them (a
+/// caller's view at an odd offset takes the widened path instead).
+fn aligned(tensors: &[&DeviceTensor<Bf16>]) -> bool {
+    tensors.iter().all(|t| t.buf.device_address().is_multiple_of(16))
 }
