@@ -48,11 +48,14 @@ def _describe(in_features: int, out_features: int, ops: str):
 
 
 def _allocator(device: torch.device, dtype: torch.dtype):
-    """Buffers for the Rust side, from PyTorch's allocator: kind 0 holds `dtype` values,
-    kind 1 bytes, kind 2 bfloat16 values (the returned tensor owns the memory for as long as Rust keeps it)."""
+    """Buffers for the Rust side, from PyTorch's allocator: kind 0 holds `dtype` values
+    (float32 for a bf16 block), kind 1 bytes, kind 2 bfloat16 values (the returned tensor
+    owns the memory for as long as Rust keeps it)."""
+
+    # A bf16 block's float32 buffers (z, the small gradients) are kind 0 too.
+    kinds = {0: torch.float32 if dtype == torch.bfloat16 else dtype, 1: torch.uint8, 2: torch.bfloat16}
 
     def allocate(numel: int, kind: int) -> Tensor:
-        kinds = {0: dtype, 1: torch.uint8, 2: torch.bfloat16}
         return torch.empty(numel, dtype=kinds[kind], device=device)
 
     return allocate
@@ -91,7 +94,9 @@ def _forward_op(
 def _forward_fake(x, weight, bias, params, ops, precision):
     out_shape, gpu_width, cpu_width, _, _ = _describe(int(x.shape[1]), int(weight.shape[0]), ops)
     y = x.new_empty((x.shape[0], *out_shape))
-    z = x.new_empty((x.shape[0], gpu_width if x.device.type == "cuda" else cpu_width))
+    # A bf16 model's saved z is float32.
+    z_dtype = torch.float32 if x.dtype == torch.bfloat16 else x.dtype
+    z = x.new_empty((x.shape[0], gpu_width if x.device.type == "cuda" else cpu_width), dtype=z_dtype)
     return y, z
 
 
@@ -187,21 +192,29 @@ def fused_linear(
     bias: Tensor,
     ops: str,
     params: Sequence[Tensor] = (),
-    precision: str = "fp32",
+    precision: Optional[str] = None,
 ) -> Tensor:
     """``chain(x @ weight.T + bias)`` in as few kernels as the chain allows.
 
     ``x`` is ``(*, in_features)``: leading dimensions are flattened into the batch (each
     row is one sample; a GroupNorm normalises a row's channels, as ``nn.GroupNorm`` does
     on ``(N, C)``). ``ops`` is the chain (e.g. ``"groupnorm(256),swish,mul,swish"``),
-    ``params`` its parameters in chain order, ``precision`` one of :data:`PRECISIONS`.
+    ``params`` its parameters in chain order, ``precision`` one of :data:`PRECISIONS`
+    (default: ``"fp32"`` for float tensors, ``"bf16"`` for bfloat16 ones).
     Returns ``(*, F)``, or ``(*)`` when the chain ends in ``max``.
+
+    A bf16 model (``x`` and ``weight`` in ``torch.bfloat16``) stays bf16 on CUDA: the
+    GEMMs read ``x`` and ``weight`` as they are and the output and the gradients of
+    ``x`` and ``weight`` come back in bf16; the bias and the chain's parameters (bf16
+    or float32) enter the FP32 epilogue widened, and their gradients come back in their
+    own dtype. On the CPU a bf16 block runs on float32 copies.
     """
     if not isinstance(x, Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision `{precision}` is not one of {', '.join(PRECISIONS)}")
     params = list(params)
+    if x.dtype == torch.bfloat16 or (isinstance(weight, Tensor) and weight.dtype == torch.bfloat16):
+        return _bf16_block(x, weight, bias, ops, params, precision)
+    precision = _resolve_precision(x, precision)
     if x.dim() == 2:
         return _apply(x, weight, bias, params, ops, precision)
     if x.dim() == 0:
@@ -210,6 +223,54 @@ def fused_linear(
         raise ValueError(f"x is not contiguous (shape {tuple(x.shape)}); pass x.contiguous()")
     lead = x.shape[:-1]
     y = _apply(x.view(-1, x.shape[-1]), weight, bias, params, ops, precision)
+    return y.view(tuple(lead) + tuple(y.shape[1:]))
+
+
+def _resolve_precision(x: Tensor, precision: Optional[str]) -> str:
+    """The precision asked for, or the tensors' own: bf16 for bfloat16, else fp32."""
+    bf16 = x.dtype == torch.bfloat16
+    if precision is None:
+        return "bf16" if bf16 else "fp32"
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision `{precision}` is not one of {', '.join(PRECISIONS)}")
+    if bf16 and precision != "bf16":
+        raise ValueError(
+            f"precision `{precision}` with bfloat16 tensors: a bf16 model's GEMMs read its bf16 values as "
+            f"they are (precision bf16); leave precision unset, or pass float32 tensors for {precision}"
+        )
+    return precision
+
+
+def _bf16_block(
+    x: Tensor, weight: Tensor, bias: Tensor, ops: str, params: List[Tensor], precision: Optional[str]
+) -> Tensor:
+    """A bf16 model's block: x and weight bf16 as they are; the bias and the chain's
+    parameters widened to float32 (differentiably: their gradients come back in their
+    own dtype). On the CPU, the float32 path on copies, the output rounded to bf16."""
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, Tensor) or t.dtype != torch.bfloat16:
+            dtype = t.dtype if isinstance(t, Tensor) else type(t).__name__
+            raise TypeError(
+                f"{name} has dtype {dtype}, but a bf16 block takes x and weight both in torch.bfloat16 "
+                "(convert the model with .to(torch.bfloat16), or pass float32 tensors)"
+            )
+    for i, t in enumerate([bias, *params]):
+        if isinstance(t, Tensor) and t.dtype not in (torch.bfloat16, torch.float32):
+            name = "bias" if i == 0 else f"params[{i - 1}]"
+            raise TypeError(f"{name} has dtype {t.dtype}; a bf16 block takes bfloat16 or float32 parameters")
+    _resolve_precision(x, precision)
+    wide = [t.float() if isinstance(t, Tensor) else t for t in (bias, *params)]
+    if not x.is_cuda:
+        y = fused_linear(x.float(), weight.float(), wide[0], ops, wide[1:], "fp32")
+        return y.to(torch.bfloat16)
+    if x.dim() == 2:
+        return _apply(x, weight, wide[0], wide[1:], ops, "bf16")
+    if x.dim() == 0:
+        raise ValueError("x: expected a tensor of shape (*, in_features), got a scalar")
+    if not x.is_contiguous():
+        raise ValueError(f"x is not contiguous (shape {tuple(x.shape)}); pass x.contiguous()")
+    lead = x.shape[:-1]
+    y = _apply(x.view(-1, x.shape[-1]), weight, wide[0], wide[1:], ops, "bf16")
     return y.view(tuple(lead) + tuple(y.shape[1:]))
 
 
@@ -244,13 +305,13 @@ class FusedLinear(nn.Module):
         in_features: int,
         out_features: int,
         ops: str = "",
-        precision: str = "fp32",
+        precision: Optional[str] = None,
         *,
         device=None,
         dtype=None,
     ) -> None:
         super().__init__()
-        if precision not in PRECISIONS:
+        if precision is not None and precision not in PRECISIONS:
             raise ValueError(f"precision `{precision}` is not one of {', '.join(PRECISIONS)}")
         _, _, _, canonical, params = _describe(in_features, out_features, ops)
         self.in_features, self.out_features, self.ops, self.precision = (
@@ -293,7 +354,7 @@ class FusedLinear(nn.Module):
         cls,
         module: nn.Module,
         ops: str,
-        precision: str = "fp32",
+        precision: Optional[str] = None,
         names: Optional[Dict[str, str]] = None,
     ) -> "FusedLinear":
         """A fused block with the parameters of a plain module (copied).

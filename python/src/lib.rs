@@ -14,9 +14,9 @@ use host::Precision;
 use host::block::{BlockSpec, Params};
 use host::chain::Chain;
 use host::gpu::block::{DeviceParams, GpuBlock, Saved};
-use host::gpu::{DeviceAllocator, DeviceTensor, ElementKind, Gpu};
+use host::gpu::{DeviceAllocator, DeviceElement, DeviceTensor, ElementKind, Gpu};
 use host::reference::{self, BlockGrads, Real};
-use host::tensor::Tensor;
+use host::tensor::{Bf16, Tensor};
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -57,6 +57,9 @@ fn guarded<T>(f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
 enum DType {
     F32,
     F64,
+    /// A bf16 model's `x`, Linear weight and `dy` (CUDA only: the package widens the
+    /// rest, and runs CPU bf16 on float32 copies).
+    Bf16,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -89,14 +92,17 @@ fn tensor_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
     TENSOR.import(py, "torch", "Tensor")
 }
 
-/// `torch.float32` and `torch.float64`, compared by identity (dtypes are singletons).
-fn float_dtypes(py: Python<'_>) -> PyResult<(&Bound<'_, PyAny>, &Bound<'_, PyAny>)> {
+/// `torch.float32`, `torch.float64` and `torch.bfloat16`, compared by identity (dtypes
+/// are singletons).
+type Dtypes<'py> = (&'py Bound<'py, PyAny>, &'py Bound<'py, PyAny>, &'py Bound<'py, PyAny>);
+fn float_dtypes(py: Python<'_>) -> PyResult<Dtypes<'_>> {
     static F32: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
     static F64: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    static BF16: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
     let get = |cell: &'static PyOnceLock<Py<PyAny>>, name: &str| -> PyResult<&Bound<'_, PyAny>> {
         Ok(cell.get_or_try_init(py, || py.import("torch")?.getattr(name).map(Bound::unbind))?.bind(py))
     };
-    Ok((get(&F32, "float32")?, get(&F64, "float64")?))
+    Ok((get(&F32, "float32")?, get(&F64, "float64")?, get(&BF16, "bfloat16")?))
 }
 
 impl<'py> Arg<'py> {
@@ -108,15 +114,17 @@ impl<'py> Arg<'py> {
         }
         // The cheapest reads PyTorch offers (each a few hundred ns): this runs for every
         // tensor of every call.
-        let (f32_, f64_) = float_dtypes(py)?;
+        let (f32_, f64_, bf16_) = float_dtypes(py)?;
         let dt = obj.getattr("dtype")?;
         let dtype = if dt.is(f32_) {
             DType::F32
         } else if dt.is(f64_) {
             DType::F64
+        } else if dt.is(bf16_) {
+            DType::Bf16
         } else {
             return Err(PyTypeError::new_err(format!(
-                "{name} has dtype {}; expected torch.float32 (or torch.float64 on the CPU)",
+                "{name} has dtype {}; expected torch.float32, torch.bfloat16 (or torch.float64 on the CPU)",
                 dt.str()?
             )));
         };
@@ -216,10 +224,26 @@ impl<'py> Call<'py> {
             .map(|(i, p)| Arg::read(format!("params[{i}]"), p))
             .collect::<PyResult<Vec<_>>>()?;
         let (device, dtype) = (x.device.clone(), x.dtype);
-        if let (Device::Cuda(_), DType::F64) = (&device, dtype) {
-            return Err(PyTypeError::new_err(
-                "x has dtype torch.float64 on CUDA; the GPU kernels take torch.float32 (float64 runs on the CPU)",
-            ));
+        match (&device, dtype) {
+            (Device::Cuda(_), DType::F64) => {
+                return Err(PyTypeError::new_err(
+                    "x has dtype torch.float64 on CUDA; the GPU kernels take torch.float32 or torch.bfloat16 \
+                     (float64 runs on the CPU)",
+                ));
+            }
+            (Device::Cpu, DType::Bf16) => {
+                return Err(PyTypeError::new_err(
+                    "x has dtype torch.bfloat16 on the CPU; the native CPU path takes float32 or float64 \
+                     (fused_linear() runs CPU bf16 on float32 copies)",
+                ));
+            }
+            _ => {}
+        }
+        if dtype == DType::Bf16 && precision != Precision::Bf16 {
+            return Err(PyValueError::new_err(format!(
+                "precision `{precision}` with bfloat16 tensors: a bf16 model's GEMMs read its bf16 values as they \
+                 are (precision bf16); pass precision=\"bf16\", or float32 tensors for {precision}"
+            )));
         }
         for a in [&weight, &bias].into_iter().chain(&params) {
             if a.device != device {
@@ -228,9 +252,22 @@ impl<'py> Call<'py> {
                     a.name, a.device
                 )));
             }
-            if a.dtype != dtype {
+            // A bf16 model: the weight is bf16 like x; the bias and the chain's
+            // parameters arrive widened to float32 (the epilogue computes in FP32).
+            let want = match (dtype, a.name.as_str()) {
+                (DType::Bf16, "weight") => DType::Bf16,
+                (DType::Bf16, _) => DType::F32,
+                (d, _) => d,
+            };
+            if a.dtype != want {
+                let rule = if dtype == DType::Bf16 {
+                    "a bf16 block takes x and weight in torch.bfloat16 and the bias and chain parameters in \
+                     torch.float32 (fused_linear() widens them)"
+                } else {
+                    "all tensors of the block must have one dtype"
+                };
                 return Err(PyTypeError::new_err(format!(
-                    "{} has dtype {} but x has {}: all tensors of the block must have one dtype",
+                    "{} has dtype {} but x has {}: {rule}",
                     a.name,
                     dtype_name(a.dtype),
                     dtype_name(dtype)
@@ -306,6 +343,7 @@ fn dtype_name(d: DType) -> &'static str {
     match d {
         DType::F32 => "torch.float32",
         DType::F64 => "torch.float64",
+        DType::Bf16 => "torch.bfloat16",
     }
 }
 
@@ -351,7 +389,7 @@ impl DeviceAllocator for TorchAllocator {
 }
 
 /// A buffer the block allocated through PyTorch, as the tensor it is, viewed as `shape`.
-fn into_torch<'py>(py: Python<'py>, t: DeviceTensor, shape: &[usize]) -> PyResult<Bound<'py, PyAny>> {
+fn into_torch<'py, T>(py: Python<'py>, t: DeviceTensor<T>, shape: &[usize]) -> PyResult<Bound<'py, PyAny>> {
     let keep = t.buf.into_external().ok_or_else(|| {
         PyRuntimeError::new_err("fused_linear: internal error: an output was not allocated through PyTorch")
     })?;
@@ -361,30 +399,99 @@ fn into_torch<'py>(py: Python<'py>, t: DeviceTensor, shape: &[usize]) -> PyResul
     tensor.bind(py).call_method1("view", (PyTuple::new(py, shape)?,))
 }
 
-struct GpuCall {
+struct GpuCall<W> {
     gpu: Gpu,
-    block: GpuBlock,
-    x: DeviceTensor,
+    block: GpuBlock<W>,
+    x: DeviceTensor<W>,
 }
 
-fn gpu_call(call: &Call<'_>, index: usize, stream: u64, allocate: &Bound<'_, PyAny>) -> PyResult<GpuCall> {
+/// The call's block on its GPU: `x` and the Linear weight borrowed as `W` (float32, or a
+/// bf16 model's bfloat16), the bias and chain parameters as float32.
+fn gpu_call<W: DeviceElement>(
+    call: &Call<'_>,
+    index: usize,
+    stream: u64,
+    allocate: &Bound<'_, PyAny>,
+) -> PyResult<GpuCall<W>> {
     let opened = gpu(index)?;
     let allocator = Arc::new(TorchAllocator { allocate: allocate.clone().unbind() });
     // SAFETY: `stream` is PyTorch's current stream of the tensors' device (the package
     // passes `torch.cuda.current_stream(device).cuda_stream`), alive for this call.
     let gpu = unsafe { opened.on_stream(stream, Some(allocator)) };
-    // SAFETY (each borrow): the arguments were checked to be contiguous f32 tensors of
-    // these shapes on this device, 16-byte aligned; the caller holds them for the call.
-    let borrow = |a: &Arg<'_>| unsafe { gpu.borrow_tensor(a.ptr, &a.shape) }.map_err(to_py);
-    let mut flat = call.param_args().map(borrow).collect::<PyResult<Vec<_>>>()?.into_iter();
-    let (linear_weight, linear_bias) = (flat.next().unwrap(), flat.next().unwrap());
+    // SAFETY (each borrow): the arguments were checked to be contiguous tensors of these
+    // shapes and dtypes (x and the weight `W`, the others float32) on this device,
+    // 16-byte aligned; the caller holds them for the call.
+    let borrow = |a: &Arg<'_>| unsafe { gpu.borrow_tensor::<f32>(a.ptr, &a.shape) }.map_err(to_py);
+    let borrow_w = |a: &Arg<'_>| unsafe { gpu.borrow_tensor::<W>(a.ptr, &a.shape) }.map_err(to_py);
+    let mut flat = call.params.iter().map(borrow).collect::<PyResult<Vec<_>>>()?.into_iter();
     let ops =
         call.spec.chain.0.iter().map(|op| op.param_bases().iter().map(|_| flat.next().unwrap()).collect()).collect();
-    let params = DeviceParams { linear_weight, linear_bias, ops };
+    let params = DeviceParams { linear_weight: borrow_w(&call.weight)?, linear_bias: borrow(&call.bias)?, ops };
     let block = GpuBlock::from_device(&gpu, &call.spec, params).map_err(to_py)?.with_precision(call.precision);
-    let x = borrow(&call.x)?;
+    let x = borrow_w(&call.x)?;
     Ok(GpuCall { gpu, block, x })
 }
+
+/// The GPU forward and backward of [`forward`] and [`backward`], for a block over
+/// float32 tensors and for a bf16 model's (the same calls on `GpuBlock<f32>` and
+/// `GpuBlock<Bf16>`).
+macro_rules! gpu_entry_points {
+    ($forward:ident, $backward:ident, $w:ty) => {
+        fn $forward<'py>(
+            call: &Call<'py>,
+            index: usize,
+            stream: u64,
+            allocate: &Bound<'py, PyAny>,
+            save: bool,
+        ) -> PyResult<(Bound<'py, PyAny>, Option<Bound<'py, PyAny>>)> {
+            let g = gpu_call::<$w>(call, index, stream, allocate)?;
+            let py = allocate.py();
+            let out_shape = call.spec.output_shape(call.batch);
+            if !save {
+                let mut ws = g.block.workspace_with(&g.gpu, call.batch, false).map_err(to_py)?;
+                g.block.forward_into(&g.gpu, &g.x, &mut ws, None).map_err(to_py)?;
+                return Ok((into_torch(py, ws.y, &out_shape)?, None));
+            }
+            let (y, saved) = g.block.forward_train(&g.gpu, &g.x, false).map_err(to_py)?;
+            Ok((into_torch(py, y, &out_shape)?, Some(into_torch(py, saved.z, &call.z_shape())?)))
+        }
+
+        fn $backward<'py>(
+            call: &Call<'py>,
+            (z, dy): (&Arg<'py>, &Arg<'py>),
+            index: usize,
+            stream: u64,
+            allocate: &Bound<'py, PyAny>,
+        ) -> PyResult<Grads<'py>> {
+            let g = gpu_call::<$w>(call, index, stream, allocate)?;
+            // SAFETY: z and dy were checked as the other arguments were (z float32, dy
+            // of the block's type).
+            let z_dev = unsafe { g.gpu.borrow_tensor::<f32>(z.ptr, &z.shape) }.map_err(to_py)?;
+            let dy_dev = unsafe { g.gpu.borrow_tensor::<$w>(dy.ptr, &dy.shape) }.map_err(to_py)?;
+            let grads = g.block.backward(&g.gpu, &g.x, Saved::kept_by_caller(z_dev), &dy_dev);
+            // A backward that failed half way may leave side-stream buffers held.
+            g.gpu.join_side().map_err(to_py)?;
+            let grads = grads.map_err(to_py)?;
+            let py = allocate.py();
+            let specs = call.spec.param_specs();
+            let dx = into_torch(py, grads.x, &call.x.shape)?;
+            let p = grads.params;
+            let dw = into_torch(py, p.linear_weight, &specs[0].shape)?;
+            let db = into_torch(py, p.linear_bias, &specs[1].shape)?;
+            let dparams = p
+                .ops
+                .into_iter()
+                .flatten()
+                .zip(&specs[2..])
+                .map(|(t, s)| into_torch(py, t, &s.shape))
+                .collect::<PyResult<Vec<_>>>()?;
+            Ok((dx, dw, db, dparams))
+        }
+    };
+}
+
+gpu_entry_points!(gpu_forward_f32, gpu_backward_f32, f32);
+gpu_entry_points!(gpu_forward_bf16, gpu_backward_bf16, Bf16);
 
 // ---------------------------------------------------------------------------------
 // CPU
@@ -528,18 +635,9 @@ fn forward<'py>(
         match (call.device.clone(), call.dtype) {
             (Device::Cpu, DType::F32) => cpu_forward::<f32>(&call, allocate, save),
             (Device::Cpu, DType::F64) => cpu_forward::<f64>(&call, allocate, save),
-            (Device::Cuda(index), _) => {
-                let g = gpu_call(&call, index, stream, allocate)?;
-                let py = x.py();
-                let out_shape = call.spec.output_shape(call.batch);
-                if !save {
-                    let mut ws = g.block.workspace_with(&g.gpu, call.batch, false).map_err(to_py)?;
-                    g.block.forward_into(&g.gpu, &g.x, &mut ws, None).map_err(to_py)?;
-                    return Ok((into_torch(py, ws.y, &out_shape)?, None));
-                }
-                let (y, saved) = g.block.forward_train(&g.gpu, &g.x, false).map_err(to_py)?;
-                Ok((into_torch(py, y, &out_shape)?, Some(into_torch(py, saved.z, &call.z_shape())?)))
-            }
+            (Device::Cpu, DType::Bf16) => unreachable!("Call::new refuses CPU bf16"),
+            (Device::Cuda(index), DType::Bf16) => gpu_forward_bf16(&call, index, stream, allocate, save),
+            (Device::Cuda(index), _) => gpu_forward_f32(&call, index, stream, allocate, save),
         }
     })
 }
@@ -564,14 +662,16 @@ fn backward<'py>(
     guarded(|| {
         let call = Call::new(x, weight, bias, &params, ops, precision)?;
         let (z, dy) = (Arg::read("z", z)?, Arg::read("dy", dy)?);
-        for a in [&z, &dy] {
-            if a.device != call.device || a.dtype != call.dtype {
+        // `z` is float32 on the GPU whatever the block's type; `dy` is of the block's.
+        let z_dtype = if call.dtype == DType::Bf16 { DType::F32 } else { call.dtype };
+        for (a, dtype) in [(&z, z_dtype), (&dy, call.dtype)] {
+            if a.device != call.device || a.dtype != dtype {
                 return Err(PyRuntimeError::new_err(format!(
-                    "{} is a {} tensor on {}; the block's are {} on {}",
+                    "{} is a {} tensor on {}; the block's takes {} on {}",
                     a.name,
                     dtype_name(a.dtype),
                     a.device,
-                    dtype_name(call.dtype),
+                    dtype_name(dtype),
                     call.device
                 )));
             }
@@ -581,31 +681,15 @@ fn backward<'py>(
         match (call.device.clone(), call.dtype) {
             (Device::Cpu, DType::F32) => cpu_backward::<f32>(&call, &z, &dy, allocate),
             (Device::Cpu, DType::F64) => cpu_backward::<f64>(&call, &z, &dy, allocate),
-            (Device::Cuda(index), _) => {
+            (Device::Cpu, DType::Bf16) => unreachable!("Call::new refuses CPU bf16"),
+            (Device::Cuda(index), dtype) => {
                 z.expect_aligned()?;
                 dy.expect_aligned()?;
-                let g = gpu_call(&call, index, stream, allocate)?;
-                // SAFETY: z and dy were checked as the other arguments were.
-                let z_dev = unsafe { g.gpu.borrow_tensor(z.ptr, &z.shape) }.map_err(to_py)?;
-                let dy_dev = unsafe { g.gpu.borrow_tensor(dy.ptr, &dy.shape) }.map_err(to_py)?;
-                let grads = g.block.backward(&g.gpu, &g.x, Saved::kept_by_caller(z_dev), &dy_dev);
-                // A backward that failed half way may leave side-stream buffers held.
-                g.gpu.join_side().map_err(to_py)?;
-                let grads = grads.map_err(to_py)?;
-                let py = x.py();
-                let specs = call.spec.param_specs();
-                let dx = into_torch(py, grads.x, &call.x.shape)?;
-                let p = grads.params;
-                let dw = into_torch(py, p.linear_weight, &specs[0].shape)?;
-                let db = into_torch(py, p.linear_bias, &specs[1].shape)?;
-                let dparams = p
-                    .ops
-                    .into_iter()
-                    .flatten()
-                    .zip(&specs[2..])
-                    .map(|(t, s)| into_torch(py, t, &s.shape))
-                    .collect::<PyResult<Vec<_>>>()?;
-                Ok((dx, dw, db, dparams))
+                if dtype == DType::Bf16 {
+                    gpu_backward_bf16(&call, (&z, &dy), index, stream, allocate)
+                } else {
+                    gpu_backward_f32(&call, (&z, &dy), index, stream, allocate)
+                }
             }
         }
     })
