@@ -9,6 +9,7 @@ use crate::gpu::cublas::{Cublas, Operand};
 use crate::gpu::elementwise::to_bf16;
 use crate::gpu::{DeviceTensor, Gpu, Phases};
 use crate::precision::Precision;
+use crate::tensor::Bf16;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use std::path::PathBuf;
@@ -35,9 +36,16 @@ pub struct BenchArgs {
     #[arg(long)]
     backward: bool,
     /// Arithmetic of our GEMMs; cuBLAS runs the same math (SGEMM for fp32 and tf32x3,
-    /// TF32 tensor-op math for tf32, its bf16 GEMM on bf16 copies for bf16).
+    /// TF32 tensor-op math for tf32, its bf16 GEMM for bf16). bf16 times a bf16 model:
+    /// bf16 tensors in and out, against cuBLAS's bf16 GEMM on the same bf16 operands
+    /// with bf16 output.
     #[arg(long, value_enum, default_value = "fp32")]
     precision: Precision,
+    /// With --precision bf16: time FP32 tensors with bf16 GEMMs instead (operands
+    /// rounded in every call, FP32 output), against cuBLAS's bf16 GEMM on bf16 copies
+    /// with FP32 output.
+    #[arg(long)]
+    fp32_tensors: bool,
     /// Also write the table as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -111,6 +119,13 @@ pub fn run(a: &BenchArgs) -> Result<(), Failure> {
         };
         let p = args.problem()?;
         let (b, i, o) = (p.x.rows(), p.spec.in_features, p.spec.out_features);
+        if a.precision == Precision::Bf16 && !a.fp32_tensors {
+            let (ours, cublas_ms, path, flops) = time_bf16_model(&gpu, &cublas, a, model, &p)?;
+            let tflops = flops / (ours * 1e-3) / 1e12;
+            eprintln!("{model}: ours {ours:.3} ms, cuBLAS {cublas_ms:.3} ms ({path})");
+            rows.push(Row { model: p.name, shape: (b, i, o), path, ours_ms: ours, cublas_ms, tflops });
+            continue;
+        }
         let block = GpuBlock::new(&gpu, &p.spec, &p.params)?.with_precision(a.precision);
         let x = gpu.upload(&p.x)?;
         let ws = block.workspace(&gpu, b)?;
@@ -170,9 +185,11 @@ pub fn run(a: &BenchArgs) -> Result<(), Failure> {
         gpu.props.name,
         gpu.props.multiprocessors,
         a.precision,
-        match a.precision {
-            Precision::Tf32 => "TF32 tensor-op math",
-            Precision::Bf16 => "bf16 GEMM, FP32 accumulation",
+        match (a.precision, a.fp32_tensors) {
+            (Precision::Tf32, _) => "TF32 tensor-op math",
+            (Precision::Bf16, true) => "bf16 GEMM on bf16 copies, FP32 accumulation and output; ours on FP32 tensors",
+            (Precision::Bf16, false) =>
+                "bf16 GEMM, FP32 accumulation, bf16 output; ours and cuBLAS on a bf16 model's bf16 tensors",
             _ => "SGEMM, FP32",
         },
         a.repeat
@@ -220,4 +237,55 @@ pub fn run(a: &BenchArgs) -> Result<(), Failure> {
         std::fs::write(path, text).map_err(|e| Error::file(path, e))?;
     }
     Ok(())
+}
+
+/// A bf16 model's block (`GpuBlock<Bf16>`: the problem's values rounded to bf16 once,
+/// before timing) and cuBLAS's bf16 GEMMs on the same bf16 tensors with bf16 output:
+/// `(ours ms, cuBLAS ms, path, FLOPs)`.
+fn time_bf16_model(
+    gpu: &Gpu,
+    cublas: &Cublas,
+    a: &BenchArgs,
+    model: &str,
+    p: &super::Problem,
+) -> Result<(f64, f64, String, f64)> {
+    let (b, i, o) = (p.x.rows(), p.spec.in_features, p.spec.out_features);
+    let block = GpuBlock::new_bf16(gpu, &p.spec, &p.params.map(Bf16::from_f32))?;
+    let x = gpu.upload(&p.x.to_bf16())?;
+    let ws = block.workspace(gpu, b)?;
+    let path = block.describe(gpu, &ws.plan);
+    let flops = if a.backward { 3.0 } else { 1.0 } * block.executed_flops(b);
+    let mut rng = StdRng::seed_from_u64(2);
+    let ours = if a.backward {
+        drop(ws);
+        let dy = gpu.upload(&random_input(b, p.spec.features_at(p.spec.chain.0.len()), &mut rng)?.to_bf16())?;
+        median_ms(gpu, a.repeat, || {
+            let (_, saved) = block.forward_train(gpu, &x, false)?;
+            block.backward(gpu, &x, saved, &dy).map(drop)
+        })?
+    } else {
+        let mut ws = ws;
+        median_ms(gpu, a.repeat, || block.forward_into(gpu, &x, &mut ws, None))?
+    };
+    let w = gpu.upload(&p.params.linear_weight.to_bf16())?;
+    drop(block);
+    let mut y = gpu.poisoned_as::<Bf16>(&[b, o])?;
+    let cublas_ms = if a.backward {
+        let dz = gpu.upload(&random_input(b, o, &mut rng)?.to_bf16())?;
+        let (mut dx, mut dw) = (gpu.poisoned_as::<Bf16>(&[b, i])?, gpu.poisoned_as::<Bf16>(&[o, i])?);
+        let each = [
+            median_ms(gpu, a.repeat, || cublas.forward(&x, &w, &mut y))?,
+            median_ms(gpu, a.repeat, || cublas.grad_input(&dz, &w, &mut dx))?,
+            median_ms(gpu, a.repeat, || cublas.grad_weight(&dz, &x, &mut dw))?,
+        ];
+        eprintln!("{model} cuBLAS bf16 (ms): forward {:.3}, dX {:.3}, dW {:.3}", each[0], each[1], each[2]);
+        median_ms(gpu, a.repeat, || {
+            cublas.forward(&x, &w, &mut y)?;
+            cublas.grad_input(&dz, &w, &mut dx)?;
+            cublas.grad_weight(&dz, &x, &mut dw)
+        })?
+    } else {
+        median_ms(gpu, a.repeat, || cublas.forward(&x, &w, &mut y))?
+    };
+    Ok((ours, cublas_ms, path, flops))
 }

@@ -39,45 +39,45 @@ impl Cublas {
     }
 
     /// The forward GEMM `y = x W^T` (no bias): `x (m, k)`, `w (n, k)`, `y (m, n)`, all row-major.
-    pub fn forward<T: Operand>(&self, x: &T, w: &T, y: &mut DeviceTensor) -> Result<()> {
+    pub fn forward<T: Operand, Y: Output>(&self, x: &T, w: &T, y: &mut Y) -> Result<()> {
         let (m, k, n) = match (x.shape(), w.shape()) {
             ([m, k], [n, _]) => (*m, *k, *n),
             _ => return Err(Error::Shape(format!("sgemm: x {:?} and w {:?} must be 2-D", x.shape(), w.shape()))),
         };
-        if w.shape() != [n, k] || y.shape != [m, n] {
-            return Err(Error::Shape(format!("sgemm: x {:?}, w {:?}, y {:?}", x.shape(), w.shape(), y.shape)));
+        if w.shape() != [n, k] || y.shape() != [m, n] {
+            return Err(Error::Shape(format!("sgemm: x {:?}, w {:?}, y {:?}", x.shape(), w.shape(), y.shape())));
         }
         // Row-major y (m, n) is column-major y^T (n, m) = W x^T: A = w (column-major k x n,
         // transposed), B = x (column-major k x m), C = y (column-major n x m).
-        self.gemm((OP_T, OP_N), (n, m, k), (w, k), (x, k), (&mut y.buf, n))
+        self.gemm((OP_T, OP_N), (n, m, k), (w, k), (x, k), (y.out(), n))
     }
 
     /// The backward's `dX = dZ W`: `dz (m, n)`, `w (n, k)`, `dx (m, k)`.
-    pub fn grad_input<T: Operand>(&self, dz: &T, w: &T, dx: &mut DeviceTensor) -> Result<()> {
+    pub fn grad_input<T: Operand, Y: Output>(&self, dz: &T, w: &T, dx: &mut Y) -> Result<()> {
         let (&[m, n], &[_, k]) = (dz.shape(), w.shape()) else {
             return Err(Error::Shape(format!("sgemm: dz {:?} and w {:?} must be 2-D", dz.shape(), w.shape())));
         };
-        if w.shape() != [n, k] || dx.shape != [m, k] {
-            return Err(Error::Shape(format!("sgemm: dz {:?}, w {:?}, dx {:?}", dz.shape(), w.shape(), dx.shape)));
+        if w.shape() != [n, k] || dx.shape() != [m, k] {
+            return Err(Error::Shape(format!("sgemm: dz {:?}, w {:?}, dx {:?}", dz.shape(), w.shape(), dx.shape())));
         }
         // Column-major: dX^T (k, m) = W^T (k, n) dZ^T (n, m), both buffers as they are.
-        self.gemm((OP_N, OP_N), (k, m, n), (w, k), (dz, n), (&mut dx.buf, k))
+        self.gemm((OP_N, OP_N), (k, m, n), (w, k), (dz, n), (dx.out(), k))
     }
 
     /// The backward's `dW = dZ^T X`: `dz (m, n)`, `x (m, k)`, `dw (n, k)`.
-    pub fn grad_weight<T: Operand>(&self, dz: &T, x: &T, dw: &mut DeviceTensor) -> Result<()> {
+    pub fn grad_weight<T: Operand, Y: Output>(&self, dz: &T, x: &T, dw: &mut Y) -> Result<()> {
         let (&[m, n], &[_, k]) = (dz.shape(), x.shape()) else {
             return Err(Error::Shape(format!("sgemm: dz {:?} and x {:?} must be 2-D", dz.shape(), x.shape())));
         };
-        if x.shape() != [m, k] || dw.shape != [n, k] {
-            return Err(Error::Shape(format!("sgemm: dz {:?}, x {:?}, dw {:?}", dz.shape(), x.shape(), dw.shape)));
+        if x.shape() != [m, k] || dw.shape() != [n, k] {
+            return Err(Error::Shape(format!("sgemm: dz {:?}, x {:?}, dw {:?}", dz.shape(), x.shape(), dw.shape())));
         }
         // Column-major: dW^T (k, n) = X^T (k, m) dZ (m, n); dZ's buffer is dZ^T, so transposed.
-        self.gemm((OP_N, OP_T), (k, n, m), (x, k), (dz, n), (&mut dw.buf, k))
+        self.gemm((OP_N, OP_T), (k, n, m), (x, k), (dz, n), (dw.out(), k))
     }
 
     /// Column-major `C (m, n) = op(A) op(B)` with leading dimensions, on the operands'
-    /// type: SGEMM for f32, the bf16 GEMM for bf16.
+    /// type: SGEMM for f32, the bf16 GEMM for bf16 (into FP32 or bf16).
     #[allow(clippy::type_complexity)]
     fn gemm<T: Operand>(
         &self,
@@ -85,14 +85,14 @@ impl Cublas {
         (m, n, k): (usize, usize, usize),
         (a, lda): (&T, usize),
         (b, ldb): (&T, usize),
-        (c, ldc): (&mut CudaSlice<f32>, usize),
+        (c, ldc): (Out<'_>, usize),
     ) -> Result<()> {
-        let (a, b) = match (a.data(), b.data()) {
-            (Data::F32(a), Data::F32(b)) => (a, b),
-            (Data::Bf16(a), Data::Bf16(b)) => {
+        let (a, b, c) = match (a.data(), b.data(), c) {
+            (Data::F32(a), Data::F32(b), Out::F32(c)) => (a, b, c),
+            (Data::Bf16(a), Data::Bf16(b), c) => {
                 return self.gemm_bf16((transa, transb), (m, n, k), (a, lda), (b, ldb), (c, ldc));
             }
-            _ => unreachable!("both operands have the type T"),
+            _ => return Err(Error::Unsupported("cuBLAS's SGEMM writes FP32 only".into())),
         };
         let cfg = GemmConfig {
             transa,
@@ -110,7 +110,8 @@ impl Cublas {
         unsafe { self.blas.gemm(cfg, a, b, c) }.map_err(|e| Error::cuda("cublasSgemm", e))
     }
 
-    /// [`Cublas::gemm`] for bf16 operands: `cublasGemmEx`, FP32 compute and output.
+    /// [`Cublas::gemm`] for bf16 operands: `cublasGemmEx`, FP32 compute, FP32 or bf16
+    /// output (a bf16 model's).
     #[allow(clippy::type_complexity)]
     fn gemm_bf16(
         &self,
@@ -118,14 +119,17 @@ impl Cublas {
         (m, n, k): (usize, usize, usize),
         (a, lda): (&CudaSlice<Bf16>, usize),
         (b, ldb): (&CudaSlice<Bf16>, usize),
-        (c, ldc): (&mut CudaSlice<f32>, usize),
+        (c, ldc): (Out<'_>, usize),
     ) -> Result<()> {
         use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType_t};
         let (alpha, beta) = (1.0f32, 0.0f32);
         let stream = &self.stream;
         let (pa, _ra) = a.device_ptr(stream);
         let (pb, _rb) = b.device_ptr(stream);
-        let (pc, _rc) = c.device_ptr_mut(stream);
+        let ((pc, _rc), c_type) = match c {
+            Out::F32(c) => (c.device_ptr_mut(stream), cudaDataType_t::CUDA_R_32F),
+            Out::Bf16(c) => (c.device_ptr_mut(stream), cudaDataType_t::CUDA_R_16BF),
+        };
         // SAFETY: the callers checked the buffers against these dimensions; the scalars
         // are host f32 (the handle's default pointer mode) matching COMPUTE_32F.
         unsafe {
@@ -145,7 +149,7 @@ impl Cublas {
                 cublas_dim(ldb)?,
                 (&beta) as *const f32 as *const _,
                 pc as *mut _,
-                cudaDataType_t::CUDA_R_32F,
+                c_type,
                 cublas_dim(ldc)?,
                 cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
@@ -165,6 +169,36 @@ pub trait Operand {
 pub enum Data<'a> {
     F32(&'a CudaSlice<f32>),
     Bf16(&'a CudaSlice<Bf16>),
+}
+
+/// An output cuBLAS writes here: FP32, or bf16 (from the bf16 GEMM only).
+pub trait Output {
+    fn shape(&self) -> &[usize];
+    fn out(&mut self) -> Out<'_>;
+}
+
+/// The buffer of an [`Output`].
+pub enum Out<'a> {
+    F32(&'a mut CudaSlice<f32>),
+    Bf16(&'a mut CudaSlice<Bf16>),
+}
+
+impl Output for DeviceTensor {
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn out(&mut self) -> Out<'_> {
+        Out::F32(&mut self.buf)
+    }
+}
+
+impl Output for DeviceTensor<Bf16> {
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn out(&mut self) -> Out<'_> {
+        Out::Bf16(&mut self.buf)
+    }
 }
 
 impl Operand for DeviceTensor {
