@@ -84,7 +84,7 @@ if has tensor; then
   done
   run "check bf16" 300 "$C/host" check --precision bf16 --random 24 --seed 2
   run "check backward bf16" 300 "$C/host" check --backward --precision bf16 --random 24 --seed 3
-  run "bench bf16" 300 "$C/host" bench --precision bf16 --repeat 20
+  run "bench bf16" 300 "$C/host" bench --precision bf16 --fp32-tensors --repeat 20
   run "bench backward tf32x3" 300 "$C/host" bench --backward --precision tf32x3 --repeat 10 --json "$OUT/bench-tf32x3-bwd.json"
   run "bench backward tf32" 300 "$C/host" bench --backward --precision tf32 --repeat 10
 fi
@@ -95,8 +95,11 @@ if has ab && [ -x "$C/host-old" ]; then
   for p in fp32 tf32x3 tf32 bf16; do
     for dir in "" "--backward"; do
       for b in old new; do
+        # (bf16 on FP32 tensors in both builds: the old one has no bf16 model.)
         bin="$C/host"; [ "$b" = old ] && bin="$C/host-old"
-        run "bench $b $p $dir" 200 "$bin" bench --precision $p $dir --repeat 10 --json "$OUT/ab-$b-$p${dir:+-bwd}.json" >/dev/null
+        extra=""; [ "$b" = new ] && [ "$p" = bf16 ] && extra="--fp32-tensors"
+        run "bench $b $p $dir" 200 "$bin" bench --precision $p $dir $extra --repeat 10 \
+          --json "$OUT/ab-$b-$p${dir:+-bwd}.json" >/dev/null
       done
     done
   done
@@ -107,7 +110,10 @@ fi
 # op's bf16 tests, and PyTorch's bf16 model eager and compiled, all in one call.
 if has bf16; then
   run "GPU test, bf16 model" 200 "$C/test-gpu" --include-ignored --nocapture bf16_model
-  [ -x "$C/bf16_timing" ] && run "bf16 timing (dev)" 200 "$C/bf16_timing" M1,M2,M3,M4,M5 --chains
+  run "bench bf16 model" 300 "$C/host" bench --precision bf16 --repeat 20 --json "$OUT/bench-bf16-model.json"
+  run "bench backward bf16 model" 300 "$C/host" bench --backward --precision bf16 --repeat 10 \
+    --json "$OUT/bench-bf16-model-bwd.json"
+  [ -x "$C/bf16_timing" ] && run "bf16 timing (dev)" 200 "$C/bf16_timing" M2 --chains
   run "pytorch bf16 eager" 500 python3 "$C/pytorch_baselines.py" --backward --dtype bf16 --json "$OUT/torch-bf16.json"
   run "pytorch bf16 compile" 500 python3 "$C/pytorch_baselines.py" --backward --dtype bf16 --compile default \
     --json "$OUT/torch-bf16-compile.json"
