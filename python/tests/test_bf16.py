@@ -100,8 +100,11 @@ def test_fake_outputs_of_a_bf16_block():
 # ---------------------------------------------------------------- GPU
 
 # (batch, in, out) per preset: the seed chains at a moderate size (GroupNorm groups as
-# the chain says: 4 channels for M1 and M5, 16 for M2, 2 for M3), and M1 at its seed size.
-CASES = [(name, (256, 1024, 1024)) for name in PRESETS] + [("M1", (1024, 8192, 8192))]
+# the chain says: 4 channels for M1 and M5, 16 for M2, 2 for M3), then at the seed sizes.
+SEED = {"M2": (32768, 1024, 4096)}
+CASES = [(name, (256, 1024, 1024)) for name in PRESETS] + [
+    (name, SEED.get(name, (1024, 8192, 8192))) for name in PRESETS
+]
 
 
 @pytest.mark.gpu
@@ -124,19 +127,34 @@ def test_bf16_model_against_pytorch_bf16_and_float64(name, shape):
     for what in ["y", *ref]:
         got, pt, ref_ = (y, y_pt, y64) if what == "y" else (grads[what], grads_pt[what], ref[what])
         assert torch.isfinite(got.float()).all(), f"{name} {what}: non-finite values"
-        e_ours, e_pt = rel_err(got, ref_), rel_err(pt, ref_)
-        close = torch.isclose(got.float(), pt.float(), atol=1e-2, rtol=1e-2)
-        rows.append((what, e_ours, e_pt, 1.0 - close.float().mean().item()))
-    print(f"\n{name} {shape}: quantity, ours vs f64, PyTorch bf16 vs f64, fraction outside allclose(1e-2)")
-    for r in rows:
-        print(f"  {r[0]:<12} {r[1]:.2e}  {r[2]:.2e}  {r[3]:.2e}")
-    for what, e_ours, e_pt, outside in rows:
-        assert e_ours < e_pt, f"{name} {what}: ours {e_ours:.2e} from float64, PyTorch's bf16 {e_pt:.2e}"
-        if what == "x" and name == "M4":
-            # The row max: where PyTorch's bf16 arg-max is another column than float64's,
-            # its whole dx row differs (ours follows float64's); those rows are PyTorch's
-            # error, measured by the float64 comparison above.
-            continue
-        assert outside == 0.0, (
-            f"{name} {what}: {outside:.2%} of values outside allclose(1e-2) of PyTorch bf16"
+        rows.append(
+            (
+                what,
+                rel_err(got, ref_),
+                rel_err(pt, ref_),
+                outside(got, ref_),
+                outside(pt, ref_),
+                outside(got, pt),
+            )
         )
+    print(
+        f"\n{name} {shape}: relative error from float64 (ours, PyTorch bf16); fraction outside "
+        "allclose(1e-2) of float64 (ours, PyTorch bf16) and of PyTorch bf16 (ours)"
+    )
+    for what, e_ours, e_pt, o_ours, o_pt, o_vs_pt in rows:
+        print(f"  {what:<12} {e_ours:.2e} {e_pt:.2e}   {o_ours:.2e} {o_pt:.2e}   {o_vs_pt:.2e}")
+    for what, e_ours, e_pt, o_ours, o_pt, _ in rows:
+        # Closer to float64 than PyTorch's own bf16 model, norm-wise and element by
+        # element (KernelBench's allclose against float64). Against PyTorch's bf16 model
+        # itself allclose cannot hold where that model is outside it of float64: its
+        # parameter gradients sum bf16-rounded terms over the batch (printed above).
+        assert e_ours < e_pt, f"{name} {what}: ours {e_ours:.2e} from float64, PyTorch's bf16 {e_pt:.2e}"
+        assert o_ours <= o_pt, (
+            f"{name} {what}: {o_ours:.2e} of ours outside allclose of float64, PyTorch {o_pt:.2e}"
+        )
+
+
+def outside(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """The fraction of values outside ``allclose(atol=rtol=1e-2)`` of ``ref``."""
+    close = torch.isclose(got.double(), ref.double().to(got.device), atol=1e-2, rtol=1e-2)
+    return 1.0 - close.double().mean().item()

@@ -160,8 +160,8 @@ def test_two_devices():
         fused_linear.fused_linear(x, weight.to(CUDA), bias.to(CUDA), ops, gpu_params)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
-def test_gpu_dtypes_other_than_float32(dtype):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+def test_gpu_dtypes_other_than_float32_and_bfloat16(dtype):
     ops = "swish,mul"
     x = torch.randn(8, 64, device=CUDA, dtype=dtype)
     weight, bias = torch.randn(96, 64, device=CUDA, dtype=dtype), torch.randn(96, device=CUDA, dtype=dtype)

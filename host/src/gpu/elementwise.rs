@@ -168,9 +168,9 @@ pub fn to_bf16(gpu: &Gpu, input: &DeviceTensor) -> Result<DeviceTensor<Bf16>> {
 
 /// [`to_bf16`] on `stream`.
 pub fn to_bf16_on(gpu: &Gpu, stream: &Arc<CudaStream>, input: &DeviceTensor) -> Result<DeviceTensor<Bf16>> {
-    let words = slice_to_bf16(gpu, stream, &input.buf)?;
-    // SAFETY (of the view): `Bf16` is a transparent `u16`; the words are its bits.
-    let buf = unsafe { words.retype::<Bf16>() };
+    // SAFETY: `round_into` writes every value before anything reads them.
+    let mut buf = unsafe { gpu.alloc_buf::<Bf16>(stream, input.len())? };
+    round_into(gpu, stream, &input.buf, &mut buf)?;
     Ok(DeviceTensor { shape: input.shape.clone(), buf })
 }
 
@@ -197,14 +197,32 @@ pub fn widen(gpu: &Gpu, input: &DeviceTensor<Bf16>) -> Result<DeviceTensor> {
 /// Every float of `input` rounded to bf16 (to nearest, ties to even), in a new buffer
 /// of as many 16-bit words, queued on `stream`.
 pub fn slice_to_bf16(gpu: &Gpu, stream: &Arc<CudaStream>, input: &CudaSlice<f32>) -> Result<DeviceBuf<u16>> {
-    let len = input.len();
-    // SAFETY: the kernel below writes all `len` words before anything reads them.
-    let mut buf = unsafe { gpu.alloc_buf::<u16>(stream, len)? };
-    let n = len as u32;
-    let (func, cfg) = gpu.kernel_1d(Kernel::F32ToBf16, len, 0)?;
-    let mut l = stream.launch_builder(&func);
-    l.arg(input).arg(&n).arg(&mut buf);
-    // SAFETY: (input, len, out) as the kernel takes; out holds len words.
-    launched(Kernel::F32ToBf16, unsafe { l.launch(cfg) })?;
+    // SAFETY: `round_into` writes every word before anything reads them.
+    let mut buf = unsafe { gpu.alloc_buf::<u16>(stream, input.len())? };
+    round_into(gpu, stream, input, &mut buf)?;
     Ok(buf)
 }
+
+/// Queues `f32_to_bf16` from `input` into `out` (16-bit words: `u16` or `Bf16`).
+fn round_into<T: DeviceElement16>(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    input: &CudaSlice<f32>,
+    out: &mut CudaSlice<T>,
+) -> Result<()> {
+    let len = input.len();
+    if out.len() < len {
+        return Err(Error::Shape(format!("rounding {len} values into {}", out.len())));
+    }
+    let n = u32::try_from(len).map_err(|_| Error::Shape(format!("{len} values exceed a 32-bit launch")))?;
+    let (func, cfg) = gpu.kernel_1d(Kernel::F32ToBf16, len, 0)?;
+    let mut l = stream.launch_builder(&func);
+    l.arg(input).arg(&n).arg(out);
+    // SAFETY: (input, len, out) as the kernel takes; out holds at least len 16-bit words.
+    launched(Kernel::F32ToBf16, unsafe { l.launch(cfg) })
+}
+
+/// 16-bit element types the rounding kernel writes.
+trait DeviceElement16: cudarc::driver::DeviceRepr {}
+impl DeviceElement16 for u16 {}
+impl DeviceElement16 for Bf16 {}

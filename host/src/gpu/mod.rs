@@ -693,25 +693,6 @@ impl<T> DeviceBuf<T> {
         }
     }
 
-    /// The same memory read as another element type of the same size.
-    ///
-    /// # Safety
-    /// Every bit pattern the buffer holds is a valid `U`.
-    pub unsafe fn retype<U>(self) -> DeviceBuf<U> {
-        assert_eq!(std::mem::size_of::<T>(), std::mem::size_of::<U>(), "retype to another element size");
-        let mut this = ManuallyDrop::new(self);
-        // SAFETY: the fields are moved out once and `this` is never dropped.
-        let (slice, owner, defer) =
-            unsafe { (ManuallyDrop::take(&mut this.slice), std::ptr::read(&this.owner), std::ptr::read(&this.defer)) };
-        let stream = slice.stream().clone();
-        let len = slice.len();
-        // The slice's memory under the new type; the old slice is forgotten, not freed.
-        let ptr = slice.leak();
-        // SAFETY: the same allocation, `len` elements of an equal size.
-        let slice = unsafe { stream.upgrade_device_ptr::<U>(ptr, len) };
-        DeviceBuf { slice: ManuallyDrop::new(slice), owner, defer }
-    }
-
     /// The device address of the first element.
     pub fn device_address(&self) -> u64 {
         // With event tracking off (`Gpu::open`), reading the address records nothing.
