@@ -62,6 +62,50 @@ fn main() -> host::Result<()> {
         let path = block.describe(&gpu, &block.plan(&gpu, b));
         println!("{p}  {fwd:.3}  {c1:.3}  {:.2} | {fb:.3}  {c3:.3}  {:.2} | {path}", fwd / c1, fb / c3);
     }
+    if std::env::args().any(|a| a == "--gemms") {
+        // The backward's two GEMMs alone at M1's shape, on bf16 tensors as stored.
+        use host::gpu::gemm::tma::{NativeBf16, launch_native_bf16};
+        let (m, k, n) = Preset::M1.seed_shape();
+        let mut rng = StdRng::seed_from_u64(3);
+        let up = |r: usize, c: usize, rng: &mut StdRng| gpu.upload(&random_input(r, c, rng)?.to_bf16());
+        let (x, w, dz) = (up(m, k, &mut rng)?, up(n, k, &mut rng)?, up(m, n, &mut rng)?);
+        let (mut dx, mut dw) = (gpu.alloc_as::<Bf16>(&[m, k])?, gpu.alloc_as::<Bf16>(&[n, k])?);
+        let none = (None, None);
+        let s = gpu.stream();
+        let t_dx = median(&gpu, || {
+            launch_native_bf16(
+                &gpu,
+                s,
+                NativeBf16::GradInput,
+                (&dz.buf, &w.buf),
+                (m, k, n),
+                (n, k),
+                none,
+                &mut dx,
+                None,
+            )
+        })?;
+        let t_dw = median(&gpu, || {
+            launch_native_bf16(
+                &gpu,
+                s,
+                NativeBf16::GradWeight,
+                (&dz.buf, &x.buf),
+                (n, k, m),
+                (n, k),
+                none,
+                &mut dw,
+                None,
+            )
+        })?;
+        let (c_dx, c_dw) = (
+            median(&gpu, || cublas.grad_input(&dz, &w, &mut dx))?,
+            median(&gpu, || cublas.grad_weight(&dz, &x, &mut dw))?,
+        );
+        println!(
+            "M1 shape, bf16 GEMMs alone (ms): dX ours {t_dx:.3} cuBLAS {c_dx:.3}; dW ours {t_dw:.3} cuBLAS {c_dw:.3}"
+        );
+    }
     if std::env::args().any(|a| a == "--chains") {
         let (b, i, o) = Preset::M2.seed_shape();
         let mut rng = StdRng::seed_from_u64(2);

@@ -148,7 +148,9 @@ def test_bf16_model_against_pytorch_bf16_and_float64(name, shape):
         # element (KernelBench's allclose against float64). Against PyTorch's bf16 model
         # itself allclose cannot hold where that model is outside it of float64: its
         # parameter gradients sum bf16-rounded terms over the batch (printed above).
-        assert e_ours < e_pt, f"{name} {what}: ours {e_ours:.2e} from float64, PyTorch's bf16 {e_pt:.2e}"
+        # (Equal where both are float64's value rounded once to bf16: a GroupNorm bias
+        # ending the chain gets the batch sum of the bf16 dy.)
+        assert e_ours <= e_pt, f"{name} {what}: ours {e_ours:.2e} from float64, PyTorch's bf16 {e_pt:.2e}"
         assert o_ours <= o_pt, (
             f"{name} {what}: {o_ours:.2e} of ours outside allclose of float64, PyTorch {o_pt:.2e}"
         )
