@@ -239,10 +239,15 @@ impl<W: DeviceElement> GpuBlock<W> {
             .to_string();
         let bf16_model = std::mem::size_of::<W>() == 2;
         if bf16_model {
-            gemm = match (self.native_bf16_forward(plan), plan) {
-                (true, Plan::Fused) => format!("{} (bf16 x, W, y as stored)", Kernel::GemmTmaBf16NtToBf16),
-                (true, _) => format!("{} (bf16 x, W as stored)", Kernel::GemmTmaBf16Nt),
-                (false, _) => format!("{gemm} (on FP32 copies of bf16 x, W; y rounded)"),
+            gemm = match (self.native_bf16_forward(plan), plan, &self.folded) {
+                (true, Plan::Fused, _) => format!("{} (bf16 x, W, y as stored)", Kernel::GemmTmaBf16NtToBf16),
+                (true, _, _) => format!("{} (bf16 x, W as stored)", Kernel::GemmTmaBf16Nt),
+                (false, _, Some(_)) => {
+                    let r =
+                        route(Precision::Tf32x3, Role::Forward { splits }, (0, self.gemm_width(), k), gpu.tuning().tma);
+                    format!("{} (FP32 copy of bf16 x, the FP32 folded weight; y rounded)", r.kernel)
+                }
+                (false, _, None) => format!("{gemm} (on FP32 copies of bf16 x, W; y rounded)"),
             };
         }
         let fold =
@@ -302,17 +307,19 @@ impl<W: DeviceElement> GpuBlock<W> {
 
 impl<W: DeviceElement> GpuBlock<W> {
     /// The forward on FP32 operands `x` and `(w, b)` (the block's, or a bf16 block's
-    /// widened copies) as `plan` says, into the FP32 `y`.
+    /// widened copies) as `plan` says, into the FP32 `y`, its GEMM in `precision`.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn forward_f32(
         &self,
         gpu: &Gpu,
+        precision: Precision,
         x: &DeviceTensor,
         (w, b): (&DeviceTensor, &DeviceTensor),
         (plan, z): (&Plan, Option<&mut DeviceTensor>),
         y: &mut DeviceTensor,
         save: Option<&mut DeviceTensor>,
     ) -> Result<()> {
-        let mut gemm = forward_gemm(self.precision, x, w)?;
+        let mut gemm = forward_gemm(precision, x, w)?;
         match (plan, z) {
             (Plan::Fused, _) => {
                 gemm.bias = Some(&b.buf);
@@ -384,7 +391,7 @@ impl GpuBlock {
         if x.shape.get(1) != Some(&self.spec.in_features) || x.shape.first() != ws.y.shape.first() {
             return Err(Error::tensor("x", format!("shape {:?} does not fit this workspace", x.shape)));
         }
-        self.forward_f32(gpu, x, self.gemm_params(), (&ws.plan, ws.z.as_mut()), &mut ws.y, save)
+        self.forward_f32(gpu, self.precision, x, self.gemm_params(), (&ws.plan, ws.z.as_mut()), &mut ws.y, save)
     }
 
     /// Uploads `x`, runs the block and downloads the output (shape as the CPU reference's).

@@ -93,15 +93,18 @@ impl GpuBlock<Bf16> {
             (plan, z, _) => {
                 let x32 = widen(gpu, x)?;
                 let w32;
-                let (w, b) = match &self.folded {
-                    Some((_, w, b)) => (w, b),
+                // A folded AvgPool's weight holds FP32 means, not bf16 values: its GEMM
+                // runs in 3xTF32 (FP32-accurate): rounded to bf16, the means moved M4's
+                // row max on some rows (dx 7.9e-2 from f64 at seed size).
+                let (w, b, precision) = match &self.folded {
+                    Some((_, w, b)) => (w, b, Precision::Tf32x3),
                     None => {
                         w32 = widen(gpu, w)?;
-                        (&w32, b)
+                        (&w32, b, Precision::Bf16)
                     }
                 };
                 let mut y = gpu.alloc(&ws.y.shape)?;
-                self.forward_f32(gpu, &x32, (w, b), (plan, z), &mut y, save)?;
+                self.forward_f32(gpu, precision, &x32, (w, b), (plan, z), &mut y, save)?;
                 ws.y = to_bf16(gpu, &y)?;
                 Ok(())
             }
