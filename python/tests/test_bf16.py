@@ -160,3 +160,83 @@ def outside(got: torch.Tensor, ref: torch.Tensor) -> float:
     """The fraction of values outside ``allclose(atol=rtol=1e-2)`` of ``ref``."""
     close = torch.isclose(got.double(), ref.double().to(got.device), atol=1e-2, rtol=1e-2)
     return 1.0 - close.double().mean().item()
+
+
+def output_and_grads(module, params, x, dy):
+    """[y, dx, *d params]: one forward and backward of `module` at `x` with output gradient `dy`."""
+    xx = x.clone().requires_grad_(True)
+    y = module(xx)
+    return [y.detach(), *torch.autograd.grad(y, [xx, *params], dy)]
+
+
+class TwoBlocks(torch.nn.Module):
+    """Two fused blocks in a bf16 model; between them an exact scaling only (a PyTorch bf16
+    op that inductor rounds otherwise than eager would move the row max's arg-max)."""
+
+    def __init__(self, device=None):
+        super().__init__()
+        self.a = FusedLinear(32, 64, "groupnorm(4),swish,mul,swish", device=device)
+        self.head = FusedLinear(64, 64, "avgpool(4),gelu,scale(2),max", device=device)
+
+    def forward(self, x):
+        return self.head(self.a(x) * 0.5)
+
+
+@pytest.mark.gpu
+def test_bf16_model_compiled_with_inductor_matches_eager():
+    """torch.compile(fullgraph=True) of a bf16 model: the same kernels on the same values,
+    so eager's bf16 output and gradients bit for bit (the inference op's path too)."""
+    torch.manual_seed(0)
+    model = TwoBlocks(device="cuda").to(BF16)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="inductor")
+    params = list(model.parameters())
+    for batch in (33, 130):
+        x = torch.rand(batch, 32, device="cuda").to(BF16)
+        dy = torch.linspace(-1, 1, batch, device="cuda").to(BF16)
+        eager = output_and_grads(model, params, x, dy)
+        comp = output_and_grads(compiled, params, x, dy)
+        for i, (a, b) in enumerate(zip(comp, eager)):
+            assert a.dtype == b.dtype, i
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), eager[0], rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_bf16_training_step_in_a_cuda_graph():
+    """A bf16 block's training step captured in a CUDA graph (the bias and chain parameters
+    are widened inside the graph) and replayed on new data equals eager."""
+    torch.manual_seed(0)
+    batch, k, n = 256, 1024, 512
+    model = FusedLinear(k, n, "bias,hardtanh(-1,1),mish,groupnorm(128)", device="cuda").to(BF16)
+    params = list(model.parameters())
+    static_x = torch.rand(batch, k, device="cuda").to(BF16).requires_grad_(True)
+    static_dy = torch.randn(batch, n, device="cuda").to(BF16)
+
+    def step():
+        for t in [static_x, *params]:
+            t.grad = None
+        y = model(static_x)
+        y.backward(static_dy)
+        return y
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        static_y = step().detach()
+    data = torch.rand(batch, k, device="cuda").to(BF16)
+    with torch.no_grad():
+        static_x.copy_(data)
+    g.replay()
+    torch.cuda.synchronize()
+    got = [static_y, static_x.grad] + [p.grad for p in params]
+    want = output_and_grads(model, params, data, static_dy)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == b.dtype, i
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
