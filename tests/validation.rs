@@ -340,6 +340,88 @@ fn f64_f16_and_bf16_files_are_converted() {
     assert_eq!(run(&w64, &dir.join("x32.safetensors")), want, "weights as F64");
 }
 
+/// A bf16 model's files (`--precision bf16` with BF16 `x` and `lin.weight`): the outputs
+/// come back as BF16 (`y`, `grad.x`, `grad.lin.weight`; each other gradient in its
+/// parameter's stored dtype), equal to the FP32 path's rounded (the CPU backend computes
+/// in FP32); a BF16 `x` beside an F32 weight is refused, naming both.
+#[test]
+fn a_bf16_models_files_stay_bf16() {
+    let dir = TempDir::new("bf16");
+    let spec = BlockSpec::new(8, 12, "bias,swish".parse().unwrap()).unwrap();
+    let mut rng = StdRng::seed_from_u64(5);
+    // bf16 values (rounded once), so F32 and BF16 files hold the same numbers.
+    let bf16 = |t: Tensor<f32>| t.to_bf16().to_f32();
+    let params = random_params(&spec, &mut rng);
+    let params = Params::from_flat(&spec, params.flat().into_iter().map(|t| bf16(t.clone())).collect()).unwrap();
+    let x = bf16(normal_tensor(&mut rng, &[3, 8]));
+    let (w16, x16, x32) = (dir.join("w16.safetensors"), dir.join("x16.safetensors"), dir.join("x32.safetensors"));
+    // lin.weight BF16; the chain's `bias` F32 (its gradient stays F32).
+    write_weights(&w16, &spec, &params, &[("lin.weight", None), ("lin.bias", None)]);
+    let names: Vec<String> = spec.param_specs().into_iter().map(|s| s.name).collect();
+    let mut bytes = Vec::new();
+    for (n, t) in names.iter().zip(params.flat()) {
+        let b: Vec<u8> = match n.as_str() {
+            "bias" => t.data().iter().flat_map(|v| v.to_le_bytes()).collect(),
+            _ => t.data().iter().flat_map(|&v| ((v.to_bits() >> 16) as u16).to_le_bytes()).collect(),
+        };
+        bytes.push(b);
+    }
+    let views: Vec<(&str, TensorView)> = names
+        .iter()
+        .zip(params.flat())
+        .zip(&bytes)
+        .map(|((n, t), b)| {
+            let dtype = if n == "bias" { Dtype::F32 } else { Dtype::BF16 };
+            (n.as_str(), TensorView::new(dtype, t.shape().to_vec(), b).unwrap())
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &w16).unwrap();
+    write_as(&x16, "x", &x, Dtype::BF16);
+    write(&x32, &[("x", &x)]).unwrap();
+    let (y_path, g_path) = (dir.join("y.safetensors"), dir.join("g.safetensors"));
+    let (y, g) = (y_path.to_str().unwrap(), g_path.to_str().unwrap());
+    let base = ["backward", "--device", "cpu", "--ops", "bias,swish", "--precision", "bf16"];
+    let (code, _, stderr) = host(
+        &[
+            &base[..],
+            &["--weights", w16.to_str().unwrap(), "--input", x16.to_str().unwrap()],
+            &["--output", y, "--grads", g],
+        ]
+        .concat(),
+    );
+    assert_eq!(code, 0, "{stderr}");
+    let stored = |path: &Path, name: &str| {
+        let bytes = std::fs::read(path).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        st.tensor(name).unwrap().dtype()
+    };
+    assert_eq!(stored(&y_path, "y"), Dtype::BF16);
+    assert_eq!(stored(&g_path, "grad.x"), Dtype::BF16);
+    assert_eq!(stored(&g_path, "grad.lin.weight"), Dtype::BF16);
+    assert_eq!(stored(&g_path, "grad.lin.bias"), Dtype::BF16);
+    assert_eq!(stored(&g_path, "grad.bias"), Dtype::F32);
+    // The FP32 path on the same values, rounded: the same numbers.
+    let want = reference::block_forward(&spec, &x.to_f64(), &params.map(f64::from)).unwrap();
+    let got = TensorFile::open(&y_path).unwrap().get("y", &[3, 12]).unwrap();
+    let rounded: Vec<f32> =
+        want.data().iter().map(|&v| bf16(Tensor::new(&[1], vec![v as f32]).unwrap()).data()[0]).collect();
+    let c = compare_f32(got.data(), &rounded.iter().map(|&v| v as f64).collect::<Vec<_>>());
+    assert!(c.rel < 1e-2, "{c:?}");
+    // Mixed: BF16 x, F32 weight.
+    write_weights(&dir.join("w32.safetensors"), &spec, &params, &[]);
+    let w32 = dir.join("w32.safetensors");
+    let (code, _, stderr) =
+        host(&[&base[..], &["--weights", w32.to_str().unwrap(), "--input", x16.to_str().unwrap()]].concat());
+    assert_ne!(code, 0);
+    assert!(stderr.contains("x is stored as BF16 but lin.weight as F32"), "{stderr}");
+    // Without --precision bf16 the same files are widened to F32, as before.
+    let fwd = ["forward", "--device", "cpu", "--ops", "bias,swish", "--output", y];
+    let (code, _, stderr) =
+        host(&[&fwd[..], &["--weights", w16.to_str().unwrap(), "--input", x32.to_str().unwrap()]].concat());
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(stored(&y_path, "y"), Dtype::F32);
+}
+
 /// NaN and Inf in `x` go through like PyTorch's (a group holding NaN is NaN, the
 /// rest finite), and the summary's check counts matching NaN as equal: success.
 #[test]

@@ -1,10 +1,12 @@
 //! safetensors files: inputs (`x`), outputs (`y`), parameters (PyTorch names, see
-//! `chain.rs`) and, later, gradients. Tensors are read as f32; F64, F16 and BF16
-//! tensors are converted on reading (as `load_state_dict` copies them into f32
-//! parameters), any other dtype is an error naming the tensor. Files are written as f32.
+//! `chain.rs`) and gradients. Tensors are read as f32; F64, F16 and BF16 tensors are
+//! converted on reading (as `load_state_dict` copies them into f32 parameters; a BF16
+//! value is exact in f32, and the CLI tells which tensors were BF16: a bf16 model's
+//! stay bf16 on the GPU), any other dtype is an error naming the tensor. Files are
+//! written as F32, or BF16 where the inputs were (`write_typed`).
 
 use crate::error::{Error, Result};
-use crate::tensor::Tensor;
+use crate::tensor::{Bf16, Tensor};
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -57,6 +59,12 @@ impl TensorFile {
             )
         })?;
         Tensor::new(shape, data)
+    }
+
+    /// Whether tensor `name` is stored as bf16 (a bf16 model's), if present.
+    pub fn is_bf16(&self, name: &str) -> Option<bool> {
+        let st = SafeTensors::deserialize(&self.bytes).ok()?;
+        st.tensor(name).ok().map(|v| v.dtype() == Dtype::BF16)
     }
 
     /// Shape of tensor `name`, if present (to learn a batch size from an input file).
@@ -115,13 +123,25 @@ pub fn check_output_path(path: &Path) -> Result<()> {
 /// Writes named f32 tensors to `path`: into `<path>.partial` first, renamed over
 /// `path` only once complete, so a failure never leaves a half-written `path`.
 pub fn write(path: &Path, tensors: &[(&str, &Tensor<f32>)]) -> Result<()> {
+    let typed: Vec<(&str, &Tensor<f32>, bool)> = tensors.iter().map(|&(n, t)| (n, t, false)).collect();
+    write_typed(path, &typed)
+}
+
+/// [`write`], each tensor as F32 or, where its flag says, as BF16 (rounded to nearest:
+/// exact for values that are bf16 already, as a bf16 model's outputs are).
+pub fn write_typed(path: &Path, tensors: &[(&str, &Tensor<f32>, bool)]) -> Result<()> {
     check_output_path(path)?;
-    let bytes: Vec<Vec<u8>> =
-        tensors.iter().map(|(_, t)| t.data().iter().flat_map(|v| v.to_le_bytes()).collect()).collect();
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|&(_, t, bf16)| match bf16 {
+            true => t.data().iter().flat_map(|&v| Bf16::from_f32(v).0.to_le_bytes()).collect(),
+            false => t.data().iter().flat_map(|v| v.to_le_bytes()).collect(),
+        })
+        .collect();
     let mut views = HashMap::new();
-    for ((name, t), b) in tensors.iter().zip(&bytes) {
-        let view =
-            TensorView::new(Dtype::F32, t.shape().to_vec(), b).map_err(|e| Error::tensor(*name, e.to_string()))?;
+    for (&(name, t, bf16), b) in tensors.iter().zip(&bytes) {
+        let dtype = if bf16 { Dtype::BF16 } else { Dtype::F32 };
+        let view = TensorView::new(dtype, t.shape().to_vec(), b).map_err(|e| Error::tensor(name, e.to_string()))?;
         views.insert(name.to_string(), view);
     }
     let data = safetensors::serialize(views, None).map_err(|e| Error::file(path, format!("cannot serialise: {e}")))?;

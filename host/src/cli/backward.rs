@@ -56,6 +56,8 @@ pub fn run(a: &BackwardArgs) -> Result<(), Failure> {
             Tensor::from_fn(&out_shape, |_| StandardNormal.sample(&mut rng))?
         }
     };
+    // A bf16 model's dy is bf16 (rounded, where the file or the draw held FP32 values).
+    let dy = if p.bf16.is_some() { dy.to_bf16().to_f32() } else { dy };
     let (backend, y, dx, grads, ms, timing) = match Backend::open(a.device, a.tuning.tuning())? {
         Backend::Cpu => {
             let opts = cpu::Options::default().with_progress("cpu forward+backward");
@@ -72,20 +74,34 @@ pub fn run(a: &BackwardArgs) -> Result<(), Failure> {
             )
         }
         Backend::Gpu(gpu) => {
-            let block = GpuBlock::new(&gpu, &p.spec, &p.params)?.with_precision(p.precision);
-            let out = block.forward_backward(&gpu, &p.x, &dy)?;
-            let (x, ddy) = (gpu.upload(&p.x)?, gpu.upload(&dy)?);
-            let mut times = Vec::new();
-            for _ in 0..a.repeat.max(1) {
-                times.push(gpu.time_ms(|| {
-                    let (_, saved) = block.forward_train(&gpu, &x, false)?;
-                    block.backward(&gpu, &x, saved, &ddy).map(drop)
-                })?);
+            // The same calls on an FP32 block and on a bf16 model's (bf16 x, dy, dX, dW).
+            macro_rules! timed_backward {
+                ($block:expr, $x:expr, $dy:expr) => {{
+                    let (block, x, dy) = ($block, $x, $dy);
+                    let out = block.forward_backward(&gpu, &x, &dy)?;
+                    let (x, ddy) = (gpu.upload(&x)?, gpu.upload(&dy)?);
+                    let mut times = Vec::new();
+                    for _ in 0..a.repeat.max(1) {
+                        times.push(gpu.time_ms(|| {
+                            let (_, saved) = block.forward_train(&gpu, &x, false)?;
+                            block.backward(&gpu, &x, saved, &ddy).map(drop)
+                        })?);
+                    }
+                    times.sort_by(f64::total_cmp);
+                    (out, times, block.describe(&gpu, &block.plan(&gpu, batch)))
+                }};
             }
-            times.sort_by(f64::total_cmp);
+            let (out, times, path) = match &p.bf16 {
+                None => timed_backward!(
+                    GpuBlock::new(&gpu, &p.spec, &p.params)?.with_precision(p.precision),
+                    p.x.clone(),
+                    dy.clone()
+                ),
+                Some(_) => timed_backward!(super::bf16_block(&gpu, &p)?, p.x.to_bf16(), dy.to_bf16()),
+            };
             let pr = &gpu.props;
-            let backend = format!("gpu: {} ({} SMs), {} GEMMs", pr.name, pr.multiprocessors, p.precision);
-            let path = block.describe(&gpu, &block.plan(&gpu, batch));
+            let tensors = if p.bf16.is_some() { ", bf16 model (bf16 x, W, y, dy, dX, dW)" } else { "" };
+            let backend = format!("gpu: {} ({} SMs), {} GEMMs{tensors}", pr.name, pr.multiprocessors, p.precision);
             let timing = format!("median of {} after a checked run, CUDA events; forward {path}", times.len());
             (backend, out.y, out.x, out.params, times[times.len() / 2], timing)
         }
@@ -103,18 +119,29 @@ pub fn run(a: &BackwardArgs) -> Result<(), Failure> {
     let sums: Vec<String> = names.iter().zip(grads.flat()).map(|(n, g)| format!("{n} {:.4e}", sum(g))).collect();
     println!("  checksums grad.x {:.4e}; {}", sum(&dx), sums.join(", "));
 
-    // The CPU backend computes in FP32 whatever --precision says.
-    let tol = if backend.starts_with("gpu") { p.precision.tolerance() } else { crate::check::FP32_REL };
+    // The CPU backend computes in FP32 whatever --precision says; a bf16 model's
+    // outputs are rounded once from FP32 (on the CPU, when written).
+    let tol = match (backend.starts_with("gpu"), &p.bf16) {
+        (true, Some(_)) => crate::precision::BF16_STORED_REL,
+        (true, None) => p.precision.tolerance(),
+        (false, _) => crate::check::FP32_REL,
+    };
     let verdict = check(&p, &dy, &dx, &grads, a.check_rows, tol)?;
+    // A bf16 model's files: grad.x and y in BF16, each parameter's gradient in the
+    // dtype its file held.
+    let bf16_x = p.bf16.is_some();
+    let bf16_param = |i: usize| p.bf16.as_ref().is_some_and(|m| m.params[i]);
     if let Some(path) = &a.grads {
-        let mut named = vec![("grad.x".to_string(), &dx)];
-        named.extend(names.iter().map(|n| format!("grad.{n}")).zip(grads.flat()));
-        let refs: Vec<(&str, &Tensor<f32>)> = named.iter().map(|(n, t)| (n.as_str(), *t)).collect();
-        crate::io::write(path, &refs)?;
-        println!("  grads     written to {} (grad.x, grad.<parameter>)", path.display());
+        let mut named = vec![("grad.x".to_string(), &dx, bf16_x)];
+        let params = names.iter().zip(grads.flat()).enumerate();
+        named.extend(params.map(|(i, (n, g))| (format!("grad.{n}"), g, bf16_param(i))));
+        let refs: Vec<(&str, &Tensor<f32>, bool)> = named.iter().map(|(n, t, b)| (n.as_str(), *t, *b)).collect();
+        crate::io::write_typed(path, &refs)?;
+        let dtype = if bf16_x { ", in the inputs' dtypes" } else { "" };
+        println!("  grads     written to {} (grad.x, grad.<parameter>{dtype})", path.display());
     }
     if let Some(path) = &a.output {
-        crate::io::write(path, &[("y", &y)])?;
+        crate::io::write_typed(path, &[("y", &y, bf16_x)])?;
         println!("  output    y written to {}", path.display());
     }
     verdict

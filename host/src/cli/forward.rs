@@ -64,26 +64,45 @@ pub fn run(a: &ForwardArgs) -> Result<(), Failure> {
     let r = match &backend {
         Backend::Cpu => run_cpu(&p)?,
         Backend::Gpu(gpu) => {
-            let block = GpuBlock::new(gpu, &p.spec, &p.params)?.with_precision(p.precision);
-            let x = gpu.upload(&p.x)?;
-            let batch = p.x.rows();
-            // The checked run writes into NaN-poisoned buffers, so a missed element shows.
-            let mut ws = block.workspace(gpu, batch)?;
-            block.forward_into(gpu, &x, &mut ws, None)?;
-            let out = gpu.download(&ws.y)?.reshape(&p.spec.output_shape(batch))?;
-            let mut times = Vec::new();
-            for _ in 0..a.repeat.max(1) {
-                times.push(gpu.time_ms(|| block.forward_into(gpu, &x, &mut ws, None))?);
+            // The same calls on an FP32 block and on a bf16 model's (bf16 x and y).
+            macro_rules! timed_forward {
+                ($block:expr, $x:expr, $widen:expr) => {{
+                    let (block, x) = ($block, $x);
+                    let batch = p.x.rows();
+                    // The checked run writes into NaN-poisoned buffers, so a missed element shows.
+                    let mut ws = block.workspace(gpu, batch)?;
+                    block.forward_into(gpu, &x, &mut ws, None)?;
+                    let out = $widen(gpu.download(&ws.y)?).reshape(&p.spec.output_shape(batch))?;
+                    let mut times = Vec::new();
+                    for _ in 0..a.repeat.max(1) {
+                        times.push(gpu.time_ms(|| block.forward_into(gpu, &x, &mut ws, None))?);
+                    }
+                    times.sort_by(f64::total_cmp);
+                    (out, times, block.describe(gpu, &ws.plan), block.executed_flops(batch))
+                }};
             }
-            times.sort_by(f64::total_cmp);
+            let (out, times, path, flops) = match &p.bf16 {
+                None => timed_forward!(
+                    GpuBlock::new(gpu, &p.spec, &p.params)?.with_precision(p.precision),
+                    gpu.upload(&p.x)?,
+                    |t: Tensor<f32>| t
+                ),
+                Some(_) => {
+                    timed_forward!(super::bf16_block(gpu, &p)?, gpu.upload(&p.x.to_bf16())?, |t: Tensor<
+                        crate::tensor::Bf16,
+                    >| t
+                        .to_f32())
+                }
+            };
             let pr = &gpu.props;
+            let tensors = if p.bf16.is_some() { ", bf16 model (bf16 x, W, y)" } else { "" };
             Run {
                 backend: format!(
-                    "gpu: {} ({} SMs, sm_{}{}), {} GEMM",
+                    "gpu: {} ({} SMs, sm_{}{}), {} GEMM{tensors}",
                     pr.name, pr.multiprocessors, pr.compute_capability.0, pr.compute_capability.1, p.precision
                 ),
-                path: block.describe(gpu, &ws.plan),
-                flops: block.executed_flops(batch),
+                path,
+                flops,
                 y: out,
                 ms: times[times.len() / 2],
                 timing: format!("median of {} after a warm-up run, CUDA events", times.len()),
@@ -102,12 +121,18 @@ pub fn run(a: &ForwardArgs) -> Result<(), Failure> {
     println!("  time      {:.3} ms, {} ({})", r.ms, super::flop_rate(r.flops, r.ms), r.timing);
     println!("  checksum  sum {sum:.6e}, sum|y| {abs:.6e}");
 
-    // The CPU backend computes in FP32 whatever --precision says.
-    let tol = if r.backend.starts_with("gpu") { p.precision.tolerance() } else { crate::check::FP32_REL };
+    // The CPU backend computes in FP32 whatever --precision says; a bf16 model's y is
+    // rounded once from FP32 (on the CPU, when written).
+    let tol = match (r.backend.starts_with("gpu"), &p.bf16) {
+        (true, Some(_)) => crate::precision::BF16_STORED_REL,
+        (true, None) => p.precision.tolerance(),
+        (false, _) => crate::check::FP32_REL,
+    };
     let verdict = check_rows(&p, &r.y, a.check_rows, tol)?;
     if let Some(path) = &a.output {
-        crate::io::write(path, &[("y", &r.y)])?;
-        println!("  output    y written to {}", path.display());
+        crate::io::write_typed(path, &[("y", &r.y, p.bf16.is_some())])?;
+        let dtype = if p.bf16.is_some() { "BF16" } else { "F32" };
+        println!("  output    y ({dtype}) written to {}", path.display());
     }
     verdict
 }

@@ -10,10 +10,11 @@ mod train;
 use crate::block::{BlockSpec, Params};
 use crate::chain::{Chain, Op, Preset};
 use crate::error::{Error, Result};
+use crate::gpu::block::{DeviceParams, GpuBlock};
 use crate::gpu::{Gpu, Tuning};
 use crate::io::TensorFile;
 use crate::precision::Precision;
-use crate::tensor::Tensor;
+use crate::tensor::{Bf16, Tensor};
 use clap::{Parser, Subcommand, ValueEnum};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -149,6 +150,29 @@ pub struct Problem {
     pub spec: BlockSpec,
     pub params: Params<f32>,
     pub x: Tensor<f32>,
+    /// A bf16 model's block: `--precision bf16` with `x` or the Linear weight stored as
+    /// BF16 in the files. `x` and the parameters hold bf16 values (widened exactly), the
+    /// GPU keeps them bf16 (`GpuBlock<Bf16>`), and outputs are written as BF16.
+    pub bf16: Option<Bf16Model>,
+}
+
+/// A bf16 model's block on `gpu`: the Linear weight uploaded as bf16, the bias and the
+/// chain's parameters as FP32 (their values as read: bf16 where the file held BF16).
+pub fn bf16_block(gpu: &Gpu, p: &Problem) -> Result<GpuBlock<Bf16>> {
+    let ops = p.params.ops.iter().map(|v| v.iter().map(|t| gpu.upload(t)).collect()).collect::<Result<_>>()?;
+    let params = DeviceParams {
+        linear_weight: gpu.upload(&p.params.linear_weight.to_bf16())?,
+        linear_bias: gpu.upload(&p.params.linear_bias)?,
+        ops,
+    };
+    Ok(GpuBlock::from_device(gpu, &p.spec, params)?.with_precision(Precision::Bf16))
+}
+
+/// Which of a bf16 model's tensors the files stored as BF16 (their outputs and
+/// gradients are written the same way), in [`BlockSpec::param_specs`] order.
+#[derive(Clone, Debug)]
+pub struct Bf16Model {
+    pub params: Vec<bool>,
 }
 
 /// A block's chain, sizes and files, all checked, before any tensor is allocated:
@@ -300,8 +324,36 @@ impl Setup {
             Some(f) => read(f, "x", &[batch, spec.in_features])?,
             None => crate::block::random_input(batch, spec.in_features, &mut rng)?,
         };
+        // A bf16 model: --precision bf16 and x or the Linear weight stored as BF16. Both
+        // must then be (or be drawn, and rounded): a bf16 model's GEMM takes the two alike.
+        let stored = |f: &Option<TensorFile>, name: &str| f.as_ref().and_then(|f| f.is_bf16(name));
+        let (x_bf16, w_bf16) = (stored(&input, "x"), stored(&weights, "lin.weight"));
+        let bf16 = match (precision, x_bf16, w_bf16) {
+            (Precision::Bf16, Some(true), Some(false)) | (Precision::Bf16, Some(false), Some(true)) => {
+                return Err(Error::Argument(format!(
+                    "x is stored as {} but lin.weight as {}: a bf16 model takes both in BF16 (or both in F32 \
+                     for --precision bf16 on float32 tensors)",
+                    if x_bf16 == Some(true) { "BF16" } else { "F32" },
+                    if w_bf16 == Some(true) { "BF16" } else { "F32" }
+                )));
+            }
+            (Precision::Bf16, Some(true), _) | (Precision::Bf16, _, Some(true)) => Some(Bf16Model {
+                params: spec.param_specs().iter().map(|p| stored(&weights, &p.name).unwrap_or(true)).collect(),
+            }),
+            _ => None,
+        };
+        // Drawn values of a bf16 model are rounded to bf16, as its tensors hold (those
+        // read as BF16 are bf16 values already).
+        let (x, params) = match &bf16 {
+            Some(m) => {
+                let flat = params.flat().into_iter().zip(&m.params);
+                let rounded = flat.map(|(t, &b)| if b { t.to_bf16().to_f32() } else { t.clone() }).collect();
+                (x.to_bf16().to_f32(), Params::from_flat(&spec, rounded)?)
+            }
+            None => (x, params),
+        };
         spec.check_input(&x)?;
-        Ok(Problem { name, precision, spec, params, x })
+        Ok(Problem { name, precision, spec, params, x, bf16 })
     }
 }
 
