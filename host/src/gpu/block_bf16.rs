@@ -178,30 +178,25 @@ impl GpuBlock<Bf16> {
         let mut keep = Vec::new();
         gpu.order(gpu.stream(), side)?;
         if NativeBf16::fits((n, k, m), (n, k)) && aligned(&[&dz, x16]) {
-            let ops = (None, None);
+            // Into FP32 (a folded weight's, spread afterwards) or straight into bf16.
+            macro_rules! grad_weight_into {
+                ($dw:expr) => {
+                    launch_native_bf16(
+                        gpu,
+                        side,
+                        NativeBf16::GradWeight,
+                        (&dz.buf, &x16.buf),
+                        (n, k, m),
+                        (n, k),
+                        (None, None),
+                        $dw,
+                        None,
+                    )?
+                };
+            }
             match (&mut dw32, &mut dw16) {
-                (Some(dw), _) => launch_native_bf16(
-                    gpu,
-                    side,
-                    NativeBf16::GradWeight,
-                    (&dz.buf, &x16.buf),
-                    (n, k, m),
-                    (n, k),
-                    ops,
-                    dw,
-                    None,
-                )?,
-                (None, Some(dw)) => launch_native_bf16(
-                    gpu,
-                    side,
-                    NativeBf16::GradWeight,
-                    (&dz.buf, &x16.buf),
-                    (n, k, m),
-                    (n, k),
-                    ops,
-                    dw,
-                    None,
-                )?,
+                (Some(dw), _) => grad_weight_into!(dw),
+                (None, Some(dw)) => grad_weight_into!(dw),
                 (None, None) => unreachable!("one of the two is allocated"),
             }
         } else {

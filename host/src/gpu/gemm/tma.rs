@@ -215,9 +215,9 @@ pub fn launch_forward_bf16(
     launch_with_maps(gpu, stream, Kernel::GemmTmaBf16Nt, Arith::Bf16, maps, (m, n, k), bias, chain, y, save_z)
 }
 
-/// Launches the forward `kernel` over its two tensor maps.
+/// Launches the forward-signature `kernel` (`y` of type `O`) over its two tensor maps.
 #[allow(clippy::too_many_arguments)]
-fn launch_with_maps(
+fn launch_with_maps<O: DeviceElement>(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
     kernel: Kernel,
@@ -226,7 +226,7 @@ fn launch_with_maps(
     (m, n, k): (usize, usize, usize),
     bias: Option<&CudaSlice<f32>>,
     chain: Option<&DeviceChain>,
-    y: &mut DeviceTensor,
+    y: &mut DeviceTensor<O>,
     save_z: Option<&mut DeviceTensor>,
 ) -> Result<()> {
     let Persistent { maps, func, cfg } = persistent(gpu, stream, kernel, arith, maps, (m, n))?;
@@ -364,14 +364,5 @@ pub fn launch_native_bf16<O: DeviceElement>(
         NativeBf16::GradInput => [k_major(pa, m, lda, BLOCK_M)?, mn_major(pb, n, ldb)?],
         NativeBf16::GradWeight => [mn_major(pa, m, lda)?, mn_major(pb, n, ldb)?],
     };
-    let Persistent { maps, func, cfg } = persistent(gpu, stream, kernel, Arith::Bf16, maps, (m, n))?;
-    let tail = EpilogueArgs::new(&[m, n, k], chain);
-    let mut launch = stream.launch_builder(&func);
-    launch.arg(&maps);
-    tail.push(&mut launch, bias, y, save_z, chain);
-    // SAFETY: matches the kernel's signature (`y` of its output type); the maps
-    // describe `a` and `b` within the extents checked above; grid, block and shared
-    // memory follow kernel_abi::gemm_tma.
-    unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{kernel}`"), e))?;
-    Ok(())
+    launch_with_maps(gpu, stream, kernel, Arith::Bf16, maps, (m, n, k), bias, chain, y, save_z)
 }
