@@ -131,8 +131,8 @@ pub fn run(a: &ForwardArgs) -> Result<(), Failure> {
     let verdict = check_rows(&p, &r.y, a.check_rows, tol)?;
     if let Some(path) = &a.output {
         crate::io::write_typed(path, &[("y", &r.y, p.bf16.is_some())])?;
-        let dtype = if p.bf16.is_some() { "BF16" } else { "F32" };
-        println!("  output    y ({dtype}) written to {}", path.display());
+        let dtype = if p.bf16.is_some() { " (BF16)" } else { "" };
+        println!("  output    y written to {}{dtype}", path.display());
     }
     verdict
 }
