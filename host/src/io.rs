@@ -127,7 +127,7 @@ pub fn write(path: &Path, tensors: &[(&str, &Tensor<f32>)]) -> Result<()> {
     write_typed(path, &typed)
 }
 
-/// [`write`], each tensor as F32 or, where its flag says, as BF16 (rounded to nearest:
+/// [`write()`], each tensor as F32 or, where its flag says, as BF16 (rounded to nearest:
 /// exact for values that are bf16 already, as a bf16 model's outputs are).
 pub fn write_typed(path: &Path, tensors: &[(&str, &Tensor<f32>, bool)]) -> Result<()> {
     check_output_path(path)?;
