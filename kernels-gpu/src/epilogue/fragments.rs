@@ -24,11 +24,6 @@ use kernel_abi::epilogue::*;
 /// flight the op loop needed more registers than a consumer thread has.
 pub type HalfFragment = [f32; 64];
 
-/// 8 bytes, for vector stores.
-#[derive(Clone, Copy)]
-#[repr(C, align(8))]
-pub(crate) struct F2(pub(crate) [f32; 2]);
-
 /// `v = f(v, j, e)` for every value of a half fragment (chunk `j` of the half).
 #[inline(always)]
 pub fn each_half_value(v: &mut HalfFragment, f: impl Fn(f32, usize, usize) -> f32) {

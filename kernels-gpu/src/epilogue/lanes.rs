@@ -9,7 +9,7 @@
 
 use super::pointwise::{PointwiseMath, match_pointwise, param_count};
 use crate::prelude::async_copy::{cp_async_4, cp_async_8, cp_async_16, cp_async_commit, cp_async_wait, cp_async_wait_all, shared_address};
-use crate::prelude::element::{Element, unpack_bf16x2};
+use crate::prelude::element::{Element, unpack_bf16x4};
 use crate::prelude::global::load_v4_nc;
 use crate::prelude::math::{fma, rsqrt};
 use crate::prelude::warp::{segment_sum, shfl_xor};
@@ -405,8 +405,7 @@ unsafe fn tiles_backward<G: Element>(
             // `dy`'s four bf16 values sit in the slot's first 8 bytes.
             unroll!(i in 0..2 => {
                 let w = cur[i][1].map(f32::to_bits);
-                let ([a, b], [c, d]) = (unpack_bf16x2(w[0]), unpack_bf16x2(w[1]));
-                cur[i][1] = [a, b, c, d];
+                cur[i][1] = unpack_bf16x4([w[0], w[1]]);
             });
         }
         slot ^= 1;

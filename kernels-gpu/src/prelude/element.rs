@@ -4,10 +4,10 @@
 
 use super::tensor_core::pack_bf16x2;
 
-/// Two floats, 8-byte aligned: one vector store.
+/// Two floats, 8-byte aligned: one vector access.
 #[derive(Clone, Copy)]
 #[repr(C, align(8))]
-struct Pair([f32; 2]);
+pub(crate) struct F2(pub(crate) [f32; 2]);
 
 /// Two 32-bit words, 8-byte aligned: one vector store.
 #[derive(Clone, Copy)]
@@ -54,7 +54,7 @@ impl Element for f32 {
     }
     #[inline(always)]
     unsafe fn store2(at: *mut f32, a: f32, b: f32) {
-        unsafe { *(at as *mut Pair) = Pair([a, b]) };
+        unsafe { *(at as *mut F2) = F2([a, b]) };
     }
     #[inline(always)]
     unsafe fn store4(at: *mut f32, v: [f32; 4]) {
@@ -88,8 +88,7 @@ impl Element for u16 {
     #[inline(always)]
     unsafe fn load4_nc(at: *const u16) -> [f32; 4] {
         let Words2([a, b]) = unsafe { *(at as *const Words2) };
-        let ([v0, v1], [v2, v3]) = (unpack_bf16x2(a), unpack_bf16x2(b));
-        [v0, v1, v2, v3]
+        unpack_bf16x4([a, b])
     }
     #[inline(always)]
     unsafe fn load1(at: *const u16) -> f32 {
@@ -101,4 +100,11 @@ impl Element for u16 {
 #[inline(always)]
 pub fn unpack_bf16x2(w: u32) -> [f32; 2] {
     [f32::from_bits(w << 16), f32::from_bits(w & 0xffff_0000)]
+}
+
+/// The four bf16 values of two 32-bit words (in memory order) as floats: exact.
+#[inline(always)]
+pub fn unpack_bf16x4([a, b]: [u32; 2]) -> [f32; 4] {
+    let ([v0, v1], [v2, v3]) = (unpack_bf16x2(a), unpack_bf16x2(b));
+    [v0, v1, v2, v3]
 }

@@ -2,7 +2,7 @@
 //! (and taken back before the epilogue), for the forward and the transposed kernels.
 
 use super::opaque;
-use crate::epilogue::fragments::F2;
+use crate::prelude::element::F2;
 use crate::unroll;
 use kernel_abi::gemm_tma::*;
 

@@ -220,20 +220,22 @@ unsafe fn gemm_tma<const SPLIT: bool, const BF16: bool, const TRANS_A: bool, con
                     named_barrier(1, CONSUMER_THREADS as u32);
                     let (dal, dbl) = (da + (tile_bytes as u64 >> 4), db + (tile_bytes as u64 >> 4));
                     wgmma_n256_k_tile_split(&mut acc, [da, db, dal, dbl]);
-                } else if BF16 && (TRANS_A || TRANS_B) {
-                    // MN-major: k-step i is 16 rows of 128 bytes further (2048 bytes =
-                    // 128 16-byte units); K-major as below.
-                    let (da, db) = (if TRANS_A { descriptor_128b_mn(sa + wg * MN_BOX_BYTES) } else { da }, if TRANS_B { descriptor_128b_mn(sa + a_bytes) } else { db });
-                    let step = |d: u64, mn: bool, i: u64| d + if mn { 128 * i } else { 2 * i };
-                    let a = [0, 1, 2, 3].map(|i| step(da, TRANS_A, i));
-                    let b = [0, 1, 2, 3].map(|i| step(db, TRANS_B, i));
+                } else if BF16 {
+                    // k-step i: 32 bytes further along a `k`-major operand's 128-byte rows
+                    // (2 16-byte units), 16 rows of 128 bytes further in an MN-major one
+                    // (2048 bytes = 128 units).
+                    const { assert!(TRANS_B || !TRANS_A, "an MN-major A comes with an MN-major B") };
+                    let da = if TRANS_A { descriptor_128b_mn(sa + wg * MN_BOX_BYTES) } else { da };
+                    let db = if TRANS_B { descriptor_128b_mn(sa + a_bytes) } else { db };
+                    let a = [0, 1, 2, 3].map(|i| da + if TRANS_A { 128 * i } else { 2 * i });
+                    let b = [0, 1, 2, 3].map(|i| db + if TRANS_B { 128 * i } else { 2 * i });
                     if TRANS_A {
                         wgmma_n256_k_tile_bf16_tn(&mut acc, a, b);
-                    } else {
+                    } else if TRANS_B {
                         wgmma_n256_k_tile_bf16_nn(&mut acc, a, b);
+                    } else {
+                        wgmma_n256_k_tile_bf16(&mut acc, a, b);
                     }
-                } else if BF16 {
-                    wgmma_n256_k_tile_bf16(&mut acc, [da, da + 2, da + 4, da + 6], [db, db + 2, db + 4, db + 6]);
                 } else {
                     wgmma_n256_k_tile(&mut acc, [da, da + 2, da + 4, da + 6], [db, db + 2, db + 4, db + 6]);
                 }
