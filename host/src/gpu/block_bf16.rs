@@ -12,12 +12,12 @@
 //! the FP32 accumulation's error (docs/NUMERICS.md).
 
 use super::block::{DeviceGrads, DeviceParams, GpuBlock, HostGrads, Plan, Saved, Workspace};
-use super::elementwise::{to_bf16, to_bf16_on, unfold_rows_mean_grad, widen, widen_on};
+use super::elementwise::{to_bf16, unfold_rows_mean_grad, widen, widen_on};
 use super::epilogue::lanes::epilogue_tiles_backward;
 use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
 use super::gemm::tma::{NativeBf16, launch_native_bf16};
 use super::gemm::{grad_input, grad_weight};
-use super::{DeviceTensor, Gpu};
+use super::{DeviceElement, DeviceTensor, Gpu};
 use crate::block::{BlockSpec, Params};
 use crate::error::{Error, Result};
 use crate::precision::Precision;
@@ -165,50 +165,28 @@ impl GpuBlock<Bf16> {
             (to_bf16(gpu, &dz)?, slots)
         };
         drop(saved);
-        let x16 = x;
         // The GEMMs' weight: the block's, or a folded AvgPool's rounded to bf16.
         let folded16 = self.folded.as_ref().map(|(_, w, _)| to_bf16(gpu, w)).transpose()?;
         let w16 = folded16.as_ref().unwrap_or(&self.params.linear_weight);
 
-        // dW = dZ^T X on the side stream, overlapping dX (as the FP32 block does); its
-        // inputs and output are allocated on the main stream first.
+        // dW = dZ^T X on the side stream, overlapping dX (as the FP32 block does): into
+        // bf16 on the bf16 kernel, or into FP32 where a folded weight's gradient is spread
+        // afterwards or the FP32 kernels run (rounded once, below).
         let side = gpu.side_stream();
-        let mut dw32 = self.folded.as_ref().map(|_| gpu.alloc(&[n, k])).transpose()?;
-        let mut dw16 = if dw32.is_none() { Some(gpu.alloc_as::<Bf16>(&[n, k])?) } else { None };
         let mut keep = Vec::new();
-        gpu.order(gpu.stream(), side)?;
-        if NativeBf16::fits((n, k, m), (n, k)) && aligned(&[&dz, x16]) {
-            // Into FP32 (a folded weight's, spread afterwards) or straight into bf16.
-            macro_rules! grad_weight_into {
-                ($dw:expr) => {
-                    launch_native_bf16(
-                        gpu,
-                        side,
-                        NativeBf16::GradWeight,
-                        (&dz.buf, &x16.buf),
-                        (n, k, m),
-                        (n, k),
-                        (None, None),
-                        $dw,
-                        None,
-                    )?
-                };
+        let native_dw = NativeBf16::fits((n, k, m), (n, k)) && aligned(&[&dz, x]);
+        let dw = match (native_dw, &self.folded) {
+            (true, None) => WeightGrad::Bf16(grad_weight_native(gpu, &dz, x, (n, k, m))?),
+            (true, Some(_)) => WeightGrad::F32(grad_weight_native(gpu, &dz, x, (n, k, m))?),
+            (false, _) => {
+                gpu.order(gpu.stream(), side)?;
+                let (dz32, x32) = (widen_on(gpu, side, &dz)?, widen_on(gpu, side, x)?);
+                let (dw, scratch) = grad_weight(gpu, Precision::Bf16, side, &dz32, &x32)?;
+                keep.extend(scratch);
+                keep.extend([dz32, x32]);
+                WeightGrad::F32(dw)
             }
-            match (&mut dw32, &mut dw16) {
-                (Some(dw), _) => grad_weight_into!(dw),
-                (None, Some(dw)) => grad_weight_into!(dw),
-                (None, None) => unreachable!("one of the two is allocated"),
-            }
-        } else {
-            let (dz32, x32) = (widen_on(gpu, side, &dz)?, widen_on(gpu, side, x16)?);
-            let (dw, scratch) = grad_weight(gpu, Precision::Bf16, side, &dz32, &x32)?;
-            match &mut dw16 {
-                Some(out) => *out = to_bf16_on(gpu, side, &dw)?,
-                None => dw32 = Some(dw),
-            }
-            keep.extend(scratch);
-            keep.extend([dz32, x32]);
-        }
+        };
         // dX = dZ W on the main stream.
         let dx = if NativeBf16::fits((m, k, n), (n, k)) && aligned(&[&dz, w16]) {
             let mut dx = gpu.alloc_as::<Bf16>(&[m, k])?;
@@ -230,11 +208,12 @@ impl GpuBlock<Bf16> {
         };
         gpu.order(side, gpu.stream())?;
         drop((dz, keep, folded16));
-        let dw = match (dw32, dw16, &self.folded) {
-            (Some(dw), _, Some((pool, ..))) => unfold_rows_mean_grad::<Bf16>(gpu, &dw, self.spec.out_features, *pool)?,
-            (Some(dw), _, None) => to_bf16(gpu, &dw)?,
-            (None, Some(dw), _) => dw,
-            (None, None, _) => unreachable!("one of the two is allocated"),
+        let dw = match (dw, &self.folded) {
+            (WeightGrad::Bf16(dw), _) => dw,
+            (WeightGrad::F32(dw), Some((pool, ..))) => {
+                unfold_rows_mean_grad::<Bf16>(gpu, &dw, self.spec.out_features, *pool)?
+            }
+            (WeightGrad::F32(dw), None) => to_bf16(gpu, &dw)?,
         };
         let (db, ops) = self.small_grads(gpu, &slots)?;
         Ok(DeviceGrads { x: dx, params: DeviceParams { linear_weight: dw, linear_bias: db, ops } })
@@ -270,4 +249,29 @@ impl GpuBlock<Bf16> {
 /// caller's view at an odd offset takes the widened path instead).
 fn aligned(tensors: &[&DeviceTensor<Bf16>]) -> bool {
     tensors.iter().all(|t| t.buf.device_address().is_multiple_of(16))
+}
+
+/// A weight gradient as its GEMM left it: bf16 already, or FP32 still to spread (a
+/// folded AvgPool's) or round.
+enum WeightGrad {
+    Bf16(DeviceTensor<Bf16>),
+    F32(DeviceTensor),
+}
+
+/// `dW (n, k) = dZ^T X` on the bf16 kernel, `dZ (m, n)` and `X (m, k)` as stored, into
+/// `O` (bf16, or FP32), on the side stream after everything queued on the GPU's stream
+/// (the output's allocation included). The caller orders the GPU's stream after the
+/// side stream before using `dW` or freeing `dZ`.
+fn grad_weight_native<O: DeviceElement>(
+    gpu: &Gpu,
+    dz: &DeviceTensor<Bf16>,
+    x: &DeviceTensor<Bf16>,
+    (n, k, m): (usize, usize, usize),
+) -> Result<DeviceTensor<O>> {
+    let mut dw = gpu.alloc_as::<O>(&[n, k])?;
+    let side = gpu.side_stream();
+    gpu.order(gpu.stream(), side)?;
+    let (ops, dims, lds) = ((None, None), (n, k, m), (n, k));
+    launch_native_bf16(gpu, side, NativeBf16::GradWeight, (&dz.buf, &x.buf), dims, lds, ops, &mut dw, None)?;
+    Ok(dw)
 }

@@ -102,20 +102,20 @@ pub fn transpose_on(gpu: &Gpu, stream: &Arc<CudaStream>, input: &DeviceTensor) -
     Ok(DeviceTensor { shape: vec![cols, rows], buf })
 }
 
-/// `input (rows, cols)^T` rounded to bf16, a new `cols x rows` buffer of 16-bit words
-/// allocated and queued on `stream`, in one pass (`transpose_vec4_to_bf16`); `None`
+/// `input (rows, cols)^T` rounded to bf16, a new `cols x rows` buffer allocated and
+/// queued on `stream`, in one pass (`transpose_vec4_to_bf16`); `None`
 /// unless `rows` and `cols` are multiples of 4 (the caller then transposes and rounds
 /// in two).
 pub fn transpose_to_bf16_on(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
     input: &DeviceTensor,
-) -> Result<Option<DeviceBuf<u16>>> {
+) -> Result<Option<DeviceBuf<Bf16>>> {
     let (rows, cols) = matrix_dims(input)?;
     if rows % 4 != 0 || cols % 4 != 0 {
         return Ok(None);
     }
-    launch_transpose::<u16>(gpu, stream, input, Kernel::TransposeVec4ToBf16, 64, (256, 1)).map(Some)
+    launch_transpose::<Bf16>(gpu, stream, input, Kernel::TransposeVec4ToBf16, 64, (256, 1)).map(Some)
 }
 
 /// The `(rows, cols)` of a matrix to transpose.
@@ -163,15 +163,7 @@ fn launch_transpose<T: cudarc::driver::DeviceRepr + 'static>(
 
 /// `input` rounded to bf16 (to nearest, ties to even), queued on the GPU's stream.
 pub fn to_bf16(gpu: &Gpu, input: &DeviceTensor) -> Result<DeviceTensor<Bf16>> {
-    to_bf16_on(gpu, gpu.stream(), input)
-}
-
-/// [`to_bf16`] on `stream`.
-pub fn to_bf16_on(gpu: &Gpu, stream: &Arc<CudaStream>, input: &DeviceTensor) -> Result<DeviceTensor<Bf16>> {
-    // SAFETY: `round_into` writes every value before anything reads them.
-    let mut buf = unsafe { gpu.alloc_buf::<Bf16>(stream, input.len())? };
-    round_into(gpu, stream, &input.buf, &mut buf)?;
-    Ok(DeviceTensor { shape: input.shape.clone(), buf })
+    Ok(DeviceTensor { shape: input.shape.clone(), buf: slice_to_bf16(gpu, gpu.stream(), &input.buf)? })
 }
 
 /// A bf16 tensor's values as FP32 (exact), queued on `stream`: for the paths that
@@ -194,35 +186,17 @@ pub fn widen(gpu: &Gpu, input: &DeviceTensor<Bf16>) -> Result<DeviceTensor> {
     widen_on(gpu, gpu.stream(), input)
 }
 
-/// Every float of `input` rounded to bf16 (to nearest, ties to even), in a new buffer
-/// of as many 16-bit words, queued on `stream`.
-pub fn slice_to_bf16(gpu: &Gpu, stream: &Arc<CudaStream>, input: &CudaSlice<f32>) -> Result<DeviceBuf<u16>> {
-    // SAFETY: `round_into` writes every word before anything reads them.
-    let mut buf = unsafe { gpu.alloc_buf::<u16>(stream, input.len())? };
-    round_into(gpu, stream, input, &mut buf)?;
-    Ok(buf)
-}
-
-/// Queues `f32_to_bf16` from `input` into `out` (16-bit words: `u16` or `Bf16`).
-fn round_into<T: DeviceElement16>(
-    gpu: &Gpu,
-    stream: &Arc<CudaStream>,
-    input: &CudaSlice<f32>,
-    out: &mut CudaSlice<T>,
-) -> Result<()> {
+/// Every float of `input` rounded to bf16 (to nearest, ties to even), in a new buffer,
+/// queued on `stream`.
+pub fn slice_to_bf16(gpu: &Gpu, stream: &Arc<CudaStream>, input: &CudaSlice<f32>) -> Result<DeviceBuf<Bf16>> {
     let len = input.len();
-    if out.len() < len {
-        return Err(Error::Shape(format!("rounding {len} values into {}", out.len())));
-    }
     let n = u32::try_from(len).map_err(|_| Error::Shape(format!("{len} values exceed a 32-bit launch")))?;
+    // SAFETY: the kernel below writes all `len` values before anything reads them.
+    let mut buf = unsafe { gpu.alloc_buf::<Bf16>(stream, len)? };
     let (func, cfg) = gpu.kernel_1d(Kernel::F32ToBf16, len, 0)?;
     let mut l = stream.launch_builder(&func);
-    l.arg(input).arg(&n).arg(out);
-    // SAFETY: (input, len, out) as the kernel takes; out holds at least len 16-bit words.
-    launched(Kernel::F32ToBf16, unsafe { l.launch(cfg) })
+    l.arg(input).arg(&n).arg(&mut buf);
+    // SAFETY: (input, len, out) as the kernel takes; out holds len 16-bit values.
+    launched(Kernel::F32ToBf16, unsafe { l.launch(cfg) })?;
+    Ok(buf)
 }
-
-/// 16-bit element types the rounding kernel writes.
-trait DeviceElement16: cudarc::driver::DeviceRepr {}
-impl DeviceElement16 for u16 {}
-impl DeviceElement16 for Bf16 {}

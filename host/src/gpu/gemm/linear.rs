@@ -154,14 +154,15 @@ pub fn grad_input(gpu: &Gpu, precision: Precision, dz: &DeviceTensor, w: &Device
             // `B` = W^T (k, n), rows of `n`.
             if let Some(wt16) = transpose_to_bf16_on(gpu, stream, w)? {
                 let dz16 = slice_to_bf16(gpu, stream, &dz.buf)?;
-                super::tma::launch_forward_bf16(
+                let forward = super::tma::NativeBf16::Forward;
+                super::tma::launch_native_bf16(
                     gpu,
                     stream,
+                    forward,
                     (&dz16, &wt16),
                     (m, k, n),
                     (n, n),
-                    None,
-                    None,
+                    (None, None),
                     &mut dx,
                     None,
                 )?;
@@ -245,7 +246,18 @@ pub fn grad_weight_into(
                 && let (Some(dzt16), Some(xt16)) =
                     (transpose_to_bf16_on(gpu, stream, dz)?, transpose_to_bf16_on(gpu, stream, x)?)
             {
-                super::tma::launch_forward_bf16(gpu, stream, (&dzt16, &xt16), (n, k, m), (m, m), None, None, dw, None)?;
+                let forward = super::tma::NativeBf16::Forward;
+                super::tma::launch_native_bf16(
+                    gpu,
+                    stream,
+                    forward,
+                    (&dzt16, &xt16),
+                    (n, k, m),
+                    (m, m),
+                    (None, None),
+                    dw,
+                    None,
+                )?;
                 return Ok(Vec::new());
             }
             let (dzt, xt) = (transpose_on(gpu, stream, dz)?, transpose_on(gpu, stream, x)?);

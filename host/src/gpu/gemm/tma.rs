@@ -174,45 +174,14 @@ pub fn launch_forward(
     let arith = forward_arith(kernel)?;
     if arith == Arith::Bf16 {
         let (a16, b16) = (slice_to_bf16(gpu, stream, op.a)?, slice_to_bf16(gpu, stream, op.b)?);
-        return launch_forward_bf16(gpu, stream, (&a16, &b16), (m, n, k), (lda, ldb), op.bias, op.chain, y, save_z);
+        let (ab, dims, lds) = ((&*a16, &*b16), (m, n, k), (lda, ldb));
+        return launch_native_bf16(gpu, stream, NativeBf16::Forward, ab, dims, lds, (op.bias, op.chain), y, save_z);
     }
     let maps = [
         tensor_map(stream, op.a, (m, k, lda), BLOCK_M, arith)?,
         tensor_map(stream, op.b, (n, k, ldb), BLOCK_N, arith)?,
     ];
     launch_with_maps(gpu, stream, kernel, arith, maps, (m, n, k), op.bias, op.chain, y, save_z)
-}
-
-/// `gemm_tma_bf16_nt` over operands already rounded (16-bit words, row pitches `lda`,
-/// `ldb` divisible by 8), read in 128-byte rows of 64 values as TF32 reads 32 floats:
-/// the forward after [`launch_forward`] rounded them, and the backward's bf16 GEMMs,
-/// which transpose and round in one pass.
-#[allow(clippy::too_many_arguments)]
-pub fn launch_forward_bf16(
-    gpu: &Gpu,
-    stream: &Arc<CudaStream>,
-    (a16, b16): (&CudaSlice<u16>, &CudaSlice<u16>),
-    (m, n, k): (usize, usize, usize),
-    (lda, ldb): (usize, usize),
-    bias: Option<&CudaSlice<f32>>,
-    chain: Option<&DeviceChain>,
-    y: &mut DeviceTensor,
-    save_z: Option<&mut DeviceTensor>,
-) -> Result<()> {
-    let fits = |len: usize, rows: usize, pitch: usize| rows == 0 || len >= (rows - 1) * pitch + k;
-    if !fits(a16.len(), m, lda) || !fits(b16.len(), n, ldb) || !lda.is_multiple_of(8) || !ldb.is_multiple_of(8) {
-        return Err(Error::Shape(format!(
-            "bf16 operands of {} and {} words for ({m}, {n}, {k}) at row pitches {lda}, {ldb}",
-            a16.len(),
-            b16.len()
-        )));
-    }
-    let swizzle = sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B;
-    let maps = [
-        encode_map_typed(a16.device_ptr(stream).0, 2, (m, k, lda), (BLOCK_M, BF16_BLOCK_K), swizzle)?,
-        encode_map_typed(b16.device_ptr(stream).0, 2, (n, k, ldb), (BLOCK_N, BF16_BLOCK_K), swizzle)?,
-    ];
-    launch_with_maps(gpu, stream, Kernel::GemmTmaBf16Nt, Arith::Bf16, maps, (m, n, k), bias, chain, y, save_z)
 }
 
 /// Launches the forward-signature `kernel` (`y` of type `O`) over its two tensor maps.
