@@ -10,6 +10,7 @@ pub mod cpu;
 pub mod error;
 pub mod gpu;
 pub mod io;
+pub mod parallel;
 pub mod precision;
 pub mod reference;
 pub mod tape;
