@@ -60,7 +60,8 @@ fn presets_over_every_count_their_groups_allow() {
 #[test]
 fn random_smooth_chains() {
     let mut rng = StdRng::seed_from_u64(11);
-    let smooth = [Pointwise::Bias, Pointwise::Mul, Pointwise::Scale, Pointwise::Swish, Pointwise::Gelu, Pointwise::Tanh];
+    let smooth =
+        [Pointwise::Bias, Pointwise::Mul, Pointwise::Scale, Pointwise::Swish, Pointwise::Gelu, Pointwise::Tanh];
     for case in 0..40 {
         let out: usize = [8, 24, 48, 64, 96][rng.random_range(0..5)];
         let mut ops = Vec::new();

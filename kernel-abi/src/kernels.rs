@@ -139,6 +139,11 @@ kernels! {
     MseLossGrad = "mse_loss_grad";
     SgdStep = "sgd_step";
     AdamStep = "adam_step";
+
+    // A tensor-parallel row max (`parallel.rs`).
+    RowMaxKeys = "row_max_keys";
+    RowMaxValues = "row_max_values";
+    RowMaxGrad = "row_max_grad";
 }
 
 impl Kernel {

@@ -15,6 +15,7 @@ pub mod elementwise;
 pub mod epilogue;
 pub mod gemm;
 pub mod optim;
+pub mod parallel;
 pub mod prelude;
 
 #[panic_handler]

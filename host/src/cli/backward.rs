@@ -41,6 +41,10 @@ pub struct BackwardArgs {
     /// Timed repetitions on the GPU (the median is reported).
     #[arg(long, default_value_t = 5)]
     repeat: usize,
+    /// Split the Linear's output channels over GPUs 0..N of this process (NCCL between
+    /// them), in whole GroupNorm groups; with --device cpu, over N ranks run in turn.
+    #[arg(long, value_name = "N")]
+    tensor_parallel: Option<usize>,
     #[command(flatten)]
     tuning: TuningArgs,
 }
@@ -58,8 +62,14 @@ pub fn run(a: &BackwardArgs) -> Result<(), Failure> {
     };
     // A bf16 model's dy is bf16 (rounded, where the file or the draw held FP32 values).
     let dy = if p.bf16.is_some() { dy.to_bf16().to_f32() } else { dy };
-    let (backend, y, dx, grads, ms, timing) = match Backend::open(a.device, a.tuning.tuning())? {
-        Backend::Cpu => {
+    let backend = Backend::open(a.device, a.tuning.tuning())?;
+    let (backend, y, dx, grads, ms, timing) = match (backend, a.tensor_parallel) {
+        (backend, Some(ranks)) => {
+            let s = super::parallel::run(&p, ranks, &backend, Some(&dy), a.repeat)?;
+            let (dx, grads) = s.grads.ok_or_else(|| crate::error::Error::Argument("no gradients".into()))?;
+            (s.backend, s.y, dx, grads, s.ms, s.timing)
+        }
+        (Backend::Cpu, None) => {
             let opts = cpu::Options::default().with_progress("cpu forward+backward");
             let t0 = Instant::now();
             let (y, g) = cpu::backward(&p.spec, &p.x, &p.params, &dy, &opts)?;
@@ -73,7 +83,7 @@ pub fn run(a: &BackwardArgs) -> Result<(), Failure> {
                 "one run, wall clock".into(),
             )
         }
-        Backend::Gpu(gpu) => {
+        (Backend::Gpu(gpu), None) => {
             // The same calls on an FP32 block and on a bf16 model's (bf16 x, dy, dX, dW).
             macro_rules! timed_backward {
                 ($block:expr, $x:expr, $dy:expr) => {{

@@ -26,6 +26,10 @@ pub struct ForwardArgs {
     /// Timed repetitions on the GPU (the median is reported).
     #[arg(long, default_value_t = 5)]
     repeat: usize,
+    /// Split the Linear's output channels over GPUs 0..N of this process (NCCL between
+    /// them), in whole GroupNorm groups; with --device cpu, over N ranks run in turn.
+    #[arg(long, value_name = "N")]
+    tensor_parallel: Option<usize>,
     #[command(flatten)]
     tuning: TuningArgs,
 }
@@ -61,9 +65,20 @@ pub fn run(a: &ForwardArgs) -> Result<(), Failure> {
     };
     setup.check_host_memory(activations, a.check_rows)?;
     let p = setup.load()?;
-    let r = match &backend {
-        Backend::Cpu => run_cpu(&p)?,
-        Backend::Gpu(gpu) => {
+    let r = match (&backend, a.tensor_parallel) {
+        (_, Some(ranks)) => {
+            let s = super::parallel::run(&p, ranks, &backend, None, a.repeat)?;
+            Run {
+                backend: s.backend,
+                flops: p.spec.forward_flops(p.x.rows()),
+                path: "each rank's fused block on its channels".into(),
+                y: s.y,
+                ms: s.ms,
+                timing: s.timing,
+            }
+        }
+        (Backend::Cpu, None) => run_cpu(&p)?,
+        (Backend::Gpu(gpu), None) => {
             // The same calls on an FP32 block and on a bf16 model's (bf16 x and y).
             macro_rules! timed_forward {
                 ($block:expr, $x:expr, $widen:expr) => {{

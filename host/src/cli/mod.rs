@@ -5,6 +5,7 @@ mod backward;
 mod bench;
 mod check;
 mod forward;
+mod parallel;
 mod train;
 
 use crate::block::{BlockSpec, Params};

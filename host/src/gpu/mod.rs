@@ -6,11 +6,13 @@
 
 pub mod block;
 pub mod block_bf16;
+pub mod collective;
 pub mod cublas;
 pub mod elementwise;
 pub mod epilogue;
 pub mod gemm;
 pub mod optim;
+pub mod parallel;
 pub mod tape;
 pub mod tuning;
 
@@ -98,6 +100,24 @@ pub fn driver_present() -> Result<()> {
     } else {
         Err(Error::NoGpu("the CUDA driver library (libcuda.so) was not found".into()))
     }
+}
+
+/// How many CUDA devices there are (0 where there is no driver).
+pub fn device_count() -> Result<usize> {
+    driver_present()?;
+    let count = std::panic::catch_unwind(CudaContext::device_count)
+        .map_err(|_| Error::NoGpu("the CUDA driver is missing functions cudarc needs".into()))?
+        .map_err(|e| Error::NoGpu(format!("cuInit/device count failed: {e}")))?;
+    Ok(count.max(0) as usize)
+}
+
+/// GPUs `0..n`, each opened with `tuning`: the ranks of a process that drives `n`.
+pub fn open_ranks(n: usize, tuning: Tuning) -> Result<Vec<Gpu>> {
+    let present = device_count()?;
+    if n > present {
+        return Err(Error::NoGpu(format!("{n} GPUs asked for, {present} present")));
+    }
+    (0..n).map(|i| Ok(Gpu::open(i)?.with_tuning(tuning))).collect()
 }
 
 impl Gpu {

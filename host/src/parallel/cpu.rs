@@ -56,8 +56,7 @@ pub fn shard_grad_output(
 /// The block's output for `x`, each rank running its shard (`params[rank]`, from
 /// [`TensorSplit::shard_params`]).
 pub fn forward(split: &TensorSplit, x: &Tensor<f32>, params: &[Params<f32>], opts: &Options) -> Result<Tensor<f32>> {
-    let outputs: Vec<_> =
-        params.iter().map(|p| cpu::forward(split.shard(), x, p, opts)).collect::<Result<_>>()?;
+    let outputs: Vec<_> = params.iter().map(|p| cpu::forward(split.shard(), x, p, opts)).collect::<Result<_>>()?;
     Ok(combine(split, &outputs)?.0)
 }
 
@@ -70,8 +69,7 @@ pub fn backward(
     dy: &Tensor<f32>,
     opts: &Options,
 ) -> Result<(Tensor<f32>, BlockGrads<f32>)> {
-    let saved: Vec<_> =
-        params.iter().map(|p| cpu::forward_saving(split.shard(), x, p, opts)).collect::<Result<_>>()?;
+    let saved: Vec<_> = params.iter().map(|p| cpu::forward_saving(split.shard(), x, p, opts)).collect::<Result<_>>()?;
     let outputs: Vec<_> = saved.iter().map(|(y, _)| y.clone()).collect();
     let (y, keys) = combine(split, &outputs)?;
     let mut dx: Option<Tensor<f32>> = None;

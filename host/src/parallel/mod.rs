@@ -73,8 +73,7 @@ impl TensorSplit {
     }
 
     fn counts(out: usize, quantum: usize) -> Vec<usize> {
-        let mut v: Vec<usize> =
-            (2..=MAX_LISTED_RANKS).filter(|&n| out.is_multiple_of(n * quantum)).collect();
+        let mut v: Vec<usize> = (2..=MAX_LISTED_RANKS).filter(|&n| out.is_multiple_of(n * quantum)).collect();
         v.insert(0, 1);
         v
     }
@@ -149,10 +148,7 @@ impl TensorSplit {
         for (t, (full, part)) in p.flat().into_iter().zip(self.full.param_specs().iter().zip(self.shard.param_specs()))
         {
             if t.shape() != full.shape.as_slice() {
-                return Err(Error::tensor(
-                    &full.name,
-                    format!("expected shape {:?}, got {:?}", full.shape, t.shape()),
-                ));
+                return Err(Error::tensor(&full.name, format!("expected shape {:?}, got {:?}", full.shape, t.shape())));
             }
             let n: usize = part.shape.iter().product();
             flat.push(Tensor::new(&part.shape, t.data()[rank * n..(rank + 1) * n].to_vec())?);

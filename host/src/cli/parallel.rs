@@ -1,0 +1,122 @@
+//! `--tensor-parallel N` of `host forward` and `host backward`: the block split over
+//! GPUs `0..N` of this process (NCCL between them), or on the CPU backend over ranks
+//! run in turn (the same split and combination, for checking it without GPUs).
+
+use super::{Backend, Problem};
+use crate::block::Params;
+use crate::cpu;
+use crate::error::{Error, Result};
+use crate::gpu::collective::Collective;
+use crate::gpu::parallel::TensorParallel;
+use crate::gpu::{Gpu, open_ranks};
+use crate::parallel::{TensorSplit, cpu as tp_cpu};
+use crate::tensor::Tensor;
+use std::time::Instant;
+
+/// What a split run gives the command's summary.
+pub struct SplitRun {
+    pub backend: String,
+    pub y: Tensor<f32>,
+    /// Input and parameter gradients (backward only).
+    pub grads: Option<(Tensor<f32>, Params<f32>)>,
+    pub ms: f64,
+    pub timing: String,
+}
+
+fn refuse_bf16(p: &Problem) -> Result<()> {
+    if p.bf16.is_some() {
+        return Err(Error::Unsupported(
+            "--tensor-parallel runs FP32 tensors (any --precision of the GEMMs); a bf16 model's files run on one GPU"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+fn describe(split: &TensorSplit, what: &str) -> String {
+    let shard = split.shard();
+    format!(
+        "{what}, {} ranks of Linear({}, {}) -> {}{}",
+        split.ranks(),
+        shard.in_features,
+        shard.out_features,
+        shard.chain,
+        if split.reduces_row_max() { " (row max all-reduced)" } else { " (columns gathered)" }
+    )
+}
+
+/// `p`'s forward split over `ranks`; `backward` adds the gradients of `L = sum(y * dy)`.
+pub fn run(p: &Problem, ranks: usize, backend: &Backend, dy: Option<&Tensor<f32>>, repeat: usize) -> Result<SplitRun> {
+    refuse_bf16(p)?;
+    let split = TensorSplit::new(&p.spec, ranks)?;
+    let shards = (0..ranks).map(|r| split.shard_params(&p.params, r)).collect::<Result<Vec<_>>>()?;
+    match backend {
+        Backend::Cpu => {
+            let opts = cpu::Options::default();
+            let t0 = Instant::now();
+            let (y, grads) = match dy {
+                None => (tp_cpu::forward(&split, &p.x, &shards, &opts)?, None),
+                Some(dy) => {
+                    let (y, g) = tp_cpu::backward(&split, &p.x, &shards, dy, &opts)?;
+                    (y, Some((g.x, g.params)))
+                }
+            };
+            let ms = t0.elapsed().as_secs_f64() * 1e3;
+            let backend = describe(&split, &format!("cpu: {}, ranks run in turn", cpu::describe(cpu::Precision::Fp32)));
+            Ok(SplitRun { backend, y, grads, ms, timing: "one run, wall clock".into() })
+        }
+        Backend::Gpu(gpu) => {
+            let gpus = open_ranks(ranks, gpu.tuning())?;
+            let names: Vec<String> = gpus.iter().map(|g| g.props.name.clone()).collect();
+            let tp = TensorParallel::new(Collective::new(gpus)?, &p.spec, &p.params)?.with_precision(p.precision);
+            let link = if tp.collective().is_nccl() { "NCCL" } else { "host memory" };
+            let backend = describe(&split, &format!("gpu: {} ({link}), {} GEMMs", names.join(" + "), p.precision));
+            let xs = tp.upload_input(&p.x)?;
+            let (y, grads, times) = match dy {
+                None => {
+                    let y = tp.forward(&p.x)?;
+                    let times = timed(tp.collective().gpus(), repeat, || tp.forward_ranks(&xs).map(drop))?;
+                    (y, None, times)
+                }
+                Some(dy) => {
+                    let (y, g) = tp.forward_backward(&p.x, dy)?;
+                    let dys = rank_grads(&tp, dy)?;
+                    let times = timed(tp.collective().gpus(), repeat, || {
+                        let (_, saved) = tp.forward_train_ranks(&xs)?;
+                        tp.backward_ranks(&xs, saved, &dys).map(drop)
+                    })?;
+                    (y, Some((g.x, g.params)), times)
+                }
+            };
+            let timing = format!("median of {} after a checked run, wall clock over all ranks", times.len());
+            Ok(SplitRun { backend, y, grads, ms: times[times.len() / 2], timing })
+        }
+    }
+}
+
+/// Each rank's part of the output gradient, on its GPU.
+fn rank_grads(tp: &TensorParallel, dy: &Tensor<f32>) -> Result<Vec<crate::gpu::DeviceTensor>> {
+    let split = tp.split();
+    tp.collective()
+        .gpus()
+        .iter()
+        .enumerate()
+        .map(|(r, g)| if split.reduces_row_max() { g.upload(dy) } else { g.upload(&split.shard_columns(dy, r)?) })
+        .collect()
+}
+
+/// Sorted wall-clock milliseconds of `repeat` runs of `work`, every rank idle before
+/// and done after each.
+fn timed(gpus: &[Gpu], repeat: usize, mut work: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
+    let sync = || gpus.iter().try_for_each(Gpu::synchronize);
+    let mut times = Vec::new();
+    for _ in 0..repeat.max(1) {
+        sync()?;
+        let t0 = Instant::now();
+        work()?;
+        sync()?;
+        times.push(t0.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times)
+}
