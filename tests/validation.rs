@@ -558,3 +558,51 @@ fn the_library_entry_point_returns_errors() {
     }
     assert!(matches!(host::cli::run(["host", "forward", "--groups", "x"]), Err(host::cli::Failure::Usage(_))));
 }
+
+/// The per-step losses `host train` prints.
+fn losses(stdout: &str) -> Vec<f64> {
+    stdout
+        .lines()
+        .filter(|l| l.starts_with("step"))
+        .map(|l| l.split("loss ").nth(1).and_then(|t| t.split_whitespace().next()).unwrap().parse().unwrap())
+        .collect()
+}
+
+/// Data parallel (ranks run in turn on the CPU backend) takes the same steps as one
+/// rank on the whole batch: the ranks' mean-loss gradients averaged are the batch's.
+/// Only f32 rounding of the sums differs; 1e-5 relative after Adam's 8 steps.
+#[test]
+fn data_parallel_training_follows_one_ranks_losses() {
+    let run = |n: &str| {
+        let (code, out, err) =
+            host(&["train", "--device", "cpu", "--steps", "8", "--batch", "64", "--data-parallel", n]);
+        assert_eq!(code, 0, "{err}");
+        losses(&out)
+    };
+    let one = run("1");
+    assert_eq!(one.len(), 8);
+    for n in ["2", "4"] {
+        for (step, (a, b)) in one.iter().zip(run(n)).enumerate() {
+            assert!((a - b).abs() <= 1e-5 * a.abs(), "--data-parallel {n}, step {}: {b} vs {a}", step + 1);
+        }
+    }
+    let (code, _, err) = host(&["train", "--device", "cpu", "--steps", "1", "--batch", "64", "--data-parallel", "3"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("does not split evenly over 3") && err.contains("multiple of 3"), "{err}");
+}
+
+/// `--tensor-parallel` runs (ranks in turn on the CPU backend) and passes the f64
+/// check; a count that would cut a GroupNorm group is refused with the counts that work.
+#[test]
+fn tensor_parallel_cli_checks_and_refuses() {
+    for cmd in ["forward", "backward"] {
+        let args = ["--device", "cpu", "--model", "M1", "--groups", "16", "--shape", "16,32,512"];
+        let (code, out, err) = host(&[&[cmd, "--tensor-parallel", "4"][..], &args].concat());
+        assert_eq!(code, 0, "{cmd}: {err}");
+        assert!(out.contains("4 ranks of Linear(32, 128)") && out.contains(": ok"), "{cmd}: {out}");
+        assert!(!out.contains("FAILED"), "{out}");
+        let (code, _, err) = host(&[&[cmd, "--tensor-parallel", "3"][..], &args].concat());
+        assert_ne!(code, 0);
+        assert!(err.contains("would cut a group of groupnorm(16)") && err.contains("1, 2, 4, 8, 16"), "{err}");
+    }
+}

@@ -9,9 +9,11 @@ use crate::chain::{Chain, Preset};
 use crate::cpu;
 use crate::error::{Error, Result};
 use crate::gpu::block::GpuBlock;
+use crate::gpu::collective::{Collective, Reduce};
 use crate::gpu::optim::{AdamState, adam_step, mse_loss_grad, sgd_step};
 use crate::gpu::tape::GpuGrad;
-use crate::gpu::{DeviceTensor, Gpu};
+use crate::gpu::{DeviceTensor, open_ranks};
+use crate::parallel::BatchSplit;
 use crate::reference;
 use crate::tape::{Tape, VarId};
 use crate::tensor::Tensor;
@@ -57,6 +59,15 @@ pub struct TrainArgs {
     device: DeviceChoice,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Train on GPUs 0..N of this process, each on its 1/N of every batch's rows, the
+    /// gradients averaged through NCCL (the same steps as one GPU on the whole batch);
+    /// with --device cpu, N ranks run in turn.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    data_parallel: usize,
+    /// With --data-parallel: every rank on GPU 0, meeting through host memory (checks
+    /// the split's arithmetic on a machine with one GPU; no faster).
+    #[arg(long)]
+    ranks_share_gpu: bool,
     #[command(flatten)]
     tuning: TuningArgs,
 }
@@ -114,6 +125,7 @@ pub fn run(a: &TrainArgs) -> Result<(), Failure> {
         })
         .collect::<Result<_>>()?;
 
+    let split = BatchSplit::new(a.batch, a.data_parallel)?;
     let backend = Backend::open(a.device, a.tuning.tuning())?;
     println!(
         "host train: 2 blocks, Linear({}, {}) -> {} | Linear({}, {}) -> {}",
@@ -126,12 +138,27 @@ pub fn run(a: &TrainArgs) -> Result<(), Failure> {
     let t0 = Instant::now();
     let losses = match &backend {
         Backend::Gpu(gpu) => {
-            println!("  backend gpu: {}", gpu.props.name);
-            train_gpu(gpu, a, (&s1, &s2), student, &data)?
+            let ranks = match (a.data_parallel, a.ranks_share_gpu) {
+                (n, true) => Collective::in_host_memory(vec![(**gpu).clone(); n])?,
+                (1, false) => Collective::in_host_memory(vec![(**gpu).clone()])?,
+                (n, false) => Collective::over_nccl(open_ranks(n, gpu.tuning())?)?,
+            };
+            let names: Vec<String> = ranks.gpus().iter().map(|g| g.props.name.clone()).collect();
+            let link = match (a.data_parallel, ranks.is_nccl()) {
+                (1, _) => String::new(),
+                (n, true) => format!(", data parallel over {n} GPUs (gradients averaged by NCCL)"),
+                (n, false) => format!(", data parallel over {n} ranks on one GPU (gradients averaged in host memory)"),
+            };
+            println!("  backend gpu: {}{link}", names.join(" + "));
+            train_gpu(&ranks, split, a, (&s1, &s2), student, &data)?
         }
         Backend::Cpu => {
-            println!("  backend cpu: {}", crate::cpu::describe(crate::cpu::Precision::Fp32));
-            train_cpu(a, (&s1, &s2), student, &data)?
+            let ranks = match a.data_parallel {
+                1 => String::new(),
+                n => format!(", data parallel over {n} ranks run in turn"),
+            };
+            println!("  backend cpu: {}{ranks}", crate::cpu::describe(crate::cpu::Precision::Fp32));
+            train_cpu(split, a, (&s1, &s2), student, &data)?
         }
     };
     let (first, last) = (losses[0], *losses.last().unwrap());
@@ -146,57 +173,112 @@ pub fn run(a: &TrainArgs) -> Result<(), Failure> {
     Ok(())
 }
 
+/// One rank of the GPU trainer: its replica of the two blocks, its optimiser state
+/// and its rows of every batch.
+struct GpuRank {
+    blocks: [Rc<GpuBlock>; 2],
+    adam: Vec<Vec<AdamState>>,
+    data: Vec<(DeviceTensor, DeviceTensor)>,
+}
+
 fn train_gpu(
-    gpu: &Gpu,
+    ranks: &Collective,
+    split: BatchSplit,
     a: &TrainArgs,
     (s1, s2): (&BlockSpec, &BlockSpec),
     student: (Params<f32>, Params<f32>),
     data: &[(Tensor<f32>, Tensor<f32>)],
 ) -> Result<Vec<f64>> {
-    let mut blocks = [Rc::new(GpuBlock::new(gpu, s1, &student.0)?), Rc::new(GpuBlock::new(gpu, s2, &student.1)?)];
-    let data: Vec<(DeviceTensor, DeviceTensor)> = data
+    let mut state: Vec<GpuRank> = ranks
+        .gpus()
         .iter()
-        .map(|(x, y)| {
-            let y2 = y.clone().reshape(&[y.rows(), y.len() / y.rows()])?;
-            Ok((gpu.upload(x)?, gpu.upload(&y2)?))
-        })
-        .collect::<Result<_>>()?;
-    let mut adam: Vec<Vec<AdamState>> = blocks
-        .iter()
-        .map(|b| {
-            b.params
-                .flat()
+        .enumerate()
+        .map(|(r, gpu)| {
+            let blocks = [Rc::new(GpuBlock::new(gpu, s1, &student.0)?), Rc::new(GpuBlock::new(gpu, s2, &student.1)?)];
+            let data = data
                 .iter()
-                .map(|p| Ok(AdamState { m: gpu.zeros(&p.shape)?, v: gpu.zeros(&p.shape)? }))
-                .collect::<Result<_>>()
+                .map(|(x, y)| {
+                    let y2 = y.clone().reshape(&[y.rows(), y.len() / y.rows()])?;
+                    Ok((gpu.upload(&split.slice(x, r)?)?, gpu.upload(&split.slice(&y2, r)?)?))
+                })
+                .collect::<Result<_>>()?;
+            let adam = blocks
+                .iter()
+                .map(|b| {
+                    b.params
+                        .flat()
+                        .iter()
+                        .map(|p| Ok(AdamState { m: gpu.zeros(&p.shape)?, v: gpu.zeros(&p.shape)? }))
+                        .collect::<Result<_>>()
+                })
+                .collect::<Result<_>>()?;
+            Ok(GpuRank { blocks, adam, data })
         })
         .collect::<Result<_>>()?;
     let mut losses = Vec::new();
     for step in 1..=a.steps {
-        let (x, target) = &data[(step - 1) % data.len()];
-        let mut tape = Tape::<GpuGrad>::new();
-        let x_var = tape.leaf();
-        let vars: Vec<Vec<VarId>> =
-            blocks.iter().map(|b| b.params.flat().iter().map(|_| tape.leaf()).collect()).collect();
-        // The input gets no gradient use here; a copy keeps the dataset's tensor ours.
-        let x_in = Rc::new(gpu.copy_range(x, 0..x.len())?.reshape(&x.shape)?);
-        let (h, h_var) = blocks[0].forward_taped(gpu, &mut tape, x_in, x_var, &vars[0])?;
-        let (y, y_var) = blocks[1].forward_taped(gpu, &mut tape, h, h_var, &vars[1])?;
-        let (loss, dy) = mse_loss_grad(gpu, &y, target)?;
-        drop(y);
-        let mut grads = tape.backward(y_var, GpuGrad::new(gpu, dy))?;
-        for (bi, block) in blocks.iter_mut().enumerate() {
-            // The tape's closures held the only other references; they are gone now.
-            let block = Rc::get_mut(block).ok_or_else(|| Error::Argument("a block is still referenced".into()))?;
-            for (pi, p) in block.params.flat_mut().into_iter().enumerate() {
-                let g =
-                    grads.take(vars[bi][pi]).ok_or_else(|| Error::Argument("a parameter got no gradient".into()))?;
-                match a.optimizer {
-                    Optimizer::Adam => adam_step(gpu, p, &g.t, &mut adam[bi][pi], a.lr, step as i32)?,
-                    Optimizer::Sgd => sgd_step(gpu, p, &g.t, a.lr)?,
+        // Every rank's forward is queued before any waits (the loss), so the GPUs overlap.
+        let mut taped = Vec::new();
+        for (gpu, rank) in ranks.gpus().iter().zip(&state) {
+            let (x, _) = &rank.data[(step - 1) % rank.data.len()];
+            let mut tape = Tape::<GpuGrad>::new();
+            let x_var = tape.leaf();
+            let vars: Vec<Vec<VarId>> =
+                rank.blocks.iter().map(|b| b.params.flat().iter().map(|_| tape.leaf()).collect()).collect();
+            // The input gets no gradient use here; a copy keeps the dataset's tensor ours.
+            let x_in = Rc::new(gpu.copy_range(x, 0..x.len())?.reshape(&x.shape)?);
+            let (h, h_var) = rank.blocks[0].forward_taped(gpu, &mut tape, x_in, x_var, &vars[0])?;
+            let (y, y_var) = rank.blocks[1].forward_taped(gpu, &mut tape, h, h_var, &vars[1])?;
+            taped.push((tape, vars, y, y_var));
+        }
+        // Each rank's mean loss over its rows; their mean is the whole batch's (equal rows).
+        let mut loss = 0.0;
+        let mut seeds = Vec::new();
+        for ((gpu, rank), (_, _, y, _)) in ranks.gpus().iter().zip(&state).zip(&taped) {
+            let (_, target) = &rank.data[(step - 1) % rank.data.len()];
+            let (l, dy) = mse_loss_grad(gpu, y, target)?;
+            loss += l / split.ranks as f64;
+            seeds.push(dy);
+        }
+        // Gradients in [`Params::flat`] order per block, per rank.
+        let mut grads: Vec<Vec<Vec<DeviceTensor>>> = Vec::new();
+        for ((gpu, (tape, vars, y, y_var)), dy) in ranks.gpus().iter().zip(taped).zip(seeds) {
+            drop(y);
+            let mut g = tape.backward(y_var, GpuGrad::new(gpu, dy))?;
+            let per_block = vars
+                .iter()
+                .map(|vs| {
+                    vs.iter()
+                        .map(|v| {
+                            g.take(*v).map(|g| g.t).ok_or_else(|| Error::Argument("a parameter got no gradient".into()))
+                        })
+                        .collect::<Result<Vec<_>>>()
+                })
+                .collect::<Result<_>>()?;
+            grads.push(per_block);
+        }
+        if split.ranks > 1 {
+            // Each rank's gradient is of its rows' mean loss: their mean over the ranks
+            // is the whole batch's.
+            for bi in 0..2 {
+                for pi in 0..grads[0][bi].len() {
+                    let mut bufs: Vec<_> = grads.iter_mut().map(|g| &mut g[bi][pi].buf).collect();
+                    ranks.all_reduce(&mut bufs, Reduce::Avg)?;
                 }
             }
-            block.refold(gpu)?;
+        }
+        for ((gpu, rank), grads) in ranks.gpus().iter().zip(&mut state).zip(grads) {
+            for (bi, (block, block_grads)) in rank.blocks.iter_mut().zip(grads).enumerate() {
+                // The tape's closures held the only other references; they are gone now.
+                let block = Rc::get_mut(block).ok_or_else(|| Error::Argument("a block is still referenced".into()))?;
+                for (pi, (p, g)) in block.params.flat_mut().into_iter().zip(block_grads).enumerate() {
+                    match a.optimizer {
+                        Optimizer::Adam => adam_step(gpu, p, &g, &mut rank.adam[bi][pi], a.lr, step as i32)?,
+                        Optimizer::Sgd => sgd_step(gpu, p, &g, a.lr)?,
+                    }
+                }
+                block.refold(gpu)?;
+            }
         }
         report(step, a.steps, loss, losses.first().copied().unwrap_or(loss));
         losses.push(loss);
@@ -205,6 +287,7 @@ fn train_gpu(
 }
 
 fn train_cpu(
+    split: BatchSplit,
     a: &TrainArgs,
     (s1, s2): (&BlockSpec, &BlockSpec),
     mut student: (Params<f32>, Params<f32>),
@@ -215,25 +298,58 @@ fn train_cpu(
     let opts = cpu::Options::default();
     let mut losses = Vec::new();
     for step in 1..=a.steps {
-        let (x, target) = &data[(step - 1) % data.len()];
-        let mut tape = Tape::<Tensor<f32>>::new();
-        let x_var = tape.leaf();
-        let v1: Vec<VarId> = student.0.flat().iter().map(|_| tape.leaf()).collect();
-        let v2: Vec<VarId> = student.1.flat().iter().map(|_| tape.leaf()).collect();
-        let (h, h_var) = cpu::block_forward_taped(&mut tape, s1, x, x_var, &student.0, &v1, &opts)?;
-        let (y, y_var) = cpu::block_forward_taped(&mut tape, s2, &h, h_var, &student.1, &v2, &opts)?;
-        let n = y.len() as f64;
-        let loss = y.data().iter().zip(target.data()).map(|(&p, &t)| ((p - t) as f64).powi(2)).sum::<f64>() / n;
-        let dy = Tensor::new(
-            y.shape(),
-            y.data().iter().zip(target.data()).map(|(&p, &t)| (2.0 * (p - t) as f64 / n) as f32).collect(),
-        )?;
-        let mut grads = tape.backward(y_var, dy)?;
-        for (bi, (params, vars)) in [(&mut student.0, &v1), (&mut student.1, &v2)].into_iter().enumerate() {
+        let (x_all, target_all) = &data[(step - 1) % data.len()];
+        // Each rank's gradients of its rows' mean loss, averaged over the ranks.
+        let mut loss = 0.0;
+        let mut sum: Option<(Params<f32>, Params<f32>)> = None;
+        for rank in 0..split.ranks {
+            let (x, target) = (split.slice(x_all, rank)?, split.slice(target_all, rank)?);
+            let mut tape = Tape::<Tensor<f32>>::new();
+            let x_var = tape.leaf();
+            let v1: Vec<VarId> = student.0.flat().iter().map(|_| tape.leaf()).collect();
+            let v2: Vec<VarId> = student.1.flat().iter().map(|_| tape.leaf()).collect();
+            let (h, h_var) = cpu::block_forward_taped(&mut tape, s1, &x, x_var, &student.0, &v1, &opts)?;
+            let (y, y_var) = cpu::block_forward_taped(&mut tape, s2, &h, h_var, &student.1, &v2, &opts)?;
+            let n = y.len() as f64;
+            loss += y.data().iter().zip(target.data()).map(|(&p, &t)| ((p - t) as f64).powi(2)).sum::<f64>()
+                / n
+                / split.ranks as f64;
+            let dy = Tensor::new(
+                y.shape(),
+                y.data().iter().zip(target.data()).map(|(&p, &t)| (2.0 * (p - t) as f64 / n) as f32).collect(),
+            )?;
+            let mut grads = tape.backward(y_var, dy)?;
+            let mut take = |spec: &BlockSpec, vars: &[VarId]| -> Result<Params<f32>> {
+                let flat = vars
+                    .iter()
+                    .map(|v| grads.take(*v).ok_or_else(|| Error::Argument("a parameter got no gradient".into())))
+                    .collect::<Result<_>>()?;
+                Params::from_flat(spec, flat)
+            };
+            let g = (take(s1, &v1)?, take(s2, &v2)?);
+            sum = Some(match sum {
+                None => g,
+                Some(mut s) => {
+                    for (acc, g) in
+                        s.0.flat_mut().into_iter().chain(s.1.flat_mut()).zip(g.0.flat().into_iter().chain(g.1.flat()))
+                    {
+                        acc.data_mut().iter_mut().zip(g.data()).for_each(|(a, b)| *a += b);
+                    }
+                    s
+                }
+            });
+        }
+        let mut mean = sum.ok_or_else(|| Error::Argument("no ranks".into()))?;
+        if split.ranks > 1 {
+            for g in mean.0.flat_mut().into_iter().chain(mean.1.flat_mut()) {
+                g.data_mut().iter_mut().for_each(|v| *v /= split.ranks as f32);
+            }
+        }
+        for (bi, (params, grads)) in [(&mut student.0, &mean.0), (&mut student.1, &mean.1)].into_iter().enumerate() {
             let (m, v) = &mut moments[bi];
-            for (((p, var), m), v) in params.flat_mut().into_iter().zip(vars).zip(m.flat_mut()).zip(v.flat_mut()) {
-                let g = grads.take(*var).ok_or_else(|| Error::Argument("a parameter got no gradient".into()))?;
-                step_cpu(a, step, p, &g, m, v);
+            for (((p, g), m), v) in params.flat_mut().into_iter().zip(grads.flat()).zip(m.flat_mut()).zip(v.flat_mut())
+            {
+                step_cpu(a, step, p, g, m, v);
             }
         }
         report(step, a.steps, loss, losses.first().copied().unwrap_or(loss));

@@ -62,6 +62,15 @@ impl Collective {
         Self::over_nccl(gpus)
     }
 
+    /// The ranks meeting through host memory, whatever their devices (one rank: no
+    /// communication at all).
+    pub fn in_host_memory(gpus: Vec<Gpu>) -> Result<Collective> {
+        if gpus.is_empty() {
+            return Err(Error::Argument("a collective over no GPUs".into()));
+        }
+        Ok(Collective { gpus, nccl: None })
+    }
+
     /// The ranks over NCCL (each on its own device), whatever their count.
     pub fn over_nccl(gpus: Vec<Gpu>) -> Result<Collective> {
         nccl_present()?;
