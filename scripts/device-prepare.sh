@@ -15,7 +15,7 @@ import json, sys, shutil
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
-        if m["target"]["name"] in ("gpu",):
+        if m["target"]["name"] in ("gpu", "gpu_parallel"):
             shutil.copy(m["executable"], "device-carry/test-" + m["target"]["name"])
             print("test binary:", m["target"]["name"])
 '

@@ -12,7 +12,12 @@
 #   PyTorch's float64 on the GPU (~5 minutes: a call of its own, not in the default)
 #   TORCH_FLAGS="--compile default" etc. are passed to the PyTorch baselines.
 #   STEPS=bf16: a bf16 model's blocks, ours and PyTorch's bf16 model (eager, compiled)
+#   STEPS=parallel: several ranks (NCCL over every GPU present, ranks sharing GPU 0), tensor
+#   and data parallel through the CLI, the DDP example (not in the default)
 set -uo pipefail
+# NVLink multicast stays off in everything started here: on a shared host a program that
+# uses it can put every GPU out of service.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 C=device-carry
 STEPS=${STEPS:-"ptxas sass tests check forward backward bench train pytorch tensor parity compile"}
@@ -40,6 +45,13 @@ for d in /usr/local/cuda/lib64 $(python3 -c 'import nvidia, os; print(os.path.jo
     break
   fi
 done
+
+# NCCL for the several-GPU paths: cudarc looks for libnccl.so; PyTorch's wheel carries libnccl.so.2.
+nccl=$(python3 -c 'import nvidia, glob, os; print(next(iter(sorted(glob.glob(os.path.join(nvidia.__path__[0], "*", "lib", "libnccl.so*")))), ""))' 2>/dev/null)
+if [ -n "$nccl" ]; then
+  mkdir -p /tmp/nccl && ln -sf "$nccl" /tmp/nccl/libnccl.so
+  export LD_LIBRARY_PATH="/tmp/nccl:${LD_LIBRARY_PATH:-}"
+fi
 
 # The Python package: installed from the carried wheels into a folder of its own.
 if [ -d "$C/wheels" ]; then
@@ -119,6 +131,44 @@ if has bf16; then
     --json "$OUT/torch-bf16-compile.json"
 fi
 has train && run "train" 200 "$C/host" train --device gpu --steps 60
+# Several ranks: the collectives and split blocks (GPU tests), the CLI's tensor parallel over
+# every GPU (M1 at seed size and 4x wider: the one-GPU side of the scaling table), data-parallel
+# training against one rank (ranks sharing GPU 0, and one per GPU), the DDP example.
+if has parallel; then
+  ngpu=$(nvidia-smi -L | wc -l)
+  echo "== $ngpu GPU(s); NCCL library: ${nccl:-not found}" | tee -a "$LOG"
+  run "GPU tests, parallel" 300 "$C/test-gpu_parallel" --include-ignored --nocapture --test-threads 1
+  for m in M1 M4; do
+    run "forward $m" 120 "$C/host" forward --device gpu --model $m --repeat 10 --check-rows 16
+    run "forward $m tp$ngpu" 120 "$C/host" forward --device gpu --model $m --repeat 10 --check-rows 16 \
+      --tensor-parallel $ngpu
+    run "backward $m" 120 "$C/host" backward --device gpu --model $m --repeat 5 --check-rows 8
+    run "backward $m tp$ngpu" 120 "$C/host" backward --device gpu --model $m --repeat 5 --check-rows 8 \
+      --tensor-parallel $ngpu
+  done
+  wide="--model M1 --shape 1024,8192,32768 --check-rows 4"
+  run "backward wide M1" 200 "$C/host" backward --device gpu $wide --repeat 5
+  run "backward wide M1 tp$ngpu" 200 "$C/host" backward --device gpu $wide --repeat 5 --tensor-parallel $ngpu
+  run "train dp1" 200 "$C/host" train --device gpu --steps 30 > "$OUT/train-dp1.txt"
+  run "train dp2 sharing GPU 0" 200 "$C/host" train --device gpu --steps 30 --data-parallel 2 --ranks-share-gpu \
+    > "$OUT/train-dp2-shared.txt"
+  [ "$ngpu" -gt 1 ] && run "train dp$ngpu" 200 "$C/host" train --device gpu --steps 30 --data-parallel $ngpu \
+    > "$OUT/train-dp$ngpu.txt"
+  python3 - "$OUT" <<'PY' | tee -a "$LOG"
+import glob, sys
+def losses(path):
+    return [float(l.split("loss ")[1].split()[0]) for l in open(path) if l.startswith("step")]
+one = losses(f"{sys.argv[1]}/train-dp1.txt")
+for path in sorted(glob.glob(f"{sys.argv[1]}/train-dp*.txt")):
+    other = losses(path)
+    worst = max(abs(a - b) / a for a, b in zip(one, other)) if other else float("nan")
+    print(f"{path.split('/')[-1]}: {len(other)} steps, loss {other[0]:.6f} -> {other[-1]:.6f}, "
+          f"worst step rel diff vs one rank {worst:.2e}")
+PY
+  PYTHONUNBUFFERED=1 run "DDP example + pytest" 300 python3 -m pytest -q -p no:cacheprovider python/tests/test_ddp.py
+  PYTHONUNBUFFERED=1 run "DDP example on $ngpu GPU(s)" 200 python3 -m torch.distributed.run --standalone \
+    --nproc-per-node=$ngpu examples/ddp.py --steps 20
+fi
 has parity && PYTHONUNBUFFERED=1 run "parity with PyTorch" 400 python3 scripts/parity.py --host "$C/host"
 if has seedparity; then
   for p in fp32 tf32x3 tf32 bf16; do

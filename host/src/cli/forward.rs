@@ -70,7 +70,7 @@ pub fn run(a: &ForwardArgs) -> Result<(), Failure> {
             let s = super::parallel::run(&p, ranks, &backend, None, a.repeat)?;
             Run {
                 backend: s.backend,
-                flops: p.spec.forward_flops(p.x.rows()),
+                flops: s.flops,
                 path: "each rank's fused block on its channels".into(),
                 y: s.y,
                 ms: s.ms,

@@ -21,6 +21,8 @@ pub struct SplitRun {
     pub grads: Option<(Tensor<f32>, Params<f32>)>,
     pub ms: f64,
     pub timing: String,
+    /// Forward FLOPs the ranks perform together (a folded avgpool shrinks each GEMM).
+    pub flops: f64,
 }
 
 fn refuse_bf16(p: &Problem) -> Result<()> {
@@ -63,7 +65,8 @@ pub fn run(p: &Problem, ranks: usize, backend: &Backend, dy: Option<&Tensor<f32>
             };
             let ms = t0.elapsed().as_secs_f64() * 1e3;
             let backend = describe(&split, &format!("cpu: {}, ranks run in turn", cpu::describe(cpu::Precision::Fp32)));
-            Ok(SplitRun { backend, y, grads, ms, timing: "one run, wall clock".into() })
+            let flops = p.spec.forward_flops(p.x.rows());
+            Ok(SplitRun { backend, y, grads, ms, timing: "one run, wall clock".into(), flops })
         }
         Backend::Gpu(gpu) => {
             let gpus = open_ranks(ranks, gpu.tuning())?;
@@ -89,7 +92,8 @@ pub fn run(p: &Problem, ranks: usize, backend: &Backend, dy: Option<&Tensor<f32>
                 }
             };
             let timing = format!("median of {} after a checked run, wall clock over all ranks", times.len());
-            Ok(SplitRun { backend, y, grads, ms: times[times.len() / 2], timing })
+            let flops = tp.blocks().iter().map(|b| b.executed_flops(p.x.rows())).sum();
+            Ok(SplitRun { backend, y, grads, ms: times[times.len() / 2], timing, flops })
         }
     }
 }
