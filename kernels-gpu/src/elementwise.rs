@@ -9,8 +9,9 @@ use crate::prelude::global::{load_v4_nc, store_v2, store_v4};
 use crate::prelude::*;
 use crate::unroll;
 
+/// This thread's index in a 1-D launch.
 #[inline(always)]
-fn global_index() -> usize {
+pub(crate) fn global_index() -> usize {
     (block_idx_x() as usize) * (block_dim_x() as usize) + thread_idx_x() as usize
 }
 

@@ -4,12 +4,7 @@
 //! then lower rank; NaN above all), so one all-reduce `max` gives every rank the row's
 //! maximum and the rank that holds it.
 
-use crate::prelude::*;
-
-#[inline(always)]
-fn global_index() -> usize {
-    (block_idx_x() as usize) * (block_dim_x() as usize) + thread_idx_x() as usize
-}
+use crate::elementwise::global_index;
 
 /// `keys[i]` = this rank's row maximum `local[i]` and its rank, ordered.
 ///
