@@ -83,7 +83,7 @@ pub fn run(p: &Problem, ranks: usize, backend: &Backend, dy: Option<&Tensor<f32>
                 }
                 Some(dy) => {
                     let (y, g) = tp.forward_backward(&p.x, dy)?;
-                    let dys = rank_grads(&tp, dy)?;
+                    let dys = tp.upload_grad_output(dy)?;
                     let times = timed(tp.collective().gpus(), repeat, || {
                         let (_, saved) = tp.forward_train_ranks(&xs)?;
                         tp.backward_ranks(&xs, saved, &dys).map(drop)
@@ -96,17 +96,6 @@ pub fn run(p: &Problem, ranks: usize, backend: &Backend, dy: Option<&Tensor<f32>
             Ok(SplitRun { backend, y, grads, ms: times[times.len() / 2], timing, flops })
         }
     }
-}
-
-/// Each rank's part of the output gradient, on its GPU.
-fn rank_grads(tp: &TensorParallel, dy: &Tensor<f32>) -> Result<Vec<crate::gpu::DeviceTensor>> {
-    let split = tp.split();
-    tp.collective()
-        .gpus()
-        .iter()
-        .enumerate()
-        .map(|(r, g)| if split.reduces_row_max() { g.upload(dy) } else { g.upload(&split.shard_columns(dy, r)?) })
-        .collect()
 }
 
 /// Sorted wall-clock milliseconds of `repeat` runs of `work`, every rank idle before

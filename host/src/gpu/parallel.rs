@@ -72,6 +72,18 @@ impl TensorParallel {
         self.gpus().iter().map(|g| g.upload(x)).collect()
     }
 
+    /// Each rank's part of the output gradient `dy` (shaped as the whole output) on its
+    /// GPU, as [`TensorParallel::backward_ranks`] takes it: its columns, or (row max)
+    /// all of it.
+    pub fn upload_grad_output(&self, dy: &Tensor<f32>) -> Result<Vec<DeviceTensor>> {
+        let split = &self.split;
+        self.gpus()
+            .iter()
+            .enumerate()
+            .map(|(r, g)| if split.reduces_row_max() { g.upload(dy) } else { g.upload(&split.shard_columns(dy, r)?) })
+            .collect()
+    }
+
     /// Queues the forward on every rank (`xs[r]`, the whole input, on rank `r`'s GPU)
     /// and returns each rank's output: its columns `(batch, F / ranks)`, or for a chain
     /// ending in `max` the row maxima `(batch, 1)`, reduced, on every rank.
@@ -165,18 +177,7 @@ impl TensorParallel {
         }
         let xs = self.upload_input(x)?;
         let (ys, saved) = self.forward_train_ranks(&xs)?;
-        let dys =
-            self.gpus()
-                .iter()
-                .enumerate()
-                .map(|(r, g)| {
-                    if self.split.reduces_row_max() {
-                        g.upload(dy)
-                    } else {
-                        g.upload(&self.split.shard_columns(dy, r)?)
-                    }
-                })
-                .collect::<Result<Vec<_>>>()?;
+        let dys = self.upload_grad_output(dy)?;
         let grads = self.backward_ranks(&xs, saved, &dys)?;
         let y = self.gather_output(&ys)?.reshape(&out_shape)?;
         let dx = self.gpus()[0].download(&grads[0].x)?;
