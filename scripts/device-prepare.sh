@@ -22,6 +22,7 @@ for line in sys.stdin:
 cp "$(ls -t $(find target/release/build -name kernels_sm90.ptx) | head -1)" device-carry/
 # The bf16 model's dev timing (host/examples/bf16_timing.rs).
 cargo build --release -p host --example bf16_timing && cp target/release/examples/bf16_timing device-carry/
+if [ -n "${OLD_TIMING:-}" ]; then cp "$OLD_TIMING" device-carry/bf16_timing-old; fi
 # The Python package (abi3 wheel: any CPython >= 3.9) and pytest for its GPU tests (the
 # GPU machine has PyTorch but no network).
 PY=${PYTHON:-python3}

@@ -11,6 +11,7 @@
 #   STEPS=seedparity: scripts/parity.py at the presets' seed sizes, every precision, against
 #   PyTorch's float64 on the GPU (~5 minutes: a call of its own, not in the default)
 #   TORCH_FLAGS="--compile default" etc. are passed to the PyTorch baselines.
+#   STEPS=bf16ab: the bf16 model's dev timing, this build against device-carry/bf16_timing-old
 #   STEPS=bf16: a bf16 model's blocks, ours and PyTorch's bf16 model (eager, compiled)
 #   STEPS=parallel: several ranks (NCCL over every GPU present, ranks sharing GPU 0), tensor
 #   and data parallel through the CLI, the DDP example (not in the default)
@@ -116,6 +117,17 @@ if has ab && [ -x "$C/host-old" ]; then
     done
   done
   python3 scripts/ab-table.py "$OUT" | tee -a "$LOG"
+fi
+# The bf16 model's dev timing of this build against an older one
+# (device-carry/bf16_timing-old, OLD_TIMING= in device-prepare.sh), alternating twice:
+# every preset, the backward's GEMMs alone, M2's chain op by op.
+if has bf16ab && [ -x "$C/bf16_timing-old" ]; then
+  for round in 1 2; do
+    for b in old new; do
+      bin="$C/bf16_timing"; [ "$b" = old ] && bin="$C/bf16_timing-old"
+      run "bf16 timing $b ($round)" 200 "$bin" "" --gemms --chains
+    done
+  done
 fi
 # A bf16 model's blocks (bf16 tensors in and out): the GPU test, `host check` and
 # `host bench` of the bf16-native path, the dev timing with M2's chain op by op, the

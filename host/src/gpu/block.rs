@@ -266,12 +266,15 @@ impl<W: DeviceElement> GpuBlock<W> {
     }
 
     /// Whether a bf16 block's forward reads `x` and `W` as stored under `plan`: no folded
-    /// weight (its means are FP32), no split-K, 16-byte rows.
+    /// weight (its means are FP32), no split-K, 16-byte rows (of `y` too where the fused
+    /// kernel stores it by TMA).
     pub(super) fn native_bf16_forward(&self, plan: &Plan) -> bool {
-        let k = self.spec.in_features;
-        self.folded.is_none()
-            && matches!(plan, Plan::Fused | Plan::GemmThenRows { splits: 1 })
-            && NativeBf16::fits((1, self.gemm_width(), k), (k, k))
+        let (n, k) = (self.gemm_width(), self.spec.in_features);
+        let y_rows = match plan {
+            Plan::Fused => n.is_multiple_of(8),
+            Plan::GemmThenRows { splits } => *splits == 1,
+        };
+        self.folded.is_none() && y_rows && NativeBf16::fits((1, n, k), (k, k))
     }
 
     pub(super) fn out_width(&self) -> usize {

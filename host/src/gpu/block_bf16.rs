@@ -60,7 +60,7 @@ impl GpuBlock<Bf16> {
         let native = self.native_bf16_forward(&ws.plan) && aligned(&[x, w]);
         match (&ws.plan, ws.z.as_mut(), native) {
             // One kernel: x and W as stored, bf16 y.
-            (Plan::Fused, _, true) => launch_native_bf16(
+            (Plan::Fused, _, true) if NativeBf16::stores_bf16(n, ws.y.buf.device_address()) => launch_native_bf16(
                 gpu,
                 gpu.stream(),
                 NativeBf16::Forward,

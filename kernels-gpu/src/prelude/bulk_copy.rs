@@ -119,6 +119,55 @@ pub unsafe fn tma_load_2d(dst: u32, map: *const u8, x: u32, y: u32, bar: u32) {
     }
 }
 
+// The bulk stores below are issued by one thread of a warpgroup, as predicated
+// instructions (`issue`) rather than under a branch: a branch around them, inside the
+// chain's epilogue loop, cost the chain spills.
+
+/// Where `issue` holds, starts TMA stores of the two boxes at `src` and `src + next` (shared
+/// memory, laid out as the map's swizzle says) to element coordinates `(x, y)` and
+/// `(x + dx, y)` of the 2-D tensor described by `map`, and closes them as one bulk group
+/// of this thread. Elements outside the tensor are not written.
+///
+/// # Safety
+/// `map` is a valid tensor map in global memory (acquired by this thread); the boxes are
+/// written and made visible to the async proxy ([`super::tensor_core::fence_proxy_async_shared`])
+/// and stay untouched until [`bulk_wait_group_read_if`] says they have been read.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn tma_store_2d_pair_if(issue: bool, src: u32, next: u32, map: *const u8, x: u32, dx: u32, y: u32) {
+    unsafe {
+        asm!("{{ .reg .pred p; .reg .b32 s2, x2;",
+             "setp.ne.u32 p, {i}, 0; add.u32 s2, {s}, {n}; add.u32 x2, {x}, {dx};",
+             "@p cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [{m}, {{{x}, {y}}}], [{s}];",
+             "@p cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [{m}, {{x2, {y}}}], [s2];",
+             "@p cp.async.bulk.commit_group; }}",
+             i = in(reg32) issue as u32, s = in(reg32) src, n = in(reg32) next, m = in(reg64) map as u64,
+             x = in(reg32) x, dx = in(reg32) dx, y = in(reg32) y, options(nostack))
+    }
+}
+
+/// Where `issue` holds, waits until no bulk group of this thread still reads its shared
+/// memory (the global writes may still be under way): the boxes can be written again.
+#[inline(always)]
+pub fn bulk_wait_group_read_if(issue: bool) {
+    // SAFETY: a wait.
+    unsafe {
+        asm!("{{ .reg .pred p; setp.ne.u32 p, {i}, 0; @p cp.async.bulk.wait_group.read 0; }}",
+             i = in(reg32) issue as u32, options(nostack))
+    }
+}
+
+/// Where `issue` holds, waits until every bulk group of this thread is complete (its
+/// global writes done): before the block exits.
+#[inline(always)]
+pub fn bulk_wait_group_if(issue: bool) {
+    // SAFETY: a wait.
+    unsafe {
+        asm!("{{ .reg .pred p; setp.ne.u32 p, {i}, 0; @p cp.async.bulk.wait_group 0; }}",
+             i = in(reg32) issue as u32, options(nostack))
+    }
+}
+
 /// `bar.sync id, threads`: a barrier for a subset of the block (named barrier `id`,
 /// 1..15; 0 is `__syncthreads`), so consumer warps can meet without the producer.
 ///

@@ -15,7 +15,7 @@ use cudarc::driver::sys::{self, CUtensorMap};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use kernel_abi::Kernel;
 use kernel_abi::gemm_tma::{
-    BF16_BLOCK_K, BLOCK_K, BLOCK_M, BLOCK_N, SMEM_BYTES, SPLIT_BLOCK_K, SPLIT_SMEM_BYTES, THREADS,
+    BF16_BLOCK_K, BF16_OUT_SMEM_BYTES, BLOCK_K, BLOCK_M, BLOCK_N, SMEM_BYTES, SPLIT_BLOCK_K, SPLIT_SMEM_BYTES, THREADS,
 };
 use std::sync::Arc;
 
@@ -125,7 +125,13 @@ fn encode_map_typed(
     Ok(map)
 }
 
-/// What every launch of the persistent kernels needs: the two tensor maps uploaded
+/// Whether `kernel` stores a bf16 `y` through the TMA unit: its table holds a third map
+/// (of `y`), and it stages half tiles in more shared memory.
+fn stores_by_tma(kernel: Kernel) -> bool {
+    matches!(kernel, Kernel::GemmTmaBf16NtToBf16 | Kernel::GemmTmaBf16NnToBf16 | Kernel::GemmTmaBf16TnToBf16)
+}
+
+/// What every launch of the persistent kernels needs: the tensor maps uploaded
 /// (freed in stream order after the kernel: cudarc frees asynchronously on `stream`),
 /// the function with its shared memory allowed, and `min(tiles, SMs)` blocks.
 struct Persistent {
@@ -140,12 +146,16 @@ fn persistent(
     stream: &Arc<CudaStream>,
     kernel: Kernel,
     arith: Arith,
-    maps: [CUtensorMap; 2],
+    maps: &[CUtensorMap],
     (m, n): (usize, usize),
 ) -> Result<Persistent> {
     let words: Vec<u64> = maps.iter().flat_map(|map| map.opaque).collect();
     let maps = gpu.words(stream, &words)?;
-    let smem_bytes = if arith == Arith::Tf32x3 { SPLIT_SMEM_BYTES } else { SMEM_BYTES };
+    let smem_bytes = match arith {
+        _ if stores_by_tma(kernel) => BF16_OUT_SMEM_BYTES,
+        Arith::Tf32x3 => SPLIT_SMEM_BYTES,
+        Arith::Tf32 | Arith::Bf16 => SMEM_BYTES,
+    };
     let func = gpu.function(kernel)?;
     gpu.allow_shared(&func, kernel, smem_bytes)?;
     let tiles = m.div_ceil(BLOCK_M) * n.div_ceil(BLOCK_N);
@@ -181,17 +191,17 @@ pub fn launch_forward(
         tensor_map(stream, op.a, (m, k, lda), BLOCK_M, arith)?,
         tensor_map(stream, op.b, (n, k, ldb), BLOCK_N, arith)?,
     ];
-    launch_with_maps(gpu, stream, kernel, arith, maps, (m, n, k), op.bias, op.chain, y, save_z)
+    launch_with_maps(gpu, stream, kernel, arith, &maps, (m, n, k), op.bias, op.chain, y, save_z)
 }
 
-/// Launches the forward-signature `kernel` (`y` of type `O`) over its two tensor maps.
+/// Launches the forward-signature `kernel` (`y` of type `O`) over its tensor maps.
 #[allow(clippy::too_many_arguments)]
 fn launch_with_maps<O: DeviceElement>(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
     kernel: Kernel,
     arith: Arith,
-    maps: [CUtensorMap; 2],
+    maps: &[CUtensorMap],
     (m, n, k): (usize, usize, usize),
     bias: Option<&CudaSlice<f32>>,
     chain: Option<&DeviceChain>,
@@ -233,7 +243,7 @@ pub fn launch_tk(
         encode_map(stream, op.a, (k, m, op.lda), (block_k, 32), swizzle)?,
         tensor_map(stream, op.b, (n, k, op.ldb), BLOCK_N, arith)?,
     ];
-    let Persistent { maps, func, cfg } = persistent(gpu, stream, kernel, arith, maps, (m, n))?;
+    let Persistent { maps, func, cfg } = persistent(gpu, stream, kernel, arith, &maps, (m, n))?;
     let (m32, n32, k32) = (m as u32, n as u32, k as u32);
     let mut launch = stream.launch_builder(&func);
     launch.arg(&maps).arg(&mut y.buf).arg(&m32).arg(&n32).arg(&k32);
@@ -264,6 +274,13 @@ impl NativeBf16 {
     /// unit wants 16-byte pitches (multiples of 8 values) and a non-empty problem.
     pub fn fits((m, n, k): (usize, usize, usize), (lda, ldb): (usize, usize)) -> bool {
         m > 0 && n > 0 && k > 0 && lda.is_multiple_of(8) && ldb.is_multiple_of(8)
+    }
+
+    /// Whether a bf16 `y (m, n)` at device address `y` can be stored by the TMA unit, as
+    /// the bf16-output kernels store it: 16-byte rows and a 16-byte aligned start.
+    /// (`dX`'s and `dW`'s `n` is a pitch [`NativeBf16::fits`] already asks this of.)
+    pub fn stores_bf16(n: usize, y: u64) -> bool {
+        n.is_multiple_of(8) && y.is_multiple_of(16)
     }
 
     fn kernel(self, bf16_out: bool) -> Result<Kernel> {
@@ -328,10 +345,20 @@ pub fn launch_native_bf16<O: DeviceElement>(
     let k_major =
         |ptr, rows, pitch, box_rows| encode_map_typed(ptr, 2, (rows, k, pitch), (box_rows, BF16_BLOCK_K), swizzle);
     let mn_major = |ptr, cols, pitch| encode_map_typed(ptr, 2, (k, cols, pitch), (BF16_BLOCK_K, 64), swizzle);
-    let maps = match which {
-        NativeBf16::Forward => [k_major(pa, m, lda, BLOCK_M)?, k_major(pb, n, ldb, BLOCK_N)?],
-        NativeBf16::GradInput => [k_major(pa, m, lda, BLOCK_M)?, mn_major(pb, n, ldb)?],
-        NativeBf16::GradWeight => [mn_major(pa, m, lda)?, mn_major(pb, n, ldb)?],
+    let mut maps = match which {
+        NativeBf16::Forward => vec![k_major(pa, m, lda, BLOCK_M)?, k_major(pb, n, ldb, BLOCK_N)?],
+        NativeBf16::GradInput => vec![k_major(pa, m, lda, BLOCK_M)?, mn_major(pb, n, ldb)?],
+        NativeBf16::GradWeight => vec![mn_major(pa, m, lda)?, mn_major(pb, n, ldb)?],
     };
-    launch_with_maps(gpu, stream, kernel, Arith::Bf16, maps, (m, n, k), bias, chain, y, save_z)
+    if stores_by_tma(kernel) {
+        // `y` in `64 x 64` boxes, the halves of a warpgroup's staged half tile.
+        let py = y.buf.device_address();
+        if !NativeBf16::stores_bf16(n, py) {
+            return Err(Error::Unsupported(format!(
+                "`{kernel}` stores a bf16 `y` of {n} columns by TMA: it needs a multiple of 8 columns and a 16-byte aligned start"
+            )));
+        }
+        maps.push(encode_map_typed(py, 2, (m, n, n), (64, 64), swizzle)?);
+    }
+    launch_with_maps(gpu, stream, kernel, Arith::Bf16, &maps, (m, n, k), bias, chain, y, save_z)
 }

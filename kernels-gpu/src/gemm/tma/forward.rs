@@ -4,7 +4,10 @@
 use super::flush::{Layout, add_flushed, flush_accumulators, k_runs, run_k_tiles};
 use super::opaque;
 use super::pipeline::{CONSUMER_REGISTERS, PRODUCER_REGISTERS, Pipeline};
-use crate::epilogue::fragments::{HalfFragment, add_column_bias, each_half_value, fragment_forward, prefetch_tile_params, store_half};
+use crate::epilogue::fragments::{
+    HalfFragment, STAGED_HALF_BYTES, add_column_bias, each_half_value, fragment_forward, prefetch_tile_params, stage_half_bf16,
+    store_half,
+};
 use crate::prelude::bulk_copy::*;
 use crate::prelude::element::Element;
 use crate::prelude::tensor_core::{fence_proxy_async_shared, ld_shared_v4, st_shared_v4, tf32_residual};
@@ -109,6 +112,18 @@ gemm_tma_entries! {
     gemm_tma_bf16_tn = <false, true, true, true, false, f32>;
 }
 
+/// A barrier over warpgroup `wg`'s 128 threads: named barrier `2 + wg`. (A register id,
+/// so ptxas reserves all sixteen barriers; it runs one block per SM. Choosing between two
+/// constant ids by a branch cost the chain's epilogue spills.)
+///
+/// # Safety
+/// Every thread of the warpgroup reaches it.
+#[inline(always)]
+unsafe fn staging_barrier(wg: u32) {
+    // SAFETY: as the caller's.
+    unsafe { named_barrier(2 + wg, 128) }
+}
+
 /// The body of the entry points (`SPLIT`: 3xTF32; `BF16`: bf16 operands, `TRANS_A`,
 /// `TRANS_B` MN-major; `CHAIN`: bias, saved `z` and chain; `O`: the output's type).
 ///
@@ -178,6 +193,23 @@ unsafe fn gemm_tma<const SPLIT: bool, const BF16: bool, const TRANS_A: bool, con
     let c = t - 128;
     let (wg, warp, lane) = (c / 128, (c / 32) % 4, c % 32);
     let (gid, tig) = ((lane / 4) as usize, (lane % 4) as usize);
+    // A bf16 `y` goes out through a TMA store where the host could describe it (a third
+    // map, flagged by the word after it): each warpgroup stages its half tiles in shared
+    // memory and its first thread stores them, so the writes drain while the next tile's
+    // MMAs run instead of holding up the epilogue.
+    // (The map's address and the leader are recomputed where used: held through the
+    // main loop, they cost the chain's epilogue spills.)
+    let tma_y = core::mem::size_of::<O>() == 2;
+    let leader = || thread_idx_x() % 128 == 0;
+    // SAFETY: a bf16 kernel's table holds three maps.
+    let store_map = || unsafe { maps.add(256) };
+    if tma_y && leader() {
+        // SAFETY: a valid map, read by this thread's TMA stores.
+        unsafe {
+            acquire_tensor_map(store_map());
+            prefetch_tensor_map(store_map());
+        }
+    }
     let (mut s, mut phase) = (0u32, 0u32);
     // Work items: each tile's `k` in `runs` runs (`k_runs`), taken in order by the block
     // that owns the tile; every run but the last ends with its sums added into `y`
@@ -308,14 +340,35 @@ unsafe fn gemm_tma<const SPLIT: bool, const BF16: bool, const TRANS_A: bool, con
                     let (col, _, n) = fresh(offset);
                     fragment_forward(&*ops.add(o), &mut v, n, col);
                 }
-                let (col, m, n) = fresh(offset);
-                store_half(y, &v, (m, n), row, col);
+                if tma_y {
+                    // Opaque at each use, as `fresh`: else the 32 staging addresses are
+                    // hoisted out of the loop and held through the chain (and spill).
+                    let buf = opaque(pipe.staging() + wg * STAGED_HALF_BYTES);
+                    // The buffer is free once the last store from it has read it.
+                    bulk_wait_group_read_if(leader());
+                    staging_barrier(wg);
+                    stage_half_bf16(buf, &v, opaque(warp), opaque(gid as u32), opaque(tig as u32));
+                    // Visible to the TMA unit (async proxy), then to the leader.
+                    fence_proxy_async_shared();
+                    staging_barrier(wg);
+                    let half = STAGED_HALF_BYTES / 2;
+                    tma_store_2d_pair_if(leader(), buf, half, store_map(), col0 + offset, 64, row0 + 64 * wg);
+                } else {
+                    let (col, m, n) = fresh(offset);
+                    store_half(y, &v, (m, n), row, col);
+                }
                 v = rest;
                 h += 1;
             }
         }
         // The block's next tile's first run.
         item += opaque(grid_dim_x()) * runs - run;
+        if tma_y {
+            // The stores' reads of shared memory and their writes are done before the
+            // block exits. (Here rather than after the loop: there, it cost the chain
+            // 5 KB of spills.)
+            bulk_wait_group_if(item >= pipe.tiles() * runs && leader());
+        }
     }
 }
 

@@ -106,6 +106,13 @@ impl Pipeline {
         self.full(self.stages + s)
     }
 
+    /// Shared-memory address of the bf16-output kernels' staged half tile
+    /// (`STORE_STAGING_BYTES`, after the barriers, 1024-byte aligned).
+    #[inline(always)]
+    pub(super) fn staging(&self) -> u32 {
+        self.base + self.stages * self.stage_bytes + 1024
+    }
+
     /// The stage after `s` and its barriers' phase.
     #[inline(always)]
     pub(super) fn next(&self, s: u32, phase: u32) -> (u32, u32) {
