@@ -137,7 +137,7 @@ if has bf16; then
   run "bench bf16 model" 300 "$C/host" bench --precision bf16 --repeat 20 --json "$OUT/bench-bf16-model.json"
   run "bench backward bf16 model" 300 "$C/host" bench --backward --precision bf16 --repeat 10 \
     --json "$OUT/bench-bf16-model-bwd.json"
-  [ -x "$C/bf16_timing" ] && run "bf16 timing (dev)" 200 "$C/bf16_timing" M2 --chains
+  [ -x "$C/bf16_timing" ] && run "bf16 timing (dev)" 200 "$C/bf16_timing" M2 --gemms --chains --phases
   run "pytorch bf16 eager" 500 python3 "$C/pytorch_baselines.py" --backward --dtype bf16 --json "$OUT/torch-bf16.json"
   run "pytorch bf16 compile" 500 python3 "$C/pytorch_baselines.py" --backward --dtype bf16 --compile default \
     --json "$OUT/torch-bf16-compile.json"

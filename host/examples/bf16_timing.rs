@@ -1,11 +1,12 @@
 //! Development timing of a bf16 model's blocks (`GpuBlock<Bf16>`) at the presets' seed
 //! sizes, beside cuBLAS's bf16 GEMM (FP32 output) on the same bf16 operands, in one
-//! process: forward, and forward + backward against cuBLAS's three GEMMs. `host bench`
+//! process: forward, and forward + backward against cuBLAS's three GEMMs; with `--gemms`,
+//! the backward's two GEMMs alone at M1's and M2's shapes. `host bench`
 //! is the project's benchmark; this is a quick look while kernels change.
 //!
-//! `cargo run --release -p host --example bf16_timing [-- M1,M3 [--chains]]`; with
+//! `cargo run --release -p host --example bf16_timing [-- M1,M3 [--gemms] [--chains] [--phases]]`; with
 //! `--chains`, also the forward at M2's shape with no chain and with each of its ops
-//! alone (what the epilogue costs).
+//! alone (what the epilogue costs); with `--phases`, M2's training step in parts.
 
 use host::block::random_input;
 use host::gpu::block::GpuBlock;
@@ -62,49 +63,55 @@ fn main() -> host::Result<()> {
         let path = block.describe(&gpu, &block.plan(&gpu, b));
         println!("{p}  {fwd:.3}  {c1:.3}  {:.2} | {fb:.3}  {c3:.3}  {:.2} | {path}", fwd / c1, fb / c3);
     }
-    if std::env::args().any(|a| a == "--gemms") {
-        // The backward's two GEMMs alone at M1's shape, on bf16 tensors as stored.
-        use host::gpu::gemm::tma::{NativeBf16, launch_native_bf16};
-        let (m, k, n) = Preset::M1.seed_shape();
-        let mut rng = StdRng::seed_from_u64(3);
-        let up = |r: usize, c: usize, rng: &mut StdRng| gpu.upload(&random_input(r, c, rng)?.to_bf16());
-        let (x, w, dz) = (up(m, k, &mut rng)?, up(n, k, &mut rng)?, up(m, n, &mut rng)?);
-        let (mut dx, mut dw) = (gpu.alloc_as::<Bf16>(&[m, k])?, gpu.alloc_as::<Bf16>(&[n, k])?);
-        let none = (None, None);
-        let s = gpu.stream();
-        let t_dx = median(&gpu, || {
-            launch_native_bf16(
-                &gpu,
-                s,
-                NativeBf16::GradInput,
-                (&dz.buf, &w.buf),
-                (m, k, n),
-                (n, k),
-                none,
-                &mut dx,
-                None,
-            )
+    if std::env::args().any(|a| a == "--phases") {
+        // M2's training step in parts: the forward with and without saving `z`, and the
+        // backward (forward+backward less the training forward).
+        let (b, i, o) = Preset::M2.seed_shape();
+        let spec = BlockSpec::new(i, o, Preset::M2.chain())?;
+        let mut rng = StdRng::seed_from_u64(4);
+        let params = Params::init(&spec, &mut rng).map(Bf16::from_f32);
+        let block = GpuBlock::new_bf16(&gpu, &spec, &params)?;
+        let x = gpu.upload(&random_input(b, i, &mut rng)?.to_bf16())?;
+        let dy = gpu.upload(&random_input(b, o, &mut rng)?.to_bf16())?;
+        let mut ws = block.workspace_with(&gpu, b, false)?;
+        let fwd = median(&gpu, || block.forward_into(&gpu, &x, &mut ws, None))?;
+        let train = median(&gpu, || block.forward_train(&gpu, &x, false).map(drop))?;
+        let fb = median(&gpu, || {
+            let (_, saved) = block.forward_train(&gpu, &x, false)?;
+            block.backward(&gpu, &x, saved, &dy).map(drop)
         })?;
-        let t_dw = median(&gpu, || {
-            launch_native_bf16(
-                &gpu,
-                s,
-                NativeBf16::GradWeight,
-                (&dz.buf, &x.buf),
-                (n, k, m),
-                (n, k),
-                none,
-                &mut dw,
-                None,
-            )
-        })?;
-        let (c_dx, c_dw) = (
-            median(&gpu, || cublas.grad_input(&dz, &w, &mut dx))?,
-            median(&gpu, || cublas.grad_weight(&dz, &x, &mut dw))?,
-        );
         println!(
-            "M1 shape, bf16 GEMMs alone (ms): dX ours {t_dx:.3} cuBLAS {c_dx:.3}; dW ours {t_dw:.3} cuBLAS {c_dw:.3}"
+            "M2 phases (ms): forward {fwd:.3}, forward saving z {train:.3}, backward {:.3}, forward+backward {fb:.3}",
+            fb - train
         );
+    }
+    if std::env::args().any(|a| a == "--gemms") {
+        // The backward's two GEMMs alone at M1's and M2's shapes, on bf16 tensors as stored.
+        use host::gpu::gemm::tma::{NativeBf16, launch_native_bf16};
+        for p in [Preset::M1, Preset::M2] {
+            let (m, k, n) = p.seed_shape();
+            let mut rng = StdRng::seed_from_u64(3);
+            let up = |r: usize, c: usize, rng: &mut StdRng| gpu.upload(&random_input(r, c, rng)?.to_bf16());
+            let (x, w, dz) = (up(m, k, &mut rng)?, up(n, k, &mut rng)?, up(m, n, &mut rng)?);
+            let (mut dx, mut dw) = (gpu.alloc_as::<Bf16>(&[m, k])?, gpu.alloc_as::<Bf16>(&[n, k])?);
+            let none = (None, None);
+            let s = gpu.stream();
+            let t_dx = median(&gpu, || {
+                let ab = (&*dz.buf, &*w.buf);
+                launch_native_bf16(&gpu, s, NativeBf16::GradInput, ab, (m, k, n), (n, k), none, &mut dx, None)
+            })?;
+            let t_dw = median(&gpu, || {
+                let ab = (&*dz.buf, &*x.buf);
+                launch_native_bf16(&gpu, s, NativeBf16::GradWeight, ab, (n, k, m), (n, k), none, &mut dw, None)
+            })?;
+            let (c_dx, c_dw) = (
+                median(&gpu, || cublas.grad_input(&dz, &w, &mut dx))?,
+                median(&gpu, || cublas.grad_weight(&dz, &x, &mut dw))?,
+            );
+            println!(
+                "{p} shape, bf16 GEMMs alone (ms): dX ours {t_dx:.3} cuBLAS {c_dx:.3}; dW ours {t_dw:.3} cuBLAS {c_dw:.3}"
+            );
+        }
     }
     if std::env::args().any(|a| a == "--chains") {
         let (b, i, o) = Preset::M2.seed_shape();

@@ -1,5 +1,6 @@
 //! The chain on `wgmma` accumulator fragments, in registers: the TMA GEMM's epilogue
-//! (`gemm/tma/`), with no staging through shared memory and no barrier.
+//! (`gemm/tma/`), with no staging through shared memory and no barrier (but for a bf16
+//! `y`, staged for the TMA store: [`stage_half_bf16`]).
 //!
 //! A thread of an `m64n256` warpgroup holds 128 values of a `256`-column tile: value
 //! `4 j + e` is row `r + 8 (e / 2)` (two rows), column `col + 8 j + e % 2`
