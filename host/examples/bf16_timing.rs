@@ -6,7 +6,8 @@
 //!
 //! `cargo run --release -p host --example bf16_timing [-- M1,M3 [--gemms] [--chains] [--phases]]`; with
 //! `--chains`, also the forward at M2's shape with no chain and with each of its ops
-//! alone (what the epilogue costs); with `--phases`, M2's training step in parts.
+//! alone (what the epilogue costs); with `--phases`, M2's training step in parts and
+//! its chain backward alone (bf16 and FP32 `dy`).
 
 use host::block::random_input;
 use host::gpu::block::GpuBlock;
@@ -84,6 +85,17 @@ fn main() -> host::Result<()> {
             "M2 phases (ms): forward {fwd:.3}, forward saving z {train:.3}, backward {:.3}, forward+backward {fb:.3}",
             fb - train
         );
+        // The chain backward alone (FP32 `z`), on bf16 `dy` / `dz` and on FP32 ones.
+        use host::gpu::epilogue::{DeviceChain, lanes::epilogue_tiles_backward};
+        let params32 = params.map(Bf16::to_f32);
+        let ops =
+            params32.ops.iter().map(|p| p.iter().map(|t| gpu.upload(t)).collect()).collect::<host::Result<Vec<_>>>()?;
+        let chain = DeviceChain::new(&gpu, &spec.chain.0, &ops)?;
+        let z: DeviceTensor = gpu.upload(&random_input(b, o, &mut rng)?)?;
+        let dy32: DeviceTensor = gpu.upload(&random_input(b, o, &mut rng)?)?;
+        let t16 = median(&gpu, || epilogue_tiles_backward(&gpu, &chain, &z, &dy).map(drop))?;
+        let t32 = median(&gpu, || epilogue_tiles_backward(&gpu, &chain, &z, &dy32).map(drop))?;
+        println!("M2 chain backward alone (ms): bf16 dy and dz {t16:.3}, FP32 {t32:.3}");
     }
     if std::env::args().any(|a| a == "--gemms") {
         // The backward's two GEMMs alone at M1's and M2's shapes, on bf16 tensors as stored.
