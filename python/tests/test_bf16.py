@@ -183,6 +183,58 @@ class TwoBlocks(torch.nn.Module):
 
 
 @pytest.mark.gpu
+def test_bf16_no_float32_copy_of_x_or_weight():
+    """Forward and backward of a bf16 block allocate less than a float32 copy of ``x`` or of
+    the weight would: nothing is widened per call on the bf16-native path.
+
+    The shape keeps the forward off split-K (which takes widened copies by design), with
+    ``x`` (2048 x 8192) the largest tensor and the weight next: each bound allows every
+    buffer the bf16 paths allocate (the output, the saved float32 ``z``, the backward's
+    bf16 ``dz``, ``dx``, ``dW``), and a float32 ``x`` (64 MiB) or weight (32 MiB) exceeds it."""
+    torch.manual_seed(0)
+    batch, k, n = 2048, 8192, 1024
+    ops = PRESETS["M1"]
+    block = FusedLinear(k, n, ops, device="cuda", dtype=BF16)
+    x = torch.rand(batch, k, device="cuda").to(BF16).requires_grad_(True)
+    mib = 2**20
+    y16, y32 = batch * n * 2, batch * n * 4  # a bf16 output; an FP32 one (or z)
+    f32_x, f32_w = batch * k * 4, n * k * 4
+
+    def peak(work):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = work()
+        torch.cuda.synchronize()
+        return out, torch.cuda.max_memory_allocated() - base
+
+    with torch.no_grad():
+        y, extra = peak(lambda: block(x))
+    assert y.dtype == BF16
+    bound = y16 + 4 * mib
+    assert bound < f32_w < f32_x
+    assert extra < bound, f"inference allocated {extra / mib:.1f} MiB (bound {bound / mib:.0f})"
+
+    small = [block.lin.bias.float()] + [p.float() for p in block.chain_parameters()]
+    w = block.lin.weight.detach()
+    forward = torch.ops.fused_linear.forward
+    (y, z), extra = peak(lambda: forward(x.detach(), w, small[0], small[1:], ops, "bf16"))
+    assert (y.dtype, z.dtype) == (BF16, torch.float32)
+    bound = y16 + y32 + 4 * mib  # y and the saved z
+    assert bound < f32_w
+    assert extra < bound, f"forward allocated {extra / mib:.1f} MiB (bound {bound / mib:.0f})"
+
+    y = block(x)
+    dy = torch.randn_like(y)
+    _, extra = peak(lambda: y.backward(dy))
+    assert x.grad.dtype == BF16 and all(p.grad.dtype == BF16 for p in block.parameters())
+    # dx, dW and dz in bf16, the parameter-gradient partial sums (small).
+    bound = batch * k * 2 + n * k * 2 + y16 + 4 * mib
+    assert bound < f32_w + batch * k * 2 + n * k * 2
+    assert extra < bound, f"backward allocated {extra / mib:.1f} MiB (bound {bound / mib:.0f})"
+
+
+@pytest.mark.gpu
 def test_bf16_model_compiled_with_inductor_matches_eager():
     """torch.compile(fullgraph=True) of a bf16 model: the same kernels on the same values,
     so eager's bf16 output and gradients bit for bit (the inference op's path too)."""
