@@ -150,7 +150,7 @@ if has parallel; then
   ngpu=$(nvidia-smi -L | wc -l)
   echo "== $ngpu GPU(s); NCCL library: ${nccl:-not found}" | tee -a "$LOG"
   run "GPU tests, parallel" 300 "$C/test-gpu_parallel" --include-ignored --nocapture --test-threads 1
-  for m in M1 M4; do
+  for m in M1 M2 M3 M4 M5; do
     run "forward $m" 120 "$C/host" forward --device gpu --model $m --repeat 10 --check-rows 16
     run "forward $m tp$ngpu" 120 "$C/host" forward --device gpu --model $m --repeat 10 --check-rows 16 \
       --tensor-parallel $ngpu
@@ -166,6 +166,10 @@ if has parallel; then
     > "$OUT/train-dp2-shared.txt"
   [ "$ngpu" -gt 1 ] && run "train dp$ngpu" 200 "$C/host" train --device gpu --steps 30 --data-parallel $ngpu \
     > "$OUT/train-dp$ngpu.txt"
+  # Throughput: a block pair whose steps are ~0.1 s on one GPU (teacher on the CPU backend).
+  big="--dims 4096,8192,4096 --batch 8192 --batches 2 --steps 12 --groups 256"
+  run "train big dp1" 300 "$C/host" train --device gpu $big
+  [ "$ngpu" -gt 1 ] && run "train big dp$ngpu" 300 "$C/host" train --device gpu $big --data-parallel $ngpu
   python3 - "$OUT" <<'PY' | tee -a "$LOG"
 import glob, sys
 def losses(path):

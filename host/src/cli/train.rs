@@ -12,7 +12,7 @@ use crate::gpu::block::GpuBlock;
 use crate::gpu::collective::{Collective, Reduce};
 use crate::gpu::optim::{AdamState, adam_step, mse_loss_grad, sgd_step};
 use crate::gpu::tape::GpuGrad;
-use crate::gpu::{DeviceTensor, open_ranks};
+use crate::gpu::{DeviceTensor, Phases, open_ranks};
 use crate::parallel::BatchSplit;
 use crate::reference;
 use crate::tape::{Tape, VarId};
@@ -72,6 +72,10 @@ pub struct TrainArgs {
     tuning: TuningArgs,
 }
 
+/// Above this many FLOPs per batch the teacher runs on the FP32 CPU backend, not the
+/// f64 reference.
+const FAST_TEACHER_FLOPS: f64 = 2e9;
+
 fn chain(text: &str, groups: usize) -> Result<Chain> {
     let chain = match text.parse::<Preset>() {
         Ok(p) => p.chain(),
@@ -115,13 +119,22 @@ pub fn run(a: &TrainArgs) -> Result<(), Failure> {
     let mut rng = StdRng::seed_from_u64(a.seed);
     let student = (Params::init(&s1, &mut rng), Params::init(&s2, &mut rng));
     let teacher = (Params::init(&s1, &mut rng), Params::init(&s2, &mut rng));
-    // Synthetic data: inputs from N(0, 1), targets from the teacher (computed in f64).
+    // Synthetic data: inputs from N(0, 1), targets from the teacher: computed in f64,
+    // or by the multithreaded FP32 CPU backend where that would take long (the f64
+    // reference is one thread; a throughput run's batches are GFLOPs each).
+    let fast_teacher = (s1.forward_flops(a.batch) + s2.forward_flops(a.batch)) > FAST_TEACHER_FLOPS;
     let data: Vec<(Tensor<f32>, Tensor<f32>)> = (0..a.batches)
         .map(|_| {
             let x = random_input(a.batch, s1.in_features, &mut rng)?;
-            let h = reference::block_forward(&s1, &x.to_f64(), &teacher.0.map(f64::from))?;
-            let y = reference::block_forward(&s2, &h, &teacher.1.map(f64::from))?;
-            Ok((x, y.to_f32()))
+            let y = if fast_teacher {
+                let opts = cpu::Options::new(cpu::Precision::Fp32);
+                let h = cpu::forward(&s1, &x, &teacher.0, &opts)?;
+                cpu::forward(&s2, &h, &teacher.1, &opts)?
+            } else {
+                let h = reference::block_forward(&s1, &x.to_f64(), &teacher.0.map(f64::from))?;
+                reference::block_forward(&s2, &h, &teacher.1.map(f64::from))?.to_f32()
+            };
+            Ok((x, y))
         })
         .collect::<Result<_>>()?;
 
@@ -150,7 +163,18 @@ pub fn run(a: &TrainArgs) -> Result<(), Failure> {
                 (n, false) => format!(", data parallel over {n} ranks on one GPU (gradients averaged in host memory)"),
             };
             println!("  backend gpu: {}{link}", names.join(" + "));
-            train_gpu(&ranks, split, a, (&s1, &s2), student, &data)?
+            let (losses, times) = train_gpu(&ranks, split, a, (&s1, &s2), student, &data)?;
+            if let Some(t) = times {
+                let reduce = match (split.ranks, ranks.is_nccl()) {
+                    (1, _) => String::new(),
+                    (_, true) => {
+                        format!(", {:.3} ms of it in the gradients' NCCL all-reduce (rank 0)", t.all_reduce_ms)
+                    }
+                    (_, false) => format!(", {:.3} ms of it averaging the gradients in host memory", t.all_reduce_ms),
+                };
+                println!("steps 2..{}: {:.3} ms per step{reduce}", a.steps, t.step_ms);
+            }
+            losses
         }
         Backend::Cpu => {
             let ranks = match a.data_parallel {
@@ -173,6 +197,16 @@ pub fn run(a: &TrainArgs) -> Result<(), Failure> {
     Ok(())
 }
 
+/// Where a GPU training step's time goes, over the steps after the first (which
+/// pays for module loads and the collectives' first use).
+struct StepTimes {
+    /// Wall time per step, all ranks.
+    step_ms: f64,
+    /// Rank 0's stream time in the gradients' all-reduce per step (CUDA events; with
+    /// NCCL it includes waiting for the other ranks to reach it).
+    all_reduce_ms: f64,
+}
+
 /// One rank of the GPU trainer: its replica of the two blocks, its optimiser state
 /// and its rows of every batch.
 struct GpuRank {
@@ -188,7 +222,7 @@ fn train_gpu(
     (s1, s2): (&BlockSpec, &BlockSpec),
     student: (Params<f32>, Params<f32>),
     data: &[(Tensor<f32>, Tensor<f32>)],
-) -> Result<Vec<f64>> {
+) -> Result<(Vec<f64>, Option<StepTimes>)> {
     let mut state: Vec<GpuRank> = ranks
         .gpus()
         .iter()
@@ -216,7 +250,12 @@ fn train_gpu(
         })
         .collect::<Result<_>>()?;
     let mut losses = Vec::new();
+    let (mut timed_from, mut all_reduce_ms) = (None, 0.0);
     for step in 1..=a.steps {
+        if step == 2 {
+            ranks.synchronize()?;
+            timed_from = Some(Instant::now());
+        }
         // Every rank's forward is queued before any waits (the loss), so the GPUs overlap.
         let mut taped = Vec::new();
         for (gpu, rank) in ranks.gpus().iter().zip(&state) {
@@ -257,7 +296,9 @@ fn train_gpu(
                 .collect::<Result<_>>()?;
             grads.push(per_block);
         }
+        let mut reduce_phases = None;
         if split.ranks > 1 {
+            let mut phases = Phases::start(&ranks.gpus()[0])?;
             // Each rank's gradient is of its rows' mean loss: their mean over the ranks
             // is the whole batch's.
             for bi in 0..2 {
@@ -266,6 +307,8 @@ fn train_gpu(
                     ranks.all_reduce(&mut bufs, Reduce::Avg)?;
                 }
             }
+            phases.mark(&ranks.gpus()[0], "all-reduce")?;
+            reduce_phases = Some(phases);
         }
         for ((gpu, rank), grads) in ranks.gpus().iter().zip(&mut state).zip(grads) {
             for (bi, (block, block_grads)) in rank.blocks.iter_mut().zip(grads).enumerate() {
@@ -280,10 +323,19 @@ fn train_gpu(
                 block.refold(gpu)?;
             }
         }
+        // Read after the optimiser's launches are queued, so the wait costs the GPUs nothing.
+        if let (Some(phases), true) = (reduce_phases, step > 1) {
+            all_reduce_ms += phases.millis()?.iter().map(|(_, ms)| ms).sum::<f64>();
+        }
         report(step, a.steps, loss, losses.first().copied().unwrap_or(loss));
         losses.push(loss);
     }
-    Ok(losses)
+    ranks.synchronize()?;
+    let times = timed_from.map(|t0| {
+        let steps = (a.steps - 1) as f64;
+        StepTimes { step_ms: t0.elapsed().as_secs_f64() * 1e3 / steps, all_reduce_ms: all_reduce_ms / steps }
+    });
+    Ok((losses, times))
 }
 
 fn train_cpu(
