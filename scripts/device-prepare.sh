@@ -29,6 +29,8 @@ PY=${PYTHON:-python3}
 "$PY" -m maturin build --release -m python/Cargo.toml -i "$PY" --out device-carry/wheels >/dev/null
 "$PY" -m pip download --quiet --only-binary :all: -d device-carry/wheels pytest
 ls device-carry/wheels
+# Symbols are not needed there; stripped, everything fits the device tool's 64 MiB.
+for f in device-carry/*; do [ -x "$f" ] && [ -f "$f" ] && strip "$f"; done
 ls -la device-carry
 du -sh device-carry
 # The PyTorch peers, timed in the same device call (shared/ beside the checkout does not travel).

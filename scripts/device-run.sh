@@ -11,7 +11,8 @@
 #   STEPS=seedparity: scripts/parity.py at the presets' seed sizes, every precision, against
 #   PyTorch's float64 on the GPU (~5 minutes: a call of its own, not in the default)
 #   TORCH_FLAGS="--compile default" etc. are passed to the PyTorch baselines.
-#   STEPS=bf16ab: the bf16 model's dev timing, this build against device-carry/bf16_timing-old
+#   STEPS=bf16ab: the bf16 model's dev timing (and M2's phases), this build against
+#   device-carry/bf16_timing-old
 #   STEPS=bf16: a bf16 model's blocks, ours and PyTorch's bf16 model (eager, compiled)
 #   STEPS=parallel: several ranks (NCCL over every GPU present, ranks sharing GPU 0), tensor
 #   and data parallel through the CLI, the DDP example (not in the default)
@@ -126,6 +127,7 @@ if has bf16ab && [ -x "$C/bf16_timing-old" ]; then
     for b in old new; do
       bin="$C/bf16_timing"; [ "$b" = old ] && bin="$C/bf16_timing-old"
       run "bf16 timing $b ($round)" 200 "$bin" "" --gemms --chains
+      run "bf16 phases M2 $b ($round)" 200 "$bin" M2 --phases
     done
   done
 fi

@@ -173,12 +173,16 @@ pub mod epilogue {
     /// through: two ring slots of a row pair of each.
     pub const TILES_BACKWARD_RING_ROWS: usize = 8;
 
+    /// Shared memory of one op in the tile-wise backward's table: its descriptor and,
+    /// for a GroupNorm, its group's lane count and `1 / g` (worked out once per block).
+    pub const TILE_OP_BYTES: usize = core::mem::size_of::<OpDesc>() + 8;
+
     /// Dynamic shared memory of the tile-wise backward for a chain of `n_ops` ops with
-    /// `slots` gradient slots: the op descriptors, each warp's gradient sums (`slots`
+    /// `slots` gradient slots: the op table (descriptors, then GroupNorm constants), each warp's gradient sums (`slots`
     /// rows of 128 floats), then per warp its saved op inputs (two rows for each op but
     /// the last) and its `z`/`dy` ring.
     pub const fn tiles_backward_smem_bytes(slots: usize, n_ops: usize) -> usize {
-        super::gemm_simt::MAX_TILE_OPS * core::mem::size_of::<OpDesc>()
+        super::gemm_simt::MAX_TILE_OPS * TILE_OP_BYTES
             + (TILE_THREADS / 32) * (slots + 2 * n_ops.saturating_sub(1) + TILES_BACKWARD_RING_ROWS) * 128 * 4
     }
 

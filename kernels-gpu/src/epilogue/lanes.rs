@@ -12,7 +12,7 @@ use crate::prelude::async_copy::{cp_async_4, cp_async_8, cp_async_16, cp_async_c
 use crate::prelude::element::{Element, unpack_bf16x4};
 use crate::prelude::global::load_v4_nc;
 use crate::prelude::math::{fma, rsqrt};
-use crate::prelude::warp::{segment_sum, shfl_xor};
+use crate::prelude::warp::shfl_xor;
 use crate::prelude::*;
 use crate::unroll;
 use kernel_abi::epilogue::*;
@@ -63,34 +63,60 @@ pub unsafe fn store_row4<O: Element>(dst: *mut O, v: [f32; 4], row: usize, n: us
     }
 }
 
-/// GroupNorm statistics of the lane's group: `(mean, 1 / sqrt(var + eps), 1 / g, lanes)`.
+/// A GroupNorm group as the lanes hold it: `g / 4` neighbouring lanes and `1 / g`.
+/// The tile-wise backward works it out once per block (per pass, `n / count` and
+/// `1 / g` were an integer and an IEEE division: ~50 instructions for 8 values).
+#[derive(Clone, Copy, Default)]
+#[repr(C)]
+pub struct LaneGroup {
+    pub lanes: u32,
+    pub inv: f32,
+}
+
+impl LaneGroup {
+    /// The group of GroupNorm `op` over `n` channels.
+    #[inline(always)]
+    pub fn of(op: &OpDesc, n: usize) -> LaneGroup {
+        let g = n / (op.count as usize).max(1);
+        LaneGroup { lanes: (g / 4) as u32, inv: 1.0 / g as f32 }
+    }
+}
+
+/// GroupNorm statistics of the lanes' groups in `R` rows at once (their shuffles
+/// interleaved): `(mean, 1 / sqrt(var + eps))` per row.
 #[inline(always)]
-fn lane_group_stats(op: &OpDesc, v: &[f32; 4], n: usize) -> (f32, f32, f32, u32) {
-    let g = n / (op.count as usize).max(1);
-    let lanes = (g / 4) as u32;
-    let inv = 1.0 / g as f32;
-    let mean = segment_sum(v[0] + v[1] + v[2] + v[3], lanes) * inv;
-    let mut q = 0.0;
-    unroll!(e in 0..4 => { let d = v[e] - mean; q += d * d; });
-    (mean, rsqrt(segment_sum(q, lanes) * inv + op.a), inv, lanes)
+fn lane_group_stats<const R: usize>(op: &OpDesc, v: &[[f32; 4]; R], group: LaneGroup) -> [(f32, f32); R] {
+    let sums = segment_sums(v.map(|r| r[0] + r[1] + r[2] + r[3]), group.lanes);
+    let mean = sums.map(|s| s * group.inv);
+    let mut q = [0.0f32; R];
+    unroll!(i in 0..2 => {
+        if i < R {
+            unroll!(e in 0..4 => { let d = v[i][e] - mean[i]; q[i] = fma(d, d, q[i]); });
+        }
+    });
+    let q = segment_sums(q, group.lanes);
+    let mut stats = [(0.0, 0.0); R];
+    unroll!(i in 0..2 => { if i < R { stats[i] = (mean[i], rsqrt(q[i] * group.inv + op.a)); } });
+    stats
 }
 
 /// One op forward on the lane's 4 values of `R` (1 or 2) rows at once: the op is
 /// decoded once and the rows' independent chains (shuffles, `exp`, parameter loads)
 /// share one basic block, so their latencies overlap. (Rows are indexed by unrolled
-/// constants only: a loop would put the array on the stack.)
+/// constants only: a loop would put the array on the stack.) `group` gives a
+/// GroupNorm's [`LaneGroup`] (called only for one).
 #[inline(always)]
-pub fn lane_forward_rows<const R: usize>(op: &OpDesc, rows: &mut [[f32; 4]; R], n: usize, c: usize) {
+pub fn lane_forward_rows<const R: usize>(
+    op: &OpDesc,
+    group: impl Fn() -> LaneGroup,
+    rows: &mut [[f32; 4]; R],
+    n: usize,
+    c: usize,
+) {
     let (p0, p1) = (op.param0 as *const f32, op.param1 as *const f32);
     match op.code {
         OP_GROUP_NORM => {
-            let mut stats = [(0.0, 0.0); 2];
-            unroll!(i in 0..2 => {
-                if i < R {
-                    let (mean, rstd, _, _) = lane_group_stats(op, &rows[i], n);
-                    stats[i] = (mean, rstd);
-                }
-            });
+            let stats = lane_group_stats(op, rows, group());
             let (gamma, beta) = (column_params(p0, n, c), column_params(p1, n, c));
             unroll!(i in 0..2 => {
                 if i < R {
@@ -129,15 +155,30 @@ fn each<const R: usize>(rows: &mut [[f32; 4]; R], f: impl Fn(f32, usize) -> f32)
     });
 }
 
-/// Sums of `K` values over aligned segments of `width` lanes, in one shuffle loop:
-/// the `K` exchanges of a step are independent, so their latencies overlap.
+/// Sums of `K` values over aligned segments of `width` lanes (a power of two up to
+/// 32, the same on every lane): the `K` exchanges of a step are independent, so their
+/// latencies overlap. One straight run of butterflies per width: a loop's counter,
+/// compare and convergence check per step cost as much as its shuffles.
 #[inline(always)]
-fn segment_sums<const K: usize>(mut v: [f32; K], width: u32) -> [f32; K] {
-    let mut m = 1;
-    while m < width {
-        unroll!(k in 0..4 => { if k < K { v[k] += shfl_xor(v[k], m); } });
-        m <<= 1;
+fn segment_sums<const K: usize>(v: [f32; K], width: u32) -> [f32; K] {
+    match width {
+        0 | 1 => v,
+        2 => butterfly::<K, 1>(v),
+        4 => butterfly::<K, 2>(v),
+        8 => butterfly::<K, 3>(v),
+        16 => butterfly::<K, 4>(v),
+        _ => butterfly::<K, 5>(v),
     }
+}
+
+/// `STEPS` butterfly steps (xor 1, 2, ..) of segment sums over `K` values.
+#[inline(always)]
+fn butterfly<const K: usize, const STEPS: u32>(mut v: [f32; K]) -> [f32; K] {
+    unroll!(s in 0..8 => {
+        if (s as u32) < STEPS {
+            unroll!(k in 0..4 => { if k < K { v[k] += shfl_xor(v[k], 1 << s); } });
+        }
+    });
     v
 }
 
@@ -168,6 +209,7 @@ unsafe fn add_to_slot(sums: *mut F4, slot: usize, lane: usize, v: &[[f32; 4]; 2]
 #[inline(always)]
 unsafe fn lane_backward_rows(
     op: &OpDesc,
+    group: LaneGroup,
     x: &[[f32; 4]; 2],
     g: &mut [[f32; 4]; 2],
     n: usize,
@@ -181,18 +223,9 @@ unsafe fn lane_backward_rows(
     match op.code {
         OP_GROUP_NORM => {
             // dx = rstd (dy gamma - mean(dy gamma) - xhat mean(dy gamma xhat))
-            let gsize = n / (op.count as usize).max(1);
-            let lanes = (gsize / 4) as u32;
-            let inv = 1.0 / gsize as f32;
-            let [m0, m1] = segment_sums(
-                [x[0][0] + x[0][1] + x[0][2] + x[0][3], x[1][0] + x[1][1] + x[1][2] + x[1][3]],
-                lanes,
-            );
-            let mean = [m0 * inv, m1 * inv];
-            let mut q = [0.0f32; 2];
-            unroll!(i in 0..2 => { unroll!(e in 0..4 => { let d = x[i][e] - mean[i]; q[i] = fma(d, d, q[i]); }); });
-            let q = segment_sums(q, lanes);
-            let rstd = [rsqrt(q[0] * inv + op.a), rsqrt(q[1] * inv + op.a)];
+            let (lanes, inv) = (group.lanes, group.inv);
+            let [(m0, r0), (m1, r1)] = lane_group_stats(op, x, group);
+            let (mean, rstd) = ([m0, m1], [r0, r1]);
             let gamma = column_params(p0, n, c);
             let mut xhat = [[0.0f32; 4]; 2];
             let mut dyg = [[0.0f32; 4]; 2];
@@ -329,10 +362,17 @@ unsafe fn tiles_backward<G: Element>(
     // its ring, 16 bytes per lane (tiles_backward_smem_bytes).
     let base = dynamic_shared::<F4>(); // 16-byte aligned
     let descs = base as *mut OpDesc;
+    // SAFETY (offset): the groups follow MAX_TILE_OPS descriptors (TILE_OP_BYTES each, both).
+    let groups = unsafe { descs.add(MAX_TILE_OPS) } as *mut LaneGroup;
     let t = thread_idx_x() as usize;
     if t < n_ops {
-        // SAFETY: t < n_ops <= MAX_TILE_OPS; the launch provides MAX_TILE_OPS descriptors of space.
-        unsafe { *descs.add(t) = *ops.add(t) };
+        // SAFETY: t < n_ops <= MAX_TILE_OPS; the launch provides MAX_TILE_OPS descriptors
+        // and groups of space.
+        unsafe {
+            let op = *ops.add(t);
+            *descs.add(t) = op;
+            *groups.add(t) = if op.code == OP_GROUP_NORM { LaneGroup::of(&op, n) } else { LaneGroup::default() };
+        }
     }
     // SAFETY: uniform barrier before the descriptors are read.
     unsafe { sync_threads() };
@@ -344,7 +384,7 @@ unsafe fn tiles_backward<G: Element>(
     }
     // SAFETY (offsets): inside the launch's tiles_backward_smem_bytes(slots, n_ops); the
     // descriptors take a multiple of 16 bytes.
-    let all_sums = unsafe { base.byte_add(MAX_TILE_OPS * core::mem::size_of::<OpDesc>()) };
+    let all_sums = unsafe { base.byte_add(MAX_TILE_OPS * TILE_OP_BYTES) };
     let sums = unsafe { all_sums.add(warp * slots * 32) };
     let per_warp = (2 * n_ops.saturating_sub(1) + TILES_BACKWARD_RING_ROWS) * 32;
     let saved = unsafe { all_sums.add(warps * slots * 32 + warp * per_warp) };
@@ -419,7 +459,8 @@ unsafe fn tiles_backward<G: Element>(
                 *saved.add(p * 64 + lane) = F4(x[0]);
                 *saved.add(p * 64 + 32 + lane) = F4(x[1]);
             }
-            lane_forward_rows(op_at(p), &mut x, n, c);
+            // SAFETY: p < n_ops.
+            lane_forward_rows(op_at(p), || unsafe { *groups.add(p) }, &mut x, n, c);
         }
         let mut slot_end = slots;
         for i in (0..n_ops).rev() {
@@ -430,7 +471,7 @@ unsafe fn tiles_backward<G: Element>(
             let op = op_at(i);
             slot_end -= param_count(op);
             // SAFETY: slot_end + param_count(op) <= slots.
-            unsafe { lane_backward_rows(op, &x, &mut g, n, c, sums, slot_end, lane, both) };
+            unsafe { lane_backward_rows(op, *groups.add(i), &x, &mut g, n, c, sums, slot_end, lane, both) };
         }
         // SAFETY: slot 0 < slots; rows below row_end (row 1 only when `both`).
         unsafe {

@@ -2,7 +2,7 @@
 //! memory by the main loop's arithmetic (whatever its register layout), is walked row
 //! by row — bias, the saved `z`, the epilogue chain, coalesced stores.
 
-use crate::epilogue::lanes::{F4, column_params, lane_forward_rows, store_row4};
+use crate::epilogue::lanes::{F4, LaneGroup, column_params, lane_forward_rows, store_row4};
 use crate::prelude::*;
 use crate::unroll;
 use kernel_abi::epilogue::OpDesc;
@@ -103,7 +103,8 @@ fn epilogue_rows<const R: usize>(
     }
     for o in 0..n_ops as usize {
         // SAFETY: o < n_ops.
-        lane_forward_rows(unsafe { &*ops.add(o) }, rows, n, c);
+        let op = unsafe { &*ops.add(o) };
+        lane_forward_rows(op, || LaneGroup::of(op, n), rows, n, c);
     }
 }
 
