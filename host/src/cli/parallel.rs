@@ -8,7 +8,7 @@ use crate::cpu;
 use crate::error::{Error, Result};
 use crate::gpu::collective::Collective;
 use crate::gpu::parallel::TensorParallel;
-use crate::gpu::{Gpu, open_ranks};
+use crate::gpu::{Gpu, Phases, open_ranks};
 use crate::parallel::{TensorSplit, cpu as tp_cpu};
 use crate::tensor::Tensor;
 use std::time::Instant;
@@ -75,6 +75,7 @@ pub fn run(p: &Problem, ranks: usize, backend: &Backend, dy: Option<&Tensor<f32>
             let link = if tp.collective().is_nccl() { "NCCL" } else { "host memory" };
             let backend = describe(&split, &format!("gpu: {} ({link}), {} GEMMs", names.join(" + "), p.precision));
             let xs = tp.upload_input(&p.x)?;
+            let mut breakdown = None;
             let (y, grads, times) = match dy {
                 None => {
                     let y = tp.forward(&p.x)?;
@@ -84,18 +85,59 @@ pub fn run(p: &Problem, ranks: usize, backend: &Backend, dy: Option<&Tensor<f32>
                 Some(dy) => {
                     let (y, g) = tp.forward_backward(&p.x, dy)?;
                     let dys = tp.upload_grad_output(dy)?;
-                    let times = timed(tp.collective().gpus(), repeat, || {
+                    // Where a step's time goes: how long the host takes to queue each
+                    // half (one thread queues every rank's work) and each rank's stream
+                    // time for the forward and for the backward with `dX`'s all-reduce.
+                    let gpus = tp.collective().gpus();
+                    let mut steps = Vec::new();
+                    let times = timed(gpus, repeat, || {
+                        let mut phases = gpus.iter().map(Phases::start).collect::<Result<Vec<_>>>()?;
+                        let t0 = Instant::now();
                         let (_, saved) = tp.forward_train_ranks(&xs)?;
-                        tp.backward_ranks(&xs, saved, &dys).map(drop)
+                        let queued_forward = t0.elapsed().as_secs_f64() * 1e3;
+                        for (p, gpu) in phases.iter_mut().zip(gpus) {
+                            p.mark(gpu, "forward")?;
+                        }
+                        let t1 = Instant::now();
+                        tp.backward_ranks(&xs, saved, &dys)?;
+                        let queued_backward = t1.elapsed().as_secs_f64() * 1e3;
+                        for (p, gpu) in phases.iter_mut().zip(gpus) {
+                            p.mark(gpu, "backward")?;
+                        }
+                        steps.push((queued_forward, queued_backward, phases));
+                        Ok(())
                     })?;
+                    breakdown = Some(step_breakdown(&steps)?);
                     (y, Some((g.x, g.params)), times)
                 }
             };
-            let timing = format!("median of {} after a checked run, wall clock over all ranks", times.len());
+            let mut timing = format!("median of {} after a checked run, wall clock over all ranks", times.len());
+            if let Some(b) = breakdown {
+                timing.push_str(&b);
+            }
             let flops = tp.blocks().iter().map(|b| b.executed_flops(p.x.rows())).sum();
             Ok(SplitRun { backend, y, grads, ms: times[times.len() / 2], timing, flops })
         }
     }
+}
+
+/// The median step's (by the host's queueing time) breakdown: the host's time to queue
+/// the forward and the backward, and each rank's stream time for them.
+fn step_breakdown(steps: &[(f64, f64, Vec<Phases>)]) -> Result<String> {
+    let mut order: Vec<usize> = (0..steps.len()).collect();
+    order.sort_by(|&a, &b| (steps[a].0 + steps[a].1).total_cmp(&(steps[b].0 + steps[b].1)));
+    let Some(&median) = order.get(order.len() / 2) else { return Ok(String::new()) };
+    let (queued_forward, queued_backward, phases) = &steps[median];
+    let mut ranks = Vec::new();
+    for p in phases {
+        let ms: Vec<String> = p.millis()?.iter().map(|(_, ms)| format!("{ms:.3}")).collect();
+        ranks.push(ms.join(" + "));
+    }
+    Ok(format!(
+        "; host queued the forward in {queued_forward:.3} ms and the backward in {queued_backward:.3}; \
+         rank streams, forward + backward with dX's all-reduce: {}",
+        ranks.join(", ")
+    ))
 }
 
 /// Sorted wall-clock milliseconds of `repeat` runs of `work`, every rank idle before
