@@ -178,9 +178,9 @@ pub mod epilogue {
     pub const TILE_OP_BYTES: usize = core::mem::size_of::<OpDesc>() + 8;
 
     /// Dynamic shared memory of the tile-wise backward for a chain of `n_ops` ops with
-    /// `slots` gradient slots: the op table (descriptors, then GroupNorm constants), each warp's gradient sums (`slots`
-    /// rows of 128 floats), then per warp its saved op inputs (two rows for each op but
-    /// the last) and its `z`/`dy` ring.
+    /// `slots` gradient slots: the op table (descriptors, then GroupNorm constants), each
+    /// warp's gradient sums (`slots` rows of 128 floats), then per warp its saved op
+    /// inputs (two rows for each op but the last) and its `z`/`dy` ring.
     pub const fn tiles_backward_smem_bytes(slots: usize, n_ops: usize) -> usize {
         super::gemm_simt::MAX_TILE_OPS * TILE_OP_BYTES
             + (TILE_THREADS / 32) * (slots + 2 * n_ops.saturating_sub(1) + TILES_BACKWARD_RING_ROWS) * 128 * 4
