@@ -357,9 +357,9 @@ unsafe fn tiles_backward<G: Element>(
     let row0 = block_idx_y() as usize * rows_per_block as usize;
     let row_end = if row0 + (rows_per_block as usize) < rows { row0 + rows_per_block as usize } else { rows };
     // Shared memory: the op descriptors (read at every op of every pass: a short,
-    // uniform load) and their GroupNorm constants, then [warp][slot][lane] gradient sums, then per warp
-    // [op][row][lane] saved op inputs (all ops but the last) and [slot][row][z, dy][lane]
-    // its ring, 16 bytes per lane (tiles_backward_smem_bytes).
+    // uniform load) and their GroupNorm constants, then [warp][slot][lane] gradient
+    // sums, then per warp [op][row][lane] saved op inputs (all ops but the last) and
+    // [slot][row][z, dy][lane] its ring, 16 bytes per lane (tiles_backward_smem_bytes).
     let base = dynamic_shared::<F4>(); // 16-byte aligned
     let descs = base as *mut OpDesc;
     // SAFETY (offset): the groups follow MAX_TILE_OPS descriptors (TILE_OP_BYTES each, both).
