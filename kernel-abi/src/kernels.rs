@@ -136,6 +136,7 @@ kernels! {
     F32ToBf16 = "f32_to_bf16";
     Bf16ToF32 = "bf16_to_f32";
     StoreWords = "store_words";
+    ConvertVectors = "convert_vectors";
     MseLossGrad = "mse_loss_grad";
     SgdStep = "sgd_step";
     AdamStep = "adam_step";

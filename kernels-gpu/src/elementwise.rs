@@ -290,3 +290,46 @@ pub unsafe extern "ptx-kernel" fn bf16_to_f32(input: *const u16, len: u32, out: 
         unsafe { *out.add(i) = u16::load1(input.add(i)) };
     }
 }
+
+/// Up to [`kernel_abi::VECTORS`] short vectors copied or converted in one launch, each
+/// from its own source to its own destination: a block's small parameters widened from
+/// bf16 and its small gradients copied out or rounded, in one launch per call instead
+/// of one per vector. Vector `v` is `words[3v]` (source address), `words[3v + 1]`
+/// (destination address) and `words[3v + 2]` (length, and in the high word a
+/// [`kernel_abi::ConvertMode`]); `count` vectors are given. The words stay in parameter
+/// space: each block picks its vector by constant indices.
+///
+/// # Safety
+/// Each source holds `len` values of its mode's input type and each destination `len`
+/// of its output type. Launch: grid (any, `count`), 1-D blocks; block row `y` takes
+/// vector `y`.
+// The unrolled pick below covers exactly `VECTORS` vectors.
+const _: () = assert!(kernel_abi::VECTORS == 8);
+
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn convert_vectors(count: u32, words: [u64; 3 * kernel_abi::VECTORS]) {
+    let v = block_idx_y() as usize;
+    if v >= count as usize {
+        return;
+    }
+    let (mut src, mut dst, mut meta) = (0u64, 0u64, 0u64);
+    unroll!(i in 0..8 => {
+        if v == i {
+            (src, dst, meta) = (words[3 * i], words[3 * i + 1], words[3 * i + 2]);
+        }
+    });
+    let (len, mode) = (meta as u32 as usize, (meta >> 32) as u32);
+    let step = (grid_dim_x() * block_dim_x()) as usize;
+    let mut i = global_index();
+    while i < len {
+        // SAFETY: i < len, inside both vectors by the contract.
+        unsafe {
+            match mode {
+                kernel_abi::CONVERT_BF16_TO_F32 => *(dst as *mut f32).add(i) = u16::load1((src as *const u16).add(i)),
+                kernel_abi::CONVERT_F32_TO_BF16 => u16::store1((dst as *mut u16).add(i), *(src as *const f32).add(i)),
+                _ => *(dst as *mut f32).add(i) = *(src as *const f32).add(i),
+            }
+        }
+        i += step;
+    }
+}

@@ -23,7 +23,7 @@
 //! (recomputing each op's input from `z`), `sum_partials` finishes those, and two
 //! GEMMs give `dX = dZ W` and `dW = dZ^T X`.
 
-use super::elementwise::{fold_rows_mean, unfold_rows_mean_grad};
+use super::elementwise::{Convert, Vector, convert_vectors, fold_rows_mean, unfold_rows_mean_grad};
 use super::epilogue::DeviceChain;
 use super::epilogue::kinks::{Refined, Scan, refine_near_kinks, scanned_prefix};
 use super::epilogue::lanes::{epilogue_tiles_backward, fits as tiles_fit};
@@ -181,7 +181,7 @@ impl<W: DeviceElement> GpuBlock<W> {
 
     /// The same block with its GEMMs in `precision` (a bf16 model's are bf16 always).
     pub fn with_precision(mut self, precision: Precision) -> GpuBlock<W> {
-        self.precision = if std::mem::size_of::<W>() == 2 { Precision::Bf16 } else { precision };
+        self.precision = if W::BF16 { Precision::Bf16 } else { precision };
         self
     }
 
@@ -208,8 +208,12 @@ impl<W: DeviceElement> GpuBlock<W> {
         let (n, k) = (self.gemm_width(), self.spec.in_features);
         let tiles = batch.div_ceil(BLOCK_M) * n.div_ceil(BLOCK_N);
         let sms = gpu.props.multiprocessors;
-        // Too few tiles to occupy the GPU, and enough k to share out: split k.
-        let splits = if tiles * 2 < sms && k >= 64 * BLOCK_K {
+        // Too few tiles to occupy the GPU, and enough k to share out: split k. Not where
+        // a bf16 model's kernel reads x and W as stored: it has no split-K, and the split
+        // FP32 kernels would take widened copies of both on every call (of the whole
+        // weight: 0.27 ms at 8 x 4096 x 4096, where the unsplit bf16 kernel streams W once).
+        let native = W::BF16 && self.native_bf16_forward(&Plan::GemmThenRows { splits: 1 });
+        let splits = if !native && tiles * 2 < sms && k >= 64 * BLOCK_K {
             (2 * sms).div_ceil(tiles).min(k / (32 * BLOCK_K)).clamp(1, 16)
         } else {
             1
@@ -237,7 +241,7 @@ impl<W: DeviceElement> GpuBlock<W> {
         let mut gemm = route(self.precision, Role::Forward { splits }, (0, self.gemm_width(), k), gpu.tuning().tma)
             .kernel
             .to_string();
-        let bf16_model = std::mem::size_of::<W>() == 2;
+        let bf16_model = W::BF16;
         if bf16_model {
             gemm = match (self.native_bf16_forward(plan), plan, &self.folded) {
                 (true, Plan::Fused, _) => format!("{} (bf16 x, W, y as stored)", Kernel::GemmTmaBf16NtToBf16),
@@ -352,12 +356,16 @@ impl<W: DeviceElement> GpuBlock<W> {
         slots: &DeviceTensor,
     ) -> Result<(DeviceTensor, Vec<Vec<DeviceTensor>>)> {
         let n = self.gemm_width();
-        let slot = |s: usize, len: usize| gpu.copy_range(slots, s * n..s * n + len);
-        let db = slot(0, n)?;
-        let db = match &self.folded {
-            Some((k, ..)) => unfold_rows_mean_grad::<f32>(gpu, &db, self.spec.out_features, *k)?,
-            None => db,
+        // Each gradient in a buffer of its own (the caller hands them out separately),
+        // all copied out of `slots` by one launch.
+        let mut copies = Vec::new();
+        let mut slot = |s: usize, len: usize| -> Result<DeviceTensor> {
+            let out = gpu.alloc(&[len])?;
+            let src = slots.buf.device_address() + (s * n * 4) as u64;
+            copies.push(Vector { src, dst: out.buf.device_address(), len, mode: Convert::F32 });
+            Ok(out)
         };
+        let db = slot(0, n)?;
         let mut ops: Vec<Vec<DeviceTensor>> = (0..self.first_op).map(|_| Vec::new()).collect();
         let mut s = 1;
         for (i, op) in self.spec.chain.0.iter().enumerate().skip(self.first_op) {
@@ -369,6 +377,16 @@ impl<W: DeviceElement> GpuBlock<W> {
             }
             ops.push(grads);
         }
+        if slots.len() < s * n {
+            return Err(Error::Shape(format!("{} gradient slots of {n} in {} values", s, slots.len())));
+        }
+        // SAFETY: every source lies inside `slots` (checked above), every destination is
+        // a new buffer of its vector's length; both outlive the launch (stream order).
+        unsafe { convert_vectors(gpu, gpu.stream(), &copies)? };
+        let db = match &self.folded {
+            Some((k, ..)) => unfold_rows_mean_grad::<f32>(gpu, &db, self.spec.out_features, *k)?,
+            None => db,
+        };
         Ok((db, ops))
     }
 }

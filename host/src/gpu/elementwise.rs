@@ -36,7 +36,7 @@ pub fn fold_rows_mean<T: DeviceElement>(gpu: &Gpu, input: &DeviceTensor<T>, k: u
     let mut out = gpu.alloc(&shape)?;
     let (r, c, k32) = (rows as u32, cols as u32, k as u32);
     // The means in FP32 from FP32 or bf16 rows.
-    let kernel = if std::mem::size_of::<T>() == 2 { Kernel::FoldRowsMeanBf16 } else { Kernel::FoldRowsMean };
+    let kernel = if T::BF16 { Kernel::FoldRowsMeanBf16 } else { Kernel::FoldRowsMean };
     {
         let (func, cfg) = row_blocks(gpu, kernel, rows / k, cols)?;
         let mut l = gpu.stream().launch_builder(&func);
@@ -75,8 +75,7 @@ pub fn unfold_rows_mean_grad<T: DeviceElement>(
     let mut out = gpu.alloc_as::<T>(&shape)?;
     let (r, c, k32) = (rows as u32, cols as u32, k as u32);
     // FP32 out, or rounded once into a bf16 weight's gradient.
-    let kernel =
-        if std::mem::size_of::<T>() == 2 { Kernel::UnfoldRowsMeanGradToBf16 } else { Kernel::UnfoldRowsMeanGrad };
+    let kernel = if T::BF16 { Kernel::UnfoldRowsMeanGradToBf16 } else { Kernel::UnfoldRowsMeanGrad };
     {
         let (func, cfg) = row_blocks(gpu, kernel, rows, cols)?;
         let mut l = gpu.stream().launch_builder(&func);
@@ -199,4 +198,71 @@ pub fn slice_to_bf16(gpu: &Gpu, stream: &Arc<CudaStream>, input: &CudaSlice<f32>
     // SAFETY: (input, len, out) as the kernel takes; out holds len 16-bit values.
     launched(Kernel::F32ToBf16, unsafe { l.launch(cfg) })?;
     Ok(buf)
+}
+
+/// What [`convert_vectors`] does to one vector.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Convert {
+    /// FP32 copied.
+    F32,
+    /// bf16 widened to FP32 (exact).
+    Bf16ToF32,
+    /// FP32 rounded to bf16 (to nearest even).
+    F32ToBf16,
+}
+
+impl Convert {
+    fn code(self) -> u32 {
+        match self {
+            Convert::F32 => kernel_abi::CONVERT_F32,
+            Convert::Bf16ToF32 => kernel_abi::CONVERT_BF16_TO_F32,
+            Convert::F32ToBf16 => kernel_abi::CONVERT_F32_TO_BF16,
+        }
+    }
+}
+
+/// One vector of [`convert_vectors`]: device addresses, length in values, and what is done.
+#[derive(Clone, Copy, Debug)]
+pub struct Vector {
+    pub src: u64,
+    pub dst: u64,
+    pub len: usize,
+    pub mode: Convert,
+}
+
+/// Queues the copies or conversions of `vectors` on `stream`: one launch per
+/// `kernel_abi::VECTORS` of them (a block's small parameters or gradients), where a
+/// copy or a cast each would cost a launch and its host time each.
+///
+/// # Safety
+/// Each vector's source and destination are live device memory of this GPU holding
+/// `len` values of the mode's input and output types, not written by anything else
+/// until the launch has run.
+pub unsafe fn convert_vectors(gpu: &Gpu, stream: &Arc<CudaStream>, vectors: &[Vector]) -> Result<()> {
+    use kernel_abi::VECTORS;
+    if vectors.is_empty() {
+        return Ok(());
+    }
+    let func = gpu.function(Kernel::ConvertVectors)?;
+    for chunk in vectors.chunks(VECTORS) {
+        let mut words = [0u64; 3 * VECTORS];
+        let mut longest = 0;
+        for (i, v) in chunk.iter().enumerate() {
+            let len =
+                u32::try_from(v.len).map_err(|_| Error::Shape(format!("{} values exceed a 32-bit launch", v.len)))?;
+            words[3 * i..3 * i + 3].copy_from_slice(&[v.src, v.dst, len as u64 | (v.mode.code() as u64) << 32]);
+            longest = longest.max(v.len);
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (longest.div_ceil(256).clamp(1, 64) as u32, chunk.len() as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let count = chunk.len() as u32;
+        let mut l = stream.launch_builder(&func);
+        l.arg(&count).arg(&words);
+        // SAFETY: (count, words) as the kernel takes; the vectors as the caller's contract says.
+        launched(Kernel::ConvertVectors, unsafe { l.launch(cfg) })?;
+    }
+    Ok(())
 }

@@ -52,8 +52,10 @@ pub struct DeviceProps {
 /// The keep-alive handle returned with the pointer owns the memory: dropping it gives
 /// the memory back (to the allocator, in the order of the stream it was allocated on).
 pub trait DeviceAllocator: Send + Sync {
-    /// `bytes` of device memory, at least 16-byte aligned.
-    fn allocate(&self, bytes: usize, element: ElementKind) -> Result<(u64, Box<dyn Any + Send + Sync>)>;
+    /// Device memory for `shape`'s values of `element` (`Bytes`: `shape` counts bytes),
+    /// at least 16-byte aligned. The shape is what the caller will use: an allocator
+    /// that hands out framework tensors makes them in it, so none needs reshaping later.
+    fn allocate(&self, shape: &[usize], element: ElementKind) -> Result<(u64, Box<dyn Any + Send + Sync>)>;
 }
 
 /// What an allocation holds, so an allocator can hand out a typed buffer (a framework
@@ -87,6 +89,9 @@ pub struct Gpu {
     /// two GEMMs); ordered against `stream` with events by whoever uses it.
     side: Arc<CudaStream>,
     module: Arc<CudaModule>,
+    /// Each kernel's handle once loaded, with the dynamic shared memory it was last
+    /// allowed: looked up and raised once, not on every launch.
+    functions: Arc<Functions>,
     pub props: DeviceProps,
     /// Which production paths the work on this GPU may take ([`Gpu::with_tuning`]).
     tuning: Tuning,
@@ -173,7 +178,20 @@ impl Gpu {
             ctx.load_module(Ptx::from_src(KERNELS_PTX)).map_err(|e| Error::cuda("loading the kernel module", e))?;
         let (tables, lent_tables, side_frees) = Default::default();
         let tuning = Tuning::default();
-        Ok(Gpu { ctx, stream, allocator: None, tables, lent_tables, side_frees, side, module, props, tuning })
+        let functions = Arc::new(Functions::default());
+        Ok(Gpu {
+            ctx,
+            stream,
+            allocator: None,
+            tables,
+            lent_tables,
+            side_frees,
+            side,
+            module,
+            functions,
+            props,
+            tuning,
+        })
     }
 
     /// The same GPU with `tuning`'s production paths (a clone shares the context,
@@ -225,7 +243,21 @@ impl Gpu {
         stream: &Arc<CudaStream>,
         len: usize,
     ) -> Result<DeviceBuf<T>> {
-        let len = len.max(1);
+        // SAFETY: the caller's contract.
+        unsafe { self.alloc_buf_shaped(stream, &[len]) }
+    }
+
+    /// [`Gpu::alloc_buf`] for a tensor of `shape`: an allocator that makes framework
+    /// tensors makes it in this shape.
+    ///
+    /// # Safety
+    /// Nothing may read the buffer before a write to it.
+    pub unsafe fn alloc_buf_shaped<T: DeviceRepr + 'static>(
+        &self,
+        stream: &Arc<CudaStream>,
+        shape: &[usize],
+    ) -> Result<DeviceBuf<T>> {
+        let len = shape.iter().product::<usize>().max(1);
         let bytes = crate::tensor::numel::<T>(&[len])? * std::mem::size_of::<T>();
         match &self.allocator {
             None => {
@@ -241,7 +273,12 @@ impl Gpu {
                 } else {
                     ElementKind::Bytes
                 };
-                let (ptr, keep) = alloc.allocate(bytes, kind)?;
+                let whole = [len];
+                let shape = if shape.iter().product::<usize>() == len { shape } else { &whole };
+                let (ptr, keep) = match kind {
+                    ElementKind::Bytes => alloc.allocate(&[bytes], kind)?,
+                    _ => alloc.allocate(shape, kind)?,
+                };
                 // SAFETY: the allocator handed out `bytes` on this device; the slice is
                 // leaked, not freed, when the buffer drops, and `keep` frees it then.
                 let slice = unsafe { stream.upgrade_device_ptr::<T>(ptr, len) };
@@ -352,8 +389,14 @@ impl Gpu {
     /// A kernel of the module: a [`Kernel`] identifier (launches name kernels by
     /// identifier; the epilogue's launchers still pass the name itself).
     pub fn function(&self, kernel: Kernel) -> Result<CudaFunction> {
+        let mut loaded = self.functions.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((f, _)) = loaded.get(&kernel) {
+            return Ok(f.clone());
+        }
         let name = kernel.name();
-        self.module.load_function(name).map_err(|e| Error::cuda(format!("loading kernel `{name}`"), e))
+        let f = self.module.load_function(name).map_err(|e| Error::cuda(format!("loading kernel `{name}`"), e))?;
+        loaded.insert(kernel, (f.clone(), 48 * 1024));
+        Ok(f)
     }
 
     /// Prepares `func` to take `bytes` of dynamic shared memory, or explains why it can't.
@@ -365,10 +408,13 @@ impl Gpu {
                 self.props.name, self.props.max_shared_per_block_optin
             )));
         }
-        if bytes > 48 * 1024 {
+        let mut loaded = self.functions.0.lock().unwrap_or_else(|p| p.into_inner());
+        let allowed = loaded.get(&kernel).map_or(48 * 1024, |(_, a)| *a);
+        if bytes > allowed {
             use cudarc::driver::sys::CUfunction_attribute as F;
             func.set_attribute(F::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
                 .map_err(|e| Error::cuda(format!("raising the shared-memory limit of `{name}`"), e))?;
+            loaded.insert(kernel, (func.clone(), bytes));
         }
         Ok(())
     }
@@ -404,10 +450,10 @@ impl Gpu {
 
     /// [`Gpu::alloc`] for any element type.
     pub fn alloc_as<T: DeviceElement>(&self, shape: &[usize]) -> Result<DeviceTensor<T>> {
-        let len = crate::tensor::numel::<T>(shape)?;
+        crate::tensor::numel::<T>(shape)?;
         // SAFETY: every caller passes the tensor to a kernel that writes all of it
         // before anything reads it (outputs and scratch of our launchers).
-        let buf = unsafe { self.alloc_buf::<T>(&self.stream, len)? };
+        let buf = unsafe { self.alloc_buf_shaped::<T>(&self.stream, shape)? };
         Ok(DeviceTensor { shape: shape.to_vec(), buf })
     }
 
@@ -441,9 +487,9 @@ impl Gpu {
         let (len, stream) = (t.buf.len(), self.stream.cu_stream());
         // SAFETY: fills exactly the allocation's `len` elements on our stream.
         let filled = unsafe {
-            match std::mem::size_of::<T>() {
-                2 => cudarc::driver::sys::cuMemsetD16Async(ptr, T::NAN_BITS as u16, len, stream),
-                _ => cudarc::driver::sys::cuMemsetD32Async(ptr, T::NAN_BITS, len, stream),
+            match T::BF16 {
+                true => cudarc::driver::sys::cuMemsetD16Async(ptr, T::NAN_BITS as u16, len, stream),
+                false => cudarc::driver::sys::cuMemsetD32Async(ptr, T::NAN_BITS, len, stream),
             }
         };
         filled.result().map_err(|e| Error::cuda("filling with NaN", e))?;
@@ -608,11 +654,15 @@ pub trait DeviceElement: DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + D
     const NAME: &'static str;
     /// The bit pattern of a quiet NaN (poisoned outputs).
     const NAN_BITS: u32;
+    /// Whether the values are bf16: a bf16 model's tensors, which its own kernels read
+    /// as stored (the kernels chosen by this, never by the type's size).
+    const BF16: bool;
 }
 
 impl DeviceElement for f32 {
     const NAME: &'static str = "float32";
     const NAN_BITS: u32 = 0x7fc0_0000;
+    const BF16: bool = false;
 }
 
 // SAFETY: `Bf16` is a `repr(transparent)` `u16`: plain bits, any pattern valid, zero included.
@@ -622,6 +672,7 @@ unsafe impl cudarc::driver::ValidAsZeroBits for Bf16 {}
 impl DeviceElement for Bf16 {
     const NAME: &'static str = "bfloat16";
     const NAN_BITS: u32 = 0x7fc0;
+    const BF16: bool = true;
 }
 
 /// Who frees a [`DeviceBuf`]'s memory.
@@ -667,6 +718,10 @@ impl Tables {
         map.insert(words.to_vec(), table.clone());
     }
 }
+
+/// Loaded kernels by identifier, each with the dynamic shared memory it is allowed.
+#[derive(Default)]
+struct Functions(std::sync::Mutex<std::collections::HashMap<Kernel, (CudaFunction, usize)>>);
 
 /// Handles of an allocator's buffers whose memory the side stream may still use.
 #[derive(Clone, Default)]
