@@ -47,22 +47,34 @@ def _describe(in_features: int, out_features: int, ops: str):
     return _native.describe(in_features, out_features, ops)
 
 
+@functools.lru_cache(maxsize=64)
 def _allocator(device: torch.device, dtype: torch.dtype):
-    """Buffers for the Rust side, from PyTorch's allocator: kind 0 holds `dtype` values
+    """Buffers for the Rust side, from PyTorch's allocator, made in the shape (a tuple, or
+    a length) the Rust side will use: kind 0 holds `dtype` values
     (float32 for a bf16 block), kind 1 bytes, kind 2 bfloat16 values (the returned tensor
-    owns the memory for as long as Rust keeps it)."""
+    owns the memory for as long as Rust keeps it). One per device and dtype, made once."""
 
     # A bf16 block's float32 buffers (z, the small gradients) are kind 0 too.
-    kinds = {0: torch.float32 if dtype == torch.bfloat16 else dtype, 1: torch.uint8, 2: torch.bfloat16}
+    kinds = (torch.float32 if dtype == torch.bfloat16 else dtype, torch.uint8, torch.bfloat16)
+    empty = torch.empty
 
-    def allocate(numel: int, kind: int) -> Tensor:
-        return torch.empty(numel, dtype=kinds[kind], device=device)
+    def allocate(shape, kind: int) -> Tensor:
+        return empty(shape, dtype=kinds[kind], device=device)
 
     return allocate
 
 
+# The raw handle of PyTorch's current stream on a device, without building a
+# `torch.cuda.Stream` object per call (that alone cost ~10 us of a small call).
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _stream(x: Tensor) -> int:
-    return torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
+    if not x.is_cuda:
+        return 0
+    if _raw_stream is not None:
+        return _raw_stream(x.get_device())
+    return torch.cuda.current_stream(x.device).cuda_stream
 
 
 def _run_forward(
@@ -174,15 +186,22 @@ class _Eager(torch.autograd.Function):
         return (dx, dw, db, None, None, *dparams)
 
 
-def _plain_eager(tensors) -> bool:
+_PLAIN = (Tensor, nn.Parameter)
+
+
+def _plain_eager(x: Tensor, weight: Tensor, bias: Tensor, params: List[Tensor]) -> bool:
     """Whether this call runs eagerly on plain tensors: not under torch.compile or export,
     no dispatch mode (fake tensors, functionalisation), no functorch transform, no
     tensor subclass other than nn.Parameter."""
+    # is_compiling first: under Dynamo it is a constant and the rest is not traced.
     return (
         not torch.compiler.is_compiling()
+        and type(x) in _PLAIN
+        and type(weight) in _PLAIN
+        and type(bias) in _PLAIN
+        and all(type(p) in _PLAIN for p in params)
         and _current_dispatch_mode() is None
         and _functorch_level() is None
-        and all(type(t) is Tensor or type(t) is nn.Parameter for t in tensors)
     )
 
 
@@ -245,8 +264,9 @@ def _bf16_block(
     x: Tensor, weight: Tensor, bias: Tensor, ops: str, params: List[Tensor], precision: Optional[str]
 ) -> Tensor:
     """A bf16 model's block: x and weight bf16 as they are; the bias and the chain's
-    parameters widened to float32 (differentiably: their gradients come back in their
-    own dtype). On the CPU, the float32 path on copies, the output rounded to bf16."""
+    parameters (bf16 or float32) passed as stored: the op widens bf16 ones into its FP32
+    epilogue and returns their gradients in their own dtype, so the autograd graph holds
+    one node per block. On the CPU, the float32 path on copies, the output rounded to bf16."""
     for name, t in (("x", x), ("weight", weight)):
         if not isinstance(t, Tensor) or t.dtype != torch.bfloat16:
             dtype = t.dtype if isinstance(t, Tensor) else type(t).__name__
@@ -259,29 +279,32 @@ def _bf16_block(
             name = "bias" if i == 0 else f"params[{i - 1}]"
             raise TypeError(f"{name} has dtype {t.dtype}; a bf16 block takes bfloat16 or float32 parameters")
     _resolve_precision(x, precision)
-    wide = [t.float() if isinstance(t, Tensor) else t for t in (bias, *params)]
     if not x.is_cuda:
+        wide = [t.float() if isinstance(t, Tensor) else t for t in (bias, *params)]
         y = fused_linear(x.float(), weight.float(), wide[0], ops, wide[1:], "fp32")
         return y.to(torch.bfloat16)
     if x.dim() == 2:
-        return _apply(x, weight, wide[0], wide[1:], ops, "bf16")
+        return _apply(x, weight, bias, params, ops, "bf16")
     if x.dim() == 0:
         raise ValueError("x: expected a tensor of shape (*, in_features), got a scalar")
     if not x.is_contiguous():
         raise ValueError(f"x is not contiguous (shape {tuple(x.shape)}); pass x.contiguous()")
     lead = x.shape[:-1]
-    y = _apply(x.view(-1, x.shape[-1]), weight, wide[0], wide[1:], ops, "bf16")
+    y = _apply(x.view(-1, x.shape[-1]), weight, bias, params, ops, "bf16")
     return y.view(tuple(lead) + tuple(y.shape[1:]))
 
 
 def _apply(x: Tensor, weight: Tensor, bias: Tensor, params: List[Tensor], ops: str, precision: str) -> Tensor:
     """The forward op where a gradient may be wanted (it saves `z`), else the inference op."""
-    tensors = (x, weight, bias, *params)
-    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    if _plain_eager(tensors):
+    wants_grad = torch.is_grad_enabled() and any(
+        getattr(t, "requires_grad", False) for t in (x, weight, bias, *params)
+    )
+    if _plain_eager(x, weight, bias, params):
         if wants_grad:
             return _Eager.apply(x, weight, bias, ops, precision, *params)
-        return _run_forward(x, weight, bias, params, ops, precision, False)[0]
+        return _native.forward(
+            x, weight, bias, params, ops, precision, _stream(x), _allocator(x.device, x.dtype), save=False
+        )[0]
     if wants_grad:
         return torch.ops.fused_linear.forward(x, weight, bias, params, ops, precision)[0]
     return torch.ops.fused_linear.inference(x, weight, bias, params, ops, precision)
@@ -337,12 +360,14 @@ class FusedLinear(nn.Module):
 
     def chain_parameters(self) -> List[Tensor]:
         """The chain's parameters in the op's order (what :func:`fused_linear` takes)."""
-        return [getattr(getattr(self, m) if m else self, f) for m, f in self._param_refs]
+        # Straight from the registries (`Module.__getattr__` costs a lookup chain per
+        # name, and this runs on every call); a replaced Parameter is found as well.
+        own, modules = self._parameters, self._modules
+        return [modules[m]._parameters[f] if m else own[f] for m, f in self._param_refs]
 
     def forward(self, x: Tensor) -> Tensor:
-        return fused_linear(
-            x, self.lin.weight, self.lin.bias, self.ops, self.chain_parameters(), self.precision
-        )
+        lin = self._modules["lin"]._parameters
+        return fused_linear(x, lin["weight"], lin["bias"], self.ops, self.chain_parameters(), self.precision)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, ops='{self.ops}', " + (

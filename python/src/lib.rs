@@ -14,14 +14,17 @@ use host::Precision;
 use host::block::{BlockSpec, Params};
 use host::chain::Chain;
 use host::gpu::block::{DeviceParams, GpuBlock, Saved};
+use host::gpu::elementwise::{Convert, Vector, convert_vectors};
 use host::gpu::{DeviceAllocator, DeviceElement, DeviceTensor, ElementKind, Gpu};
 use host::reference::{self, BlockGrads, Real};
 use host::tensor::{Bf16, Tensor};
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyTuple, PyType};
 use std::any::Any;
+use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
 
@@ -115,7 +118,7 @@ impl<'py> Arg<'py> {
         // The cheapest reads PyTorch offers (each a few hundred ns): this runs for every
         // tensor of every call.
         let (f32_, f64_, bf16_) = float_dtypes(py)?;
-        let dt = obj.getattr("dtype")?;
+        let dt = obj.getattr(intern!(py, "dtype"))?;
         let dtype = if dt.is(f32_) {
             DType::F32
         } else if dt.is(f64_) {
@@ -128,9 +131,11 @@ impl<'py> Arg<'py> {
                 dt.str()?
             )));
         };
-        let device = if obj.getattr("is_cuda")?.extract::<bool>()? {
-            Device::Cuda(obj.call_method0("get_device")?.extract::<usize>()?)
-        } else if obj.getattr("is_cpu")?.extract::<bool>()? {
+        // -1 on the CPU, the CUDA ordinal on CUDA: one call for the common cases.
+        let index = obj.call_method0(intern!(py, "get_device"))?.extract::<i64>()?;
+        let device = if index >= 0 && obj.getattr(intern!(py, "is_cuda"))?.extract::<bool>()? {
+            Device::Cuda(index as usize)
+        } else if index < 0 && obj.getattr(intern!(py, "is_cpu"))?.extract::<bool>()? {
             Device::Cpu
         } else {
             return Err(PyRuntimeError::new_err(format!(
@@ -138,14 +143,14 @@ impl<'py> Arg<'py> {
                 obj.getattr("device")?.getattr("type")?.str()?
             )));
         };
-        let shape: Vec<usize> = obj.getattr("shape")?.extract()?;
-        if !obj.call_method0("is_contiguous")?.extract::<bool>()? {
+        let shape: Vec<usize> = obj.getattr(intern!(py, "shape"))?.extract()?;
+        if !obj.call_method0(intern!(py, "is_contiguous"))?.extract::<bool>()? {
             let stride: Vec<isize> = obj.call_method0("stride")?.extract()?;
             return Err(PyValueError::new_err(format!(
                 "{name} is not contiguous (shape {shape:?}, strides {stride:?}); pass {name}.contiguous()"
             )));
         }
-        let ptr: u64 = obj.call_method0("data_ptr")?.extract()?;
+        let ptr: u64 = obj.call_method0(intern!(py, "data_ptr"))?.extract()?;
         Ok(Arg { name, _tensor: std::marker::PhantomData, dtype, device, shape, ptr })
     }
 
@@ -181,9 +186,46 @@ fn shape_str(s: &[usize]) -> String {
     }
 }
 
+/// A chain applied to `Linear(in_features, out_features)`: parsed and checked once, as
+/// every call of a module asks for the same one (parsing and checking cost more host
+/// time than a small block's launches).
+struct Block {
+    spec: BlockSpec,
+    /// `spec.param_specs()`: the weight's, the bias's, then the ops' parameters'.
+    params: Vec<host::block::ParamSpec>,
+}
+
+/// Blocks made so far, by (chain as written, in, out). Bounded: a program that makes
+/// chains without end starts again rather than grow.
+type Blocks = HashMap<(String, usize, usize), Arc<Block>>;
+static BLOCKS: Mutex<Option<Blocks>> = Mutex::new(None);
+const BLOCKS_KEPT: usize = 1024;
+
+impl Block {
+    fn of(ops: &str, in_features: usize, out_features: usize) -> PyResult<Arc<Block>> {
+        let key = (ops.to_string(), in_features, out_features);
+        if let Some(b) = BLOCKS.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert_default().get(&key) {
+            return Ok(b.clone());
+        }
+        let chain: Chain = ops.parse().map_err(|e| PyValueError::new_err(format!("ops: {e}")))?;
+        let spec = BlockSpec::new(in_features, out_features, chain).map_err(|e| match e {
+            host::Error::Chain(_) => PyValueError::new_err(format!("ops: {e}")),
+            e => to_py(e),
+        })?;
+        let block = Arc::new(Block { params: spec.param_specs(), spec });
+        let mut blocks = BLOCKS.lock().unwrap_or_else(|p| p.into_inner());
+        let blocks = blocks.get_or_insert_default();
+        if blocks.len() >= BLOCKS_KEPT {
+            blocks.clear();
+        }
+        blocks.insert(key, block.clone());
+        Ok(block)
+    }
+}
+
 /// Every tensor argument of a call, checked against one another and the chain.
 struct Call<'py> {
-    spec: BlockSpec,
+    block: Arc<Block>,
     precision: Precision,
     batch: usize,
     device: Device,
@@ -214,7 +256,6 @@ impl<'py> Call<'py> {
         precision: &str,
     ) -> PyResult<Call<'py>> {
         let precision = parse_precision(precision)?;
-        let chain: Chain = ops.parse().map_err(|e| PyValueError::new_err(format!("ops: {e}")))?;
         let x = Arg::read("x", x)?;
         let weight = Arg::read("weight", weight)?;
         let bias = Arg::read("bias", bias)?;
@@ -253,16 +294,16 @@ impl<'py> Call<'py> {
                 )));
             }
             // A bf16 model: the weight is bf16 like x; the bias and the chain's
-            // parameters arrive widened to float32 (the epilogue computes in FP32).
-            let want = match (dtype, a.name.as_str()) {
-                (DType::Bf16, "weight") => DType::Bf16,
-                (DType::Bf16, _) => DType::F32,
-                (d, _) => d,
+            // parameters are bf16 or float32 each (widened into the FP32 epilogue).
+            let fits = match (dtype, a.name.as_str()) {
+                (DType::Bf16, "weight") => a.dtype == DType::Bf16,
+                (DType::Bf16, _) => matches!(a.dtype, DType::Bf16 | DType::F32),
+                (d, _) => a.dtype == d,
             };
-            if a.dtype != want {
+            if !fits {
                 let rule = if dtype == DType::Bf16 {
                     "a bf16 block takes x and weight in torch.bfloat16 and the bias and chain parameters in \
-                     torch.float32 (fused_linear() widens them)"
+                     torch.bfloat16 or torch.float32"
                 } else {
                     "all tensors of the block must have one dtype"
                 };
@@ -294,13 +335,10 @@ impl<'py> Call<'py> {
             }
         };
         bias.expect_shape(&[out_features], "out_features, as the weight's rows")?;
-        let spec = BlockSpec::new(in_features, out_features, chain).map_err(|e| match e {
-            host::Error::Chain(_) => PyValueError::new_err(format!("ops: {e}")),
-            e => to_py(e),
-        })?;
+        let block = Block::of(ops, in_features, out_features)?;
+        let spec = &block.spec;
         spec.check_batch(batch).map_err(to_py)?;
-        let specs = spec.param_specs();
-        let wanted = &specs[2..];
+        let wanted = &block.params[2..];
         if params.len() != wanted.len() {
             let names: Vec<&str> = wanted.iter().map(|s| s.name.as_str()).collect();
             return Err(PyValueError::new_err(format!(
@@ -320,7 +358,7 @@ impl<'py> Call<'py> {
                 a.expect_aligned()?;
             }
         }
-        Ok(Call { spec, precision, batch, device, dtype, x, weight, bias, params })
+        Ok(Call { block, precision, batch, device, dtype, x, weight, bias, params })
     }
 
     /// The tensors in [`BlockSpec::param_specs`] order: weight, bias, then the ops'.
@@ -331,9 +369,9 @@ impl<'py> Call<'py> {
     /// Shape of a saved `z` on this call's device: the Linear output, or on the GPU the
     /// folded one where the chain starts with `avgpool(k)`.
     fn z_shape(&self) -> Vec<usize> {
-        let width = match (&self.device, self.spec.chain.0.first()) {
-            (Device::Cuda(_), Some(host::chain::Op::AvgPool(k))) => self.spec.out_features / k,
-            _ => self.spec.out_features,
+        let width = match (&self.device, self.block.spec.chain.0.first()) {
+            (Device::Cuda(_), Some(host::chain::Op::AvgPool(k))) => self.block.spec.out_features / k,
+            _ => self.block.spec.out_features,
         };
         vec![self.batch, width]
     }
@@ -372,41 +410,56 @@ struct TorchAllocator {
     allocate: Py<PyAny>,
 }
 
+/// A tensor the allocator made, and the shape it was made in.
+struct TorchBuffer {
+    tensor: Py<PyAny>,
+    shape: Vec<usize>,
+}
+
 impl DeviceAllocator for TorchAllocator {
-    fn allocate(&self, bytes: usize, element: ElementKind) -> host::Result<(u64, Box<dyn Any + Send + Sync>)> {
+    fn allocate(&self, shape: &[usize], element: ElementKind) -> host::Result<(u64, Box<dyn Any + Send + Sync>)> {
         Python::attach(|py| {
-            let (numel, kind) = match element {
-                ElementKind::F32 => (bytes / 4, 0),
-                ElementKind::Bytes => (bytes, 1),
-                ElementKind::Bf16 => (bytes / 2, 2),
+            let kind = match element {
+                ElementKind::F32 => 0,
+                ElementKind::Bytes => 1,
+                ElementKind::Bf16 => 2,
             };
-            let t = self.allocate.call1(py, (numel, kind))?;
-            let ptr: u64 = t.call_method0(py, "data_ptr")?.extract(py)?;
-            Ok((ptr, Box::new(t) as Box<dyn Any + Send + Sync>))
+            let t = self.allocate.call1(py, (PyTuple::new(py, shape)?, kind))?;
+            let ptr: u64 = t.call_method0(py, intern!(py, "data_ptr"))?.extract(py)?;
+            Ok((ptr, Box::new(TorchBuffer { tensor: t, shape: shape.to_vec() }) as Box<dyn Any + Send + Sync>))
         })
         .map_err(|e: PyErr| host::Error::cuda("allocating through PyTorch", e))
     }
 }
 
-/// A buffer the block allocated through PyTorch, as the tensor it is, viewed as `shape`.
+/// A buffer the block allocated through PyTorch, as the tensor it is, viewed as `shape`
+/// (where it was not made in that shape already).
 fn into_torch<'py, T>(py: Python<'py>, t: DeviceTensor<T>, shape: &[usize]) -> PyResult<Bound<'py, PyAny>> {
     let keep = t.buf.into_external().ok_or_else(|| {
         PyRuntimeError::new_err("fused_linear: internal error: an output was not allocated through PyTorch")
     })?;
-    let tensor = keep
-        .downcast::<Py<PyAny>>()
+    let made = keep
+        .downcast::<TorchBuffer>()
         .map_err(|_| PyRuntimeError::new_err("fused_linear: internal error: an output of another allocator"))?;
-    tensor.bind(py).call_method1("view", (PyTuple::new(py, shape)?,))
+    let tensor = made.tensor.into_bound(py);
+    if made.shape == shape {
+        return Ok(tensor);
+    }
+    tensor.call_method1(intern!(py, "view"), (PyTuple::new(py, shape)?,))
 }
 
 struct GpuCall<W> {
     gpu: Gpu,
     block: GpuBlock<W>,
     x: DeviceTensor<W>,
+    /// FP32 copies of a bf16 model's bf16 parameters, which `block` borrows.
+    _widened: Option<DeviceTensor>,
 }
 
 /// The call's block on its GPU: `x` and the Linear weight borrowed as `W` (float32, or a
-/// bf16 model's bfloat16), the bias and chain parameters as float32.
+/// bf16 model's bfloat16), the bias and chain parameters as float32 (a bf16 model's
+/// bf16 ones widened on the stream, all by one launch, instead of a cast and an
+/// autograd node each in Python).
 fn gpu_call<W: DeviceElement>(
     call: &Call<'_>,
     index: usize,
@@ -421,15 +474,60 @@ fn gpu_call<W: DeviceElement>(
     // SAFETY (each borrow): the arguments were checked to be contiguous tensors of these
     // shapes and dtypes (x and the weight `W`, the others float32) on this device,
     // 16-byte aligned; the caller holds them for the call.
-    let borrow = |a: &Arg<'_>| unsafe { gpu.borrow_tensor::<f32>(a.ptr, &a.shape) }.map_err(to_py);
     let borrow_w = |a: &Arg<'_>| unsafe { gpu.borrow_tensor::<W>(a.ptr, &a.shape) }.map_err(to_py);
-    let mut flat = call.params.iter().map(borrow).collect::<PyResult<Vec<_>>>()?.into_iter();
-    let ops =
-        call.spec.chain.0.iter().map(|op| op.param_bases().iter().map(|_| flat.next().unwrap()).collect()).collect();
-    let params = DeviceParams { linear_weight: borrow_w(&call.weight)?, linear_bias: borrow(&call.bias)?, ops };
-    let block = GpuBlock::from_device(&gpu, &call.spec, params).map_err(to_py)?.with_precision(call.precision);
+    // A bf16 model's bf16 parameters: FP32 copies side by side in one buffer (each at
+    // a 16-byte boundary, as the kernels read them), made by one launch.
+    let mut wide_len = 0;
+    let offsets: Vec<Option<usize>> = [&call.bias]
+        .into_iter()
+        .chain(&call.params)
+        .map(|a| {
+            (a.dtype == DType::Bf16).then(|| {
+                let at = wide_len;
+                wide_len += a.shape.iter().product::<usize>().next_multiple_of(4);
+                at
+            })
+        })
+        .collect();
+    let widened = if wide_len > 0 { Some(gpu.alloc(&[wide_len]).map_err(to_py)?) } else { None };
+    let mut widen = Vec::new();
+    let mut borrow_param = |a: &Arg<'_>, offset: Option<usize>| -> PyResult<DeviceTensor> {
+        let ptr = match (offset, &widened) {
+            (Some(at), Some(w)) => {
+                let dst = w.buf.device_address() + (at * 4) as u64;
+                let len = a.shape.iter().product();
+                widen.push(Vector { src: a.ptr, dst, len, mode: Convert::Bf16ToF32 });
+                dst
+            }
+            _ => a.ptr,
+        };
+        // SAFETY: a float32 argument checked as above, or its FP32 copy in `widened`
+        // (which the returned call keeps).
+        unsafe { gpu.borrow_tensor::<f32>(ptr, &a.shape) }.map_err(to_py)
+    };
+    let linear_bias = borrow_param(&call.bias, offsets[0])?;
+    let mut flat = call
+        .params
+        .iter()
+        .zip(&offsets[1..])
+        .map(|(a, o)| borrow_param(a, *o))
+        .collect::<PyResult<Vec<_>>>()?
+        .into_iter();
+    // SAFETY: each source is a checked bf16 argument the caller holds for the call, each
+    // destination inside `widened`.
+    unsafe { convert_vectors(&gpu, gpu.stream(), &widen) }.map_err(to_py)?;
+    let ops = call
+        .block
+        .spec
+        .chain
+        .0
+        .iter()
+        .map(|op| op.param_bases().iter().map(|_| flat.next().unwrap()).collect())
+        .collect();
+    let params = DeviceParams { linear_weight: borrow_w(&call.weight)?, linear_bias, ops };
+    let block = GpuBlock::from_device(&gpu, &call.block.spec, params).map_err(to_py)?.with_precision(call.precision);
     let x = borrow_w(&call.x)?;
-    Ok(GpuCall { gpu, block, x })
+    Ok(GpuCall { gpu, block, x, _widened: widened })
 }
 
 /// The GPU forward and backward of [`forward`] and [`backward`], for a block over
@@ -446,7 +544,7 @@ macro_rules! gpu_entry_points {
         ) -> PyResult<(Bound<'py, PyAny>, Option<Bound<'py, PyAny>>)> {
             let g = gpu_call::<$w>(call, index, stream, allocate)?;
             let py = allocate.py();
-            let out_shape = call.spec.output_shape(call.batch);
+            let out_shape = call.block.spec.output_shape(call.batch);
             if !save {
                 let mut ws = g.block.workspace_with(&g.gpu, call.batch, false).map_err(to_py)?;
                 g.block.forward_into(&g.gpu, &g.x, &mut ws, None).map_err(to_py)?;
@@ -473,18 +571,34 @@ macro_rules! gpu_entry_points {
             g.gpu.join_side().map_err(to_py)?;
             let grads = grads.map_err(to_py)?;
             let py = allocate.py();
-            let specs = call.spec.param_specs();
+            let specs = &call.block.params;
             let dx = into_torch(py, grads.x, &call.x.shape)?;
             let p = grads.params;
             let dw = into_torch(py, p.linear_weight, &specs[0].shape)?;
-            let db = into_torch(py, p.linear_bias, &specs[1].shape)?;
+            // Each small gradient in its parameter's dtype: a bf16 model's bf16 ones
+            // rounded here, all in one launch.
+            let mut rounding = Vec::new();
+            let mut small = |t: DeviceTensor, a: &Arg<'_>| -> PyResult<Bound<'py, PyAny>> {
+                if a.dtype != DType::Bf16 {
+                    return into_torch(py, t, &a.shape);
+                }
+                let out = g.gpu.alloc_as::<Bf16>(&t.shape).map_err(to_py)?;
+                let (src, dst) = (t.buf.device_address(), out.buf.device_address());
+                rounding.push(Vector { src, dst, len: t.len(), mode: Convert::F32ToBf16 });
+                // `t` may go: its memory is handed out again only in stream order.
+                into_torch(py, out, &a.shape)
+            };
+            let db = small(p.linear_bias, &call.bias)?;
             let dparams = p
                 .ops
                 .into_iter()
                 .flatten()
-                .zip(&specs[2..])
-                .map(|(t, s)| into_torch(py, t, &s.shape))
+                .zip(&call.params)
+                .map(|(t, a)| small(t, a))
                 .collect::<PyResult<Vec<_>>>()?;
+            // SAFETY: FP32 gradients (freed only in stream order, after this launch) into
+            // new bf16 tensors of their length.
+            unsafe { convert_vectors(&g.gpu, g.gpu.stream(), &rounding) }.map_err(to_py)?;
             Ok((dx, dw, db, dparams))
         }
     };
@@ -580,7 +694,7 @@ fn write_cpu<'py, T: Copy>(
 
 fn cpu_params<T: Element>(call: &Call<'_>) -> PyResult<Params<T>> {
     let tensors = call.param_args().map(read_cpu::<T>).collect::<PyResult<Vec<_>>>()?;
-    Params::from_flat(&call.spec, tensors).map_err(to_py)
+    Params::from_flat(&call.block.spec, tensors).map_err(to_py)
 }
 
 fn cpu_forward<'py, T: Element>(
@@ -589,7 +703,7 @@ fn cpu_forward<'py, T: Element>(
     save: bool,
 ) -> PyResult<(Bound<'py, PyAny>, Option<Bound<'py, PyAny>>)> {
     let (x, params) = (read_cpu::<T>(&call.x)?, cpu_params::<T>(call)?);
-    let (y, z) = T::forward_saving(&call.spec, &x, &params).map_err(to_py)?;
+    let (y, z) = T::forward_saving(&call.block.spec, &x, &params).map_err(to_py)?;
     let z = if save { Some(write_cpu(allocate, &z, z.shape())?) } else { None };
     Ok((write_cpu(allocate, &y, y.shape())?, z))
 }
@@ -604,7 +718,7 @@ fn cpu_backward<'py, T: Element>(
 ) -> PyResult<Grads<'py>> {
     let (x, params) = (read_cpu::<T>(&call.x)?, cpu_params::<T>(call)?);
     let (z, dy) = (read_cpu::<T>(z)?, read_cpu::<T>(dy)?);
-    let grads = T::backward_at(&call.spec, &x, &params, &dy, &z).map_err(to_py)?;
+    let grads = T::backward_at(&call.block.spec, &x, &params, &dy, &z).map_err(to_py)?;
     let flat = grads.params.flat();
     let mut out = flat.iter().map(|g| write_cpu(allocate, g, g.shape())).collect::<PyResult<Vec<_>>>()?.into_iter();
     let (dw, db) = (out.next().unwrap(), out.next().unwrap());
@@ -677,7 +791,7 @@ fn backward<'py>(
             }
         }
         z.expect_shape(&call.z_shape(), "the saved state of the forward")?;
-        dy.expect_shape(&call.spec.output_shape(call.batch), "the block's output")?;
+        dy.expect_shape(&call.block.spec.output_shape(call.batch), "the block's output")?;
         match (call.device.clone(), call.dtype) {
             (Device::Cpu, DType::F32) => cpu_backward::<f32>(&call, &z, &dy, allocate),
             (Device::Cpu, DType::F64) => cpu_backward::<f64>(&call, &z, &dy, allocate),

@@ -292,3 +292,19 @@ def test_bf16_training_step_in_a_cuda_graph():
     for i, (a, b) in enumerate(zip(got, want)):
         assert a.dtype == b.dtype, i
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_bf16_block_is_one_autograd_node():
+    """The bf16 bias and chain parameters go to the op as stored (widened inside it), so
+    the block's output hangs on one node whose inputs are the leaves themselves: no cast
+    node per parameter, no second node for their gradients."""
+    torch.manual_seed(0)
+    block = FusedLinear(64, 128, "bias,groupnorm(8),swish,mul", device="cuda", dtype=BF16)
+    x = torch.randn(16, 64, device="cuda", dtype=BF16, requires_grad=True)
+    y = block(x)
+    inputs = [type(f).__name__ for f, _ in y.grad_fn.next_functions if f is not None]
+    assert inputs and all(name == "AccumulateGrad" for name in inputs), inputs
+    y.float().square().sum().backward()
+    for name, p in [("x", x), *block.named_parameters()]:
+        assert p.grad is not None and p.grad.dtype == p.dtype, name
