@@ -566,42 +566,90 @@ macro_rules! gpu_entry_points {
             // of the block's type).
             let z_dev = unsafe { g.gpu.borrow_tensor::<f32>(z.ptr, &z.shape) }.map_err(to_py)?;
             let dy_dev = unsafe { g.gpu.borrow_tensor::<$w>(dy.ptr, &dy.shape) }.map_err(to_py)?;
-            let grads = g.block.backward(&g.gpu, &g.x, Saved::kept_by_caller(z_dev), &dy_dev);
+            let dtypes: Vec<DType> = [&call.bias].into_iter().chain(&call.params).map(|a| a.dtype).collect();
+            let small = |block: &GpuBlock<$w>, gpu: &Gpu, slots: &DeviceTensor| small_grads(block, gpu, slots, &dtypes);
+            let grads = g.block.backward_parts(&g.gpu, &g.x, Saved::kept_by_caller(z_dev), &dy_dev, None, small);
             // A backward that failed half way may leave side-stream buffers held.
             g.gpu.join_side().map_err(to_py)?;
-            let grads = grads.map_err(to_py)?;
+            let (dx, dw, small) = grads.map_err(to_py)?;
             let py = allocate.py();
             let specs = &call.block.params;
-            let dx = into_torch(py, grads.x, &call.x.shape)?;
-            let p = grads.params;
-            let dw = into_torch(py, p.linear_weight, &specs[0].shape)?;
-            // Each small gradient in its parameter's dtype: a bf16 model's bf16 ones
-            // rounded here, all in one launch.
-            let mut rounding = Vec::new();
-            let mut small = |t: DeviceTensor, a: &Arg<'_>| -> PyResult<Bound<'py, PyAny>> {
-                if a.dtype != DType::Bf16 {
-                    return into_torch(py, t, &a.shape);
-                }
-                let out = g.gpu.alloc_as::<Bf16>(&t.shape).map_err(to_py)?;
-                let (src, dst) = (t.buf.device_address(), out.buf.device_address());
-                rounding.push(Vector { src, dst, len: t.len(), mode: Convert::F32ToBf16 });
-                // `t` may go: its memory is handed out again only in stream order.
-                into_torch(py, out, &a.shape)
-            };
-            let db = small(p.linear_bias, &call.bias)?;
-            let dparams = p
-                .ops
-                .into_iter()
-                .flatten()
-                .zip(&call.params)
-                .map(|(t, a)| small(t, a))
-                .collect::<PyResult<Vec<_>>>()?;
-            // SAFETY: FP32 gradients (freed only in stream order, after this launch) into
-            // new bf16 tensors of their length.
-            unsafe { convert_vectors(&g.gpu, g.gpu.stream(), &rounding) }.map_err(to_py)?;
+            let dx = into_torch(py, dx, &call.x.shape)?;
+            let dw = into_torch(py, dw, &specs[0].shape)?;
+            let mut small = small.into_iter().zip(&specs[1..]).map(|(t, s)| match t {
+                SmallGrad::F32(t) => into_torch(py, t, &s.shape),
+                SmallGrad::Bf16(t) => into_torch(py, t, &s.shape),
+            });
+            let db = small
+                .next()
+                .ok_or_else(|| PyRuntimeError::new_err("fused_linear: internal error: no bias gradient"))??;
+            let dparams = small.collect::<PyResult<Vec<_>>>()?;
             Ok((dx, dw, db, dparams))
         }
     };
+}
+
+/// A small gradient (the bias's or a chain parameter's) in its parameter's dtype.
+enum SmallGrad {
+    F32(DeviceTensor),
+    Bf16(DeviceTensor<Bf16>),
+}
+
+/// The bias's and the chain parameters' gradients out of the backward's `slots`, each in
+/// its parameter's dtype (`dtypes`: the bias's, then the chain's): one launch copies or
+/// rounds them all into new tensors. Where an AvgPool is folded (its bias gradient is
+/// spread back by a kernel) through the block's FP32 ones, bf16 ones rounded after.
+fn small_grads<W: DeviceElement>(
+    block: &GpuBlock<W>,
+    gpu: &Gpu,
+    slots: &DeviceTensor,
+    dtypes: &[DType],
+) -> host::Result<Vec<SmallGrad>> {
+    let mut vectors = Vec::new();
+    let mut out = Vec::new();
+    let mut put = |src: u64, len: usize, dtype: DType| -> host::Result<()> {
+        let (dst, grad, mode) = match dtype {
+            DType::Bf16 => {
+                let t = gpu.alloc_as::<Bf16>(&[len])?;
+                (t.buf.device_address(), SmallGrad::Bf16(t), Convert::F32ToBf16)
+            }
+            _ => {
+                let t = gpu.alloc(&[len])?;
+                (t.buf.device_address(), SmallGrad::F32(t), Convert::F32)
+            }
+        };
+        vectors.push(Vector { src, dst, len, mode });
+        out.push(grad);
+        Ok(())
+    };
+    match block.small_grad_slots() {
+        Some(places) => {
+            if let Some(&(at, len)) = places.last()
+                && slots.len() < at + len
+            {
+                return Err(host::Error::Shape(format!(
+                    "gradient slots of {} values, {at} + {len} wanted",
+                    slots.len()
+                )));
+            }
+            for (&(at, len), &dtype) in places.iter().zip(dtypes) {
+                put(slots.buf.device_address() + (at * 4) as u64, len, dtype)?;
+            }
+            // SAFETY: sources inside `slots` (checked), destinations new tensors of their
+            // length; all outlive the launch in stream order.
+            unsafe { convert_vectors(gpu, gpu.stream(), &vectors)? };
+        }
+        None => {
+            let (db, ops) = block.small_grads(gpu, slots)?;
+            let fp32: Vec<DeviceTensor> = std::iter::once(db).chain(ops.into_iter().flatten()).collect();
+            for (t, &dtype) in fp32.iter().zip(dtypes) {
+                put(t.buf.device_address(), t.len(), dtype)?;
+            }
+            // SAFETY: as above; `fp32` is freed in stream order, after the launch.
+            unsafe { convert_vectors(gpu, gpu.stream(), &vectors)? };
+        }
+    }
+    Ok(out)
 }
 
 gpu_entry_points!(gpu_forward_f32, gpu_backward_f32, f32);

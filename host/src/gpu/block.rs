@@ -347,14 +347,29 @@ impl<W: DeviceElement> GpuBlock<W> {
         }
     }
 
+    /// Where the small gradients lie in the chain backward's `slots`, as `(offset, len)`
+    /// in values: the Linear bias's, then each op parameter's in chain order. `None`
+    /// where an AvgPool is folded: the bias's gradient is then spread back by a kernel
+    /// ([`GpuBlock::small_grads`] does it).
+    pub fn small_grad_slots(&self) -> Option<Vec<(usize, usize)>> {
+        if self.folded.is_some() {
+            return None;
+        }
+        let n = self.gemm_width();
+        let mut places = vec![(0, n)];
+        for (i, op) in self.spec.chain.0.iter().enumerate().skip(self.first_op) {
+            let f = self.spec.features_at(i);
+            for _ in op.param_bases() {
+                places.push((places.len() * n, f));
+            }
+        }
+        Some(places)
+    }
+
     /// The bias's and the chain parameters' gradients from the chain backward's sums
     /// `slots` (slot 0: the GEMM's bias; then each op parameter in chain order), spread
     /// back over the unfolded bias where an AvgPool was folded.
-    pub(super) fn small_grads(
-        &self,
-        gpu: &Gpu,
-        slots: &DeviceTensor,
-    ) -> Result<(DeviceTensor, Vec<Vec<DeviceTensor>>)> {
+    pub fn small_grads(&self, gpu: &Gpu, slots: &DeviceTensor) -> Result<(DeviceTensor, Vec<Vec<DeviceTensor>>)> {
         let n = self.gemm_width();
         // Each gradient in a buffer of its own (the caller hands them out separately),
         // all copied out of `slots` by one launch.
@@ -466,10 +481,27 @@ impl GpuBlock {
         &self,
         gpu: &Gpu,
         x: &DeviceTensor,
+        saved: Saved,
+        dy: &DeviceTensor,
+        phases: Option<&mut Phases>,
+    ) -> Result<DeviceGrads> {
+        let small = |block: &Self, gpu: &Gpu, slots: &DeviceTensor| block.small_grads(gpu, slots);
+        let (dx, dw, (db, ops)) = self.backward_parts(gpu, x, saved, dy, phases, small)?;
+        Ok(DeviceGrads { x: dx, params: DeviceParams { linear_weight: dw, linear_bias: db, ops } })
+    }
+
+    /// The backward up to the small gradients: `dX`, `dW`, and what `small` makes of the
+    /// chain backward's parameter-gradient slots (see [`GpuBlock::small_grad_slots`]):
+    /// [`GpuBlock::small_grads`], or a framework's own tensors in its parameters' dtypes.
+    pub fn backward_parts<S>(
+        &self,
+        gpu: &Gpu,
+        x: &DeviceTensor,
         mut saved: Saved,
         dy: &DeviceTensor,
         mut phases: Option<&mut Phases>,
-    ) -> Result<DeviceGrads> {
+        small: impl FnOnce(&Self, &Gpu, &DeviceTensor) -> Result<S>,
+    ) -> Result<(DeviceTensor, DeviceTensor, S)> {
         let mut mark = |name| phases.as_deref_mut().map_or(Ok(()), |p| p.mark(gpu, name));
         if self.refine_saved(gpu, x, &mut saved)? == Refined::Done {
             mark("kink refinement")?;
@@ -496,9 +528,9 @@ impl GpuBlock {
             Some((k, ..)) => unfold_rows_mean_grad::<f32>(gpu, &dw, self.spec.out_features, *k)?,
             None => dw,
         };
-        let (db, ops) = self.small_grads(gpu, &slots)?;
+        let small = small(self, gpu, &slots)?;
         mark("gradient bookkeeping")?;
-        Ok(DeviceGrads { x: dx, params: DeviceParams { linear_weight: dw, linear_bias: db, ops } })
+        Ok((dx, dw, small))
     }
 }
 

@@ -138,6 +138,22 @@ impl GpuBlock<Bf16> {
         saved: Saved,
         dy: &DeviceTensor<Bf16>,
     ) -> Result<DeviceGrads<Bf16>> {
+        let small = |block: &Self, gpu: &Gpu, slots: &DeviceTensor| block.small_grads(gpu, slots);
+        let (dx, dw, (db, ops)) = self.backward_parts(gpu, x, saved, dy, None, small)?;
+        Ok(DeviceGrads { x: dx, params: DeviceParams { linear_weight: dw, linear_bias: db, ops } })
+    }
+
+    /// [`GpuBlock::backward`] up to the small gradients, as the FP32 block's
+    /// `backward_parts` (`phases` is not marked: the bf16 backward has no phase timing).
+    pub fn backward_parts<S>(
+        &self,
+        gpu: &Gpu,
+        x: &DeviceTensor<Bf16>,
+        saved: Saved,
+        dy: &DeviceTensor<Bf16>,
+        _phases: Option<&mut super::Phases>,
+        small: impl FnOnce(&Self, &Gpu, &DeviceTensor) -> Result<S>,
+    ) -> Result<(DeviceTensor<Bf16>, DeviceTensor<Bf16>, S)> {
         let (n, k) = (self.gemm_width(), self.spec.in_features);
         let m = match x.shape[..] {
             [m, xk] if xk == k && saved.z.shape == [m, n] => m,
@@ -215,8 +231,8 @@ impl GpuBlock<Bf16> {
             }
             (WeightGrad::F32(dw), None) => to_bf16(gpu, &dw)?,
         };
-        let (db, ops) = self.small_grads(gpu, &slots)?;
-        Ok(DeviceGrads { x: dx, params: DeviceParams { linear_weight: dw, linear_bias: db, ops } })
+        let small = small(self, gpu, &slots)?;
+        Ok((dx, dw, small))
     }
 
     /// Uploads bf16 `x` and `dy` (shaped as the output), runs the training forward and
