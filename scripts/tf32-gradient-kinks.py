@@ -8,7 +8,7 @@ a fraction p (~1e-4) of elements get an O(1)-wrong derivative and the norm-wise 
 reports about sqrt(p / q) (~1.3e-2). Measured here: `mask64` (kink decisions from the
 exact forward, the rest TF32) drops cases A and B to the smooth control's 1e-4..3e-4,
 and `fwd` (TF32 forward only) equals `all`: the backward's precision does not matter.
-(docs/PERFORMANCE.md, accuracy; `host check --backward` shows the same on the GPU.)
+(docs/VERSIONS.md, "Accuracy at the measured builds"; `host check --backward` shows the same on the GPU.)
 
 Everything is numpy float64 (forward and analytic backward written out here); TF32
 GEMMs are emulated by rounding both operands to TF32 (float32 bit pattern, 10 mantissa

@@ -11,7 +11,7 @@
 //!   that cancels (PyTorch's own FP32 M1 backward against f64, H100: `lin.weight` 3.5x
 //!   over it at a norm-wise 1.5e-6) or a GroupNorm over a few channels magnifies a
 //!   value's rounding, so it would mark right answers wrong; the norm-wise bound is
-//!   the one every path is held to (docs/PERFORMANCE.md, series 7 of 2026-11-23).
+//!   the one every path is held to (docs/VERSIONS.md, series 7 of 2026-11-23).
 //! * [`F64_REL`] bounds disagreement between two f64 computations of the same math
 //!   (the reference against naive loops): rounding only, so 1e-10.
 //! * Finite differences (central, step [`FD_STEP`]) have truncation error
