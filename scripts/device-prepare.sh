@@ -33,5 +33,3 @@ ls device-carry/wheels
 for f in device-carry/*; do [ -x "$f" ] && [ -f "$f" ] && strip "$f"; done
 ls -la device-carry
 du -sh device-carry
-# The PyTorch peers, timed in the same device call (shared/ beside the checkout does not travel).
-cp ../shared/baselines/pytorch_baselines.py device-carry/

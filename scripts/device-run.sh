@@ -6,11 +6,11 @@
 #   STEPS="ptxas sass tests check forward backward bench train pytorch tensor parity compile"
 #   Python package: STEPS="python kernelbench pybench pytrain" (pytest, the KernelBench ModelNews,
 #   the op against `host bench`, examples/train.py)
-#   (default: all; `compile` runs the PyTorch baselines again under torch.compile)
+#   (default: all; `pytorch` runs python -m fused_linear.bench at the seed sizes, `compile` the same
+#   with max-autotune; STEPS=sweep its batch sweep, BENCH_CONFIGS= picks configurations)
 #   STEPS=ab: this build against device-carry/host-old (OLD_HOST= in device-prepare.sh), same call
 #   STEPS=seedparity: scripts/parity.py at the presets' seed sizes, every precision, against
 #   PyTorch's float64 on the GPU (~5 minutes: a call of its own, not in the default)
-#   TORCH_FLAGS="--compile default" etc. are passed to the PyTorch baselines.
 #   STEPS=bf16ab: the bf16 model's dev timing (and M2's phases), this build against
 #   device-carry/bf16_timing-old
 #   STEPS=bf16: a bf16 model's blocks, ours and PyTorch's bf16 model (eager, compiled)
@@ -140,9 +140,8 @@ if has bf16; then
   run "bench backward bf16 model" 300 "$C/host" bench --backward --precision bf16 --repeat 10 \
     --json "$OUT/bench-bf16-model-bwd.json"
   [ -x "$C/bf16_timing" ] && run "bf16 timing (dev)" 200 "$C/bf16_timing" M2 --gemms --chains --phases
-  run "pytorch bf16 eager" 500 python3 "$C/pytorch_baselines.py" --backward --dtype bf16 --json "$OUT/torch-bf16.json"
-  run "pytorch bf16 compile" 500 python3 "$C/pytorch_baselines.py" --backward --dtype bf16 --compile default \
-    --json "$OUT/torch-bf16-compile.json"
+  PYTHONUNBUFFERED=1 run "benchmark bf16, seed sizes" 560 python3 -m fused_linear.bench --shapes seed \
+    --configs bf16 --no-progress --json "$OUT/bench-seed-bf16.json" --markdown "$OUT/bench-seed-bf16.md"
 fi
 has train && run "train" 200 "$C/host" train --device gpu --steps 60
 # Several ranks: the collectives and split blocks (GPU tests), the CLI's tensor parallel over
@@ -200,17 +199,27 @@ has kernelbench && PYTHONUNBUFFERED=1 run "KernelBench ModelNew" 560 python3 exa
 has pybench && PYTHONUNBUFFERED=1 run "op vs host bench" 560 python3 scripts/py-bench.py --host "$C/host" \
   --json "$OUT/py-bench.json"
 has pytrain && PYTHONUNBUFFERED=1 run "train.py" 200 python3 examples/train.py --steps 50 --device cuda --precision fp32
+# Ours against eager PyTorch and torch.compile of the same blocks, in one process, every protocol
+# (python -m fused_linear.bench): the presets at their seed sizes (pytorch: TF32 and bf16; compile:
+# with --compile-mode max-autotune-no-cudagraphs too), and the batch sweep (sweep: ~4 minutes a
+# configuration on an H100).
 if has pytorch; then
-  PYTHONUNBUFFERED=1 run "pytorch fp32 ${TORCH_FLAGS:-eager}" 500 python3 "$C/pytorch_baselines.py" --backward \
-    ${TORCH_FLAGS:-} --json "$OUT/torch.json"
-  has tensor && PYTHONUNBUFFERED=1 run "pytorch tf32 ${TORCH_FLAGS:-eager}" 500 python3 "$C/pytorch_baselines.py" \
-    --backward --tf32 ${TORCH_FLAGS:-} --json "$OUT/torch-tf32.json"
+  PYTHONUNBUFFERED=1 run "benchmark, seed sizes" 560 python3 -m fused_linear.bench --shapes seed \
+    --configs ${BENCH_CONFIGS:-tf32,bf16} --no-progress --json "$OUT/bench-seed.json" --markdown "$OUT/bench-seed.md"
+  has tensor && PYTHONUNBUFFERED=1 run "benchmark, strict FP32 peers" 300 python3 -m fused_linear.bench \
+    --shapes seed --configs fp32,tf32x3 --modes fwd --protocols flushed --no-compile --no-progress \
+    --json "$OUT/bench-seed-fp32.json" --markdown "$OUT/bench-seed-fp32.md"
 fi
 if has compile; then
-  PYTHONUNBUFFERED=1 run "pytorch fp32 compile" 500 python3 "$C/pytorch_baselines.py" --backward \
-    --compile default --json "$OUT/torch-compile.json"
-  has tensor && PYTHONUNBUFFERED=1 run "pytorch tf32 compile" 500 python3 "$C/pytorch_baselines.py" \
-    --backward --tf32 --compile default --json "$OUT/torch-tf32-compile.json"
+  PYTHONUNBUFFERED=1 run "benchmark, max-autotune" 560 python3 -m fused_linear.bench --shapes seed \
+    --configs ${BENCH_CONFIGS:-tf32,bf16} --compile-mode max-autotune-no-cudagraphs --no-progress \
+    --json "$OUT/bench-seed-autotune.json" --markdown "$OUT/bench-seed-autotune.md"
+fi
+if has sweep; then
+  for cfg in ${BENCH_CONFIGS:-bf16 tf32}; do
+    PYTHONUNBUFFERED=1 run "benchmark sweep $cfg" 560 python3 -m fused_linear.bench --shapes sweep --configs "$cfg" \
+      --no-progress --json "$OUT/bench-sweep-$cfg.json" --markdown "$OUT/bench-sweep-$cfg.md"
+  done
 fi
 
 echo
