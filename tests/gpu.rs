@@ -11,7 +11,7 @@ use host::{BlockSpec, Chain, Params, Preset, Tensor};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
-/// The issue asks the plain GEMM for 1e-5; rounding of a k-term f32 sum stays well under.
+/// The plain GEMM is held to 1e-5: rounding of a k-term f32 sum stays well under.
 const GEMM_REL: f64 = 1e-5;
 
 fn gpu() -> Gpu {
@@ -30,7 +30,7 @@ fn random_case(spec: &BlockSpec, batch: usize, rng: &mut StdRng) -> (Params<f32>
 
 /// The plain GEMM with bias (an empty chain: the FMA kernel `gemm_f32_nt_*`, split-K
 /// where the tiles are few) at shapes below, at and above its tiles and not multiples
-/// of them, held to the issue's 1e-5.
+/// of them, held to 1e-5.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn plain_gemm_matches_reference_at_odd_shapes() {

@@ -1,6 +1,6 @@
 //! Property test: for random shapes and random chains with valid parameters, the f64
 //! CPU reference equals naive f64 loops written here from the definitions in
-//! `shared/spec/models.md`, without the reference's code.
+//! `docs/MODELS.md`, without the reference's code.
 
 // The naive versions index like the formulas, on purpose.
 #![allow(clippy::needless_range_loop)]

@@ -1,5 +1,5 @@
 //! The CPU reference against naive f64 loops written here from the definitions in
-//! `shared/spec/models.md`, independently of the reference's code: every op's
+//! `docs/MODELS.md`, independently of the reference's code: every op's
 //! forward (and the backwards that have a plain closed form), all five presets, and
 //! f32 against f64. Shapes are deliberately odd (batch 3 or 5, features 24/30/45,
 //! group sizes 3, 5, 6, 8, 12, 15, outputs not multiples of 8).

@@ -1,16 +1,16 @@
 //! The arithmetic of the GEMMs ([`Precision`]) and what each is held to: its tolerance
 //! against the f64 reference, explained here beside the arithmetic it bounds.
 //!
-//! Why these numbers (see `shared/spec/models.md`; [`crate::check`] holds the other
+//! Why these numbers (see `docs/MODELS.md`; [`crate::check`] holds the other
 //! tolerances — f64 against f64, finite differences, `allclose` — and the comparison):
 //! * A GEMM output summed over `k` terms in f32 has a relative error of about
 //!   `sqrt(k) * 2^-24` for random data (~5e-6 at k = 8192); the epilogue ops add a
 //!   few ulps each and GroupNorm divides by a standard deviation that is itself
 //!   computed in f32. [`FP32_REL`] = 1e-4 leaves ~20x headroom for that, and is what
-//!   the issues ask of strict-f32 paths. 3xTF32 is held to it too: its products are
+//!   every strict-f32 path is held to. 3xTF32 is held to it too: its products are
 //!   FP32-accurate.
 //! * TF32 keeps 10 mantissa bits of each operand ([`TF32_REL`]), bf16 8 ([`BF16_REL`]):
-//!   the tensor-core issue's bars.
+//!   the bars of the tensor-core paths.
 //!
 //! Every comparison is norm-wise relative ([`crate::check::Comparison::passes`]).
 //!

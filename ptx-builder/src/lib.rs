@@ -2,7 +2,7 @@
 //!
 //! This plays the role of rust-cuda's `cuda_builder`, with rustc's own
 //! `nvptx64-nvidia-cuda` backend instead of `rustc_codegen_nvvm` (which needs
-//! LLVM 7; see `../shared/spec/toolchain.md` and the README).
+//! LLVM 7; see docs/ARCHITECTURE.md, "Why not rust-cuda's compiler").
 //!
 //! Two halves, both called from the host crate's `build.rs`:
 //!

@@ -1,6 +1,6 @@
 """Plain-PyTorch references for a Linear layer followed by an epilogue chain.
 
-Written from the math of docs/PYTHON.md and shared/spec/models.md with torch functional
+Written from the math of docs/PYTHON.md and docs/MODELS.md with torch functional
 ops, independent of the package under test: a chain parser, ``reference()`` (float64),
 ``PlainBlock`` (an ``nn.Module`` whose parameters carry the project's names), a seeded
 random chain generator, helpers that keep inputs away from kinks, and the relative
@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# The five reference models (shared/spec/models.md), at their full sizes.
+# The five reference models (docs/MODELS.md), at their full sizes.
 SPEC_PRESETS = {
     "M1": "groupnorm(256),swish,mul,swish",
     "M2": "swish,bias,groupnorm(64)",

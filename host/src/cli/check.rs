@@ -68,7 +68,7 @@ pub fn run(a: &CheckArgs) -> Result<(), Failure> {
     for p in Preset::ALL {
         let (g_small, shape) = match p {
             Preset::M4 => (None, (33, 77, 96)),
-            _ => (Some(4), (33, 77, 96)), // groups of 24: the odd shape of the issue
+            _ => (Some(4), (33, 77, 96)), // groups of 24 channels: an odd shape
         };
         let chain = g_small.map_or(p.chain(), |g| p.chain().with_groups(g));
         cases.push((format!("{p} small"), chain, shape));

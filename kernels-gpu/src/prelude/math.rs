@@ -3,7 +3,7 @@
 //! `core` has no `exp`/`tanh`/`erf` on nvptx64. These use the PTX approximate
 //! instructions (`ex2.approx`, `rsqrt.approx`) plus short, well-conditioned formulas.
 //! Accuracy below is relative error unless said otherwise, over finite inputs, and is
-//! what the block tolerances (1e-4 relative, ../shared/spec/models.md) rely on:
+//! what the block tolerances (1e-4 relative, docs/MODELS.md) rely on:
 //! every function here is at least ~30x tighter than that.
 //!
 //! | fn        | method                                          | accuracy                       |
