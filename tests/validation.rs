@@ -187,6 +187,7 @@ fn bad_input_is_refused_with_an_error_naming_it() {
         case("x of dtype I32", &to_strs(&with(&["--shape", "4,16,32", "--input", &p("x-i32.safetensors")])), 1, &["`x`", "I32", "F32"]),
         case("--output in a missing directory", &to_strs(&with(&["--shape", "4,16,32", "--output", &p("nope/y.safetensors")])), 1, &["--output", &p("nope/y.safetensors"), "does not exist"]),
         case("--output is a directory", &to_strs(&with(&["--shape", "4,16,32", "--output", &dir.0.to_string_lossy()])), 1, &["--output", "is a directory"]),
+        case("backward --grads in a missing directory", &["backward", "--device", "cpu", "--shape", "4,16,32", "--grads", &p("nope/g.safetensors")], 1, &["--grads", &p("nope/g.safetensors"), "does not exist"]),
         // Sizes whose arithmetic would overflow, refused before allocating.
         case("batch beyond 32-bit kernel arguments", &["forward", "--device", "gpu", "--ops", "swish", "--shape", "4294967296,2,2"], 1, &["--shape 4294967296,2,2", "32-bit"]),
         case("batch beyond the GEMM grid", &["forward", "--device", "gpu", "--ops", "swish", "--shape", "9000000,2,2"], 1, &["--shape 9000000,2,2", "grid"]),
@@ -195,7 +196,10 @@ fn bad_input_is_refused_with_an_error_naming_it() {
         case("batch beyond 64 bits", &["forward", "--device", "cpu", "--shape", "99999999999999999999,2,2"], 1, &["--shape", "BATCH `99999999999999999999` is not a whole number"]),
     ];
     // The memory check reads /proc/meminfo; elsewhere there is no total to compare with.
+    // /proc takes no new files, even from root: an existing directory one cannot write to.
     if cfg!(target_os = "linux") {
+        #[rustfmt::skip]
+        cases.push(case("backward --grads where nothing can be written", &["backward", "--device", "cpu", "--shape", "4,16,32", "--grads", "/proc/grads.safetensors"], 1, &["--grads", "/proc/grads.safetensors", "cannot write here"]));
         #[rustfmt::skip]
         cases.push(case("beyond this machine's memory", &["forward", "--device", "cpu", "--ops", "swish", "--shape", "1000000000,1000,1000"], 1, &["--shape 1000000000,1000,1000", "GiB of memory"]));
     }
@@ -423,7 +427,8 @@ fn a_bf16_models_files_stay_bf16() {
 }
 
 /// NaN and Inf in `x` go through like PyTorch's (a group holding NaN is NaN, the
-/// rest finite), and the summary's check counts matching NaN as equal: success.
+/// rest finite); the check finds them where the f64 reference has them, and still says
+/// not ok (exit 2): an output holding NaN or Inf is not a usable result. `y` is written.
 #[test]
 fn nan_and_inf_inputs_propagate_through_the_cli() {
     let dir = TempDir::new("nan");
@@ -461,9 +466,10 @@ fn nan_and_inf_inputs_propagate_through_the_cli() {
             "--output",
             y_path.to_str().unwrap(),
         ]);
-        assert_eq!(code, 0, "{text}: {stderr}\n{stdout}");
+        assert_eq!(code, 2, "{text}: {stderr}\n{stdout}");
+        assert!(stderr.contains("NaN/Inf values"), "{text}: {stderr}");
         let check = stdout.lines().find(|l| l.starts_with("  check ")).unwrap();
-        assert!(check.ends_with(": ok") && check.contains("non-finite 0"), "{text}: {check}");
+        assert!(check.contains("non-finite 0") && check.contains(": not ok: "), "{text}: {check}");
         let y = TensorFile::open(&y_path).unwrap().get("y", &spec.output_shape(batch)).unwrap();
         let width = y.len() / batch;
         for r in 0..batch {
@@ -545,6 +551,32 @@ fn device_choice_with_and_without_a_gpu() {
         assert!(stdout.contains("  backend   cpu"), "{stdout}");
     } else {
         assert!(stdout.contains("  backend   "), "{stdout}");
+    }
+}
+
+/// Without a GPU, `check` checks the CPU backend against the f64 reference (saying so),
+/// and `check --device gpu` and `bench` say what they need; with one, `check` runs there.
+#[test]
+fn check_and_bench_with_and_without_a_gpu() {
+    for extra in [&[][..], &["--backward"][..]] {
+        let (code, stdout, stderr) = host(&[&["check", "--random", "3", "--device", "auto"][..], extra].concat());
+        assert_eq!(code, 0, "{stderr}\n{stdout}");
+        assert!(stdout.contains("all cases within"), "{stdout}");
+        if host::gpu::driver_present().is_err() {
+            assert!(stderr.contains("running on the CPU backend"), "{stderr}");
+            assert!(stdout.contains("backend cpu") && stdout.contains("/ cpu backend"), "{stdout}");
+        }
+    }
+    if host::gpu::driver_present().is_err() {
+        let (code, _, stderr) = host(&["check", "--device", "gpu"]);
+        assert_eq!(code, 1, "{stderr}");
+        assert!(
+            stderr.contains("needs a CUDA GPU of compute capability 9.0") && stderr.contains("--device cpu"),
+            "{stderr}"
+        );
+        let (code, _, stderr) = host(&["bench"]);
+        assert_eq!(code, 1, "{stderr}");
+        assert!(stderr.contains("`host bench` times the GPU kernels") && stderr.contains("--device cpu"), "{stderr}");
     }
 }
 

@@ -41,8 +41,12 @@ pub struct Comparison {
     pub rel: f64,
     /// `max |got - ref|`.
     pub max_abs: f64,
-    /// Elements where `got` is NaN or infinite but `ref` is finite (always a failure).
+    /// Elements where `got` is NaN or infinite but `ref` is finite, or that differ
+    /// where `ref` is not finite (always a failure).
     pub non_finite: usize,
+    /// NaN or infinite values in `got`, whether or not the reference has them too (NaN
+    /// or Inf in the input or the weights): an output that holds them is not usable.
+    pub nan_or_inf: usize,
     /// Elements compared.
     pub len: usize,
     /// Index of the largest absolute difference.
@@ -58,6 +62,24 @@ impl Comparison {
         self.non_finite == 0 && self.rel <= rel_tol
     }
 
+    /// [`Comparison::passes`], and no NaN or Inf in `got` at all: what a check reports
+    /// as ok. (`passes` alone holds where the reference has the same NaN and Inf.)
+    pub fn ok(&self, rel_tol: f64) -> bool {
+        self.passes(rel_tol) && self.nan_or_inf == 0
+    }
+
+    /// The check's verdict in words: `ok`, `FAILED`, or why an output that matches the
+    /// reference is still not ok.
+    pub fn verdict(&self, rel_tol: f64) -> String {
+        match (self.passes(rel_tol), self.nan_or_inf) {
+            (true, 0) => "ok".into(),
+            (true, n) => format!(
+                "not ok: {n} NaN/Inf in the output, as in the f64 reference (NaN/Inf in the input or the weights)"
+            ),
+            (false, _) => "FAILED".into(),
+        }
+    }
+
     /// Whether `allclose(ALLCLOSE_ATOL, ALLCLOSE_RTOL)` holds (and no unexpected NaN/Inf).
     pub fn allclose(&self) -> bool {
         self.non_finite == 0 && self.close <= 1.0
@@ -68,6 +90,7 @@ impl Comparison {
 pub fn compare(got: &[f64], reference: &[f64]) -> Comparison {
     assert_eq!(got.len(), reference.len(), "compared sequences differ in length");
     let (mut diff2, mut ref2, mut max_abs, mut worst, mut non_finite, mut close) = (0.0, 0.0, 0.0, 0, 0, 0.0f64);
+    let nan_or_inf = got.iter().filter(|g| !g.is_finite()).count();
     for (i, (&g, &r)) in got.iter().zip(reference).enumerate() {
         if r.is_finite() && !g.is_finite() {
             non_finite += 1;
@@ -90,7 +113,7 @@ pub fn compare(got: &[f64], reference: &[f64]) -> Comparison {
         }
     }
     let rel = if ref2 > 0.0 { (diff2 / ref2).sqrt() } else { diff2.sqrt() };
-    Comparison { rel, max_abs, non_finite, len: got.len(), worst, close }
+    Comparison { rel, max_abs, non_finite, nan_or_inf, len: got.len(), worst, close }
 }
 
 /// [`compare`] for f32 results against an f64 reference.
@@ -115,7 +138,12 @@ mod tests {
         let c = compare(&[f64::NAN, 1.0], &[0.0, 1.0]);
         assert_eq!(c.non_finite, 1);
         assert!(!c.passes(1.0));
-        assert!(compare(&[f64::NAN], &[f64::NAN]).passes(0.0));
+        let same = compare(&[f64::NAN, 1.0], &[f64::NAN, 1.0]);
+        assert!(same.passes(0.0), "NaN where the reference has it matches");
+        assert_eq!(same.nan_or_inf, 1);
+        assert!(!same.ok(0.0) && same.verdict(0.0).starts_with("not ok: 1 NaN/Inf"), "{}", same.verdict(0.0));
+        assert!(compare(&[1.0], &[1.0]).ok(0.0));
+        assert_eq!(compare(&[f64::INFINITY], &[1.0]).verdict(1.0), "FAILED");
     }
 
     #[test]

@@ -117,7 +117,24 @@ pub fn check_output_path(path: &Path) -> Result<()> {
     if !dir.is_dir() {
         return Err(Error::file(path, format!("cannot write: the directory {} does not exist", dir.display())));
     }
+    // Writable (permissions, a read-only file system): tried with the file the writer
+    // fills first, removed again, so a long computation never ends in a refused write.
+    let partial = partial_path(path);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&partial)
+        .map_err(|e| Error::file(path, format!("cannot write here: {e}")))?;
+    let _ = std::fs::remove_file(&partial);
     Ok(())
+}
+
+/// Where [`write_typed`] writes before renaming over `path`.
+fn partial_path(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(".partial");
+    name.into()
 }
 
 /// Writes named f32 tensors to `path`: into `<path>.partial` first, renamed over
@@ -145,9 +162,7 @@ pub fn write_typed(path: &Path, tensors: &[(&str, &Tensor<f32>, bool)]) -> Resul
         views.insert(name.to_string(), view);
     }
     let data = safetensors::serialize(views, None).map_err(|e| Error::file(path, format!("cannot serialise: {e}")))?;
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".partial");
-    let tmp = PathBuf::from(tmp);
+    let tmp = partial_path(path);
     let written = std::fs::write(&tmp, data)
         .map_err(|e| Error::file(&tmp, format!("cannot write: {e}")))
         .and_then(|()| std::fs::rename(&tmp, path).map_err(|e| Error::file(path, format!("cannot write: {e}"))));

@@ -5,7 +5,7 @@ use super::{Backend, BlockArgs, DeviceChoice, Failure, Problem, TuningArgs};
 use crate::block::Params;
 use crate::check::{Comparison, compare_f32};
 use crate::cpu;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::gpu::block::GpuBlock;
 use crate::io::TensorFile;
 use crate::reference;
@@ -50,6 +50,12 @@ pub struct BackwardArgs {
 }
 
 pub fn run(a: &BackwardArgs) -> Result<(), Failure> {
+    // Before any work: a refused write at the end would throw the whole run away.
+    for (flag, path) in [("--grads", &a.grads), ("--output", &a.output)] {
+        if let Some(path) = path {
+            crate::io::check_output_path(path).map_err(|e| Error::Argument(format!("{flag} {e}")))?;
+        }
+    }
     let p = a.block.problem()?;
     let batch = p.x.rows();
     let out_shape = p.spec.output_shape(batch);
@@ -175,14 +181,15 @@ fn check(
     let macs = batch as f64 * in_f as f64 * p.spec.out_features as f64;
     let mut failed = Vec::new();
     let mut report = |what: &str, c: Comparison| {
-        let ok = c.passes(tol);
+        let ok = c.ok(tol);
         println!(
-            "  check     {what}: rel err {:.2e}, max abs {:.2e}, allclose(1e-4, 1e-4) ratio {:.2}, non-finite {} (tolerance {tol:e}): {}",
+            "  check     {what}: rel err {:.2e}, max abs {:.2e}, allclose(1e-4, 1e-4) ratio {:.2}, non-finite {}, NaN/Inf {} (tolerance {tol:e}): {}",
             c.rel,
             c.max_abs,
             c.close,
             c.non_finite,
-            if ok { "ok" } else { "FAILED" }
+            c.nan_or_inf,
+            c.verdict(tol)
         );
         if !ok {
             failed.push(what.to_string());

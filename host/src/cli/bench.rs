@@ -1,7 +1,7 @@
 //! `host bench`: times each block on the GPU against cuBLAS's SGEMM alone, same
 //! process, same shapes, strict FP32.
 
-use super::{BlockArgs, Failure, TuningArgs};
+use super::{BlockArgs, Failure, TuningArgs, no_gpu_reason};
 use crate::block::random_input;
 use crate::error::{Error, Result};
 use crate::gpu::block::GpuBlock;
@@ -102,7 +102,16 @@ fn time_cublas<T: Operand>(
 }
 
 pub fn run(a: &BenchArgs) -> Result<(), Failure> {
-    let gpu = Gpu::open(0)?.with_tuning(a.tuning.tuning());
+    let gpu = Gpu::open(0)
+        .map_err(|e| {
+            Error::NoGpu(format!(
+                "{}; `host bench` times the GPU kernels against cuBLAS and needs a CUDA GPU of compute \
+                 capability 9.0 (H100, H200) with libcublas (on the CPU, `host forward --device cpu` and \
+                 `host backward --device cpu` time the CPU backend)",
+                no_gpu_reason(e)
+            ))
+        })?
+        .with_tuning(a.tuning.tuning());
     let cublas = Cublas::new(&gpu, a.precision == Precision::Tf32)?;
     let models: Vec<&str> = if a.ops.is_some() { vec!["custom"] } else { a.models.split(',').map(str::trim).collect() };
     let mut rows = Vec::new();

@@ -1,12 +1,13 @@
 //! `host check`: every preset and a set of random chains and shapes, run on the GPU
-//! against the f64 CPU reference, on fresh random inputs into NaN-poisoned outputs.
+//! (or, without one, the CPU backend) against the f64 CPU reference, on fresh random
+//! inputs (the GPU's into NaN-poisoned outputs).
 
-use super::{Failure, TuningArgs};
+use super::{Backend, DeviceChoice, Failure, TuningArgs};
 use crate::block::{BlockSpec, Params, random_input};
 use crate::chain::{Chain, Op, Pointwise, Preset};
 use crate::check::{Comparison, compare_f32};
+use crate::cpu;
 use crate::error::Result;
-use crate::gpu::Gpu;
 use crate::gpu::block::GpuBlock;
 use crate::precision::Precision;
 use crate::reference;
@@ -30,6 +31,9 @@ pub struct CheckArgs {
     /// Arithmetic of the GEMMs (tolerance: 1e-4 for fp32 and tf32x3, 2e-3 for tf32, 2e-2 for bf16).
     #[arg(long, value_enum, default_value = "fp32")]
     precision: Precision,
+    /// Backend checked: auto (the GPU if usable, else the CPU backend, saying so), cpu or gpu.
+    #[arg(long, value_enum, default_value = "auto")]
+    device: DeviceChoice,
     #[command(flatten)]
     tuning: TuningArgs,
 }
@@ -62,7 +66,19 @@ pub fn random_chain(rng: &mut impl Rng, out: usize) -> Chain {
 }
 
 pub fn run(a: &CheckArgs) -> Result<(), Failure> {
-    let gpu = Gpu::open(0)?.with_tuning(a.tuning.tuning());
+    let backend = Backend::open(a.device, a.tuning.tuning())?;
+    // The CPU backend computes in FP32 whatever --precision says: held to FP32's bar.
+    let precision = match backend {
+        Backend::Cpu => Precision::Fp32,
+        Backend::Gpu(_) => a.precision,
+    };
+    if let Backend::Cpu = backend {
+        println!(
+            "backend cpu: {} (the CPU backend{})",
+            cpu::describe(cpu::Precision::Fp32),
+            super::cpu_precision_note(a.precision)
+        );
+    }
     let mut rng = StdRng::seed_from_u64(a.seed);
     let mut cases: Vec<(String, Chain, (usize, usize, usize))> = Vec::new();
     for p in Preset::ALL {
@@ -88,8 +104,8 @@ pub fn run(a: &CheckArgs) -> Result<(), Failure> {
         cases.push((format!("random {i}"), random_chain(&mut rng, shape.2), shape));
     }
 
-    let tol = a.precision.tolerance();
-    println!("precision {}: tolerance {tol:e} relative to the f64 reference", a.precision);
+    let tol = precision.tolerance();
+    println!("precision {precision}: tolerance {tol:e} relative to the f64 reference");
     let what = if a.backward { "worst grad" } else { "rel err" };
     println!("{:<14} {:<16} {:>10} {:>9}  {:<6} chain / path", "case", "shape", what, "max abs", "result");
     let mut failed = 0;
@@ -105,33 +121,58 @@ pub fn run(a: &CheckArgs) -> Result<(), Failure> {
         let spec = BlockSpec::new(i, o, chain)?;
         let params = Params::random(&spec, &mut rng);
         let x = random_input(b, i, &mut rng)?;
-        let block = GpuBlock::new(&gpu, &spec, &params)?.with_precision(a.precision);
-        let plan = block.plan(&gpu, b);
-        // With `--backward`, the gradients are also compared (for cases that fail the
-        // tolerance or miss allclose) with the exact gradients at the `z` the device's
+        // With `--backward`, the GPU's gradients are also compared (for cases that fail
+        // the tolerance or miss allclose) with the exact gradients at the `z` the device's
         // forward computed: what is left there is the backward's own arithmetic.
         let mut at_z = None;
-        let comparisons = if a.backward {
+        let dy = if a.backward {
             let out = spec.output_shape(b);
-            let dy = random_input(1, out.iter().product(), &mut rng)?.reshape(&out)?;
-            let got = block.forward_backward(&gpu, &x, &dy)?;
-            let (x64, p64, dy64) = (x.to_f64(), params.map(f64::from), dy.to_f64());
-            let (_, want) = reference::block_backward(&spec, &x64, &p64, &dy64)?;
-            let c = got.compare(&spec, &want);
-            if !c.iter().all(|(_, c)| c.passes(tol) && c.allclose()) && got.z.shape() == [b, o] {
-                let (_, want_z) = reference::block_backward_at(&spec, &x64, &p64, &dy64, &got.z.to_f64())?;
-                at_z = Some(got.compare(&spec, &want_z));
-            }
-            c
+            Some(random_input(1, out.iter().product(), &mut rng)?.reshape(&out)?)
         } else {
-            let y = block.forward(&gpu, &x)?;
-            let want = reference::block_forward(&spec, &x.to_f64(), &params.map(f64::from))?;
-            if y.shape() != want.shape() {
-                return Err(Failure::CheckFailed(format!("{name}: shape {:?} vs {:?}", y.shape(), want.shape())));
-            }
-            vec![("y".to_string(), compare_f32(y.data(), want.data()))]
+            None
         };
-        let ok = comparisons.iter().all(|(_, c)| c.passes(tol));
+        let (x64, p64) = (x.to_f64(), params.map(f64::from));
+        let (comparisons, path) = match (&backend, &dy) {
+            (Backend::Gpu(gpu), Some(dy)) => {
+                let block = GpuBlock::new(gpu, &spec, &params)?.with_precision(precision);
+                let got = block.forward_backward(gpu, &x, dy)?;
+                let dy64 = dy.to_f64();
+                let (_, want) = reference::block_backward(&spec, &x64, &p64, &dy64)?;
+                let c = got.compare(&spec, &want);
+                if !c.iter().all(|(_, c)| c.passes(tol) && c.allclose()) && got.z.shape() == [b, o] {
+                    let (_, want_z) = reference::block_backward_at(&spec, &x64, &p64, &dy64, &got.z.to_f64())?;
+                    at_z = Some(got.compare(&spec, &want_z));
+                }
+                (c, block.describe(gpu, &block.plan(gpu, b)))
+            }
+            (Backend::Gpu(gpu), None) => {
+                let block = GpuBlock::new(gpu, &spec, &params)?.with_precision(precision);
+                let y = block.forward(gpu, &x)?;
+                let want = reference::block_forward(&spec, &x64, &p64)?;
+                if y.shape() != want.shape() {
+                    return Err(Failure::CheckFailed(format!("{name}: shape {:?} vs {:?}", y.shape(), want.shape())));
+                }
+                (vec![("y".to_string(), compare_f32(y.data(), want.data()))], block.describe(gpu, &block.plan(gpu, b)))
+            }
+            (Backend::Cpu, Some(dy)) => {
+                let (_, got) = cpu::backward(&spec, &x, &params, dy, &cpu::Options::default())?;
+                let (_, want) = reference::block_backward(&spec, &x64, &p64, &dy.to_f64())?;
+                let mut c = vec![("x".to_string(), compare_f32(got.x.data(), want.x.data()))];
+                for ((s, g), w) in spec.param_specs().iter().zip(got.params.flat()).zip(want.params.flat()) {
+                    c.push((s.name.clone(), compare_f32(g.data(), w.data())));
+                }
+                (c, "cpu backend".to_string())
+            }
+            (Backend::Cpu, None) => {
+                let y = cpu::forward(&spec, &x, &params, &cpu::Options::default())?;
+                let want = reference::block_forward(&spec, &x64, &p64)?;
+                if y.shape() != want.shape() {
+                    return Err(Failure::CheckFailed(format!("{name}: shape {:?} vs {:?}", y.shape(), want.shape())));
+                }
+                (vec![("y".to_string(), compare_f32(y.data(), want.data()))], "cpu backend".to_string())
+            }
+        };
+        let ok = comparisons.iter().all(|(_, c)| c.ok(tol));
         failed += usize::from(!ok);
         keep_worst(&mut worst, &comparisons, |c| c.rel);
         keep_worst(&mut worst_close, &comparisons, |c| c.close);
@@ -146,10 +187,10 @@ pub fn run(a: &CheckArgs) -> Result<(), Failure> {
             max_abs,
             if ok { "ok" } else { "FAILED" },
             spec.chain,
-            block.describe(&gpu, &plan)
+            path
         );
         if !ok {
-            for (what, c) in comparisons.iter().filter(|(_, c)| !c.passes(tol)) {
+            for (what, c) in comparisons.iter().filter(|(_, c)| !c.ok(tol)) {
                 println!("    {what}: rel {:.3e}, max abs {:.3e}, non-finite {}", c.rel, c.max_abs, c.non_finite);
             }
         }

@@ -181,18 +181,22 @@ fn check_rows(p: &Problem, y: &Tensor<f32>, n: usize, tol: f64) -> Result<Result
     let width = y.len() / batch;
     let got: Vec<f32> = rows.iter().flat_map(|&r| y.data()[r * width..(r + 1) * width].iter().copied()).collect();
     let c = compare_f32(&got, reference.data());
-    let ok = c.passes(tol);
+    let ok = c.ok(tol);
     println!(
-        "  check     {n} rows vs f64 CPU reference: rel err {:.2e}, max abs {:.2e}, allclose(1e-4, 1e-4) ratio {:.2}, non-finite {} (tolerance {tol:e}): {}",
+        "  check     {n} rows vs f64 CPU reference: rel err {:.2e}, max abs {:.2e}, allclose(1e-4, 1e-4) ratio {:.2}, non-finite {}, NaN/Inf {} (tolerance {tol:e}): {}",
         c.rel,
         c.max_abs,
         c.close,
         c.non_finite,
-        if ok { "ok" } else { "FAILED" }
+        c.nan_or_inf,
+        c.verdict(tol)
     );
     Ok(if ok {
         Ok(())
     } else {
-        Err(Failure::CheckFailed(format!("output differs from the reference: relative error {:.3e}", c.rel)))
+        Err(Failure::CheckFailed(match c.passes(tol) {
+            true => format!("the output holds {} NaN/Inf values", c.nan_or_inf),
+            false => format!("output differs from the reference: relative error {:.3e}", c.rel),
+        }))
     })
 }

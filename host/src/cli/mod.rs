@@ -423,7 +423,16 @@ impl Backend {
     pub fn open(choice: DeviceChoice, tuning: Tuning) -> Result<Backend> {
         match choice {
             DeviceChoice::Cpu => Ok(Backend::Cpu),
-            DeviceChoice::Gpu => Ok(Backend::Gpu(Box::new(Gpu::open(0)?.with_tuning(tuning)))),
+            DeviceChoice::Gpu => {
+                let gpu = Gpu::open(0).map_err(|e| {
+                    Error::NoGpu(format!(
+                        "{}; --device gpu needs a CUDA GPU of compute capability 9.0 (H100, H200); \
+                         --device cpu runs the CPU backend",
+                        no_gpu_reason(e)
+                    ))
+                })?;
+                Ok(Backend::Gpu(Box::new(gpu.with_tuning(tuning))))
+            }
             DeviceChoice::Auto => match Gpu::open(0) {
                 Ok(gpu) => Ok(Backend::Gpu(Box::new(gpu.with_tuning(tuning)))),
                 Err(e) => {
@@ -432,6 +441,15 @@ impl Backend {
                 }
             },
         }
+    }
+}
+
+/// Why a GPU could not be opened, without the error's own "no GPU: " prefix (for
+/// messages that go on to say what the command needs).
+pub fn no_gpu_reason(e: Error) -> String {
+    match e {
+        Error::NoGpu(reason) => reason,
+        other => other.to_string(),
     }
 }
 
