@@ -294,8 +294,63 @@ def _bf16_block(
     return y.view(tuple(lead) + tuple(y.shape[1:]))
 
 
+class _EmptyBatch(torch.autograd.Function):
+    """A batch of no rows, as PyTorch's layers take it: an empty output, and gradients
+    that are sums over no rows (zeros; `x`'s is empty). Nothing runs on the device."""
+
+    @staticmethod
+    def forward(ctx, out_shape, x, weight, bias, *params):
+        ctx.save_for_backward(x, weight, bias, *params)
+        return x.new_empty((0, *out_shape))
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, *rest = ctx.saved_tensors
+        return (None, torch.zeros_like(x), *(torch.zeros_like(t) for t in rest))
+
+
+def _empty_batch(x: Tensor, weight: Tensor, bias: Tensor, params: List[Tensor], ops: str) -> Tensor:
+    """`x` of shape `(0, in_features)`: the arguments checked as a full batch's are (shapes,
+    dtypes, devices, the chain), then :class:`_EmptyBatch`."""
+    in_features = int(x.shape[1])
+    for name, t in (("weight", weight), ("bias", bias), *((f"params[{i}]", p) for i, p in enumerate(params))):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != x.device:
+            raise RuntimeError(
+                f"{name} is on {t.device} but x is on {x.device}: "
+                "all tensors of the block must be on one device"
+            )
+    if weight.dim() != 2 or int(weight.shape[1]) != in_features or int(weight.shape[0]) < 1:
+        raise ValueError(
+            f"weight: expected shape (out_features, {in_features}) to match x's {in_features} features, "
+            f"got {tuple(weight.shape)}"
+        )
+    out_features = int(weight.shape[0])
+    try:
+        out_shape, _, _, _, specs = _describe(in_features, out_features, ops)
+    except ValueError as e:
+        raise ValueError(f"ops: {e}") from None
+    if tuple(bias.shape) != (out_features,):
+        raise ValueError(
+            f"bias: expected shape ({out_features},) (out_features, as the weight's rows), "
+            f"got {tuple(bias.shape)}"
+        )
+    if len(params) != len(specs):
+        names = ", ".join(name for name, _, _ in specs) or "none"
+        raise ValueError(
+            f"params: the chain `{ops}` takes {len(specs)} tensor(s) ({names}), got {len(params)}"
+        )
+    for i, (p, (name, shape, _)) in enumerate(zip(params, specs)):
+        if tuple(p.shape) != tuple(shape):
+            raise ValueError(f"params[{i}]: expected shape {tuple(shape)} ({name}), got {tuple(p.shape)}")
+    return _EmptyBatch.apply(tuple(out_shape), x, weight, bias, *params)
+
+
 def _apply(x: Tensor, weight: Tensor, bias: Tensor, params: List[Tensor], ops: str, precision: str) -> Tensor:
     """The forward op where a gradient may be wanted (it saves `z`), else the inference op."""
+    if x.shape[0] == 0:
+        return _empty_batch(x, weight, bias, params, ops)
     wants_grad = torch.is_grad_enabled() and any(
         getattr(t, "requires_grad", False) for t in (x, weight, bias, *params)
     )
@@ -369,9 +424,19 @@ class FusedLinear(nn.Module):
         lin = self._modules["lin"]._parameters
         return fused_linear(x, lin["weight"], lin["bias"], self.ops, self.chain_parameters(), self.precision)
 
+    @property
+    def effective_precision(self) -> str:
+        """The precision the GEMMs run in: the one asked for, or the tensors' own (``bf16``
+        for a bfloat16 model, else ``fp32``)."""
+        if self.precision is not None:
+            return self.precision
+        return "bf16" if self._modules["lin"]._parameters["weight"].dtype == torch.bfloat16 else "fp32"
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, ops='{self.ops}', " + (
-            f"precision='{self.precision}'"
+        chosen = "" if self.precision is not None else " (the tensors' own)"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, ops='{self.ops}', "
+            f"precision='{self.effective_precision}'{chosen}"
         )
 
     @classmethod

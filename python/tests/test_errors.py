@@ -150,10 +150,27 @@ def test_mixed_dtypes(which):
         call(x, weight, bias, params)
 
 
-def test_empty_batch():
+def test_empty_batch_gives_an_empty_output_and_zero_gradients():
+    """As PyTorch's layers: no rows in, no rows out; the parameters' gradients are sums
+    over no rows (zeros). Bad arguments are refused as with a full batch."""
     x, weight, bias, params = args()
-    with pytest.raises(ValueError):
-        call(x[:0], weight, bias, params)
+    leaves = [t.clone().requires_grad_(True) for t in (x[:0], weight, bias, *params)]
+    y = call(leaves[0], leaves[1], leaves[2], leaves[3:])
+    assert y.shape == (0, 16) and y.dtype == x.dtype
+    y.sum().backward()
+    assert leaves[0].grad.shape == (0, 5)
+    for t in leaves[1:]:
+        assert t.grad is not None and t.grad.shape == t.shape and not t.grad.any()
+    with torch.no_grad():
+        assert call(x[:0], weight, bias, params).shape == (0, 16)
+    # A leading batch of shape (2, 0) too.
+    assert call(x[:0].reshape(2, 0, 5), weight, bias, params).shape == (2, 0, 16)
+    with pytest.raises(ValueError, match="weight"):
+        call(x[:0], weight[:, :4], bias, params)
+    with pytest.raises(ValueError, match="params"):
+        call(x[:0], weight, bias, params[:1])
+    with pytest.raises(ValueError, match="ops"):
+        fused_linear.fused_linear(x[:0], weight, bias, "groupnorm(5)", params)
 
 
 def test_module_errors():
