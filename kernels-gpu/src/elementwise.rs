@@ -36,6 +36,9 @@ pub unsafe extern "ptx-kernel" fn add_assign(a: *mut f32, b: *const f32, len: u3
 /// # Safety
 /// `out` holds `offset + count` words, `count <= STORE_WORDS`. Launch: one block of 32 threads.
 #[unsafe(no_mangle)]
+// The array is a by-value kernel parameter (in PTX's parameter space, as the launcher
+// pushes it), not a C value: the FFI-safety lint does not apply.
+#[allow(improper_ctypes_definitions)]
 pub unsafe extern "ptx-kernel" fn store_words(
     out: *mut u64,
     offset: u32,
@@ -291,22 +294,25 @@ pub unsafe extern "ptx-kernel" fn bf16_to_f32(input: *const u16, len: u32, out: 
     }
 }
 
+// The unrolled pick below covers exactly `VECTORS` vectors.
+const _: () = assert!(kernel_abi::VECTORS == 8);
+
 /// Up to [`kernel_abi::VECTORS`] short vectors copied or converted in one launch, each
 /// from its own source to its own destination: a block's small parameters widened from
 /// bf16 and its small gradients copied out or rounded, in one launch per call instead
 /// of one per vector. Vector `v` is `words[3v]` (source address), `words[3v + 1]`
 /// (destination address) and `words[3v + 2]` (length, and in the high word a
-/// [`kernel_abi::ConvertMode`]); `count` vectors are given. The words stay in parameter
+/// `kernel_abi::CONVERT_*` mode); `count` vectors are given. The words stay in parameter
 /// space: each block picks its vector by constant indices.
 ///
 /// # Safety
 /// Each source holds `len` values of its mode's input type and each destination `len`
 /// of its output type. Launch: grid (any, `count`), 1-D blocks; block row `y` takes
 /// vector `y`.
-// The unrolled pick below covers exactly `VECTORS` vectors.
-const _: () = assert!(kernel_abi::VECTORS == 8);
-
 #[unsafe(no_mangle)]
+// The array is a by-value kernel parameter (in PTX's parameter space, as the launcher
+// pushes it), not a C value: the FFI-safety lint does not apply.
+#[allow(improper_ctypes_definitions)]
 pub unsafe extern "ptx-kernel" fn convert_vectors(count: u32, words: [u64; 3 * kernel_abi::VECTORS]) {
     let v = block_idx_y() as usize;
     if v >= count as usize {

@@ -10,6 +10,9 @@
 #![no_std]
 #![feature(abi_ptx, stdarch_nvptx, asm_experimental_arch, core_intrinsics, gpu_intrinsics, gpu_launch_sized_workgroup_mem, link_llvm_intrinsics)]
 #![allow(internal_features)]
+// `x % k == 0` is kept: `is_multiple_of` compiles to other PTX in several kernels here
+// (checked by diff), and the kernels as they stand are the ones verified on the GPU.
+#![allow(clippy::manual_is_multiple_of)]
 
 pub mod elementwise;
 pub mod epilogue;

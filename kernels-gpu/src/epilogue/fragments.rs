@@ -174,7 +174,8 @@ fn column_pair(p: *const f32, n: usize, c: usize) -> [f32; 2] {
         // a kernel reads them.
         unsafe { load_pair_nc(p, c) }
     } else {
-        [column_param(p, n, c, 0), column_param(p, n, c, 1)]
+        // SAFETY: the parameter holds `n` floats.
+        unsafe { [column_param(p, n, c, 0), column_param(p, n, c, 1)] }
     }
 }
 

@@ -24,22 +24,29 @@ use kernel_abi::gemm_simt::MAX_TILE_OPS;
 pub struct F4(pub [f32; 4]);
 
 /// Per-column parameter `p[c + e]`, 0 past `n`.
+///
+/// # Safety
+/// `p` holds `n` floats.
 #[inline(always)]
-pub fn column_param(p: *const f32, n: usize, c: usize, e: usize) -> f32 {
+pub unsafe fn column_param(p: *const f32, n: usize, c: usize, e: usize) -> f32 {
     // SAFETY: c + e < n, the parameter's length.
     if c + e < n { unsafe { *p.add(c + e) } } else { 0.0 }
 }
 
 /// Per-column parameters `p[c..c + 4]`, 0 past `n`: one 16-byte load when they are
 /// inside and aligned.
+///
+/// # Safety
+/// `p` holds `n` floats.
 #[inline(always)]
-pub fn column_params(p: *const f32, n: usize, c: usize) -> [f32; 4] {
+pub unsafe fn column_params(p: *const f32, n: usize, c: usize) -> [f32; 4] {
     // SAFETY: c + 4 <= n, the parameter's length; 16-byte aligned (checked: parameter
     // vectors need not be).
     if c + 4 <= n && (p as usize + 4 * c).is_multiple_of(16) {
         unsafe { load_v4_nc(p.add(c)) }
     } else {
-        [0, 1, 2, 3].map(|e| column_param(p, n, c, e))
+        // SAFETY: as the caller promises.
+        [0, 1, 2, 3].map(|e| unsafe { column_param(p, n, c, e) })
     }
 }
 
@@ -117,7 +124,8 @@ pub fn lane_forward_rows<const R: usize>(
     match op.code {
         OP_GROUP_NORM => {
             let stats = lane_group_stats(op, rows, group());
-            let (gamma, beta) = (column_params(p0, n, c), column_params(p1, n, c));
+            // SAFETY: a GroupNorm's two parameters hold `n` floats each.
+            let (gamma, beta) = unsafe { (column_params(p0, n, c), column_params(p1, n, c)) };
             unroll!(i in 0..2 => {
                 if i < R {
                     let (mean, rstd) = stats[i];
@@ -130,7 +138,8 @@ pub fn lane_forward_rows<const R: usize>(
         // One arm per op, each a straight run over the rows' values: a `match` per
         // element would branch 8 times per op and serialise the rows.
         code => match_pointwise!(code, P => {
-            let p = if P::HAS_PARAM { column_params(p0, n, c) } else { [0.0; 4] };
+            // SAFETY: an op's parameter holds `n` floats.
+            let p = if P::HAS_PARAM { unsafe { column_params(p0, n, c) } } else { [0.0; 4] };
             each(rows, |x, e| P::forward(x, p[e], op.a, op.b))
         }, _ => each(rows, |x, _| poison(x))), // not fusable: the host never sends it
     }
@@ -207,6 +216,7 @@ unsafe fn add_to_slot(sums: *mut F4, slot: usize, lane: usize, v: &[[f32; 4]; 2]
 /// # Safety
 /// As [`add_to_slot`], for the op's slots.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 unsafe fn lane_backward_rows(
     op: &OpDesc,
     group: LaneGroup,
@@ -226,7 +236,8 @@ unsafe fn lane_backward_rows(
             let (lanes, inv) = (group.lanes, group.inv);
             let [(m0, r0), (m1, r1)] = lane_group_stats(op, x, group);
             let (mean, rstd) = ([m0, m1], [r0, r1]);
-            let gamma = column_params(p0, n, c);
+            // SAFETY: a GroupNorm's weight holds `n` floats.
+            let gamma = unsafe { column_params(p0, n, c) };
             let mut xhat = [[0.0f32; 4]; 2];
             let mut dyg = [[0.0f32; 4]; 2];
             let mut s = [0.0f32; 4];
@@ -256,7 +267,8 @@ unsafe fn lane_backward_rows(
             if P::HAS_PARAM {
                 let gp = [0, 1].map(|i| [0, 1, 2, 3].map(|e| g[i][e] * P::param_grad(x[i][e])));
                 unsafe { add_to_slot(sums, slot, lane, &gp, both) };
-                let p = column_params(p0, n, c);
+                // SAFETY: the op's parameter holds `n` floats.
+                let p = unsafe { column_params(p0, n, c) };
                 unroll!(i in 0..2 => { unroll!(e in 0..4 => { g[i][e] *= P::grad(x[i][e], p[e], op.a, op.b); }); });
             } else {
                 scale_by(g, x, |v| P::grad(v, 0.0, op.a, op.b))

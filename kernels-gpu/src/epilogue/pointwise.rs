@@ -1,5 +1,5 @@
 //! The per-element ops' math, forward `f` and derivatives side by side, one type per
-//! op of `kernel_abi::ops` (the registry), and [`match_pointwise!`], the one dispatch
+//! op of `kernel_abi::ops` (the registry), and `match_pointwise!`, the one dispatch
 //! from an op code to its type that every register layout and the kink scans use.
 //!
 //! Written from the ops' definitions (docs/MODELS.md), on the fast functions of
@@ -36,7 +36,7 @@ macro_rules! match_pointwise {
     };
 }
 
-/// The arms of [`match_pointwise!`], from the registry's list.
+/// The arms of `match_pointwise!`, from the registry's list.
 macro_rules! pointwise_arms {
     (($code:expr, $P:ident, $body:expr, $other:expr) [$($name:ident = $c:literal,)*]) => {
         match $code {

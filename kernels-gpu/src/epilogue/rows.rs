@@ -192,7 +192,7 @@ pub unsafe extern "ptx-kernel" fn epilogue_rows(
 /// first index on ties, and NaN before any number (PyTorch's `max`).
 #[inline(always)]
 fn max_first(av: f32, ai: u32, bv: f32, bi: u32) -> bool {
-    let (an, bn) = (av != av, bv != bv);
+    let (an, bn) = (av.is_nan(), bv.is_nan());
     if an || bn {
         return an && (!bn || ai < bi);
     }

@@ -8,7 +8,7 @@ macro_rules! gemm_entries {
         $(#[$doc])*
         ///
         /// # Safety
-        #[doc = concat!("See [`", stringify!($body), "`].")]
+        #[doc = concat!("See `", stringify!($body), "` in this module.")]
         #[unsafe(no_mangle)]
         #[allow(clippy::too_many_arguments)]
         pub unsafe extern "ptx-kernel" fn $name(

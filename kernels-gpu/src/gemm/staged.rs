@@ -85,7 +85,8 @@ fn epilogue_rows<const R: usize>(
     c: usize,
 ) {
     if !bias.is_null() {
-        let b = column_params(bias, n, c);
+        // SAFETY: the bias holds `n` floats (the caller's contract).
+        let b = unsafe { column_params(bias, n, c) };
         unroll!(i in 0..2 => {
             if i < R {
                 unroll!(e in 0..4 => { rows[i][e] += b[e]; });
@@ -108,7 +109,7 @@ fn epilogue_rows<const R: usize>(
     }
 }
 
-/// [`epilogue_rows`] on one row (the FMA kernels' walk).
+/// `epilogue_rows` on one row (the FMA kernels' walk).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub fn epilogue_row(

@@ -102,7 +102,7 @@ pub fn erfc(x: f32) -> f32 {
             + t * (0.374_091_96
                 + t * (0.096_784_18
                     + t * (-0.186_288_06
-                        + t * (0.278_868_07 + t * (-1.135_203_98 + t * (1.488_515_87 + t * (-0.822_152_23 + t * 0.170_872_77))))))));
+                        + t * (0.278_868_07 + t * (-1.135_204 + t * (1.488_515_9 + t * (-0.822_152_23 + t * 0.170_872_77))))))));
     let r = t * exp(-z * z + poly);
     if x >= 0.0 { r } else { 2.0 - r }
 }
@@ -127,7 +127,7 @@ pub fn copysign(magnitude: f32, sign: f32) -> f32 {
 /// `f32::max` would drop the NaN).
 #[inline(always)]
 pub fn max_nan(a: f32, b: f32) -> f32 {
-    if a != a || a > b { a } else { b }
+    if a.is_nan() || a > b { a } else { b }
 }
 
 /// Fused multiply-add `a * b + c` with one rounding (`fma.rn.f32`).

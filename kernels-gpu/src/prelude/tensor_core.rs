@@ -2,7 +2,7 @@
 //! `ld.shared.v4`), the TF32 `mma.sync` (sm_80+) and the split of an operand for
 //! 3xTF32, as inline PTX. (The copies that feed them are in `async_copy`.)
 //!
-//! Shared memory is addressed here by 32-bit `.shared` offsets ([`shared_address`]),
+//! Shared memory is addressed here by 32-bit `.shared` offsets (`shared_address`),
 //! which is what these instructions take and what keeps a tile's address arithmetic to
 //! one register. None of the collective ones (`ldmatrix`, `mma`) is marked `pure`: LLVM
 //! must not move them into code that only some lanes of a warp run.

@@ -36,6 +36,9 @@ fn chunk_bits(col: usize, dep: usize, seg0: usize, n: usize) -> u32 {
 /// cap)[5]` bytes of shared memory.
 #[unsafe(no_mangle)]
 #[allow(clippy::too_many_arguments)]
+// NaN tests written `x == x` on purpose: `is_nan()` compiles to other PTX in this kernel
+// (checked by diff), and the kernel as it stands is the one verified on the GPU.
+#[allow(clippy::eq_op)]
 pub unsafe extern "ptx-kernel" fn kink_scan_tiles(
     z: *const f32,
     n: u32,
@@ -118,14 +121,15 @@ pub unsafe extern "ptx-kernel" fn kink_scan_tiles(
                         }
                         // (Last, as in M5's chain, only its conditioning is asked.)
                         if i + 1 < n_ops as usize {
-                            let gamma = column_params(p0, n, c);
-                            let beta = column_params(p1, n, c);
+                            // (Inside the function's unsafe block: a GroupNorm's two parameters hold `n` floats each.)
+                            let (gamma, beta) = (column_params(p0, n, c), column_params(p1, n, c));
                             unroll!(e in 0..4 => {
                                 (v[e], r[e]) = stats.apply(v[e], r[e], gamma[e], beta[e]);
                             });
                         }
                     }
                     code => {
+                        // (Inside the unsafe block: an op's parameter holds `n` floats.)
                         let p = if param_count(op) > 0 { column_params(p0, n, c) } else { [0.0; 4] };
                         unroll!(e in 0..4 => {
                             let rc = r[e] + cc * fabs(v[e]);
