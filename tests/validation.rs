@@ -5,7 +5,7 @@
 //! propagated as PyTorch does, and `--device gpu` with and without a driver.
 
 use host::check::{FP32_REL, compare, compare_f32};
-use host::io::{TensorFile, write};
+use host::io::{BlockMeta, TensorFile, write, write_typed};
 use host::reference::{self, op_forward};
 use host::{BlockSpec, Op, Params, Pointwise, Preset, Tensor};
 use rand::SeedableRng;
@@ -552,6 +552,62 @@ fn device_choice_with_and_without_a_gpu() {
     } else {
         assert!(stdout.contains("  backend   "), "{stdout}");
     }
+}
+
+/// A weights file that names its block in its metadata (as `fused_linear.save` and the
+/// CLI's outputs do) runs that block when --ops and --model are left out, in its
+/// precision; a run that asks for another chain is refused, naming both; the CLI's
+/// output files name theirs.
+#[test]
+fn weights_files_carry_and_check_their_chain() {
+    let dir = TempDir::new("meta");
+    let mut rng = StdRng::seed_from_u64(9);
+    // 16 groups: M1's chain with groupnorm(16), whose file M1's default groupnorm(256)
+    // would read without complaint (its tensors have the same shapes).
+    let chain = Preset::M1.chain().with_groups(16);
+    let spec = BlockSpec::new(32, 256, chain.clone()).unwrap();
+    let params = random_params(&spec, &mut rng);
+    let names: Vec<String> = spec.param_specs().into_iter().map(|s| s.name).collect();
+    let flat = params.flat();
+    let tensors: Vec<(&str, &Tensor<f32>, bool)> =
+        names.iter().zip(&flat).map(|(n, t)| (n.as_str(), *t, false)).collect();
+    let meta = BlockMeta { chain: chain.to_string(), precision: "tf32x3".into() };
+    let w = dir.join("w.safetensors");
+    write_typed(&w, &tensors, Some(&meta)).unwrap();
+    assert_eq!(TensorFile::open(&w).unwrap().block_meta(), Some(meta.clone()));
+    let (w, y) = (w.to_string_lossy().into_owned(), dir.join("y.safetensors").to_string_lossy().into_owned());
+
+    let (code, stdout, stderr) =
+        host(&["forward", "--device", "cpu", "--shape", "4,32,256", "--weights", &w, "--output", &y]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(stdout.contains(&format!("-> {chain}")) && stdout.contains("from "), "{stdout}");
+    let written = TensorFile::open(Path::new(&y)).unwrap().block_meta().unwrap();
+    assert_eq!(written, BlockMeta { chain: chain.to_string(), precision: "tf32x3".into() });
+
+    for asks in [&["--model", "M1"][..], &["--ops", "groupnorm(256),swish,mul,swish"][..], &["--groups", "8"][..]] {
+        let (code, _, stderr) =
+            host(&[&["forward", "--device", "cpu", "--shape", "4,32,256", "--weights", &w][..], asks].concat());
+        assert_eq!(code, 1, "{asks:?}: {stderr}");
+        assert!(
+            stderr.contains(&format!("holds a block of chain `{chain}`")) && stderr.contains("--ops"),
+            "{asks:?}: {stderr}"
+        );
+    }
+    // The same chain asked for explicitly, and another precision, run.
+    let (code, _, stderr) = host(&[
+        "forward",
+        "--device",
+        "cpu",
+        "--shape",
+        "4,32,256",
+        "--weights",
+        &w,
+        "--groups",
+        "16",
+        "--precision",
+        "fp32",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
 }
 
 /// Without a GPU, `check` checks the CPU backend against the f64 reference (saying so),

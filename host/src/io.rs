@@ -11,6 +11,25 @@ use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+/// What a file says of the block it belongs to, in its safetensors metadata: the chain
+/// (canonical form) and the precision it ran in. Written by the CLI's output files and
+/// `fused_linear.save`; checked when a weights file is read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockMeta {
+    pub chain: String,
+    pub precision: String,
+}
+
+impl BlockMeta {
+    /// The metadata keys.
+    pub const CHAIN: &'static str = "fused_linear.chain";
+    pub const PRECISION: &'static str = "fused_linear.precision";
+
+    fn to_map(&self) -> HashMap<String, String> {
+        HashMap::from([(Self::CHAIN.into(), self.chain.clone()), (Self::PRECISION.into(), self.precision.clone())])
+    }
+}
+
 /// An opened safetensors file: its bytes, parsed on each lookup.
 pub struct TensorFile {
     path: PathBuf,
@@ -65,6 +84,15 @@ impl TensorFile {
     pub fn is_bf16(&self, name: &str) -> Option<bool> {
         let st = SafeTensors::deserialize(&self.bytes).ok()?;
         st.tensor(name).ok().map(|v| v.dtype() == Dtype::BF16)
+    }
+
+    /// The block the file says it belongs to (its metadata), if it says.
+    pub fn block_meta(&self) -> Option<BlockMeta> {
+        let (_, meta) = SafeTensors::read_metadata(&self.bytes).ok()?;
+        let map = meta.metadata().as_ref()?;
+        let chain = map.get(BlockMeta::CHAIN)?.clone();
+        let precision = map.get(BlockMeta::PRECISION).cloned().unwrap_or_default();
+        Some(BlockMeta { chain, precision })
     }
 
     /// Shape of tensor `name`, if present (to learn a batch size from an input file).
@@ -141,12 +169,13 @@ fn partial_path(path: &Path) -> PathBuf {
 /// `path` only once complete, so a failure never leaves a half-written `path`.
 pub fn write(path: &Path, tensors: &[(&str, &Tensor<f32>)]) -> Result<()> {
     let typed: Vec<(&str, &Tensor<f32>, bool)> = tensors.iter().map(|&(n, t)| (n, t, false)).collect();
-    write_typed(path, &typed)
+    write_typed(path, &typed, None)
 }
 
 /// [`write()`], each tensor as F32 or, where its flag says, as BF16 (rounded to nearest:
-/// exact for values that are bf16 already, as a bf16 model's outputs are).
-pub fn write_typed(path: &Path, tensors: &[(&str, &Tensor<f32>, bool)]) -> Result<()> {
+/// exact for values that are bf16 already, as a bf16 model's outputs are), with the
+/// block's [`BlockMeta`] in the file's metadata where given.
+pub fn write_typed(path: &Path, tensors: &[(&str, &Tensor<f32>, bool)], meta: Option<&BlockMeta>) -> Result<()> {
     check_output_path(path)?;
     let bytes: Vec<Vec<u8>> = tensors
         .iter()
@@ -161,7 +190,8 @@ pub fn write_typed(path: &Path, tensors: &[(&str, &Tensor<f32>, bool)]) -> Resul
         let view = TensorView::new(dtype, t.shape().to_vec(), b).map_err(|e| Error::tensor(name, e.to_string()))?;
         views.insert(name.to_string(), view);
     }
-    let data = safetensors::serialize(views, None).map_err(|e| Error::file(path, format!("cannot serialise: {e}")))?;
+    let data = safetensors::serialize(views, meta.map(BlockMeta::to_map))
+        .map_err(|e| Error::file(path, format!("cannot serialise: {e}")))?;
     let tmp = partial_path(path);
     let written = std::fs::write(&tmp, data)
         .map_err(|e| Error::file(&tmp, format!("cannot write: {e}")))

@@ -439,6 +439,49 @@ class FusedLinear(nn.Module):
             f"precision='{self.effective_precision}'{chosen}"
         )
 
+    def save(self, path) -> None:
+        """The parameters to a safetensors file at ``path``, under their names and in their
+        dtypes, with the chain and the precision in the file's metadata: ``FusedLinear.load``
+        and ``host forward --weights`` read the block back without being told its chain, and
+        refuse the file for another one (``load_state_dict`` reads it as any state dict)."""
+        from . import files
+
+        _, _, _, canonical, _ = _describe(self.in_features, self.out_features, self.ops)
+        metadata = {files.CHAIN_KEY: ",".join(canonical), files.PRECISION_KEY: self.effective_precision}
+        files.write(path, dict(self.state_dict()), metadata)
+
+    @classmethod
+    def load(cls, path, precision: Optional[str] = None, *, device=None) -> "FusedLinear":
+        """The block a file written by :meth:`save` holds: its chain from the metadata, its
+        parameters in their stored dtypes on ``device``, and the stored precision unless
+        ``precision`` says otherwise (a bf16 model's is its tensors' own)."""
+        from . import files
+
+        tensors, metadata = files.read(path)
+        chain = metadata.get(files.CHAIN_KEY)
+        if chain is None:
+            raise ValueError(
+                f"{path}: no `{files.CHAIN_KEY}` in its metadata (not written by FusedLinear.save); "
+                "build the block and use load_state_dict"
+            )
+        weight = tensors.get("lin.weight")
+        if weight is None or weight.dim() != 2:
+            raise ValueError(f"{path}: no 2-D lin.weight (it holds: {', '.join(sorted(tensors))})")
+        stored = metadata.get(files.PRECISION_KEY)
+        if precision is None and not (weight.dtype == torch.bfloat16 and stored == "bf16"):
+            precision = stored
+        out_features, in_features = weight.shape
+        block = cls(in_features, out_features, chain, precision, device=device, dtype=weight.dtype)
+        block.load_state_dict(tensors)
+        # Parameters stored in another dtype than the weight's (a bf16 model's float32
+        # GroupNorm, say) keep it.
+        with torch.no_grad():
+            for name, t in tensors.items():
+                p = block.get_parameter(name)
+                if p.dtype != t.dtype:
+                    p.data = t.to(p.device)
+        return block
+
     @classmethod
     def from_module(
         cls,

@@ -218,3 +218,49 @@ def test_one_dimensional_x():
         assert y.shape == shape
         want = reference(x, block.lin.weight, block.lin.bias, ops, chain_params(block, ops, 16))
         assert rel_err(y, want) < 1e-10
+
+
+def test_save_and_load_name_the_block(tmp_path):
+    """FusedLinear.save writes the parameters under their names and dtypes with the chain
+    and precision in the file's metadata; FusedLinear.load builds the same block from it
+    alone; a plain safetensors file (no metadata) is refused with a way out."""
+    import json
+    import struct
+
+    from fused_linear import files
+
+    torch.manual_seed(0)
+    block = FusedLinear(32, 256, "groupnorm(16),swish,mul,swish", precision="tf32x3")
+    path = tmp_path / "block.safetensors"
+    block.save(path)
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    assert n % 8 == 0
+    assert header["__metadata__"] == {
+        "fused_linear.chain": "groupnorm(16,1e-5),swish,mul,swish",
+        "fused_linear.precision": "tf32x3",
+    }
+    assert header["lin.weight"]["dtype"] == "F32" and header["lin.weight"]["shape"] == [256, 32]
+    loaded = FusedLinear.load(path)
+    assert loaded.ops == "groupnorm(16,1e-5),swish,mul,swish" and loaded.effective_precision == "tf32x3"
+    for (name, a), (_, b) in zip(block.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    x = torch.randn(4, 32)
+    torch.testing.assert_close(loaded(x), block(x), rtol=0, atol=0)
+
+    # A bf16 model keeps its dtypes, a float32 GroupNorm among them, and its own precision.
+    bf16 = FusedLinear(32, 64, "bias,groupnorm(4)").to(torch.bfloat16)
+    bf16.gn.float()
+    bf16.save(tmp_path / "bf16.safetensors")
+    back = FusedLinear.load(tmp_path / "bf16.safetensors")
+    assert back.precision is None and back.effective_precision == "bf16"
+    assert back.lin.weight.dtype == torch.bfloat16 and back.gn.weight.dtype == torch.float32
+    assert torch.equal(back.lin.weight, bf16.lin.weight)
+
+    files.write(tmp_path / "plain.safetensors", dict(block.state_dict()), {})
+    with pytest.raises(ValueError, match="no `fused_linear.chain`"):
+        FusedLinear.load(tmp_path / "plain.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"\x05\x00")
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        FusedLinear.load(tmp_path / "junk.safetensors")

@@ -152,12 +152,12 @@ pub fn run(a: &BackwardArgs) -> Result<(), Failure> {
         let params = names.iter().zip(grads.flat()).enumerate();
         named.extend(params.map(|(i, (n, g))| (format!("grad.{n}"), g, bf16_param(i))));
         let refs: Vec<(&str, &Tensor<f32>, bool)> = named.iter().map(|(n, t, b)| (n.as_str(), *t, *b)).collect();
-        crate::io::write_typed(path, &refs)?;
+        crate::io::write_typed(path, &refs, Some(&p.meta()))?;
         let dtype = if bf16_x { ", in the inputs' dtypes" } else { "" };
         println!("  grads     written to {} (grad.x, grad.<parameter>{dtype})", path.display());
     }
     if let Some(path) = &a.output {
-        crate::io::write_typed(path, &[("y", &y, bf16_x)])?;
+        crate::io::write_typed(path, &[("y", &y, bf16_x)], Some(&p.meta()))?;
         println!("  output    y written to {}", path.display());
     }
     verdict

@@ -117,14 +117,14 @@ pub fn run(a: &BenchArgs) -> Result<(), Failure> {
     let mut rows = Vec::new();
     for model in models {
         let args = BlockArgs {
-            model: if a.ops.is_some() { "M1".into() } else { model.into() },
+            model: Some(if a.ops.is_some() { "M1".into() } else { model.into() }),
             ops: a.ops.clone(),
             shape: a.shape.clone(),
             groups: a.groups,
             seed: 1,
             weights: None,
             input: None,
-            precision: a.precision,
+            precision: Some(a.precision),
         };
         let p = args.problem()?;
         let (b, i, o) = (p.x.rows(), p.spec.in_features, p.spec.out_features);

@@ -145,7 +145,7 @@ pub fn run(a: &ForwardArgs) -> Result<(), Failure> {
     };
     let verdict = check_rows(&p, &r.y, a.check_rows, tol)?;
     if let Some(path) = &a.output {
-        crate::io::write_typed(path, &[("y", &r.y, p.bf16.is_some())])?;
+        crate::io::write_typed(path, &[("y", &r.y, p.bf16.is_some())], Some(&p.meta()))?;
         let dtype = if p.bf16.is_some() { " (BF16)" } else { "" };
         println!("  output    y written to {}{dtype}", path.display());
     }

@@ -81,9 +81,10 @@ fn ops_help() -> String {
 /// Flags that say which block to build and with what data; shared by commands.
 #[derive(clap::Args, Debug, Clone)]
 pub struct BlockArgs {
-    /// Reference model (chain preset): M1..M5.
-    #[arg(long, default_value = "M1")]
-    model: String,
+    /// Reference model (chain preset): M1..M5 (default: the chain a --weights file names
+    /// in its metadata, else M1).
+    #[arg(long)]
+    model: Option<String>,
     /// Epilogue chain instead of the model's, e.g. "groupnorm(256),swish,mul,swish".
     #[arg(long, long_help = ops_help())]
     ops: Option<String>,
@@ -105,9 +106,9 @@ pub struct BlockArgs {
     /// Arithmetic of the GPU GEMMs: fp32 (FMA units), tf32x3 (tensor cores,
     /// FP32-accurate), tf32 (tensor cores, TF32 operands), bf16 (tensor cores, bf16
     /// operands, FP32 sums). The epilogue is always FP32; the CPU backend always
-    /// computes in FP32.
-    #[arg(long, value_enum, default_value = "fp32")]
-    precision: Precision,
+    /// computes in FP32. Default: the precision a --weights file names, else fp32.
+    #[arg(long, value_enum)]
+    precision: Option<Precision>,
 }
 
 /// The GPU backend's A/B switches ([`Tuning`]): without any of them, production. Shared
@@ -157,6 +158,13 @@ pub struct Problem {
     pub bf16: Option<Bf16Model>,
 }
 
+impl Problem {
+    /// What the files this run writes say of their block (safetensors metadata).
+    pub fn meta(&self) -> crate::io::BlockMeta {
+        crate::io::BlockMeta { chain: self.spec.chain.to_string(), precision: self.precision.to_string() }
+    }
+}
+
 /// A bf16 model's block on `gpu`: the Linear weight uploaded as bf16, the bias and the
 /// chain's parameters as FP32 (their values as read: bf16 where the file held BF16).
 pub fn bf16_block(gpu: &Gpu, p: &Problem) -> Result<GpuBlock<Bf16>> {
@@ -202,12 +210,31 @@ impl BlockArgs {
 
     /// Parses the chain and the sizes and opens the files; allocates no tensor.
     pub fn setup(&self) -> Result<Setup> {
-        let preset: Preset = self.model.parse().map_err(|_| {
-            Error::Argument(format!("--model {}: unknown model; expected M1, M2, M3, M4 or M5", self.model))
-        })?;
-        let (chain, name) = match &self.ops {
-            Some(ops) => (ops.parse::<Chain>()?, "custom".to_string()),
-            None => (preset.chain(), preset.to_string()),
+        let preset: Preset = match &self.model {
+            Some(m) => m
+                .parse()
+                .map_err(|_| Error::Argument(format!("--model {m}: unknown model; expected M1, M2, M3, M4 or M5")))?,
+            None => Preset::M1,
+        };
+        let open = |flag: &str, path: &Option<PathBuf>| {
+            path.as_deref().map(TensorFile::open).transpose().map_err(|e| Error::Argument(format!("{flag} {e}")))
+        };
+        let weights = open("--weights", &self.weights)?;
+        let input = open("--input", &self.input)?;
+        // A weights file may say which block it belongs to (fused_linear.save, the CLI's
+        // outputs): its chain is the default, and one asked for must be the same.
+        let file_meta = weights.as_ref().and_then(|f| f.block_meta().map(|m| (f.path().to_path_buf(), m)));
+        let file_chain = match &file_meta {
+            Some((path, m)) => Some(m.chain.parse::<Chain>().map_err(|e| {
+                Error::file(path, format!("its metadata names the chain `{}`, which does not parse: {e}", m.chain))
+            })?),
+            None => None,
+        };
+        let (chain, name) = match (&self.ops, &self.model, &file_chain, &file_meta) {
+            (Some(ops), _, _, _) => (ops.parse::<Chain>()?, "custom".to_string()),
+            (None, Some(_), _, _) => (preset.chain(), preset.to_string()),
+            (None, None, Some(c), Some((path, _))) => (c.clone(), format!("from {}", path.display())),
+            _ => (preset.chain(), preset.to_string()),
         };
         let chain = match self.groups {
             Some(0) => return Err(Error::Argument("--groups 0: a GroupNorm needs at least 1 group".into())),
@@ -217,11 +244,30 @@ impl BlockArgs {
             Some(g) => chain.with_groups(g),
             None => chain,
         };
-        let open = |flag: &str, path: &Option<PathBuf>| {
-            path.as_deref().map(TensorFile::open).transpose().map_err(|e| Error::Argument(format!("{flag} {e}")))
+        if let (Some(theirs), Some((path, _))) = (&file_chain, &file_meta)
+            && theirs.to_string() != chain.to_string()
+        {
+            return Err(Error::Argument(format!(
+                "--weights {} holds a block of chain `{theirs}` (its metadata), but this run asks for `{chain}`: \
+                 leave out --model, --ops and --groups to run the file's, or pass --ops \"{theirs}\"",
+                path.display()
+            )));
+        }
+        let precision = match (self.precision, &file_meta) {
+            (Some(p), _) => p,
+            (None, Some((path, m))) if !m.precision.is_empty() => {
+                <Precision as clap::ValueEnum>::from_str(&m.precision, true).map_err(|_| {
+                    Error::file(
+                        path,
+                        format!(
+                            "its metadata names the precision `{}`, which is not one of fp32, tf32x3, tf32, bf16",
+                            m.precision
+                        ),
+                    )
+                })?
+            }
+            _ => Precision::Fp32,
         };
-        let weights = open("--weights", &self.weights)?;
-        let input = open("--input", &self.input)?;
 
         let (batch, in_f, out_f, shape_origin) = match &self.shape {
             Some(s) => {
@@ -261,7 +307,7 @@ impl BlockArgs {
         }
         let spec = BlockSpec::new(in_f, out_f, chain).map_err(|e| with_origin(&shape_origin, e))?;
         spec.check_batch(batch).map_err(|e| with_origin(&shape_origin, e))?;
-        Ok(Setup { name, spec, batch, shape_origin, weights, input, seed: self.seed, precision: self.precision })
+        Ok(Setup { name, spec, batch, shape_origin, weights, input, seed: self.seed, precision })
     }
 }
 
