@@ -52,8 +52,10 @@ try:
     import torch.nn as nn
     import torch.nn.functional as F
     from safetensors.torch import load_file, save_file
+
+    from fused_linear import _native
 except ImportError as e:  # say what is missing rather than a traceback
-    sys.exit(f"parity.py needs torch, safetensors and numpy: {e}")
+    sys.exit(f"parity.py needs torch, safetensors, numpy and fused_linear (the chain syntax's parser): {e}")
 
 PRESETS = {
     "M1": "groupnorm(256),swish,mul,swish",
@@ -76,62 +78,28 @@ PRECISION_TOL = {"fp32": 1e-4, "tf32x3": 1e-4, "tf32": 2e-3, "bf16": 2e-2}
 # ---------------------------------------------------------------- chains
 
 
-def split_chain(text):
-    """The ops of a chain, as written: split at commas outside parentheses."""
-    s = "".join(text.split()).lower()
-    if s in ("", "none"):
-        return []
-    parts, depth, start = [], 0, 0
-    for i, c in enumerate(s):
-        depth += c == "("
-        depth -= c == ")"
-        if c == "," and depth == 0:
-            parts.append(s[start:i])
-            start = i + 1
-    parts.append(s[start:])
-    return parts
-
-
 def parse_chain(text):
-    """The project's chain syntax (host/src/chain.rs) as a list of tuples."""
+    """The chain as tuples `(kind, *args)`, by the op registry's own parser
+    (`fused_linear._native.parse_chain`: aliases resolved, defaults filled in)."""
     ops = []
-    for tok in split_chain(text):
-        name, _, rest = tok.partition("(")
-        args = [a for a in rest.rstrip(")").split(",") if a] if rest else []
-        if name == "bias":
-            ops.append(("bias",))
-        elif name == "mul":
-            ops.append(("mul",))
-        elif name == "scale":
-            ops.append(("scale", float(args[0])))
-        elif name == "double":
-            ops.append(("scale", 2.0))
-        elif name in ("swish", "silu"):
-            ops.append(("swish",))
-        elif name in ("mish", "gelu"):
-            ops.append((name,))
-        elif name == "leakyrelu":
-            ops.append(("leakyrelu", float(args[0]) if args else 0.01))
-        elif name == "hardtanh":
-            ops.append(("hardtanh", float(args[0]), float(args[1])) if args else ("hardtanh", -1.0, 1.0))
-        elif name in ("groupnorm", "gn"):
-            ops.append(("groupnorm", int(args[0]), float(args[1]) if len(args) > 1 else 1e-5))
-        elif name == "avgpool":
-            ops.append(("avgpool", int(args[0])))
-        elif name in ("max", "rowmax"):
-            ops.append(("max",))
-        else:
-            raise ValueError(f"unknown op `{name}` in `{text}`")
+    for kind, args in _native.parse_chain(text):
+        if kind in ("groupnorm", "avgpool"):
+            args = [int(args[0]), *args[1:]]
+        ops.append((kind, *args))
     return ops
+
+
+def op_text(op):
+    """One parsed op back in the chain syntax."""
+    kind, args = op[0], op[1:]
+    return f"{kind}({','.join(f'{a:g}' for a in args)})" if args else kind
 
 
 def with_groups(text, groups):
     """The chain with every groupnorm's group count replaced (the `--groups` flag)."""
     if groups is None:
         return text
-    toks = split_chain(text)
-    return ",".join(f"groupnorm({groups})" if op[0] == "groupnorm" else tok
-                    for op, tok in zip(parse_chain(text), toks))
+    return ",".join(op_text(("groupnorm", groups, op[2]) if op[0] == "groupnorm" else op) for op in parse_chain(text))
 
 
 class ChainBlock(nn.Module):
@@ -178,6 +146,8 @@ class ChainBlock(nn.Module):
                 h = F.mish(h)
             elif kind == "gelu":
                 h = F.gelu(h)
+            elif kind == "tanh":
+                h = torch.tanh(h)
             elif kind == "leakyrelu":
                 h = F.leaky_relu(h, op[1])
             elif kind == "hardtanh":

@@ -120,6 +120,65 @@ impl fmt::Display for Op {
     }
 }
 
+/// One op of the chain syntax as the registry describes it: the per-element ops' rows
+/// (`kernel_abi::ops`) and the three that work across features.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OpEntry {
+    pub name: &'static str,
+    pub aliases: &'static [&'static str],
+    /// `(name, default)`; `None`: required.
+    pub args: Vec<(&'static str, Option<f32>)>,
+    /// Parameter base names (`bias`, `w`, `gn.weight`, ...).
+    pub params: &'static [&'static str],
+    /// Whether its derivative jumps somewhere (the backward refines `z` near it).
+    pub kink: bool,
+    /// Whether a row's largest values can tie in FP32 after it (no row max to check there).
+    pub saturates: bool,
+    pub per_element: bool,
+    pub meaning: &'static str,
+}
+
+/// Every op of the chain syntax, per-element ops first (in the registry's order).
+pub fn registry() -> Vec<OpEntry> {
+    let mut ops: Vec<OpEntry> = Pointwise::ALL
+        .iter()
+        .map(|&kind| {
+            let info = kind.info();
+            OpEntry {
+                name: info.names[0],
+                aliases: &info.names[1..],
+                args: info.args.iter().map(|a| (a.name, a.default)).collect(),
+                params: info.params,
+                kink: info.error.has_kink(),
+                saturates: info.saturates,
+                per_element: true,
+                meaning: info.meaning,
+            }
+        })
+        .collect();
+    let across = |name, aliases, args, params, kink, meaning| OpEntry {
+        name,
+        aliases,
+        args,
+        params,
+        kink,
+        saturates: false,
+        per_element: false,
+        meaning,
+    };
+    ops.push(across(
+        "groupnorm",
+        &["gn"],
+        vec![("G", None), ("eps", Some(1e-5))],
+        &["gn.weight", "gn.bias"],
+        false,
+        "GroupNorm over `G` groups of consecutive channels",
+    ));
+    ops.push(across("avgpool", &[], vec![("k", None)], &[], false, "AvgPool1d over features: `F -> F / k`"));
+    ops.push(across("max", &["rowmax"], vec![], &[], true, "max over features: `(N, F) -> (N,)`"));
+    ops
+}
+
 /// The `--ops` syntax, one line per op (from the registry), for help and errors.
 pub fn syntax_help() -> String {
     let mut lines = Vec::new();
@@ -141,10 +200,21 @@ pub fn syntax_help() -> String {
     for (name, kind, args) in SHORTHANDS {
         lines.push(format!("  {name:<28} {}", Op::Pointwise(*kind, *args)));
     }
-    lines
-        .push(format!("  {:<28} GroupNorm over G groups [parameters `gn.weight`, `gn.bias`]", "groupnorm(G,eps=1e-5)"));
-    lines.push(format!("  {:<28} AvgPool1d over features: F -> F / k", "avgpool(k)"));
-    lines.push(format!("  {:<28} max over features: (N, F) -> (N,)", "max"));
+    for op in registry().into_iter().filter(|op| !op.per_element) {
+        let args: Vec<String> = op
+            .args
+            .iter()
+            .map(|&(name, default)| match default {
+                Some(d) if d != 0.0 && d.abs() < 1e-3 => format!("{name}={d:e}"),
+                Some(d) => format!("{name}={d}"),
+                None => name.to_string(),
+            })
+            .collect();
+        let call = if args.is_empty() { op.name.to_string() } else { format!("{}({})", op.name, args.join(",")) };
+        let params: Vec<String> = op.params.iter().map(|p| format!("`{p}`")).collect();
+        let params = if params.is_empty() { String::new() } else { format!(" [parameters {}]", params.join(", ")) };
+        lines.push(format!("  {call:<28} {}{params}", op.meaning.replace('`', "")));
+    }
     lines.join("\n")
 }
 
@@ -346,6 +416,25 @@ impl Chain {
 
     pub fn has_group_norm(&self) -> bool {
         self.0.iter().any(|op| matches!(op, Op::GroupNorm { .. }))
+    }
+}
+
+#[cfg(test)]
+mod registry_tests {
+    use super::*;
+
+    /// Every name and alias the registry lists parses (with its required arguments), to
+    /// an op of that name: the registry and the parser cannot drift apart.
+    #[test]
+    fn every_registry_name_parses() {
+        for op in registry() {
+            let args: Vec<String> = op.args.iter().map(|(_, d)| d.map_or("2".into(), |d| d.to_string())).collect();
+            for name in std::iter::once(op.name).chain(op.aliases.iter().copied()) {
+                let text = if args.is_empty() { name.to_string() } else { format!("{name}({})", args.join(",")) };
+                let chain: Chain = text.parse().unwrap_or_else(|e| panic!("{text}: {e}"));
+                assert!(chain.to_string().starts_with(op.name), "{text} -> {chain}");
+            }
+        }
     }
 }
 

@@ -139,6 +139,10 @@ pub struct PointwiseInfo {
     /// one gradient slot).
     pub params: &'static [&'static str],
     pub error: ErrorRule,
+    /// Whether it saturates (tanh, Hardtanh): the largest values of a row can become
+    /// equal in FP32, so a row max after it has no well-defined winner to check against
+    /// f64 (the random chains of `host check` and the tests put none there).
+    pub saturates: bool,
     /// What it computes, for the chain-syntax tables.
     pub meaning: &'static str,
 }
@@ -150,7 +154,7 @@ const fn row(
     error: ErrorRule,
     meaning: &'static str,
 ) -> PointwiseInfo {
-    PointwiseInfo { names, args, ordered: false, params, error, meaning }
+    PointwiseInfo { names, args, ordered: false, params, error, saturates: false, meaning }
 }
 
 const FACTOR: Arg = Arg { name: "s", default: None, infinite_ok: false, sample: (-3.0, 3.0) };
@@ -179,9 +183,12 @@ impl Pointwise {
                 ordered: true,
                 params: &[],
                 error: Clamp,
+                saturates: true,
                 meaning: "`clamp(x, min, max)`",
             },
-            Tanh => row(&["tanh"], &[], &[], Smooth { lipschitz: 1.0 }, "`tanh(x)`"),
+            Tanh => {
+                PointwiseInfo { saturates: true, ..row(&["tanh"], &[], &[], Smooth { lipschitz: 1.0 }, "`tanh(x)`") }
+            }
         }
     }
 

@@ -124,20 +124,16 @@ CONFIG_DEFS = {
 
 # ---------------------------------------------------------------- the plain peer
 
-_OP = re.compile(r"([a-z]+)(?:\((.*)\))?")
-_KINDS = ("bias", "mul", "scale", "swish", "mish", "gelu", "tanh", "leakyrelu", "hardtanh")
-_KINDS += ("groupnorm", "avgpool", "max")
-
 
 def parse_op(text: str) -> Tuple[str, Tuple[float, ...]]:
-    """One canonical op as ``_native.describe`` prints it (``groupnorm(256,1e-5)``,
-    ``hardtanh(-1,1)``, ``swish``) as ``(kind, args)``. Only canonical forms are read:
-    describe has already expanded aliases (``double`` -> ``scale(2)``) and defaults."""
-    m = _OP.fullmatch(text.strip())
-    if m is None or m.group(1) not in _KINDS:
-        raise ValueError(f"unknown op `{text}` (expected one of {', '.join(_KINDS)})")
-    args = tuple(float(a) for a in m.group(2).split(",")) if m.group(2) else ()
-    return m.group(1), args
+    """One op (``groupnorm(256,1e-5)``, ``hardtanh(-1,1)``, ``swish``) as ``(kind, args)``,
+    by the op registry's parser (``_native.parse_chain``): aliases resolved, defaults
+    filled in."""
+    parsed = _native.parse_chain(text)
+    if len(parsed) != 1:
+        raise ValueError(f"`{text}` is {len(parsed)} ops, not one")
+    kind, args = parsed[0]
+    return kind, tuple(args)
 
 
 class PlainBlock(nn.Module):

@@ -881,6 +881,57 @@ fn describe(in_features: usize, out_features: usize, ops: &str) -> PyResult<Desc
 
 type Description = (Vec<usize>, usize, usize, Vec<String>, Vec<(String, Vec<usize>, usize)>);
 
+/// The chain syntax's parse, for Python code that needs each op's kind and arguments
+/// (the tests' references, the benchmark's peer) without a parser of its own: every op
+/// as `(kind, args)`, its canonical name (an alias, `double`, resolved) and every
+/// argument written out (defaults filled in): `groupnorm` `(groups, eps)`, `avgpool`
+/// `(k,)`, `max` `()`. Arguments are the kernels' f32 values as their shortest decimals
+/// (`0.01`, not 0.009999999776). A `ValueError` says why a chain does not parse.
+#[pyfunction]
+fn parse_chain(ops: &str) -> PyResult<Vec<(String, Vec<f64>)>> {
+    guarded(|| {
+        let chain: Chain = ops.parse().map_err(|e| PyValueError::new_err(format!("ops: {e}")))?;
+        // An f32 as the f64 of its shortest decimal: what was written.
+        let decimal = |v: f32| v.to_string().parse::<f64>().unwrap_or(v as f64);
+        Ok(chain
+            .0
+            .iter()
+            .map(|op| match *op {
+                host::chain::Op::Pointwise(kind, [a, b]) => {
+                    let n = kind.info().args.len();
+                    (kind.name().to_string(), [decimal(a), decimal(b)][..n].to_vec())
+                }
+                host::chain::Op::GroupNorm { groups, eps } => ("groupnorm".into(), vec![groups as f64, decimal(eps)]),
+                host::chain::Op::AvgPool(k) => ("avgpool".into(), vec![k as f64]),
+                host::chain::Op::RowMax => ("max".into(), vec![]),
+            })
+            .collect())
+    })
+}
+
+/// The op registry (`host::chain::registry`), one dict per op: `name`, `aliases`,
+/// `args` (`(name, default or None)`), `params` (parameter base names), `kink` (its
+/// derivative jumps), `saturates` (a row's largest values can tie in FP32 after it),
+/// `per_element`, `meaning`.
+#[pyfunction]
+fn ops(py: Python<'_>) -> PyResult<Vec<Bound<'_, pyo3::types::PyDict>>> {
+    host::chain::registry()
+        .into_iter()
+        .map(|op| {
+            let d = pyo3::types::PyDict::new(py);
+            d.set_item("name", op.name)?;
+            d.set_item("aliases", op.aliases.to_vec())?;
+            d.set_item("args", op.args)?;
+            d.set_item("params", op.params.to_vec())?;
+            d.set_item("kink", op.kink)?;
+            d.set_item("saturates", op.saturates)?;
+            d.set_item("per_element", op.per_element)?;
+            d.set_item("meaning", op.meaning)?;
+            Ok(d)
+        })
+        .collect()
+}
+
 /// Raises a Rust panic inside the boundary, for the tests of the boundary itself.
 #[pyfunction]
 fn _raise_panic(message: &str) -> PyResult<()> {
@@ -896,6 +947,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(forward, m)?)?;
     m.add_function(wrap_pyfunction!(backward, m)?)?;
     m.add_function(wrap_pyfunction!(describe, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_chain, m)?)?;
+    m.add_function(wrap_pyfunction!(ops, m)?)?;
     m.add_function(wrap_pyfunction!(_raise_panic, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -1,7 +1,8 @@
 """Plain-PyTorch references for a Linear layer followed by an epilogue chain.
 
 Written from the math of docs/PYTHON.md and docs/MODELS.md with torch functional
-ops, independent of the package under test: a chain parser, ``reference()`` (float64),
+ops, independent of the package's kernels and host (the chain syntax alone is read by
+the package's parser, ``_native.parse_chain``): ``reference()`` (float64),
 ``PlainBlock`` (an ``nn.Module`` whose parameters carry the project's names), a seeded
 random chain generator, helpers that keep inputs away from kinks, and the relative
 error ``||a - b|| / ||b||``.
@@ -17,6 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fused_linear import _native
+
 # The five reference models (docs/MODELS.md), at their full sizes.
 SPEC_PRESETS = {
     "M1": "groupnorm(256),swish,mul,swish",
@@ -26,8 +29,10 @@ SPEC_PRESETS = {
     "M5": "bias,hardtanh(-1,1),mish,groupnorm(256)",
 }
 
-# Ops whose derivative jumps: finite differences and low-precision `z` misbehave near them.
-KINKED = ("leakyrelu", "hardtanh", "max")
+# Ops whose derivative jumps (finite differences and low-precision `z` misbehave near
+# them), and ops after which a row's largest values can tie in float32: the registry's.
+KINKED = tuple(op["name"] for op in _native.ops() if op["kink"])
+SATURATING = tuple(op["name"] for op in _native.ops() if op["saturates"])
 
 
 @dataclass(frozen=True)
@@ -44,47 +49,17 @@ class Op:
         return self.kind
 
 
-def _split_top_level(text: str) -> list[str]:
-    s = "".join(text.split()).lower()
-    if s in ("", "none"):
-        return []
-    parts, depth, start = [], 0, 0
-    for i, c in enumerate(s):
-        depth += c == "("
-        depth -= c == ")"
-        if c == "," and depth == 0:
-            parts.append(s[start:i])
-            start = i + 1
-    parts.append(s[start:])
-    return parts
-
-
 def parse_chain(text: str) -> list[Op]:
-    """The chain syntax of docs/PYTHON.md as a list of ``Op``."""
+    """The chain syntax as a list of ``Op``, by the op registry's own parser
+    (``fused_linear._native.parse_chain``: aliases resolved, defaults filled in). The
+    syntax is the package's; what each op computes is written here from the math."""
     ops = []
-    for tok in _split_top_level(text):
-        name, _, rest = tok.partition("(")
-        args = [a for a in rest.rstrip(")").split(",") if a] if rest else []
-        if name in ("bias", "mul", "mish", "gelu", "tanh"):
-            ops.append(Op(name))
-        elif name in ("swish", "silu"):
-            ops.append(Op("swish"))
-        elif name == "scale":
-            ops.append(Op("scale", (float(args[0]),)))
-        elif name == "double":
-            ops.append(Op("scale", (2.0,)))
-        elif name == "leakyrelu":
-            ops.append(Op("leakyrelu", (float(args[0]) if args else 0.01,)))
-        elif name == "hardtanh":
-            ops.append(Op("hardtanh", (float(args[0]), float(args[1])) if args else (-1.0, 1.0)))
-        elif name in ("groupnorm", "gn"):
-            ops.append(Op("groupnorm", (int(args[0]), float(args[1]) if len(args) > 1 else 1e-5)))
-        elif name == "avgpool":
-            ops.append(Op("avgpool", (int(args[0]),)))
-        elif name in ("max", "rowmax"):
-            ops.append(Op("max"))
-        else:
-            raise ValueError(f"unknown op {name!r} in {text!r}")
+    for kind, args in _native.parse_chain(text):
+        if kind == "groupnorm":
+            args = (int(args[0]), args[1])
+        elif kind == "avgpool":
+            args = (int(args[0]),)
+        ops.append(Op(kind, tuple(args)))
     return ops
 
 
@@ -268,7 +243,7 @@ def random_chain(
     # No row max after a saturating op (tanh, hardtanh): where a row's largest values
     # saturate they are equal in float32 (tanh 1.0, the clamp's bound), so float32's
     # arg-max is one of several, while float64 tells them apart (docs/NUMERICS.md).
-    saturated = any(op.kind in ("tanh", "hardtanh") for op in ops)
+    saturated = any(op.kind in SATURATING for op in ops)
     if kinks and rng.random() < 0.25 and not saturated:
         ops.append(Op("max"))
     return chain_to_str(ops)

@@ -264,3 +264,30 @@ def test_save_and_load_name_the_block(tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"\x05\x00")
     with pytest.raises(ValueError, match="not a safetensors file"):
         FusedLinear.load(tmp_path / "junk.safetensors")
+
+
+def test_the_registry_reaches_python():
+    """`_native.ops()` is the op registry (names, arguments, parameters, kinks, saturation)
+    and `_native.parse_chain` its parser: every op and alias parses to its canonical kind
+    with every argument written out."""
+    from fused_linear import _native
+
+    registry = {op["name"]: op for op in _native.ops()}
+    assert {"bias", "mul", "scale", "swish", "tanh", "groupnorm", "avgpool", "max"} <= set(registry)
+    assert {n for n, op in registry.items() if op["kink"]} == {"leakyrelu", "hardtanh", "max"}
+    assert {n for n, op in registry.items() if op["saturates"]} == {"tanh", "hardtanh"}
+    assert registry["groupnorm"]["params"] == ["gn.weight", "gn.bias"] and registry["mul"]["params"] == ["w"]
+    for name, op in registry.items():
+        args = ",".join("2" if default is None else str(default) for _, default in op["args"])
+        for spelled in (f"{n}({args})" if op["args"] else n for n in [name, *op["aliases"]]):
+            ((kind, parsed),) = _native.parse_chain(spelled)
+            assert kind == name, spelled
+            assert len(parsed) == len(op["args"]), spelled
+    assert _native.parse_chain("silu,double,leakyrelu,gn(4)") == [
+        ("swish", []),
+        ("scale", [2.0]),
+        ("leakyrelu", [0.01]),
+        ("groupnorm", [4.0, 1e-05]),
+    ]
+    with pytest.raises(ValueError, match="ops"):
+        _native.parse_chain("swish,nope")
