@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 
 from . import _native
 
-__all__ = ["PRECISIONS", "PRESETS", "FusedLinear", "fused_linear"]
+__all__ = ["PRECISIONS", "PRESETS", "FusedLinear", "fuse", "fused_linear"]
 __version__ = _native.__version__
 
 #: The GEMMs' arithmetic (the epilogue is always FP32): strict FP32 on the FMA units;
@@ -519,3 +519,6 @@ class FusedLinear(nn.Module):
                 f"(its parameters: {', '.join(theirs)}); pass names={{ours: theirs}}"
             )
         return block
+
+
+from .fuse import fuse  # noqa: E402 (it calls back into this module)

@@ -1,0 +1,326 @@
+"""``fuse(model)``: every ``Linear`` followed by a chain the op supports, fused.
+
+A ``torch.fx`` pass. It traces the model (modules, torch functions and tensor methods
+alike), and for each ``nn.Linear`` (or ``F.linear`` on parameters) walks forward while the
+value has a single consumer that is an op of the chain syntax, or the two nodes of
+``x * sigmoid(x)``. The walk is replaced by one ``fused_linear.fused_linear`` call whose
+tensors are ``get_attr`` nodes of the model's own parameters: nothing is copied, the
+modules stay where they were, ``state_dict`` keys do not change, and an optimizer built on
+``model.parameters()`` before or after trains the fused model. Everything else stays
+PyTorch's.
+
+Recognised, in order after the Linear: ``nn.GroupNorm`` (affine), SiLU and ``x *
+sigmoid(x)``, Mish, GELU (erf form), Tanh, LeakyReLU, Hardtanh and ``clamp(min, max)``,
+multiplication by a number or by a parameter of the features' length, division by a
+number, addition of such a parameter, ``x + x``, ``nn.Dropout(p=0)``, AvgPool1d over
+features (``pool(x.unsqueeze(1)).squeeze(1)``), and the row max (``torch.max(x, 1)``,
+``x.max(dim=1)``, ``amax``; ``.values`` or ``[0]``; ``keepdim``). A value used twice (a
+residual, a ``.detach()``) ends the chain there.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+__all__ = ["fuse"]
+
+
+@dataclass
+class _Chain:
+    """What a walk from one Linear found."""
+
+    linear: fx.Node
+    x: Any
+    weight: str
+    bias: Optional[str]
+    features: int
+    in_features: int
+    ops: List[str] = field(default_factory=list)
+    params: List[Any] = field(default_factory=list)  # attribute paths (str) or get_attr nodes
+    nodes: List[fx.Node] = field(default_factory=list)  # the chain's nodes after the Linear
+    keepdim: bool = False
+    shape_sensitive: bool = False
+    stopped: str = ""
+
+
+def _target_module(gm: fx.GraphModule, node: fx.Node) -> Optional[nn.Module]:
+    return gm.get_submodule(node.target) if node.op == "call_module" else None
+
+
+def _is_fn(node: fx.Node, *fns) -> bool:
+    return node.op == "call_function" and node.target in fns
+
+
+def _is_method(node: fx.Node, *names) -> bool:
+    return node.op == "call_method" and node.target in names
+
+
+def _attr(gm: fx.GraphModule, node: Any) -> Optional[torch.Tensor]:
+    """The tensor a ``get_attr`` node reads, if ``node`` is one."""
+    if isinstance(node, fx.Node) and node.op == "get_attr":
+        obj: Any = gm
+        for part in node.target.split("."):
+            obj = getattr(obj, part)
+        return obj if isinstance(obj, torch.Tensor) else None
+    return None
+
+
+def _arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _linear(gm: fx.GraphModule, node: fx.Node) -> Optional[_Chain]:
+    """The start of a chain if ``node`` is a Linear layer on parameters, else None."""
+    module = _target_module(gm, node)
+    if isinstance(module, nn.Linear):
+        bias = f"{node.target}.bias" if module.bias is not None else None
+        return _Chain(
+            node, node.args[0], f"{node.target}.weight", bias, module.out_features, module.in_features
+        )
+    if _is_fn(node, F.linear):
+        weight, bias = _arg(node, 1, "weight"), _arg(node, 2, "bias")
+        w, b = _attr(gm, weight), _attr(gm, bias)
+        if w is None or w.dim() != 2 or b is None:
+            return None
+        return _Chain(node, node.args[0], weight.target, bias.target, w.shape[0], w.shape[1])
+    return None
+
+
+def _only_user(node: fx.Node) -> Optional[fx.Node]:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def _step(gm: fx.GraphModule, chain: _Chain, cur: fx.Node) -> Optional[fx.Node]:
+    """Extends ``chain`` by the op consuming ``cur``; returns the node whose value the
+    chain now ends in, or None (``chain.stopped`` says why)."""
+    users = list(cur.users)
+    # x * sigmoid(x): the value's two users are the sigmoid and the product.
+    if len(users) == 2:
+        sig = next(
+            (u for u in users if _is_fn(u, torch.sigmoid, F.sigmoid) or _is_method(u, "sigmoid")), None
+        )
+        prod = next((u for u in users if u is not sig), None)
+        if (
+            sig is not None
+            and _only_user(sig) is prod
+            and (_is_fn(prod, operator.mul, torch.mul) or _is_method(prod, "mul"))
+            and set(prod.args[:2]) == {cur, sig}
+        ):
+            chain.ops.append("swish")
+            chain.nodes += [sig, prod]
+            return prod
+        chain.stopped = f"`{cur.name}` is used {len(users)} times (a residual or a second branch)"
+        return None
+    if len(users) != 1:
+        chain.stopped = (
+            "the chain's value is the model's output" if not users else f"`{cur.name}` has {len(users)} users"
+        )
+        return None
+    u = users[0]
+    if u.op == "output":
+        chain.stopped = "its value is the model's output"
+        return None
+    module = _target_module(gm, u)
+    f = chain.features
+
+    def take(op: str, *params: Any) -> fx.Node:
+        chain.ops.append(op)
+        chain.params += params
+        chain.nodes.append(u)
+        return u
+
+    if isinstance(module, nn.GroupNorm):
+        if not module.affine:
+            chain.stopped = f"{u.target}: a GroupNorm without affine parameters"
+            return None
+        chain.shape_sensitive = True
+        return take(
+            f"groupnorm({module.num_groups},{module.eps!r})", f"{u.target}.weight", f"{u.target}.bias"
+        )
+    if isinstance(module, nn.SiLU) or _is_fn(u, F.silu):
+        return take("swish")
+    if isinstance(module, nn.Mish) or _is_fn(u, F.mish):
+        return take("mish")
+    if isinstance(module, nn.Tanh) or _is_fn(u, torch.tanh, F.tanh) or _is_method(u, "tanh"):
+        return take("tanh")
+    if isinstance(module, nn.GELU) or _is_fn(u, F.gelu):
+        approximate = module.approximate if module is not None else _arg(u, 1, "approximate", "none")
+        if approximate != "none":
+            chain.stopped = f"`{u.name}`: GELU's tanh approximation (the op computes the erf form)"
+            return None
+        return take("gelu")
+    if isinstance(module, nn.LeakyReLU) or _is_fn(u, F.leaky_relu):
+        slope = module.negative_slope if module is not None else _arg(u, 1, "negative_slope", 0.01)
+        return take(f"leakyrelu({slope!r})")
+    if isinstance(module, nn.Hardtanh) or _is_fn(u, F.hardtanh):
+        lo = module.min_val if module is not None else _arg(u, 1, "min_val", -1.0)
+        hi = module.max_val if module is not None else _arg(u, 2, "max_val", 1.0)
+        return take(f"hardtanh({lo!r},{hi!r})")
+    if _is_fn(u, torch.clamp) or _is_method(u, "clamp", "clip"):
+        lo, hi = _arg(u, 1, "min"), _arg(u, 2, "max")
+        if _number(lo) and _number(hi) and lo <= hi:
+            return take(f"hardtanh({float(lo)!r},{float(hi)!r})")
+        chain.stopped = f"`{u.name}`: a clamp without both bounds"
+        return None
+    if isinstance(module, nn.Dropout) and module.p == 0:
+        chain.nodes.append(u)
+        return u
+    if isinstance(module, nn.Identity):
+        chain.nodes.append(u)
+        return u
+    binary = _is_fn(u, operator.mul, torch.mul, operator.add, torch.add, operator.truediv, torch.div)
+    binary = binary or _is_method(u, "mul", "add", "div")
+    if binary and len(u.args) >= 2 and not u.kwargs:
+        a, b = u.args[0], u.args[1]
+        other = b if a is cur else a
+        name = u.target if isinstance(u.target, str) else u.target.__name__
+        is_add = name in ("add", "iadd")
+        is_div = name in ("truediv", "div")
+        if is_add and a is cur and b is cur:
+            return take("scale(2.0)")
+        if _number(other) and not is_add and not (is_div and other is a):
+            return take(f"scale({(1.0 / other if is_div else float(other))!r})")
+        t = _attr(gm, other)
+        if t is not None and t.dim() == 1 and t.shape[0] == f and not is_div:
+            return take("bias" if is_add else "mul", other)
+        chain.stopped = f"`{u.name}`: {name} by something other than a number or a ({f},) parameter"
+        return None
+    # AvgPool1d over features: pool(x.unsqueeze(1)).squeeze(1).
+    if (_is_method(u, "unsqueeze") or _is_fn(u, torch.unsqueeze)) and _arg(u, 1, "dim") == 1:
+        pool = _only_user(u)
+        squeeze = _only_user(pool) if pool is not None else None
+        pool_module = _target_module(gm, pool) if pool is not None else None
+        k = None
+        if isinstance(pool_module, nn.AvgPool1d):
+            ks, st = pool_module.kernel_size, pool_module.stride
+            ks, st = (ks[0] if isinstance(ks, tuple) else ks), (st[0] if isinstance(st, tuple) else st)
+            if st == ks and pool_module.padding in (0, (0,)) and not pool_module.ceil_mode:
+                k = ks
+        elif pool is not None and _is_fn(pool, F.avg_pool1d) and len(pool.args) == 2 and not pool.kwargs:
+            k = pool.args[1] if isinstance(pool.args[1], int) else None
+        if (
+            k is not None
+            and squeeze is not None
+            and (_is_method(squeeze, "squeeze") or _is_fn(squeeze, torch.squeeze))
+            and _arg(squeeze, 1, "dim") == 1
+        ):
+            chain.ops.append(f"avgpool({k})")
+            chain.nodes += [u, pool, squeeze]
+            chain.features = f // k
+            chain.shape_sensitive = True
+            return squeeze
+        chain.stopped = f"`{u.name}`: an unsqueeze that is not an AvgPool1d over features"
+        return None
+    # The row max: torch.max(x, 1) / x.max(dim=1) then .values or [0]; torch.amax(x, 1).
+    dim = _arg(u, 1, "dim")
+    if (_is_fn(u, torch.max) or _is_method(u, "max")) and dim in (1, -1):
+        pick = _only_user(u)
+        picks = pick is not None and (
+            (_is_fn(pick, getattr) and pick.args[1] == "values")
+            or (_is_fn(pick, operator.getitem) and pick.args[1] == 0)
+        )
+        if picks:
+            chain.ops.append("max")
+            chain.nodes += [u, pick]
+            chain.keepdim = bool(_arg(u, 2, "keepdim", False))
+            chain.shape_sensitive = True
+            return pick
+    if (_is_fn(u, torch.amax) or _is_method(u, "amax")) and dim in (1, -1, (1,), (-1,), [1], [-1]):
+        chain.ops.append("max")
+        chain.nodes.append(u)
+        chain.keepdim = bool(_arg(u, 2, "keepdim", False))
+        chain.shape_sensitive = True
+        return u
+    chain.stopped = f"`{u.name}` ({u.op} {getattr(u.target, '__name__', u.target)}) is not an op of the chain"
+    return None
+
+
+def _fused_call(
+    x, weight, bias, ops: str, params: List[torch.Tensor], precision: Optional[str], needs_2d: bool
+):
+    """The fused chain as the graph calls it. A chain with a GroupNorm, a pool or a row max
+    was matched for ``(N, features)`` inputs: other shapes are refused rather than given
+    another function than the model's."""
+    from . import fused_linear
+
+    if needs_2d and x.dim() != 2:
+        raise ValueError(
+            f"fuse(): this chain ({ops}) was fused for 2-D (batch, features) inputs, as its GroupNorm, pool "
+            f"or row max compute on them; got an input of shape {tuple(x.shape)}"
+        )
+    return fused_linear(x, weight, bias, ops, params, precision)
+
+
+def fuse(model: nn.Module, precision: Optional[str] = None, verbose: bool = False) -> fx.GraphModule:
+    """``model`` traced with every Linear + chain the op supports replaced by one fused
+    call over the model's own parameters (see the module). ``precision`` is passed to
+    every fused call (default: the tensors' own). ``verbose`` prints what was fused and
+    why each Linear's chain ended where it did."""
+    from . import _describe
+
+    gm = fx.symbolic_trace(model)
+    report: List[Tuple[str, str]] = []
+    for node in list(gm.graph.nodes):
+        chain = _linear(gm, node)
+        if chain is None:
+            continue
+        cur = node
+        while "max" not in chain.ops:
+            nxt = _step(gm, chain, cur)
+            if nxt is None:
+                break
+            cur = nxt
+        if chain.bias is None:
+            report.append((node.name, "left in PyTorch: a Linear without bias"))
+            continue
+        # Trailing ops the op cannot take after the chain's end (none today) and empty chains.
+        if not chain.ops:
+            report.append((node.name, f"left in PyTorch: no chain after it ({chain.stopped})"))
+            continue
+        ops = ",".join(chain.ops)
+        try:
+            _describe(chain.in_features, _first_features(gm, chain), ops)
+        except ValueError as e:
+            report.append((node.name, f"left in PyTorch: `{ops}` does not apply ({e})"))
+            continue
+        graph = gm.graph
+        with graph.inserting_before(cur):
+            weight = graph.get_attr(chain.weight)
+            bias = graph.get_attr(chain.bias)
+            params = [graph.get_attr(p) if isinstance(p, str) else p for p in chain.params]
+            fused = graph.call_function(
+                _fused_call, (chain.x, weight, bias, ops, params, precision, chain.shape_sensitive)
+            )
+            out = graph.call_method("unsqueeze", (fused, -1)) if chain.keepdim else fused
+        cur.replace_all_uses_with(out)
+        for n in reversed([chain.linear, *chain.nodes]):
+            graph.erase_node(n)
+        why = f"; the chain ends: {chain.stopped}" if chain.stopped else ""
+        report.append((node.name, f"fused with `{ops}`{why}"))
+    gm.graph.lint()
+    gm.recompile()
+    if verbose:
+        for name, what in report or [("(model)", "no nn.Linear or F.linear on parameters found")]:
+            print(f"fuse: {name}: {what}")
+    return gm
+
+
+def _first_features(gm: fx.GraphModule, chain: _Chain) -> int:
+    """The Linear's out_features (``chain.features`` moves with a pool)."""
+    module = _target_module(gm, chain.linear)
+    if isinstance(module, nn.Linear):
+        return module.out_features
+    return _attr(gm, _arg(chain.linear, 1, "weight")).shape[0]

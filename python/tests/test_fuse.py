@@ -1,0 +1,149 @@
+"""fused_linear.fuse(model): the KernelBench problems and mixed models, on the CPU backend
+against the unfused model (values and every gradient), the parameters shared, not copied."""
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fused_linear
+
+KERNELBENCH = Path(__file__).resolve().parents[2] / "examples" / "kernelbench"
+PROBLEMS = [
+    "p088_gemm_groupnorm_swish_multiply_swish",
+    "p037_matmul_swish_sum_groupnorm",
+    "p062_matmul_groupnorm_leakyrelu_sum",
+    "p098_matmul_avgpool_gelu_scale_max",
+    "p094_gemm_biasadd_hardtanh_mish_groupnorm",
+]
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def check_same(model, fused, x, tol=1e-5):
+    """Outputs and the gradients of x and of every parameter agree."""
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    ys = [m(xi) for m, xi in zip((model, fused), xs)]
+    assert ys[0].shape == ys[1].shape
+    assert rel(ys[1], ys[0]) < tol, rel(ys[1], ys[0])
+    dy = torch.randn_like(ys[0])
+    grads = []
+    for m, xi, y in zip((model, fused), xs, ys):
+        params = list(m.parameters())
+        grads.append(torch.autograd.grad(y, [xi, *params], dy, allow_unused=True))
+    for g0, g1 in zip(*grads):
+        if g0 is None:
+            assert g1 is None
+        else:
+            assert rel(g1, g0) < tol, rel(g1, g0)
+
+
+@pytest.mark.parametrize("name", PROBLEMS)
+def test_fuse_kernelbench_problems(name, capsys):
+    sys.path.insert(0, str(KERNELBENCH))
+    try:
+        problem = importlib.import_module(name)
+    finally:
+        sys.path.remove(str(KERNELBENCH))
+    problem.set_shape_scale(32)
+    try:
+        torch.manual_seed(0)
+        model = problem.Model(*problem.get_init_inputs())
+        x = problem.get_inputs()[0]
+    finally:
+        problem.set_shape_scale(1)
+    fused = fused_linear.fuse(model, verbose=True)
+    said = capsys.readouterr().out
+    assert "fused with" in said, said
+    # The same Parameter objects under the same names: nothing copied.
+    assert list(fused.state_dict()) == list(model.state_dict())
+    for n, p in model.named_parameters():
+        assert fused.get_parameter(n) is p, n
+    # One fused call and nothing of the chain left in the graph.
+    calls = [n for n in fused.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    assert len(calls) == 1, fused.graph
+    check_same(model, fused, x)
+
+
+class Mixed(nn.Module):
+    """Two Linears with chains, a residual through .detach(), things fuse() must leave."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.w = nn.Parameter(torch.randn(32))
+        self.b = nn.Linear(32, 24)
+        self.c = nn.Linear(24, 12, bias=False)
+        self.drop = nn.Dropout(p=0.0)
+        self.w2 = nn.Parameter(torch.randn(24, 24))
+        self.bias2 = nn.Parameter(torch.randn(24))
+
+    def forward(self, x):
+        h = self.a(x)
+        h = F.silu(h)
+        h = self.drop(h)
+        h = torch.clamp(h * self.w, -2.0, 3.0)
+        h = h / 4.0
+        y = self.b(h)  # its value is used twice: y.detach() and the chain
+        r = y.detach()
+        z = torch.tanh(F.leaky_relu(y, 0.2))
+        z = z + r
+        z = F.linear(z, self.w2, self.bias2)
+        return F.gelu(z).amax(dim=1, keepdim=True) + torch.softmax(self.c(r), dim=1)[:, :1]
+
+
+def test_fuse_mixed_model(capsys):
+    torch.manual_seed(1)
+    model = Mixed()
+    fused = fused_linear.fuse(model, verbose=True)
+    said = capsys.readouterr().out
+    assert "a: fused with `swish,mul,hardtanh(-2.0,3.0),scale(0.25)`" in said, said
+    assert "b: left in PyTorch: no chain after it" in said and "used 2 times" in said, said
+    assert "linear: fused with `gelu,max`" in said, said
+    assert "c: left in PyTorch: a Linear without bias" in said, said
+    assert list(fused.state_dict()) == list(model.state_dict())
+    check_same(model, fused, torch.randn(5, 16))
+
+
+def test_fused_model_refuses_inputs_its_chain_was_not_matched_for():
+    model = nn.Sequential(nn.Linear(8, 16), nn.GroupNorm(4, 16))
+    fused = fused_linear.fuse(model)
+    with pytest.raises(ValueError, match="2-D"):
+        fused(torch.randn(2, 3, 8))
+    # A pointwise chain takes any leading dimensions, as the Linear does.
+    pointwise = nn.Sequential(nn.Linear(8, 16), nn.SiLU())
+    check_same(pointwise, fused_linear.fuse(pointwise), torch.randn(2, 3, 8))
+
+
+def test_fused_model_under_torch_compile():
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GroupNorm(4, 16), nn.Mish())
+    fused = fused_linear.fuse(model)
+    compiled = torch.compile(fused, backend="aot_eager", fullgraph=True)
+    check_same(model, compiled, torch.randn(6, 8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", PROBLEMS)
+def test_fuse_kernelbench_problems_on_the_gpu(name):
+    """The same on CUDA (strict FP32 on both sides, TF32 off), at a quarter of the seed sizes."""
+    sys.path.insert(0, str(KERNELBENCH))
+    try:
+        problem = importlib.import_module(name)
+    finally:
+        sys.path.remove(str(KERNELBENCH))
+    problem.set_shape_scale(4)
+    try:
+        torch.manual_seed(0)
+        model = problem.Model(*problem.get_init_inputs()).cuda()
+        x = problem.get_inputs()[0].cuda()
+    finally:
+        problem.set_shape_scale(1)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    check_same(model, fused_linear.fuse(model), x, tol=1e-4)
