@@ -11,6 +11,8 @@ pub mod cublas;
 pub mod elementwise;
 pub mod epilogue;
 pub mod gemm;
+mod limits;
+mod memory;
 pub mod optim;
 pub mod parallel;
 pub mod tape;
@@ -20,13 +22,14 @@ use crate::error::{Error, Result};
 use crate::tensor::{Bf16, Tensor};
 use cudarc::driver::sys::CUdevice_attribute as Attr;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchArgs,
-    LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaModule, CudaStream, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 use kernel_abi::Kernel;
-use std::any::Any;
-use std::mem::ManuallyDrop;
+use limits::oom_or;
+pub use limits::{MAX_BATCH, check_device_memory, check_launch_sizes};
+pub use memory::{DeviceAllocator, DeviceBuf, DeviceElement, DeviceTensor, ElementKind, Table};
+use memory::{Owner, SideFrees, Tables};
 use std::sync::Arc;
 pub use tuning::Tuning;
 
@@ -44,29 +47,6 @@ pub struct DeviceProps {
     pub max_shared_per_block_optin: usize,
     pub shared_per_multiprocessor: usize,
     pub total_memory: usize,
-}
-
-/// Device memory owned by someone other than cudarc — a framework's caching
-/// allocator — handed out in bytes on the GPU's stream (in that stream's order).
-///
-/// The keep-alive handle returned with the pointer owns the memory: dropping it gives
-/// the memory back (to the allocator, in the order of the stream it was allocated on).
-pub trait DeviceAllocator: Send + Sync {
-    /// Device memory for `shape`'s values of `element` (`Bytes`: `shape` counts bytes),
-    /// at least 16-byte aligned. The shape is what the caller will use: an allocator
-    /// that hands out framework tensors makes them in it, so none needs reshaping later.
-    fn allocate(&self, shape: &[usize], element: ElementKind) -> Result<(u64, Box<dyn Any + Send + Sync>)>;
-}
-
-/// What an allocation holds, so an allocator can hand out a typed buffer (a framework
-/// tensor of that dtype) that its caller can use as it is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ElementKind {
-    F32,
-    /// A bf16 tensor's values.
-    Bf16,
-    /// Anything else: 16-bit words, 32-bit indices, 64-bit table words.
-    Bytes,
 }
 
 /// An open GPU: context, one stream, the kernel module. Cloning shares them.
@@ -577,293 +557,6 @@ impl Phases {
     }
 }
 
-/// The largest batch the GEMM kernels launch: the fused kernel's grid has at most
-/// 65535 row tiles (`gridDim.y`).
-pub const MAX_BATCH: usize = 65535 * kernel_abi::gemm_simt::BLOCK_M;
-
-/// Refuses sizes the launchers would refuse, before anything is allocated (and
-/// without a GPU): the kernels take `m`, `n`, `k` as u32 and the batch is bounded by
-/// the grid ([`MAX_BATCH`]).
-pub fn check_launch_sizes(batch: usize, in_features: usize, out_features: usize) -> Result<()> {
-    for (what, d) in [("batch", batch), ("in_features", in_features), ("out_features", out_features)] {
-        if d > u32::MAX as usize {
-            return Err(Error::Shape(format!(
-                "{what} {d} does not fit the GPU kernels' 32-bit size arguments (at most {})",
-                u32::MAX
-            )));
-        }
-    }
-    // The GEMM kernels keep 32-bit element offsets into each operand (x, W, dZ, dX).
-    for (what, elements) in [
-        ("x (batch x in_features)", batch as u128 * in_features as u128),
-        ("lin.weight (out_features x in_features)", out_features as u128 * in_features as u128),
-        ("y (batch x out_features)", batch as u128 * out_features as u128),
-    ] {
-        if elements > u32::MAX as u128 {
-            return Err(Error::Shape(format!(
-                "{what} has {elements} elements; the GPU GEMM indexes operands of at most {} elements",
-                u32::MAX
-            )));
-        }
-    }
-    if batch > MAX_BATCH {
-        return Err(Error::Shape(format!(
-            "the batch {batch} exceeds the GPU GEMM's grid: at most {MAX_BATCH} rows (65535 tiles of {})",
-            kernel_abi::gemm_simt::BLOCK_M
-        )));
-    }
-    Ok(())
-}
-
-/// Refuses work whose buffers (`needed_bytes`) exceed the device's memory, with the
-/// same words as an allocation that fails.
-pub fn check_device_memory(needed_bytes: u128, total_bytes: usize) -> Result<()> {
-    if needed_bytes > total_bytes as u128 {
-        return Err(Error::Cuda {
-            context: "planning the block's device buffers".into(),
-            message: format!("{} (the device has {} MB)", out_of_memory(needed_bytes), total_bytes >> 20),
-        });
-    }
-    Ok(())
-}
-
-fn out_of_memory(bytes: u128) -> String {
-    format!("out of device memory for {} MB", bytes.div_ceil(1 << 20))
-}
-
-/// A failed allocation or copy of `elements` f32 values: out of memory says how much
-/// was asked for, anything else is passed on.
-fn oom_or(context: &str, elements: usize, e: cudarc::driver::DriverError) -> Error {
-    use cudarc::driver::sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY;
-    if e.0 == CUDA_ERROR_OUT_OF_MEMORY {
-        Error::Cuda { context: context.into(), message: out_of_memory(elements as u128 * 4) }
-    } else {
-        Error::cuda(context, e)
-    }
-}
-
-/// A row-major f32 tensor in device memory.
-pub struct DeviceTensor<T = f32> {
-    pub shape: Vec<usize>,
-    pub buf: DeviceBuf<T>,
-}
-
-/// What a device tensor holds: FP32, or bf16 (a bf16 model's tensors, kept as they are).
-pub trait DeviceElement: DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Default + Send + Sync + 'static {
-    /// The dtype's name in messages.
-    const NAME: &'static str;
-    /// The bit pattern of a quiet NaN (poisoned outputs).
-    const NAN_BITS: u32;
-    /// Whether the values are bf16: a bf16 model's tensors, which its own kernels read
-    /// as stored (the kernels chosen by this, never by the type's size).
-    const BF16: bool;
-}
-
-impl DeviceElement for f32 {
-    const NAME: &'static str = "float32";
-    const NAN_BITS: u32 = 0x7fc0_0000;
-    const BF16: bool = false;
-}
-
-// SAFETY: `Bf16` is a `repr(transparent)` `u16`: plain bits, any pattern valid, zero included.
-unsafe impl DeviceRepr for Bf16 {}
-unsafe impl cudarc::driver::ValidAsZeroBits for Bf16 {}
-
-impl DeviceElement for Bf16 {
-    const NAME: &'static str = "bfloat16";
-    const NAN_BITS: u32 = 0x7fc0;
-    const BF16: bool = true;
-}
-
-/// Who frees a [`DeviceBuf`]'s memory.
-enum Owner {
-    /// cudarc, on the buffer's stream, when the buffer drops.
-    Cudarc,
-    /// Nobody here: the memory is a caller's (a framework tensor passed in).
-    Borrowed,
-    /// An allocator's keep-alive handle, dropped with the buffer.
-    External(Box<dyn Any + Send + Sync>),
-}
-
-/// A small table in device memory that launches read (written once, never again):
-/// shared by every launch that asks for the same words.
-#[derive(Clone)]
-pub struct Table(Arc<DeviceBuf<u64>>);
-
-unsafe impl<'a, 'b: 'a> PushKernelArg<&'b Table> for LaunchArgs<'a> {
-    #[inline(always)]
-    fn arg(&mut self, arg: &'b Table) -> &mut Self {
-        <Self as PushKernelArg<&'b CudaSlice<u64>>>::arg(self, &arg.0.slice)
-    }
-}
-
-/// The main stream's tables by content. The words hold the pointers and shapes they
-/// describe, so a table found here describes exactly what was asked for; a table is
-/// freed (in the main stream's order) only when the cache is cleared, at `TABLES_KEPT`.
-#[derive(Clone, Default)]
-struct Tables(Arc<std::sync::Mutex<std::collections::HashMap<Vec<u64>, Table>>>);
-
-/// Tables [`Tables`] keeps before it starts again (each 256 bytes to a few KB).
-const TABLES_KEPT: usize = 512;
-
-impl Tables {
-    fn get(&self, words: &[u64]) -> Option<Table> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).get(words).cloned()
-    }
-    fn insert(&self, words: &[u64], table: &Table) {
-        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        if map.len() >= TABLES_KEPT {
-            map.clear();
-        }
-        map.insert(words.to_vec(), table.clone());
-    }
-}
-
 /// Loaded kernels by identifier, each with the dynamic shared memory it is allowed.
 #[derive(Default)]
 struct Functions(std::sync::Mutex<std::collections::HashMap<Kernel, (CudaFunction, usize)>>);
-
-/// Handles of an allocator's buffers whose memory the side stream may still use.
-#[derive(Clone, Default)]
-struct SideFrees(Arc<std::sync::Mutex<Vec<Box<dyn Any + Send + Sync>>>>);
-
-impl SideFrees {
-    fn hold(&self, keep: Box<dyn Any + Send + Sync>) {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).push(keep);
-    }
-    fn release(&self) {
-        let held = std::mem::take(&mut *self.0.lock().unwrap_or_else(|p| p.into_inner()));
-        drop(held);
-    }
-    fn is_empty(&self) -> bool {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
-    }
-}
-
-/// Device memory for the kernels: a cudarc slice that frees itself, or one over memory
-/// an allocator or a caller owns (leaked, never freed, when the buffer drops). Derefs
-/// to the slice, so the launchers take either.
-pub struct DeviceBuf<T> {
-    slice: ManuallyDrop<CudaSlice<T>>,
-    owner: Owner,
-    /// For an allocator's buffer of the side stream: where its handle waits when the
-    /// buffer drops, instead of freeing the memory at once.
-    defer: Option<SideFrees>,
-}
-
-impl<T> DeviceBuf<T> {
-    fn new(slice: CudaSlice<T>, owner: Owner, defer: Option<SideFrees>) -> Self {
-        DeviceBuf { slice: ManuallyDrop::new(slice), owner, defer }
-    }
-
-    /// The allocator's keep-alive handle of this memory (its framework tensor), if it
-    /// came from one: the buffer is given up and the handle now owns the memory.
-    pub fn into_external(mut self) -> Option<Box<dyn Any + Send + Sync>> {
-        match std::mem::replace(&mut self.owner, Owner::Borrowed) {
-            Owner::External(keep) => Some(keep),
-            other => {
-                self.owner = other;
-                None
-            }
-        }
-    }
-
-    /// The device address of the first element.
-    pub fn device_address(&self) -> u64 {
-        // With event tracking off (`Gpu::open`), reading the address records nothing.
-        self.slice.device_ptr(self.slice.stream()).0
-    }
-}
-
-impl<T> Drop for DeviceBuf<T> {
-    fn drop(&mut self) {
-        // SAFETY: the slice is not touched again (`drop` runs once).
-        let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
-        match self.owner {
-            Owner::Cudarc => drop(slice),
-            // Not ours to free: forget the slice; `owner` (dropped next) frees it, if anyone here does.
-            Owner::Borrowed | Owner::External(_) => {
-                slice.leak();
-            }
-        }
-        if let Some(side) = self.defer.take()
-            && let Owner::External(keep) = std::mem::replace(&mut self.owner, Owner::Borrowed)
-        {
-            side.hold(keep);
-        }
-    }
-}
-
-impl<T> std::ops::Deref for DeviceBuf<T> {
-    type Target = CudaSlice<T>;
-    fn deref(&self) -> &CudaSlice<T> {
-        &self.slice
-    }
-}
-
-impl<T> std::ops::DerefMut for DeviceBuf<T> {
-    fn deref_mut(&mut self) -> &mut CudaSlice<T> {
-        &mut self.slice
-    }
-}
-
-// Kernel arguments: a buffer passes as its slice does.
-unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b DeviceBuf<T>> for LaunchArgs<'a> {
-    #[inline(always)]
-    fn arg(&mut self, arg: &'b DeviceBuf<T>) -> &mut Self {
-        <Self as PushKernelArg<&'b CudaSlice<T>>>::arg(self, &arg.slice)
-    }
-}
-
-unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b mut DeviceBuf<T>> for LaunchArgs<'a> {
-    #[inline(always)]
-    fn arg(&mut self, arg: &'b mut DeviceBuf<T>) -> &mut Self {
-        <Self as PushKernelArg<&'b mut CudaSlice<T>>>::arg(self, &mut arg.slice)
-    }
-}
-
-impl<T> DeviceTensor<T> {
-    pub fn len(&self) -> usize {
-        self.buf.len()
-    }
-    pub fn is_empty(&self) -> bool {
-        self.buf.len() == 0
-    }
-
-    /// The same buffer under another shape of equal size.
-    pub fn reshape(self, shape: &[usize]) -> Result<DeviceTensor<T>> {
-        if shape.iter().product::<usize>() != self.buf.len() {
-            return Err(Error::Shape(format!("cannot view {} values as {shape:?}", self.buf.len())));
-        }
-        Ok(DeviceTensor { shape: shape.to_vec(), buf: self.buf })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use cudarc::driver::{DriverError, sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY};
-
-    #[test]
-    fn out_of_memory_says_how_much() {
-        // Formatting other driver errors asks the driver for their text; this one does not.
-        let e = oom_or("allocating", 3 << 20, DriverError(CUDA_ERROR_OUT_OF_MEMORY)).to_string();
-        assert_eq!(e, "CUDA error in allocating: out of device memory for 12 MB");
-        let e = oom_or("allocating", 1, DriverError(CUDA_ERROR_OUT_OF_MEMORY)).to_string();
-        assert!(e.ends_with("for 1 MB"), "{e}");
-        let e = check_device_memory(80 << 30, 1 << 30).unwrap_err().to_string();
-        assert!(e.contains("out of device memory for 81920 MB (the device has 1024 MB)"), "{e}");
-        assert!(check_device_memory(1 << 20, 1 << 30).is_ok());
-    }
-
-    #[test]
-    fn sizes_beyond_32_bit_arguments_are_refused() {
-        let e = check_launch_sizes(1 << 32, 2, 2).unwrap_err().to_string();
-        assert!(e.contains("batch 4294967296") && e.contains("32-bit"), "{e}");
-        assert!(check_launch_sizes(8, 1 << 32, 2).unwrap_err().to_string().contains("in_features 4294967296"));
-        assert!(check_launch_sizes(8, 2, 1 << 32).unwrap_err().to_string().contains("out_features 4294967296"));
-        assert!(check_launch_sizes(MAX_BATCH + 1, 2, 2).unwrap_err().to_string().contains("grid"));
-        assert!(check_launch_sizes(65536, 65536, 1).unwrap_err().to_string().contains("x (batch x in_features)"));
-        assert!(check_launch_sizes(MAX_BATCH, 512, 512).is_ok());
-    }
-}

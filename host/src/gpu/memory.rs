@@ -1,0 +1,226 @@
+//! Device memory: buffers that free themselves, or an allocator's or a caller's (a
+//! framework's tensors), the element types they hold, and the small word tables the
+//! launchers read.
+
+use crate::error::{Error, Result};
+use crate::tensor::Bf16;
+use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, LaunchArgs, PushKernelArg};
+use std::any::Any;
+use std::mem::ManuallyDrop;
+use std::sync::Arc;
+
+/// Device memory owned by someone other than cudarc — a framework's caching
+/// allocator — handed out in bytes on the GPU's stream (in that stream's order).
+///
+/// The keep-alive handle returned with the pointer owns the memory: dropping it gives
+/// the memory back (to the allocator, in the order of the stream it was allocated on).
+pub trait DeviceAllocator: Send + Sync {
+    /// Device memory for `shape`'s values of `element` (`Bytes`: `shape` counts bytes),
+    /// at least 16-byte aligned. The shape is what the caller will use: an allocator
+    /// that hands out framework tensors makes them in it, so none needs reshaping later.
+    fn allocate(&self, shape: &[usize], element: ElementKind) -> Result<(u64, Box<dyn Any + Send + Sync>)>;
+}
+
+/// What an allocation holds, so an allocator can hand out a typed buffer (a framework
+/// tensor of that dtype) that its caller can use as it is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ElementKind {
+    F32,
+    /// A bf16 tensor's values.
+    Bf16,
+    /// Anything else: 16-bit words, 32-bit indices, 64-bit table words.
+    Bytes,
+}
+
+/// A row-major f32 tensor in device memory.
+pub struct DeviceTensor<T = f32> {
+    pub shape: Vec<usize>,
+    pub buf: DeviceBuf<T>,
+}
+
+/// What a device tensor holds: FP32, or bf16 (a bf16 model's tensors, kept as they are).
+pub trait DeviceElement: DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Default + Send + Sync + 'static {
+    /// The dtype's name in messages.
+    const NAME: &'static str;
+    /// The bit pattern of a quiet NaN (poisoned outputs).
+    const NAN_BITS: u32;
+    /// Whether the values are bf16: a bf16 model's tensors, which its own kernels read
+    /// as stored (the kernels chosen by this, never by the type's size).
+    const BF16: bool;
+}
+
+impl DeviceElement for f32 {
+    const NAME: &'static str = "float32";
+    const NAN_BITS: u32 = 0x7fc0_0000;
+    const BF16: bool = false;
+}
+
+// SAFETY: `Bf16` is a `repr(transparent)` `u16`: plain bits, any pattern valid, zero included.
+unsafe impl DeviceRepr for Bf16 {}
+unsafe impl cudarc::driver::ValidAsZeroBits for Bf16 {}
+
+impl DeviceElement for Bf16 {
+    const NAME: &'static str = "bfloat16";
+    const NAN_BITS: u32 = 0x7fc0;
+    const BF16: bool = true;
+}
+
+/// Who frees a [`DeviceBuf`]'s memory.
+pub(super) enum Owner {
+    /// cudarc, on the buffer's stream, when the buffer drops.
+    Cudarc,
+    /// Nobody here: the memory is a caller's (a framework tensor passed in).
+    Borrowed,
+    /// An allocator's keep-alive handle, dropped with the buffer.
+    External(Box<dyn Any + Send + Sync>),
+}
+
+/// A small table in device memory that launches read (written once, never again):
+/// shared by every launch that asks for the same words.
+#[derive(Clone)]
+pub struct Table(pub(super) Arc<DeviceBuf<u64>>);
+
+unsafe impl<'a, 'b: 'a> PushKernelArg<&'b Table> for LaunchArgs<'a> {
+    #[inline(always)]
+    fn arg(&mut self, arg: &'b Table) -> &mut Self {
+        <Self as PushKernelArg<&'b CudaSlice<u64>>>::arg(self, &arg.0.slice)
+    }
+}
+
+/// The main stream's tables by content. The words hold the pointers and shapes they
+/// describe, so a table found here describes exactly what was asked for; a table is
+/// freed (in the main stream's order) only when the cache is cleared, at `TABLES_KEPT`.
+#[derive(Clone, Default)]
+pub(super) struct Tables(Arc<std::sync::Mutex<std::collections::HashMap<Vec<u64>, Table>>>);
+
+/// Tables [`Tables`] keeps before it starts again (each 256 bytes to a few KB).
+const TABLES_KEPT: usize = 512;
+
+impl Tables {
+    pub(super) fn get(&self, words: &[u64]) -> Option<Table> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).get(words).cloned()
+    }
+    pub(super) fn insert(&self, words: &[u64], table: &Table) {
+        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if map.len() >= TABLES_KEPT {
+            map.clear();
+        }
+        map.insert(words.to_vec(), table.clone());
+    }
+}
+
+/// Handles of an allocator's buffers whose memory the side stream may still use.
+#[derive(Clone, Default)]
+pub(super) struct SideFrees(Arc<std::sync::Mutex<Vec<Box<dyn Any + Send + Sync>>>>);
+
+impl SideFrees {
+    pub(super) fn hold(&self, keep: Box<dyn Any + Send + Sync>) {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).push(keep);
+    }
+    pub(super) fn release(&self) {
+        let held = std::mem::take(&mut *self.0.lock().unwrap_or_else(|p| p.into_inner()));
+        drop(held);
+    }
+    pub(super) fn is_empty(&self) -> bool {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
+    }
+}
+
+/// Device memory for the kernels: a cudarc slice that frees itself, or one over memory
+/// an allocator or a caller owns (leaked, never freed, when the buffer drops). Derefs
+/// to the slice, so the launchers take either.
+pub struct DeviceBuf<T> {
+    pub(super) slice: ManuallyDrop<CudaSlice<T>>,
+    owner: Owner,
+    /// For an allocator's buffer of the side stream: where its handle waits when the
+    /// buffer drops, instead of freeing the memory at once.
+    defer: Option<SideFrees>,
+}
+
+impl<T> DeviceBuf<T> {
+    pub(super) fn new(slice: CudaSlice<T>, owner: Owner, defer: Option<SideFrees>) -> Self {
+        DeviceBuf { slice: ManuallyDrop::new(slice), owner, defer }
+    }
+
+    /// The allocator's keep-alive handle of this memory (its framework tensor), if it
+    /// came from one: the buffer is given up and the handle now owns the memory.
+    pub fn into_external(mut self) -> Option<Box<dyn Any + Send + Sync>> {
+        match std::mem::replace(&mut self.owner, Owner::Borrowed) {
+            Owner::External(keep) => Some(keep),
+            other => {
+                self.owner = other;
+                None
+            }
+        }
+    }
+
+    /// The device address of the first element.
+    pub fn device_address(&self) -> u64 {
+        // With event tracking off (`Gpu::open`), reading the address records nothing.
+        self.slice.device_ptr(self.slice.stream()).0
+    }
+}
+
+impl<T> Drop for DeviceBuf<T> {
+    fn drop(&mut self) {
+        // SAFETY: the slice is not touched again (`drop` runs once).
+        let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
+        match self.owner {
+            Owner::Cudarc => drop(slice),
+            // Not ours to free: forget the slice; `owner` (dropped next) frees it, if anyone here does.
+            Owner::Borrowed | Owner::External(_) => {
+                slice.leak();
+            }
+        }
+        if let Some(side) = self.defer.take()
+            && let Owner::External(keep) = std::mem::replace(&mut self.owner, Owner::Borrowed)
+        {
+            side.hold(keep);
+        }
+    }
+}
+
+impl<T> std::ops::Deref for DeviceBuf<T> {
+    type Target = CudaSlice<T>;
+    fn deref(&self) -> &CudaSlice<T> {
+        &self.slice
+    }
+}
+
+impl<T> std::ops::DerefMut for DeviceBuf<T> {
+    fn deref_mut(&mut self) -> &mut CudaSlice<T> {
+        &mut self.slice
+    }
+}
+
+// Kernel arguments: a buffer passes as its slice does.
+unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b DeviceBuf<T>> for LaunchArgs<'a> {
+    #[inline(always)]
+    fn arg(&mut self, arg: &'b DeviceBuf<T>) -> &mut Self {
+        <Self as PushKernelArg<&'b CudaSlice<T>>>::arg(self, &arg.slice)
+    }
+}
+
+unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b mut DeviceBuf<T>> for LaunchArgs<'a> {
+    #[inline(always)]
+    fn arg(&mut self, arg: &'b mut DeviceBuf<T>) -> &mut Self {
+        <Self as PushKernelArg<&'b mut CudaSlice<T>>>::arg(self, &mut arg.slice)
+    }
+}
+
+impl<T> DeviceTensor<T> {
+    pub fn len(&self) -> usize {
+        self.buf.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.buf.len() == 0
+    }
+
+    /// The same buffer under another shape of equal size.
+    pub fn reshape(self, shape: &[usize]) -> Result<DeviceTensor<T>> {
+        if shape.iter().product::<usize>() != self.buf.len() {
+            return Err(Error::Shape(format!("cannot view {} values as {shape:?}", self.buf.len())));
+        }
+        Ok(DeviceTensor { shape: shape.to_vec(), buf: self.buf })
+    }
+}
