@@ -11,8 +11,10 @@ PyTorch's.
 
 Recognised, in order after the Linear: ``nn.GroupNorm`` (affine), SiLU and ``x *
 sigmoid(x)``, Mish, GELU (erf form), Tanh, LeakyReLU, Hardtanh and ``clamp(min, max)``,
-multiplication by a number or by a parameter of the features' length, division by a
-number, addition of such a parameter, ``x + x``, ``nn.Dropout(p=0)``, AvgPool1d over
+ReLU (as LeakyReLU(0)) and ReLU6 (as Hardtanh(0, 6)), addition, subtraction,
+multiplication and division by a number or by a parameter of the features' length
+(subtracted and divided ones computed in the graph: ``-p``, ``1 / p``), ``x + x``,
+``nn.Dropout(p=0)``, AvgPool1d over
 features (``pool(x.unsqueeze(1)).squeeze(1)``), and the row max (``torch.max(x, 1)``,
 ``x.max(dim=1)``, ``amax``; ``.values`` or ``[0]``; ``keepdim``). A value used twice (a
 residual, a ``.detach()``) ends the chain there.
@@ -156,6 +158,10 @@ def _step(gm: fx.GraphModule, chain: _Chain, cur: fx.Node) -> Optional[fx.Node]:
         return take("mish")
     if isinstance(module, nn.Tanh) or _is_fn(u, torch.tanh, F.tanh) or _is_method(u, "tanh"):
         return take("tanh")
+    if isinstance(module, nn.ReLU) or _is_fn(u, torch.relu, F.relu) or _is_method(u, "relu"):
+        return take("leakyrelu(0.0)")  # the same function, value and derivative (0 at 0)
+    if isinstance(module, nn.ReLU6) or _is_fn(u, F.relu6):
+        return take("hardtanh(0.0,6.0)")
     if isinstance(module, nn.GELU) or _is_fn(u, F.gelu):
         approximate = module.approximate if module is not None else _arg(u, 1, "approximate", "none")
         if approximate != "none":
@@ -181,21 +187,41 @@ def _step(gm: fx.GraphModule, chain: _Chain, cur: fx.Node) -> Optional[fx.Node]:
     if isinstance(module, nn.Identity):
         chain.nodes.append(u)
         return u
-    binary = _is_fn(u, operator.mul, torch.mul, operator.add, torch.add, operator.truediv, torch.div)
-    binary = binary or _is_method(u, "mul", "add", "div")
+    binary = _is_fn(
+        u,
+        operator.mul,
+        torch.mul,
+        operator.add,
+        torch.add,
+        operator.sub,
+        torch.sub,
+        operator.truediv,
+        torch.div,
+    )
+    binary = binary or _is_method(u, "mul", "add", "sub", "div")
     if binary and len(u.args) >= 2 and not u.kwargs:
         a, b = u.args[0], u.args[1]
         other = b if a is cur else a
         name = u.target if isinstance(u.target, str) else u.target.__name__
-        is_add = name in ("add", "iadd")
-        is_div = name in ("truediv", "div")
-        if is_add and a is cur and b is cur:
-            return take("scale(2.0)")
-        if _number(other) and not is_add and not (is_div and other is a):
-            return take(f"scale({(1.0 / other if is_div else float(other))!r})")
+        kind = {"iadd": "add", "isub": "sub", "truediv": "div", "imul": "mul"}.get(name, name)
+        cur_first = a is cur
         t = _attr(gm, other)
-        if t is not None and t.dim() == 1 and t.shape[0] == f and not is_div:
-            return take("bias" if is_add else "mul", other)
+        vector = t is not None and t.dim() == 1 and t.shape[0] == f
+        if kind == "add" and a is cur and b is cur:
+            return take("scale(2.0)")
+        if kind == "mul" and (_number(other) or vector):
+            return take(f"scale({float(other)!r})") if _number(other) else take("mul", other)
+        if kind == "div" and cur_first and (_number(other) or vector):
+            # x / c as x * (1 / c); a parameter's reciprocal is computed in the graph,
+            # so its gradient reaches the parameter through it.
+            return take(f"scale({1.0 / other!r})") if _number(other) else take("mul", ("reciprocal", other))
+        if kind in ("add", "sub") and (_number(other) or vector):
+            negate = kind == "sub" and cur_first
+            if not cur_first and kind == "sub":
+                chain.ops.append("scale(-1.0)")  # c - x = -x + c
+            if _number(other):
+                return take("bias", ("const", -float(other) if negate else float(other), f))
+            return take("bias", ("neg", other) if negate else other)
         chain.stopped = f"`{u.name}`: {name} by something other than a number or a ({f},) parameter"
         return None
     # AvgPool1d over features: pool(x.unsqueeze(1)).squeeze(1).
@@ -248,6 +274,27 @@ def _step(gm: fx.GraphModule, chain: _Chain, cur: fx.Node) -> Optional[fx.Node]:
     return None
 
 
+def _param_node(graph: fx.Graph, p: Any, x: fx.Node) -> fx.Node:
+    """A chain parameter as a graph node: a parameter read in place, or computed from one
+    (negated, inverted: autograd carries its gradient back) or a constant vector."""
+    if isinstance(p, str):
+        return graph.get_attr(p)
+    if isinstance(p, fx.Node):
+        return p
+    what, source = p[0], p[1]
+    if what == "const":
+        return graph.call_function(_constant_vector, (x, p[2], source))
+    node = graph.get_attr(source) if isinstance(source, str) else source
+    return graph.call_function(torch.neg if what == "neg" else torch.reciprocal, (node,))
+
+
+def _constant_vector(x: torch.Tensor, features: int, value: float) -> torch.Tensor:
+    """``value`` for each of ``features`` channels: a number added to the chain as a bias
+    (float32 for a 16-bit model, whose epilogue adds in FP32 as PyTorch does)."""
+    dtype = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+    return torch.full((features,), value, dtype=dtype, device=x.device)
+
+
 def _fused_call(
     x, weight, bias, ops: str, params: List[torch.Tensor], precision: Optional[str], needs_2d: bool
 ):
@@ -272,6 +319,7 @@ def fuse(model: nn.Module, precision: Optional[str] = None, verbose: bool = Fals
     from . import _describe
 
     gm = fx.symbolic_trace(model)
+    _keep_registration_order(gm, model)
     report: List[Tuple[str, str]] = []
     for node in list(gm.graph.nodes):
         chain = _linear(gm, node)
@@ -300,7 +348,7 @@ def fuse(model: nn.Module, precision: Optional[str] = None, verbose: bool = Fals
         with graph.inserting_before(cur):
             weight = graph.get_attr(chain.weight)
             bias = graph.get_attr(chain.bias)
-            params = [graph.get_attr(p) if isinstance(p, str) else p for p in chain.params]
+            params = [_param_node(graph, p, chain.x) for p in chain.params]
             fused = graph.call_function(
                 _fused_call, (chain.x, weight, bias, ops, params, precision, chain.shape_sensitive)
             )
@@ -316,6 +364,17 @@ def fuse(model: nn.Module, precision: Optional[str] = None, verbose: bool = Fals
         for name, what in report or [("(model)", "no nn.Linear or F.linear on parameters found")]:
             print(f"fuse: {name}: {what}")
     return gm
+
+
+def _keep_registration_order(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Tracing registers the model's parameters, buffers and submodules in the order the
+    forward first uses them; put them back in the model's own order, so that
+    ``parameters()`` (an optimizer's state) and ``state_dict()`` line up with the model's."""
+    for registry in ("_parameters", "_buffers", "_modules"):
+        theirs, ours = getattr(model, registry), getattr(gm, registry)
+        for name in list(theirs):
+            if name in ours:
+                ours[name] = ours.pop(name)
 
 
 def _first_features(gm: fx.GraphModule, chain: _Chain) -> int:

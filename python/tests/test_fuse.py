@@ -34,6 +34,9 @@ def check_same(model, fused, x, tol=1e-5):
     assert rel(ys[1], ys[0]) < tol, rel(ys[1], ys[0])
     dy = torch.randn_like(ys[0])
     grads = []
+    # The same parameters in the same order (an optimizer's state lines up).
+    names = [n.removeprefix("_orig_mod.") for n, _ in fused.named_parameters()]  # torch.compile's wrapper
+    assert [n for n, _ in model.named_parameters()] == names
     for m, xi, y in zip((model, fused), xs, ys):
         params = list(m.parameters())
         grads.append(torch.autograd.grad(y, [xi, *params], dy, allow_unused=True))
@@ -147,3 +150,40 @@ def test_fuse_kernelbench_problems_on_the_gpu(name):
         problem.set_shape_scale(1)
     torch.backends.cuda.matmul.allow_tf32 = False
     check_same(model, fused_linear.fuse(model), x, tol=1e-4)
+
+
+class Arithmetic(nn.Module):
+    """The arithmetic of KernelBench's chains: numbers and parameters added, subtracted,
+    multiplied and divided on either side, ReLU and ReLU6."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(12, 20)
+        self.shift = nn.Parameter(torch.randn(20))
+        self.div = nn.Parameter(torch.rand(20) + 0.5)
+
+    def forward(self, x):
+        h = torch.relu(self.lin(x) - 0.25)
+        h = (h + 1.5) / self.div
+        h = 2.0 - h
+        h = F.relu6(h * 3.0 - self.shift)
+        return h / 2.0
+
+
+def test_fuse_arithmetic_and_relu(capsys):
+    torch.manual_seed(3)
+    model = Arithmetic()
+    fused = fused_linear.fuse(model, verbose=True)
+    said = capsys.readouterr().out
+    assert (
+        "lin: fused with `bias,leakyrelu(0.0),bias,mul,scale(-1.0),bias,"
+        "scale(3.0),bias,hardtanh(0.0,6.0),scale(0.5)`" in said
+    ), said
+    calls = [n for n in fused.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    # One fused call, plus the vectors it takes: three constants, -shift and 1/div.
+    assert (
+        sum(n.target is torch.neg for n in calls) == 1
+        and sum(n.target is torch.reciprocal for n in calls) == 1
+    )
+    assert list(fused.state_dict()) == list(model.state_dict())
+    check_same(model, fused, torch.randn(7, 12))
