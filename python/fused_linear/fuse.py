@@ -40,7 +40,7 @@ class _Chain:
     linear: fx.Node
     x: Any
     weight: str
-    bias: Optional[str]
+    bias: Any  # an attribute path, or ("const", 0.0, features) for a Linear without bias
     features: int
     in_features: int
     ops: List[str] = field(default_factory=list)
@@ -49,6 +49,10 @@ class _Chain:
     keepdim: bool = False
     shape_sensitive: bool = False
     stopped: str = ""
+    out_features: int = 0  # the Linear's (``features`` moves with a pool)
+
+    def __post_init__(self) -> None:
+        self.out_features = self.features
 
 
 def _target_module(gm: fx.GraphModule, node: fx.Node) -> Optional[nn.Module]:
@@ -84,19 +88,37 @@ def _number(v: Any) -> bool:
 
 
 def _linear(gm: fx.GraphModule, node: fx.Node) -> Optional[_Chain]:
-    """The start of a chain if ``node`` is a Linear layer on parameters, else None."""
+    """The start of a chain if ``node`` is a Linear layer on parameters (``nn.Linear``,
+    ``F.linear``, or ``x @ W.T`` / ``torch.matmul(x, W.t())`` with ``W`` a 2-D parameter),
+    else None. A Linear without bias gets a bias of zeros (a constant: no gradient)."""
     module = _target_module(gm, node)
     if isinstance(module, nn.Linear):
-        bias = f"{node.target}.bias" if module.bias is not None else None
-        return _Chain(
-            node, node.args[0], f"{node.target}.weight", bias, module.out_features, module.in_features
-        )
+        out, inp = module.out_features, module.in_features
+        bias = f"{node.target}.bias" if module.bias is not None else ("const", 0.0, out)
+        return _Chain(node, node.args[0], f"{node.target}.weight", bias, out, inp)
     if _is_fn(node, F.linear):
         weight, bias = _arg(node, 1, "weight"), _arg(node, 2, "bias")
-        w, b = _attr(gm, weight), _attr(gm, bias)
-        if w is None or w.dim() != 2 or b is None:
+        w = _attr(gm, weight)
+        if w is None or w.dim() != 2:
             return None
-        return _Chain(node, node.args[0], weight.target, bias.target, w.shape[0], w.shape[1])
+        if bias is None:
+            b_spec: Any = ("const", 0.0, w.shape[0])
+        elif _attr(gm, bias) is not None:
+            b_spec = bias.target
+        else:
+            return None
+        return _Chain(node, node.args[0], weight.target, b_spec, w.shape[0], w.shape[1])
+    if (_is_fn(node, torch.matmul, operator.matmul) or _is_method(node, "matmul")) and len(node.args) == 2:
+        x, wt = node.args
+        transposed = isinstance(wt, fx.Node) and (
+            _is_method(wt, "t")
+            or (_is_fn(wt, getattr) and wt.args[1] == "T")
+            or (_is_method(wt, "transpose") and set(wt.args[1:]) in ({0, 1}, {-1, -2}))
+        )
+        w = _attr(gm, wt.args[0]) if transposed else None
+        if w is None or w.dim() != 2:
+            return None
+        return _Chain(node, x, wt.args[0].target, ("const", 0.0, w.shape[0]), w.shape[0], w.shape[1])
     return None
 
 
@@ -331,23 +353,20 @@ def fuse(model: nn.Module, precision: Optional[str] = None, verbose: bool = Fals
             if nxt is None:
                 break
             cur = nxt
-        if chain.bias is None:
-            report.append((node.name, "left in PyTorch: a Linear without bias"))
-            continue
         # Trailing ops the op cannot take after the chain's end (none today) and empty chains.
         if not chain.ops:
             report.append((node.name, f"left in PyTorch: no chain after it ({chain.stopped})"))
             continue
         ops = ",".join(chain.ops)
         try:
-            _describe(chain.in_features, _first_features(gm, chain), ops)
+            _describe(chain.in_features, chain.out_features, ops)
         except ValueError as e:
             report.append((node.name, f"left in PyTorch: `{ops}` does not apply ({e})"))
             continue
         graph = gm.graph
         with graph.inserting_before(cur):
             weight = graph.get_attr(chain.weight)
-            bias = graph.get_attr(chain.bias)
+            bias = _param_node(graph, chain.bias, chain.x)
             params = [_param_node(graph, p, chain.x) for p in chain.params]
             fused = graph.call_function(
                 _fused_call, (chain.x, weight, bias, ops, params, precision, chain.shape_sensitive)
@@ -356,6 +375,14 @@ def fuse(model: nn.Module, precision: Optional[str] = None, verbose: bool = Fals
         cur.replace_all_uses_with(out)
         for n in reversed([chain.linear, *chain.nodes]):
             graph.erase_node(n)
+        # A transposed weight (x @ W.T) nothing else reads.
+        for n in list(graph.nodes):
+            if (
+                n.op in ("call_method", "call_function")
+                and not n.users
+                and n.target in ("t", "transpose", getattr)
+            ):
+                graph.erase_node(n)
         why = f"; the chain ends: {chain.stopped}" if chain.stopped else ""
         report.append((node.name, f"fused with `{ops}`{why}"))
     gm.graph.lint()
@@ -375,11 +402,3 @@ def _keep_registration_order(gm: fx.GraphModule, model: nn.Module) -> None:
         for name in list(theirs):
             if name in ours:
                 ours[name] = ours.pop(name)
-
-
-def _first_features(gm: fx.GraphModule, chain: _Chain) -> int:
-    """The Linear's out_features (``chain.features`` moves with a pool)."""
-    module = _target_module(gm, chain.linear)
-    if isinstance(module, nn.Linear):
-        return module.out_features
-    return _attr(gm, _arg(chain.linear, 1, "weight")).shape[0]

@@ -109,7 +109,7 @@ def test_fuse_mixed_model(capsys):
     assert "a: fused with `swish,mul,hardtanh(-2.0,3.0),scale(0.25)`" in said, said
     assert "b: left in PyTorch: no chain after it" in said and "used 2 times" in said, said
     assert "linear: fused with `gelu,max`" in said, said
-    assert "c: left in PyTorch: a Linear without bias" in said, said
+    assert "c: left in PyTorch: no chain after it" in said and "softmax" in said, said
     assert list(fused.state_dict()) == list(model.state_dict())
     check_same(model, fused, torch.randn(5, 16))
 
@@ -187,3 +187,27 @@ def test_fuse_arithmetic_and_relu(capsys):
     )
     assert list(fused.state_dict()) == list(model.state_dict())
     check_same(model, fused, torch.randn(7, 12))
+
+
+class BiasFree(nn.Module):
+    """Linears without bias: a bias-free nn.Linear and x @ W.T (KernelBench's matmul form)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(10, 16, bias=False)
+        self.weight = nn.Parameter(torch.randn(8, 16))
+
+    def forward(self, x):
+        h = F.gelu(self.a(x))
+        return torch.tanh(torch.matmul(h, self.weight.T) / 2.0)
+
+
+def test_fuse_linears_without_bias(capsys):
+    torch.manual_seed(4)
+    model = BiasFree()
+    fused = fused_linear.fuse(model, verbose=True)
+    said = capsys.readouterr().out
+    assert "a: fused with `gelu`" in said and "matmul: fused with `scale(0.5),tanh`" in said, said
+    calls = [n for n in fused.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    assert not [n for n in calls if n.target in ("t", getattr)], fused.graph  # the transpose is gone
+    check_same(model, fused, torch.randn(5, 10))
