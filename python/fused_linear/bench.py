@@ -68,6 +68,7 @@ from torch import Tensor, nn
 
 from . import PRESETS, FusedLinear, _native
 from . import __version__ as _fused_linear_version
+from .fuse import _fused_call, fuse
 
 # ---------------------------------------------------------------- what can be measured
 
@@ -256,6 +257,7 @@ class Shape:
     in_features: int
     out_features: int
     source: str = ""  # a KernelBench problem file, else empty
+    fused: bool = False  # ours is fuse(Model) rather than the file's ModelNew
 
     @property
     def group(self) -> Tuple[str, str, int, int, str]:
@@ -301,7 +303,7 @@ def load_problem(path: Path, scale: int = 1) -> ModuleType:
         raise ImportError(f"cannot load {path}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    for attr in ("Model", "ModelNew", "get_inputs", "get_init_inputs"):
+    for attr in ("Model", "get_inputs", "get_init_inputs"):
         if not hasattr(module, attr):
             raise ImportError(f"{path} has no `{attr}` (not a KernelBench problem file)")
     if scale != 1 and hasattr(module, "set_shape_scale"):
@@ -312,23 +314,46 @@ def load_problem(path: Path, scale: int = 1) -> ModuleType:
 _PROBLEMS: Dict[str, ModuleType] = {}
 
 
-def kernelbench_shapes(folder: Path, scale: int) -> List[Shape]:
-    """One shape per problem file ``p*.py`` in ``folder``, at its own (seed) size."""
+def problem_files(folder: Path, fused: bool) -> List[Path]:
+    """The problem files of ``folder``: this repository's ``p*.py`` (with a ``ModelNew``), or
+    with ``fused`` any ``*.py`` holding a ``Model`` (KernelBench's own, ``88_Gemm_...py``)."""
+    paths = sorted(folder.glob("*.py" if fused else "p*.py"))
+    texts = {p: p.read_text(errors="replace") for p in paths}
+    return [
+        p
+        for p in paths
+        if "class Model" in texts[p] and "def get_inputs" in texts[p] and (fused or "ModelNew" in texts[p])
+    ]
+
+
+def kernelbench_shapes(folder: Path, scale: int, fused: bool = False) -> List[Shape]:
+    """One shape per problem file in ``folder``, at its own (seed) size. Ours is the file's
+    ``ModelNew``, or with ``fused`` ``fuse(Model)``; the chain column says what runs fused."""
     shapes = []
-    for path in sorted(folder.glob("p*.py")):
+    for path in problem_files(folder, fused):
         module = load_problem(path, scale)
         _PROBLEMS[str(path)] = module
         (x,) = module.get_inputs()[:1]
         with torch.device("meta"):  # the sizes and the chain, without allocating the weights
-            plain, ours = module.Model(*module.get_init_inputs()), module.ModelNew(*module.get_init_inputs())
-        linear = next(m for m in plain.modules() if isinstance(m, nn.Linear))
-        digits = re.match(r"p0*(\d+)", path.stem)
+            plain = module.Model(*module.get_init_inputs())
+            ours = fuse(plain) if fused else module.ModelNew(*module.get_init_inputs())
+        weight = next((m.weight for m in plain.modules() if isinstance(m, nn.Linear)), None)
+        if weight is None:
+            weight = next((p for p in plain.parameters() if p.dim() == 2), None)
+        out_features = int(weight.shape[0]) if weight is not None else 0
+        digits = re.match(r"p?0*(\d+)", path.stem)
         pid = int(digits.group(1)) if digits else -1
         model = f"KB{pid}" + (f"({KERNELBENCH_MODELS[pid]})" if pid in KERNELBENCH_MODELS else "")
-        chain = str(getattr(ours, "ops", "?"))
-        with contextlib.suppress(ValueError):  # printed as describe prints the presets' chains
-            chain = canonical(linear.in_features, linear.out_features, chain)
-        shapes.append(Shape(model, chain, int(x.shape[0]), int(x.shape[-1]), linear.out_features, str(path)))
+        if fused:
+            calls = [
+                n.args[3] for n in ours.graph.nodes if n.op == "call_function" and n.target is _fused_call
+            ]
+            chain = " + ".join(calls) if calls else "(nothing fused)"
+        else:
+            chain = str(getattr(ours, "ops", "?"))
+            with contextlib.suppress(ValueError):  # printed as describe prints the presets' chains
+                chain = canonical(int(x.shape[-1]), out_features, chain)
+        shapes.append(Shape(model, chain, int(x.shape[0]), int(x.shape[-1]), out_features, str(path), fused))
     return shapes
 
 
@@ -370,6 +395,11 @@ def build_pair(shape: Shape, config: str, device: torch.device, seed: int) -> Pa
 
 def _build_kernelbench_pair(shape: Shape, config: str, device: torch.device, seed: int) -> Pair:
     module = _PROBLEMS.get(shape.source) or load_problem(Path(shape.source))
+    if shape.fused:
+        # fuse() calls the op on Model's own parameters: one set of weights, two graphs.
+        torch.manual_seed(seed)
+        plain = module.Model(*module.get_init_inputs()).to(device, dtype_of(config))
+        return Pair(fuse(plain, ours_precision(config)), plain)
     blocks = []
     for cls, extra in ((module.Model, {}), (module.ModelNew, {"precision": ours_precision(config)})):
         torch.manual_seed(seed)
@@ -1189,6 +1219,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="also time the KernelBench problem files' ModelNew against Model (e.g. examples/kernelbench)",
     )
+    p.add_argument(
+        "--fuse",
+        action="store_true",
+        help="with --kernelbench: ours is fused_linear.fuse(Model), and any *.py with a Model counts "
+        "(KernelBench's own files)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs (0)")
     p.add_argument("--json", default="bench.json", metavar="PATH", help="results as JSON ('' to skip)")
     p.add_argument(
@@ -1232,8 +1268,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.shapes = "tiny" if cpu else "all"
     if args.kernelbench is not None and not args.kernelbench.is_dir():
         p.error(f"--kernelbench {args.kernelbench}: not a directory")
-    if args.kernelbench is not None and not any(args.kernelbench.glob("p*.py")):
-        p.error(f"--kernelbench {args.kernelbench}: no KernelBench problem files (p*.py) there")
+    if args.kernelbench is not None and not problem_files(args.kernelbench, args.fuse):
+        p.error(f"--kernelbench {args.kernelbench}: no KernelBench problem files there")
+    if args.fuse and args.kernelbench is None:
+        p.error("--fuse times fuse(Model) of --kernelbench's problem files: give --kernelbench DIR")
     if args.shapes in ("sweep", "all", "tiny"):
         default_features = TINY_FEATURES if args.shapes == "tiny" else SWEEP_FEATURES
         for fin, fout in args.features or default_features:
@@ -1255,7 +1293,7 @@ def select_shapes(args: argparse.Namespace) -> List[Shape]:
         shapes += sweep_shapes(args.sweep_chain, rows, features)
     if args.kernelbench is not None:
         # On the CPU the problems run at 1/32 of their seed sizes (channels per group kept).
-        shapes += kernelbench_shapes(args.kernelbench, 32 if args.device == "cpu" else 1)
+        shapes += kernelbench_shapes(args.kernelbench, 32 if args.device == "cpu" else 1, args.fuse)
     return shapes
 
 

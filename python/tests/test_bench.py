@@ -243,3 +243,27 @@ def test_cpu_kernelbench_problems(tmp_path):
     for c in result["correctness"]:
         assert c["error"] is None and c["rel_err_y"] < 1e-5, c
     assert "| KB98(M4) |" in md
+
+
+def test_kernelbench_fused_mode(tmp_path):
+    """--kernelbench DIR --fuse times fuse(Model) of every problem file (ModelNew not needed),
+    the fused chain in the chain column, ours equal to eager."""
+    import json
+
+    from fused_linear import bench
+
+    out = tmp_path / "fz.json"
+    folder = Path(__file__).resolve().parents[2] / "examples" / "kernelbench"
+    argv = ["--device", "cpu", "--no-compile", "--iters", "2", "--warmup", "1", "--no-progress"]
+    argv += ["--kernelbench", str(folder), "--fuse", "--shapes", "tiny", "--json", str(out), "--markdown", ""]
+    assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    checks = [c for c in result["correctness"] if c["model"].startswith("KB")]
+    assert len(checks) == 5
+    for c in checks:
+        assert c["error"] is None and c["rel_err_y"] < 1e-5 and c["rel_err_dx"] < 1e-5, c
+    chains = {row["chain"] for row in result["rows"] if row["model"].startswith("KB")}
+    assert "groupnorm(16,1e-05),leakyrelu(0.01),scale(2.0)" in chains, chains
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--device", "cpu", "--fuse"])
+    assert e.value.code == 2
