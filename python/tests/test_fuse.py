@@ -47,20 +47,24 @@ def check_same(model, fused, x, tol=1e-5):
             assert rel(g1, g0) < tol, rel(g1, g0)
 
 
-@pytest.mark.parametrize("name", PROBLEMS)
-def test_fuse_kernelbench_problems(name, capsys):
+def kernelbench_case(name, scale, device="cpu"):
+    """Problem ``name``'s Model (seeded) and an input, at its seed sizes divided by ``scale``."""
     sys.path.insert(0, str(KERNELBENCH))
     try:
         problem = importlib.import_module(name)
     finally:
         sys.path.remove(str(KERNELBENCH))
-    problem.set_shape_scale(32)
+    problem.set_shape_scale(scale)
     try:
         torch.manual_seed(0)
-        model = problem.Model(*problem.get_init_inputs())
-        x = problem.get_inputs()[0]
+        return problem.Model(*problem.get_init_inputs()).to(device), problem.get_inputs()[0].to(device)
     finally:
         problem.set_shape_scale(1)
+
+
+@pytest.mark.parametrize("name", PROBLEMS)
+def test_fuse_kernelbench_problems(name, capsys):
+    model, x = kernelbench_case(name, 32)
     fused = fused_linear.fuse(model, verbose=True)
     said = capsys.readouterr().out
     assert "fused with" in said, said
@@ -136,18 +140,7 @@ def test_fused_model_under_torch_compile():
 @pytest.mark.parametrize("name", PROBLEMS)
 def test_fuse_kernelbench_problems_on_the_gpu(name):
     """The same on CUDA (strict FP32 on both sides, TF32 off), at a quarter of the seed sizes."""
-    sys.path.insert(0, str(KERNELBENCH))
-    try:
-        problem = importlib.import_module(name)
-    finally:
-        sys.path.remove(str(KERNELBENCH))
-    problem.set_shape_scale(4)
-    try:
-        torch.manual_seed(0)
-        model = problem.Model(*problem.get_init_inputs()).cuda()
-        x = problem.get_inputs()[0].cuda()
-    finally:
-        problem.set_shape_scale(1)
+    model, x = kernelbench_case(name, 4, "cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     check_same(model, fused_linear.fuse(model), x, tol=1e-4)
 
