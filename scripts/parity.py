@@ -2,8 +2,8 @@
 """PyTorch parity: the `host` binary against PyTorch on the same weights and inputs.
 
 For every reference model M1..M5 (at small shapes) and a set of seeded random chains
-and shapes, this builds a torch.nn.Module from the chain (the project's `--ops`
-syntax, see host/src/chain.rs), with random parameters (GroupNorm's too), saves its
+and shapes, this builds the block in plain PyTorch (`fused_linear.bench.PlainBlock`, the
+chain read by the op registry's parser), with random parameters (GroupNorm's too), saves its
 state dict under the project's names (lin.weight, lin.bias, gn.weight, gn.bias, w,
 bias, gn2.weight, bias2, w2, ...) and a random input `x` as safetensors, runs
 
@@ -49,13 +49,12 @@ import tempfile
 try:
     import numpy as np
     import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
     from safetensors.torch import load_file, save_file
 
     from fused_linear import _native
+    from fused_linear.bench import PlainBlock, randomize_affine
 except ImportError as e:  # say what is missing rather than a traceback
-    sys.exit(f"parity.py needs torch, safetensors, numpy and fused_linear (the chain syntax's parser): {e}")
+    sys.exit(f"parity.py needs torch, safetensors, numpy and fused_linear (the chain syntax's parser and the plain block): {e}")
 
 PRESETS = {
     "M1": "groupnorm(256),swish,mul,swish",
@@ -100,65 +99,6 @@ def with_groups(text, groups):
     if groups is None:
         return text
     return ",".join(op_text(("groupnorm", groups, op[2]) if op[0] == "groupnorm" else op) for op in parse_chain(text))
-
-
-class ChainBlock(nn.Module):
-    """Linear(in, out) followed by a chain, parameters named as the project names them."""
-
-    def __init__(self, in_f, out_f, ops):
-        super().__init__()
-        self.lin = nn.Linear(in_f, out_f)
-        self.steps, counts, f = [], {}, out_f
-        for op in ops:
-            kind, name = op[0], None
-            if kind in ("bias", "mul", "groupnorm"):
-                base = {"bias": "bias", "mul": "w", "groupnorm": "gn"}[kind]
-                counts[base] = counts.get(base, 0) + 1
-                name = base if counts[base] == 1 else f"{base}{counts[base]}"
-                if kind == "groupnorm":
-                    gn = nn.GroupNorm(op[1], f, eps=op[2])
-                    with torch.no_grad():  # random affine, so gamma and beta matter
-                        gn.weight.copy_(torch.randn(f))
-                        gn.bias.copy_(torch.randn(f))
-                    self.add_module(name, gn)
-                else:
-                    self.register_parameter(name, nn.Parameter(torch.randn(f)))
-            elif kind == "avgpool":
-                f //= op[1]
-            elif kind == "max":
-                f = 1
-            self.steps.append((op, name))
-        self.reduces = any(op[0] == "max" for op in ops)
-
-    def forward(self, x):
-        h = self.lin(x)
-        for op, name in self.steps:
-            kind = op[0]
-            if kind == "bias":
-                h = h + getattr(self, name)
-            elif kind == "mul":
-                h = h * getattr(self, name)
-            elif kind == "scale":
-                h = h * op[1]
-            elif kind == "swish":
-                h = h * torch.sigmoid(h)
-            elif kind == "mish":
-                h = F.mish(h)
-            elif kind == "gelu":
-                h = F.gelu(h)
-            elif kind == "tanh":
-                h = torch.tanh(h)
-            elif kind == "leakyrelu":
-                h = F.leaky_relu(h, op[1])
-            elif kind == "hardtanh":
-                h = F.hardtanh(h, op[1], op[2])
-            elif kind == "groupnorm":
-                h = getattr(self, name)(h)
-            elif kind == "avgpool":
-                h = F.avg_pool1d(h.unsqueeze(1), op[1]).squeeze(1)
-            elif kind == "max":
-                h = h.max(dim=1, keepdim=True).values
-        return h.squeeze(1) if self.reduces else h
 
 
 def random_chain(rng, out):
@@ -294,7 +234,8 @@ def run_case(case, idx, args, work, backward):
     """Runs one case; returns table rows (dicts)."""
     b, i, o = case.shape
     torch.manual_seed(args.seed * 1000 + idx)
-    m32 = ChainBlock(i, o, parse_chain(case.chain))
+    # The block in plain PyTorch, named as the CLI's files name it, GroupNorm affine drawn at random.
+    m32 = randomize_affine(PlainBlock(i, o, case.chain), args.seed * 1000 + idx)
     x = torch.randn(b, i)
     if case.x_transform:
         x = case.x_transform(x)
