@@ -71,7 +71,7 @@ fi
 if has sass; then
   # The tensor-core instructions the fastest GEMMs compile to (HGMMA: wgmma; HMMA: mma.sync).
   ptxas -arch=sm_90a "$C/kernels_sm90.ptx" -o /tmp/kernels.cubin 2>/dev/null
-  for f in gemm_tma_tf32_nt gemm_tma_tf32x3_nt gemm_tma_bf16_nt gemm_tma_bf16_nt_to_bf16 gemm_tma_bf16_nn_to_bf16 gemm_tma_bf16_tn_to_bf16 gemm_tma_bf16_tn gemm_tma_tf32_tk gemm_tma_tf32x3_tk_t gemm_wg_tf32_nt_vec4 gemm_wg_tf32x3_nt_vec4 gemm_tc_tf32x3_nn_vec4; do
+  for f in gemm_tma_tf32_nt gemm_tma_tf32x3_nt gemm_tma_bf16_nt gemm_tma_bf16_nt_to_bf16 gemm_tma_bf16_nn_to_bf16 gemm_tma_bf16_tn_to_bf16 gemm_tma_bf16_tn gemm_tma_tf32_tk gemm_tma_tf32x3_tk_t gemm_wgmma_tf32_nt_vec4 gemm_wgmma_tf32x3_nt_vec4 gemm_mma_tf32x3_nn_vec4; do
     echo "$f: $(cuobjdump -sass -fun $f /tmp/kernels.cubin | grep -oE '(HGMMA|HMMA)[.A-Z0-9x]*' | sort | uniq -c | tr '\n' ' ')" | tee -a "$LOG"
   done
 fi

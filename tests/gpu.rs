@@ -28,7 +28,7 @@ fn random_case(spec: &BlockSpec, batch: usize, rng: &mut StdRng) -> (Params<f32>
     (params, x, dy)
 }
 
-/// The plain GEMM with bias (an empty chain: the FMA kernel `gemm_f32_nt_*`, split-K
+/// The plain GEMM with bias (an empty chain: the FMA kernel `gemm_fma_nt_*`, split-K
 /// where the tiles are few) at shapes below, at and above its tiles and not multiples
 /// of them, held to 1e-5.
 #[test]
@@ -382,21 +382,21 @@ fn tf32_persistent_forward_matches_reference_rows() {
 #[ignore = "needs a CUDA GPU"]
 fn tf32_linear_gradients_match_reference() {
     use host::Precision;
-    use host::gpu::gemm::{Role, route};
+    use host::gpu::dispatch::{Role, Storage, route};
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(29);
     // 3xTF32 flushes every 2048 of `k`: dW's k = 4100 in three runs, and dX's k = 4100
     // in three, the last tile of the batch ragged. The last: a batch of 4 (dX's `B`
-    // nearly all zero-filled rows; dW on `gemm_wg`).
+    // nearly all zero-filled rows; dW on `gemm_wgmma`).
     for (m, n, k) in [(4100, 1028, 260), (1028, 4100, 264), (1028, 1100, 261), (4, 1028, 260)] {
         let x = random_input(m, k, &mut rng).unwrap();
         let dz = random_input(m, n, &mut rng).unwrap();
         let w = random_input(n, k, &mut rng).unwrap();
         for precision in [Precision::Tf32, Precision::Tf32x3] {
             // W and dZ read as stored: `A` through registers.
-            let kernel = |role| route(precision, role, (m, n, k), gpu.tuning().tma).kernel.name();
+            let kernel = |role| route(precision, role, (m, n, k), Storage::F32, gpu.tuning().tma).kernel.name();
             let dw_kernel =
-                if m >= 1024 { format!("gemm_tma_{precision}_tk") } else { format!("gemm_wg_{precision}_dw_vec4") };
+                if m >= 1024 { format!("gemm_tma_{precision}_tk") } else { format!("gemm_wgmma_{precision}_dw_vec4") };
             assert_eq!(kernel(Role::GradWeight), dw_kernel);
             if k % 4 == 0 {
                 assert_eq!(kernel(Role::GradInput), format!("gemm_tma_{precision}_tk_t"));
@@ -440,7 +440,7 @@ fn check_linear_gradients(
 #[ignore = "needs a CUDA GPU"]
 fn bf16_linear_gradients_match_reference() {
     use host::Precision;
-    use host::gpu::gemm::{Role, route};
+    use host::gpu::dispatch::{Role, Storage, route};
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(31);
     let precision = Precision::Bf16;
@@ -448,7 +448,10 @@ fn bf16_linear_gradients_match_reference() {
         let x = random_input(m, k, &mut rng).unwrap();
         let dz = random_input(m, n, &mut rng).unwrap();
         let w = random_input(n, k, &mut rng).unwrap();
-        assert_eq!(route(precision, Role::GradInput, (m, n, k), gpu.tuning().tma).kernel.name(), "gemm_tma_bf16_nt");
+        assert_eq!(
+            route(precision, Role::GradInput, (m, n, k), Storage::F32, gpu.tuning().tma).kernel.name(),
+            "gemm_tma_bf16_nt"
+        );
         check_linear_gradients(&gpu, precision, (&x, &dz, &w));
     }
 }

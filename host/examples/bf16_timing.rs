@@ -99,7 +99,9 @@ fn main() -> host::Result<()> {
     }
     if std::env::args().any(|a| a == "--gemms") {
         // The backward's two GEMMs alone at M1's and M2's shapes, on bf16 tensors as stored.
-        use host::gpu::gemm::tma::{NativeBf16, launch_native_bf16};
+        use host::gpu::Dtype;
+        use host::gpu::dispatch::{Role, Storage, route};
+        use host::gpu::gemm::tma::launch_bf16;
         for p in [Preset::M1, Preset::M2] {
             let (m, k, n) = p.seed_shape();
             let mut rng = StdRng::seed_from_u64(3);
@@ -108,13 +110,16 @@ fn main() -> host::Result<()> {
             let (mut dx, mut dw) = (gpu.alloc_as::<Bf16>(&[m, k])?, gpu.alloc_as::<Bf16>(&[n, k])?);
             let none = (None, None);
             let s = gpu.stream();
+            let as_stored =
+                |role| route(host::Precision::Bf16, role, (m, n, k), Storage::bf16(Dtype::Bf16, true), true);
+            let (dx_route, dw_route) = (as_stored(Role::GradInput), as_stored(Role::GradWeight));
             let t_dx = median(&gpu, || {
                 let ab = (&*dz.buf, &*w.buf);
-                launch_native_bf16(&gpu, s, NativeBf16::GradInput, ab, (m, k, n), (n, k), none, &mut dx, None)
+                launch_bf16(&gpu, s, &dx_route, ab, (m, k, n), (n, k), none, &mut dx, None)
             })?;
             let t_dw = median(&gpu, || {
                 let ab = (&*dz.buf, &*x.buf);
-                launch_native_bf16(&gpu, s, NativeBf16::GradWeight, ab, (n, k, m), (n, k), none, &mut dw, None)
+                launch_bf16(&gpu, s, &dw_route, ab, (n, k, m), (n, k), none, &mut dw, None)
             })?;
             let (c_dx, c_dw) = (
                 median(&gpu, || cublas.grad_input(&dz, &w, &mut dx))?,

@@ -3,7 +3,7 @@
 //! writes the launch bounds into the PTX from [`Kernel::ALL`]; `tests/ptx.rs` checks
 //! that the identifiers and the PTX's entries are the same set.
 
-use crate::{epilogue, gemm_simt, gemm_tc, gemm_tma, gemm_wg, kinks};
+use crate::{epilogue, gemm_fma, gemm_mma, gemm_tma, gemm_wgmma, kinks};
 
 /// `__launch_bounds__(max_threads, min_blocks_per_sm)`, which rustc cannot express:
 /// `host/build.rs` writes them into the PTX (`.maxntid`, `.minnctapersm`) so that
@@ -50,46 +50,46 @@ macro_rules! kernels {
 }
 
 kernels! {
-    // The register-blocked FP32 GEMMs (`gemm/simt.rs`): 2 blocks per SM, 128 registers.
-    GemmF32NtVec4 = "gemm_f32_nt_vec4", bounds(gemm_simt::THREADS, gemm_simt::MIN_BLOCKS_PER_SM);
-    GemmF32NtScalar = "gemm_f32_nt_scalar", bounds(gemm_simt::THREADS, gemm_simt::MIN_BLOCKS_PER_SM);
-    GemmF32NnVec4 = "gemm_f32_nn_vec4", bounds(gemm_simt::THREADS, gemm_simt::MIN_BLOCKS_PER_SM);
-    GemmF32NnScalar = "gemm_f32_nn_scalar", bounds(gemm_simt::THREADS, gemm_simt::MIN_BLOCKS_PER_SM);
-    GemmF32TnVec4 = "gemm_f32_tn_vec4", bounds(gemm_simt::THREADS, gemm_simt::MIN_BLOCKS_PER_SM);
-    GemmF32TnScalar = "gemm_f32_tn_scalar", bounds(gemm_simt::THREADS, gemm_simt::MIN_BLOCKS_PER_SM);
+    // The register-blocked FP32 GEMMs (`gemm/fma.rs`): 2 blocks per SM, 128 registers.
+    GemmFmaNtVec4 = "gemm_fma_nt_vec4", bounds(gemm_fma::THREADS, gemm_fma::MIN_BLOCKS_PER_SM);
+    GemmFmaNtScalar = "gemm_fma_nt_scalar", bounds(gemm_fma::THREADS, gemm_fma::MIN_BLOCKS_PER_SM);
+    GemmFmaNnVec4 = "gemm_fma_nn_vec4", bounds(gemm_fma::THREADS, gemm_fma::MIN_BLOCKS_PER_SM);
+    GemmFmaNnScalar = "gemm_fma_nn_scalar", bounds(gemm_fma::THREADS, gemm_fma::MIN_BLOCKS_PER_SM);
+    GemmFmaTnVec4 = "gemm_fma_tn_vec4", bounds(gemm_fma::THREADS, gemm_fma::MIN_BLOCKS_PER_SM);
+    GemmFmaTnScalar = "gemm_fma_tn_scalar", bounds(gemm_fma::THREADS, gemm_fma::MIN_BLOCKS_PER_SM);
 
-    // The `mma.sync` GEMMs (`gemm/tensor_core.rs`): 2 blocks per SM (128 registers),
+    // The `mma.sync` GEMMs (`gemm/mma.rs`): 2 blocks per SM (128 registers),
     // except the 3xTF32 forward (its two `ldmatrix` operands and their residuals need
     // ~8 registers more: ptxas spills at 128) and the bf16 kernels (two TF32 steps'
     // words feed one `m16n8k16`): 1 block per SM.
-    GemmTcTf32NtVec4 = "gemm_tc_tf32_nt_vec4", bounds(gemm_tc::THREADS, 2);
-    GemmTcTf32NtScalar = "gemm_tc_tf32_nt_scalar", bounds(gemm_tc::THREADS, 2);
-    GemmTcTf32NnVec4 = "gemm_tc_tf32_nn_vec4", bounds(gemm_tc::THREADS, 2);
-    GemmTcTf32NnScalar = "gemm_tc_tf32_nn_scalar", bounds(gemm_tc::THREADS, 2);
-    GemmTcTf32TnVec4 = "gemm_tc_tf32_tn_vec4", bounds(gemm_tc::THREADS, 2);
-    GemmTcTf32TnScalar = "gemm_tc_tf32_tn_scalar", bounds(gemm_tc::THREADS, 2);
-    GemmTcBf16NtVec4 = "gemm_tc_bf16_nt_vec4", bounds(gemm_tc::THREADS, 1);
-    GemmTcBf16NtScalar = "gemm_tc_bf16_nt_scalar", bounds(gemm_tc::THREADS, 1);
-    GemmTcBf16NnVec4 = "gemm_tc_bf16_nn_vec4", bounds(gemm_tc::THREADS, 1);
-    GemmTcBf16NnScalar = "gemm_tc_bf16_nn_scalar", bounds(gemm_tc::THREADS, 1);
-    GemmTcBf16TnVec4 = "gemm_tc_bf16_tn_vec4", bounds(gemm_tc::THREADS, 1);
-    GemmTcBf16TnScalar = "gemm_tc_bf16_tn_scalar", bounds(gemm_tc::THREADS, 1);
-    GemmTcTf32x3NtVec4 = "gemm_tc_tf32x3_nt_vec4", bounds(gemm_tc::THREADS, 1);
-    GemmTcTf32x3NtScalar = "gemm_tc_tf32x3_nt_scalar", bounds(gemm_tc::THREADS, 1);
-    GemmTcTf32x3NnVec4 = "gemm_tc_tf32x3_nn_vec4", bounds(gemm_tc::THREADS, 2);
-    GemmTcTf32x3NnScalar = "gemm_tc_tf32x3_nn_scalar", bounds(gemm_tc::THREADS, 2);
-    GemmTcTf32x3TnVec4 = "gemm_tc_tf32x3_tn_vec4", bounds(gemm_tc::THREADS, 2);
-    GemmTcTf32x3TnScalar = "gemm_tc_tf32x3_tn_scalar", bounds(gemm_tc::THREADS, 2);
+    GemmMmaTf32NtVec4 = "gemm_mma_tf32_nt_vec4", bounds(gemm_mma::THREADS, 2);
+    GemmMmaTf32NtScalar = "gemm_mma_tf32_nt_scalar", bounds(gemm_mma::THREADS, 2);
+    GemmMmaTf32NnVec4 = "gemm_mma_tf32_nn_vec4", bounds(gemm_mma::THREADS, 2);
+    GemmMmaTf32NnScalar = "gemm_mma_tf32_nn_scalar", bounds(gemm_mma::THREADS, 2);
+    GemmMmaTf32TnVec4 = "gemm_mma_tf32_tn_vec4", bounds(gemm_mma::THREADS, 2);
+    GemmMmaTf32TnScalar = "gemm_mma_tf32_tn_scalar", bounds(gemm_mma::THREADS, 2);
+    GemmMmaBf16NtVec4 = "gemm_mma_bf16_nt_vec4", bounds(gemm_mma::THREADS, 1);
+    GemmMmaBf16NtScalar = "gemm_mma_bf16_nt_scalar", bounds(gemm_mma::THREADS, 1);
+    GemmMmaBf16NnVec4 = "gemm_mma_bf16_nn_vec4", bounds(gemm_mma::THREADS, 1);
+    GemmMmaBf16NnScalar = "gemm_mma_bf16_nn_scalar", bounds(gemm_mma::THREADS, 1);
+    GemmMmaBf16TnVec4 = "gemm_mma_bf16_tn_vec4", bounds(gemm_mma::THREADS, 1);
+    GemmMmaBf16TnScalar = "gemm_mma_bf16_tn_scalar", bounds(gemm_mma::THREADS, 1);
+    GemmMmaTf32x3NtVec4 = "gemm_mma_tf32x3_nt_vec4", bounds(gemm_mma::THREADS, 1);
+    GemmMmaTf32x3NtScalar = "gemm_mma_tf32x3_nt_scalar", bounds(gemm_mma::THREADS, 1);
+    GemmMmaTf32x3NnVec4 = "gemm_mma_tf32x3_nn_vec4", bounds(gemm_mma::THREADS, 2);
+    GemmMmaTf32x3NnScalar = "gemm_mma_tf32x3_nn_scalar", bounds(gemm_mma::THREADS, 2);
+    GemmMmaTf32x3TnVec4 = "gemm_mma_tf32x3_tn_vec4", bounds(gemm_mma::THREADS, 2);
+    GemmMmaTf32x3TnScalar = "gemm_mma_tf32x3_tn_scalar", bounds(gemm_mma::THREADS, 2);
 
     // The `wgmma` GEMMs (`gemm/wgmma.rs`): TF32 keeps 64 accumulators and no fragments
     // (2 blocks per SM); 3xTF32 also holds `A` fragments and needs 193 KiB of shared
     // memory (1 block per SM).
-    GemmWgTf32NtVec4 = "gemm_wg_tf32_nt_vec4", bounds(gemm_wg::THREADS, 2);
-    GemmWgTf32x3NtVec4 = "gemm_wg_tf32x3_nt_vec4", bounds(gemm_wg::THREADS, 1);
-    GemmWgTf32DxVec4 = "gemm_wg_tf32_dx_vec4", bounds(gemm_wg::THREADS, 2);
-    GemmWgTf32x3DxVec4 = "gemm_wg_tf32x3_dx_vec4", bounds(gemm_wg::THREADS, 1);
-    GemmWgTf32DwVec4 = "gemm_wg_tf32_dw_vec4", bounds(gemm_wg::THREADS, 2);
-    GemmWgTf32x3DwVec4 = "gemm_wg_tf32x3_dw_vec4", bounds(gemm_wg::THREADS, 1);
+    GemmWgmmaTf32NtVec4 = "gemm_wgmma_tf32_nt_vec4", bounds(gemm_wgmma::THREADS, 2);
+    GemmWgmmaTf32x3NtVec4 = "gemm_wgmma_tf32x3_nt_vec4", bounds(gemm_wgmma::THREADS, 1);
+    GemmWgmmaTf32DxVec4 = "gemm_wgmma_tf32_dx_vec4", bounds(gemm_wgmma::THREADS, 2);
+    GemmWgmmaTf32x3DxVec4 = "gemm_wgmma_tf32x3_dx_vec4", bounds(gemm_wgmma::THREADS, 1);
+    GemmWgmmaTf32DwVec4 = "gemm_wgmma_tf32_dw_vec4", bounds(gemm_wgmma::THREADS, 2);
+    GemmWgmmaTf32x3DwVec4 = "gemm_wgmma_tf32x3_dw_vec4", bounds(gemm_wgmma::THREADS, 1);
 
     // The TMA-fed, warp-specialised `wgmma` GEMMs (`gemm/tma/`): one producer warpgroup
     // and two consumer warpgroups holding 128 accumulators each, 1 block per SM: 168

@@ -24,7 +24,7 @@ pub use kernels::{Kernel, LaunchBounds};
 
 /// The `wgmma` family (sm_90a): two warpgroups per block, operands read by the tensor
 /// cores from 128-byte-swizzled shared memory.
-pub mod gemm_wg {
+pub mod gemm_wgmma {
     pub const BLOCK_M: usize = 128;
     pub const BLOCK_N: usize = 128;
     pub const BLOCK_K: usize = 32;
@@ -41,7 +41,7 @@ pub mod gemm_wg {
         let output = BLOCK_M * (BLOCK_N + 4) * 4;
         if pipeline > output { pipeline } else { output }
     }
-    const _: () = assert!(BLOCK_M == super::gemm_simt::BLOCK_M && BLOCK_N == super::gemm_simt::BLOCK_N);
+    const _: () = assert!(BLOCK_M == super::gemm_fma::BLOCK_M && BLOCK_N == super::gemm_fma::BLOCK_N);
 }
 
 /// The persistent, warp-specialised `wgmma` forward: `128 x 256` output tiles, operands
@@ -69,9 +69,9 @@ pub mod gemm_tma {
     pub const PANEL_M: usize = 8;
     /// The shortest `k` the host sends here: the epilogue runs between a tile's k-loops
     /// with the tensor cores idle (one block per SM), so the shorter `k`, the larger its
-    /// share; `gemm_wg` hides it behind a second block per SM. Measured at 1024 (M2:
-    /// 1.14 ms here against 1.63 on `gemm_wg`) and 8192; below 1024 is unmeasured and
-    /// stays on `gemm_wg`.
+    /// share; `gemm_wgmma` hides it behind a second block per SM. Measured at 1024 (M2:
+    /// 1.14 ms here against 1.63 on `gemm_wgmma`) and 8192; below 1024 is unmeasured and
+    /// stays on `gemm_wgmma`.
     pub const MIN_K: usize = 1024;
     /// The bf16 forward's k-tile: 64 values, the same 128-byte rows (and stage bytes).
     pub const BF16_BLOCK_K: usize = 64;
@@ -101,7 +101,7 @@ pub mod gemm_tma {
 }
 
 /// The tensor-core GEMM family: `mma.sync` TF32 fed by a `cp.async` pipeline.
-pub mod gemm_tc {
+pub mod gemm_mma {
     /// Rows and columns of `y` per block (as the FMA family, so the host's tiling,
     /// split-K and row-wise epilogue logic is shared).
     pub const BLOCK_M: usize = 128;
@@ -119,7 +119,7 @@ pub mod gemm_tc {
     const OUTPUT_BYTES: usize = BLOCK_M * (BLOCK_N + 4) * 4;
     /// Dynamic shared memory: the pipeline, later reused for the staged output tile.
     pub const SMEM_BYTES: usize = if PIPELINE_BYTES > OUTPUT_BYTES { PIPELINE_BYTES } else { OUTPUT_BYTES };
-    const _: () = assert!(BLOCK_M == BLOCK_N && BLOCK_M == super::gemm_simt::BLOCK_M && THREADS == 256);
+    const _: () = assert!(BLOCK_M == BLOCK_N && BLOCK_M == super::gemm_fma::BLOCK_M && THREADS == 256);
 }
 
 /// The epilogue chain as the kernels see it: one [`OpDesc`](epilogue::OpDesc) per op, in a device array.
@@ -190,7 +190,7 @@ pub mod epilogue {
     /// warp's gradient sums (`slots` rows of 128 floats), then per warp its saved op
     /// inputs (two rows for each op but the last) and its `z`/`dy` ring.
     pub const fn tiles_backward_smem_bytes(slots: usize, n_ops: usize) -> usize {
-        super::gemm_simt::MAX_TILE_OPS * TILE_OP_BYTES
+        super::gemm_fma::MAX_TILE_OPS * TILE_OP_BYTES
             + (TILE_THREADS / 32) * (slots + 2 * n_ops.saturating_sub(1) + TILES_BACKWARD_RING_ROWS) * 128 * 4
     }
 
@@ -260,8 +260,8 @@ pub mod kinks {
     }
 }
 
-/// The register-blocked FP32 GEMM with the fused epilogue (`kernels-gpu/src/gemm/simt.rs`).
-pub mod gemm_simt {
+/// The register-blocked FP32 GEMM with the fused epilogue (`kernels-gpu/src/gemm/fma.rs`).
+pub mod gemm_fma {
     /// Rows of `y` per block.
     pub const BLOCK_M: usize = 128;
     /// Columns of `y` per block.
@@ -272,7 +272,7 @@ pub mod gemm_simt {
     /// Two resident blocks per SM: caps registers at 128 per thread.
     pub const MIN_BLOCKS_PER_SM: u32 = 2;
 
-    /// Row of a staged operand tile: 4 floats of padding (see `Fma` in simt.rs).
+    /// Row of a staged operand tile: 4 floats of padding (see `Fma` in fma.rs).
     pub const SMEM_STRIDE: usize = BLOCK_M + 4;
     /// Two stages (double buffering) of the x and w tiles.
     const PIPELINE_BYTES: usize = 2 * 2 * BLOCK_K * SMEM_STRIDE * 4;

@@ -219,7 +219,7 @@ pub unsafe extern "ptx-kernel" fn transpose_vec4(input: *const f32, rows: u32, c
 /// As [`transpose_vec4`], `out` holding `rows * cols` 16-bit words (8-byte aligned).
 #[unsafe(no_mangle)]
 pub unsafe extern "ptx-kernel" fn transpose_vec4_to_bf16(input: *const f32, rows: u32, cols: u32, out: *mut u16) {
-    use crate::prelude::tensor_core::pack_bf16x2;
+    use crate::prelude::mma::pack_bf16x2;
     let pack = |w: [f32; 4]| {
         [pack_bf16x2(w[0].to_bits(), w[1].to_bits()), pack_bf16x2(w[2].to_bits(), w[3].to_bits())].map(f32::from_bits)
     };
@@ -276,7 +276,7 @@ pub unsafe extern "ptx-kernel" fn f32_to_bf16(input: *const f32, len: u32, out: 
     let i = global_index();
     if i < len as usize {
         // SAFETY: i < len.
-        unsafe { *out.add(i) = crate::prelude::tensor_core::pack_bf16x2((*input.add(i)).to_bits(), 0) as u16 };
+        unsafe { *out.add(i) = crate::prelude::mma::pack_bf16x2((*input.add(i)).to_bits(), 0) as u16 };
     }
 }
 

@@ -71,7 +71,7 @@ pub struct BlockArgs {
 #[command(next_help_heading = "Tuning (A/B switches of the GPU backend; default: production)")]
 pub struct TuningArgs {
     /// Keep the TF32, 3xTF32 and bf16 GEMMs off the persistent TMA kernels: the
-    /// `gemm_wg` kernels (bf16: `mma.sync`) run them instead.
+    /// `gemm_wgmma` kernels (bf16: `mma.sync`) run them instead.
     #[arg(long)]
     pub(super) no_tma: bool,
     /// Backward: skip the exact recomputation of `z` near kinks (faster; the gradients

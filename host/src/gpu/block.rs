@@ -2,7 +2,7 @@
 //! parameters they read and the state the backward keeps.
 //!
 //! Forward plans:
-//! * **fused** — one kernel: `gemm_f32_nt_*` applies the bias and the whole chain to
+//! * **fused** — one kernel: `gemm_fma_nt_*` applies the bias and the whole chain to
 //!   its accumulator tile before storing (pointwise ops; GroupNorm whose groups of
 //!   4..=128 channels, a power of two, fall inside one 128-column tile).
 //! * **gemm + rows** — two kernels: the GEMM (split along `k` into `s` partial
@@ -23,14 +23,14 @@
 //! (recomputing each op's input from `z`), `sum_partials` finishes those, and two
 //! GEMMs give `dX = dZ W` and `dW = dZ^T X`.
 
+use super::dispatch::{self, Forward, not_fusable};
 use super::elementwise::{Convert, Vector, convert_vectors, fold_rows_mean, unfold_rows_mean_grad};
 use super::epilogue::DeviceChain;
 use super::epilogue::kinks::{Refined, Scan, refine_near_kinks, scanned_prefix};
 use super::epilogue::lanes::{epilogue_tiles_backward, fits as tiles_fit};
 use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
-use super::gemm::tma::NativeBf16;
-use super::gemm::{Role, forward_gemm, grad_input, grad_weight, not_fusable, route};
-use super::{DeviceElement, DeviceTensor, Gpu, Phases};
+use super::gemm::{forward_gemm, grad_input, grad_weight};
+use super::{DeviceElement, DeviceTensor, Dtype, Gpu, Phases};
 use crate::block::{BlockSpec, Params};
 use crate::chain::Op;
 use crate::check::{Comparison, compare_f32};
@@ -38,8 +38,8 @@ use crate::error::{Error, Result};
 use crate::precision::Precision;
 use crate::reference::BlockGrads;
 use crate::tensor::Tensor;
-use kernel_abi::Kernel;
-use kernel_abi::gemm_simt::{BLOCK_K, BLOCK_M, BLOCK_N};
+
+pub use super::dispatch::Plan;
 
 /// A block's parameters in device memory, in [`Params`]'s structure. The Linear
 /// layer's weight is FP32 or, for a bf16 model, bf16 (`W`); the bias and the chain's
@@ -103,13 +103,6 @@ pub struct GpuBlock<W = f32> {
     pub(super) first_op: usize,
     /// Arithmetic of the three GEMMs.
     pub precision: Precision,
-}
-
-/// Which kernels run for one batch size.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Plan {
-    Fused,
-    GemmThenRows { splits: usize },
 }
 
 /// Buffers of one forward pass for a batch size, and the plan they serve.
@@ -181,7 +174,7 @@ impl<W: DeviceElement> GpuBlock<W> {
 
     /// The same block with its GEMMs in `precision` (a bf16 model's are bf16 always).
     pub fn with_precision(mut self, precision: Precision) -> GpuBlock<W> {
-        self.precision = if W::BF16 { Precision::Bf16 } else { precision };
+        self.precision = if W::DTYPE == Dtype::Bf16 { Precision::Bf16 } else { precision };
         self
     }
 
@@ -203,24 +196,20 @@ impl<W: DeviceElement> GpuBlock<W> {
         }
     }
 
-    /// Chooses the kernels for `batch` rows on this GPU.
+    /// Chooses the kernels for `batch` rows on this GPU ([`dispatch::plan`]).
     pub fn plan(&self, gpu: &Gpu, batch: usize) -> Plan {
-        let (n, k) = (self.gemm_width(), self.spec.in_features);
-        let tiles = batch.div_ceil(BLOCK_M) * n.div_ceil(BLOCK_N);
-        let sms = gpu.props.multiprocessors;
-        // Too few tiles to occupy the GPU, and enough k to share out: split k. Not where
-        // a bf16 model's kernel reads x and W as stored: it has no split-K, and the split
-        // FP32 kernels would take widened copies of both on every call (of the whole
-        // weight: 0.27 ms at 8 x 4096 x 4096, where the unsplit bf16 kernel streams W once).
-        let native = W::BF16 && self.native_bf16_forward(&Plan::GemmThenRows { splits: 1 });
-        let splits = if !native && tiles * 2 < sms && k >= 64 * BLOCK_K {
-            (2 * sms).div_ceil(tiles).min(k / (32 * BLOCK_K)).clamp(1, 16)
-        } else {
-            1
-        };
-        match (&self.not_fusable, splits) {
-            (None, 1) => Plan::Fused,
-            _ => Plan::GemmThenRows { splits },
+        dispatch::plan(self.forward_case(batch), gpu.props.multiprocessors, gpu.tuning().tma)
+    }
+
+    /// The block's forward of `batch` rows, as the dispatch sees it.
+    pub(super) fn forward_case(&self, batch: usize) -> Forward {
+        Forward {
+            batch,
+            n: self.gemm_width(),
+            k: self.spec.in_features,
+            dtype: W::DTYPE,
+            folded: self.folded.is_some(),
+            fusable: self.not_fusable.is_none(),
         }
     }
 
@@ -232,28 +221,17 @@ impl<W: DeviceElement> GpuBlock<W> {
     /// Which kernels run on `gpu` (its tuning picks among the GEMMs), and why: for the
     /// summary line.
     pub fn describe(&self, gpu: &Gpu, plan: &Plan) -> String {
-        let k = self.spec.in_features;
-        let splits = match plan {
-            Plan::Fused => 1,
-            Plan::GemmThenRows { splits } => *splits,
+        // (The forward's route depends on `n`, `k` and the split only.)
+        let (_, route) = dispatch::forward_route(self.forward_case(1), self.precision, plan, true, gpu.tuning().tma);
+        let gemm = match (W::DTYPE, route.widened, plan, &self.folded) {
+            (Dtype::F32, ..) => route.kernel.to_string(),
+            (_, false, Plan::Fused, _) => format!("{} (bf16 x, W, y as stored)", route.kernel),
+            (_, false, ..) => format!("{} (bf16 x, W as stored)", route.kernel),
+            (_, true, _, Some(_)) => {
+                format!("{} (FP32 copy of bf16 x, the FP32 folded weight; y rounded)", route.kernel)
+            }
+            (_, true, _, None) => format!("{} (on FP32 copies of bf16 x, W; y rounded)", route.kernel),
         };
-        // (The forward's route depends on `k` and the split only.)
-        let mut gemm = route(self.precision, Role::Forward { splits }, (0, self.gemm_width(), k), gpu.tuning().tma)
-            .kernel
-            .to_string();
-        let bf16_model = W::BF16;
-        if bf16_model {
-            gemm = match (self.native_bf16_forward(plan), plan, &self.folded) {
-                (true, Plan::Fused, _) => format!("{} (bf16 x, W, y as stored)", Kernel::GemmTmaBf16NtToBf16),
-                (true, _, _) => format!("{} (bf16 x, W as stored)", Kernel::GemmTmaBf16Nt),
-                (false, _, Some(_)) => {
-                    let r =
-                        route(Precision::Tf32x3, Role::Forward { splits }, (0, self.gemm_width(), k), gpu.tuning().tma);
-                    format!("{} (FP32 copy of bf16 x, the FP32 folded weight; y rounded)", r.kernel)
-                }
-                (false, _, None) => format!("{gemm} (on FP32 copies of bf16 x, W; y rounded)"),
-            };
-        }
         let fold =
             self.folded.as_ref().map_or(String::new(), |(k, ..)| format!("; avgpool({k}) folded into the weights"));
         match plan {
@@ -267,18 +245,6 @@ impl<W: DeviceElement> GpuBlock<W> {
                 format!("{gemm}{split} + epilogue_rows (2 kernels: {why}{fold})")
             }
         }
-    }
-
-    /// Whether a bf16 block's forward reads `x` and `W` as stored under `plan`: no folded
-    /// weight (its means are FP32), no split-K, 16-byte rows (of `y` too where the fused
-    /// kernel stores it by TMA).
-    pub(super) fn native_bf16_forward(&self, plan: &Plan) -> bool {
-        let (n, k) = (self.gemm_width(), self.spec.in_features);
-        let y_rows = match plan {
-            Plan::Fused => n.is_multiple_of(8),
-            Plan::GemmThenRows { splits } => *splits == 1,
-        };
-        self.folded.is_none() && y_rows && NativeBf16::fits((1, n, k), (k, k))
     }
 
     pub(super) fn out_width(&self) -> usize {
@@ -305,10 +271,9 @@ impl<W: DeviceElement> GpuBlock<W> {
         Ok(Workspace { plan, z, y })
     }
 
-    /// Whether the chain backward runs tile-wise (a chain the GEMM can fuse has a
-    /// tile-wise backward too; others go row by row): also which kink scan may walk it.
+    /// Whether the chain backward runs tile-wise ([`dispatch::tile_backward`]).
     pub(super) fn tile_backward(&self) -> bool {
-        self.not_fusable.is_none() && tiles_fit(&self.chain)
+        dispatch::tile_backward(self.not_fusable.is_none(), tiles_fit(&self.chain))
     }
 }
 

@@ -12,12 +12,13 @@
 //! the FP32 accumulation's error (docs/NUMERICS.md).
 
 use super::block::{DeviceGrads, DeviceParams, GpuBlock, HostGrads, Plan, Saved, Workspace};
+use super::dispatch::{self, Role, Route, Storage};
 use super::elementwise::{to_bf16, unfold_rows_mean_grad, widen, widen_on};
 use super::epilogue::lanes::epilogue_tiles_backward;
 use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
-use super::gemm::tma::{NativeBf16, launch_native_bf16};
+use super::gemm::tma::launch_bf16;
 use super::gemm::{grad_input, grad_weight};
-use super::{DeviceElement, DeviceTensor, Gpu};
+use super::{DeviceElement, DeviceTensor, Dtype, Gpu};
 use crate::block::{BlockSpec, Params};
 use crate::error::{Error, Result};
 use crate::precision::Precision;
@@ -57,50 +58,33 @@ impl GpuBlock<Bf16> {
         };
         let w = &self.params.linear_weight;
         let b = &self.params.linear_bias;
-        let native = self.native_bf16_forward(&ws.plan) && aligned(&[x, w]);
-        match (&ws.plan, ws.z.as_mut(), native) {
+        let fused = ws.plan == Plan::Fused;
+        let aligned = aligned(&[x, w]) && (!fused || ws.y.buf.device_address().is_multiple_of(16));
+        let tma = gpu.tuning().tma;
+        let (precision, route) = dispatch::forward_route(self.forward_case(m), self.precision, &ws.plan, aligned, tma);
+        let (ab, dims, lds, stream) = ((&*x.buf, &*w.buf), (m, n, k), (k, k), gpu.stream());
+        match (&ws.plan, ws.z.as_mut(), route.widened) {
             // One kernel: x and W as stored, bf16 y.
-            (Plan::Fused, _, true) if NativeBf16::stores_bf16(n, ws.y.buf.device_address()) => launch_native_bf16(
-                gpu,
-                gpu.stream(),
-                NativeBf16::Forward,
-                (&x.buf, &w.buf),
-                (m, n, k),
-                (k, k),
-                (Some(&b.buf), Some(&self.chain)),
-                &mut ws.y,
-                save,
-            ),
+            (Plan::Fused, _, false) => {
+                launch_bf16(gpu, stream, &route, ab, dims, lds, (Some(&b.buf), Some(&self.chain)), &mut ws.y, save)
+            }
             // The GEMM as stored into FP32 `z`, the row-wise epilogue, `y` rounded.
-            (Plan::GemmThenRows { splits: 1 }, Some(z), true) => {
-                let ops: (Option<&cudarc::driver::CudaSlice<f32>>, _) = (Some(&b.buf), None);
-                launch_native_bf16(
-                    gpu,
-                    gpu.stream(),
-                    NativeBf16::Forward,
-                    (&x.buf, &w.buf),
-                    (m, n, k),
-                    (k, k),
-                    ops,
-                    z,
-                    None,
-                )?;
+            (Plan::GemmThenRows { splits: 1 }, Some(z), false) => {
+                launch_bf16(gpu, stream, &route, ab, dims, lds, (Some(&b.buf), None), z, None)?;
                 let mut y = gpu.alloc(&ws.y.shape)?;
                 epilogue_rows(gpu, &self.chain, z, None, &mut y, save)?;
                 ws.y = to_bf16(gpu, &y)?;
                 Ok(())
             }
             (plan, z, _) => {
+                // On FP32 copies: `x` widened, and `W` (or a folded AvgPool's FP32 means).
                 let x32 = widen(gpu, x)?;
                 let w32;
-                // A folded AvgPool's weight holds FP32 means, not bf16 values: its GEMM
-                // runs in 3xTF32 (FP32-accurate): rounded to bf16, the means moved M4's
-                // row max on some rows (dx 7.9e-2 from f64 at seed size).
-                let (w, b, precision) = match &self.folded {
-                    Some((_, w, b)) => (w, b, Precision::Tf32x3),
+                let (w, b) = match &self.folded {
+                    Some((_, w, b)) => (w, b),
                     None => {
                         w32 = widen(gpu, w)?;
-                        (&w32, b, Precision::Bf16)
+                        (&w32, b)
                     }
                 };
                 let mut y = gpu.alloc(&ws.y.shape)?;
@@ -190,11 +174,19 @@ impl GpuBlock<Bf16> {
         // afterwards or the FP32 kernels run (rounded once, below).
         let side = gpu.side_stream();
         let mut keep = Vec::new();
-        let native_dw = NativeBf16::fits((n, k, m), (n, k)) && aligned(&[&dz, x]);
-        let dw = match (native_dw, &self.folded) {
-            (true, None) => WeightGrad::Bf16(grad_weight_native(gpu, &dz, x, (n, k, m))?),
-            (true, Some(_)) => WeightGrad::F32(grad_weight_native(gpu, &dz, x, (n, k, m))?),
-            (false, _) => {
+        let tma = gpu.tuning().tma;
+        let dw_out = if self.folded.is_some() { Dtype::F32 } else { Dtype::Bf16 };
+        let dw_route = dispatch::route(
+            Precision::Bf16,
+            Role::GradWeight,
+            (m, n, k),
+            Storage::bf16(dw_out, aligned(&[&dz, x])),
+            tma,
+        );
+        let dw = match (dw_route.widened, dw_out) {
+            (false, Dtype::Bf16) => WeightGrad::Bf16(grad_weight_native(gpu, &dw_route, &dz, x, (n, k, m))?),
+            (false, Dtype::F32) => WeightGrad::F32(grad_weight_native(gpu, &dw_route, &dz, x, (n, k, m))?),
+            (true, _) => {
                 gpu.order(gpu.stream(), side)?;
                 let (dz32, x32) = (widen_on(gpu, side, &dz)?, widen_on(gpu, side, x)?);
                 let (dw, scratch) = grad_weight(gpu, Precision::Bf16, side, &dz32, &x32)?;
@@ -204,12 +196,14 @@ impl GpuBlock<Bf16> {
             }
         };
         // dX = dZ W on the main stream.
-        let dx = if NativeBf16::fits((m, k, n), (n, k)) && aligned(&[&dz, w16]) {
+        let storage = Storage::bf16(Dtype::Bf16, aligned(&[&dz, w16]));
+        let dx_route = dispatch::route(Precision::Bf16, Role::GradInput, (m, n, k), storage, tma);
+        let dx = if !dx_route.widened {
             let mut dx = gpu.alloc_as::<Bf16>(&[m, k])?;
-            launch_native_bf16(
+            launch_bf16(
                 gpu,
                 gpu.stream(),
-                NativeBf16::GradInput,
+                &dx_route,
                 (&dz.buf, &w16.buf),
                 (m, k, n),
                 (n, k),
@@ -280,6 +274,7 @@ enum WeightGrad {
 /// side stream before using `dW` or freeing `dZ`.
 fn grad_weight_native<O: DeviceElement>(
     gpu: &Gpu,
+    route: &Route,
     dz: &DeviceTensor<Bf16>,
     x: &DeviceTensor<Bf16>,
     (n, k, m): (usize, usize, usize),
@@ -288,6 +283,6 @@ fn grad_weight_native<O: DeviceElement>(
     let side = gpu.side_stream();
     gpu.order(gpu.stream(), side)?;
     let (ops, dims, lds) = ((None, None), (n, k, m), (n, k));
-    launch_native_bf16(gpu, side, NativeBf16::GradWeight, (&dz.buf, &x.buf), dims, lds, ops, &mut dw, None)?;
+    launch_bf16(gpu, side, route, (&dz.buf, &x.buf), dims, lds, ops, &mut dw, None)?;
     Ok(dw)
 }

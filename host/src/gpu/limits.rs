@@ -4,7 +4,7 @@ use crate::error::{Error, Result};
 
 /// The largest batch the GEMM kernels launch: the fused kernel's grid has at most
 /// 65535 row tiles (`gridDim.y`).
-pub const MAX_BATCH: usize = 65535 * kernel_abi::gemm_simt::BLOCK_M;
+pub const MAX_BATCH: usize = 65535 * kernel_abi::gemm_fma::BLOCK_M;
 
 /// Refuses sizes the launchers would refuse, before anything is allocated (and
 /// without a GPU): the kernels take `m`, `n`, `k` as u32 and the batch is bounded by
@@ -34,7 +34,7 @@ pub fn check_launch_sizes(batch: usize, in_features: usize, out_features: usize)
     if batch > MAX_BATCH {
         return Err(Error::Shape(format!(
             "the batch {batch} exceeds the GPU GEMM's grid: at most {MAX_BATCH} rows (65535 tiles of {})",
-            kernel_abi::gemm_simt::BLOCK_M
+            kernel_abi::gemm_fma::BLOCK_M
         )));
     }
     Ok(())

@@ -44,15 +44,22 @@ pub trait DeviceElement: DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + D
     const NAME: &'static str;
     /// The bit pattern of a quiet NaN (poisoned outputs).
     const NAN_BITS: u32;
-    /// Whether the values are bf16: a bf16 model's tensors, which its own kernels read
-    /// as stored (the kernels chosen by this, never by the type's size).
-    const BF16: bool;
+    /// The dtype: a bf16 model's tensors are read as stored by its own kernels, which
+    /// [`dispatch`](super::dispatch) chooses by this, never by the type's size.
+    const DTYPE: Dtype;
+}
+
+/// The dtypes of the tensors the kernels read and write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dtype {
+    F32,
+    Bf16,
 }
 
 impl DeviceElement for f32 {
     const NAME: &'static str = "float32";
     const NAN_BITS: u32 = 0x7fc0_0000;
-    const BF16: bool = false;
+    const DTYPE: Dtype = Dtype::F32;
 }
 
 // SAFETY: `Bf16` is a `repr(transparent)` `u16`: plain bits, any pattern valid, zero included.
@@ -62,7 +69,7 @@ unsafe impl cudarc::driver::ValidAsZeroBits for Bf16 {}
 impl DeviceElement for Bf16 {
     const NAME: &'static str = "bfloat16";
     const NAN_BITS: u32 = 0x7fc0;
-    const BF16: bool = true;
+    const DTYPE: Dtype = Dtype::Bf16;
 }
 
 /// Who frees a [`DeviceBuf`]'s memory.

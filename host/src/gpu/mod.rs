@@ -8,6 +8,7 @@ pub mod block;
 pub mod block_bf16;
 pub mod collective;
 pub mod cublas;
+pub mod dispatch;
 pub mod elementwise;
 pub mod epilogue;
 pub mod gemm;
@@ -28,7 +29,7 @@ use cudarc::nvrtc::Ptx;
 use kernel_abi::Kernel;
 use limits::oom_or;
 pub use limits::{MAX_BATCH, check_device_memory, check_launch_sizes};
-pub use memory::{DeviceAllocator, DeviceBuf, DeviceElement, DeviceTensor, ElementKind, Table};
+pub use memory::{DeviceAllocator, DeviceBuf, DeviceElement, DeviceTensor, Dtype, ElementKind, Table};
 use memory::{Owner, SideFrees, Tables};
 use std::sync::Arc;
 pub use tuning::Tuning;
@@ -467,9 +468,9 @@ impl Gpu {
         let (len, stream) = (t.buf.len(), self.stream.cu_stream());
         // SAFETY: fills exactly the allocation's `len` elements on our stream.
         let filled = unsafe {
-            match T::BF16 {
-                true => cudarc::driver::sys::cuMemsetD16Async(ptr, T::NAN_BITS as u16, len, stream),
-                false => cudarc::driver::sys::cuMemsetD32Async(ptr, T::NAN_BITS, len, stream),
+            match T::DTYPE {
+                Dtype::Bf16 => cudarc::driver::sys::cuMemsetD16Async(ptr, T::NAN_BITS as u16, len, stream),
+                Dtype::F32 => cudarc::driver::sys::cuMemsetD32Async(ptr, T::NAN_BITS, len, stream),
             }
         };
         filled.result().map_err(|e| Error::cuda("filling with NaN", e))?;

@@ -8,8 +8,8 @@
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Tuning {
     /// Let the TF32, 3xTF32 and bf16 GEMMs run on the persistent TMA kernels where the
-    /// dispatch table allows them (`gpu::gemm::dispatch::route`). Off (`--no-tma`),
-    /// those GEMMs take the table's next row: the `gemm_wg` kernels, `mma.sync` for
+    /// dispatch table allows them (`gpu::dispatch::route`). Off (`--no-tma`),
+    /// those GEMMs take the table's next row: the `gemm_wgmma` kernels, `mma.sync` for
     /// bf16. Default: on.
     pub tma: bool,
     /// Recompute the saved `z` exactly where its rounding could flip a kink's

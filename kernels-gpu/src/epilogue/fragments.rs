@@ -15,7 +15,7 @@ use super::lanes::column_param;
 use super::pointwise::*;
 use crate::prelude::element::Element;
 use crate::prelude::math::{fma, rsqrt};
-use crate::prelude::tensor_core::{pack_bf16x2, st_shared_b32};
+use crate::prelude::mma::{pack_bf16x2, st_shared_b32};
 use crate::prelude::warp::shfl_xor;
 use crate::unroll;
 use kernel_abi::epilogue::*;

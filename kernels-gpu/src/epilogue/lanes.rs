@@ -16,7 +16,7 @@ use crate::prelude::warp::shfl_xor;
 use crate::prelude::*;
 use crate::unroll;
 use kernel_abi::epilogue::*;
-use kernel_abi::gemm_simt::MAX_TILE_OPS;
+use kernel_abi::gemm_fma::MAX_TILE_OPS;
 
 /// 16 bytes, for vector loads and stores.
 #[derive(Clone, Copy)]

@@ -1,7 +1,7 @@
 //! The GEMM family: `y = x W^T + b` with `W` stored `(out, in)` row-major, as PyTorch does.
 
 /// Declares GEMM entry points that share one signature (`a, b, bias, y, save_z, m, n,
-/// k, lda, ldb, k_split, ops, n_ops`; see `simt::gemm_f32` for its contract), each an
+/// k, lda, ldb, k_split, ops, n_ops`; see `fma::gemm_fma` for its contract), each an
 /// instance of the generic body `$body` with the given generic arguments.
 macro_rules! gemm_entries {
     ($body:ident; $($(#[$doc:meta])* $name:ident = <$($arg:tt),*>;)*) => {$(
@@ -35,7 +35,7 @@ impl BlockTile {
     #[inline(always)]
     pub fn new(k: u32, k_split: u32, block_k: u32) -> BlockTile {
         use crate::prelude::{block_idx_x, block_idx_y, block_idx_z};
-        use kernel_abi::gemm_tc::{BLOCK_M, BLOCK_N};
+        use kernel_abi::gemm_mma::{BLOCK_M, BLOCK_N};
         let k_begin = block_idx_z() * k_split;
         let k_end = if k - k_begin > k_split { k_begin + k_split } else { k };
         BlockTile {
@@ -48,8 +48,8 @@ impl BlockTile {
     }
 }
 
-pub mod simt;
+pub mod fma;
 pub mod staged;
-pub mod tensor_core;
+pub mod mma;
 pub mod tma;
 pub mod wgmma;

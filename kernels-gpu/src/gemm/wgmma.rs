@@ -12,12 +12,12 @@
 //! `y`: one `wgmma.mma_async.m64n128k8` per `k`-step of 8 multiplies a warpgroup's `A`
 //! rows by the whole `B` tile, reading both operands straight from shared memory
 //! through descriptors — no fragment loads at all. The tiles are the same `cp.async`
-//! 3-stage pipeline as [`super::tensor_core`], whose `[row][32 k]` layout with chunk
+//! 3-stage pipeline as [`super::mma`], whose `[row][32 k]` layout with chunk
 //! `c` of row `r` at `c ^ (r % 8)` is exactly the hardware's 128-byte swizzle (given
 //! 1024-byte aligned tiles), so the descriptors describe it directly.
 //!
 //! 3xTF32: the `A` fragments come from registers instead (`ldmatrix`, as in
-//! [`super::tensor_core`]), split into the raw value (the tensor core reads its TF32
+//! [`super::mma`]), split into the raw value (the tensor core reads its TF32
 //! part) and the FP32 residual; `B`'s residual is written by each thread for the
 //! chunks it copied into a third tile of the stage. Three `wgmma` per `k`-step:
 //! `A_lo B + A B_lo + A B`.
@@ -27,30 +27,30 @@
 
 use super::BlockTile;
 use super::staged::write_staged_tile;
-use super::tensor_core::TileCopy;
+use super::mma::TileCopy;
 use crate::prelude::async_copy::*;
-use crate::prelude::tensor_core::*;
+use crate::prelude::mma::*;
 use crate::prelude::wgmma::*;
 use crate::prelude::*;
 use crate::unroll;
 use kernel_abi::epilogue::OpDesc;
-use kernel_abi::gemm_wg::{BLOCK_K, BLOCK_M, SPLIT_STAGES, TF32_STAGES};
+use kernel_abi::gemm_wgmma::{BLOCK_K, BLOCK_M, SPLIT_STAGES, TF32_STAGES};
 
 /// Bytes of one operand tile (`128 x 32` floats) and of one 128-byte row.
 const TILE_BYTES: u32 = (BLOCK_M * BLOCK_K * 4) as u32;
 const ROW_BYTES: u32 = (BLOCK_K * 4) as u32;
 
 /// `y = chain(A B^T + bias)` on `wgmma`, or with `TRANS` its transpose `y^T (n, m)`
-/// (no chain or bias then). The contract is [`super::simt`]'s `gemm_f32` with
-/// `kernel_abi::gemm_wg`'s sizes; `B` is `k`-contiguous, `A` `k`-contiguous with `A_K`
+/// (no chain or bias then). The contract is [`super::fma`]'s `gemm_fma` with
+/// `kernel_abi::gemm_wgmma`'s sizes; `B` is `k`-contiguous, `A` `k`-contiguous with `A_K`
 /// (element `(i, kk)` at `a[i * lda + kk]`) or row-contiguous (at `a[kk * lda + i]`).
 ///
 /// # Safety
-/// As `gemm_f32`; `THREADS` threads; dynamic shared memory `smem_bytes(SPLIT)`; `lda`
+/// As `gemm_fma`; `THREADS` threads; dynamic shared memory `smem_bytes(SPLIT)`; `lda`
 /// and `ldb` multiples of 4 and 16-byte aligned operands; an sm_90a device.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_wg<const SPLIT: bool, const A_K: bool, const TRANS: bool, const STAGES: u32, const INFLIGHT: u32>(
+unsafe fn gemm_wgmma<const SPLIT: bool, const A_K: bool, const TRANS: bool, const STAGES: u32, const INFLIGHT: u32>(
     a: *const f32,
     b: *const f32,
     bias: *const f32,
@@ -212,20 +212,20 @@ unsafe fn gemm_wg<const SPLIT: bool, const A_K: bool, const TRANS: bool, const S
 }
 
 gemm_entries! {
-    gemm_wg;
+    gemm_wgmma;
     /// Forward `x W^T`, TF32 on `wgmma`, 16-byte copies: 3 stages, 2 blocks per SM,
     /// each k-tile's MMAs waited for (measured faster than 4 stages at 1 block).
-    gemm_wg_tf32_nt_vec4 = <false, true, false, { TF32_STAGES as u32 }, 0>;
+    gemm_wgmma_tf32_nt_vec4 = <false, true, false, { TF32_STAGES as u32 }, 0>;
     /// Forward `x W^T`, 3xTF32 (FP32-accurate) on `wgmma`, 16-byte copies: 4 stages,
     /// a k-tile's MMAs left running across the next barrier and copies.
-    gemm_wg_tf32x3_nt_vec4 = <true, true, false, { SPLIT_STAGES as u32 }, 1>;
+    gemm_wgmma_tf32x3_nt_vec4 = <true, true, false, { SPLIT_STAGES as u32 }, 1>;
     /// `dX^T = W^T dZ^T` stored as `dX`, TF32: `a` = `W` (row-contiguous in `k` = out
     /// features), `b` = `dZ`.
-    gemm_wg_tf32_dx_vec4 = <false, false, true, { TF32_STAGES as u32 }, 0>;
+    gemm_wgmma_tf32_dx_vec4 = <false, false, true, { TF32_STAGES as u32 }, 0>;
     /// `dX`, 3xTF32.
-    gemm_wg_tf32x3_dx_vec4 = <true, false, true, { SPLIT_STAGES as u32 }, 1>;
+    gemm_wgmma_tf32x3_dx_vec4 = <true, false, true, { SPLIT_STAGES as u32 }, 1>;
     /// `dW = dZ^T X`, TF32: `a` = `dZ` (row-contiguous in `k` = batch), `b` = `X^T`.
-    gemm_wg_tf32_dw_vec4 = <false, false, false, { TF32_STAGES as u32 }, 0>;
+    gemm_wgmma_tf32_dw_vec4 = <false, false, false, { TF32_STAGES as u32 }, 0>;
     /// `dW`, 3xTF32.
-    gemm_wg_tf32x3_dw_vec4 = <true, false, false, { SPLIT_STAGES as u32 }, 1>;
+    gemm_wgmma_tf32x3_dw_vec4 = <true, false, false, { SPLIT_STAGES as u32 }, 1>;
 }

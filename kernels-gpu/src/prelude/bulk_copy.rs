@@ -130,7 +130,7 @@ pub unsafe fn tma_load_2d(dst: u32, map: *const u8, x: u32, y: u32, bar: u32) {
 ///
 /// # Safety
 /// `map` is a valid tensor map in global memory (acquired by this thread); the boxes are
-/// written and made visible to the async proxy ([`super::tensor_core::fence_proxy_async_shared`])
+/// written and made visible to the async proxy ([`super::mma::fence_proxy_async_shared`])
 /// and stay untouched until [`bulk_wait_group_read_if`] says they have been read.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]

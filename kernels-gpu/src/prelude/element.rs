@@ -2,7 +2,7 @@
 //! the kernels read and write them: arithmetic is FP32 either way, and a bf16 value is
 //! rounded to nearest (ties to even) once, on the way out.
 
-use super::tensor_core::pack_bf16x2;
+use super::mma::pack_bf16x2;
 
 /// Two floats, 8-byte aligned: one vector access.
 #[derive(Clone, Copy)]

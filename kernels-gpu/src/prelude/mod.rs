@@ -9,7 +9,7 @@ pub mod index;
 pub mod math;
 pub mod shared;
 pub mod sync;
-pub mod tensor_core;
+pub mod mma;
 pub mod warp;
 pub mod wgmma;
 

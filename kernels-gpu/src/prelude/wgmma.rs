@@ -9,8 +9,8 @@
 //! as its operands, fenced (`wgmma.fence`) and committed as one group; the functions
 //! differ in how many groups they leave running (`wait_group`), which their callers'
 //! pipelines are built around. Shared memory is addressed by 32-bit `.shared` offsets
-//! (see `tensor_core`); the descriptors' tiles must have been made visible to the
-//! async proxy (`tensor_core::fence_proxy_async_shared`, or written by TMA).
+//! (see `mma`); the descriptors' tiles must have been made visible to the
+//! async proxy (`mma::fence_proxy_async_shared`, or written by TMA).
 
 /// Runs a warpgroup-wide `wgmma` asm block with the 64 or 128 accumulators of `$acc`
 /// (`m64n128` / `m64n256`, f32) as its first operands, positional `{0}`, `{1}`, ..

@@ -2,6 +2,7 @@
 //! (kernels-gpu/src/epilogue/kinks.rs): the saved `z` recomputed exactly where its
 //! rounding could flip a kink's derivative.
 
+use super::super::dispatch::values_one_by_one;
 use super::super::{DeviceTensor, Gpu, launched};
 use super::DeviceChain;
 use crate::error::{Error, Result};
@@ -43,33 +44,13 @@ pub fn scanned_prefix(ops: &[OpDesc], n: usize) -> usize {
 
 /// Whether op `code`'s derivative jumps (a per-element op's kink, as the registry
 /// says: LeakyReLU, Hardtanh; or the row max).
-fn kinked(code: u32) -> bool {
+pub(crate) fn kinked(code: u32) -> bool {
     code == OP_ROW_MAX || rule(code).is_some_and(ErrorRule::has_kink)
 }
 
 /// A per-element op's error rule (`None` for the other ops).
 fn rule(code: u32) -> Option<ErrorRule> {
     Pointwise::from_code(code).map(|p| p.info().error)
-}
-
-/// Whether the tile scan's rows should hand their doubtful values to `refine_values`
-/// one by one rather than by chunks to `refine_z` (the scanned `ops`, `z` computed in
-/// `precision`). It pays where `refine_z` then has (almost) nothing left to do, since
-/// its weight reads cost the same for a few listed rows as for many: where every kink
-/// comes before any GroupNorm, so that a decision depends on its own value only (M5:
-/// TF32 ~9 values per row, 0.236 -> 0.200 ms), and the flags are sparse. A kink after
-/// a GroupNorm takes the whole group (M3: ~10 groups of 16 per row), and bf16's
-/// rounding flags ~80 values per row of M5: both read less by chunks (M3 0.215 ->
-/// 0.245 ms, bf16 M5 0.487 -> 0.525 one by one).
-pub fn values_one_by_one(ops: &[OpDesc], precision: Precision) -> bool {
-    let mut grouped = false;
-    for d in ops {
-        if kinked(d.code) && grouped {
-            return false;
-        }
-        grouped |= d.code == OP_GROUP_NORM;
-    }
-    precision != Precision::Bf16
 }
 
 /// What [`refine_near_kinks`] did.

@@ -1,15 +1,13 @@
 //! Launcher of `epilogue_tiles_backward` (kernels-gpu/src/epilogue/lanes.rs): the
 //! backward of a chain the GEMM's epilogue can fuse, tile by tile.
 
-use super::super::{DeviceElement, DeviceTensor, Gpu, launched};
+use super::super::dispatch::tiles_backward_kernel;
+use super::super::{DeviceElement, DeviceTensor, Dtype, Gpu, launched};
 use super::DeviceChain;
 use crate::error::{Error, Result};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use kernel_abi::epilogue::{TILE_THREADS, TILES_BACKWARD_BLOCKS_PER_SM, tiles_backward_smem_bytes};
-use kernel_abi::gemm_simt::{MAX_GRAD_SLOTS, MAX_TILE_OPS};
-use kernel_abi::kernels::Kernel;
-
-const KERNEL: Kernel = Kernel::EpilogueTilesBackward;
+use kernel_abi::gemm_fma::{MAX_GRAD_SLOTS, MAX_TILE_OPS};
 
 /// Whether the tile-wise backward can take `chain` (its ops must also be fusable).
 pub fn fits(chain: &DeviceChain) -> bool {
@@ -25,8 +23,8 @@ pub fn epilogue_tiles_backward<G: DeviceElement>(
     dy: &DeviceTensor<G>,
 ) -> Result<(DeviceTensor<G>, DeviceTensor)> {
     // bf16 `dy` and `dz` (a bf16 model's): 8-byte copies of four values.
-    let bf16 = std::mem::size_of::<G>() == 2;
-    let kernel = if bf16 { Kernel::EpilogueTilesBackwardBf16 } else { KERNEL };
+    let bf16 = G::DTYPE == Dtype::Bf16;
+    let kernel = tiles_backward_kernel(G::DTYPE);
     let [rows, n] = z.shape[..] else {
         return Err(Error::Shape(format!("saved chain input must be 2-D, got {:?}", z.shape)));
     };

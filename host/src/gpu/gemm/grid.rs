@@ -1,24 +1,24 @@
-//! The launch the three grid-of-tiles GEMM families share — FMA (`gemm_f32_*`),
-//! `mma.sync` (`gemm_tc_*`) and `wgmma` (`gemm_wg_*`): one kernel signature (see
+//! The launch the three grid-of-tiles GEMM families share — FMA (`gemm_fma_*`),
+//! `mma.sync` (`gemm_mma_*`) and `wgmma` (`gemm_wgmma_*`): one kernel signature (see
 //! `kernels-gpu/src/gemm/mod.rs`), a block per `128 x 128` tile of `y`, `gridDim.z`
 //! split-K slices. Each family's stage depth and shared memory come from `kernel_abi`
 //! ([`stages`]).
 
+use super::super::dispatch::Family;
 use super::super::{DeviceTensor, Gpu};
 use super::args::{EpilogueArgs, Operands};
-use super::dispatch::Family;
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
-use kernel_abi::gemm_simt::{BLOCK_M, BLOCK_N, THREADS};
-use kernel_abi::{Kernel, gemm_simt, gemm_tc, gemm_wg};
+use kernel_abi::gemm_fma::{BLOCK_M, BLOCK_N, THREADS};
+use kernel_abi::{Kernel, gemm_fma, gemm_mma, gemm_wgmma};
 use std::sync::Arc;
 
 // The three families tile `y` alike.
 const _: () = assert!(
-    kernel_abi::gemm_tc::BLOCK_M == BLOCK_M
-        && kernel_abi::gemm_wg::BLOCK_N == BLOCK_N
-        && kernel_abi::gemm_tc::THREADS == THREADS
-        && kernel_abi::gemm_wg::THREADS == THREADS
+    kernel_abi::gemm_mma::BLOCK_M == BLOCK_M
+        && kernel_abi::gemm_wgmma::BLOCK_N == BLOCK_N
+        && kernel_abi::gemm_mma::THREADS == THREADS
+        && kernel_abi::gemm_wgmma::THREADS == THREADS
 );
 
 /// A grid family's `k` depth per stage (split-K slices are multiples of it) and the
@@ -26,12 +26,14 @@ const _: () = assert!(
 /// in a third tile per stage and more stages.
 pub fn stages(family: Family, kernel: Kernel) -> Result<(usize, usize)> {
     match family {
-        Family::Fma => Ok((gemm_simt::BLOCK_K, gemm_simt::SMEM_BYTES)),
-        Family::MmaSync => Ok((gemm_tc::BLOCK_K, gemm_tc::SMEM_BYTES)),
+        Family::Fma => Ok((gemm_fma::BLOCK_K, gemm_fma::SMEM_BYTES)),
+        Family::Mma => Ok((gemm_mma::BLOCK_K, gemm_mma::SMEM_BYTES)),
         Family::Wgmma => {
-            let split =
-                matches!(kernel, Kernel::GemmWgTf32x3NtVec4 | Kernel::GemmWgTf32x3DxVec4 | Kernel::GemmWgTf32x3DwVec4);
-            Ok((gemm_wg::BLOCK_K, gemm_wg::smem_bytes(split)))
+            let split = matches!(
+                kernel,
+                Kernel::GemmWgmmaTf32x3NtVec4 | Kernel::GemmWgmmaTf32x3DxVec4 | Kernel::GemmWgmmaTf32x3DwVec4
+            );
+            Ok((gemm_wgmma::BLOCK_K, gemm_wgmma::smem_bytes(split)))
         }
         Family::Tma => Err(Error::Unsupported(format!("`{}` is not a grid-of-tiles kernel", kernel.name()))),
     }
@@ -70,7 +72,7 @@ pub fn launch(
     tail.push(&mut launch, op.bias.filter(|_| splits == 1), y, save_z, chain);
     // SAFETY: matches the kernels' shared signature; operand extents checked by the
     // caller; the chain's ops were checked fusable (`not_fusable`); grid, block and
-    // shared memory follow kernel_abi::gemm_simt / gemm_tc / gemm_wg.
+    // shared memory follow kernel_abi::gemm_fma / gemm_mma / gemm_wgmma.
     unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{kernel}`"), e))?;
     Ok(())
 }

@@ -1,13 +1,13 @@
 //! The three GEMMs of a Linear layer — the forward with its fused epilogue
 //! ([`Gemm`]), `dX` ([`grad_input`]) and `dW` ([`grad_weight`]) — routed by
-//! [`super::dispatch::route`] and launched by their family's launcher, after the
+//! [`route`] and launched by their family's launcher, after the
 //! operand transposes a route asks for.
 
+use super::super::dispatch::{Family, Layout, Role, Route, Storage, Transposed, route};
 use super::super::elementwise::{slice_to_bf16, transpose_on, transpose_to_bf16_on};
 use super::super::epilogue::DeviceChain;
 use super::super::{DeviceTensor, Gpu, Tuning};
 use super::args::Operands;
-use super::dispatch::{Family, Layout, Role, Route, Transposed, route};
 use crate::error::{Error, Result};
 use crate::precision::Precision;
 use cudarc::driver::{CudaSlice, CudaStream};
@@ -47,7 +47,7 @@ pub fn forward_gemm<'a>(precision: Precision, x: &'a DeviceTensor, w: &'a Device
 impl Gemm<'_> {
     /// How it runs on a GPU of this `tuning` (see [`route`]).
     pub fn route(&self, tuning: Tuning) -> Route {
-        route(self.precision, Role::Forward { splits: self.splits.max(1) }, self.dims, tuning.tma)
+        route(self.precision, Role::Forward { splits: self.splits.max(1) }, self.dims, Storage::F32, tuning.tma)
     }
 
     /// Queues the GEMM. `save_z`, if given, receives `x W^T + bias` before the chain.
@@ -115,11 +115,11 @@ fn launch(
         return Err(Error::Shape(format!("GEMM size ({m}, {n}, {k}) exceeds the kernel's 32-bit arguments")));
     }
     match route.family {
-        Family::Fma | Family::MmaSync | Family::Wgmma => {
+        Family::Fma | Family::Mma | Family::Wgmma => {
             super::grid::launch(gpu, stream, route.family, route.kernel, op, y, save_z)
         }
         Family::Tma if tk => super::tma::launch_tk(gpu, stream, route.kernel, op, y),
-        Family::Tma => super::tma::launch_forward(gpu, stream, route.kernel, op, y, save_z),
+        Family::Tma => super::tma::launch_forward(gpu, stream, route, op, y, save_z),
     }
 }
 
@@ -137,7 +137,7 @@ pub fn grad_input_route(
     if wn != n {
         return Err(Error::Shape(format!("dX = dZ W: dZ {:?}, W {:?}", dz.shape, w.shape)));
     }
-    Ok((route(precision, Role::GradInput, (m, n, k), tuning.tma), (m, n, k)))
+    Ok((route(precision, Role::GradInput, (m, n, k), Storage::F32, tuning.tma), (m, n, k)))
 }
 
 /// `dX (m, k) = dZ (m, n) W (n, k)`, as [`route`] says: `dX^T = W^T dZ^T` (`Tk`) reading
@@ -154,11 +154,10 @@ pub fn grad_input(gpu: &Gpu, precision: Precision, dz: &DeviceTensor, w: &Device
             // `B` = W^T (k, n), rows of `n`.
             if let Some(wt16) = transpose_to_bf16_on(gpu, stream, w)? {
                 let dz16 = slice_to_bf16(gpu, stream, &dz.buf)?;
-                let forward = super::tma::NativeBf16::Forward;
-                super::tma::launch_native_bf16(
+                super::tma::launch_bf16(
                     gpu,
                     stream,
-                    forward,
+                    &route,
                     (&dz16, &wt16),
                     (m, k, n),
                     (n, n),
@@ -233,7 +232,7 @@ pub fn grad_weight_into(
     if xm != m || dw.shape != [n, k] {
         return Err(Error::Shape(format!("dW {:?} = dZ^T X: dZ {:?}, X {:?}", dw.shape, dz.shape, x.shape)));
     }
-    let route = route(precision, Role::GradWeight, (m, n, k), gpu.tuning().tma);
+    let route = route(precision, Role::GradWeight, (m, n, k), Storage::F32, gpu.tuning().tma);
     // `stream` starts after everything queued on the GPU's stream, `dw`'s allocation included.
     gpu.order(gpu.stream(), stream)?;
     let op = |a, b, (lda, ldb)| Operands { a, b, m: n, n: k, k: m, lda, ldb, bias: None, chain: None, splits: 1 };
@@ -246,11 +245,10 @@ pub fn grad_weight_into(
                 && let (Some(dzt16), Some(xt16)) =
                     (transpose_to_bf16_on(gpu, stream, dz)?, transpose_to_bf16_on(gpu, stream, x)?)
             {
-                let forward = super::tma::NativeBf16::Forward;
-                super::tma::launch_native_bf16(
+                super::tma::launch_bf16(
                     gpu,
                     stream,
-                    forward,
+                    &route,
                     (&dzt16, &xt16),
                     (n, k, m),
                     (m, m),

@@ -5,9 +5,10 @@
 //! and uploaded beside the launch; what each kernel's maps look like follows from the
 //! kernel the dispatch chose.
 
+use super::super::dispatch::{Layout, Route};
 use super::super::elementwise::slice_to_bf16;
 use super::super::epilogue::DeviceChain;
-use super::super::{DeviceElement, DeviceTensor, Gpu, Table};
+use super::super::{DeviceElement, DeviceTensor, Dtype, Gpu, Table};
 use super::args::{EpilogueArgs, Operands};
 use crate::error::{Error, Result};
 use crate::tensor::Bf16;
@@ -125,6 +126,16 @@ fn encode_map_typed(
     Ok(map)
 }
 
+/// The layout a bf16 kernel reads (`None`: not a bf16 kernel).
+fn bf16_layout(kernel: Kernel) -> Option<Layout> {
+    match kernel {
+        Kernel::GemmTmaBf16Nt | Kernel::GemmTmaBf16NtToBf16 => Some(Layout::Nt),
+        Kernel::GemmTmaBf16NnToBf16 => Some(Layout::Nn),
+        Kernel::GemmTmaBf16Tn | Kernel::GemmTmaBf16TnToBf16 => Some(Layout::Tn),
+        _ => None,
+    }
+}
+
 /// Whether `kernel` stores a bf16 `y` through the TMA unit: its table holds a third map
 /// (of `y`), and it stages half tiles in more shared memory.
 fn stores_by_tma(kernel: Kernel) -> bool {
@@ -167,7 +178,7 @@ fn persistent(
     Ok(Persistent { maps, func, cfg })
 }
 
-/// Queues the forward `kernel` (`gemm_tma_{tf32,tf32x3,bf16}_nt`): `y (m, n) = chain(x
+/// Queues `route`'s forward kernel (`gemm_tma_{tf32,tf32x3,bf16}_nt`): `y (m, n) = chain(x
 /// W^T + bias)` with `x (m, k)` in `op.a` and `W (n, k)` in `op.b`, both `k`-contiguous
 /// (row pitches `op.lda`, `op.ldb`). The bf16 kernel reads bf16 copies of both, rounded
 /// here first (freed in stream order after the GEMM). The caller has checked shapes and
@@ -175,17 +186,17 @@ fn persistent(
 pub fn launch_forward(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
-    kernel: Kernel,
+    route: &Route,
     op: &Operands,
     y: &mut DeviceTensor,
     save_z: Option<&mut DeviceTensor>,
 ) -> Result<()> {
-    let (m, n, k, lda, ldb) = (op.m, op.n, op.k, op.lda, op.ldb);
+    let (m, n, k, lda, ldb, kernel) = (op.m, op.n, op.k, op.lda, op.ldb, route.kernel);
     let arith = forward_arith(kernel)?;
     if arith == Arith::Bf16 {
         let (a16, b16) = (slice_to_bf16(gpu, stream, op.a)?, slice_to_bf16(gpu, stream, op.b)?);
         let (ab, dims, lds) = ((&*a16, &*b16), (m, n, k), (lda, ldb));
-        return launch_native_bf16(gpu, stream, NativeBf16::Forward, ab, dims, lds, (op.bias, op.chain), y, save_z);
+        return launch_bf16(gpu, stream, route, ab, dims, lds, (op.bias, op.chain), y, save_z);
     }
     let maps = [
         tensor_map(stream, op.a, (m, k, lda), BLOCK_M, arith)?,
@@ -254,55 +265,16 @@ pub fn launch_tk(
     Ok(())
 }
 
-/// The GEMMs of a bf16 model, on its tensors as stored (see
-/// `kernels-gpu/src/gemm/tma/forward.rs`): which operand is MN-major, and the output.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum NativeBf16 {
-    /// `y = chain(x W^T + bias)`, `x (m, k)` and `W (n, k)` `k`-contiguous, `y` in bf16
-    /// (`gemm_tma_bf16_nt_to_bf16`); or, with an FP32 `y`, the GEMM alone before a
-    /// row-wise epilogue (`gemm_tma_bf16_nt`).
-    Forward,
-    /// `dX (m, n) = dZ (m, k) W (k, n)`: `W` `n`-contiguous (`gemm_tma_bf16_nn_to_bf16`).
-    GradInput,
-    /// `dW (m, n) = dZ (k, m)^T X (k, n)`: both MN-major (`gemm_tma_bf16_tn_to_bf16`, or
-    /// `gemm_tma_bf16_tn` into FP32).
-    GradWeight,
-}
-
-impl NativeBf16 {
-    /// Whether this GEMM runs on bf16 tensors of these row pitches (elements): the TMA
-    /// unit wants 16-byte pitches (multiples of 8 values) and a non-empty problem.
-    pub fn fits((m, n, k): (usize, usize, usize), (lda, ldb): (usize, usize)) -> bool {
-        m > 0 && n > 0 && k > 0 && lda.is_multiple_of(8) && ldb.is_multiple_of(8)
-    }
-
-    /// Whether a bf16 `y (m, n)` at device address `y` can be stored by the TMA unit, as
-    /// the bf16-output kernels store it: 16-byte rows and a 16-byte aligned start.
-    /// (`dX`'s and `dW`'s `n` is a pitch [`NativeBf16::fits`] already asks this of.)
-    pub fn stores_bf16(n: usize, y: u64) -> bool {
-        n.is_multiple_of(8) && y.is_multiple_of(16)
-    }
-
-    fn kernel(self, bf16_out: bool) -> Result<Kernel> {
-        match (self, bf16_out) {
-            (NativeBf16::Forward, true) => Ok(Kernel::GemmTmaBf16NtToBf16),
-            (NativeBf16::Forward, false) => Ok(Kernel::GemmTmaBf16Nt),
-            (NativeBf16::GradInput, true) => Ok(Kernel::GemmTmaBf16NnToBf16),
-            (NativeBf16::GradWeight, true) => Ok(Kernel::GemmTmaBf16TnToBf16),
-            (NativeBf16::GradWeight, false) => Ok(Kernel::GemmTmaBf16Tn),
-            (NativeBf16::GradInput, false) => Err(Error::Unsupported("dX of bf16 tensors is stored in bf16".into())),
-        }
-    }
-}
-
-/// Queues the bf16 GEMM `which` on bf16 tensors as stored: `y (m, n)` (bf16 or FP32,
-/// as `O`) from `a` and `b`, whose layouts `which` says, with pitches `lda`, `ldb`
-/// (elements) and depth `k`; the forward with its bias, chain and saved `z`.
+/// Queues `route`'s bf16 TMA kernel (see `kernels-gpu/src/gemm/tma/forward.rs`) on bf16
+/// tensors: `y (m, n)` (bf16 or FP32, as the kernel writes, in `O`) from `a` and `b`, in
+/// the route's layout (`Nt`: `A (m, k)`, `B (n, k)`; `Nn`: `B (k, n)`; `Tn`: `A (k, m)`
+/// too), with pitches `lda`, `ldb` (elements) and depth `k`; the forward (`Nt`) with
+/// its bias, chain and saved `z`.
 #[allow(clippy::too_many_arguments)]
-pub fn launch_native_bf16<O: DeviceElement>(
+pub fn launch_bf16<O: DeviceElement>(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
-    which: NativeBf16,
+    route: &Route,
     (a, b): (&CudaSlice<Bf16>, &CudaSlice<Bf16>),
     (m, n, k): (usize, usize, usize),
     (lda, ldb): (usize, usize),
@@ -310,29 +282,34 @@ pub fn launch_native_bf16<O: DeviceElement>(
     y: &mut DeviceTensor<O>,
     save_z: Option<&mut DeviceTensor>,
 ) -> Result<()> {
-    let bf16_out = std::mem::size_of::<O>() == 2;
-    let kernel = which.kernel(bf16_out)?;
+    let kernel = route.kernel;
+    let bf16_out = O::DTYPE == Dtype::Bf16;
+    if bf16_layout(kernel) != Some(route.layout) || stores_by_tma(kernel) != bf16_out {
+        return Err(Error::Unsupported(format!("`{kernel}` is no bf16 {:?} kernel writing {}", route.layout, O::NAME)));
+    }
     // Extents: `A` is (m, k) or, MN-major, (k, m); `B` (n, k) or (k, n).
-    let (a_rows, a_cols, b_rows, b_cols) = match which {
-        NativeBf16::Forward => (m, k, n, k),
-        NativeBf16::GradInput => (m, k, k, n),
-        NativeBf16::GradWeight => (k, m, k, n),
+    let (a_rows, a_cols, b_rows, b_cols) = match route.layout {
+        Layout::Nt => (m, k, n, k),
+        Layout::Nn => (m, k, k, n),
+        Layout::Tn | Layout::Tk => (k, m, k, n),
     };
     let fits = |len: usize, rows: usize, cols: usize, pitch: usize| pitch >= cols && len >= (rows - 1) * pitch + cols;
-    if !NativeBf16::fits((m, n, k), (lda, ldb))
+    if [m, n, k].contains(&0)
+        || !lda.is_multiple_of(8)
+        || !ldb.is_multiple_of(8)
         || !fits(a.len(), a_rows, a_cols, lda)
         || !fits(b.len(), b_rows, b_cols, ldb)
         || y.shape != [m, n]
         || save_z.as_ref().is_some_and(|z| z.shape != [m, n])
     {
         return Err(Error::Shape(format!(
-            "bf16 GEMM {which:?} ({m}, {n}, {k}): operands of {} and {} values at pitches {lda}, {ldb}, output {:?}",
+            "bf16 GEMM `{kernel}` ({m}, {n}, {k}): operands of {} and {} values at pitches {lda}, {ldb}, output {:?}",
             a.len(),
             b.len(),
             y.shape
         )));
     }
-    if which != NativeBf16::Forward && (bias.is_some() || chain.is_some() || save_z.is_some()) {
+    if route.layout != Layout::Nt && (bias.is_some() || chain.is_some() || save_z.is_some()) {
         return Err(Error::Unsupported(format!("`{kernel}` takes no bias, chain or saved output")));
     }
     if [m, n, k, lda, ldb, a.len(), b.len()].iter().any(|&d| d > u32::MAX as usize) {
@@ -345,15 +322,15 @@ pub fn launch_native_bf16<O: DeviceElement>(
     let k_major =
         |ptr, rows, pitch, box_rows| encode_map_typed(ptr, 2, (rows, k, pitch), (box_rows, BF16_BLOCK_K), swizzle);
     let mn_major = |ptr, cols, pitch| encode_map_typed(ptr, 2, (k, cols, pitch), (BF16_BLOCK_K, 64), swizzle);
-    let mut maps = match which {
-        NativeBf16::Forward => vec![k_major(pa, m, lda, BLOCK_M)?, k_major(pb, n, ldb, BLOCK_N)?],
-        NativeBf16::GradInput => vec![k_major(pa, m, lda, BLOCK_M)?, mn_major(pb, n, ldb)?],
-        NativeBf16::GradWeight => vec![mn_major(pa, m, lda)?, mn_major(pb, n, ldb)?],
+    let mut maps = match route.layout {
+        Layout::Nt => vec![k_major(pa, m, lda, BLOCK_M)?, k_major(pb, n, ldb, BLOCK_N)?],
+        Layout::Nn => vec![k_major(pa, m, lda, BLOCK_M)?, mn_major(pb, n, ldb)?],
+        Layout::Tn | Layout::Tk => vec![mn_major(pa, m, lda)?, mn_major(pb, n, ldb)?],
     };
     if stores_by_tma(kernel) {
         // `y` in `64 x 64` boxes, the halves of a warpgroup's staged half tile.
         let py = y.buf.device_address();
-        if !NativeBf16::stores_bf16(n, py) {
+        if !(n.is_multiple_of(8) && py.is_multiple_of(16)) {
             return Err(Error::Unsupported(format!(
                 "`{kernel}` stores a bf16 `y` of {n} columns by TMA: it needs a multiple of 8 columns and a 16-byte aligned start"
             )));

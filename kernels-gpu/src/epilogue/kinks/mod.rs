@@ -28,8 +28,8 @@ use crate::prelude::async_copy::{
     cp_async_4, cp_async_16_hint, cp_async_commit, cp_async_wait, cp_async_wait_all, l2_policy, shared_address,
 };
 use crate::prelude::global::load_v4_nc;
-use crate::prelude::tensor_core::ld_shared_v4;
-use crate::prelude::tensor_core::mma_f64_m16n8k16;
+use crate::prelude::mma::ld_shared_v4;
+use crate::prelude::mma::mma_f64_m16n8k16;
 use crate::prelude::warp::{segment_sum, shfl_xor, warp_max, warp_sum, warp_sum_f64};
 use super::lanes::column_params;
 use crate::prelude::*;

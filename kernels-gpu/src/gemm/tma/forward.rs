@@ -10,7 +10,7 @@ use crate::epilogue::fragments::{
 };
 use crate::prelude::bulk_copy::*;
 use crate::prelude::element::Element;
-use crate::prelude::tensor_core::{fence_proxy_async_shared, ld_shared_v4, st_shared_v4, tf32_residual};
+use crate::prelude::mma::{fence_proxy_async_shared, ld_shared_v4, st_shared_v4, tf32_residual};
 use crate::prelude::wgmma::*;
 use crate::prelude::*;
 use crate::unroll;
@@ -23,7 +23,7 @@ const MN_BOX_BYTES: u32 = 64 * 64 * 2;
 /// Declares entry points, each an instance of [`gemm_tma`]: `SPLIT`, `BF16`, whether
 /// `A` and `B` are stored MN-major (`TRANS_A`, `TRANS_B`: bf16 only), whether the
 /// epilogue runs a chain (`CHAIN`; else it only stores), and the output's element type
-/// (one signature: the two tensor maps, then as `simt::gemm_f32` with `y` of that type).
+/// (one signature: the two tensor maps, then as `fma::gemm_fma` with `y` of that type).
 macro_rules! gemm_tma_entries {
     ($($(#[$doc:meta])* $name:ident = <$split:literal, $bf16:literal, $ta:literal, $tb:literal, $chain:literal, $out:ty>;)*) => {$(
         $(#[$doc])*
@@ -53,7 +53,7 @@ gemm_tma_entries! {
     ///
     /// # Safety
     /// The maps describe readable `f32` tensors of `(m, k)` and `(n, k)` in global memory;
-    /// `y` holds `m * n` floats; bias, `save_z` and `ops` as in `simt::gemm_f32`; `THREADS`
+    /// `y` holds `m * n` floats; bias, `save_z` and `ops` as in `fma::gemm_fma`; `THREADS`
     /// threads, dynamic shared memory `SMEM_BYTES`, any grid; an sm_90a device.
     gemm_tma_tf32_nt = <false, false, false, false, true, f32>;
 

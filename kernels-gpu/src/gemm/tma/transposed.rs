@@ -7,7 +7,7 @@ use super::opaque;
 use super::pipeline::{CONSUMER_REGISTERS, PRODUCER_REGISTERS, Pipeline};
 use crate::prelude::bulk_copy::*;
 use crate::prelude::global::store_v2;
-use crate::prelude::tensor_core::{fence_proxy_async_shared, ld_shared_v2, ld_shared_v4, st_shared_v4, tf32_residual};
+use crate::prelude::mma::{fence_proxy_async_shared, ld_shared_v2, ld_shared_v4, st_shared_v4, tf32_residual};
 use crate::prelude::wgmma::*;
 use crate::prelude::*;
 use crate::unroll;

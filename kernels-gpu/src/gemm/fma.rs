@@ -8,7 +8,7 @@ use crate::prelude::math::fma;
 use crate::prelude::*;
 use crate::unroll;
 use kernel_abi::epilogue::*;
-use kernel_abi::gemm_simt::*;
+use kernel_abi::gemm_fma::*;
 
 const TM: usize = 8; // rows per thread: two runs of 4, 64 apart
 const TN: usize = 8; // columns per thread: two runs of 4, 64 apart
@@ -63,7 +63,7 @@ fn owned(t: usize, i: usize) -> usize {
 /// lanes and its statistics are shuffle sums.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_f32<M: TileMath, const VEC: bool, const A_K: bool, const B_K: bool>(
+unsafe fn gemm_fma<M: TileMath, const VEC: bool, const A_K: bool, const B_K: bool>(
     a: *const f32,
     b: *const f32,
     bias: *const f32,
@@ -147,12 +147,12 @@ struct Dims {
     th: Thread,
 }
 
-/// The k-loop of [`gemm_f32`]: the thread's 8 x 8 accumulators of `A[tile] B[tile]^T`
+/// The k-loop of [`gemm_fma`]: the thread's 8 x 8 accumulators of `A[tile] B[tile]^T`
 /// over `k_begin..k_end`. `EDGE` checks rows against `m` and `n` (the tile crosses an
 /// edge); without it the loads carry only the check for the end of `k`.
 ///
 /// # Safety
-/// As [`gemm_f32`]; `smem` is the kernel's dynamic shared memory.
+/// As [`gemm_fma`]; `smem` is the kernel's dynamic shared memory.
 #[inline(always)]
 unsafe fn main_loop<M: TileMath, const VEC: bool, const A_K: bool, const B_K: bool, const EDGE: bool>(
     a: *const f32,
@@ -448,17 +448,17 @@ impl Loader {
 }
 
 gemm_entries! {
-    gemm_f32;
+    gemm_fma;
     /// Forward `x W^T` (both operands k-contiguous), FP32 FMA, 16-byte loads.
-    gemm_f32_nt_vec4 = <Fma, true, true, true>;
+    gemm_fma_nt_vec4 = <Fma, true, true, true>;
     /// Forward `x W^T`, FP32 FMA, scalar loads (any `k`).
-    gemm_f32_nt_scalar = <Fma, false, true, true>;
+    gemm_fma_nt_scalar = <Fma, false, true, true>;
     /// `dX = dZ W` (`B` row-contiguous), FP32 FMA, 16-byte loads.
-    gemm_f32_nn_vec4 = <Fma, true, true, false>;
+    gemm_fma_nn_vec4 = <Fma, true, true, false>;
     /// `dX = dZ W`, FP32 FMA, scalar loads.
-    gemm_f32_nn_scalar = <Fma, false, true, false>;
+    gemm_fma_nn_scalar = <Fma, false, true, false>;
     /// `dW = dZ^T X` (both row-contiguous), FP32 FMA, 16-byte loads.
-    gemm_f32_tn_vec4 = <Fma, true, false, false>;
+    gemm_fma_tn_vec4 = <Fma, true, false, false>;
     /// `dW = dZ^T X`, FP32 FMA, scalar loads.
-    gemm_f32_tn_scalar = <Fma, false, false, false>;
+    gemm_fma_tn_scalar = <Fma, false, false, false>;
 }

@@ -24,11 +24,11 @@
 use super::BlockTile;
 use super::staged::{STAGE_STRIDE, write_staged_tile};
 use crate::prelude::async_copy::*;
-use crate::prelude::tensor_core::*;
+use crate::prelude::mma::*;
 use crate::prelude::*;
 use crate::unroll;
 use kernel_abi::epilogue::OpDesc;
-use kernel_abi::gemm_tc::*;
+use kernel_abi::gemm_mma::*;
 
 /// Bytes of one operand's tile in a stage.
 const TILE_BYTES: u32 = (BLOCK_M * BLOCK_K * 4) as u32;
@@ -38,7 +38,7 @@ const R_ROW_BYTES: u32 = (BLOCK_M * 4) as u32;
 
 type Acc = [[[f32; 4]; 4]; 4];
 
-/// The arithmetic of a `gemm_tc` kernel: TF32 (operands truncated to TF32), 3xTF32
+/// The arithmetic of a `gemm_mma` kernel: TF32 (operands truncated to TF32), 3xTF32
 /// (FP32-accurate split) or bf16 (operands rounded to bf16, `m16n8k16`); FP32
 /// accumulation in all three.
 const TF32: u8 = 0;
@@ -46,15 +46,15 @@ const TF32X3: u8 = 1;
 const BF16: u8 = 2;
 
 /// `y = chain(A B^T + bias)` on tensor cores; the contract (operand orders, split-K via
-/// `gridDim.z`, `save_z`, bias) is that of [`super::simt`]'s `gemm_f32` with the sizes
-/// of `kernel_abi::gemm_tc` (`k_split` a multiple of its `BLOCK_K` = 32).
+/// `gridDim.z`, `save_z`, bias) is that of [`super::fma`]'s `gemm_fma` with the sizes
+/// of `kernel_abi::gemm_mma` (`k_split` a multiple of its `BLOCK_K` = 32).
 ///
 /// # Safety
-/// As `gemm_f32`; `THREADS` threads, `SMEM_BYTES` of dynamic shared memory; `VEC`
+/// As `gemm_fma`; `THREADS` threads, `SMEM_BYTES` of dynamic shared memory; `VEC`
 /// needs `lda`, `ldb` multiples of 4 and 16-byte aligned operands.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_tc<const MATH: u8, const VEC: bool, const A_K: bool, const B_K: bool>(
+unsafe fn gemm_mma<const MATH: u8, const VEC: bool, const A_K: bool, const B_K: bool>(
     a: *const f32,
     b: *const f32,
     bias: *const f32,
@@ -368,41 +368,41 @@ impl Fragments {
 }
 
 gemm_entries! {
-    gemm_tc;
+    gemm_mma;
     /// Forward `x W^T`, 3xTF32 (FP32-accurate), 16-byte copies.
-    gemm_tc_tf32x3_nt_vec4 = <TF32X3, true, true, true>;
+    gemm_mma_tf32x3_nt_vec4 = <TF32X3, true, true, true>;
     /// Forward `x W^T`, 3xTF32, 4-byte copies (any `k`).
-    gemm_tc_tf32x3_nt_scalar = <TF32X3, false, true, true>;
+    gemm_mma_tf32x3_nt_scalar = <TF32X3, false, true, true>;
     /// `dX = dZ W`, 3xTF32, 16-byte copies.
-    gemm_tc_tf32x3_nn_vec4 = <TF32X3, true, true, false>;
+    gemm_mma_tf32x3_nn_vec4 = <TF32X3, true, true, false>;
     /// `dX = dZ W`, 3xTF32, 4-byte copies.
-    gemm_tc_tf32x3_nn_scalar = <TF32X3, false, true, false>;
+    gemm_mma_tf32x3_nn_scalar = <TF32X3, false, true, false>;
     /// `dW = dZ^T X`, 3xTF32, 16-byte copies.
-    gemm_tc_tf32x3_tn_vec4 = <TF32X3, true, false, false>;
+    gemm_mma_tf32x3_tn_vec4 = <TF32X3, true, false, false>;
     /// `dW = dZ^T X`, 3xTF32, 4-byte copies.
-    gemm_tc_tf32x3_tn_scalar = <TF32X3, false, false, false>;
+    gemm_mma_tf32x3_tn_scalar = <TF32X3, false, false, false>;
     /// Forward `x W^T`, TF32, 16-byte copies.
-    gemm_tc_tf32_nt_vec4 = <TF32, true, true, true>;
+    gemm_mma_tf32_nt_vec4 = <TF32, true, true, true>;
     /// Forward `x W^T`, TF32, 4-byte copies.
-    gemm_tc_tf32_nt_scalar = <TF32, false, true, true>;
+    gemm_mma_tf32_nt_scalar = <TF32, false, true, true>;
     /// `dX = dZ W`, TF32, 16-byte copies.
-    gemm_tc_tf32_nn_vec4 = <TF32, true, true, false>;
+    gemm_mma_tf32_nn_vec4 = <TF32, true, true, false>;
     /// `dX = dZ W`, TF32, 4-byte copies.
-    gemm_tc_tf32_nn_scalar = <TF32, false, true, false>;
+    gemm_mma_tf32_nn_scalar = <TF32, false, true, false>;
     /// `dW = dZ^T X`, TF32, 16-byte copies.
-    gemm_tc_tf32_tn_vec4 = <TF32, true, false, false>;
+    gemm_mma_tf32_tn_vec4 = <TF32, true, false, false>;
     /// `dW = dZ^T X`, TF32, 4-byte copies.
-    gemm_tc_tf32_tn_scalar = <TF32, false, false, false>;
+    gemm_mma_tf32_tn_scalar = <TF32, false, false, false>;
     /// Forward `x W^T`, bf16 operands, FP32 accumulation, 16-byte copies.
-    gemm_tc_bf16_nt_vec4 = <BF16, true, true, true>;
+    gemm_mma_bf16_nt_vec4 = <BF16, true, true, true>;
     /// Forward `x W^T`, bf16, 4-byte copies.
-    gemm_tc_bf16_nt_scalar = <BF16, false, true, true>;
+    gemm_mma_bf16_nt_scalar = <BF16, false, true, true>;
     /// `dX = dZ W`, bf16, 16-byte copies.
-    gemm_tc_bf16_nn_vec4 = <BF16, true, true, false>;
+    gemm_mma_bf16_nn_vec4 = <BF16, true, true, false>;
     /// `dX = dZ W`, bf16, 4-byte copies.
-    gemm_tc_bf16_nn_scalar = <BF16, false, true, false>;
+    gemm_mma_bf16_nn_scalar = <BF16, false, true, false>;
     /// `dW = dZ^T X`, bf16, 16-byte copies.
-    gemm_tc_bf16_tn_vec4 = <BF16, true, false, false>;
+    gemm_mma_bf16_tn_vec4 = <BF16, true, false, false>;
     /// `dW = dZ^T X`, bf16, 4-byte copies.
-    gemm_tc_bf16_tn_scalar = <BF16, false, false, false>;
+    gemm_mma_bf16_tn_scalar = <BF16, false, false, false>;
 }

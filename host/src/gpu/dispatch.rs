@@ -1,0 +1,575 @@
+//! Every kernel choice, in one place. Launchers launch what these functions name and
+//! choose nothing themselves:
+//!
+//! * [`plan`] — a block's forward: one kernel with the chain fused into the GEMM's
+//!   store, or the GEMM (split-K where the GPU would be idle) then the row-wise
+//!   epilogue; [`not_fusable`] says why an op cannot ride in the store;
+//! * [`route`] — which GEMM family and kernel runs each GEMM of a Linear layer, for the
+//!   precision, the shape and how the tensors are stored ([`Storage`]);
+//! * [`tile_backward`] and [`tiles_backward_kernel`] — the chain's backward tile-wise
+//!   or row by row, and the tile kernel for the gradients' dtype;
+//! * [`values_one_by_one`] — how the kink scan hands doubtful values to the refinement.
+//!
+//! The GEMM families have one name each across kernels, modules and this table:
+//! `fma` (`gemm_fma_*`, strict FP32 on the FMA units), `mma` (`gemm_mma_*`, `mma.sync`),
+//! `wgmma` (`gemm_wgmma_*`) and `tma` (`gemm_tma_*`, persistent TMA-fed `wgmma`).
+
+use super::memory::Dtype;
+use crate::chain::Op;
+use crate::precision::Precision;
+use kernel_abi::Kernel;
+use kernel_abi::epilogue::{OP_GROUP_NORM, OpDesc};
+use kernel_abi::gemm_fma::{BLOCK_K, BLOCK_M, BLOCK_N, MAX_FUSED_GROUP, MIN_FUSED_GROUP};
+use kernel_abi::gemm_tma::MIN_K;
+
+/// Memory order of the operands of `y = A B^T` as a kernel reads them (see
+/// `kernels-gpu/src/gemm/fma.rs`; the bf16 TMA kernels read the same three).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// Both `k`-contiguous: the forward `x W^T`.
+    Nt,
+    /// `B` row-contiguous (MN-major): `dX = dZ W`.
+    Nn,
+    /// Both row-contiguous (MN-major): `dW = dZ^T X`.
+    Tn,
+    /// `A` row-contiguous, `B` `k`-contiguous: the tensor-core backward on `wgmma`
+    /// (`dX^T = W^T dZ^T`, and `dW = dZ^T X` with `X` transposed first).
+    Tk,
+}
+
+/// The GEMM kernel families, each with its launcher in a module of its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// `gemm_fma_*`: strict FP32 on the FMA units, any alignment, split-K
+    /// (kernels-gpu/src/gemm/fma.rs; launcher [`super::gemm::grid`]).
+    Fma,
+    /// `gemm_mma_*`: `mma.sync` TF32, 3xTF32 and bf16, any alignment, split-K
+    /// (kernels-gpu/src/gemm/mma.rs; launcher [`super::gemm::grid`]).
+    Mma,
+    /// `gemm_wgmma_*`: `wgmma` TF32 and 3xTF32 over 16-byte rows, split-K
+    /// (kernels-gpu/src/gemm/wgmma.rs; launcher [`super::gemm::grid`]).
+    Wgmma,
+    /// `gemm_tma_*`: persistent, TMA-fed, warp-specialised `wgmma`, TF32, 3xTF32 and
+    /// bf16 over 16-byte rows, `k >= MIN_K`, no split-K (kernels-gpu/src/gemm/tma/;
+    /// launcher [`super::gemm::tma`]).
+    Tma,
+}
+
+/// A GEMM of a Linear layer `y (m, n) = x (m, k) W^T`, `W (n, k)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// `x W^T`; with `splits > 1`, that many split-K partial products (no epilogue).
+    Forward { splits: usize },
+    /// `dX (m, k) = dZ (m, n) W`.
+    GradInput,
+    /// `dW (n, k) = dZ (m, n)^T X`.
+    GradWeight,
+}
+
+/// Which of a role's operands are transposed before its GEMM (into new tensors).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transposed {
+    /// Both are read as stored.
+    Nothing,
+    /// `B`: `W^T` for a bf16 `dX`, `X^T` for a tensor-core `dW` on `Tk`.
+    B,
+    /// `A` and `B`: `dZ^T` and `X^T` for a bf16 `dW`.
+    Both,
+}
+
+/// How a GEMM's tensors are stored: its operands, its output, and whether every one
+/// of them starts on a 16-byte boundary (as the TMA unit reads and writes them; a
+/// framework's view at an odd offset does not).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Storage {
+    pub operands: Dtype,
+    pub output: Dtype,
+    pub aligned: bool,
+}
+
+impl Storage {
+    /// FP32 tensors: an FP32 model's, or widened copies.
+    pub const F32: Storage = Storage { operands: Dtype::F32, output: Dtype::F32, aligned: true };
+
+    /// A bf16 model's operands, the output in `output`.
+    pub const fn bf16(output: Dtype, aligned: bool) -> Storage {
+        Storage { operands: Dtype::Bf16, output, aligned }
+    }
+}
+
+/// How one GEMM runs: its family and kernel, the layout the kernel reads, what is
+/// transposed first, whether the kernel stores `y^T`, and whether bf16 operands are
+/// widened to FP32 copies first (and the output rounded after).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Route {
+    pub family: Family,
+    pub kernel: Kernel,
+    pub layout: Layout,
+    pub transposed: Transposed,
+    /// The kernel stores `y^T (n, m)` (`dX` through `dX^T = W^T dZ^T`).
+    pub transpose_y: bool,
+    /// The operands are bf16 but no kernel here reads them as stored: the route is
+    /// that of FP32 tensors, run on widened copies.
+    pub widened: bool,
+}
+
+/// The dispatch table: the route of `role` in `precision` for a Linear layer of
+/// `(m, n, k)` (batch, out, in features) over tensors stored as `storage` says. `tma`:
+/// whether the TMA kernels may run ([`Tuning::tma`](crate::gpu::Tuning::tma)); without
+/// them a TMA row is skipped and the next row that fits runs.
+///
+/// A bf16 model's tensors (bf16 operands) are read as stored where the shapes give
+/// 16-byte rows (multiples of 8 values: `k` for the forward, `n` and `k` for `dX` and
+/// `dW`), every tensor is 16-byte aligned, there is no split-K, and a kernel writes the
+/// output's dtype (a bf16 output by TMA needs `n % 8 == 0` too; `dX` has no FP32-output
+/// kernel):
+///
+/// | role | operands | output | kernel | layout |
+/// |------|----------|--------|--------|--------|
+/// | forward | `x`, `W` | bf16 (the fused block) | `gemm_tma_bf16_nt_to_bf16` | `Nt` |
+/// | | | FP32 (`z` before the row-wise epilogue) | `gemm_tma_bf16_nt` | `Nt` |
+/// | `dX` | `dZ`, `W` | bf16 | `gemm_tma_bf16_nn_to_bf16` | `Nn` |
+/// | `dW` | `dZ`, `X` | bf16, or FP32 | `gemm_tma_bf16_tn_to_bf16`, `gemm_tma_bf16_tn` | `Tn` |
+///
+/// Otherwise the route is FP32 tensors' below, `widened`. FP32 tensors, the first row
+/// that fits wins:
+///
+/// | role | precision | when | family: kernel | operands |
+/// |------|-----------|------|----------------|----------|
+/// | forward | tf32, tf32x3 | `k % 4 == 0`, `k >= MIN_K`, no split-K | TMA: `gemm_tma_{p}_nt` | `x`, `W` as stored (`Nt`) |
+/// | | bf16 | `k % 8 == 0`, `k >= MIN_K`, no split-K | TMA: `gemm_tma_bf16_nt` | bf16 copies of `x`, `W` |
+/// | | tf32, tf32x3 | `k % 4 == 0` | wgmma: `gemm_wgmma_{p}_nt_vec4` | as stored |
+/// | | fp32 | always | FMA: `gemm_fma_nt_{vec4,scalar}` | as stored |
+/// | | tf32, tf32x3, bf16 | otherwise | mma.sync: `gemm_mma_{p}_nt_{vec4,scalar}` | as stored |
+/// | `dX` | tf32, tf32x3 | `n, k % 4 == 0`, `n >= MIN_K` | TMA: `gemm_tma_{p}_tk_t` | `dX^T = W^T dZ^T`, `W`, `dZ` as stored (`Tk`) |
+/// | | tf32, tf32x3 | `n, k % 4 == 0` | wgmma: `gemm_wgmma_{p}_dx_vec4` | the same |
+/// | | bf16 | `n % 8 == 0`, `n >= MIN_K` | TMA: `gemm_tma_bf16_nt` | `dZ`, `W^T` (transposed and rounded) |
+/// | | fp32 | always | FMA: `gemm_fma_nn_{vec4,scalar}` | `dZ`, `W` as stored (`Nn`) |
+/// | | tf32, tf32x3, bf16 | otherwise | mma.sync: `gemm_mma_{p}_nn_{vec4,scalar}` | the same |
+/// | `dW` | tf32, tf32x3 | `m, n % 4 == 0`, `m >= MIN_K` | TMA: `gemm_tma_{p}_tk` | `dZ` as stored, `X^T` (`Tk`) |
+/// | | tf32, tf32x3 | `m, n % 4 == 0` | wgmma: `gemm_wgmma_{p}_dw_vec4` | the same |
+/// | | bf16 | `m % 8 == 0`, `m >= MIN_K` | TMA: `gemm_tma_bf16_nt` | `dZ^T`, `X^T` (transposed and rounded) |
+/// | | fp32 | always | FMA: `gemm_fma_tn_{vec4,scalar}` | `dZ`, `X` as stored (`Tn`) |
+/// | | tf32, tf32x3, bf16 | otherwise | mma.sync: `gemm_mma_{p}_tn_{vec4,scalar}` | the same |
+///
+/// `vec4` (16-byte loads) where both operands' row pitches are multiples of 4 floats:
+/// `k` for the forward, `n` and `k` for `Nn` and `Tn`. The TMA kernels want 16-byte
+/// row pitches (4 floats, or 8 values of the bf16 copies) and take the epilogue
+/// between a tile's k-loops with the tensor cores idle, hence `MIN_K` (measured at
+/// 1024 and 8192; `kernel_abi::gemm_tma::MIN_K`). The backward's bf16 GEMMs run as
+/// `Nt` after transposing, since the bf16 TMA kernel reads `k`-contiguous rows only.
+pub fn route(precision: Precision, role: Role, dims: (usize, usize, usize), storage: Storage, tma: bool) -> Route {
+    if storage.operands == Dtype::Bf16 {
+        return match bf16_as_stored(role, dims, storage, tma) {
+            Some((kernel, layout)) => Route { layout, ..Route::tma(layout, kernel) },
+            None => Route { widened: true, ..f32_route(precision, role, dims, tma) },
+        };
+    }
+    f32_route(precision, role, dims, tma)
+}
+
+/// The kernel reading a bf16 model's tensors as stored, and its layout, if one fits.
+fn bf16_as_stored(
+    role: Role,
+    (m, n, k): (usize, usize, usize),
+    storage: Storage,
+    tma: bool,
+) -> Option<(Kernel, Layout)> {
+    let rows16 = |dims: &[usize]| dims.iter().all(|d| d.is_multiple_of(8));
+    if !tma || !storage.aligned || [m, n, k].contains(&0) {
+        return None;
+    }
+    let bf16_out = storage.output == Dtype::Bf16;
+    match role {
+        Role::Forward { splits } if splits <= 1 && rows16(&[k]) => match bf16_out {
+            true if rows16(&[n]) => Some((Kernel::GemmTmaBf16NtToBf16, Layout::Nt)),
+            true => None,
+            false => Some((Kernel::GemmTmaBf16Nt, Layout::Nt)),
+        },
+        Role::GradInput if bf16_out && rows16(&[n, k]) => Some((Kernel::GemmTmaBf16NnToBf16, Layout::Nn)),
+        Role::GradWeight if rows16(&[n, k]) => {
+            Some((if bf16_out { Kernel::GemmTmaBf16TnToBf16 } else { Kernel::GemmTmaBf16Tn }, Layout::Tn))
+        }
+        _ => None,
+    }
+}
+
+/// The table's rows for FP32 tensors.
+fn f32_route(precision: Precision, role: Role, (m, n, k): (usize, usize, usize), tma: bool) -> Route {
+    use Precision::{Bf16, Tf32, Tf32x3};
+    let split = precision == Tf32x3;
+    let fits = |dims: &[usize], by: usize| dims.iter().all(|d| d.is_multiple_of(by));
+    // The TMA kernels: allowed, a deep enough reduction, no split-K.
+    let deep = |depth: usize, splits: usize| tma && depth >= MIN_K && splits <= 1;
+    match (role, precision) {
+        (Role::Forward { splits }, Tf32 | Tf32x3) if fits(&[k], 4) && deep(k, splits) => {
+            Route::tma(Layout::Nt, if split { Kernel::GemmTmaTf32x3Nt } else { Kernel::GemmTmaTf32Nt })
+        }
+        (Role::Forward { splits }, Bf16) if fits(&[k], 8) && deep(k, splits) => {
+            Route::tma(Layout::Nt, Kernel::GemmTmaBf16Nt)
+        }
+        (Role::Forward { .. }, Tf32 | Tf32x3) if fits(&[k], 4) => {
+            Route::wgmma(Layout::Nt, if split { Kernel::GemmWgmmaTf32x3NtVec4 } else { Kernel::GemmWgmmaTf32NtVec4 })
+        }
+        (Role::Forward { .. }, _) => Route::grid(precision, Stored::Nt, fits(&[k], 4)),
+
+        (Role::GradInput, Tf32 | Tf32x3) if fits(&[n, k], 4) && deep(n, 1) => Route {
+            transpose_y: true,
+            ..Route::tma(Layout::Tk, if split { Kernel::GemmTmaTf32x3TkT } else { Kernel::GemmTmaTf32TkT })
+        },
+        (Role::GradInput, Tf32 | Tf32x3) if fits(&[n, k], 4) => Route {
+            transpose_y: true,
+            ..Route::wgmma(Layout::Tk, if split { Kernel::GemmWgmmaTf32x3DxVec4 } else { Kernel::GemmWgmmaTf32DxVec4 })
+        },
+        (Role::GradInput, Bf16) if fits(&[n], 8) && deep(n, 1) => {
+            Route { transposed: Transposed::B, ..Route::tma(Layout::Nt, Kernel::GemmTmaBf16Nt) }
+        }
+        (Role::GradInput, _) => Route::grid(precision, Stored::Nn, fits(&[n, k], 4)),
+
+        (Role::GradWeight, Tf32 | Tf32x3) if fits(&[m, n], 4) && deep(m, 1) => Route {
+            transposed: Transposed::B,
+            ..Route::tma(Layout::Tk, if split { Kernel::GemmTmaTf32x3Tk } else { Kernel::GemmTmaTf32Tk })
+        },
+        (Role::GradWeight, Tf32 | Tf32x3) if fits(&[m, n], 4) => Route {
+            transposed: Transposed::B,
+            ..Route::wgmma(Layout::Tk, if split { Kernel::GemmWgmmaTf32x3DwVec4 } else { Kernel::GemmWgmmaTf32DwVec4 })
+        },
+        (Role::GradWeight, Bf16) if fits(&[m], 8) && deep(m, 1) => {
+            Route { transposed: Transposed::Both, ..Route::tma(Layout::Nt, Kernel::GemmTmaBf16Nt) }
+        }
+        (Role::GradWeight, _) => Route::grid(precision, Stored::Tn, fits(&[n, k], 4)),
+    }
+}
+
+/// The layouts the FMA and `mma.sync` kernels read (`Tk` is `wgmma`'s alone).
+#[derive(Clone, Copy)]
+enum Stored {
+    Nt,
+    Nn,
+    Tn,
+}
+
+impl Route {
+    /// A TMA kernel reading its operands as stored (also: the bf16 kernel on rounded
+    /// copies the launcher makes).
+    pub fn tma(layout: Layout, kernel: Kernel) -> Route {
+        Route {
+            family: Family::Tma,
+            kernel,
+            layout,
+            transposed: Transposed::Nothing,
+            transpose_y: false,
+            widened: false,
+        }
+    }
+
+    fn wgmma(layout: Layout, kernel: Kernel) -> Route {
+        Route {
+            family: Family::Wgmma,
+            kernel,
+            layout,
+            transposed: Transposed::Nothing,
+            transpose_y: false,
+            widened: false,
+        }
+    }
+
+    /// The FMA kernel (FP32) or the `mma.sync` one (the tensor-core precisions) for a
+    /// layout, with 16-byte loads where `vec4`.
+    fn grid(precision: Precision, stored: Stored, vec4: bool) -> Route {
+        use Kernel::*;
+        use Stored::{Nn, Nt, Tn};
+        let pick = |v: Kernel, s: Kernel| if vec4 { v } else { s };
+        let kernel = match (precision, stored) {
+            (Precision::Fp32, Nt) => pick(GemmFmaNtVec4, GemmFmaNtScalar),
+            (Precision::Fp32, Nn) => pick(GemmFmaNnVec4, GemmFmaNnScalar),
+            (Precision::Fp32, Tn) => pick(GemmFmaTnVec4, GemmFmaTnScalar),
+            (Precision::Tf32, Nt) => pick(GemmMmaTf32NtVec4, GemmMmaTf32NtScalar),
+            (Precision::Tf32, Nn) => pick(GemmMmaTf32NnVec4, GemmMmaTf32NnScalar),
+            (Precision::Tf32, Tn) => pick(GemmMmaTf32TnVec4, GemmMmaTf32TnScalar),
+            (Precision::Tf32x3, Nt) => pick(GemmMmaTf32x3NtVec4, GemmMmaTf32x3NtScalar),
+            (Precision::Tf32x3, Nn) => pick(GemmMmaTf32x3NnVec4, GemmMmaTf32x3NnScalar),
+            (Precision::Tf32x3, Tn) => pick(GemmMmaTf32x3TnVec4, GemmMmaTf32x3TnScalar),
+            (Precision::Bf16, Nt) => pick(GemmMmaBf16NtVec4, GemmMmaBf16NtScalar),
+            (Precision::Bf16, Nn) => pick(GemmMmaBf16NnVec4, GemmMmaBf16NnScalar),
+            (Precision::Bf16, Tn) => pick(GemmMmaBf16TnVec4, GemmMmaBf16TnScalar),
+        };
+        let family = if precision == Precision::Fp32 { Family::Fma } else { Family::Mma };
+        let layout = match stored {
+            Nt => Layout::Nt,
+            Nn => Layout::Nn,
+            Tn => Layout::Tn,
+        };
+        Route { family, kernel, layout, transposed: Transposed::Nothing, transpose_y: false, widened: false }
+    }
+}
+
+/// Which kernels run a block's forward for one batch size.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Plan {
+    /// One kernel: the GEMM with bias and chain in its store.
+    Fused,
+    /// The GEMM into `z` (in `splits` partial products where `splits > 1`), then the
+    /// row-wise epilogue.
+    GemmThenRows { splits: usize },
+}
+
+/// A block's forward as [`plan`] sees it.
+#[derive(Clone, Copy, Debug)]
+pub struct Forward {
+    pub batch: usize,
+    /// The GEMM's width (after a folded AvgPool) and depth.
+    pub n: usize,
+    pub k: usize,
+    /// The model's tensors: a bf16 model's forward reads them as stored where
+    /// [`route`] allows.
+    pub dtype: Dtype,
+    /// The weight is a folded AvgPool's FP32 means (a bf16 model's runs widened).
+    pub folded: bool,
+    /// Some op of the chain cannot ride in the GEMM's store ([`not_fusable`]).
+    pub fusable: bool,
+}
+
+/// The plan of a forward on a GPU of `sms` multiprocessors. Too few tiles to occupy
+/// the GPU, and enough `k` to share out: split `k`. Not where a bf16 model's kernel
+/// reads `x` and `W` as stored: it has no split-K, and the split FP32 kernels would
+/// take widened copies of both on every call (of the whole weight: 0.27 ms at 8 x
+/// 4096 x 4096, where the unsplit bf16 kernel streams `W` once).
+pub fn plan(f: Forward, sms: usize, tma: bool) -> Plan {
+    let tiles = f.batch.div_ceil(BLOCK_M) * f.n.div_ceil(BLOCK_N);
+    let unsplit = Plan::GemmThenRows { splits: 1 };
+    let as_stored = f.dtype == Dtype::Bf16 && !forward_route(f, Precision::Bf16, &unsplit, true, tma).1.widened;
+    let splits = if !as_stored && tiles * 2 < sms && f.k >= 64 * BLOCK_K {
+        (2 * sms).div_ceil(tiles).min(f.k / (32 * BLOCK_K)).clamp(1, 16)
+    } else {
+        1
+    };
+    match (f.fusable, splits) {
+        (true, 1) => Plan::Fused,
+        _ => Plan::GemmThenRows { splits },
+    }
+}
+
+/// The forward GEMM's precision and route under `plan` (`aligned`: every tensor
+/// starts on a 16-byte boundary). A bf16 model's folded AvgPool weight holds FP32
+/// means, not bf16 values: that GEMM runs in 3xTF32 (FP32-accurate) on a widened `x`
+/// (rounded to bf16, the means moved M4's row max on some rows: `dx` 7.9e-2 from f64
+/// at seed size). Its other GEMMs write a bf16 `y` where fused, else the FP32 `z`.
+pub fn forward_route(f: Forward, precision: Precision, plan: &Plan, aligned: bool, tma: bool) -> (Precision, Route) {
+    let (splits, output) = match *plan {
+        Plan::Fused => (1, Dtype::Bf16),
+        Plan::GemmThenRows { splits } => (splits, Dtype::F32),
+    };
+    let (role, dims) = (Role::Forward { splits }, (f.batch.max(1), f.n, f.k));
+    match (f.dtype, f.folded) {
+        (Dtype::Bf16, true) => {
+            (Precision::Tf32x3, Route { widened: true, ..route(Precision::Tf32x3, role, dims, Storage::F32, tma) })
+        }
+        (Dtype::Bf16, false) => {
+            (Precision::Bf16, route(Precision::Bf16, role, dims, Storage::bf16(output, aligned), tma))
+        }
+        (Dtype::F32, _) => (precision, route(precision, role, dims, Storage::F32, tma)),
+    }
+}
+
+/// Why the GEMMs' fused epilogue cannot apply `op` to `features` channels, or `None`
+/// if it can.
+pub fn not_fusable(op: &Op, features: usize) -> Option<String> {
+    match *op {
+        Op::AvgPool(_) | Op::RowMax => Some(format!("`{op}` reduces across tiles")),
+        Op::GroupNorm { groups, .. } => {
+            let g = features / groups;
+            (!(g.is_power_of_two() && (MIN_FUSED_GROUP..=MAX_FUSED_GROUP).contains(&g))).then(|| {
+                format!(
+                    "`{op}` has groups of {g} channels; the fused kernel takes powers of two from \
+                     {MIN_FUSED_GROUP} to {MAX_FUSED_GROUP}"
+                )
+            })
+        }
+        _ => None,
+    }
+}
+
+/// Whether the chain's backward runs tile-wise: a chain the GEMM can fuse has a
+/// tile-wise backward too, where its gradient slots and ops fit the tile kernel
+/// (`tiles_fit`); others go row by row. Also which kink scan may walk it.
+pub fn tile_backward(fusable: bool, tiles_fit: bool) -> bool {
+    fusable && tiles_fit
+}
+
+/// The tile-wise chain backward for `dy` and `dz` of `dtype` (bf16: 8-byte copies of
+/// four values).
+pub fn tiles_backward_kernel(dtype: Dtype) -> Kernel {
+    match dtype {
+        Dtype::F32 => Kernel::EpilogueTilesBackward,
+        Dtype::Bf16 => Kernel::EpilogueTilesBackwardBf16,
+    }
+}
+
+/// Whether the tile scan's rows should hand their doubtful values to `refine_values`
+/// one by one rather than by chunks to `refine_z` (the scanned `ops`, `z` computed in
+/// `precision`). It pays where `refine_z` then has (almost) nothing left to do, since
+/// its weight reads cost the same for a few listed rows as for many: where every kink
+/// comes before any GroupNorm, so that a decision depends on its own value only (M5:
+/// TF32 ~9 values per row, 0.236 -> 0.200 ms), and the flags are sparse. A kink after
+/// a GroupNorm takes the whole group (M3: ~10 groups of 16 per row), and bf16's
+/// rounding flags ~80 values per row of M5: both read less by chunks (M3 0.215 ->
+/// 0.245 ms, bf16 M5 0.487 -> 0.525 one by one).
+pub fn values_one_by_one(ops: &[OpDesc], precision: Precision) -> bool {
+    let mut grouped = false;
+    for d in ops {
+        if super::epilogue::kinks::kinked(d.code) && grouped {
+            return false;
+        }
+        grouped |= d.code == OP_GROUP_NORM;
+    }
+    precision != Precision::Bf16
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kernel(p: Precision, role: Role, dims: (usize, usize, usize)) -> &'static str {
+        route(p, role, dims, Storage::F32, true).kernel.name()
+    }
+
+    /// The table's rows, at the edges of their conditions.
+    #[test]
+    fn kernels_are_chosen_by_precision_role_alignment_and_depth() {
+        use Precision::*;
+        let (deep, shallow) = (MIN_K, MIN_K / 2);
+        let fwd = Role::Forward { splits: 1 };
+        let split2 = Role::Forward { splits: 2 };
+        // Forward: TMA for deep, 16-byte aligned `k` without split-K; else wgmma (TF32,
+        // 3xTF32 with 16-byte rows) or mma.sync / FMA.
+        assert_eq!(kernel(Tf32, fwd, (7, 9, deep)), "gemm_tma_tf32_nt");
+        assert_eq!(kernel(Tf32x3, fwd, (7, 9, deep)), "gemm_tma_tf32x3_nt");
+        assert_eq!(kernel(Tf32, split2, (7, 9, deep)), "gemm_wgmma_tf32_nt_vec4");
+        assert_eq!(kernel(Tf32, fwd, (7, 9, shallow)), "gemm_wgmma_tf32_nt_vec4");
+        assert_eq!(kernel(Tf32, fwd, (7, 9, deep + 1)), "gemm_mma_tf32_nt_scalar");
+        assert_eq!(kernel(Bf16, fwd, (7, 9, deep)), "gemm_tma_bf16_nt");
+        // bf16 rows of 4 values (8 bytes), a shallow `k`, split-K: mma.sync.
+        assert_eq!(kernel(Bf16, fwd, (7, 9, deep + 4)), "gemm_mma_bf16_nt_vec4");
+        assert_eq!(kernel(Bf16, fwd, (7, 9, shallow)), "gemm_mma_bf16_nt_vec4");
+        assert_eq!(kernel(Bf16, split2, (7, 9, deep)), "gemm_mma_bf16_nt_vec4");
+        assert_eq!(kernel(Fp32, fwd, (7, 9, deep)), "gemm_fma_nt_vec4");
+        assert_eq!(kernel(Fp32, fwd, (7, 9, deep + 1)), "gemm_fma_nt_scalar");
+        // dX: `Tk` with `W` and `dZ` as stored where `n` and `k` allow 16-byte rows (TMA
+        // from `n = MIN_K`); bf16 on TMA after transposing `W`; else `Nn`.
+        let dx = Role::GradInput;
+        assert_eq!(kernel(Tf32, dx, (5, deep, 8)), "gemm_tma_tf32_tk_t");
+        assert_eq!(kernel(Tf32x3, dx, (5, shallow, 8)), "gemm_wgmma_tf32x3_dx_vec4");
+        assert_eq!(kernel(Tf32, dx, (5, deep, 9)), "gemm_mma_tf32_nn_scalar");
+        assert_eq!(kernel(Bf16, dx, (5, deep, 9)), "gemm_tma_bf16_nt");
+        assert_eq!(kernel(Bf16, dx, (5, deep + 4, 8)), "gemm_mma_bf16_nn_vec4");
+        assert_eq!(kernel(Fp32, dx, (5, deep, 8)), "gemm_fma_nn_vec4");
+        // dW: `Tk` with `dZ` as stored where `m` and `n` allow (TMA from `m = MIN_K`);
+        // bf16 on TMA after transposing `dZ` and `X`; else `Tn`.
+        let dw = Role::GradWeight;
+        assert_eq!(kernel(Tf32, dw, (deep, 8, 9)), "gemm_tma_tf32_tk");
+        assert_eq!(kernel(Tf32x3, dw, (4, 8, 9)), "gemm_wgmma_tf32x3_dw_vec4");
+        assert_eq!(kernel(Tf32, dw, (deep, 9, 8)), "gemm_mma_tf32_tn_scalar");
+        assert_eq!(kernel(Bf16, dw, (deep, 9, 9)), "gemm_tma_bf16_nt");
+        assert_eq!(kernel(Bf16, dw, (deep + 4, 8, 8)), "gemm_mma_bf16_tn_vec4");
+        assert_eq!(kernel(Fp32, dw, (deep, 8, 8)), "gemm_fma_tn_vec4");
+        // What each route reads.
+        let r = route(Tf32, dx, (5, deep, 8), Storage::F32, true);
+        assert!(r.transpose_y && r.layout == Layout::Tk && r.transposed == Transposed::Nothing);
+        assert_eq!(route(Tf32, dw, (deep, 8, 9), Storage::F32, true).transposed, Transposed::B);
+        assert_eq!(route(Bf16, dx, (5, deep, 9), Storage::F32, true).transposed, Transposed::B);
+        assert_eq!(route(Bf16, dw, (deep, 9, 9), Storage::F32, true).transposed, Transposed::Both);
+    }
+
+    /// Without the TMA kernels every GEMM takes the next row that fits: `wgmma` for
+    /// TF32 and 3xTF32, `mma.sync` for bf16.
+    #[test]
+    fn without_tma_the_next_row_runs() {
+        use Precision::*;
+        let dims = (MIN_K, MIN_K, MIN_K);
+        let r = |p, role| route(p, role, dims, Storage::F32, false);
+        assert_eq!(r(Tf32, Role::Forward { splits: 1 }).kernel, Kernel::GemmWgmmaTf32NtVec4);
+        assert_eq!(r(Tf32x3, Role::GradInput).kernel, Kernel::GemmWgmmaTf32x3DxVec4);
+        assert_eq!(r(Tf32, Role::GradWeight).kernel, Kernel::GemmWgmmaTf32DwVec4);
+        assert_eq!(r(Bf16, Role::Forward { splits: 1 }).kernel, Kernel::GemmMmaBf16NtVec4);
+        assert_eq!(r(Bf16, Role::GradInput).kernel, Kernel::GemmMmaBf16NnVec4);
+        assert_eq!(r(Bf16, Role::GradWeight).kernel, Kernel::GemmMmaBf16TnVec4);
+    }
+
+    /// Over many shapes: every route's kernel belongs to its family and precision, has
+    /// launch bounds, and only `wgmma` and TMA kernels read `Tk` or transpose `y`.
+    #[test]
+    fn every_route_is_consistent() {
+        let sizes = [1, 4, 8, 12, MIN_K - 8, MIN_K, MIN_K + 4, MIN_K + 8, 3 * MIN_K + 1];
+        for p in Precision::ALL {
+            for role in [Role::Forward { splits: 1 }, Role::Forward { splits: 3 }, Role::GradInput, Role::GradWeight] {
+                for (m, n, k) in
+                    sizes.iter().flat_map(|&m| sizes.iter().flat_map(move |&n| sizes.map(move |k| (m, n, k))))
+                {
+                    for tma in [false, true] {
+                        let r = route(p, role, (m, n, k), Storage::F32, tma);
+                        let name = r.kernel.name();
+                        let family = match r.family {
+                            Family::Fma => "gemm_fma_",
+                            Family::Mma => "gemm_mma_",
+                            Family::Wgmma => "gemm_wgmma_",
+                            Family::Tma => "gemm_tma_",
+                        };
+                        assert!(name.starts_with(family), "{p} {role:?} ({m}, {n}, {k}): {name} in {:?}", r.family);
+                        if p != Precision::Fp32 {
+                            assert!(name.starts_with(&format!("{family}{p}_")), "{p} {role:?}: {name}");
+                        }
+                        assert!(r.kernel.launch_bounds().is_some(), "{name}");
+                        assert!(tma || r.family != Family::Tma);
+                        let tensor_cores = matches!(r.family, Family::Wgmma | Family::Tma);
+                        assert!(tensor_cores || (r.layout != Layout::Tk && !r.transpose_y), "{name}");
+                        assert!(!r.transpose_y || r.layout == Layout::Tk, "{name}");
+                        if matches!(role, Role::Forward { splits: 3 }) {
+                            assert_ne!(r.family, Family::Tma, "split-K on {name}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// A bf16 model's tensors are read as stored where rows are 16 bytes, every tensor
+    /// is aligned and a kernel writes the output's dtype; else the FP32 route, widened.
+    #[test]
+    fn bf16_tensors_are_read_as_stored_where_they_fit() {
+        use Dtype::{Bf16, F32};
+        let r = |role, dims, output, aligned| route(Precision::Bf16, role, dims, Storage::bf16(output, aligned), true);
+        let fwd = Role::Forward { splits: 1 };
+        assert_eq!(r(fwd, (3, 16, 8), Bf16, true).kernel, Kernel::GemmTmaBf16NtToBf16);
+        assert_eq!(r(fwd, (3, 12, 8), F32, true).kernel, Kernel::GemmTmaBf16Nt);
+        assert_eq!(r(Role::GradInput, (3, 16, 8), Bf16, true).layout, Layout::Nn);
+        assert_eq!(r(Role::GradWeight, (3, 16, 8), F32, true).kernel, Kernel::GemmTmaBf16Tn);
+        assert_eq!(r(Role::GradWeight, (3, 16, 8), Bf16, true).layout, Layout::Tn);
+        // No bf16 `y` by TMA over 12 columns, no FP32 `dX` kernel, misaligned tensors,
+        // split-K, 8-byte rows, TMA off: widened.
+        for (role, dims, output, aligned) in [
+            (fwd, (3, 12, 8), Bf16, true),
+            (Role::GradInput, (3, 16, 8), F32, true),
+            (fwd, (3, 16, 8), Bf16, false),
+            (Role::Forward { splits: 2 }, (3, 16, 8), F32, true),
+            (Role::GradWeight, (3, 16, 12), Bf16, true),
+        ] {
+            let route = r(role, dims, output, aligned);
+            assert!(route.widened && route.kernel != Kernel::GemmTmaBf16NtToBf16, "{role:?} {dims:?}: {route:?}");
+        }
+        assert!(route(Precision::Bf16, fwd, (3, 16, 8), Storage::bf16(Bf16, true), false).widened);
+    }
+
+    /// A bf16 model's forward never splits `k` where its kernel reads the tensors as
+    /// stored; an FP32 one does at few tiles and a deep `k`.
+    #[test]
+    fn plans_split_only_widened_or_fp32_forwards() {
+        let f = |dtype, folded| Forward { batch: 8, n: 4096, k: 4096, dtype, folded, fusable: true };
+        assert_eq!(plan(f(Dtype::Bf16, false), 132, true), Plan::Fused);
+        assert!(matches!(plan(f(Dtype::F32, false), 132, true), Plan::GemmThenRows { splits } if splits > 1));
+        assert!(matches!(plan(f(Dtype::Bf16, true), 132, true), Plan::GemmThenRows { splits } if splits > 1));
+        let big = Forward { batch: 4096, ..f(Dtype::F32, false) };
+        assert_eq!(plan(big, 132, true), Plan::Fused);
+        assert_eq!(plan(Forward { fusable: false, ..big }, 132, true), Plan::GemmThenRows { splits: 1 });
+    }
+}
