@@ -329,8 +329,10 @@ def compare(new: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 def check_correctness(
     mod: ModuleType, ref: nn.Module, new: nn.Module, args: argparse.Namespace, atol: float, rtol: float
 ) -> dict[str, Any]:
-    """KernelBench's trials: every one must pass allclose; the worst differences are kept."""
+    """KernelBench's trials: every one must pass allclose; each trial's differences and the
+    worst are kept."""
     passed, worst_abs, worst_rel, error = 0, 0.0, 0.0, None
+    per_trial: list[dict[str, Any]] = []
     with torch.no_grad():
         for seed in trial_seeds(args.seed, args.trials):
             inputs = inputs_for(mod, seed, args.device)
@@ -345,9 +347,12 @@ def check_correctness(
                 break
             max_abs, rel = compare(got, expected)
             worst_abs, worst_rel = max(worst_abs, max_abs), max(worst_rel, rel)
-            passed += bool(torch.allclose(got, expected, atol=atol, rtol=rtol))
+            close = bool(torch.allclose(got, expected, atol=atol, rtol=rtol))
+            passed += close
+            per_trial.append({"seed": seed, "max_abs": max_abs, "rel_err": rel, "allclose": close})
     return {
         "passed": passed,
+        "per_trial": per_trial,
         "trials": args.trials,
         "max_abs": worst_abs,
         "rel_err": worst_rel,
@@ -597,6 +602,9 @@ def main(argv: list[str] | None = None) -> int:
                 if res.get(key):
                     msg += f"  {key.upper()}: {res[key]}"
             print(msg + f"  [{time.perf_counter() - t0:.1f} s]")
+            for n, tr in enumerate(res.get("per_trial", [])):
+                verdict = "ok" if tr["allclose"] else "NOT allclose"
+                print(f"    trial {n}: max_abs {tr['max_abs']:.3e}  rel_err {tr['rel_err']:.3e}  {verdict}")
             results[prec] = res
             if ok and ref is not None:
                 news[prec] = new  # only correct ones are timed
