@@ -4,8 +4,9 @@
 # same call. Everything goes to $OUT/log.txt (and the JSON tables beside it: the
 # device tool returns at most 8 files); a short summary is printed last.
 #   STEPS="ptxas sass tests check forward backward bench train pytorch tensor parity compile"
-#   Python package: STEPS="python kernelbench pybench pytrain" (pytest, the KernelBench ModelNews,
-#   the op against `host bench`, examples/train.py)
+#   Python package: STEPS="python kernelbench kbfuse pybench pytrain" (pytest, the KernelBench
+#   ModelNews, fuse(Model) of all 36 KernelBench problems, the op against `host bench`,
+#   examples/train.py)
 #   (default: all; `pytorch` runs python -m fused_linear.bench at the seed sizes, `compile` the same
 #   with max-autotune; STEPS=sweep its batch sweep, BENCH_CONFIGS= picks configurations)
 #   STEPS=ab: this build against device-carry/host-old (OLD_HOST= in device-prepare.sh), same call
@@ -195,7 +196,9 @@ if has seedparity; then
 fi
 has python && PYTHONUNBUFFERED=1 run "pytest (CPU and GPU)" 500 python3 -m pytest -q -p no:cacheprovider python/tests
 has kernelbench && PYTHONUNBUFFERED=1 run "KernelBench ModelNew" 560 python3 examples/kernelbench/run.py \
-  --precision fp32,tf32x3 --trials 5 --backward --json "$OUT/kernelbench.json"
+  --problems hand --precision fp32,tf32x3 --trials 5 --backward --json "$OUT/kernelbench.json"
+has kbfuse && PYTHONUNBUFFERED=1 run "KernelBench fuse(Model), 36 problems" 560 python3 \
+  examples/kernelbench/run.py --fuse --precision fp32 --trials 5 --no-compile --json "$OUT/kernelbench-fuse.json"
 has pybench && PYTHONUNBUFFERED=1 run "op vs host bench" 560 python3 scripts/py-bench.py --host "$C/host" \
   --json "$OUT/py-bench.json"
 has pytrain && PYTHONUNBUFFERED=1 run "train.py" 200 python3 examples/train.py --steps 50 --device cuda --precision fp32

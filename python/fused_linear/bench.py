@@ -21,7 +21,8 @@ the peers with TF32 allowed), ``bf16`` (a bf16 model: every tensor bfloat16).
 Shapes: ``seed`` (the presets M1..M5 at their KernelBench seed sizes), ``sweep`` (one chain,
 M1's by default, over batch rows and (in, out) sizes), ``all`` (both; the default on CUDA),
 ``tiny`` (small shapes, the default with ``--device cpu``). ``--kernelbench DIR`` adds the
-KernelBench problem files' ``ModelNew`` against their ``Model``.
+KernelBench problem files' ``ModelNew`` against their ``Model`` (``fuse(Model)`` for a file
+without one, and for every file with ``--fuse``).
 
 Once per shape and configuration the outputs of ours and eager are compared (relative error
 ``||ours - eager|| / ||eager||`` in float64; for ``fwdbwd`` also the input's and the weight's
@@ -294,9 +295,10 @@ def sweep_shapes(template: str, rows: Sequence[int], features: Sequence[Tuple[in
     ]
 
 
-def load_problem(path: Path, scale: int = 1) -> ModuleType:
+def load_problem(path: Path, scale: Optional[int] = 1) -> ModuleType:
     """A KernelBench problem file as a module (as examples/kernelbench/run.py loads them), with
-    its sizes divided by ``scale`` where the file offers ``set_shape_scale``."""
+    its sizes divided by ``scale`` where the file offers ``set_shape_scale`` (None: the file's
+    own ``SMALL_SCALE``, else 32)."""
     name = "fused_linear_bench_" + re.sub(r"\W", "_", path.stem)
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
@@ -306,6 +308,8 @@ def load_problem(path: Path, scale: int = 1) -> ModuleType:
     for attr in ("Model", "get_inputs", "get_init_inputs"):
         if not hasattr(module, attr):
             raise ImportError(f"{path} has no `{attr}` (not a KernelBench problem file)")
+    if scale is None:
+        scale = int(getattr(module, "SMALL_SCALE", 32))
     if scale != 1 and hasattr(module, "set_shape_scale"):
         module.set_shape_scale(scale)
     return module
@@ -315,28 +319,26 @@ _PROBLEMS: Dict[str, ModuleType] = {}
 
 
 def problem_files(folder: Path, fused: bool) -> List[Path]:
-    """The problem files of ``folder``: this repository's ``p*.py`` (with a ``ModelNew``), or
-    with ``fused`` any ``*.py`` holding a ``Model`` (KernelBench's own, ``88_Gemm_...py``)."""
+    """The problem files of ``folder``: this repository's ``p*.py``, or with ``fused`` any
+    ``*.py`` holding a ``Model`` (KernelBench's own, ``88_Gemm_...py``, too)."""
     paths = sorted(folder.glob("*.py" if fused else "p*.py"))
     texts = {p: p.read_text(errors="replace") for p in paths}
-    return [
-        p
-        for p in paths
-        if "class Model" in texts[p] and "def get_inputs" in texts[p] and (fused or "ModelNew" in texts[p])
-    ]
+    return [p for p in paths if "class Model" in texts[p] and "def get_inputs" in texts[p]]
 
 
-def kernelbench_shapes(folder: Path, scale: int, fused: bool = False) -> List[Shape]:
-    """One shape per problem file in ``folder``, at its own (seed) size. Ours is the file's
-    ``ModelNew``, or with ``fused`` ``fuse(Model)``; the chain column says what runs fused."""
+def kernelbench_shapes(folder: Path, scale: Optional[int], fused: bool = False) -> List[Shape]:
+    """One shape per problem file in ``folder``, at its own (seed) size divided by ``scale``
+    (None: each file's small scale). Ours is the file's ``ModelNew``, or ``fuse(Model)`` with
+    ``fused`` or where the file has none; the chain column says what runs fused."""
     shapes = []
     for path in problem_files(folder, fused):
         module = load_problem(path, scale)
         _PROBLEMS[str(path)] = module
+        by_fuse = fused or not hasattr(module, "ModelNew")
         (x,) = module.get_inputs()[:1]
         with torch.device("meta"):  # the sizes and the chain, without allocating the weights
             plain = module.Model(*module.get_init_inputs())
-            ours = fuse(plain) if fused else module.ModelNew(*module.get_init_inputs())
+            ours = fuse(plain) if by_fuse else module.ModelNew(*module.get_init_inputs())
         weight = next((m.weight for m in plain.modules() if isinstance(m, nn.Linear)), None)
         if weight is None:
             weight = next((p for p in plain.parameters() if p.dim() == 2), None)
@@ -344,7 +346,7 @@ def kernelbench_shapes(folder: Path, scale: int, fused: bool = False) -> List[Sh
         digits = re.match(r"p?0*(\d+)", path.stem)
         pid = int(digits.group(1)) if digits else -1
         model = f"KB{pid}" + (f"({KERNELBENCH_MODELS[pid]})" if pid in KERNELBENCH_MODELS else "")
-        if fused:
+        if by_fuse:
             calls = [
                 n.args[3] for n in ours.graph.nodes if n.op == "call_function" and n.target is _fused_call
             ]
@@ -353,7 +355,9 @@ def kernelbench_shapes(folder: Path, scale: int, fused: bool = False) -> List[Sh
             chain = str(getattr(ours, "ops", "?"))
             with contextlib.suppress(ValueError):  # printed as describe prints the presets' chains
                 chain = canonical(int(x.shape[-1]), out_features, chain)
-        shapes.append(Shape(model, chain, int(x.shape[0]), int(x.shape[-1]), out_features, str(path), fused))
+        shapes.append(
+            Shape(model, chain, int(x.shape[0]), int(x.shape[-1]), out_features, str(path), by_fuse)
+        )
     return shapes
 
 
@@ -592,6 +596,16 @@ def tf32_allowed(on: bool) -> Iterator[None]:
         torch.backends.cudnn.allow_tf32 = cudnn
 
 
+@contextlib.contextmanager
+def _same_rng(device: torch.device) -> Iterator[None]:
+    """A fixed RNG state for one call, the caller's restored after: a training-mode Dropout (a
+    KernelBench problem's) draws the same mask in ours and in eager."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(0)
+        yield
+
+
 def rel_err(got: Tensor, ref: Tensor) -> float:
     """``||got - ref|| / ||ref||`` in float64 (the norm of the difference where ref is 0)."""
     diff = (got.detach().double() - ref.detach().double()).norm().item()
@@ -600,7 +614,9 @@ def rel_err(got: Tensor, ref: Tensor) -> float:
 
 
 def _first_linear_weight(block: nn.Module) -> Tensor:
-    return next(m for m in block.modules() if isinstance(m, nn.Linear)).weight
+    """The first nn.Linear's weight, else (a problem's ``x @ W.T``) the first 2-D parameter."""
+    linear = next((m for m in block.modules() if isinstance(m, nn.Linear)), None)
+    return linear.weight if linear is not None else next(p for p in block.parameters() if p.dim() == 2)
 
 
 # ---------------------------------------------------------------- progress
@@ -922,8 +938,9 @@ class Bench:
         result["error"] = None
         try:
             with torch.no_grad():
-                y_ours = pair.ours(x)
-                with self._flags("eager", config):
+                with _same_rng(x.device):
+                    y_ours = pair.ours(x)
+                with self._flags("eager", config), _same_rng(x.device):
                     y_ref = pair.plain(x)
             result["rel_err_y"] = rel_err(y_ours, y_ref)
             del y_ours, y_ref
@@ -931,7 +948,7 @@ class Bench:
                 grads = []
                 for impl, block in (("ours", pair.ours), ("eager", pair.plain)):
                     xg = x.detach().clone().requires_grad_(True)
-                    with self._flags(impl, config):
+                    with self._flags(impl, config), _same_rng(x.device):
                         block(xg).backward(dy)
                     grads.append((xg.grad, _first_linear_weight(block).grad))
                     for p in block.parameters():
@@ -1217,7 +1234,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--kernelbench",
         type=Path,
         metavar="DIR",
-        help="also time the KernelBench problem files' ModelNew against Model (e.g. examples/kernelbench)",
+        help="also time the KernelBench problem files' ModelNew (fuse(Model) where a file has none) "
+        "against Model (e.g. examples/kernelbench)",
     )
     p.add_argument(
         "--fuse",
@@ -1292,8 +1310,8 @@ def select_shapes(args: argparse.Namespace) -> List[Shape]:
         features = args.features or (TINY_FEATURES if tiny else SWEEP_FEATURES)
         shapes += sweep_shapes(args.sweep_chain, rows, features)
     if args.kernelbench is not None:
-        # On the CPU the problems run at 1/32 of their seed sizes (channels per group kept).
-        shapes += kernelbench_shapes(args.kernelbench, 32 if args.device == "cpu" else 1, args.fuse)
+        # On the CPU the problems run at their small scale (1/32 of the seed sizes by default).
+        shapes += kernelbench_shapes(args.kernelbench, None if args.device == "cpu" else 1, args.fuse)
     return shapes
 
 
