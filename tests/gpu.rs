@@ -574,3 +574,66 @@ fn bf16_model_blocks_match_reference() {
         }
     }
 }
+
+/// At most 16 rows, a depth of whole 8-value chunks: the small-batch kernel (`gemv_*`),
+/// FP32 and bf16 models, forward and gradients (the training forward saves `z` from
+/// it). Chains on slabs of 32 to 256 columns (groups of 32, 128, 256; per-channel
+/// parameters offset per slab), and chains it leaves to the row-wise epilogue (groups
+/// wider than a slab, a width not whole slabs, a row max).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn small_batches_match_reference() {
+    use host::gpu::dispatch::Plan;
+    use host::precision::BF16_STORED_REL;
+    use host::tensor::Bf16;
+    let gpu = gpu();
+    let mut rng = StdRng::seed_from_u64(31);
+    let cases: [(&str, (usize, usize, usize), bool); 8] = [
+        ("groupnorm(16),swish,mul,swish", (8, 520, 512), true),
+        ("bias,mish,groupnorm(4),mul,gelu", (16, 64, 512), true),
+        ("swish,bias,groupnorm(2)", (3, 1024, 512), true),
+        ("groupnorm(1),leakyrelu(0.01),scale(2)", (1, 256, 1024), false),
+        ("gelu,tanh", (5, 96, 77), false),
+        ("avgpool(4),gelu,scale(2),max", (2, 264, 512), false),
+        ("leakyrelu(0.2),hardtanh(-0.5,0.7),avgpool(3),scale(-1.5),max", (9, 32, 96), false),
+        ("groupnorm(128),swish,mul,swish", (8, 4096, 4096), true),
+    ];
+    for (text, (b, i, o), in_kernel) in cases {
+        let spec = BlockSpec::new(i, o, text.parse().unwrap()).unwrap();
+        let (params, x, dy) = random_case(&spec, b, &mut rng);
+        // FP32 model.
+        let block = GpuBlock::new(&gpu, &spec, &params).unwrap();
+        let plan = block.plan(&gpu, b);
+        let folded = text.starts_with("avgpool");
+        assert!(folded || matches!(plan, Plan::Gemv { chain, .. } if chain == in_kernel), "{text}: {plan:?}");
+        let got = block.forward_backward(&gpu, &x, &dy).unwrap();
+        let p64 = params.map(f64::from);
+        let want_y = reference::block_forward(&spec, &x.to_f64(), &p64).unwrap();
+        let (_, want) = reference::block_backward(&spec, &x.to_f64(), &p64, &dy.to_f64()).unwrap();
+        let mut report = vec![("y".to_string(), compare_f32(got.y.data(), want_y.data()))];
+        report.extend(got.compare(&spec, &want));
+        let worst = report.iter().map(|(_, c)| c.rel).fold(0.0, f64::max);
+        println!("small batch {text:<60} ({b}, {i}, {o}) worst rel {worst:.2e}: {}", block.describe(&gpu, &plan));
+        for (what, c) in &report {
+            assert!(c.passes(FP32_REL), "{text}: {what}: {c:?}");
+        }
+        // bf16 model: x, W, y as stored.
+        let p16 = params.map(Bf16::from_f32);
+        let (x16, dy16) = (x.to_bf16(), dy.to_bf16());
+        let block = GpuBlock::new_bf16(&gpu, &spec, &p16).unwrap();
+        let plan = block.plan(&gpu, b);
+        assert!(folded || matches!(plan, Plan::Gemv { chain, .. } if chain == in_kernel), "bf16 {text}: {plan:?}");
+        let got = block.forward_backward(&gpu, &x16, &dy16).unwrap();
+        let (x64, dy64) = (x16.to_f32().to_f64(), dy16.to_f32().to_f64());
+        let p64 = p16.map(|v| f64::from(v.to_f32()));
+        let want_y = reference::block_forward(&spec, &x64, &p64).unwrap();
+        let (_, want) = reference::block_backward(&spec, &x64, &p64, &dy64).unwrap();
+        let mut report = vec![("y".to_string(), compare_f32(got.y.data(), want_y.data()))];
+        report.extend(got.compare(&spec, &want));
+        let worst = report.iter().map(|(_, c)| c.rel).fold(0.0, f64::max);
+        println!("small batch bf16 {text:<55} ({b}, {i}, {o}) worst rel {worst:.2e}: {}", block.describe(&gpu, &plan));
+        for (what, c) in &report {
+            assert!(c.passes(BF16_STORED_REL), "bf16 {text}: {what}: {c:?}");
+        }
+    }
+}

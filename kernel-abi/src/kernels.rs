@@ -3,7 +3,7 @@
 //! writes the launch bounds into the PTX from [`Kernel::ALL`]; `tests/ptx.rs` checks
 //! that the identifiers and the PTX's entries are the same set.
 
-use crate::{epilogue, gemm_fma, gemm_mma, gemm_tma, gemm_wgmma, kinks};
+use crate::{epilogue, gemm_fma, gemm_mma, gemm_tma, gemm_wgmma, gemv, kinks};
 
 /// `__launch_bounds__(max_threads, min_blocks_per_sm)`, which rustc cannot express:
 /// `host/build.rs` writes them into the PTX (`.maxntid`, `.minnctapersm`) so that
@@ -107,6 +107,12 @@ kernels! {
     GemmTmaTf32TkT = "gemm_tma_tf32_tk_t", bounds(gemm_tma::THREADS, 1);
     GemmTmaTf32x3Tk = "gemm_tma_tf32x3_tk", bounds(gemm_tma::THREADS, 1);
     GemmTmaTf32x3TkT = "gemm_tma_tf32x3_tk_t", bounds(gemm_tma::THREADS, 1);
+
+    // The small-batch forward (`gemm/gemv.rs`): FP32 or bf16 `x` and `W`, the chain on
+    // the block's slab, `y` in FP32 or bf16. Two blocks per SM (128 registers).
+    GemvF32 = "gemv_f32", bounds(gemv::THREADS, 2);
+    GemvBf16 = "gemv_bf16", bounds(gemv::THREADS, 2);
+    GemvBf16ToBf16 = "gemv_bf16_to_bf16", bounds(gemv::THREADS, 2);
 
     // The epilogue chain on whole rows and tiles, its backward, the kink scan and
     // refinement (`epilogue/`). The tile-wise backward and the refinements carry the

@@ -44,6 +44,23 @@ pub mod gemm_wgmma {
     const _: () = assert!(BLOCK_M == super::gemm_fma::BLOCK_M && BLOCK_N == super::gemm_fma::BLOCK_N);
 }
 
+/// The small-batch forward (`kernels-gpu/src/gemm/gemv.rs`): at most [`ROWS`](gemv::ROWS)
+/// rows, each block a slab of `32 * col_warps` columns over the whole depth, `W` streamed
+/// once across every SM.
+pub mod gemv {
+    /// Most rows the kernel takes (its accumulators: one per row per thread).
+    pub const ROWS: usize = 16;
+    /// Depth of `x` staged in shared memory at a time.
+    pub const K_BLOCK: usize = 256;
+    /// Threads per block: eight warps, as the row-wise epilogue's ops expect.
+    pub const THREADS: usize = 256;
+    /// Widest slab: eight warps of columns.
+    pub const MAX_SLAB: usize = 256;
+    /// Dynamic shared memory: staged `x` (reused for the depth parts' sums), the slab's
+    /// `z`, and two floats per warp of scratch.
+    pub const SMEM_BYTES: usize = 4 * (ROWS * K_BLOCK + ROWS * MAX_SLAB + 2 * (THREADS / 32));
+}
+
 /// The persistent, warp-specialised `wgmma` forward: `128 x 256` output tiles, operands
 /// copied by TMA into 128-byte-swizzled stages whose completion `mbarrier`s announce.
 pub mod gemm_tma {

@@ -23,7 +23,8 @@
 //! (recomputing each op's input from `z`), `sum_partials` finishes those, and two
 //! GEMMs give `dX = dZ W` and `dW = dZ^T X`.
 
-use super::dispatch::{self, Forward, not_fusable};
+use super::dispatch::{self, Forward, Gemv, not_fusable};
+use super::gemm::gemv::launch_gemv;
 use super::elementwise::{Convert, Vector, convert_vectors, fold_rows_mean, unfold_rows_mean_grad};
 use super::epilogue::DeviceChain;
 use super::epilogue::kinks::{Refined, Scan, refine_near_kinks, scanned_prefix};
@@ -210,6 +211,8 @@ impl<W: DeviceElement> GpuBlock<W> {
             dtype: W::DTYPE,
             folded: self.folded.is_some(),
             fusable: self.not_fusable.is_none(),
+            gemv_slab: dispatch::gemv_slab(&self.spec.chain.0[self.first_op..], self.gemm_width()),
+            w_aligned: self.params.linear_weight.buf.device_address().is_multiple_of(16),
         }
     }
 
@@ -234,7 +237,18 @@ impl<W: DeviceElement> GpuBlock<W> {
         };
         let fold =
             self.folded.as_ref().map_or(String::new(), |(k, ..)| format!("; avgpool({k}) folded into the weights"));
+        let gemv = |chain: bool| {
+            let out = if chain { W::DTYPE } else { Dtype::F32 };
+            dispatch::gemv_kernel(W::DTYPE, out)
+        };
         match plan {
+            Plan::Gemv { col_warps, chain: true } => {
+                format!("{}: small batch, W streamed by every SM, the chain on {}-column slabs (1 kernel)", gemv(true), 32 * col_warps)
+            }
+            Plan::Gemv { chain: false, .. } => {
+                let rounded = if W::DTYPE == Dtype::Bf16 { ", y rounded" } else { "" };
+                format!("{}: small batch, W streamed by every SM + epilogue_rows (the chain needs whole rows{rounded})", gemv(false))
+            }
             Plan::Fused => format!("fused: {gemm} with bias and chain in the epilogue (1 kernel{fold})"),
             Plan::GemmThenRows { splits } => {
                 let why = match (&self.not_fusable, splits) {
@@ -262,8 +276,8 @@ impl<W: DeviceElement> GpuBlock<W> {
         let n = self.gemm_width();
         let new = |shape: &[usize]| if poison { gpu.poisoned(shape) } else { gpu.alloc(shape) };
         let z = match plan {
-            Plan::Fused => None,
-            Plan::GemmThenRows { splits: 1 } => Some(new(&[batch, n])?),
+            Plan::Fused | Plan::Gemv { chain: true, .. } => None,
+            Plan::GemmThenRows { splits: 1 } | Plan::Gemv { chain: false, .. } => Some(new(&[batch, n])?),
             Plan::GemmThenRows { splits } => Some(new(&[splits, batch, n])?),
         };
         let y_shape = [batch, self.out_width()];
@@ -291,6 +305,17 @@ impl<W: DeviceElement> GpuBlock<W> {
         y: &mut DeviceTensor,
         save: Option<&mut DeviceTensor>,
     ) -> Result<()> {
+        if let Plan::Gemv { col_warps, chain } = *plan {
+            let gemv = Gemv { kernel: dispatch::gemv_kernel(Dtype::F32, Dtype::F32), col_warps };
+            return match (chain, z) {
+                (true, _) => launch_gemv(gpu, &gemv, x, w, Some(&b.buf), Some(&self.chain), y, save),
+                (false, Some(z)) => {
+                    launch_gemv(gpu, &gemv, x, w, Some(&b.buf), None, z, None)?;
+                    epilogue_rows(gpu, &self.chain, z, None, y, save)
+                }
+                (false, None) => unreachable!("workspace() allocates z for this plan"),
+            };
+        }
         let mut gemm = forward_gemm(precision, x, w)?;
         match (plan, z) {
             (Plan::Fused, _) => {
@@ -309,6 +334,7 @@ impl<W: DeviceElement> GpuBlock<W> {
                 epilogue_rows(gpu, &self.chain, z, Some(&b.buf), y, save)
             }
             (Plan::GemmThenRows { .. }, None) => unreachable!("workspace() allocates z for this plan"),
+            (Plan::Gemv { .. }, _) => unreachable!("returned above"),
         }
     }
 

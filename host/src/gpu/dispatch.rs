@@ -6,6 +6,7 @@
 //!   epilogue; [`not_fusable`] says why an op cannot ride in the store;
 //! * [`route`] — which GEMM family and kernel runs each GEMM of a Linear layer, for the
 //!   precision, the shape and how the tensors are stored ([`Storage`]);
+//! * [`gemv_slab`], [`gemv_kernel`] — the small-batch forward's slab and kernel;
 //! * [`tile_backward`] and [`tiles_backward_kernel`] — the chain's backward tile-wise
 //!   or row by row, and the tile kernel for the gradients' dtype;
 //! * [`values_one_by_one`] — how the kink scan hands doubtful values to the refinement.
@@ -21,6 +22,7 @@ use kernel_abi::Kernel;
 use kernel_abi::epilogue::{OP_GROUP_NORM, OpDesc};
 use kernel_abi::gemm_fma::{BLOCK_K, BLOCK_M, BLOCK_N, MAX_FUSED_GROUP, MIN_FUSED_GROUP};
 use kernel_abi::gemm_tma::MIN_K;
+use kernel_abi::gemv::ROWS as GEMV_ROWS;
 
 /// Memory order of the operands of `y = A B^T` as a kernel reads them (see
 /// `kernels-gpu/src/gemm/fma.rs`; the bf16 TMA kernels read the same three).
@@ -312,6 +314,42 @@ pub enum Plan {
     /// The GEMM into `z` (in `splits` partial products where `splits > 1`), then the
     /// row-wise epilogue.
     GemmThenRows { splits: usize },
+    /// A few rows: the small-batch kernel (`gemv_*`), with the chain on its slabs
+    /// (`chain`), or storing `z` for the row-wise epilogue.
+    Gemv { col_warps: usize, chain: bool },
+}
+
+/// The small-batch kernel for a block's tensors, and its slab width in warps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Gemv {
+    pub kernel: Kernel,
+    pub col_warps: usize,
+}
+
+/// The small-batch kernel reading `operands` and writing `output`: FP32 throughout, or
+/// a bf16 model's tensors as stored with `y` in bf16 or FP32 (`z`, or `y` before rounding).
+pub fn gemv_kernel(operands: Dtype, output: Dtype) -> Kernel {
+    match (operands, output) {
+        (Dtype::Bf16, Dtype::Bf16) => Kernel::GemvBf16ToBf16,
+        (Dtype::Bf16, Dtype::F32) => Kernel::GemvBf16,
+        (Dtype::F32, _) => Kernel::GemvF32,
+    }
+}
+
+/// The narrowest slab (in warps of 32 columns) on which the small-batch kernel can run
+/// the chain `ops` (the GEMM's `n` columns in): per-element ops and GroupNorms whose
+/// groups lie inside it, `n` a whole number of slabs. `None`: the chain needs whole
+/// rows (or wider groups), and runs in the row-wise epilogue after `z`.
+pub fn gemv_slab(ops: &[Op], n: usize) -> Option<usize> {
+    let mut group = 1;
+    for op in ops {
+        match *op {
+            Op::Pointwise(..) => {}
+            Op::GroupNorm { groups, .. } => group = group.max(n / groups),
+            _ => return None,
+        }
+    }
+    [1, 2, 4, 8].into_iter().find(|&w| (32 * w) % group == 0 && n.is_multiple_of(32 * w))
 }
 
 /// A block's forward as [`plan`] sees it.
@@ -328,6 +366,10 @@ pub struct Forward {
     pub folded: bool,
     /// Some op of the chain cannot ride in the GEMM's store ([`not_fusable`]).
     pub fusable: bool,
+    /// The chain's slab on the small-batch kernel ([`gemv_slab`]).
+    pub gemv_slab: Option<usize>,
+    /// `W` starts on a 16-byte boundary (the small-batch kernel reads it by vectors).
+    pub w_aligned: bool,
 }
 
 /// The plan of a forward on a GPU of `sms` multiprocessors. Too few tiles to occupy
@@ -335,7 +377,17 @@ pub struct Forward {
 /// reads `x` and `W` as stored: it has no split-K, and the split FP32 kernels would
 /// take widened copies of both on every call (of the whole weight: 0.27 ms at 8 x
 /// 4096 x 4096, where the unsplit bf16 kernel streams `W` once).
+///
+/// At most `gemv::ROWS` rows, a depth of whole 16-byte chunks and an aligned `W` not
+/// folded from an AvgPool: the small-batch kernel, which streams `W` across every SM
+/// where the tile GEMMs would give it a few dozen.
 pub fn plan(f: Forward, sms: usize, tma: bool) -> Plan {
+    if (1..=GEMV_ROWS).contains(&f.batch) && f.k.is_multiple_of(8) && f.w_aligned && !f.folded {
+        return match f.gemv_slab {
+            Some(col_warps) => Plan::Gemv { col_warps, chain: true },
+            None => Plan::Gemv { col_warps: 1, chain: false },
+        };
+    }
     let tiles = f.batch.div_ceil(BLOCK_M) * f.n.div_ceil(BLOCK_N);
     let unsplit = Plan::GemmThenRows { splits: 1 };
     let as_stored = f.dtype == Dtype::Bf16 && !forward_route(f, Precision::Bf16, &unsplit, true, tma).1.widened;
@@ -359,6 +411,7 @@ pub fn forward_route(f: Forward, precision: Precision, plan: &Plan, aligned: boo
     let (splits, output) = match *plan {
         Plan::Fused => (1, Dtype::Bf16),
         Plan::GemmThenRows { splits } => (splits, Dtype::F32),
+        Plan::Gemv { .. } => (1, Dtype::F32),
     };
     let (role, dims) = (Role::Forward { splits }, (f.batch.max(1), f.n, f.k));
     match (f.dtype, f.folded) {
@@ -561,15 +614,55 @@ mod tests {
     }
 
     /// A bf16 model's forward never splits `k` where its kernel reads the tensors as
-    /// stored; an FP32 one does at few tiles and a deep `k`.
+    /// stored; an FP32 one does at few tiles and a deep `k`. At most 16 rows take the
+    /// small-batch kernel, unless `W` is misaligned or folded, or `k` not whole chunks.
     #[test]
     fn plans_split_only_widened_or_fp32_forwards() {
-        let f = |dtype, folded| Forward { batch: 8, n: 4096, k: 4096, dtype, folded, fusable: true };
+        let f = |dtype, folded| Forward {
+            batch: 32,
+            n: 4096,
+            k: 4096,
+            dtype,
+            folded,
+            fusable: true,
+            gemv_slab: Some(1),
+            w_aligned: true,
+        };
         assert_eq!(plan(f(Dtype::Bf16, false), 132, true), Plan::Fused);
         assert!(matches!(plan(f(Dtype::F32, false), 132, true), Plan::GemmThenRows { splits } if splits > 1));
         assert!(matches!(plan(f(Dtype::Bf16, true), 132, true), Plan::GemmThenRows { splits } if splits > 1));
         let big = Forward { batch: 4096, ..f(Dtype::F32, false) };
         assert_eq!(plan(big, 132, true), Plan::Fused);
         assert_eq!(plan(Forward { fusable: false, ..big }, 132, true), Plan::GemmThenRows { splits: 1 });
+
+        let small = Forward { batch: 16, ..f(Dtype::Bf16, false) };
+        assert_eq!(plan(small, 132, true), Plan::Gemv { col_warps: 1, chain: true });
+        assert_eq!(plan(Forward { gemv_slab: None, ..small }, 132, true), Plan::Gemv { col_warps: 1, chain: false });
+        for not_gemv in [
+            Forward { batch: 17, ..small },
+            Forward { batch: 0, ..small },
+            Forward { w_aligned: false, ..small },
+            Forward { folded: true, ..small },
+            Forward { k: 4092, ..small },
+        ] {
+            assert!(!matches!(plan(not_gemv, 132, true), Plan::Gemv { .. }), "{not_gemv:?}");
+        }
+    }
+
+    /// The small-batch kernel's slab holds whole groups and divides `n`; ops that need
+    /// whole rows leave the chain to the row-wise epilogue.
+    #[test]
+    fn gemv_slabs_hold_whole_groups() {
+        let gn = |groups| Op::GroupNorm { groups, eps: 1e-5 };
+        let swish = Op::of(kernel_abi::ops::Pointwise::Swish);
+        assert_eq!(gemv_slab(&[], 4096), Some(1));
+        assert_eq!(gemv_slab(&[swish], 96), Some(1));
+        assert_eq!(gemv_slab(&[gn(256), swish], 8192), Some(1)); // groups of 32
+        assert_eq!(gemv_slab(&[gn(64)], 8192), Some(4)); // of 128
+        assert_eq!(gemv_slab(&[gn(16)], 8192), None); // of 512: wider than a slab
+        assert_eq!(gemv_slab(&[swish], 100), None); // n not whole slabs
+        assert_eq!(gemv_slab(&[Op::RowMax], 4096), None);
+        assert_eq!(gemv_slab(&[Op::AvgPool(4)], 4096), None);
+        assert_eq!(gemv_kernel(Dtype::Bf16, Dtype::Bf16), Kernel::GemvBf16ToBf16);
     }
 }

@@ -129,7 +129,7 @@ fn per_column(v: &mut HalfFragment, p: *const f32, n: usize, col: usize, f: impl
 /// parameters — and the op table, so that its loads hit L1 instead of waiting on L2.
 /// (Nsight Compute, M2: a fifth of the epilogue's stall samples were the first uses of
 /// the Linear bias and GroupNorm's `gamma`/`beta`, whose slices change from tile to
-/// tile; prefetched, M2 gained about 1%: docs/PERFORMANCE.md, t46.) One thread, ahead
+/// tile; prefetched, M2 gained about 1%: docs/VERSIONS.md, "Kernel design history".) One thread, ahead
 /// of the epilogue: the TMA producer, when it starts the tile.
 ///
 /// # Safety

@@ -44,7 +44,7 @@ fn group_stats(s: *const f32, size: usize, eps: f32, lane: usize) -> (f32, f32) 
 /// `*cur` and `*alt` hold at least `f` floats each, `red` at least `WARPS`; `op`'s
 /// parameter vectors hold `f` floats.
 #[inline(always)]
-unsafe fn op_forward(op: &OpDesc, cur: &mut *mut f32, alt: &mut *mut f32, red: *mut f32, f: usize) -> usize {
+pub(crate) unsafe fn op_forward(op: &OpDesc, cur: &mut *mut f32, alt: &mut *mut f32, red: *mut f32, f: usize) -> usize {
     let t = thread_idx_x() as usize;
     let (warp, lane) = (warp_id() as usize, lane_id() as usize);
     let (p0, p1) = (op.param0 as *const f32, op.param1 as *const f32);

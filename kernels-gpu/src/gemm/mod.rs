@@ -49,6 +49,7 @@ impl BlockTile {
 }
 
 pub mod fma;
+pub mod gemv;
 pub mod staged;
 pub mod mma;
 pub mod tma;

@@ -318,7 +318,7 @@ unsafe fn gemm_tma<const SPLIT: bool, const BF16: bool, const TRANS_A: bool, con
             // exists once (14 k instructions instead of 28 k): unrolled, M2's three ops
             // cost 0.6 ms more than its three one-op chains together; as a loop its
             // forward went from 1.83 to 1.14 ms (the code is fetched anew for every
-            // tile; see docs/PERFORMANCE.md, t12). The second half waits in `rest` and
+            // tile; see docs/VERSIONS.md, "Kernel design history"). The second half waits in `rest` and
             // moves into `v`, so only the half in flight and the one waiting are live,
             // as when unrolled.
             // (Element by element: `map` would take the arrays through local memory.)

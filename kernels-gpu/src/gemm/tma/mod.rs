@@ -24,7 +24,7 @@
 //! it runs (one block per SM, both warpgroups in the epilogue): with short `k` that
 //! costs more than the tile's MMAs gain, so the host sends only `k >= MIN_K` here.
 //! (A ping-pong schedule — each warpgroup its own `128 x 128` tile, one in its epilogue
-//! while the other multiplies — was measured slower: docs/PERFORMANCE.md, t13.)
+//! while the other multiplies — was measured slower: docs/VERSIONS.md, "Kernel design history".)
 //! A bf16 `y` is the exception to "no staging": its 4-byte pairs filled half a sector
 //! per row, so each warpgroup stages half tiles for a TMA store that drains during the
 //! next tile's MMAs (32 KB beside the stages).
