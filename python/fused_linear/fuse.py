@@ -10,12 +10,17 @@ modules stay where they were, ``state_dict`` keys do not change, and an optimize
 PyTorch's.
 
 Recognised, in order after the Linear: ``nn.GroupNorm`` (affine), SiLU and ``x *
-sigmoid(x)``, Mish, GELU (erf form), Tanh, LeakyReLU, Hardtanh and ``clamp(min, max)``,
-ReLU (as LeakyReLU(0)) and ReLU6 (as Hardtanh(0, 6)), addition, subtraction,
-multiplication and division by a number or by a parameter of the features' length
-(subtracted and divided ones computed in the graph: ``-p``, ``1 / p``), ``x + x``,
-``nn.Dropout(p=0)``, AvgPool1d over
-features (``pool(x.unsqueeze(1)).squeeze(1)``), and the row max (``torch.max(x, 1)``,
+sigmoid(x)``, Sigmoid (module, ``torch.sigmoid``, ``F.sigmoid``, ``x.sigmoid()``), Mish,
+GELU (erf and ``approximate="tanh"`` forms), Tanh, LeakyReLU, Hardtanh and ``clamp(min,
+max)``, ReLU (as LeakyReLU(0)) and ReLU6 (as Hardtanh(0, 6)), ``nn.BatchNorm1d`` in eval
+mode with running statistics (the per-channel affine it is, ``mul(p),bias(q)`` with ``p =
+weight / sqrt(running_var + eps)`` and ``q = bias - running_mean * p`` computed in the
+graph; in training mode, or without running statistics, it normalises by the batch's
+and stays PyTorch's; the fused model refuses to run once put back in training mode),
+addition, subtraction, multiplication and division by a number or by a parameter of the
+features' length (subtracted and divided ones computed in the graph: ``-p``, ``1 / p``),
+``x + x``, ``nn.Dropout(p=0)``, AvgPool1d over features
+(``pool(x.unsqueeze(1)).squeeze(1)``), and the row max (``torch.max(x, 1)``,
 ``x.max(dim=1)``, ``amax``; ``.values`` or ``[0]``; ``keepdim``). A value used twice (a
 residual, a ``.detach()``) ends the chain there.
 """
@@ -122,6 +127,14 @@ def _linear(gm: fx.GraphModule, node: fx.Node) -> Optional[_Chain]:
     return None
 
 
+def _is_sigmoid(gm: fx.GraphModule, node: fx.Node) -> bool:
+    return (
+        isinstance(_target_module(gm, node), nn.Sigmoid)
+        or _is_fn(node, torch.sigmoid, F.sigmoid)
+        or _is_method(node, "sigmoid")
+    )
+
+
 def _only_user(node: fx.Node) -> Optional[fx.Node]:
     users = list(node.users)
     return users[0] if len(users) == 1 else None
@@ -133,9 +146,7 @@ def _step(gm: fx.GraphModule, chain: _Chain, cur: fx.Node) -> Optional[fx.Node]:
     users = list(cur.users)
     # x * sigmoid(x): the value's two users are the sigmoid and the product.
     if len(users) == 2:
-        sig = next(
-            (u for u in users if _is_fn(u, torch.sigmoid, F.sigmoid) or _is_method(u, "sigmoid")), None
-        )
+        sig = next((u for u in users if _is_sigmoid(gm, u)), None)
         prod = next((u for u in users if u is not sig), None)
         if (
             sig is not None
@@ -180,16 +191,32 @@ def _step(gm: fx.GraphModule, chain: _Chain, cur: fx.Node) -> Optional[fx.Node]:
         return take("mish")
     if isinstance(module, nn.Tanh) or _is_fn(u, torch.tanh, F.tanh) or _is_method(u, "tanh"):
         return take("tanh")
+    if _is_sigmoid(gm, u):
+        return take("sigmoid")
     if isinstance(module, nn.ReLU) or _is_fn(u, torch.relu, F.relu) or _is_method(u, "relu"):
         return take("leakyrelu(0.0)")  # the same function, value and derivative (0 at 0)
     if isinstance(module, nn.ReLU6) or _is_fn(u, F.relu6):
         return take("hardtanh(0.0,6.0)")
     if isinstance(module, nn.GELU) or _is_fn(u, F.gelu):
         approximate = module.approximate if module is not None else _arg(u, 1, "approximate", "none")
-        if approximate != "none":
-            chain.stopped = f"`{u.name}`: GELU's tanh approximation (the op computes the erf form)"
+        if approximate not in ("none", "tanh"):
+            chain.stopped = f"`{u.name}`: GELU with approximate={approximate!r}"
             return None
-        return take("gelu")
+        return take("gelu" if approximate == "none" else "gelu_tanh")
+    if isinstance(module, nn.BatchNorm1d):
+        if module.training:
+            chain.stopped = f"{u.target}: BatchNorm1d in training mode (normalised by batch statistics)"
+            return None
+        if not module.track_running_stats or module.running_mean is None or module.running_var is None:
+            chain.stopped = f"{u.target}: BatchNorm1d without running statistics (it uses each batch's)"
+            return None
+        if module.num_features != f:
+            chain.stopped = f"{u.target}: BatchNorm1d over {module.num_features} features, not {f}"
+            return None
+        # (N, C) only: on (N, C, L) it would normalise over another dimension.
+        chain.shape_sensitive = True
+        chain.ops.append("mul")
+        return take("bias", ("bn_scale", u.target), ("bn_shift", u.target))
     if isinstance(module, nn.LeakyReLU) or _is_fn(u, F.leaky_relu):
         slope = module.negative_slope if module is not None else _arg(u, 1, "negative_slope", 0.01)
         return take(f"leakyrelu({slope!r})")
@@ -306,6 +333,9 @@ def _param_node(graph: fx.Graph, p: Any, x: fx.Node) -> fx.Node:
     what, source = p[0], p[1]
     if what == "const":
         return graph.call_function(_constant_vector, (x, p[2], source))
+    if what in ("bn_scale", "bn_shift"):
+        norm = graph.get_attr(source)
+        return graph.call_function(_batch_norm_affine, (norm, x, what == "bn_shift", source))
     node = graph.get_attr(source) if isinstance(source, str) else source
     return graph.call_function(torch.neg if what == "neg" else torch.reciprocal, (node,))
 
@@ -315,6 +345,29 @@ def _constant_vector(x: torch.Tensor, features: int, value: float) -> torch.Tens
     (float32 for a 16-bit model, whose epilogue adds in FP32 as PyTorch does)."""
     dtype = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
     return torch.full((features,), value, dtype=dtype, device=x.device)
+
+
+def _batch_norm_affine(norm: nn.BatchNorm1d, x: torch.Tensor, shift: bool, name: str) -> torch.Tensor:
+    """An eval-mode BatchNorm1d as the per-channel affine ``y = p * x + q`` it computes:
+    ``p = weight / sqrt(running_var + eps)`` or, with ``shift``, ``q = bias - running_mean * p``
+    (weight 1 and bias 0 without affine parameters). Computed here, from the module's
+    tensors, on every call, so gradients reach ``weight`` and ``bias`` (in float32 for a
+    16-bit model, as PyTorch normalises). The module must still be in eval mode: in
+    training mode it would normalise by batch statistics, another function."""
+    if norm.training:
+        raise RuntimeError(
+            f"fuse(): BatchNorm1d `{name}` was fused in eval mode as a per-channel affine over its "
+            "running statistics; in training mode it normalises by batch statistics: fuse() the model "
+            "again after model.train() (it then leaves the BatchNorm to PyTorch), or call model.eval()"
+        )
+    dtype = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+    p = torch.rsqrt(norm.running_var.to(dtype) + norm.eps)
+    if norm.weight is not None:
+        p = norm.weight.to(dtype) * p
+    if not shift:
+        return p
+    q = -norm.running_mean.to(dtype) * p
+    return q if norm.bias is None else norm.bias.to(dtype) + q
 
 
 def _fused_call(
