@@ -189,3 +189,27 @@ def test_fuse_pointwise_ops_on_the_gpu():
     ]:
         model, x = model.cuda(), x.cuda()
         check_same(model, fused_linear.fuse(model), x, tol=1e-4)
+
+
+class Residuals(nn.Module):
+    """The Linear's output used again after the chain (KernelBench 70: ``sigmoid(z) * s + z``;
+    40: ``z * s + z.detach()``, value ``(1 + s) z``, gradient through ``z * s`` only)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        z = self.a(x)
+        h = torch.sigmoid(z) * 2.0 + z
+        z = self.b(h)
+        return z * 0.5 + z.clone().detach()
+
+
+def test_a_residual_of_the_linear_output_stays_pytorchs(capsys):
+    """No op adds the chain's input back: the Linears stay PyTorch's, with the exact
+    gradients (none through the detached branch)."""
+    model = Residuals()
+    fused, said = fused_chains(model, capsys)
+    assert "a: left in PyTorch" in said and "b: left in PyTorch" in said and "used 2 times" in said, said
+    check_same(model, fused, torch.randn(5, 6))
