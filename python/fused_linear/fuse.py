@@ -22,7 +22,9 @@ features' length (subtracted and divided ones computed in the graph: ``-p``, ``1
 ``x + x``, ``nn.Dropout(p=0)``, AvgPool1d over features
 (``pool(x.unsqueeze(1)).squeeze(1)``), and the row max (``torch.max(x, 1)``,
 ``x.max(dim=1)``, ``amax``; ``.values`` or ``[0]``; ``keepdim``). A value used twice (a
-residual, a ``.detach()``) ends the chain there.
+residual, a ``.detach()``) ends the chain there, but for ``h * s + h.detach()`` (``s`` a
+number, KernelBench 40's form), taken as ``scale(1 + s)`` whose output gradient is scaled
+by ``s / (1 + s)`` on the way back, which ends the chain after it.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ class _Chain:
     keepdim: bool = False
     shape_sensitive: bool = False
     stopped: str = ""
+    # `h * s + h.detach()` ends the chain: the fused call computes `(1 + s) h` and its
+    # output's gradient is scaled by this factor, `s / (1 + s)`, on the way back.
+    gradient_factor: Optional[float] = None
     out_features: int = 0  # the Linear's (``features`` moves with a pool)
 
     def __post_init__(self) -> None:
@@ -127,6 +132,63 @@ def _linear(gm: fx.GraphModule, node: fx.Node) -> Optional[_Chain]:
     return None
 
 
+def _detached_residual(cur: fx.Node, users: List[fx.Node], chain: _Chain) -> Optional[fx.Node]:
+    """``h * s + h.detach()`` (``h.clone().detach()``, ``h.detach().clone()``; either
+    order, ``s`` a number): the value ``(1 + s) h``, with the gradient of ``h * s`` alone.
+    Taken as ``scale(1 + s)`` with the output's gradient scaled by ``s / (1 + s)`` (the
+    chain's backward is linear in it), which is exact for everything before it and
+    nothing after it: the chain ends there. Returns the sum's node, or None."""
+    mul = next((u for u in users if _is_fn(u, operator.mul, torch.mul) or _is_method(u, "mul")), None)
+    other = next((u for u in users if u is not mul), None)
+    if mul is None or other is None or mul.kwargs or len(mul.args) != 2 or cur not in mul.args[:2]:
+        return None
+    factor = mul.args[1] if mul.args[0] is cur else mul.args[0]
+    detached, node = [], other
+    while node is not None and (
+        _is_method(node, "detach", "clone") or _is_fn(node, torch.detach, torch.clone)
+    ):
+        detached.append(node)
+        node = _only_user(node) if len(node.args) == 1 and not node.kwargs else None
+    if not any(_is_method(n, "detach") or _is_fn(n, torch.detach) for n in detached):
+        return None
+    add = _only_user(mul)
+    if (
+        add is None
+        or node is not add
+        or not (_is_fn(add, operator.add, torch.add) or _is_method(add, "add"))
+        or add.kwargs
+        or set(add.args) != {mul, detached[-1]}
+    ):
+        return None
+    if not _number(factor):
+        return None
+    if factor == -1:
+        chain.stopped = f"`{add.name}`: h * -1 + h.detach() (0, with gradient -1: no scale gives both)"
+        return None
+    chain.ops.append(f"scale({1.0 + factor!r})")
+    chain.nodes += [mul, *detached, add]
+    chain.gradient_factor = factor / (1.0 + factor)
+    chain.stopped = f"`{add.name}`: h * s + h.detach() ends the chain (the gradient is s times, not 1 + s)"
+    return add
+
+
+class _GradientScale(torch.autograd.Function):
+    """The identity, its gradient multiplied by ``factor``."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        return dy * ctx.factor, None
+
+
+def _scale_gradient(y: torch.Tensor, factor: float) -> torch.Tensor:
+    return _GradientScale.apply(y, factor)
+
+
 def _is_sigmoid(gm: fx.GraphModule, node: fx.Node) -> bool:
     return (
         isinstance(_target_module(gm, node), nn.Sigmoid)
@@ -157,7 +219,11 @@ def _step(gm: fx.GraphModule, chain: _Chain, cur: fx.Node) -> Optional[fx.Node]:
             chain.ops.append("swish")
             chain.nodes += [sig, prod]
             return prod
-        chain.stopped = f"`{cur.name}` is used {len(users)} times (a residual or a second branch)"
+        end = _detached_residual(cur, users, chain)
+        if end is not None:
+            return end
+        if not chain.stopped:
+            chain.stopped = f"`{cur.name}` is used {len(users)} times (a residual or a second branch)"
         return None
     if len(users) != 1:
         chain.stopped = (
@@ -401,7 +467,7 @@ def fuse(model: nn.Module, precision: Optional[str] = None, verbose: bool = Fals
         if chain is None:
             continue
         cur = node
-        while "max" not in chain.ops:
+        while "max" not in chain.ops and chain.gradient_factor is None:
             nxt = _step(gm, chain, cur)
             if nxt is None:
                 break
@@ -424,6 +490,8 @@ def fuse(model: nn.Module, precision: Optional[str] = None, verbose: bool = Fals
             fused = graph.call_function(
                 _fused_call, (chain.x, weight, bias, ops, params, precision, chain.shape_sensitive)
             )
+            if chain.gradient_factor is not None:
+                fused = graph.call_function(_scale_gradient, (fused, chain.gradient_factor))
             out = graph.call_method("unsqueeze", (fused, -1)) if chain.keepdim else fused
         cur.replace_all_uses_with(out)
         for n in reversed([chain.linear, *chain.nodes]):

@@ -1,7 +1,7 @@
-"""fused_linear.fuse(model) on sigmoid, GELU's tanh form and eval-mode BatchNorm1d: each
-spelling recognised, on the CPU backend against the unfused model (values and every
-gradient), the parameters shared (``state_dict`` keys unchanged), under
-``torch.compile(fullgraph=True)``, and what stays PyTorch's with the reason."""
+"""fused_linear.fuse(model) on sigmoid, GELU's tanh form, eval-mode BatchNorm1d and
+``h * s + h.detach()``: each spelling recognised, on the CPU backend against the unfused
+model (values and every gradient), the parameters shared (``state_dict`` keys unchanged),
+under ``torch.compile(fullgraph=True)``, and what stays PyTorch's with the reason."""
 
 import pytest
 import torch
@@ -186,30 +186,56 @@ def test_fuse_pointwise_ops_on_the_gpu():
         (batch_norm_model().eval(), torch.randn(65, 12)),
         (batch_norm_model(affine=False).eval(), torch.randn(65, 12)),
         (Everything().eval(), torch.randn(65, 8)),
+        (Residuals(), torch.randn(65, 6)),
     ]:
         model, x = model.cuda(), x.cuda()
         check_same(model, fused_linear.fuse(model), x, tol=1e-4)
 
 
 class Residuals(nn.Module):
-    """The Linear's output used again after the chain (KernelBench 70: ``sigmoid(z) * s + z``;
-    40: ``z * s + z.detach()``, value ``(1 + s) z``, gradient through ``z * s`` only)."""
+    """The Linear's output used again after the chain. KernelBench 70: ``sigmoid(z) * s + z``
+    (no op adds the chain's input back: PyTorch's); 40: ``z * s + z.detach()``, value
+    ``(1 + s) z`` with the gradient of ``z * s`` alone (fused, up to the sum)."""
 
     def __init__(self):
         super().__init__()
-        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 8)
+        self.a, self.b, self.c = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 5)
+        self.shift = nn.Parameter(torch.randn(5))
 
     def forward(self, x):
         z = self.a(x)
         h = torch.sigmoid(z) * 2.0 + z
         z = self.b(h)
-        return z * 0.5 + z.clone().detach()
+        h = z * 0.5 + z.clone().detach()
+        g = F.gelu(self.c(h) + self.shift)
+        return torch.tanh(g.detach() + 3 * g) + 1.0
 
 
-def test_a_residual_of_the_linear_output_stays_pytorchs(capsys):
-    """No op adds the chain's input back: the Linears stay PyTorch's, with the exact
-    gradients (none through the detached branch)."""
+def test_a_residual_of_the_linear_output(capsys):
     model = Residuals()
     fused, said = fused_chains(model, capsys)
-    assert "a: left in PyTorch" in said and "b: left in PyTorch" in said and "used 2 times" in said, said
+    assert "a: left in PyTorch" in said and "used 2 times" in said, said
+    assert "b: fused with `scale(1.5)`; the chain ends" in said and "s times" in said, said
+    # Parameters before the sum get the gradient of `3 g` alone; the tanh after it is PyTorch's.
+    assert "c: fused with `bias,gelu,scale(4.0)`; the chain ends" in said, said
+    assert list(fused.state_dict()) == list(model.state_dict())
+    check_same(model, fused, torch.randn(5, 6))
+    compiled = torch.compile(fused, backend="aot_eager", fullgraph=True)
+    check_same(model, compiled, torch.randn(5, 6))
+
+
+class NegatedResidual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 8)
+
+    def forward(self, x):
+        z = self.a(x)
+        return z.detach() + z * -1
+
+
+def test_a_detached_residual_that_cancels_stays_pytorchs(capsys):
+    model = NegatedResidual()
+    fused, said = fused_chains(model, capsys)
+    assert "a: left in PyTorch" in said and "no scale gives both" in said, said
     check_same(model, fused, torch.randn(5, 6))
