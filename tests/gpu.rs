@@ -264,6 +264,70 @@ fn kink_refinement_gives_the_exact_functions_gradients() {
     }
 }
 
+/// Sigmoid and GELU's tanh form on every path, forward and backward against the f64
+/// reference: the row-wise epilogue and the fused FP32 kernel, both kink scans carrying
+/// their radius to a kink after them (with TF32's refinement), the tensor-core
+/// precisions, and the persistent TF32 kernel's epilogue on the fragments.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn sigmoid_and_gelu_tanh_match_reference_on_every_path() {
+    use host::Precision::{self, Bf16, Fp32, Tf32, Tf32x3};
+    let gpu = gpu();
+    let mut rng = StdRng::seed_from_u64(29);
+    let cases: [(&str, (usize, usize, usize), Precision); 11] = [
+        ("sigmoid", (17, 45, 30), Fp32),
+        ("gelu_tanh", (17, 45, 30), Fp32),
+        ("bias,gelu_tanh,groupnorm(3),sigmoid,mul", (33, 77, 96), Fp32),
+        ("gelu_tanh,avgpool(3),scale(2),max", (9, 31, 100), Fp32),
+        ("bias,sigmoid,mul,gelu_tanh", (1100, 520, 1000), Fp32),
+        ("groupnorm(125),gelu_tanh,leakyrelu(0.2),sigmoid", (1100, 517, 1000), Fp32),
+        ("sigmoid,bias,gelu_tanh", (300, 1032, 520), Tf32x3),
+        ("sigmoid,bias,gelu_tanh", (300, 1032, 520), Bf16),
+        // Kinks after the new ops: scanned in registers, then row by row (a folded pool, a max).
+        ("groupnorm(64),gelu_tanh,leakyrelu(0.01),sigmoid,hardtanh(0.2,0.7)", (512, 4096, 1024), Tf32),
+        ("avgpool(16),gelu_tanh,scale(2),max", (1024, 2048, 2048), Tf32),
+        ("sigmoid,mul,gelu_tanh", (300, 1032, 520), Bf16),
+    ];
+    for (text, (b, i, o), precision) in cases {
+        let spec = BlockSpec::new(i, o, text.parse().unwrap()).unwrap();
+        let (params, x, dy) = random_case(&spec, b, &mut rng);
+        let block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(precision);
+        let path = block.describe(&gpu, &block.plan(&gpu, b));
+        let y = block.forward(&gpu, &x).unwrap();
+        let got = block.forward_backward(&gpu, &x, &dy).unwrap();
+        let p64 = params.map(f64::from);
+        let want_y = reference::block_forward(&spec, &x.to_f64(), &p64).unwrap();
+        let (_, want) = reference::block_backward(&spec, &x.to_f64(), &p64, &dy.to_f64()).unwrap();
+        let mut report = vec![("y".to_string(), compare_f32(y.data(), want_y.data()))];
+        report.extend(got.compare(&spec, &want));
+        let worst = report.iter().map(|(_, c)| c.rel).fold(0.0, f64::max);
+        println!("{precision:<7} {text:<66} ({b}, {i}, {o}) worst rel {worst:.2e}  [{path}]");
+        for (what, c) in &report {
+            assert!(c.passes(precision.tolerance()), "{precision} {text}: {what}: {c:?}");
+        }
+    }
+    // The persistent TF32 kernel (its epilogue on the wgmma fragments), on sampled rows.
+    for chain in ["sigmoid,bias,gelu_tanh", "gelu_tanh,mul,sigmoid"] {
+        let (b, i, o) = (2100, 1036, 2600);
+        let spec = BlockSpec::new(i, o, chain.parse().unwrap()).unwrap();
+        let params = Params::random(&spec, &mut rng);
+        let x = random_input(b, i, &mut rng).unwrap();
+        let block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(Tf32);
+        let path = block.describe(&gpu, &block.plan(&gpu, b));
+        assert!(path.contains("gemm_tma_tf32_nt"), "expected gemm_tma_tf32_nt, got {path}");
+        let y = block.forward(&gpu, &x).unwrap();
+        let rows: Vec<usize> = (0..b).step_by(131).chain([b - 1]).collect();
+        let pick = |data: &[f32], width: usize| -> Vec<f32> {
+            rows.iter().flat_map(|&r| data[r * width..(r + 1) * width].iter().copied()).collect()
+        };
+        let xs = Tensor::new(&[rows.len(), i], pick(x.data(), i)).unwrap();
+        let want = reference::block_forward(&spec, &xs.to_f64(), &params.map(f64::from)).unwrap();
+        let c = compare_f32(&pick(y.data(), o), want.data());
+        println!("tf32 persistent {chain:<30} ({b}, {i}, {o}): rel {:.2e}  [{path}]", c.rel);
+        assert!(c.passes(Tf32.tolerance()), "tf32 persistent {chain}: {c:?}");
+    }
+}
+
 /// A row's lone doubtful values recomputed one by one (`refine_values`, for M5's chain:
 /// a Hardtanh before its GroupNorm; `k` divisible by 4 and not): every value rewritten
 /// is the exact `z` rounded once, every Hardtanh input is then on the exact function's

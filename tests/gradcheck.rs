@@ -130,6 +130,8 @@ fn every_op_backward_matches_finite_differences() {
         Op::of(Pointwise::Mish),
         Op::of(Pointwise::Gelu),
         Op::of(Pointwise::Tanh),
+        Op::of(Pointwise::Sigmoid),
+        Op::of(Pointwise::GeluTanh),
         Op::Pointwise(Pointwise::LeakyRelu, [0.01, 0.0]),
         Op::Pointwise(Pointwise::LeakyRelu, [0.2, 0.0]),
         Op::Pointwise(Pointwise::Hardtanh, [-1.0, 1.0]),
@@ -160,8 +162,10 @@ fn activation_backwards_hold_far_out() {
     let mut rng = StdRng::seed_from_u64(22);
     // Large magnitudes, where a naive softplus or sigmoid would overflow.
     let x = Tensor::new(&[2, 6], vec![-30.0, -15.0, -8.5, 8.5, 15.0, 30.0, -12.3, -4.1, -0.3, 0.2, 3.7, 11.9]).unwrap();
-    for op in [Op::of(Pointwise::Swish), Op::of(Pointwise::Mish), Op::of(Pointwise::Gelu), Op::of(Pointwise::Tanh)] {
-        check_op(op, x.clone(), vec![], &mut rng);
+    for kind in
+        [Pointwise::Swish, Pointwise::Mish, Pointwise::Gelu, Pointwise::Tanh, Pointwise::Sigmoid, Pointwise::GeluTanh]
+    {
+        check_op(Op::of(kind), x.clone(), vec![], &mut rng);
     }
 }
 
@@ -219,6 +223,7 @@ fn other_chains_match_finite_differences() {
         ("gelu,max,scale(3),bias", 24),
         ("double,mish,avgpool(2),groupnorm(4)", 24),
         ("mul,mul,bias,swish,bias", 13),
+        ("sigmoid,mul,gelu_tanh,groupnorm(3),bias,sigmoid", 30),
     ] {
         let spec = BlockSpec::new(7, n, chain.parse().unwrap()).unwrap();
         check_block(&spec, 3, &mut rng);

@@ -26,7 +26,7 @@ const BOUNDS: [(f32, f32); 3] = [(-1.0, 1.0), (-0.5, 0.75), (-2.0, 0.25)];
 /// pooling kernels from 1 to `f`.
 fn pick_op(kind: u8, arg: u32, f: usize) -> Op {
     let arg = arg as usize;
-    match kind % 12 {
+    match kind % 14 {
         0 => Op::of(Pointwise::Bias),
         1 => Op::of(Pointwise::Mul),
         2 => Op::Pointwise(Pointwise::Scale, [SCALES[arg % SCALES.len()], 0.0]),
@@ -47,6 +47,8 @@ fn pick_op(kind: u8, arg: u32, f: usize) -> Op {
         }
         9 => Op::AvgPool(1 + arg % f),
         10 => Op::of(Pointwise::Tanh),
+        11 => Op::of(Pointwise::Sigmoid),
+        12 => Op::of(Pointwise::GeluTanh),
         _ => Op::RowMax,
     }
 }
@@ -93,6 +95,11 @@ fn naive_block(x: &Rows, w: &Rows, b: &[f64], chain: &[Op], params: &[Vec<f64>])
                 elementwise(&mut h, &|v| v.max(constant(lo)).min(constant(hi)))
             }
             Op::Pointwise(Pointwise::Tanh, _) => elementwise(&mut h, &|v| v.sinh() / v.cosh()),
+            Op::Pointwise(Pointwise::Sigmoid, _) => elementwise(&mut h, &sigmoid),
+            Op::Pointwise(Pointwise::GeluTanh, _) => elementwise(&mut h, &|v| {
+                let u = (2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v * v * v);
+                0.5 * v * (1.0 + u.tanh())
+            }),
             Op::GroupNorm { groups, eps } => {
                 let (gamma, beta) = (next.next().unwrap(), next.next().unwrap());
                 for row in h.iter_mut() {

@@ -8,7 +8,10 @@
 #![allow(clippy::needless_range_loop)]
 
 use host::check::{F64_REL, FP32_REL, compare, compare_f32};
-use host::reference::activation::{hardtanh_grad, leaky_relu_grad, mish, mish_grad, softplus, swish, swish_grad};
+use host::reference::activation::{
+    gelu_tanh, gelu_tanh_grad, hardtanh_grad, leaky_relu_grad, mish, mish_grad, pointwise_grad, sigmoid, softplus,
+    swish, swish_grad,
+};
 use host::reference::group_norm::group_norm_forward;
 use host::reference::linear::{linear_backward, linear_forward};
 use host::reference::reduce::{avg_pool_backward, avg_pool_forward, row_max_backward, row_max_forward};
@@ -115,6 +118,13 @@ fn naive_gelu(x: f64) -> f64 {
 fn naive_tanh(x: f64) -> f64 {
     1.0 - 2.0 / ((2.0 * x).exp() + 1.0)
 }
+fn naive_sigmoid(x: f64) -> f64 {
+    1.0 / (1.0 + (-x).exp())
+}
+/// PyTorch's `gelu(x, approximate="tanh")` as written: `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
+fn naive_gelu_tanh(x: f64) -> f64 {
+    0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3))).tanh())
+}
 fn naive_leaky_relu(x: f64, slope: f64) -> f64 {
     if x > 0.0 { x } else { slope * x }
 }
@@ -155,6 +165,8 @@ fn naive_block(spec: &BlockSpec, x: &Rows, p: &Params<f64>) -> Vec<f64> {
             Op::Pointwise(Pointwise::Mish, _) => map_rows(&h, naive_mish),
             Op::Pointwise(Pointwise::Gelu, _) => map_rows(&h, naive_gelu),
             Op::Pointwise(Pointwise::Tanh, _) => map_rows(&h, naive_tanh),
+            Op::Pointwise(Pointwise::Sigmoid, _) => map_rows(&h, naive_sigmoid),
+            Op::Pointwise(Pointwise::GeluTanh, _) => map_rows(&h, naive_gelu_tanh),
             Op::Pointwise(Pointwise::LeakyRelu, [s, _]) => map_rows(&h, |v| naive_leaky_relu(v, constant(s))),
             Op::Pointwise(Pointwise::Hardtanh, [lo, hi]) => {
                 map_rows(&h, |v| naive_hardtanh(v, constant(lo), constant(hi)))
@@ -281,6 +293,8 @@ fn activations_match_naive_formulas() {
         (Op::of(Pointwise::Mish), Box::new(naive_mish)),
         (Op::of(Pointwise::Gelu), Box::new(naive_gelu)),
         (Op::of(Pointwise::Tanh), Box::new(naive_tanh)),
+        (Op::of(Pointwise::Sigmoid), Box::new(naive_sigmoid)),
+        (Op::of(Pointwise::GeluTanh), Box::new(naive_gelu_tanh)),
         (Op::Pointwise(Pointwise::LeakyRelu, [0.01, 0.0]), Box::new(|v| naive_leaky_relu(v, 0.01))),
         (Op::Pointwise(Pointwise::LeakyRelu, [0.2, 0.0]), Box::new(|v| naive_leaky_relu(v, 0.2))),
         (Op::Pointwise(Pointwise::Hardtanh, [-1.0, 1.0]), Box::new(|v| naive_hardtanh(v, -1.0, 1.0))),
@@ -311,6 +325,30 @@ fn activations_stay_finite_and_exact_at_extremes() {
     // f32 too: no overflow of exp inside.
     assert_eq!(mish(100.0f32), 100.0);
     assert!(mish(-100.0f32).is_finite() && swish(-200.0f32).is_finite());
+}
+
+#[test]
+fn sigmoid_and_gelu_tanh_hold_at_extremes() {
+    // Where `x^3` or `x^2` overflows, the value and slope are those of the limits.
+    for x in [1e20f32, 1e30, f32::MAX] {
+        assert_eq!((gelu_tanh(x), gelu_tanh_grad(x)), (x, 1.0), "gelu_tanh at {x}");
+        assert_eq!((gelu_tanh(-x), gelu_tanh_grad(-x)), (0.0, 0.0), "gelu_tanh at -{x}");
+        assert_eq!((sigmoid(x), sigmoid(-x)), (1.0, 0.0));
+    }
+    assert_eq!((gelu_tanh(1e200f64), gelu_tanh_grad(1e200f64)), (1e200, 1.0));
+    assert_eq!(gelu_tanh_grad(-1e200f64), 0.0);
+    // The tails keep their relative accuracy in f32 (no `1 + tanh` or `1 - s` cancelling):
+    // f32 within a few roundings of f64, where the values are ~1e-8 to ~1e-30.
+    let rel = |a: f32, b: f64| (f64::from(a) - b).abs() / b.abs();
+    for x in [-4.0f32, -6.0, -7.5] {
+        assert!(rel(gelu_tanh(x), gelu_tanh(f64::from(x))) < 1e-5, "gelu_tanh({x})");
+        assert!(rel(gelu_tanh_grad(x), gelu_tanh_grad(f64::from(x))) < 1e-5, "gelu_tanh'({x})");
+    }
+    for x in [-20.0f32, -60.0, 20.0, 60.0] {
+        let (g32, g64) = (pointwise_grad(Pointwise::Sigmoid, x, 0.0, 0.0, 0.0).0, (-x.abs() as f64).exp());
+        assert!(rel(g32, g64 / (1.0 + g64).powi(2)) < 1e-5, "sigmoid'({x}) = {g32}");
+    }
+    assert!(rel(sigmoid(-60.0f32), (-60.0f64).exp()) < 1e-5);
 }
 
 #[test]

@@ -31,6 +31,8 @@ macro_rules! for_each_pointwise {
             LeakyRelu = 7,
             Hardtanh = 8,
             Tanh = 12,
+            Sigmoid = 13,
+            GeluTanh = 14,
         ] }
     };
 }
@@ -169,7 +171,8 @@ impl Pointwise {
             Bias => row(&["bias"], &[], &["bias"], Shift, "`x + bias[c]`"),
             Mul => row(&["mul"], &[], &["w"], Linear, "`x * w[c]`"),
             Scale => row(&["scale"], &[FACTOR], &[], Linear, "`s * x`"),
-            // Largest slopes: swish' 1.0998, mish' 1.0885, gelu' 1.1289, rounded up.
+            // Largest slopes: swish' 1.0998, mish' 1.0885, gelu' 1.1289, gelu_tanh' 1.1290
+            // (at x = 1.4185), rounded up; sigmoid' 1/4 (at 0).
             Swish => row(&["swish", "silu"], &[], &[], Smooth { lipschitz: 1.1 }, "`x * sigmoid(x)`"),
             Mish => row(&["mish"], &[], &[], Smooth { lipschitz: 1.09 }, "`x * tanh(softplus(x))`"),
             Gelu => row(&["gelu"], &[], &[], Smooth { lipschitz: 1.13 }, "`x * Phi(x)` (exact erf form)"),
@@ -189,6 +192,17 @@ impl Pointwise {
             Tanh => {
                 PointwiseInfo { saturates: true, ..row(&["tanh"], &[], &[], Smooth { lipschitz: 1.0 }, "`tanh(x)`") }
             }
+            Sigmoid => PointwiseInfo {
+                saturates: true,
+                ..row(&["sigmoid"], &[], &[], Smooth { lipschitz: 0.25 }, "`1 / (1 + exp(-x))`")
+            },
+            GeluTanh => row(
+                &["gelu_tanh"],
+                &[],
+                &[],
+                Smooth { lipschitz: 1.13 },
+                "`x * (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) / 2` (GELU's tanh form)",
+            ),
         }
     }
 

@@ -192,8 +192,12 @@ class PlainBlock(nn.Module):
                 h = F.mish(h)
             elif kind == "gelu":
                 h = F.gelu(h)  # the exact (erf) form, as the fused op
+            elif kind == "gelu_tanh":
+                h = F.gelu(h, approximate="tanh")
             elif kind == "tanh":
                 h = torch.tanh(h)
+            elif kind == "sigmoid":
+                h = torch.sigmoid(h)
             elif kind == "leakyrelu":
                 h = F.leaky_relu(h, args[0])
             elif kind == "hardtanh":

@@ -10,14 +10,21 @@ modules stay where they were, ``state_dict`` keys do not change, and an optimize
 PyTorch's.
 
 Recognised, in order after the Linear: ``nn.GroupNorm`` (affine), SiLU and ``x *
-sigmoid(x)``, Mish, GELU (erf form), Tanh, LeakyReLU, Hardtanh and ``clamp(min, max)``,
-ReLU (as LeakyReLU(0)) and ReLU6 (as Hardtanh(0, 6)), addition, subtraction,
-multiplication and division by a number or by a parameter of the features' length
-(subtracted and divided ones computed in the graph: ``-p``, ``1 / p``), ``x + x``,
-``nn.Dropout(p=0)``, AvgPool1d over
-features (``pool(x.unsqueeze(1)).squeeze(1)``), and the row max (``torch.max(x, 1)``,
+sigmoid(x)``, Sigmoid (module, ``torch.sigmoid``, ``F.sigmoid``, ``x.sigmoid()``), Mish,
+GELU (erf and ``approximate="tanh"`` forms), Tanh, LeakyReLU, Hardtanh and ``clamp(min,
+max)``, ReLU (as LeakyReLU(0)) and ReLU6 (as Hardtanh(0, 6)), ``nn.BatchNorm1d`` in eval
+mode with running statistics (the per-channel affine it is, ``mul(p),bias(q)`` with ``p =
+weight / sqrt(running_var + eps)`` and ``q = bias - running_mean * p`` computed in the
+graph; in training mode, or without running statistics, it normalises by the batch's
+and stays PyTorch's; the fused model refuses to run once put back in training mode),
+addition, subtraction, multiplication and division by a number or by a parameter of the
+features' length (subtracted and divided ones computed in the graph: ``-p``, ``1 / p``),
+``x + x``, ``nn.Dropout(p=0)``, AvgPool1d over features
+(``pool(x.unsqueeze(1)).squeeze(1)``), and the row max (``torch.max(x, 1)``,
 ``x.max(dim=1)``, ``amax``; ``.values`` or ``[0]``; ``keepdim``). A value used twice (a
-residual, a ``.detach()``) ends the chain there.
+residual, a ``.detach()``) ends the chain there, but for ``h * s + h.detach()`` (``s`` a
+number, KernelBench 40's form), taken as ``scale(1 + s)`` whose output gradient is scaled
+by ``s / (1 + s)`` on the way back, which ends the chain after it.
 """
 
 from __future__ import annotations
@@ -49,6 +56,9 @@ class _Chain:
     keepdim: bool = False
     shape_sensitive: bool = False
     stopped: str = ""
+    # `h * s + h.detach()` ends the chain: the fused call computes `(1 + s) h` and its
+    # output's gradient is scaled by this factor, `s / (1 + s)`, on the way back.
+    gradient_factor: Optional[float] = None
     out_features: int = 0  # the Linear's (``features`` moves with a pool)
 
     def __post_init__(self) -> None:
@@ -122,6 +132,71 @@ def _linear(gm: fx.GraphModule, node: fx.Node) -> Optional[_Chain]:
     return None
 
 
+def _detached_residual(cur: fx.Node, users: List[fx.Node], chain: _Chain) -> Optional[fx.Node]:
+    """``h * s + h.detach()`` (``h.clone().detach()``, ``h.detach().clone()``; either
+    order, ``s`` a number): the value ``(1 + s) h``, with the gradient of ``h * s`` alone.
+    Taken as ``scale(1 + s)`` with the output's gradient scaled by ``s / (1 + s)`` (the
+    chain's backward is linear in it), which is exact for everything before it and
+    nothing after it: the chain ends there. Returns the sum's node, or None."""
+    mul = next((u for u in users if _is_fn(u, operator.mul, torch.mul) or _is_method(u, "mul")), None)
+    other = next((u for u in users if u is not mul), None)
+    if mul is None or other is None or mul.kwargs or len(mul.args) != 2 or cur not in mul.args[:2]:
+        return None
+    factor = mul.args[1] if mul.args[0] is cur else mul.args[0]
+    detached, node = [], other
+    while node is not None and (
+        _is_method(node, "detach", "clone") or _is_fn(node, torch.detach, torch.clone)
+    ):
+        detached.append(node)
+        node = _only_user(node) if len(node.args) == 1 and not node.kwargs else None
+    if not any(_is_method(n, "detach") or _is_fn(n, torch.detach) for n in detached):
+        return None
+    add = _only_user(mul)
+    if (
+        add is None
+        or node is not add
+        or not (_is_fn(add, operator.add, torch.add) or _is_method(add, "add"))
+        or add.kwargs
+        or set(add.args) != {mul, detached[-1]}
+    ):
+        return None
+    if not _number(factor):
+        return None
+    if factor == -1:
+        chain.stopped = f"`{add.name}`: h * -1 + h.detach() (0, with gradient -1: no scale gives both)"
+        return None
+    chain.ops.append(f"scale({1.0 + factor!r})")
+    chain.nodes += [mul, *detached, add]
+    chain.gradient_factor = factor / (1.0 + factor)
+    chain.stopped = f"`{add.name}`: h * s + h.detach() ends the chain (the gradient is s times, not 1 + s)"
+    return add
+
+
+class _GradientScale(torch.autograd.Function):
+    """The identity, its gradient multiplied by ``factor``."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        return dy * ctx.factor, None
+
+
+def _scale_gradient(y: torch.Tensor, factor: float) -> torch.Tensor:
+    return _GradientScale.apply(y, factor)
+
+
+def _is_sigmoid(gm: fx.GraphModule, node: fx.Node) -> bool:
+    return (
+        isinstance(_target_module(gm, node), nn.Sigmoid)
+        or _is_fn(node, torch.sigmoid, F.sigmoid)
+        or _is_method(node, "sigmoid")
+    )
+
+
 def _only_user(node: fx.Node) -> Optional[fx.Node]:
     users = list(node.users)
     return users[0] if len(users) == 1 else None
@@ -133,9 +208,7 @@ def _step(gm: fx.GraphModule, chain: _Chain, cur: fx.Node) -> Optional[fx.Node]:
     users = list(cur.users)
     # x * sigmoid(x): the value's two users are the sigmoid and the product.
     if len(users) == 2:
-        sig = next(
-            (u for u in users if _is_fn(u, torch.sigmoid, F.sigmoid) or _is_method(u, "sigmoid")), None
-        )
+        sig = next((u for u in users if _is_sigmoid(gm, u)), None)
         prod = next((u for u in users if u is not sig), None)
         if (
             sig is not None
@@ -146,7 +219,11 @@ def _step(gm: fx.GraphModule, chain: _Chain, cur: fx.Node) -> Optional[fx.Node]:
             chain.ops.append("swish")
             chain.nodes += [sig, prod]
             return prod
-        chain.stopped = f"`{cur.name}` is used {len(users)} times (a residual or a second branch)"
+        end = _detached_residual(cur, users, chain)
+        if end is not None:
+            return end
+        if not chain.stopped:
+            chain.stopped = f"`{cur.name}` is used {len(users)} times (a residual or a second branch)"
         return None
     if len(users) != 1:
         chain.stopped = (
@@ -180,16 +257,32 @@ def _step(gm: fx.GraphModule, chain: _Chain, cur: fx.Node) -> Optional[fx.Node]:
         return take("mish")
     if isinstance(module, nn.Tanh) or _is_fn(u, torch.tanh, F.tanh) or _is_method(u, "tanh"):
         return take("tanh")
+    if _is_sigmoid(gm, u):
+        return take("sigmoid")
     if isinstance(module, nn.ReLU) or _is_fn(u, torch.relu, F.relu) or _is_method(u, "relu"):
         return take("leakyrelu(0.0)")  # the same function, value and derivative (0 at 0)
     if isinstance(module, nn.ReLU6) or _is_fn(u, F.relu6):
         return take("hardtanh(0.0,6.0)")
     if isinstance(module, nn.GELU) or _is_fn(u, F.gelu):
         approximate = module.approximate if module is not None else _arg(u, 1, "approximate", "none")
-        if approximate != "none":
-            chain.stopped = f"`{u.name}`: GELU's tanh approximation (the op computes the erf form)"
+        if approximate not in ("none", "tanh"):
+            chain.stopped = f"`{u.name}`: GELU with approximate={approximate!r}"
             return None
-        return take("gelu")
+        return take("gelu" if approximate == "none" else "gelu_tanh")
+    if isinstance(module, nn.BatchNorm1d):
+        if module.training:
+            chain.stopped = f"{u.target}: BatchNorm1d in training mode (normalised by batch statistics)"
+            return None
+        if not module.track_running_stats or module.running_mean is None or module.running_var is None:
+            chain.stopped = f"{u.target}: BatchNorm1d without running statistics (it uses each batch's)"
+            return None
+        if module.num_features != f:
+            chain.stopped = f"{u.target}: BatchNorm1d over {module.num_features} features, not {f}"
+            return None
+        # (N, C) only: on (N, C, L) it would normalise over another dimension.
+        chain.shape_sensitive = True
+        chain.ops.append("mul")
+        return take("bias", ("bn_scale", u.target), ("bn_shift", u.target))
     if isinstance(module, nn.LeakyReLU) or _is_fn(u, F.leaky_relu):
         slope = module.negative_slope if module is not None else _arg(u, 1, "negative_slope", 0.01)
         return take(f"leakyrelu({slope!r})")
@@ -306,6 +399,9 @@ def _param_node(graph: fx.Graph, p: Any, x: fx.Node) -> fx.Node:
     what, source = p[0], p[1]
     if what == "const":
         return graph.call_function(_constant_vector, (x, p[2], source))
+    if what in ("bn_scale", "bn_shift"):
+        norm = graph.get_attr(source)
+        return graph.call_function(_batch_norm_affine, (norm, x, what == "bn_shift", source))
     node = graph.get_attr(source) if isinstance(source, str) else source
     return graph.call_function(torch.neg if what == "neg" else torch.reciprocal, (node,))
 
@@ -315,6 +411,29 @@ def _constant_vector(x: torch.Tensor, features: int, value: float) -> torch.Tens
     (float32 for a 16-bit model, whose epilogue adds in FP32 as PyTorch does)."""
     dtype = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
     return torch.full((features,), value, dtype=dtype, device=x.device)
+
+
+def _batch_norm_affine(norm: nn.BatchNorm1d, x: torch.Tensor, shift: bool, name: str) -> torch.Tensor:
+    """An eval-mode BatchNorm1d as the per-channel affine ``y = p * x + q`` it computes:
+    ``p = weight / sqrt(running_var + eps)`` or, with ``shift``, ``q = bias - running_mean * p``
+    (weight 1 and bias 0 without affine parameters). Computed here, from the module's
+    tensors, on every call, so gradients reach ``weight`` and ``bias`` (in float32 for a
+    16-bit model, as PyTorch normalises). The module must still be in eval mode: in
+    training mode it would normalise by batch statistics, another function."""
+    if norm.training:
+        raise RuntimeError(
+            f"fuse(): BatchNorm1d `{name}` was fused in eval mode as a per-channel affine over its "
+            "running statistics; in training mode it normalises by batch statistics: fuse() the model "
+            "again after model.train() (it then leaves the BatchNorm to PyTorch), or call model.eval()"
+        )
+    dtype = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+    p = torch.rsqrt(norm.running_var.to(dtype) + norm.eps)
+    if norm.weight is not None:
+        p = norm.weight.to(dtype) * p
+    if not shift:
+        return p
+    q = -norm.running_mean.to(dtype) * p
+    return q if norm.bias is None else norm.bias.to(dtype) + q
 
 
 def _fused_call(
@@ -348,7 +467,7 @@ def fuse(model: nn.Module, precision: Optional[str] = None, verbose: bool = Fals
         if chain is None:
             continue
         cur = node
-        while "max" not in chain.ops:
+        while "max" not in chain.ops and chain.gradient_factor is None:
             nxt = _step(gm, chain, cur)
             if nxt is None:
                 break
@@ -371,6 +490,8 @@ def fuse(model: nn.Module, precision: Optional[str] = None, verbose: bool = Fals
             fused = graph.call_function(
                 _fused_call, (chain.x, weight, bias, ops, params, precision, chain.shape_sensitive)
             )
+            if chain.gradient_factor is not None:
+                fused = graph.call_function(_scale_gradient, (fused, chain.gradient_factor))
             out = graph.call_method("unsqueeze", (fused, -1)) if chain.keepdim else fused
         cur.replace_all_uses_with(out)
         for n in reversed([chain.linear, *chain.nodes]):

@@ -37,7 +37,7 @@ SATURATING = tuple(op["name"] for op in _native.ops() if op["saturates"])
 
 @dataclass(frozen=True)
 class Op:
-    kind: str  # bias, mul, scale, swish, mish, gelu, tanh, leakyrelu, hardtanh, groupnorm, avgpool, max
+    kind: str  # an op of the registry: bias, mul, scale, swish, ..., groupnorm, avgpool, max
     args: tuple = ()
 
     def __str__(self) -> str:
@@ -127,6 +127,10 @@ def apply_chain(h: torch.Tensor, ops, params, trace=None) -> torch.Tensor:
             h = F.gelu(h)  # exact erf form
         elif k == "tanh":
             h = torch.tanh(h)
+        elif k == "sigmoid":
+            h = torch.sigmoid(h)
+        elif k == "gelu_tanh":
+            h = F.gelu(h, approximate="tanh")
         elif k == "leakyrelu":
             h = F.leaky_relu(h, op.args[0])
         elif k == "hardtanh":
@@ -218,7 +222,7 @@ def random_chain(
     ops, f = [], features
     n = rng.randint(1, max_ops)
     for i in range(n):
-        choices = ["bias", "mul", "scale", "swish", "mish", "gelu", "tanh", "groupnorm"]
+        choices = "bias mul scale swish mish gelu gelu_tanh tanh sigmoid groupnorm".split()
         if kinks:
             choices += ["leakyrelu", "hardtanh"]
         if f >= 4 and i + 1 < n:
@@ -227,7 +231,10 @@ def random_chain(
         if kind == "scale":
             ops.append(Op("scale", (rng.choice([-1.5, 0.5, 2.0, 3.25]),)))
         elif kind == "leakyrelu":
-            ops.append(Op("leakyrelu", (rng.choice([0.01, 0.2, 0.0]),)))
+            slope = rng.choice([0.01, 0.2, 0.0])
+            # Not right after a ReLU: its exact zeros would all sit on this one's kink.
+            if ops[-1:] != [Op("leakyrelu", (0.0,))]:
+                ops.append(Op("leakyrelu", (slope,)))
         elif kind == "hardtanh":
             ops.append(Op("hardtanh", rng.choice([(-1.0, 1.0), (-0.5, 0.7), (-2.0, 3.0)])))
         elif kind == "groupnorm":
@@ -240,8 +247,8 @@ def random_chain(
             f //= k
         else:
             ops.append(Op(kind))
-    # No row max after a saturating op (tanh, hardtanh): where a row's largest values
-    # saturate they are equal in float32 (tanh 1.0, the clamp's bound), so float32's
+    # No row max after a saturating op (tanh, sigmoid, hardtanh): where a row's largest
+    # values saturate they are equal in float32 (tanh 1.0, the clamp's bound), so float32's
     # arg-max is one of several, while float64 tells them apart (docs/NUMERICS.md).
     saturated = any(op.kind in SATURATING for op in ops)
     if kinks and rng.random() < 0.25 and not saturated:

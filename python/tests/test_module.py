@@ -275,7 +275,7 @@ def test_the_registry_reaches_python():
     registry = {op["name"]: op for op in _native.ops()}
     assert {"bias", "mul", "scale", "swish", "tanh", "groupnorm", "avgpool", "max"} <= set(registry)
     assert {n for n, op in registry.items() if op["kink"]} == {"leakyrelu", "hardtanh", "max"}
-    assert {n for n, op in registry.items() if op["saturates"]} == {"tanh", "hardtanh"}
+    assert {n for n, op in registry.items() if op["saturates"]} == {"tanh", "sigmoid", "hardtanh"}
     assert registry["groupnorm"]["params"] == ["gn.weight", "gn.bias"] and registry["mul"]["params"] == ["w"]
     for name, op in registry.items():
         args = ",".join("2" if default is None else str(default) for _, default in op["args"])

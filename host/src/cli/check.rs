@@ -55,7 +55,7 @@ pub fn random_chain(rng: &mut impl Rng, out: usize) -> Chain {
         f = op.out_features(f).expect("generated ops are valid");
         ops.push(op);
     }
-    // No row max after a saturating op (the registry's `saturates`: tanh, hardtanh): it
+    // No row max after a saturating op (the registry's `saturates`: tanh, sigmoid, hardtanh): it
     // ties a row's top values in FP32, and which of them wins is then any implementation's
     // choice, not a rounding error to check (docs/NUMERICS.md). The Python tests' random
     // chains follow the same rule.

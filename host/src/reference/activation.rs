@@ -22,6 +22,8 @@ pub fn pointwise<T: Real>(op: Pointwise, x: T, p: T, a: T, b: T) -> T {
         Pointwise::LeakyRelu => leaky_relu(x, a),
         Pointwise::Hardtanh => hardtanh(x, a, b),
         Pointwise::Tanh => x.tanh(),
+        Pointwise::Sigmoid => sigmoid(x),
+        Pointwise::GeluTanh => gelu_tanh(x),
     }
 }
 
@@ -40,6 +42,8 @@ pub fn pointwise_grad<T: Real>(op: Pointwise, x: T, p: T, a: T, b: T) -> (T, T) 
             let t = x.tanh();
             (T::ONE - t * t, T::ZERO)
         }
+        Pointwise::Sigmoid => (sigmoid(x) * sigmoid(-x), T::ZERO),
+        Pointwise::GeluTanh => (gelu_tanh_grad(x), T::ZERO),
     }
 }
 
@@ -154,6 +158,31 @@ pub fn gelu_grad<T: Real>(x: T) -> T {
 fn normal_cdf<T: Real>(x: T) -> T {
     let half = T::from_f64_nearest(0.5);
     half * (T::ONE + (x * T::from_f64_nearest(std::f64::consts::FRAC_1_SQRT_2)).erf())
+}
+
+/// `u(x) = sqrt(2/pi) (x + 0.044715 x^3)` of GELU's tanh form, and `u'(x)`.
+fn gelu_tanh_inner<T: Real>(x: T) -> (T, T) {
+    let k = T::from_f64_nearest((2.0 / std::f64::consts::PI).sqrt());
+    let c = T::from_f64_nearest(0.044715);
+    let x2 = x * x;
+    (k * x * (T::ONE + c * x2), k * (T::ONE + T::from_f64_nearest(3.0) * c * x2))
+}
+
+/// GELU, tanh form: `f(x) = x (1 + tanh(u)) / 2 = x sigmoid(2u)` (the second form
+/// has no `1 + tanh(u)` to cancel for negative `x`).
+pub fn gelu_tanh<T: Real>(x: T) -> T {
+    let (u, _) = gelu_tanh_inner(x);
+    x * sigmoid(u + u)
+}
+
+/// `f'(x) = s + 2 x s (1 - s) u'(x)` with `s = sigmoid(2u)`, `1 - s = sigmoid(-2u)`.
+/// Where `s (1 - s)` is 0 (`|x|` large) the second term is too, also when `x^2` or
+/// `x^3` overflows.
+pub fn gelu_tanh_grad<T: Real>(x: T) -> T {
+    let (u, du) = gelu_tanh_inner(x);
+    let s = sigmoid(u + u);
+    let d = s * sigmoid(-(u + u));
+    if d == T::ZERO { s } else { s + (x + x) * d * du }
 }
 
 /// LeakyReLU: `f(x) = x` for `x > 0`, else `slope x`.

@@ -219,3 +219,49 @@ impl PointwiseMath for Tanh {
         fma(-t, t, 1.0)
     }
 }
+
+/// `sigmoid(x) = 1 / (1 + e^-x)`; `sigmoid'(x) = s (1 - s)`, `s = sigmoid(x)` (as
+/// `s - s^2` in one rounding). Above ~17, `1 - s` is 0 in f32 where the derivative is
+/// below 4e-8: an absolute error, far under the tolerances.
+pub struct Sigmoid;
+impl PointwiseMath for Sigmoid {
+    const OP: Pointwise = Pointwise::Sigmoid;
+    #[inline(always)]
+    fn forward(x: f32, _: f32, _: f32, _: f32) -> f32 {
+        sigmoid(x)
+    }
+    #[inline(always)]
+    fn grad(x: f32, _: f32, _: f32, _: f32) -> f32 {
+        let s = sigmoid(x);
+        fma(-s, s, s)
+    }
+}
+
+/// `sqrt(2 / pi)`
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+/// The cubic term of GELU's tanh approximation.
+const GELU_TANH_CUBIC: f32 = 0.044_715;
+
+/// GELU's tanh form, `x (1 + tanh(u)) / 2` with `u = sqrt(2/pi) (x + 0.044715 x^3)`,
+/// computed as `x * sigmoid(2u)` (the same value: `(1 + tanh(u)) / 2 = sigmoid(2u)`),
+/// which has no `1 + tanh` to cancel in the negative tail. With `s = sigmoid(2u)`,
+/// `f'(x) = s + x * 2 s (1 - s) * sqrt(2/pi) (1 + 3 * 0.044715 x^2)`; where
+/// `s (1 - s)` is 0 in f32 (|x| above ~10) the second term is selected away, so an
+/// `x^2` that overflows gives no `0 * inf`.
+pub struct GeluTanh;
+impl PointwiseMath for GeluTanh {
+    const OP: Pointwise = Pointwise::GeluTanh;
+    #[inline(always)]
+    fn forward(x: f32, _: f32, _: f32, _: f32) -> f32 {
+        let x2 = x * x;
+        x * sigmoid(2.0 * SQRT_2_OVER_PI * x * fma(GELU_TANH_CUBIC, x2, 1.0))
+    }
+    #[inline(always)]
+    fn grad(x: f32, _: f32, _: f32, _: f32) -> f32 {
+        let x2 = x * x;
+        let s = sigmoid(2.0 * SQRT_2_OVER_PI * x * fma(GELU_TANH_CUBIC, x2, 1.0));
+        let d = fma(-s, s, s);
+        let g = fma(x * d, 2.0 * SQRT_2_OVER_PI * fma(3.0 * GELU_TANH_CUBIC, x2, 1.0), s);
+        if d == 0.0 { s } else { g }
+    }
+}

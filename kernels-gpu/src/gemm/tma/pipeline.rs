@@ -27,6 +27,16 @@ fn tile_origin(tile: u32, tiles_m: u32, tiles_n: u32) -> (u32, u32) {
     ((first + local % height) * BLOCK_M as u32, (local / height) * BLOCK_N as u32)
 }
 
+/// `gridDim.x`, read where it is used (a `mov` LLVM may not hoist): the producer's loop
+/// then holds no register for it, which at its 24 registers ptxas had spilled.
+#[inline(always)]
+fn grid_dim_x_in_place() -> u32 {
+    let x: u32;
+    // SAFETY: reads a read-only special register.
+    unsafe { core::arch::asm!("mov.u32 {0}, %nctaid.x;", out(reg32) x, options(nostack, nomem, preserves_flags)) };
+    x
+}
+
 /// The stages of a persistent TMA kernel, their "full" and "empty" barriers and the
 /// tile walk, shared by the `nt` and `tk` bodies. A stage holds the `A` and `B` tiles
 /// (`tile_bytes`, `A` first), then with 3xTF32 their residuals in the same layout.
@@ -150,7 +160,7 @@ impl Pipeline {
                 copy(self.stage(s), row0, col0, kt * self.block_k, self.full(s));
                 (s, phase) = self.next(s, phase);
             }
-            tile += grid_dim_x();
+            tile += grid_dim_x_in_place();
         }
     }
 }
