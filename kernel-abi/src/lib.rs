@@ -45,20 +45,22 @@ pub mod gemm_wgmma {
 }
 
 /// The small-batch forward (`kernels-gpu/src/gemm/gemv.rs`): at most [`ROWS`](gemv::ROWS)
-/// rows, each block a slab of `32 * col_warps` columns over the whole depth, `W` streamed
-/// once across every SM.
+/// rows, each block a slab of [`SLAB`](gemv::SLAB) columns over the whole depth, `W`
+/// streamed once across every SM.
 pub mod gemv {
-    /// Most rows the kernel takes (its accumulators: one per row per thread).
-    pub const ROWS: usize = 16;
-    /// Depth of `x` staged in shared memory at a time.
-    pub const K_BLOCK: usize = 256;
+    /// Most rows the kernel takes: its FP32 FMAs (`2 m n k`) stay under the time `W`'s
+    /// bytes take to arrive.
+    pub const ROWS: usize = 8;
+    /// Columns a warp sums at once (one accumulator per row and column).
+    pub const COLS_PER_WARP: usize = 4;
     /// Threads per block: eight warps, as the row-wise epilogue's ops expect.
     pub const THREADS: usize = 256;
-    /// Widest slab: eight warps of columns.
-    pub const MAX_SLAB: usize = 256;
-    /// Dynamic shared memory: staged `x` (reused for the depth parts' sums), the slab's
-    /// `z`, and two floats per warp of scratch.
-    pub const SMEM_BYTES: usize = 4 * (ROWS * K_BLOCK + ROWS * MAX_SLAB + 2 * (THREADS / 32));
+    /// Columns per block.
+    pub const SLAB: usize = COLS_PER_WARP * THREADS / 32;
+    /// Depth of `x` staged in shared memory at a time: 8 values per lane.
+    pub const K_BLOCK: usize = 256;
+    /// Dynamic shared memory: staged `x`, the slab's `z`, two floats per warp of scratch.
+    pub const SMEM_BYTES: usize = 4 * (ROWS * K_BLOCK + ROWS * SLAB + 2 * (THREADS / 32));
 }
 
 /// The persistent, warp-specialised `wgmma` forward: `128 x 256` output tiles, operands

@@ -23,13 +23,13 @@
 //! (recomputing each op's input from `z`), `sum_partials` finishes those, and two
 //! GEMMs give `dX = dZ W` and `dW = dZ^T X`.
 
-use super::dispatch::{self, Forward, Gemv, not_fusable};
-use super::gemm::gemv::launch_gemv;
+use super::dispatch::{self, Forward, not_fusable};
 use super::elementwise::{Convert, Vector, convert_vectors, fold_rows_mean, unfold_rows_mean_grad};
 use super::epilogue::DeviceChain;
 use super::epilogue::kinks::{Refined, Scan, refine_near_kinks, scanned_prefix};
 use super::epilogue::lanes::{epilogue_tiles_backward, fits as tiles_fit};
 use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
+use super::gemm::gemv::launch_gemv;
 use super::gemm::{forward_gemm, grad_input, grad_weight};
 use super::{DeviceElement, DeviceTensor, Dtype, Gpu, Phases};
 use crate::block::{BlockSpec, Params};
@@ -211,7 +211,7 @@ impl<W: DeviceElement> GpuBlock<W> {
             dtype: W::DTYPE,
             folded: self.folded.is_some(),
             fusable: self.not_fusable.is_none(),
-            gemv_slab: dispatch::gemv_slab(&self.spec.chain.0[self.first_op..], self.gemm_width()),
+            gemv_chain: dispatch::gemv_chain_fits(&self.spec.chain.0[self.first_op..], self.gemm_width()),
             w_aligned: self.params.linear_weight.buf.device_address().is_multiple_of(16),
         }
     }
@@ -242,12 +242,15 @@ impl<W: DeviceElement> GpuBlock<W> {
             dispatch::gemv_kernel(W::DTYPE, out)
         };
         match plan {
-            Plan::Gemv { col_warps, chain: true } => {
-                format!("{}: small batch, W streamed by every SM, the chain on {}-column slabs (1 kernel)", gemv(true), 32 * col_warps)
+            Plan::Gemv { chain: true } => {
+                format!("{}: small batch, W streamed by every SM, the chain on its slabs (1 kernel)", gemv(true))
             }
-            Plan::Gemv { chain: false, .. } => {
+            Plan::Gemv { chain: false } => {
                 let rounded = if W::DTYPE == Dtype::Bf16 { ", y rounded" } else { "" };
-                format!("{}: small batch, W streamed by every SM + epilogue_rows (the chain needs whole rows{rounded})", gemv(false))
+                format!(
+                    "{}: small batch, W streamed by every SM + epilogue_rows (the chain needs whole rows{rounded})",
+                    gemv(false)
+                )
             }
             Plan::Fused => format!("fused: {gemm} with bias and chain in the epilogue (1 kernel{fold})"),
             Plan::GemmThenRows { splits } => {
@@ -276,8 +279,8 @@ impl<W: DeviceElement> GpuBlock<W> {
         let n = self.gemm_width();
         let new = |shape: &[usize]| if poison { gpu.poisoned(shape) } else { gpu.alloc(shape) };
         let z = match plan {
-            Plan::Fused | Plan::Gemv { chain: true, .. } => None,
-            Plan::GemmThenRows { splits: 1 } | Plan::Gemv { chain: false, .. } => Some(new(&[batch, n])?),
+            Plan::Fused | Plan::Gemv { chain: true } => None,
+            Plan::GemmThenRows { splits: 1 } | Plan::Gemv { chain: false } => Some(new(&[batch, n])?),
             Plan::GemmThenRows { splits } => Some(new(&[splits, batch, n])?),
         };
         let y_shape = [batch, self.out_width()];
@@ -305,12 +308,12 @@ impl<W: DeviceElement> GpuBlock<W> {
         y: &mut DeviceTensor,
         save: Option<&mut DeviceTensor>,
     ) -> Result<()> {
-        if let Plan::Gemv { col_warps, chain } = *plan {
-            let gemv = Gemv { kernel: dispatch::gemv_kernel(Dtype::F32, Dtype::F32), col_warps };
+        if let Plan::Gemv { chain } = *plan {
+            let kernel = dispatch::gemv_kernel(Dtype::F32, Dtype::F32);
             return match (chain, z) {
-                (true, _) => launch_gemv(gpu, &gemv, x, w, Some(&b.buf), Some(&self.chain), y, save),
+                (true, _) => launch_gemv(gpu, kernel, x, w, Some(&b.buf), Some(&self.chain), y, save),
                 (false, Some(z)) => {
-                    launch_gemv(gpu, &gemv, x, w, Some(&b.buf), None, z, None)?;
+                    launch_gemv(gpu, kernel, x, w, Some(&b.buf), None, z, None)?;
                     epilogue_rows(gpu, &self.chain, z, None, y, save)
                 }
                 (false, None) => unreachable!("workspace() allocates z for this plan"),

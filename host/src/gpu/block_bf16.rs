@@ -12,11 +12,11 @@
 //! the FP32 accumulation's error (docs/NUMERICS.md).
 
 use super::block::{DeviceGrads, DeviceParams, GpuBlock, HostGrads, Plan, Saved, Workspace};
-use super::dispatch::{self, Gemv, Role, Route, Storage};
-use super::gemm::gemv::launch_gemv;
+use super::dispatch::{self, Role, Route, Storage};
 use super::elementwise::{to_bf16, unfold_rows_mean_grad, widen, widen_on};
 use super::epilogue::lanes::epilogue_tiles_backward;
 use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
+use super::gemm::gemv::launch_gemv;
 use super::gemm::tma::launch_bf16;
 use super::gemm::{grad_input, grad_weight};
 use super::{DeviceElement, DeviceTensor, Dtype, Gpu};
@@ -67,13 +67,13 @@ impl GpuBlock<Bf16> {
         match (&ws.plan, ws.z.as_mut(), route.widened) {
             // A few rows: the small-batch kernel on x and W as stored, the chain on its
             // slabs into bf16 y; or into FP32 `z`, the row-wise epilogue, `y` rounded.
-            (&Plan::Gemv { col_warps, chain: true }, ..) => {
-                let gemv = Gemv { kernel: dispatch::gemv_kernel(Dtype::Bf16, Dtype::Bf16), col_warps };
-                launch_gemv(gpu, &gemv, x, w, Some(&b.buf), Some(&self.chain), &mut ws.y, save)
+            (Plan::Gemv { chain: true }, ..) => {
+                let kernel = dispatch::gemv_kernel(Dtype::Bf16, Dtype::Bf16);
+                launch_gemv(gpu, kernel, x, w, Some(&b.buf), Some(&self.chain), &mut ws.y, save)
             }
-            (&Plan::Gemv { col_warps, chain: false }, Some(z), _) => {
-                let gemv = Gemv { kernel: dispatch::gemv_kernel(Dtype::Bf16, Dtype::F32), col_warps };
-                launch_gemv(gpu, &gemv, x, w, Some(&b.buf), None, z, None)?;
+            (Plan::Gemv { chain: false }, Some(z), _) => {
+                let kernel = dispatch::gemv_kernel(Dtype::Bf16, Dtype::F32);
+                launch_gemv(gpu, kernel, x, w, Some(&b.buf), None, z, None)?;
                 let mut y = gpu.alloc(&ws.y.shape)?;
                 epilogue_rows(gpu, &self.chain, z, None, &mut y, save)?;
                 ws.y = to_bf16(gpu, &y)?;

@@ -6,7 +6,7 @@
 //!   epilogue; [`not_fusable`] says why an op cannot ride in the store;
 //! * [`route`] — which GEMM family and kernel runs each GEMM of a Linear layer, for the
 //!   precision, the shape and how the tensors are stored ([`Storage`]);
-//! * [`gemv_slab`], [`gemv_kernel`] — the small-batch forward's slab and kernel;
+//! * [`gemv_chain_fits`], [`gemv_kernel`] — the small-batch forward's chain and kernel;
 //! * [`tile_backward`] and [`tiles_backward_kernel`] — the chain's backward tile-wise
 //!   or row by row, and the tile kernel for the gradients' dtype;
 //! * [`values_one_by_one`] — how the kink scan hands doubtful values to the refinement.
@@ -22,7 +22,7 @@ use kernel_abi::Kernel;
 use kernel_abi::epilogue::{OP_GROUP_NORM, OpDesc};
 use kernel_abi::gemm_fma::{BLOCK_K, BLOCK_M, BLOCK_N, MAX_FUSED_GROUP, MIN_FUSED_GROUP};
 use kernel_abi::gemm_tma::MIN_K;
-use kernel_abi::gemv::ROWS as GEMV_ROWS;
+use kernel_abi::gemv::{ROWS as GEMV_ROWS, SLAB as GEMV_SLAB};
 
 /// Memory order of the operands of `y = A B^T` as a kernel reads them (see
 /// `kernels-gpu/src/gemm/fma.rs`; the bf16 TMA kernels read the same three).
@@ -316,14 +316,7 @@ pub enum Plan {
     GemmThenRows { splits: usize },
     /// A few rows: the small-batch kernel (`gemv_*`), with the chain on its slabs
     /// (`chain`), or storing `z` for the row-wise epilogue.
-    Gemv { col_warps: usize, chain: bool },
-}
-
-/// The small-batch kernel for a block's tensors, and its slab width in warps.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Gemv {
-    pub kernel: Kernel,
-    pub col_warps: usize,
+    Gemv { chain: bool },
 }
 
 /// The small-batch kernel reading `operands` and writing `output`: FP32 throughout, or
@@ -336,20 +329,17 @@ pub fn gemv_kernel(operands: Dtype, output: Dtype) -> Kernel {
     }
 }
 
-/// The narrowest slab (in warps of 32 columns) on which the small-batch kernel can run
-/// the chain `ops` (the GEMM's `n` columns in): per-element ops and GroupNorms whose
-/// groups lie inside it, `n` a whole number of slabs. `None`: the chain needs whole
-/// rows (or wider groups), and runs in the row-wise epilogue after `z`.
-pub fn gemv_slab(ops: &[Op], n: usize) -> Option<usize> {
-    let mut group = 1;
-    for op in ops {
-        match *op {
-            Op::Pointwise(..) => {}
-            Op::GroupNorm { groups, .. } => group = group.max(n / groups),
-            _ => return None,
-        }
-    }
-    [1, 2, 4, 8].into_iter().find(|&w| (32 * w) % group == 0 && n.is_multiple_of(32 * w))
+/// Whether the small-batch kernel can run the chain `ops` on its slabs of
+/// `gemv::SLAB` columns (the GEMM's `n` columns in): per-element ops and GroupNorms
+/// whose groups lie inside a slab, `n` a whole number of slabs. Else the chain needs
+/// whole rows (or wider groups), and runs in the row-wise epilogue after `z`.
+pub fn gemv_chain_fits(ops: &[Op], n: usize) -> bool {
+    n.is_multiple_of(GEMV_SLAB)
+        && ops.iter().all(|op| match *op {
+            Op::Pointwise(..) => true,
+            Op::GroupNorm { groups, .. } => GEMV_SLAB.is_multiple_of(n / groups),
+            _ => false,
+        })
 }
 
 /// A block's forward as [`plan`] sees it.
@@ -366,8 +356,8 @@ pub struct Forward {
     pub folded: bool,
     /// Some op of the chain cannot ride in the GEMM's store ([`not_fusable`]).
     pub fusable: bool,
-    /// The chain's slab on the small-batch kernel ([`gemv_slab`]).
-    pub gemv_slab: Option<usize>,
+    /// The chain runs on the small-batch kernel's slabs ([`gemv_chain_fits`]).
+    pub gemv_chain: bool,
     /// `W` starts on a 16-byte boundary (the small-batch kernel reads it by vectors).
     pub w_aligned: bool,
 }
@@ -383,10 +373,7 @@ pub struct Forward {
 /// where the tile GEMMs would give it a few dozen.
 pub fn plan(f: Forward, sms: usize, tma: bool) -> Plan {
     if (1..=GEMV_ROWS).contains(&f.batch) && f.k.is_multiple_of(8) && f.w_aligned && !f.folded {
-        return match f.gemv_slab {
-            Some(col_warps) => Plan::Gemv { col_warps, chain: true },
-            None => Plan::Gemv { col_warps: 1, chain: false },
-        };
+        return Plan::Gemv { chain: f.gemv_chain };
     }
     let tiles = f.batch.div_ceil(BLOCK_M) * f.n.div_ceil(BLOCK_N);
     let unsplit = Plan::GemmThenRows { splits: 1 };
@@ -614,7 +601,7 @@ mod tests {
     }
 
     /// A bf16 model's forward never splits `k` where its kernel reads the tensors as
-    /// stored; an FP32 one does at few tiles and a deep `k`. At most 16 rows take the
+    /// stored; an FP32 one does at few tiles and a deep `k`. At most 8 rows take the
     /// small-batch kernel, unless `W` is misaligned or folded, or `k` not whole chunks.
     #[test]
     fn plans_split_only_widened_or_fp32_forwards() {
@@ -625,7 +612,7 @@ mod tests {
             dtype,
             folded,
             fusable: true,
-            gemv_slab: Some(1),
+            gemv_chain: true,
             w_aligned: true,
         };
         assert_eq!(plan(f(Dtype::Bf16, false), 132, true), Plan::Fused);
@@ -635,11 +622,11 @@ mod tests {
         assert_eq!(plan(big, 132, true), Plan::Fused);
         assert_eq!(plan(Forward { fusable: false, ..big }, 132, true), Plan::GemmThenRows { splits: 1 });
 
-        let small = Forward { batch: 16, ..f(Dtype::Bf16, false) };
-        assert_eq!(plan(small, 132, true), Plan::Gemv { col_warps: 1, chain: true });
-        assert_eq!(plan(Forward { gemv_slab: None, ..small }, 132, true), Plan::Gemv { col_warps: 1, chain: false });
+        let small = Forward { batch: 8, ..f(Dtype::Bf16, false) };
+        assert_eq!(plan(small, 132, true), Plan::Gemv { chain: true });
+        assert_eq!(plan(Forward { gemv_chain: false, ..small }, 132, true), Plan::Gemv { chain: false });
         for not_gemv in [
-            Forward { batch: 17, ..small },
+            Forward { batch: 9, ..small },
             Forward { batch: 0, ..small },
             Forward { w_aligned: false, ..small },
             Forward { folded: true, ..small },
@@ -655,14 +642,14 @@ mod tests {
     fn gemv_slabs_hold_whole_groups() {
         let gn = |groups| Op::GroupNorm { groups, eps: 1e-5 };
         let swish = Op::of(kernel_abi::ops::Pointwise::Swish);
-        assert_eq!(gemv_slab(&[], 4096), Some(1));
-        assert_eq!(gemv_slab(&[swish], 96), Some(1));
-        assert_eq!(gemv_slab(&[gn(256), swish], 8192), Some(1)); // groups of 32
-        assert_eq!(gemv_slab(&[gn(64)], 8192), Some(4)); // of 128
-        assert_eq!(gemv_slab(&[gn(16)], 8192), None); // of 512: wider than a slab
-        assert_eq!(gemv_slab(&[swish], 100), None); // n not whole slabs
-        assert_eq!(gemv_slab(&[Op::RowMax], 4096), None);
-        assert_eq!(gemv_slab(&[Op::AvgPool(4)], 4096), None);
+        assert!(gemv_chain_fits(&[], 4096));
+        assert!(gemv_chain_fits(&[swish], 96));
+        assert!(gemv_chain_fits(&[gn(256), swish], 8192)); // groups of 32
+        assert!(gemv_chain_fits(&[gn(512), swish], 8192)); // of 16
+        assert!(!gemv_chain_fits(&[gn(64)], 8192)); // of 128: wider than a slab
+        assert!(!gemv_chain_fits(&[swish], 100)); // n not whole slabs
+        assert!(!gemv_chain_fits(&[Op::RowMax], 4096));
+        assert!(!gemv_chain_fits(&[Op::AvgPool(4)], 4096));
         assert_eq!(gemv_kernel(Dtype::Bf16, Dtype::Bf16), Kernel::GemvBf16ToBf16);
     }
 }

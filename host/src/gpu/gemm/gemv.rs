@@ -1,21 +1,21 @@
 //! The launcher of the small-batch forward (`kernels-gpu/src/gemm/gemv.rs`): at most
 //! `gemv::ROWS` rows of `y = chain(x W^T + bias)`, `W` streamed once across the GPU.
 
-use super::super::dispatch::Gemv;
 use super::super::epilogue::DeviceChain;
 use super::super::{DeviceElement, DeviceTensor, Gpu};
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
-use kernel_abi::gemv::{ROWS, SMEM_BYTES, THREADS};
+use kernel_abi::Kernel;
+use kernel_abi::gemv::{ROWS, SLAB, SMEM_BYTES, THREADS};
 
-/// Queues `gemv`'s kernel: `y (m, n)` from `x (m, k)` and `w (n, k)` (their own dtype,
-/// `gemv.kernel`'s), plus `bias`; with `chain` (which [`dispatch`](super::super::dispatch)
-/// found to fit the slab), the chain too, else `y` is the chain's input `z`. `save_z`
-/// receives `z` (FP32).
+/// Queues the small-batch `kernel` ([`gemv_kernel`](super::super::dispatch::gemv_kernel)):
+/// `y (m, n)` from `x (m, k)` and `w (n, k)` (in the kernel's dtypes), plus `bias`; with
+/// `chain` (which the dispatch found to fit the slabs), the chain too, else `y` is the
+/// chain's input `z`. `save_z` receives `z` (FP32).
 #[allow(clippy::too_many_arguments)]
 pub fn launch_gemv<E: DeviceElement, O: DeviceElement>(
     gpu: &Gpu,
-    gemv: &Gemv,
+    kernel: Kernel,
     x: &DeviceTensor<E>,
     w: &DeviceTensor<E>,
     bias: Option<&CudaSlice<f32>>,
@@ -26,7 +26,6 @@ pub fn launch_gemv<E: DeviceElement, O: DeviceElement>(
     let (&[m, k], &[n, wk]) = (&x.shape[..], &w.shape[..]) else {
         return Err(Error::Shape(format!("small-batch GEMM: x {:?}, W {:?}", x.shape, w.shape)));
     };
-    let slab = 32 * gemv.col_warps;
     if wk != k
         || y.shape != [m, n]
         || save_z.as_ref().is_some_and(|z| z.shape != [m, n])
@@ -35,23 +34,22 @@ pub fn launch_gemv<E: DeviceElement, O: DeviceElement>(
         || n == 0
         || !k.is_multiple_of(8)
         || !w.buf.device_address().is_multiple_of(16)
-        || ![1, 2, 4, 8].contains(&gemv.col_warps)
-        || (chain.is_some() && !n.is_multiple_of(slab))
+        || (chain.is_some() && !n.is_multiple_of(SLAB))
         || [m * k, n * k].iter().any(|&d| d > u32::MAX as usize)
     {
         return Err(Error::Shape(format!(
-            "small-batch GEMM `{}`: x {:?}, W {:?}, y {:?}, slab {slab}",
-            gemv.kernel, x.shape, w.shape, y.shape
+            "small-batch GEMM `{kernel}`: x {:?}, W {:?}, y {:?}",
+            x.shape, w.shape, y.shape
         )));
     }
-    let func = gpu.function(gemv.kernel)?;
-    gpu.allow_shared(&func, gemv.kernel, SMEM_BYTES)?;
+    let func = gpu.function(kernel)?;
+    gpu.allow_shared(&func, kernel, SMEM_BYTES)?;
     let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(slab) as u32, 1, 1),
+        grid_dim: (n.div_ceil(SLAB) as u32, 1, 1),
         block_dim: (THREADS as u32, 1, 1),
         shared_mem_bytes: SMEM_BYTES as u32,
     };
-    let (m32, n32, k32, cw) = (m as u32, n as u32, k as u32, gemv.col_warps as u32);
+    let (m32, n32, k32) = (m as u32, n as u32, k as u32);
     let n_ops = chain.map_or(0, |c| c.ops.len() as u32);
     let null = 0u64;
     let mut launch = gpu.stream().launch_builder(&func);
@@ -65,14 +63,14 @@ pub fn launch_gemv<E: DeviceElement, O: DeviceElement>(
         Some(z) => launch.arg(&mut z.buf),
         None => launch.arg(&null),
     };
-    launch.arg(&m32).arg(&n32).arg(&k32).arg(&cw);
+    launch.arg(&m32).arg(&n32).arg(&k32);
     match chain {
         Some(c) => launch.arg(&c.descs),
         None => launch.arg(&null),
     };
     launch.arg(&n_ops);
     // SAFETY: matches the kernel's signature; shapes, the depth's multiple of 8 and
-    // W's 16-byte alignment checked above; a chain fits the slab (dispatch::gemv_slab).
-    unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{}`", gemv.kernel), e))?;
+    // W's 16-byte alignment checked above; a chain fits the slab (dispatch::gemv_chain_fits).
+    unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{kernel}`"), e))?;
     Ok(())
 }
