@@ -239,8 +239,10 @@ def _step(gm: fx.GraphModule, chain: _Chain, cur: fx.Node) -> Optional[fx.Node]:
         cur_first = a is cur
         t = _attr(gm, other)
         vector = t is not None and t.dim() == 1 and t.shape[0] == f and not chain.reduced
-        if chain.reduced and not (kind == "add" and a is cur and b is cur) and not (
-            kind in ("mul", "div") and _number(other)
+        if (
+            chain.reduced
+            and not (kind == "add" and a is cur and b is cur)
+            and not (kind in ("mul", "div") and _number(other))
         ):
             chain.stopped = f"`{u.name}`: {name} after a row reduction (the op takes no parameter there)"
             return None
@@ -280,9 +282,11 @@ def _step(gm: fx.GraphModule, chain: _Chain, cur: fx.Node) -> Optional[fx.Node]:
             k = ks if plain else None
         elif pool is not None and _is_fn(pool, F.avg_pool1d, F.max_pool1d) and len(pool.args) == 2:
             kind = "maxpool" if pool.target is F.max_pool1d else "avgpool"
-            stride = pool.kwargs.get("stride", None)
-            if isinstance(pool.args[1], int) and set(pool.kwargs) <= {"stride"} and stride in (None, pool.args[1]):
-                k = pool.args[1]
+            ks = pool.args[1]
+            plain = {"stride": (None, ks, (ks,), [ks], ()), "padding": (0, (0,)), "dilation": (1, (1,))}
+            plain.update(ceil_mode=(False,), return_indices=(False,))
+            if isinstance(ks, int) and all(k in plain and v in plain[k] for k, v in pool.kwargs.items()):
+                k = ks
         if (
             k is not None
             and squeeze is not None
@@ -298,7 +302,9 @@ def _step(gm: fx.GraphModule, chain: _Chain, cur: fx.Node) -> Optional[fx.Node]:
         return None
     if isinstance(module, nn.LayerNorm):
         if tuple(module.normalized_shape) != (f,):
-            chain.stopped = f"{u.target}: a LayerNorm over {tuple(module.normalized_shape)}, not the ({f},) features"
+            chain.stopped = (
+                f"{u.target}: a LayerNorm over {tuple(module.normalized_shape)}, not the ({f},) features"
+            )
             return None
         chain.shape_sensitive = True
         weight = f"{u.target}.weight" if module.weight is not None else ("const", 1.0, f)
@@ -307,14 +313,18 @@ def _step(gm: fx.GraphModule, chain: _Chain, cur: fx.Node) -> Optional[fx.Node]:
     rms_norm = getattr(nn, "RMSNorm", None)
     if rms_norm is not None and isinstance(module, rms_norm):
         if tuple(module.normalized_shape) != (f,):
-            chain.stopped = f"{u.target}: an RMSNorm over {tuple(module.normalized_shape)}, not the ({f},) features"
+            chain.stopped = (
+                f"{u.target}: an RMSNorm over {tuple(module.normalized_shape)}, not the ({f},) features"
+            )
             return None
         eps = module.eps
         if eps is None:
             dtype = module.weight.dtype if module.weight is not None else torch.get_default_dtype()
             eps = torch.finfo(dtype).eps
         chain.shape_sensitive = True
-        return take(f"rmsnorm({eps!r})", f"{u.target}.weight" if module.weight is not None else ("const", 1.0, f))
+        return take(
+            f"rmsnorm({eps!r})", f"{u.target}.weight" if module.weight is not None else ("const", 1.0, f)
+        )
     # Softmax over the features.
     if isinstance(module, nn.Softmax) or _is_fn(u, torch.softmax, F.softmax) or _is_method(u, "softmax"):
         dim = module.dim if module is not None else _arg(u, 1, "dim")
@@ -337,7 +347,10 @@ def _step(gm: fx.GraphModule, chain: _Chain, cur: fx.Node) -> Optional[fx.Node]:
         chain.shape_sensitive = True
         return out
 
-    for op, fn, method, amin_amax in (("max", torch.max, "max", torch.amax), ("min", torch.min, "min", torch.amin)):
+    for op, fn, method, amin_amax in (
+        ("max", torch.max, "max", torch.amax),
+        ("min", torch.min, "min", torch.amin),
+    ):
         if (_is_fn(u, fn) or _is_method(u, method)) and dim in (1, -1):
             pick = _only_user(u)
             picks = pick is not None and (
