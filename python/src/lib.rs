@@ -886,8 +886,9 @@ type Description = (Vec<usize>, usize, usize, Vec<String>, Vec<(String, Vec<usiz
 /// as `(kind, args)`, its canonical name (an alias, `double`, resolved) and every
 /// argument written out (defaults filled in): `groupnorm` `(groups, eps)`, `avgpool`
 /// `(k,)`, `maxpool` `(k,)`, `layernorm` and `rmsnorm` `(eps,)`, `max`, `min`, `sum`,
-/// `mean`, `logsumexp`, `softmax` `()`. Arguments are the kernels' f32 values as their shortest decimals
-/// (`0.01`, not 0.009999999776). A `ValueError` says why a chain does not parse.
+/// `mean`, `logsumexp`, `softmax` `()`. Arguments are the kernels' f32 values as their
+/// shortest decimals (`0.01`, not 0.009999999776). A `ValueError` says why a chain does
+/// not parse.
 #[pyfunction]
 fn parse_chain(ops: &str) -> PyResult<Vec<(String, Vec<f64>)>> {
     guarded(|| {
