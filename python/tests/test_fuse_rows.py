@@ -238,3 +238,46 @@ def test_fuse_whole_row_ops_on_the_gpu(tail, modules):
     torch.manual_seed(3)
     model = _randomize(Lin(tail, n_in=256, n_out=384, **modules)).cuda()
     assert len(check_same(model, torch.randn(300, 256, device="cuda"), tol=1e-4)) == 1
+
+
+# ---------------------------------------------------------------- the op against the reference
+
+# Every whole-row op, through fused_linear.fused_linear against chain_ref's float64 PyTorch
+# reference (values and every gradient).
+ROW_CHAINS = [
+    "sum,max,mean,logsumexp,logsumexp",
+    "bias,min,swish,scale(-2)",
+    "logsumexp,leakyrelu(0.01),gelu",
+    "softmax,scale(3),mul,maxpool(3),layernorm,gelu",
+    "layernorm(1e-3),mul,rmsnorm,bias,softmax,logsumexp",
+    "rmsnorm(1e-6),maxpool(4),softmax,max",
+    "mish,mean,tanh",
+]
+
+
+def _check_op(shape, ops, dtype, tol, device="cpu", precision=None, seed=0):
+    from chain_ref import make_case, reference_grads, rel_err
+
+    (x, weight, bias), params = make_case(shape, ops, seed, dtype, device=device, min_margin=1e-4)
+    leaves = [t.clone().requires_grad_(True) for t in (x, weight, bias, *params)]
+    y = fused_linear.fused_linear(leaves[0], leaves[1], leaves[2], ops, leaves[3:], precision)
+    dy = torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 1))
+    y_ref, grads_ref = reference_grads(x.cpu(), weight.cpu(), bias.cpu(), ops, [p.cpu() for p in params], dy)
+    grads = torch.autograd.grad(y, leaves, dy.to(dtype).to(device))
+    names = ["y", "x", "weight", "bias"] + [f"params[{i}]" for i in range(len(params))]
+    errs = {n: rel_err(a, b) for n, a, b in zip(names, [y, *grads], [y_ref, *grads_ref])}
+    bad = {n: e for n, e in errs.items() if not e < tol}
+    assert not bad, f"{ops} at {shape}: relative errors above {tol:g}: {bad}"
+
+
+@pytest.mark.parametrize("ops", ROW_CHAINS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_whole_row_ops_match_the_reference_on_the_cpu(ops, dtype):
+    _check_op((5, 13, 36), ops, dtype, 1e-5 if dtype == torch.float32 else 1e-10)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ops", ROW_CHAINS)
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+def test_whole_row_ops_match_the_reference_on_the_gpu(ops, precision):
+    _check_op((300, 520, 384), ops, torch.float32, {"fp32": 1e-4, "tf32": 5e-3}[precision], "cuda", precision)
