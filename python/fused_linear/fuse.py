@@ -24,7 +24,8 @@ row reductions over ``dim`` 1 or -1: max (``torch.max(x, 1)``, ``x.max(dim=1)``,
 ``logsumexp`` (functions or methods), each with or without ``keepdim``. After a reduction the
 chain goes on with ops on one value per row: per-element ops, and (after one with
 ``keepdim=True``) more reductions and softmax; a parameter or a number added there ends
-it. A value used twice (a residual, a ``.detach()``) ends the chain there.
+it; ``x - x.mean(1, keepdim=True)`` there is ``0 * x``. A value used twice otherwise (a
+residual, a ``.detach()``) ends the chain there.
 """
 
 from __future__ import annotations
@@ -154,6 +155,24 @@ def _step(gm: fx.GraphModule, chain: _Chain, cur: fx.Node) -> Optional[fx.Node]:
             chain.ops.append("swish")
             chain.nodes += [sig, prod]
             return prod
+        # x - x.mean(1, keepdim=True) on one value per row (after a reduction with keepdim):
+        # x - x, which is 0 * x (the same value, NaN and Inf included, and derivative).
+        mean = next((u for u in users if _is_fn(u, torch.mean) or _is_method(u, "mean")), None)
+        diff = next((u for u in users if u is not mean), None)
+        if (
+            chain.reduced
+            and chain.keepdim
+            and mean is not None
+            and _arg(mean, 1, "dim") in (1, -1, (1,), (-1,), [1], [-1])
+            and _arg(mean, 2, "keepdim", False)
+            and _only_user(mean) is diff
+            and (_is_fn(diff, operator.sub, torch.sub) or _is_method(diff, "sub"))
+            and tuple(diff.args[:2]) == (cur, mean)
+            and not diff.kwargs
+        ):
+            chain.ops.append("scale(0.0)")
+            chain.nodes += [mean, diff]
+            return diff
         chain.stopped = f"`{cur.name}` is used {len(users)} times (a residual or a second branch)"
         return None
     if len(users) != 1:

@@ -94,14 +94,20 @@ def test_fuse_row_reductions(ops):
     assert check_same(Lin(REDUCTIONS[ops]), torch.randn(9, 24)) == [ops]
 
 
-def test_reduction_then_its_own_mean_ends_the_chain():
-    """max -> x - x.mean(keepdim) -> gelu: the value is used twice, so the chain ends at the max."""
+def test_reduction_then_its_own_mean():
+    """max -> x - x.mean(keepdim) -> gelu (KernelBench's Gemm_Max_Subtract_GELU): on one value
+    per row the difference is 0 * x; before a reduction the value used twice ends the chain."""
 
     def tail(m, h):
         h = torch.max(h, dim=1, keepdim=True).values
         return F.gelu(h - h.mean(dim=1, keepdim=True))
 
-    assert check_same(Lin(tail), torch.randn(7, 24)) == ["max"]
+    assert check_same(Lin(tail), torch.randn(7, 24)) == ["max,scale(0.0),gelu"]
+    model = Lin(lambda m, h: F.gelu(h - h.mean(dim=1, keepdim=True)))
+    assert check_same(model, torch.randn(7, 24)) == []
+    # Without keepdim the mean over dim -1 of (N,) is the batch's: left to PyTorch.
+    model = Lin(lambda m, h: (lambda v: v - v.mean(-1, keepdim=True))(h.max(1).values))
+    assert check_same(model, torch.randn(7, 24)) == ["max"]
 
 
 def test_no_parameter_or_number_is_added_after_a_reduction():
