@@ -13,6 +13,7 @@
 mod common;
 
 use common::{random_params, random_tensor};
+use host::chain::Reduce;
 use host::check::{BF16_REL, FP32_REL, TF32_REL, compare_f32};
 use host::cpu::{self, Options, Precision};
 use host::reference::{self, BlockGrads};
@@ -34,8 +35,14 @@ const OUTS: [usize; 12] = [1, 2, 3, 5, 7, 8, 12, 15, 16, 24, 33, 96];
 /// rounding of those terms is then large against the result (4e-3 relative was
 /// seen), without anything being wrong.
 fn random_op(rng: &mut StdRng, f: usize, for_backward: bool) -> Op {
-    match rng.random_range(0..11) {
+    match rng.random_range(0..17) {
         0..=7 => Op::random_pointwise(rng),
+        11 => Op::Reduce(Reduce::ALL[rng.random_range(0..4)]),
+        12 => Op::Softmax,
+        13 => Op::MaxPool(rng.random_range(1..=f)),
+        // LayerNorm over two features, RMSNorm over one: as GroupNorm over groups of two.
+        14 if !(for_backward && f == 2) => Op::LayerNorm { eps: if rng.random_bool(0.5) { 1e-5 } else { 1e-3 } },
+        15 if !(for_backward && f == 1) => Op::RmsNorm { eps: if rng.random_bool(0.5) { 1e-5 } else { 1e-3 } },
         8 => {
             let divisors: Vec<usize> =
                 (1..=f).filter(|g| f.is_multiple_of(*g) && !(for_backward && f / g == 2)).collect();
@@ -58,6 +65,10 @@ fn random_spec(rng: &mut StdRng, for_backward: bool) -> (BlockSpec, usize) {
     let mut f = out_f;
     for _ in 0..rng.random_range(0..=5) {
         let op = random_op(rng, f, for_backward);
+        // After a reduction no per-channel parameter (refused there).
+        if ops.iter().any(Op::reduces_row) && !op.param_bases().is_empty() {
+            continue;
+        }
         f = op.out_features(f).unwrap();
         ops.push(op);
     }

@@ -78,6 +78,14 @@ fn gpu_block_forward_matches_reference() {
         ("bias,mish,groupnorm(3),mul,gelu", (17, 45, 30)),
         ("leakyrelu(0.2),hardtanh(-0.5,0.7),avgpool(3),scale(-1.5),max", (9, 31, 100)),
         ("groupnorm(1),swish", (3, 8, 5000)),
+        // The whole-row ops (row-wise epilogue; LayerNorm as GroupNorm(1), fused at 128).
+        ("sum,max,mean,logsumexp,logsumexp", (17, 45, 300)),
+        ("bias,min,swish,scale(-2)", (9, 31, 100)),
+        ("logsumexp,leakyrelu(0.01),gelu", (33, 77, 5000)),
+        ("softmax,scale(3),mul,maxpool(3),layernorm,gelu", (17, 45, 301)),
+        ("layernorm(1e-3),mul,rmsnorm,bias,softmax", (33, 77, 96)),
+        ("layernorm,swish", (300, 520, 128)),
+        ("rmsnorm(1e-6),maxpool(4),softmax,max", (64, 4096, 256)), // split-K
     ] {
         cases.push((text.into(), text.parse().unwrap(), shape));
     }
@@ -118,8 +126,17 @@ fn gpu_block_backward_matches_reference() {
         ("groupnorm(1),leakyrelu(0.01),scale(2)", (70, 40, 128)),
         ("bias,mish,groupnorm(3),mul,gelu", (17, 45, 30)),
         ("leakyrelu(0.2),hardtanh(-0.5,0.7),avgpool(3),scale(-1.5),max", (9, 31, 100)),
-        ("gelu,max,scale(3),bias", (5, 20, 40)),
+        ("gelu,max,scale(3),leakyrelu(0.2)", (5, 20, 40)),
         ("", (7, 13, 9)),
+        // The whole-row ops, forward and backward.
+        ("sum,max,mean,logsumexp,logsumexp", (17, 45, 300)),
+        ("bias,min,swish,scale(-2)", (9, 31, 100)),
+        ("mish,mean,tanh", (9, 31, 100)),
+        ("logsumexp,leakyrelu(0.01),gelu", (33, 77, 5000)),
+        ("softmax,scale(3),mul,maxpool(3),layernorm,gelu", (17, 45, 301)),
+        ("layernorm(1e-3),mul,rmsnorm,bias,softmax,logsumexp", (33, 77, 96)),
+        ("layernorm,swish", (300, 520, 128)),
+        ("rmsnorm(1e-6),maxpool(4),softmax,max", (64, 4096, 256)),
         ("avgpool(4),groupnorm(2),swish", (64, 1024, 64)), // folded, split-K
     ] {
         cases.push((format!("`{text}`"), text.parse().unwrap(), shape));
@@ -231,11 +248,15 @@ fn kink_refinement_gives_the_exact_functions_gradients() {
     let mut rng = StdRng::seed_from_u64(23);
     // The first two are scanned in registers (`kink_scan_tiles`), the others row by
     // row (`kink_scan`: a folded AvgPool and a max; groups of 25 channels, a ragged k).
-    let cases: [(&str, (usize, usize, usize)); 4] = [
+    // The last two carry the radius through the whole-row ops to a MaxPool's and a
+    // row min's ties.
+    let cases: [(&str, (usize, usize, usize)); 6] = [
         ("groupnorm(64),leakyrelu(0.01),double", (512, 4096, 1024)),
         ("bias,hardtanh(-1,1),mish,groupnorm(32)", (512, 4096, 1024)),
         ("avgpool(16),gelu,scale(2),max", (1024, 2048, 2048)),
         ("groupnorm(40),leakyrelu(0.01),double", (512, 4100, 1000)),
+        ("rmsnorm,maxpool(4),gelu,min", (512, 4096, 1024)),
+        ("layernorm,mul,softmax,scale(1000),maxpool(2),logsumexp", (512, 4096, 1024)),
     ];
     for precision in [Precision::Tf32, Precision::Bf16] {
         for (n_case, (text, (b, i, o))) in cases.into_iter().enumerate() {

@@ -4,8 +4,9 @@
 //! blocks chained on one tape. The loss is `L = sum(y * r)` with a fixed random
 //! `r` (passed as `dy`), so every component of every gradient is exercised.
 //! Inputs are asserted to sit away from the kinks (LeakyReLU's 0, Hardtanh's
-//! bounds, max ties), where a finite difference would straddle two branches.
+//! bounds, ties of a row max or min or of a MaxPool window), where a finite difference would straddle two branches.
 
+use host::chain::Reduce;
 use host::check::{FD_REL, FD_STEP, compare};
 use host::reference::linear::linear_forward;
 use host::reference::{block_backward, block_forward, block_forward_taped, op_backward, op_forward};
@@ -70,13 +71,21 @@ fn assert_away_from_kinks(op: &Op, x: &Tensor<f64>) {
                 .fold(f64::INFINITY, f64::min);
             assert!(closest > KINK_MARGIN, "{op}: an input is {closest} from a bound");
         }
-        Op::RowMax => {
+        Op::RowMax | Op::Reduce(Reduce::Min) | Op::MaxPool(_) => {
             let cols = x.shape()[1];
+            let window = if let Op::MaxPool(k) = *op { k } else { cols };
             for r in x.data().chunks(cols) {
-                let mut sorted = r.to_vec();
-                sorted.sort_by(|a, b| b.total_cmp(a));
-                if cols > 1 {
-                    assert!(sorted[0] - sorted[1] > KINK_MARGIN, "max: the top two of a row are within {KINK_MARGIN}");
+                for w in r.chunks_exact(window) {
+                    let mut sorted = w.to_vec();
+                    sorted.sort_by(|a, b| b.total_cmp(a));
+                    let gap = if *op == Op::Reduce(Reduce::Min) {
+                        sorted[window - 2..].iter().fold(f64::INFINITY, |a, &b| b - a).abs()
+                    } else if window > 1 {
+                        sorted[0] - sorted[1]
+                    } else {
+                        f64::INFINITY
+                    };
+                    assert!(window < 2 || gap > KINK_MARGIN, "{op}: the top two of a window are within {KINK_MARGIN}");
                 }
             }
         }
@@ -144,6 +153,17 @@ fn every_op_backward_matches_finite_differences() {
         Op::AvgPool(1),
         Op::AvgPool(30),
         Op::RowMax,
+        Op::Reduce(Reduce::Sum),
+        Op::Reduce(Reduce::Mean),
+        Op::Reduce(Reduce::Min),
+        Op::Reduce(Reduce::LogSumExp),
+        Op::Softmax,
+        Op::MaxPool(4), // 7 outputs, 2 trailing features
+        Op::MaxPool(1),
+        Op::MaxPool(30),
+        Op::LayerNorm { eps: 1e-5 },
+        Op::RmsNorm { eps: 1e-5 },
+        Op::RmsNorm { eps: f32::EPSILON },
     ];
     // Every per-element op of the registry is checked here.
     for kind in Pointwise::ALL {
@@ -220,7 +240,15 @@ fn other_chains_match_finite_differences() {
         ("bias,mish,groupnorm(3),mul,gelu", 45),
         ("leakyrelu(0.2),hardtanh(-0.5,0.7),avgpool(3),scale(-1.5),max", 31),
         ("swish,gn(5,1e-3),bias,hardtanh,gn(2),scale(0.5),mul", 30),
-        ("gelu,max,scale(3),bias", 24),
+        ("gelu,max,scale(3),leakyrelu(0.2)", 24),
+        // Reductions after reductions, and per-element ops on one value per row.
+        ("sum,max,mean,logsumexp,logsumexp", 30),
+        ("logsumexp,leakyrelu(0.2),gelu", 24),
+        ("bias,min,swish,scale(-2)", 17),
+        ("mish,mean,tanh", 13),
+        ("softmax,scale(3),mul,maxpool(3),layernorm,gelu", 31),
+        ("layernorm(1e-3),mul,rmsnorm,bias,softmax,logsumexp", 24),
+        ("rmsnorm(1e-6),maxpool(2),softmax,max", 30),
         ("double,mish,avgpool(2),groupnorm(4)", 24),
         ("mul,mul,bias,swish,bias", 13),
         ("sigmoid,mul,gelu_tanh,groupnorm(3),bias,sigmoid", 30),

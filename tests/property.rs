@@ -5,6 +5,7 @@
 // The naive versions index like the formulas, on purpose.
 #![allow(clippy::needless_range_loop)]
 
+use host::chain::Reduce;
 use host::check::{F64_REL, compare};
 use host::reference::block_forward;
 use host::{BlockSpec, Chain, Op, Params, Pointwise, Tensor};
@@ -26,7 +27,7 @@ const BOUNDS: [(f32, f32); 3] = [(-1.0, 1.0), (-0.5, 0.75), (-2.0, 0.25)];
 /// pooling kernels from 1 to `f`.
 fn pick_op(kind: u8, arg: u32, f: usize) -> Op {
     let arg = arg as usize;
-    match kind % 14 {
+    match kind % 22 {
         0 => Op::of(Pointwise::Bias),
         1 => Op::of(Pointwise::Mul),
         2 => Op::Pointwise(Pointwise::Scale, [SCALES[arg % SCALES.len()], 0.0]),
@@ -47,8 +48,16 @@ fn pick_op(kind: u8, arg: u32, f: usize) -> Op {
         }
         9 => Op::AvgPool(1 + arg % f),
         10 => Op::of(Pointwise::Tanh),
-        11 => Op::of(Pointwise::Sigmoid),
         12 => Op::of(Pointwise::GeluTanh),
+        13 => Op::of(Pointwise::Sigmoid),
+        14 => Op::Reduce(Reduce::Sum),
+        15 => Op::Reduce(Reduce::Mean),
+        16 => Op::Reduce(Reduce::Min),
+        17 => Op::Reduce(Reduce::LogSumExp),
+        18 => Op::Softmax,
+        19 => Op::MaxPool(1 + arg % f),
+        20 => Op::LayerNorm { eps: if arg.is_multiple_of(2) { 1e-5 } else { 1e-3 } },
+        21 => Op::RmsNorm { eps: if arg.is_multiple_of(2) { 1e-5 } else { 1e-3 } },
         _ => Op::RowMax,
     }
 }
@@ -125,6 +134,57 @@ fn naive_block(x: &Rows, w: &Rows, b: &[f64], chain: &[Op], params: &[Vec<f64>])
             Op::RowMax => {
                 h = h.iter().map(|row| vec![row.iter().copied().fold(f64::NEG_INFINITY, f64::max)]).collect();
             }
+            Op::Reduce(r) => {
+                h = h
+                    .iter()
+                    .map(|row| {
+                        let n = row.len() as f64;
+                        vec![match r {
+                            Reduce::Sum => row.iter().sum::<f64>(),
+                            Reduce::Mean => row.iter().sum::<f64>() / n,
+                            Reduce::Min => row.iter().copied().fold(f64::INFINITY, f64::min),
+                            // Unshifted: the values here are O(1).
+                            Reduce::LogSumExp => row.iter().map(|v| v.exp()).sum::<f64>().ln(),
+                        }]
+                    })
+                    .collect();
+            }
+            Op::Softmax => {
+                for row in h.iter_mut() {
+                    let total: f64 = row.iter().map(|v| v.exp()).sum();
+                    row.iter_mut().for_each(|v| *v = v.exp() / total);
+                }
+            }
+            Op::MaxPool(k) => {
+                h = h
+                    .iter()
+                    .map(|row| {
+                        (0..row.len() / k)
+                            .map(|j| row[j * k..(j + 1) * k].iter().copied().fold(f64::NEG_INFINITY, f64::max))
+                            .collect()
+                    })
+                    .collect();
+            }
+            Op::LayerNorm { eps } => {
+                let (gamma, beta) = (next.next().unwrap(), next.next().unwrap());
+                for row in h.iter_mut() {
+                    let n = row.len() as f64;
+                    let mean = row.iter().sum::<f64>() / n;
+                    let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / n;
+                    for c in 0..row.len() {
+                        row[c] = (row[c] - mean) / (var + constant(eps)).sqrt() * gamma[c] + beta[c];
+                    }
+                }
+            }
+            Op::RmsNorm { eps } => {
+                let w = next.next().unwrap();
+                for row in h.iter_mut() {
+                    let rms = (row.iter().map(|v| v * v).sum::<f64>() / row.len() as f64 + constant(eps)).sqrt();
+                    for c in 0..row.len() {
+                        row[c] = row[c] / rms * w[c];
+                    }
+                }
+            }
         }
     }
     assert!(next.next().is_none(), "every parameter used");
@@ -150,6 +210,10 @@ proptest! {
         let mut ops = Vec::new();
         for (kind, arg) in picks {
             let op = pick_op(kind, arg, f);
+            // After a reduction no per-channel parameter (refused there).
+            if ops.iter().any(Op::reduces_row) && !op.param_bases().is_empty() {
+                continue;
+            }
             f = op.out_features(f).expect("picked ops are valid");
             ops.push(op);
         }
@@ -171,7 +235,7 @@ proptest! {
         let chain_params: Vec<Vec<f64>> = params.ops.iter().flatten().map(|t| t.data().to_vec()).collect();
         let want = naive_block(&rows(&x), &rows(&params.linear_weight), params.linear_bias.data(), &ops, &chain_params);
 
-        let has_max = ops.contains(&Op::RowMax);
+        let has_max = ops.iter().any(Op::reduces_row);
         let shape_ok = if has_max { got.shape() == [batch] } else { got.shape() == [batch, f] };
         prop_assert!(shape_ok, "shape {:?} for {} features after `{}`", got.shape(), f, spec.chain);
         prop_assert_eq!(got.len(), want.len());

@@ -7,6 +7,7 @@
 // The naive versions index like the formulas, on purpose.
 #![allow(clippy::needless_range_loop)]
 
+use host::chain::Reduce;
 use host::check::{F64_REL, FP32_REL, compare, compare_f32};
 use host::reference::activation::{
     gelu_tanh, gelu_tanh_grad, hardtanh_grad, leaky_relu_grad, mish, mish_grad, pointwise_grad, sigmoid, softplus,
@@ -174,9 +175,56 @@ fn naive_block(spec: &BlockSpec, x: &Rows, p: &Params<f64>) -> Vec<f64> {
             Op::GroupNorm { groups, eps } => naive_group_norm(&h, groups, constant(eps), param(0), param(1)),
             Op::AvgPool(k) => naive_avg_pool(&h, k),
             Op::RowMax => naive_row_max(&h),
+            Op::Reduce(r) => naive_reduce(&h, r),
+            Op::Softmax => naive_softmax(&h),
+            Op::MaxPool(k) => naive_max_pool(&h, k),
+            Op::LayerNorm { eps } => naive_group_norm(&h, 1, constant(eps), param(0), param(1)),
+            Op::RmsNorm { eps } => naive_rms_norm(&h, constant(eps), param(0)),
         };
     }
     flatten(&h)
+}
+
+/// A row reduction, as a `(B, 1)` column (logsumexp unshifted: the values are O(1)).
+fn naive_reduce(x: &Rows, r: Reduce) -> Rows {
+    x.iter()
+        .map(|row| {
+            vec![match r {
+                Reduce::Sum => row.iter().sum(),
+                Reduce::Mean => row.iter().sum::<f64>() / row.len() as f64,
+                Reduce::Min => row.iter().copied().fold(f64::INFINITY, f64::min),
+                Reduce::LogSumExp => row.iter().map(|v| v.exp()).sum::<f64>().ln(),
+            }]
+        })
+        .collect()
+}
+
+fn naive_softmax(x: &Rows) -> Rows {
+    x.iter()
+        .map(|row| {
+            let total: f64 = row.iter().map(|v| v.exp()).sum();
+            row.iter().map(|v| v.exp() / total).collect()
+        })
+        .collect()
+}
+
+fn naive_max_pool(x: &Rows, k: usize) -> Rows {
+    x.iter()
+        .map(|row| {
+            (0..row.len() / k)
+                .map(|j| row[j * k..(j + 1) * k].iter().copied().fold(f64::NEG_INFINITY, f64::max))
+                .collect()
+        })
+        .collect()
+}
+
+fn naive_rms_norm(x: &Rows, eps: f64, w: &[f64]) -> Rows {
+    x.iter()
+        .map(|row| {
+            let rms = (row.iter().map(|v| v * v).sum::<f64>() / row.len() as f64 + eps).sqrt();
+            row.iter().zip(w).map(|(v, w)| v / rms * w).collect()
+        })
+        .collect()
 }
 
 // ---------------------------------------------------------------- linear
@@ -508,6 +556,108 @@ fn row_max_ties_go_to_the_first_and_nan_propagates_like_torch() {
     assert_eq!(dx.row(3), [2.0, 0.0, 0.0, 0.0, 0.0]);
 }
 
+/// The whole-row ops' backwards against their closed forms, written here per element.
+#[test]
+fn whole_row_backwards_match_naive_formulas() {
+    let mut rng = StdRng::seed_from_u64(31);
+    let (batch, f) = (3, 10);
+    let x = random_tensor(&mut rng, &[batch, f]);
+    let xr = rows_of(&x);
+    let w = random_tensor(&mut rng, &[f]);
+    let run = |op: Op, params: &[Tensor<f64>], dy: &Tensor<f64>| {
+        let (y, saved) = op_forward(&op, &x, params).unwrap();
+        assert_eq!(y.shape(), dy.shape(), "{op}");
+        op_backward(&op, &saved, params, dy).unwrap()
+    };
+    let dy1 = random_tensor(&mut rng, &[batch, 1]);
+    let dyf = random_tensor(&mut rng, &[batch, f]);
+    for r in Reduce::ALL {
+        let (dx, _) = run(Op::Reduce(r), &[], &dy1);
+        let y = naive_reduce(&xr, r);
+        for b in 0..batch {
+            let row = &xr[b];
+            for j in 0..f {
+                let d = dy1.data()[b];
+                let want = match r {
+                    Reduce::Sum => d,
+                    Reduce::Mean => d / f as f64,
+                    Reduce::Min => {
+                        if row[j] == y[b][0] {
+                            d
+                        } else {
+                            0.0
+                        }
+                    }
+                    Reduce::LogSumExp => d * row[j].exp() / row.iter().map(|v| v.exp()).sum::<f64>(),
+                };
+                assert!((dx.row(b)[j] - want).abs() <= 1e-12 * (1.0 + want.abs()), "{r:?} ({b}, {j})");
+            }
+        }
+    }
+    // Softmax: dx_j = sum_i dy_i ds_i/dx_j, ds_i/dx_j = s_i (delta_ij - s_j).
+    let (dx, _) = run(Op::Softmax, &[], &dyf);
+    let s = naive_softmax(&xr);
+    for b in 0..batch {
+        for j in 0..f {
+            let want: f64 = (0..f).map(|i| dyf.row(b)[i] * s[b][i] * (if i == j { 1.0 } else { 0.0 } - s[b][j])).sum();
+            assert!((dx.row(b)[j] - want).abs() <= 1e-12, "softmax ({b}, {j})");
+        }
+    }
+    // RMSNorm: dy_i dy/dx_j with y_i = w_i x_i r, dr/dx_j = -r^3 x_j / f; dw_j = sum_b dy x_j r.
+    let eps = 1e-5;
+    let (dx, dp) = run(Op::RmsNorm { eps: 1e-5 }, std::slice::from_ref(&w), &dyf);
+    let mut dw = vec![0.0; f];
+    for b in 0..batch {
+        let row = &xr[b];
+        let r = 1.0 / (row.iter().map(|v| v * v).sum::<f64>() / f as f64 + eps).sqrt();
+        for j in 0..f {
+            let want: f64 = (0..f)
+                .map(|i| {
+                    let dyi_dxj = w.data()[i] * (if i == j { r } else { 0.0 } - row[i] * r.powi(3) * row[j] / f as f64);
+                    dyf.row(b)[i] * dyi_dxj
+                })
+                .sum();
+            assert!((dx.row(b)[j] - want).abs() <= 1e-9, "rmsnorm ({b}, {j})");
+            dw[j] += dyf.row(b)[j] * row[j] * r;
+        }
+    }
+    assert_close("rmsnorm dw", dp[0].data(), &dw);
+}
+
+/// Ties and NaN of the row min and of MaxPool windows: the first, as torch.
+#[test]
+fn row_min_and_max_pool_ties_go_to_the_first_and_nan_propagates() {
+    let nan = f64::NAN;
+    let x = Tensor::new(&[2, 6], vec![3.0, 1.0, 1.0, 2.0, 2.0, 0.5, 4.0, nan, -1.0, nan, 5.0, 5.0]).unwrap();
+    let ones = Tensor::full(&[2, 1], 1.0).unwrap();
+    let min = Op::Reduce(Reduce::Min);
+    let (y, saved) = op_forward(&min, &x, &[]).unwrap();
+    assert_eq!(y.data()[0], 0.5);
+    assert!(y.data()[1].is_nan());
+    let (dx, _) = op_backward(&min, &saved, &[], &ones).unwrap();
+    assert_eq!(dx.row(0), [0.0, 0.0, 0.0, 0.0, 0.0, 1.0]);
+    assert_eq!(dx.row(1), [0.0, 1.0, 0.0, 0.0, 0.0, 0.0]);
+    let pool = Op::MaxPool(2);
+    let (y, saved) = op_forward(&pool, &x, &[]).unwrap();
+    assert_eq!(&y.data()[..3], [3.0, 2.0, 2.0]);
+    assert!(y.data()[3].is_nan() && y.data()[4].is_nan() && y.data()[5] == 5.0);
+    let (dx, _) = op_backward(&pool, &saved, &[], &Tensor::full(&[2, 3], 1.0).unwrap()).unwrap();
+    assert_eq!(dx.row(0), [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]);
+    assert_eq!(dx.row(1), [0.0, 1.0, 0.0, 1.0, 1.0, 0.0]);
+}
+
+/// logsumexp and softmax shift by the row max: no overflow at large values.
+#[test]
+fn logsumexp_and_softmax_hold_at_large_values() {
+    let x = Tensor::new(&[2, 2], vec![1000.0, 1000.0, -1000.0, -1001.0]).unwrap();
+    let lse = op_forward(&Op::Reduce(Reduce::LogSumExp), &x, &[]).unwrap().0;
+    assert!((lse.data()[0] - (1000.0 + 2f64.ln())).abs() < 1e-9, "{lse:?}");
+    assert!((lse.data()[1] - (-1000.0 + (1.0 + (-1f64).exp()).ln())).abs() < 1e-9, "{lse:?}");
+    let s = op_forward(&Op::Softmax, &x, &[]).unwrap().0;
+    assert_eq!(&s.data()[..2], [0.5, 0.5]);
+    assert!((s.data()[2] - 1.0 / (1.0 + (-1f64).exp())).abs() < 1e-15);
+}
+
 // ---------------------------------------------------------------- blocks
 
 /// A preset shrunk to test size: the given group count, and M4's pool kernel 4.
@@ -547,8 +697,14 @@ fn other_chains_match_a_naive_composition() {
         ("bias,mish,groupnorm(3),mul,gelu", 45),
         ("leakyrelu(0.2),hardtanh(-0.5,0.7),avgpool(3),scale(-1.5),max", 31),
         ("swish,gn(5,1e-3),bias,hardtanh,gn(2),scale(0.5),mul", 30),
-        ("gelu,max,scale(3),bias", 24),
+        ("gelu,max,scale(3),leakyrelu(0.2)", 24),
         ("double,mish,avgpool(2),groupnorm(4)", 24),
+        ("sum,max,mean,logsumexp,logsumexp", 30),
+        ("logsumexp,leakyrelu(0.2),gelu", 24),
+        ("bias,min,swish,scale(-2)", 17),
+        ("softmax,scale(3),mul,maxpool(3),layernorm,gelu", 31),
+        ("layernorm(1e-3),mul,rmsnorm,bias,softmax,sum", 24),
+        ("rmsnorm(1e-6),maxpool(4),softmax,max", 30),
     ] {
         let spec = BlockSpec::new(7, n, chain.parse().unwrap()).unwrap();
         let params = random_params(&spec, &mut rng);

@@ -4,6 +4,7 @@
 //! round-tripped through `--weights/--input/--output`, converted dtypes, NaN/Inf
 //! propagated as PyTorch does, and `--device gpu` with and without a driver.
 
+use host::chain::Reduce;
 use host::check::{FP32_REL, compare, compare_f32};
 use host::io::{BlockMeta, TensorFile, write, write_typed};
 use host::reference::{self, op_forward};
@@ -168,6 +169,14 @@ fn bad_input_is_refused_with_an_error_naming_it() {
         // Pooling.
         case("avgpool(200) with out 96", &["forward", "--device", "cpu", "--shape", "4,16,96", "--ops", "avgpool(200)"], 1, &["avgpool(200)", "96 features"]),
         case("avgpool(0)", &["forward", "--device", "cpu", "--shape", "4,16,96", "--ops", "avgpool(0)"], 1, &["avgpool(0)"]),
+        case("maxpool(200) with out 96", &["forward", "--device", "cpu", "--shape", "4,16,96", "--ops", "maxpool(200)"], 1, &["maxpool(200)", "96 features"]),
+        case("maxpool without k", &["forward", "--device", "cpu", "--shape", "4,16,96", "--ops", "maxpool"], 1, &["maxpool", "takes 1 argument"]),
+        // Whole-row ops.
+        case("a parameter after a reduction", &["forward", "--device", "cpu", "--shape", "4,16,96", "--ops", "sum,gelu,bias"], 1, &["`bias` after `sum`", "per-channel parameter", "one value per row"]),
+        case("a norm after a reduction", &["forward", "--device", "cpu", "--shape", "4,16,96", "--ops", "logsumexp,layernorm"], 1, &["after `logsumexp`", "`ln.weight`"]),
+        case("softmax with an argument", &["forward", "--device", "cpu", "--shape", "4,16,96", "--ops", "softmax(1)"], 1, &["softmax", "takes 0 argument"]),
+        case("layernorm eps 0", &["forward", "--device", "cpu", "--shape", "4,16,96", "--ops", "layernorm(0)"], 1, &["layernorm", "eps must be positive"]),
+        case("rmsnorm eps nan", &["forward", "--device", "cpu", "--shape", "4,16,96", "--ops", "rmsnorm(nan)"], 1, &["rmsnorm", "eps must be positive"]),
         // Chains and flags.
         case("empty op", &["forward", "--device", "cpu", "--shape", "4,16,96", "--ops", "swish,,mish"], 1, &["empty op"]),
         case("unknown op", &["forward", "--device", "cpu", "--shape", "4,16,96", "--ops", "relu6"], 1, &["relu6"]),
@@ -514,6 +523,19 @@ fn nan_and_inf_follow_pytorch_op_by_op() {
     // Max over a row holding NaN is NaN; Inf without NaN is the max.
     assert!(apply(Op::RowMax, &[1.0, nan, 3.0])[0].is_nan());
     assert_eq!(apply(Op::RowMax, &[1.0, inf, 3.0]), [inf]);
+    // The min, as the max; sum, mean and logsumexp: NaN from NaN, Inf from Inf.
+    assert!(apply(Op::Reduce(Reduce::Min), &[1.0, nan, -3.0])[0].is_nan());
+    assert_eq!(apply(Op::Reduce(Reduce::Min), &[1.0, -inf, 3.0]), [-inf]);
+    assert!(apply(Op::Reduce(Reduce::Sum), &[1.0, nan])[0].is_nan());
+    assert!(apply(Op::Reduce(Reduce::Sum), &[inf, -inf])[0].is_nan());
+    assert_eq!(apply(Op::Reduce(Reduce::Mean), &[1.0, inf]), [inf]);
+    // logsumexp shifts by 0 where the max is infinite (torch.logsumexp: inf, -inf).
+    assert_eq!(apply(Op::Reduce(Reduce::LogSumExp), &[1.0, inf]), [inf]);
+    assert_eq!(apply(Op::Reduce(Reduce::LogSumExp), &[-inf, -inf]), [-inf]);
+    assert!(apply(Op::Reduce(Reduce::LogSumExp), &[1.0, nan])[0].is_nan());
+    // Softmax: a row with NaN is NaN; MaxPool: only the window holding NaN.
+    assert!(apply(Op::Softmax, &[1.0, nan, 2.0]).iter().all(|v| v.is_nan()));
+    assert!(same(&apply(Op::MaxPool(2), &[1.0, nan, 3.0, 4.0]), &[nan, 4.0]));
     // AvgPool: only the window holding NaN.
     assert!(same(&apply(Op::AvgPool(2), &[1.0, nan, 3.0, 4.0]), &[nan, 3.5]));
     // GroupNorm: the group holding NaN or Inf is NaN, the other group untouched.

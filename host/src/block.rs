@@ -22,9 +22,9 @@ pub struct BlockSpec {
 pub enum Init {
     /// `U(-bound, bound)`: Linear weight and bias, `bound = 1/sqrt(in)`.
     Uniform(f64),
-    /// GroupNorm's `weight`.
+    /// A norm's `weight` (GroupNorm, LayerNorm, RMSNorm).
     Ones,
-    /// GroupNorm's `bias`.
+    /// A norm's `bias`.
     Zeros,
     /// `randn`: the extra `bias` and `w` parameters of the models.
     Normal,
@@ -52,7 +52,17 @@ impl BlockSpec {
             ))
         })?;
         let mut features = vec![out_features];
+        let mut reduced: Option<&Op> = None;
         for op in &chain.0 {
+            if let (Some(r), Some(p)) = (reduced, op.param_bases().first()) {
+                return Err(Error::Chain(format!(
+                    "`{op}` after `{r}`: its per-channel parameter `{p}` has no channels to act on (the \
+                     reduction leaves one value per row); put it before `{r}`, or use a scalar op (`scale(s)`)"
+                )));
+            }
+            if op.reduces_row() {
+                reduced = reduced.or(Some(op));
+            }
             let f = op.out_features(*features.last().unwrap())?;
             features.push(f);
         }
@@ -65,9 +75,9 @@ impl BlockSpec {
     }
 
     /// Shape of the block's output for `batch` rows: `(batch, F)`, or `(batch,)` when
-    /// the chain ends in a reduction to one value per row (`max`).
+    /// the chain reduces each row to one value (`max`, `sum`, `mean`, `min`, `logsumexp`).
     pub fn output_shape(&self, batch: usize) -> Vec<usize> {
-        if self.chain.0.contains(&Op::RowMax) { vec![batch] } else { vec![batch, *self.features.last().unwrap()] }
+        if self.chain.0.iter().any(Op::reduces_row) { vec![batch] } else { vec![batch, *self.features.last().unwrap()] }
     }
 
     /// Floating-point operations of the forward GEMM (the epilogue is negligible).
@@ -97,8 +107,8 @@ impl BlockSpec {
                     (n, None) => format!("{base}{n}"),
                 };
                 let init = match *base {
-                    "gn.weight" => Init::Ones,
-                    "gn.bias" => Init::Zeros,
+                    "gn.weight" | "ln.weight" | "rms.weight" => Init::Ones,
+                    "gn.bias" | "ln.bias" => Init::Zeros,
                     _ => Init::Normal,
                 };
                 specs.push(ParamSpec { name, shape: vec![self.features[i]], init });

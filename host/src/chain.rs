@@ -5,7 +5,11 @@
 //! and their arguments come from the registry (`kernel_abi::ops`; listed by
 //! [`syntax_help`]); the others are `groupnorm(G[,eps])` (GroupNorm over `G` groups,
 //! eps 1e-5 by default, parameters `gn.weight` and `gn.bias`), `avgpool(k)`
-//! (AvgPool1d over features, `F -> F / k`) and `max` (over features, `(N, F) -> (N,)`).
+//! (AvgPool1d over features, `F -> F / k`), `maxpool(k)` (MaxPool1d, the same),
+//! the row reductions `max`, `min`, `sum`, `mean`, `logsumexp` (over features,
+//! `(N, F) -> (N,)`), `softmax`, `layernorm([eps])` (parameters `ln.weight`,
+//! `ln.bias`) and `rmsnorm([eps])` (parameter `rms.weight`). After a reduction the
+//! ops act on one value per row: per-channel parameters are refused there.
 //!
 //! Parameter names follow the PyTorch modules of the reference models (`lin.weight`,
 //! `lin.bias`, `gn.weight`, `gn.bias`, `w`, `bias`). When a chain uses the same kind
@@ -27,7 +31,47 @@ pub enum Op {
     },
     AvgPool(usize),
     RowMax,
+    /// A reduction of each row to one value (besides `max`).
+    Reduce(Reduce),
+    Softmax,
+    /// MaxPool1d over features, kernel and stride `k`.
+    MaxPool(usize),
+    /// LayerNorm over the features with a per-feature weight and bias.
+    LayerNorm {
+        eps: f32,
+    },
+    /// RMSNorm over the features with a per-feature weight.
+    RmsNorm {
+        eps: f32,
+    },
 }
+
+/// The row reductions besides the max: `(N, F) -> (N,)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Reduce {
+    Sum,
+    Mean,
+    /// Ties and NaN as the row max: the first minimum, the first NaN.
+    Min,
+    LogSumExp,
+}
+
+impl Reduce {
+    pub const ALL: [Reduce; 4] = [Reduce::Sum, Reduce::Mean, Reduce::Min, Reduce::LogSumExp];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Reduce::Sum => "sum",
+            Reduce::Mean => "mean",
+            Reduce::Min => "min",
+            Reduce::LogSumExp => "logsumexp",
+        }
+    }
+}
+
+/// RMSNorm's eps when none is written: FP32's machine epsilon (`torch.finfo(float32).eps`,
+/// what `nn.RMSNorm(eps=None)` uses for float32 input).
+pub const RMS_NORM_EPS: f32 = f32::EPSILON;
 
 impl Op {
     /// `kind` with its default arguments (0 for an argument without one).
@@ -50,6 +94,17 @@ impl Op {
         Op::Pointwise(kind, args)
     }
 
+    /// A per-element op without a per-channel parameter drawn at random (what may
+    /// follow a row reduction).
+    pub fn random_scalar_pointwise(rng: &mut impl rand::Rng) -> Op {
+        loop {
+            let op = Op::random_pointwise(rng);
+            if op.param_bases().is_empty() {
+                return op;
+            }
+        }
+    }
+
     /// Features after this op, given `f` before it, or why it cannot apply.
     pub fn out_features(&self, f: usize) -> Result<usize> {
         match *self {
@@ -68,13 +123,20 @@ impl Op {
                 }
                 Ok(f)
             }
-            Op::AvgPool(k) => {
+            Op::AvgPool(k) | Op::MaxPool(k) => {
                 if k == 0 || k > f {
-                    return Err(Error::Chain(format!("avgpool({k}): kernel must be between 1 and the {f} features")));
+                    return Err(Error::Chain(format!("{self}: kernel must be between 1 and the {f} features")));
                 }
                 Ok(f / k)
             }
-            Op::RowMax => Ok(1),
+            Op::RowMax | Op::Reduce(_) => Ok(1),
+            Op::Softmax => Ok(f),
+            Op::LayerNorm { eps } | Op::RmsNorm { eps } => {
+                if !(eps > 0.0 && eps.is_finite()) {
+                    return Err(Error::Chain(format!("{self}: eps must be positive and finite")));
+                }
+                Ok(f)
+            }
             Op::Pointwise(kind, args) => {
                 let info = kind.info();
                 for (spec, &a) in info.args.iter().zip(&args) {
@@ -96,7 +158,26 @@ impl Op {
         match self {
             Op::Pointwise(kind, _) => kind.info().params,
             Op::GroupNorm { .. } => &["gn.weight", "gn.bias"],
+            Op::LayerNorm { .. } => &["ln.weight", "ln.bias"],
+            Op::RmsNorm { .. } => &["rms.weight"],
             _ => &[],
+        }
+    }
+
+    /// Whether this op reduces each row to one value (`max`, `sum`, `mean`, `min`,
+    /// `logsumexp`): the ops after it see one value per row.
+    pub fn reduces_row(&self) -> bool {
+        matches!(self, Op::RowMax | Op::Reduce(_))
+    }
+
+    /// Whether the backward takes one side of a tie or kink here (the refinement of
+    /// `z` looks for inputs within their rounding error of one): LeakyReLU, Hardtanh,
+    /// the row max and min, MaxPool.
+    pub fn has_kink(&self) -> bool {
+        match self {
+            Op::Pointwise(kind, _) => kind.info().error.has_kink(),
+            Op::RowMax | Op::Reduce(Reduce::Min) | Op::MaxPool(_) => true,
+            _ => false,
         }
     }
 }
@@ -116,6 +197,11 @@ impl fmt::Display for Op {
             Op::GroupNorm { groups, eps } => write!(f, "groupnorm({groups},{eps:e})"),
             Op::AvgPool(k) => write!(f, "avgpool({k})"),
             Op::RowMax => write!(f, "max"),
+            Op::Reduce(r) => write!(f, "{}", r.name()),
+            Op::Softmax => write!(f, "softmax"),
+            Op::MaxPool(k) => write!(f, "maxpool({k})"),
+            Op::LayerNorm { eps } => write!(f, "layernorm({eps:e})"),
+            Op::RmsNorm { eps } => write!(f, "rmsnorm({eps:e})"),
         }
     }
 }
@@ -176,6 +262,28 @@ pub fn registry() -> Vec<OpEntry> {
     ));
     ops.push(across("avgpool", &[], vec![("k", None)], &[], false, "AvgPool1d over features: `F -> F / k`"));
     ops.push(across("max", &["rowmax"], vec![], &[], true, "max over features: `(N, F) -> (N,)`"));
+    ops.push(across("min", &["rowmin", "amin"], vec![], &[], true, "min over features: `(N, F) -> (N,)`"));
+    ops.push(across("sum", &[], vec![], &[], false, "sum over features: `(N, F) -> (N,)`"));
+    ops.push(across("mean", &[], vec![], &[], false, "mean over features: `(N, F) -> (N,)`"));
+    ops.push(across("logsumexp", &["lse"], vec![], &[], false, "`log(sum(exp(x)))` over features: `(N, F) -> (N,)`"));
+    ops.push(across("softmax", &[], vec![], &[], false, "softmax over features"));
+    ops.push(across("maxpool", &[], vec![("k", None)], &[], true, "MaxPool1d over features: `F -> F / k`"));
+    ops.push(across(
+        "layernorm",
+        &["ln"],
+        vec![("eps", Some(1e-5))],
+        &["ln.weight", "ln.bias"],
+        false,
+        "LayerNorm over the features",
+    ));
+    ops.push(across(
+        "rmsnorm",
+        &["rms"],
+        vec![("eps", Some(RMS_NORM_EPS))],
+        &["rms.weight"],
+        false,
+        "RMSNorm over the features (eps: FP32's machine epsilon by default)",
+    ));
     ops
 }
 
@@ -341,6 +449,20 @@ fn parse_op(token: &str) -> Result<Op> {
         }
         "avgpool" => arity(1, 1).and_then(|_| count(0)).map(Op::AvgPool)?,
         "max" | "rowmax" => arity(0, 0).map(|_| Op::RowMax)?,
+        "min" | "rowmin" | "amin" => arity(0, 0).map(|_| Op::Reduce(Reduce::Min))?,
+        "sum" => arity(0, 0).map(|_| Op::Reduce(Reduce::Sum))?,
+        "mean" => arity(0, 0).map(|_| Op::Reduce(Reduce::Mean))?,
+        "logsumexp" | "lse" => arity(0, 0).map(|_| Op::Reduce(Reduce::LogSumExp))?,
+        "softmax" => arity(0, 0).map(|_| Op::Softmax)?,
+        "maxpool" => arity(1, 1).and_then(|_| count(0)).map(Op::MaxPool)?,
+        "layernorm" | "ln" => {
+            arity(0, 1)?;
+            Op::LayerNorm { eps: if args.len() == 1 { num(0)? } else { 1e-5 } }
+        }
+        "rmsnorm" | "rms" => {
+            arity(0, 1)?;
+            Op::RmsNorm { eps: if args.len() == 1 { num(0)? } else { RMS_NORM_EPS } }
+        }
         other => {
             return Err(Error::Chain(format!("unknown op `{other}`; known:\n{}", syntax_help())));
         }

@@ -143,7 +143,10 @@ pub mod gemm_mma {
 
 /// The epilogue chain as the kernels see it: one [`OpDesc`](epilogue::OpDesc) per op, in a device array.
 pub mod epilogue {
-    pub use crate::ops::{OP_AVG_POOL, OP_GROUP_NORM, OP_ROW_MAX, Pointwise, code};
+    pub use crate::ops::{
+        OP_AVG_POOL, OP_GROUP_NORM, OP_LOGSUMEXP, OP_MAX_POOL, OP_RMS_NORM, OP_ROW_MAX, OP_ROW_MEAN, OP_ROW_MIN,
+        OP_ROW_SUM, OP_SOFTMAX, Pointwise, code, reduces_row,
+    };
 
     /// One op of an epilogue chain. Fields unused by an op are zero.
     ///
@@ -152,6 +155,9 @@ pub mod epilogue {
     /// | per-element     |          | 1st argument | 2nd | its parameter, if any |  |
     /// | `OP_GROUP_NORM` | groups   | eps   |      | gamma    | beta     |
     /// | `OP_AVG_POOL`   | k        |       |      |          |          |
+    /// | `OP_MAX_POOL`   | k        |       |      |          |          |
+    /// | `OP_RMS_NORM`   |          | eps   |      | weight   |          |
+    /// | reductions, `OP_SOFTMAX` | |       |      |          |          |
     ///
     /// (A per-element op's arguments and parameter: [`Pointwise::info`].)
     /// `param0`/`param1` are device addresses of f32 vectors with one entry per
@@ -172,8 +178,8 @@ pub mod epilogue {
     #[inline(always)]
     pub fn features_after(op: &OpDesc, f: usize) -> usize {
         match op.code {
-            OP_AVG_POOL => f / (op.count as usize).max(1),
-            OP_ROW_MAX => 1,
+            OP_AVG_POOL | OP_MAX_POOL => f / (op.count as usize).max(1),
+            code if reduces_row(code) => 1,
             _ => f,
         }
     }

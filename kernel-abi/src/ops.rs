@@ -9,7 +9,11 @@
 //! missing math type, table row or reference formula fails to compile.
 //!
 //! GroupNorm, AvgPool and the row max are not per-element: each kernel handles them
-//! by name ([`OP_GROUP_NORM`], [`OP_AVG_POOL`], [`OP_ROW_MAX`]).
+//! by name ([`OP_GROUP_NORM`], [`OP_AVG_POOL`], [`OP_ROW_MAX`]); so do the other
+//! whole-row ops ([`ROW_OPS`]: the row reductions, softmax, MaxPool, RMSNorm), which
+//! only the row-wise epilogue runs (the GEMMs' fused epilogue sees a 128-column tile).
+//! LayerNorm has no code of its own: over an `(N, F)` value it is a GroupNorm of one
+//! group (the same statistics, a per-feature affine), and the host describes it so.
 //!
 //! Adding a per-element op: a line in [`for_each_pointwise!`](crate::for_each_pointwise), a row in
 //! [`Pointwise::info`], its math in `kernels-gpu/src/epilogue/pointwise.rs` and its
@@ -75,11 +79,35 @@ pub const OP_GROUP_NORM: u32 = 9;
 pub const OP_AVG_POOL: u32 = 10;
 /// Max over the features (`(N, F) -> (N,)`).
 pub const OP_ROW_MAX: u32 = 11;
+
+// The whole-row ops, coded from 32 up (the per-element ops keep the codes below).
+/// Sum over the features (`(N, F) -> (N,)`).
+pub const OP_ROW_SUM: u32 = 32;
+/// Mean over the features (`(N, F) -> (N,)`).
+pub const OP_ROW_MEAN: u32 = 33;
+/// Min over the features (`(N, F) -> (N,)`; ties and NaN as the row max).
+pub const OP_ROW_MIN: u32 = 34;
+/// `log(sum(exp(x)))` over the features (`(N, F) -> (N,)`).
+pub const OP_LOGSUMEXP: u32 = 35;
+/// Softmax over the features (shape kept).
+pub const OP_SOFTMAX: u32 = 36;
+/// MaxPool1d of `count` features, stride `count` (`F -> F / count`).
+pub const OP_MAX_POOL: u32 = 37;
+/// RMSNorm over the features; `a` is eps, `param0` the weight.
+pub const OP_RMS_NORM: u32 = 38;
+/// Every whole-row op but GroupNorm, AvgPool and the row max.
+pub const ROW_OPS: [u32; 7] = [OP_ROW_SUM, OP_ROW_MEAN, OP_ROW_MIN, OP_LOGSUMEXP, OP_SOFTMAX, OP_MAX_POOL, OP_RMS_NORM];
+
+/// Whether op `code` reduces a row to one value (`max`, `sum`, `mean`, `min`, `logsumexp`).
+pub const fn reduces_row(code: u32) -> bool {
+    matches!(code, OP_ROW_MAX | OP_ROW_SUM | OP_ROW_MEAN | OP_ROW_MIN | OP_LOGSUMEXP)
+}
+
 const _: () = {
     let mut i = 0;
     while i < Pointwise::ALL.len() {
         let c = Pointwise::ALL[i] as u32;
-        assert!(c != 0 && c != OP_GROUP_NORM && c != OP_AVG_POOL && c != OP_ROW_MAX, "op codes are unique");
+        assert!(c != 0 && c < 32 && c != OP_GROUP_NORM && c != OP_AVG_POOL && c != OP_ROW_MAX, "op codes are unique");
         i += 1;
     }
 };

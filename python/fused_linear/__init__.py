@@ -220,7 +220,7 @@ def fused_linear(
     on ``(N, C)``). ``ops`` is the chain (e.g. ``"groupnorm(256),swish,mul,swish"``),
     ``params`` its parameters in chain order, ``precision`` one of :data:`PRECISIONS`
     (default: ``"fp32"`` for float tensors, ``"bf16"`` for bfloat16 ones).
-    Returns ``(*, F)``, or ``(*)`` when the chain ends in ``max``.
+    Returns ``(*, F)``, or ``(*)`` when the chain reduces each row (``max``, ``sum``, ...).
 
     A bf16 model (``x`` and ``weight`` in ``torch.bfloat16``) stays bf16 on CUDA: the
     GEMMs read ``x`` and ``weight`` as they are and the output and the gradients of

@@ -20,8 +20,16 @@ and stays PyTorch's; the fused model refuses to run once put back in training mo
 addition, subtraction, multiplication and division by a number or by a parameter of the
 features' length (subtracted and divided ones computed in the graph: ``-p``, ``1 / p``),
 ``x + x``, ``nn.Dropout(p=0)``, AvgPool1d over features
-(``pool(x.unsqueeze(1)).squeeze(1)``), and the row max (``torch.max(x, 1)``,
-``x.max(dim=1)``, ``amax``; ``.values`` or ``[0]``; ``keepdim``). A value used twice (a
+(``pool(x.unsqueeze(1)).squeeze(1)``) and MaxPool1d the same way (kernel and stride
+equal, no padding), ``nn.LayerNorm`` over the features (with or without weight and bias),
+``nn.RMSNorm`` (``eps=None``: the dtype's machine epsilon), softmax over the features
+(``torch.softmax``, ``F.softmax``, ``x.softmax``, ``nn.Softmax``; ``dim`` 1 or -1), and the
+row reductions over ``dim`` 1 or -1: max (``torch.max(x, 1)``, ``x.max(dim=1)``, ``amax``;
+``.values`` or ``[0]``), min (the same with ``min``, ``amin``), ``sum``, ``mean`` and
+``logsumexp`` (functions or methods), each with or without ``keepdim``. After a reduction the
+chain goes on with ops on one value per row: per-element ops, and (after one with
+``keepdim=True``) more reductions and softmax; a parameter or a number added there ends
+it; ``x - x.mean(1, keepdim=True)`` there is ``0 * x``. A value used twice otherwise (a
 residual, a ``.detach()``) ends the chain there, but for ``h * s + h.detach()`` (``s`` a
 number, KernelBench 40's form), taken as ``scale(1 + s)`` whose output gradient is scaled
 by ``s / (1 + s)`` on the way back, which ends the chain after it.
@@ -54,6 +62,7 @@ class _Chain:
     params: List[Any] = field(default_factory=list)  # attribute paths (str) or get_attr nodes
     nodes: List[fx.Node] = field(default_factory=list)  # the chain's nodes after the Linear
     keepdim: bool = False
+    reduced: bool = False  # a row reduction ran: one value per row (kept as (N, 1) with keepdim)
     shape_sensitive: bool = False
     stopped: str = ""
     # `h * s + h.detach()` ends the chain: the fused call computes `(1 + s) h` and its
@@ -219,6 +228,24 @@ def _step(gm: fx.GraphModule, chain: _Chain, cur: fx.Node) -> Optional[fx.Node]:
             chain.ops.append("swish")
             chain.nodes += [sig, prod]
             return prod
+        # x - x.mean(1, keepdim=True) on one value per row (after a reduction with keepdim):
+        # x - x, which is 0 * x (the same value, NaN and Inf included, and derivative).
+        mean = next((u for u in users if _is_fn(u, torch.mean) or _is_method(u, "mean")), None)
+        diff = next((u for u in users if u is not mean), None)
+        if (
+            chain.reduced
+            and chain.keepdim
+            and mean is not None
+            and _arg(mean, 1, "dim") in (1, -1, (1,), (-1,), [1], [-1])
+            and _arg(mean, 2, "keepdim", False)
+            and _only_user(mean) is diff
+            and (_is_fn(diff, operator.sub, torch.sub) or _is_method(diff, "sub"))
+            and tuple(diff.args[:2]) == (cur, mean)
+            and not diff.kwargs
+        ):
+            chain.ops.append("scale(0.0)")
+            chain.nodes += [mean, diff]
+            return diff
         end = _detached_residual(cur, users, chain)
         if end is not None:
             return end
@@ -236,6 +263,8 @@ def _step(gm: fx.GraphModule, chain: _Chain, cur: fx.Node) -> Optional[fx.Node]:
         return None
     module = _target_module(gm, u)
     f = chain.features
+    # After a reduction without keepdim the value is (N,): a `dim=-1` would be the batch's.
+    flat = chain.reduced and not chain.keepdim
 
     def take(op: str, *params: Any) -> fx.Node:
         chain.ops.append(op)
@@ -321,7 +350,14 @@ def _step(gm: fx.GraphModule, chain: _Chain, cur: fx.Node) -> Optional[fx.Node]:
         kind = {"iadd": "add", "isub": "sub", "truediv": "div", "imul": "mul"}.get(name, name)
         cur_first = a is cur
         t = _attr(gm, other)
-        vector = t is not None and t.dim() == 1 and t.shape[0] == f
+        vector = t is not None and t.dim() == 1 and t.shape[0] == f and not chain.reduced
+        if (
+            chain.reduced
+            and not (kind == "add" and a is cur and b is cur)
+            and not (kind in ("mul", "div") and _number(other))
+        ):
+            chain.stopped = f"`{u.name}`: {name} after a row reduction (the op takes no parameter there)"
+            return None
         if kind == "add" and a is cur and b is cur:
             return take("scale(2.0)")
         if kind == "mul" and (_number(other) or vector):
@@ -339,52 +375,108 @@ def _step(gm: fx.GraphModule, chain: _Chain, cur: fx.Node) -> Optional[fx.Node]:
             return take("bias", ("neg", other) if negate else other)
         chain.stopped = f"`{u.name}`: {name} by something other than a number or a ({f},) parameter"
         return None
-    # AvgPool1d over features: pool(x.unsqueeze(1)).squeeze(1).
+    if flat:
+        chain.stopped = f"`{u.name}` after a reduction without keepdim (the value is (N,))"
+        return None
+    # AvgPool1d and MaxPool1d over features: pool(x.unsqueeze(1)).squeeze(1).
     if (_is_method(u, "unsqueeze") or _is_fn(u, torch.unsqueeze)) and _arg(u, 1, "dim") == 1:
         pool = _only_user(u)
         squeeze = _only_user(pool) if pool is not None else None
         pool_module = _target_module(gm, pool) if pool is not None else None
-        k = None
-        if isinstance(pool_module, nn.AvgPool1d):
-            ks, st = pool_module.kernel_size, pool_module.stride
-            ks, st = (ks[0] if isinstance(ks, tuple) else ks), (st[0] if isinstance(st, tuple) else st)
-            if st == ks and pool_module.padding in (0, (0,)) and not pool_module.ceil_mode:
+        k, kind = None, "avgpool"
+        if isinstance(pool_module, (nn.AvgPool1d, nn.MaxPool1d)):
+            one = lambda v: v[0] if isinstance(v, tuple) else v  # noqa: E731
+            ks, st = one(pool_module.kernel_size), one(pool_module.stride)
+            plain = st == ks and one(pool_module.padding) == 0 and not pool_module.ceil_mode
+            if isinstance(pool_module, nn.MaxPool1d):
+                kind = "maxpool"
+                plain = plain and one(pool_module.dilation) == 1 and not pool_module.return_indices
+            k = ks if plain else None
+        elif pool is not None and _is_fn(pool, F.avg_pool1d, F.max_pool1d) and len(pool.args) == 2:
+            kind = "maxpool" if pool.target is F.max_pool1d else "avgpool"
+            ks = pool.args[1]
+            plain = {"stride": (None, ks, (ks,), [ks], ()), "padding": (0, (0,)), "dilation": (1, (1,))}
+            plain.update(ceil_mode=(False,), return_indices=(False,))
+            if isinstance(ks, int) and all(k in plain and v in plain[k] for k, v in pool.kwargs.items()):
                 k = ks
-        elif pool is not None and _is_fn(pool, F.avg_pool1d) and len(pool.args) == 2 and not pool.kwargs:
-            k = pool.args[1] if isinstance(pool.args[1], int) else None
         if (
             k is not None
             and squeeze is not None
             and (_is_method(squeeze, "squeeze") or _is_fn(squeeze, torch.squeeze))
             and _arg(squeeze, 1, "dim") == 1
         ):
-            chain.ops.append(f"avgpool({k})")
+            chain.ops.append(f"{kind}({k})")
             chain.nodes += [u, pool, squeeze]
             chain.features = f // k
             chain.shape_sensitive = True
             return squeeze
-        chain.stopped = f"`{u.name}`: an unsqueeze that is not an AvgPool1d over features"
+        chain.stopped = f"`{u.name}`: an unsqueeze that is not an AvgPool1d or MaxPool1d over features"
         return None
-    # The row max: torch.max(x, 1) / x.max(dim=1) then .values or [0]; torch.amax(x, 1).
-    dim = _arg(u, 1, "dim")
-    if (_is_fn(u, torch.max) or _is_method(u, "max")) and dim in (1, -1):
-        pick = _only_user(u)
-        picks = pick is not None and (
-            (_is_fn(pick, getattr) and pick.args[1] == "values")
-            or (_is_fn(pick, operator.getitem) and pick.args[1] == 0)
-        )
-        if picks:
-            chain.ops.append("max")
-            chain.nodes += [u, pick]
-            chain.keepdim = bool(_arg(u, 2, "keepdim", False))
-            chain.shape_sensitive = True
-            return pick
-    if (_is_fn(u, torch.amax) or _is_method(u, "amax")) and dim in (1, -1, (1,), (-1,), [1], [-1]):
-        chain.ops.append("max")
-        chain.nodes.append(u)
-        chain.keepdim = bool(_arg(u, 2, "keepdim", False))
+    if isinstance(module, nn.LayerNorm):
+        if tuple(module.normalized_shape) != (f,):
+            chain.stopped = (
+                f"{u.target}: a LayerNorm over {tuple(module.normalized_shape)}, not the ({f},) features"
+            )
+            return None
         chain.shape_sensitive = True
-        return u
+        weight = f"{u.target}.weight" if module.weight is not None else ("const", 1.0, f)
+        bias = f"{u.target}.bias" if module.bias is not None else ("const", 0.0, f)
+        return take(f"layernorm({module.eps!r})", weight, bias)
+    rms_norm = getattr(nn, "RMSNorm", None)
+    if rms_norm is not None and isinstance(module, rms_norm):
+        if tuple(module.normalized_shape) != (f,):
+            chain.stopped = (
+                f"{u.target}: an RMSNorm over {tuple(module.normalized_shape)}, not the ({f},) features"
+            )
+            return None
+        eps = module.eps
+        if eps is None:
+            dtype = module.weight.dtype if module.weight is not None else torch.get_default_dtype()
+            eps = torch.finfo(dtype).eps
+        chain.shape_sensitive = True
+        return take(
+            f"rmsnorm({eps!r})", f"{u.target}.weight" if module.weight is not None else ("const", 1.0, f)
+        )
+    # Softmax over the features.
+    if isinstance(module, nn.Softmax) or _is_fn(u, torch.softmax, F.softmax) or _is_method(u, "softmax"):
+        dim = module.dim if module is not None else _arg(u, 1, "dim")
+        if dim in (1, -1) and _arg(u, 2, "dtype") is None and u.kwargs.get("dtype") is None:
+            chain.shape_sensitive = True
+            return take("softmax")
+        chain.stopped = f"`{u.name}`: a softmax over dim {dim}, or with a dtype"
+        return None
+    # The row reductions over dim 1 (-1): max and min (torch.max(x, 1) / x.max(dim=1) then
+    # .values or [0]; amax, amin), sum, mean, logsumexp.
+    dim = _arg(u, 1, "dim")
+    over_features = dim in (1, -1, (1,), (-1,), [1], [-1])
+
+    def reduce(op: str, nodes: List[fx.Node], out: fx.Node) -> fx.Node:
+        chain.ops.append(op)
+        chain.nodes += nodes
+        chain.keepdim = bool(_arg(u, 2, "keepdim", False))
+        chain.reduced = True
+        chain.features = 1
+        chain.shape_sensitive = True
+        return out
+
+    for op, fn, method, amin_amax in (
+        ("max", torch.max, "max", torch.amax),
+        ("min", torch.min, "min", torch.amin),
+    ):
+        if (_is_fn(u, fn) or _is_method(u, method)) and dim in (1, -1):
+            pick = _only_user(u)
+            picks = pick is not None and (
+                (_is_fn(pick, getattr) and pick.args[1] == "values")
+                or (_is_fn(pick, operator.getitem) and pick.args[1] == 0)
+            )
+            if picks:
+                return reduce(op, [u, pick], pick)
+        if (_is_fn(u, amin_amax) or _is_method(u, amin_amax.__name__)) and over_features:
+            return reduce(op, [u], u)
+    for op, fn in (("sum", torch.sum), ("mean", torch.mean), ("logsumexp", torch.logsumexp)):
+        typed = _arg(u, 3, "dtype") is not None or u.kwargs.get("dtype") is not None
+        if (_is_fn(u, fn) or _is_method(u, op)) and over_features and not typed:
+            return reduce(op, [u], u)
     chain.stopped = f"`{u.name}` ({u.op} {getattr(u.target, '__name__', u.target)}) is not an op of the chain"
     return None
 
@@ -439,15 +531,15 @@ def _batch_norm_affine(norm: nn.BatchNorm1d, x: torch.Tensor, shift: bool, name:
 def _fused_call(
     x, weight, bias, ops: str, params: List[torch.Tensor], precision: Optional[str], needs_2d: bool
 ):
-    """The fused chain as the graph calls it. A chain with a GroupNorm, a pool or a row max
-    was matched for ``(N, features)`` inputs: other shapes are refused rather than given
+    """The fused chain as the graph calls it. A chain with a norm, a pool, a softmax or a row
+    reduction was matched for ``(N, features)`` inputs: other shapes are refused rather than given
     another function than the model's."""
     from . import fused_linear
 
     if needs_2d and x.dim() != 2:
         raise ValueError(
-            f"fuse(): this chain ({ops}) was fused for 2-D (batch, features) inputs, as its GroupNorm, pool "
-            f"or row max compute on them; got an input of shape {tuple(x.shape)}"
+            f"fuse(): this chain ({ops}) was fused for 2-D (batch, features) inputs, as its norm, pool, "
+            f"softmax or row reduction computes on them; got an input of shape {tuple(x.shape)}"
         )
     return fused_linear(x, weight, bias, ops, params, precision)
 
@@ -467,7 +559,7 @@ def fuse(model: nn.Module, precision: Optional[str] = None, verbose: bool = Fals
         if chain is None:
             continue
         cur = node
-        while "max" not in chain.ops and chain.gradient_factor is None:
+        while chain.gradient_factor is None:
             nxt = _step(gm, chain, cur)
             if nxt is None:
                 break

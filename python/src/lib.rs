@@ -885,8 +885,10 @@ type Description = (Vec<usize>, usize, usize, Vec<String>, Vec<(String, Vec<usiz
 /// (the tests' references, the benchmark's peer) without a parser of its own: every op
 /// as `(kind, args)`, its canonical name (an alias, `double`, resolved) and every
 /// argument written out (defaults filled in): `groupnorm` `(groups, eps)`, `avgpool`
-/// `(k,)`, `max` `()`. Arguments are the kernels' f32 values as their shortest decimals
-/// (`0.01`, not 0.009999999776). A `ValueError` says why a chain does not parse.
+/// `(k,)`, `maxpool` `(k,)`, `layernorm` and `rmsnorm` `(eps,)`, `max`, `min`, `sum`,
+/// `mean`, `logsumexp`, `softmax` `()`. Arguments are the kernels' f32 values as their
+/// shortest decimals (`0.01`, not 0.009999999776). A `ValueError` says why a chain does
+/// not parse.
 #[pyfunction]
 fn parse_chain(ops: &str) -> PyResult<Vec<(String, Vec<f64>)>> {
     guarded(|| {
@@ -904,6 +906,11 @@ fn parse_chain(ops: &str) -> PyResult<Vec<(String, Vec<f64>)>> {
                 host::chain::Op::GroupNorm { groups, eps } => ("groupnorm".into(), vec![groups as f64, decimal(eps)]),
                 host::chain::Op::AvgPool(k) => ("avgpool".into(), vec![k as f64]),
                 host::chain::Op::RowMax => ("max".into(), vec![]),
+                host::chain::Op::Reduce(r) => (r.name().into(), vec![]),
+                host::chain::Op::Softmax => ("softmax".into(), vec![]),
+                host::chain::Op::MaxPool(k) => ("maxpool".into(), vec![k as f64]),
+                host::chain::Op::LayerNorm { eps } => ("layernorm".into(), vec![decimal(eps)]),
+                host::chain::Op::RmsNorm { eps } => ("rmsnorm".into(), vec![decimal(eps)]),
             })
             .collect())
     })

@@ -37,7 +37,9 @@ SATURATING = tuple(op["name"] for op in _native.ops() if op["saturates"])
 
 @dataclass(frozen=True)
 class Op:
-    kind: str  # an op of the registry: bias, mul, scale, swish, ..., groupnorm, avgpool, max
+    # bias, mul, scale, swish, mish, gelu, gelu_tanh, tanh, sigmoid, leakyrelu, hardtanh,
+    # groupnorm, avgpool, max, min, sum, mean, logsumexp, softmax, maxpool, layernorm, rmsnorm
+    kind: str
     args: tuple = ()
 
     def __str__(self) -> str:
@@ -57,7 +59,7 @@ def parse_chain(text: str) -> list[Op]:
     for kind, args in _native.parse_chain(text):
         if kind == "groupnorm":
             args = (int(args[0]), args[1])
-        elif kind == "avgpool":
+        elif kind in ("avgpool", "maxpool"):
             args = (int(args[0]),)
         ops.append(Op(kind, tuple(args)))
     return ops
@@ -67,25 +69,32 @@ def chain_to_str(ops: list[Op]) -> str:
     return ",".join(map(str, ops))
 
 
+# The row reductions: one value per row after them.
+REDUCTIONS = ("max", "min", "sum", "mean", "logsumexp")
+# Parameter base names of the ops with parameters, and the fields of the norms'.
+BASES = {"bias": "bias", "mul": "w", "groupnorm": "gn", "layernorm": "ln", "rmsnorm": "rms"}
+NORM_FIELDS = {"groupnorm": ("weight", "bias"), "layernorm": ("weight", "bias"), "rmsnorm": ("weight",)}
+
+
 def param_specs(ops, out_features: int) -> list[tuple[str, int]]:
     """(name, length) of every chain parameter in chain order, named as FusedLinear names
-    them: ``bias``, ``w``, ``gn.weight``, ``gn.bias``; a repeat gets a number (``bias2``,
-    ``w2``, ``gn2.weight``)."""
+    them: ``bias``, ``w``, ``gn.weight``, ``gn.bias``, ``ln.weight``, ``ln.bias``,
+    ``rms.weight``; a repeat gets a number (``bias2``, ``w2``, ``gn2.weight``)."""
     if isinstance(ops, str):
         ops = parse_chain(ops)
     specs, counts, f = [], {}, out_features
     for op in ops:
-        if op.kind in ("bias", "mul", "groupnorm"):
-            base = {"bias": "bias", "mul": "w", "groupnorm": "gn"}[op.kind]
+        if op.kind in BASES:
+            base = BASES[op.kind]
             counts[base] = counts.get(base, 0) + 1
             name = base if counts[base] == 1 else f"{base}{counts[base]}"
-            if op.kind == "groupnorm":
-                specs += [(f"{name}.weight", f), (f"{name}.bias", f)]
+            if op.kind in NORM_FIELDS:
+                specs += [(f"{name}.{field}", f) for field in NORM_FIELDS[op.kind]]
             else:
                 specs.append((name, f))
-        elif op.kind == "avgpool":
+        elif op.kind in ("avgpool", "maxpool"):
             f //= op.args[0]
-        elif op.kind == "max":
+        elif op.kind in REDUCTIONS:
             f = 1
     return specs
 
@@ -96,19 +105,23 @@ def out_shape(batch_shape: tuple, ops, out_features: int) -> tuple:
         ops = parse_chain(ops)
     f = out_features
     for op in ops:
-        if op.kind == "avgpool":
+        if op.kind in ("avgpool", "maxpool"):
             f //= op.args[0]
-        elif op.kind == "max":
+        elif op.kind in REDUCTIONS:
             return tuple(batch_shape)
     return (*batch_shape, f)
 
 
 def apply_chain(h: torch.Tensor, ops, params, trace=None) -> torch.Tensor:
-    """The chain on a 2-D ``(N, F)`` tensor in its own dtype. ``trace``, when a list,
-    receives ``(op, input)`` for every kinked op (for ``kink_margin``)."""
+    """The chain on a 2-D ``(N, F)`` tensor in its own dtype (a 1-D ``(N,)`` one: one value
+    per row, as after a reduction). ``trace``, when a list, receives ``(op, input)`` for
+    every kinked op (for ``kink_margin``). A reduction leaves ``(N,)``."""
     if isinstance(ops, str):
         ops = parse_chain(ops)
     params = list(params)
+    reduced = h.dim() == 1
+    if reduced:
+        h = h.unsqueeze(1)
     for op in ops:
         if trace is not None and op.kind in KINKED:
             trace.append((op, h.detach()))
@@ -141,11 +154,29 @@ def apply_chain(h: torch.Tensor, ops, params, trace=None) -> torch.Tensor:
         elif k == "avgpool":
             h = F.avg_pool1d(h.unsqueeze(1), op.args[0]).squeeze(1)
         elif k == "max":
-            h = h.max(dim=1).values
+            h = h.max(dim=1, keepdim=True).values
+        elif k == "min":
+            h = h.min(dim=1, keepdim=True).values
+        elif k == "sum":
+            h = h.sum(dim=1, keepdim=True)
+        elif k == "mean":
+            h = h.mean(dim=1, keepdim=True)
+        elif k == "logsumexp":
+            h = torch.logsumexp(h, dim=1, keepdim=True)
+        elif k == "softmax":
+            h = torch.softmax(h, dim=1)
+        elif k == "maxpool":
+            h = F.max_pool1d(h.unsqueeze(1), op.args[0]).squeeze(1)
+        elif k == "layernorm":
+            lw, lb = params.pop(0), params.pop(0)
+            h = F.layer_norm(h, (h.shape[1],), lw, lb, op.args[0])
+        elif k == "rmsnorm":
+            h = F.rms_norm(h, (h.shape[1],), params.pop(0), op.args[0])
         else:  # pragma: no cover
             raise ValueError(k)
+        reduced = reduced or k in REDUCTIONS
     assert not params, "more params than the chain takes"
-    return h
+    return h.squeeze(1) if reduced else h
 
 
 def reference(x, weight, bias, ops, params, trace=None) -> torch.Tensor:
@@ -173,7 +204,13 @@ def kink_margin(x, weight, bias, ops, params) -> float:
         elif op.kind == "hardtanh":
             d = torch.minimum((h - op.args[0]).abs(), (h - op.args[1]).abs())
             scale = max(scale, abs(op.args[0]), abs(op.args[1]))
-        else:  # max: the gap between the two largest of a row
+        else:  # max, min, maxpool: the gap between the two largest (smallest) of a row or window
+            h = h.unsqueeze(1) if h.dim() == 1 else h
+            if op.kind == "maxpool":
+                k = op.args[0]
+                h = h[:, : h.shape[1] // k * k].reshape(-1, k)
+            elif op.kind == "min":
+                h = -h
             if h.shape[1] < 2:
                 continue
             top = h.topk(2, dim=1).values
@@ -214,7 +251,9 @@ def random_chain(
 ) -> str:
     """A seeded random chain of 1..max_ops ops valid for ``features`` Linear outputs:
     GroupNorm group counts that divide the features entering it, AvgPool kernels that
-    divide them or not, and a row max only last. ``kinks=False`` leaves out LeakyReLU, Hardtanh and max.
+    divide them or not, MaxPool the same, softmax, LayerNorm and RMSNorm (over 4 features or
+    more), and a row reduction only last but for ops without a parameter after it.
+    ``kinks=False`` leaves out LeakyReLU, Hardtanh, MaxPool, max and min.
 
     GroupNorm groups have at least ``min_group`` channels (fewer where the features allow
     no such divisor): a group of one is constant, and in a group of two the gradient is
@@ -222,11 +261,15 @@ def random_chain(
     ops, f = [], features
     n = rng.randint(1, max_ops)
     for i in range(n):
-        choices = "bias mul scale swish mish gelu gelu_tanh tanh sigmoid groupnorm".split()
+        choices = "bias mul scale swish mish gelu gelu_tanh tanh sigmoid groupnorm softmax".split()
         if kinks:
             choices += ["leakyrelu", "hardtanh"]
+        if f >= 4:
+            choices += ["layernorm", "rmsnorm"]
         if f >= 4 and i + 1 < n:
             choices.append("avgpool")
+            if kinks and not any(op.kind in SATURATING for op in ops):
+                choices.append("maxpool")
         kind = rng.choice(choices)
         if kind == "scale":
             ops.append(Op("scale", (rng.choice([-1.5, 0.5, 2.0, 3.25]),)))
@@ -241,18 +284,31 @@ def random_chain(
             divisors = [g for g in range(1, f + 1) if f % g == 0 and f // g >= min_group] or [1]
             eps = 1e-5 if rng.random() < 0.7 else 1e-3
             ops.append(Op("groupnorm", (rng.choice(divisors), eps)))
-        elif kind == "avgpool":
+        elif kind in ("avgpool", "maxpool"):
             k = rng.randint(2, min(5, f // 2))
-            ops.append(Op("avgpool", (k,)))
+            ops.append(Op(kind, (k,)))
             f //= k
+        elif kind == "layernorm":
+            ops.append(Op("layernorm", (rng.choice([1e-5, 1e-3]),)))
+        elif kind == "rmsnorm":
+            ops.append(Op("rmsnorm", (rng.choice([1e-5, 1e-6]),)))
         else:
             ops.append(Op(kind))
     # No row max after a saturating op (tanh, sigmoid, hardtanh): where a row's largest
     # values saturate they are equal in float32 (tanh 1.0, the clamp's bound), so float32's
     # arg-max is one of several, while float64 tells them apart (docs/NUMERICS.md).
     saturated = any(op.kind in SATURATING for op in ops)
-    if kinks and rng.random() < 0.25 and not saturated:
-        ops.append(Op("max"))
+    # No sum or mean right after a softmax: a constant (1, 1 / F), whose gradients are
+    # zero in exact arithmetic and rounding noise in any other. After a reduction, no
+    # saturating op: a row's sum or logsumexp is large, and tanh's derivative there,
+    # 1 - tanh^2 of a value near 1, keeps few of float32's bits.
+    if rng.random() < 0.3:
+        last = ["logsumexp"] if ops and ops[-1].kind == "softmax" else ["sum", "mean", "logsumexp"]
+        if kinks and not saturated:
+            last += ["max", "min"]
+        ops.append(Op(rng.choice(last)))
+        if rng.random() < 0.3:
+            ops.append(Op(rng.choice(["swish", "gelu"])))
     return chain_to_str(ops)
 
 
@@ -325,33 +381,40 @@ class PlainBlock(nn.Module):
         counts, f = {}, out_features
         for op in self.ops:
             name = None
-            if op.kind in ("bias", "mul", "groupnorm"):
-                base = {"bias": "bias", "mul": "w", "groupnorm": "gn"}[op.kind]
+            if op.kind in BASES:
+                base = BASES[op.kind]
                 counts[base] = counts.get(base, 0) + 1
                 name = base if counts[base] == 1 else f"{base}{counts[base]}"
                 if op.kind == "groupnorm":
                     self.add_module(name, nn.GroupNorm(op.args[0], f, eps=op.args[1], **kw))
+                elif op.kind == "layernorm":
+                    self.add_module(name, nn.LayerNorm(f, eps=op.args[0], **kw))
+                elif op.kind == "rmsnorm":
+                    self.add_module(name, nn.RMSNorm(f, eps=op.args[0], **kw))
                 else:
                     self.register_parameter(name, nn.Parameter(torch.randn(f, **kw)))
-            elif op.kind == "avgpool":
+            elif op.kind in ("avgpool", "maxpool"):
                 f //= op.args[0]
+            elif op.kind in REDUCTIONS:
+                f = 1
             self._names.append(name)
 
     def randomize_affine(self, generator=None):
         with torch.no_grad():
             for m in self.modules():
-                if isinstance(m, nn.GroupNorm):
+                if isinstance(m, (nn.GroupNorm, nn.LayerNorm, nn.RMSNorm)):
                     m.weight.copy_(torch.randn(m.weight.shape, generator=generator))
-                    m.bias.copy_(torch.randn(m.bias.shape, generator=generator))
+                    if getattr(m, "bias", None) is not None:
+                        m.bias.copy_(torch.randn(m.bias.shape, generator=generator))
         return self
 
     def chain_params(self) -> list[torch.Tensor]:
         """The chain's parameters in chain order (the op's ``params`` argument)."""
         out = []
         for op, name in zip(self.ops, self._names):
-            if op.kind == "groupnorm":
+            if op.kind in NORM_FIELDS:
                 m = getattr(self, name)
-                out += [m.weight, m.bias]
+                out += [getattr(m, field) for field in NORM_FIELDS[op.kind]]
             elif name is not None:
                 out.append(getattr(self, name))
         return out
@@ -360,7 +423,7 @@ class PlainBlock(nn.Module):
         lead = x.shape[:-1]
         h = self.lin(x.reshape(-1, x.shape[-1]))
         for op, name in zip(self.ops, self._names):
-            if op.kind == "groupnorm":
+            if op.kind in NORM_FIELDS:
                 h = getattr(self, name)(h)
             elif op.kind == "bias":
                 h = h + getattr(self, name)

@@ -262,7 +262,7 @@ def test_cpu_kernelbench_problems(tmp_path):
         assert c["error"] is None and c["rel_err_y"] < 1e-5, c
     assert "| KB98(M4) |" in md
     chains = {r["model"]: r["chain"] for r in result["rows"]}
-    assert chains["KB14"] == "scale(0.5)" and chains["KB66"] == "(nothing fused)", chains
+    assert chains["KB14"] == "scale(0.5),sum,scale(1.5)" and chains["KB66"] == "(nothing fused)", chains
 
 
 def test_kernelbench_fused_mode(tmp_path):

@@ -274,7 +274,8 @@ def test_the_registry_reaches_python():
 
     registry = {op["name"]: op for op in _native.ops()}
     assert {"bias", "mul", "scale", "swish", "tanh", "groupnorm", "avgpool", "max"} <= set(registry)
-    assert {n for n, op in registry.items() if op["kink"]} == {"leakyrelu", "hardtanh", "max"}
+    kinked = {n for n, op in registry.items() if op["kink"]}
+    assert kinked == {"leakyrelu", "hardtanh", "max", "min", "maxpool"}
     assert {n for n, op in registry.items() if op["saturates"]} == {"tanh", "sigmoid", "hardtanh"}
     assert registry["groupnorm"]["params"] == ["gn.weight", "gn.bias"] and registry["mul"]["params"] == ["w"]
     for name, op in registry.items():

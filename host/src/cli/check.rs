@@ -4,7 +4,7 @@
 
 use super::{Backend, DeviceChoice, Failure, TuningArgs};
 use crate::block::{BlockSpec, Params, random_input};
-use crate::chain::{Chain, Op, Preset};
+use crate::chain::{Chain, Op, Preset, Reduce};
 use crate::check::{Comparison, compare_f32};
 use crate::cpu;
 use crate::error::Result;
@@ -38,30 +38,48 @@ pub struct CheckArgs {
     tuning: TuningArgs,
 }
 
-/// A chain of 1..=5 random ops valid for `out` features, ending in `max` sometimes.
+/// A chain of 1..=5 random ops valid for `out` features, ending in a row reduction
+/// sometimes (and then per-element ops without a parameter).
 pub fn random_chain(rng: &mut impl Rng, out: usize) -> Chain {
-    let mut ops = Vec::new();
+    let mut ops: Vec<Op> = Vec::new();
     let mut f = out;
     let len = rng.random_range(1..=5);
+    let saturating = |ops: &[Op]| ops.iter().any(|op| matches!(op, Op::Pointwise(p, _) if p.info().saturates));
     for i in 0..len {
-        let op = match rng.random_range(0..10) {
+        let op = match rng.random_range(0..14) {
             8 if f >= 2 && i + 1 < len => Op::AvgPool(rng.random_range(2..=4.min(f))),
+            10 if f >= 2 && i + 1 < len && !saturating(&ops) => Op::MaxPool(rng.random_range(2..=4.min(f))),
+            11 => Op::Softmax,
+            12 => Op::LayerNorm { eps: 1e-5 },
+            13 => Op::RmsNorm { eps: 1e-5 },
             8 | 9 => {
                 let divisors: Vec<usize> = (1..=f).filter(|g| f.is_multiple_of(*g)).collect();
                 Op::GroupNorm { groups: divisors[rng.random_range(0..divisors.len())], eps: 1e-5 }
             }
             _ => Op::random_pointwise(rng),
         };
+        if ops.iter().any(Op::reduces_row) && !op.param_bases().is_empty() {
+            continue;
+        }
         f = op.out_features(f).expect("generated ops are valid");
         ops.push(op);
     }
-    // No row max after a saturating op (the registry's `saturates`: tanh, sigmoid, hardtanh): it
-    // ties a row's top values in FP32, and which of them wins is then any implementation's
+    // No row max, min or MaxPool after a saturating op (the registry's `saturates`: tanh,
+    // sigmoid, hardtanh): it ties a row's top values in FP32, and which of them wins is then any implementation's
     // choice, not a rounding error to check (docs/NUMERICS.md). The Python tests' random
     // chains follow the same rule.
-    let saturates = ops.iter().any(|op| matches!(op, Op::Pointwise(p, _) if p.info().saturates));
-    if rng.random_bool(0.2) && !saturates {
-        ops.push(Op::RowMax);
+    let saturates = saturating(&ops);
+    if rng.random_bool(0.3) && !saturates {
+        ops.push(match rng.random_range(0..5) {
+            0 => Op::Reduce(Reduce::Sum),
+            1 => Op::Reduce(Reduce::Mean),
+            2 => Op::Reduce(Reduce::Min),
+            3 => Op::Reduce(Reduce::LogSumExp),
+            _ => Op::RowMax,
+        });
+        if rng.random_bool(0.3) {
+            ops.push(Op::random_scalar_pointwise(rng));
+        }
     }
     Chain(ops)
 }

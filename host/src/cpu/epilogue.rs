@@ -3,13 +3,13 @@
 //! [`forward_row`] and [`backward_row`] are the only places that match on [`Op`]. A
 //! per-element op evaluates its formula from `reference::activation` in f32: the one
 //! CPU definition of each registry op, held to naive loops and finite differences by
-//! the reference's own tests, so a new op needs no CPU code. GroupNorm, AvgPool and the
-//! row max are this module's own f32 code (vectorised sums, no f64), checked against
-//! the f64 reference. Statistics and reductions inside a row (GroupNorm's
+//! the reference's own tests, so a new op needs no CPU code. The whole-row ops
+//! (GroupNorm, LayerNorm, RMSNorm, pooling, the row reductions, softmax) are this
+//! module's own f32 code (vectorised sums, no f64), checked against the f64 reference. Statistics and reductions inside a row (GroupNorm's
 //! mean and variance, AvgPool's windows) are summed in f32 over eight interleaved
 //! partial sums, which vectorises and keeps the rounding error near that of a tree.
 
-use crate::chain::Op;
+use crate::chain::{Op, Reduce};
 use crate::reference::activation::{pointwise, pointwise_grad};
 
 /// `op`'s forward applied in place to one row `v` (the op's input); returns the row's
@@ -43,8 +43,61 @@ pub(crate) fn forward_row(op: &Op, p: &[&[f32]], v: &mut [f32]) -> usize {
             v[0] = v[argmax(v)];
             return 1;
         }
+        Op::Reduce(r) => {
+            v[0] = reduce(r, v);
+            return 1;
+        }
+        Op::Softmax => softmax(v),
+        Op::MaxPool(k) => {
+            // As AvgPool: window j reads at or after v[j].
+            for j in 0..n / k {
+                v[j] = v[j * k + argmax(&v[j * k..(j + 1) * k])];
+            }
+            return n / k;
+        }
+        Op::LayerNorm { eps } => return forward_row(&Op::GroupNorm { groups: 1, eps }, p, v),
+        Op::RmsNorm { eps } => {
+            let r = rms_rstd(v, eps);
+            v.iter_mut().zip(p[0]).for_each(|(x, &w)| *x = *x * r * w);
+        }
     }
     n
+}
+
+/// A row reduction of `v` (not empty).
+fn reduce(r: Reduce, v: &[f32]) -> f32 {
+    match r {
+        Reduce::Sum => sum(v),
+        Reduce::Mean => sum(v) / v.len() as f32,
+        Reduce::Min => v[argmin(v)],
+        Reduce::LogSumExp => {
+            // Shifted by the row max (by 0 where it is infinite, as PyTorch).
+            let m = v[argmax(v)];
+            let shift = if m.is_infinite() { 0.0 } else { m };
+            shift + v.iter().map(|&x| (x - shift).exp()).sum::<f32>().ln()
+        }
+    }
+}
+
+/// Softmax of `v` in place, shifted by its max.
+fn softmax(v: &mut [f32]) {
+    let m = v[argmax(v)];
+    v.iter_mut().for_each(|x| *x = (*x - m).exp());
+    let s = sum(v);
+    v.iter_mut().for_each(|x| *x /= s);
+}
+
+/// RMSNorm's `1 / sqrt(mean(x^2) + eps)`.
+fn rms_rstd(v: &[f32], eps: f32) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let chunks = v.chunks_exact(8);
+    let tail: f32 = chunks.remainder().iter().map(|&x| x * x).sum();
+    for c in chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a += x * x;
+        }
+    }
+    1.0 / ((acc.iter().sum::<f32>() + tail) / v.len() as f32 + eps).sqrt()
 }
 
 /// `op`'s backward on one row: `x` is the op's forward input, `dy` the gradient of its
@@ -104,6 +157,45 @@ pub(crate) fn backward_row(op: &Op, p: &[&[f32]], x: &[f32], dy: &[f32], dx: &mu
             dx.fill(0.0);
             dx[argmax(x)] = dy[0];
         }
+        Op::Reduce(Reduce::Min) => {
+            dx.fill(0.0);
+            dx[argmin(x)] = dy[0];
+        }
+        Op::Reduce(Reduce::Sum) => dx.fill(dy[0]),
+        Op::Reduce(Reduce::Mean) => dx.fill(dy[0] / x.len() as f32),
+        Op::Reduce(Reduce::LogSumExp) => {
+            let y = reduce(Reduce::LogSumExp, x);
+            dx.iter_mut().zip(x).for_each(|(d, &v)| *d = dy[0] * (v - y).exp());
+        }
+        // dx = s (dy - sum(dy s)).
+        Op::Softmax => {
+            dx.copy_from_slice(x);
+            softmax(dx);
+            let dot: f32 = dx.iter().zip(dy).map(|(s, d)| s * d).sum();
+            dx.iter_mut().zip(dy).for_each(|(s, &d)| *s *= d - dot);
+        }
+        // Each window's gradient to its first maximum; the F mod k trailing inputs get 0.
+        Op::MaxPool(k) => {
+            dx.fill(0.0);
+            for (j, &g) in dy.iter().enumerate() {
+                dx[j * k + argmax(&x[j * k..(j + 1) * k])] = g;
+            }
+        }
+        Op::LayerNorm { eps } => backward_row(&Op::GroupNorm { groups: 1, eps }, p, x, dy, dx, dp),
+        // With xhat = x r: dx = r (dy w - xhat mean(dy w xhat)); dw += dy xhat.
+        Op::RmsNorm { eps } => {
+            let r = rms_rstd(x, eps);
+            let w = p[0];
+            let mut dot = 0.0f32;
+            for ((&v, &d), (&wc, dw)) in x.iter().zip(dy).zip(w.iter().zip(dp[0].iter_mut())) {
+                dot += d * wc * v * r;
+                *dw += d * v * r;
+            }
+            let m = dot / x.len() as f32;
+            for ((d, &v), (&g, &wc)) in dx.iter_mut().zip(x).zip(dy.iter().zip(w)) {
+                *d = r * (g * wc - v * r * m);
+            }
+        }
     }
 }
 
@@ -146,6 +238,20 @@ fn argmax(v: &[f32]) -> usize {
             return i;
         }
         if x > v[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+/// Index of the row's minimum as `torch.min`: the first of equal minima, the first NaN.
+fn argmin(v: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x.is_nan() {
+            return i;
+        }
+        if x < v[best] {
             best = i;
         }
     }

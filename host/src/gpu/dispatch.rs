@@ -416,8 +416,11 @@ pub fn forward_route(f: Forward, precision: Precision, plan: &Plan, aligned: boo
 /// if it can.
 pub fn not_fusable(op: &Op, features: usize) -> Option<String> {
     match *op {
-        Op::AvgPool(_) | Op::RowMax => Some(format!("`{op}` reduces across tiles")),
-        Op::GroupNorm { groups, .. } => {
+        Op::AvgPool(_) | Op::RowMax | Op::Reduce(_) | Op::MaxPool(_) => Some(format!("`{op}` reduces across tiles")),
+        Op::Softmax | Op::RmsNorm { .. } => Some(format!("`{op}` needs the whole row")),
+        // LayerNorm runs as a GroupNorm of one group: fused where the row is such a group.
+        Op::GroupNorm { .. } | Op::LayerNorm { .. } => {
+            let groups = if let Op::GroupNorm { groups, .. } = *op { groups } else { 1 };
             let g = features / groups;
             (!(g.is_power_of_two() && (MIN_FUSED_GROUP..=MAX_FUSED_GROUP).contains(&g))).then(|| {
                 format!(

@@ -109,6 +109,21 @@ impl TensorSplit {
                         chain.0.len()
                     )));
                 }
+                Op::MaxPool(k) => {
+                    if !f.is_multiple_of(k) {
+                        return Err(Error::Chain(format!(
+                            "maxpool({k}) drops the last {} of its {f} features; tensor parallel needs it to \
+                             divide them",
+                            f % k
+                        )));
+                    }
+                    q.keep(k * per_feature, format!("a window of maxpool({k})"));
+                    per_feature *= k;
+                }
+                // Across the whole row: a rank would need every channel.
+                Op::Reduce(_) | Op::Softmax | Op::LayerNorm { .. } | Op::RmsNorm { .. } => {
+                    q.keep(f * per_feature, format!("the row `{op}` works across"));
+                }
                 Op::RowMax | Op::Pointwise(..) => {}
             }
         }

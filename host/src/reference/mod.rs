@@ -17,6 +17,7 @@ pub mod group_norm;
 pub mod linear;
 pub mod op;
 pub mod reduce;
+pub mod rows;
 
 pub use op::{Saved, op_backward, op_forward};
 

@@ -51,11 +51,12 @@ macro_rules! pointwise_arms {
 pub(crate) use {match_pointwise, pointwise_arms};
 
 /// Parameter vectors of any op (`param0`, then `param1`), each with its gradient slot
-/// in the backward: a per-element op's own, GroupNorm's gamma and beta.
+/// in the backward: a per-element op's own, GroupNorm's gamma and beta, RMSNorm's weight.
 #[inline(always)]
 pub fn param_count(op: &OpDesc) -> usize {
     match op.code {
         kernel_abi::ops::OP_GROUP_NORM => 2,
+        kernel_abi::ops::OP_RMS_NORM => 1,
         code => match_pointwise!(code, P => usize::from(P::HAS_PARAM), _ => 0),
     }
 }

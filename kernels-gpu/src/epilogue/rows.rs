@@ -6,7 +6,7 @@
 //! the GEMM output), and for every backward.
 
 use super::pointwise::{PointwiseMath, match_pointwise, param_count};
-use crate::prelude::math::{max_nan, rsqrt};
+use crate::prelude::math::{exp, fabs, ln, max_nan, rsqrt};
 use crate::prelude::warp::{shfl_xor, warp_max, warp_sum};
 use crate::prelude::*;
 use kernel_abi::epilogue::*;
@@ -33,6 +33,115 @@ fn group_stats(s: *const f32, size: usize, eps: f32, lane: usize) -> (f32, f32) 
         j += WARP;
     }
     (mean, rsqrt(warp_sum(sq) / size as f32 + eps))
+}
+
+/// `v` reduced over the block, the same in every thread: each warp's by `in_warp`,
+/// then the warps' by `fold` (`red` holds `WARPS` floats; ends with a barrier).
+///
+/// # Safety
+/// Called by the whole block.
+#[inline(always)]
+unsafe fn block_reduce(v: f32, red: *mut f32, in_warp: fn(f32) -> f32, fold: fn(f32, f32) -> f32) -> f32 {
+    let (warp, lane) = (warp_id() as usize, lane_id() as usize);
+    let s = in_warp(v);
+    // SAFETY: warp < WARPS; the barriers order the writes and the reads of `red`.
+    unsafe {
+        if lane == 0 {
+            *red.add(warp) = s;
+        }
+        sync_threads();
+        let mut total = *red;
+        for w in 1..WARPS {
+            total = fold(total, *red.add(w));
+        }
+        sync_threads();
+        total
+    }
+}
+
+/// `sum_j map(x[j])` over `x[..f]`, in every thread.
+///
+/// # Safety
+/// `x` holds `f` floats; called by the whole block.
+#[inline(always)]
+unsafe fn row_sum(x: *const f32, f: usize, red: *mut f32, map: impl Fn(usize, f32) -> f32) -> f32 {
+    let mut s = 0.0;
+    let mut j = thread_idx_x() as usize;
+    while j < f {
+        // SAFETY: j < f.
+        s += map(j, unsafe { *x.add(j) });
+        j += ROW_THREADS;
+    }
+    unsafe { block_reduce(s, red, warp_sum, |a, b| a + b) }
+}
+
+/// `max_j sign x[j]` over `x[..f]`, NaN propagating, in every thread.
+///
+/// # Safety
+/// `x` holds `f` floats; called by the whole block.
+#[inline(always)]
+unsafe fn row_max(x: *const f32, f: usize, red: *mut f32, sign: f32) -> f32 {
+    let mut m = f32::NEG_INFINITY;
+    let mut j = thread_idx_x() as usize;
+    while j < f {
+        // SAFETY: j < f.
+        m = max_nan(m, sign * unsafe { *x.add(j) });
+        j += ROW_THREADS;
+    }
+    unsafe { block_reduce(m, red, warp_max, max_nan) }
+}
+
+/// What the row reduction `code` (sum, mean, min, logsumexp) gives for `x[..f]`, in
+/// every thread. logsumexp shifts by the row max, or by 0 where that max is infinite
+/// (`-inf` for a row of `-inf`, `inf` for one holding `inf`, as PyTorch).
+///
+/// # Safety
+/// `x` holds `f > 0` floats; called by the whole block.
+#[inline(always)]
+unsafe fn reduce_row(code: u32, x: *const f32, f: usize, red: *mut f32) -> f32 {
+    unsafe {
+        match code {
+            OP_ROW_MIN => -row_max(x, f, red, -1.0),
+            OP_LOGSUMEXP => {
+                let m = row_max(x, f, red, 1.0);
+                let shift = if fabs(m) == f32::INFINITY { 0.0 } else { m };
+                shift + ln(row_sum(x, f, red, |_, v| exp(v - shift)))
+            }
+            OP_ROW_MEAN => row_sum(x, f, red, |_, v| v) / f as f32,
+            _ => row_sum(x, f, red, |_, v| v),
+        }
+    }
+}
+
+/// Softmax of `x[..f]` in place.
+///
+/// # Safety
+/// `x` holds `f > 0` floats; called by the whole block.
+#[inline(always)]
+unsafe fn softmax_in_place(x: *mut f32, f: usize, red: *mut f32) {
+    unsafe {
+        let m = row_max(x, f, red, 1.0);
+        // Each thread rewrites only its own columns: no barrier between the passes.
+        let s = row_sum(x, f, red, |j, v| {
+            let e = exp(v - m);
+            *x.add(j) = e;
+            e
+        });
+        let mut j = thread_idx_x() as usize;
+        while j < f {
+            *x.add(j) /= s;
+            j += ROW_THREADS;
+        }
+    }
+}
+
+/// RMSNorm's `1 / sqrt(mean(x^2) + eps)` of `x[..f]`, in every thread.
+///
+/// # Safety
+/// `x` holds `f > 0` floats; called by the whole block.
+#[inline(always)]
+unsafe fn rms_rstd(x: *const f32, f: usize, eps: f32, red: *mut f32) -> f32 {
+    unsafe { rsqrt(row_sum(x, f, red, |_, v| v * v) / f as f32 + eps) }
 }
 
 /// Applies `op` forward to the row in `*cur` (`f` features); ops that shrink the row
@@ -81,6 +190,34 @@ pub(crate) unsafe fn op_forward(op: &OpDesc, cur: &mut *mut f32, alt: &mut *mut 
                     j += ROW_THREADS;
                 }
                 core::mem::swap(cur, alt);
+            }
+            OP_MAX_POOL => {
+                let k = op.count as usize;
+                let mut j = t;
+                while j < f_out {
+                    let mut m = *x.add(j * k);
+                    for e in 1..k {
+                        m = max_nan(m, *x.add(j * k + e));
+                    }
+                    *alt.add(j) = m;
+                    j += ROW_THREADS;
+                }
+                core::mem::swap(cur, alt);
+            }
+            OP_ROW_SUM | OP_ROW_MEAN | OP_ROW_MIN | OP_LOGSUMEXP => {
+                let v = reduce_row(op.code, x, f, red);
+                if t == 0 {
+                    *x = v;
+                }
+            }
+            OP_SOFTMAX => softmax_in_place(x, f, red),
+            OP_RMS_NORM => {
+                let r = rms_rstd(x, f, op.a, red);
+                let mut j = t;
+                while j < f {
+                    *x.add(j) = *x.add(j) * r * *p0.add(j);
+                    j += ROW_THREADS;
+                }
             }
             OP_ROW_MAX => {
                 let mut m = f32::NEG_INFINITY;
@@ -138,7 +275,8 @@ pub(crate) unsafe fn op_forward(op: &OpDesc, cur: &mut *mut f32, alt: &mut *mut 
 /// One block per row; the row sits in shared memory. Elementwise ops stride the
 /// block's threads over it; GroupNorm gives each warp whole groups (two-pass mean
 /// and variance with shuffle reductions); pooling writes into the second buffer;
-/// the row max reduces over warps, then across them.
+/// the row reductions (and softmax's and RMSNorm's sums) reduce over warps, then
+/// across them.
 #[unsafe(no_mangle)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "ptx-kernel" fn epilogue_rows(
@@ -199,20 +337,20 @@ fn max_first(av: f32, ai: u32, bv: f32, bi: u32) -> bool {
     av > bv || (av == bv && ai < bi)
 }
 
-/// Index of the row max of `x[..f]` (see [`max_first`]), the same in every thread.
-/// `red` holds `2 * WARPS` floats of scratch.
+/// Index of the row max of `sign x[..f]` (see [`max_first`]; `sign` -1 for the row
+/// min), the same in every thread. `red` holds `2 * WARPS` floats of scratch.
 ///
 /// # Safety
 /// `x` holds `f > 0` floats; called by the whole block.
 #[inline(always)]
-unsafe fn arg_max(x: *const f32, f: usize, red: *mut f32) -> usize {
+unsafe fn arg_max(x: *const f32, f: usize, red: *mut f32, sign: f32) -> usize {
     let t = thread_idx_x() as usize;
     let (warp, lane) = (warp_id() as usize, lane_id() as usize);
     let (mut bv, mut bi) = (f32::NEG_INFINITY, u32::MAX);
     let mut j = t;
     while j < f {
         // SAFETY (whole body): j < f; red indices < 2 * WARPS.
-        let v = unsafe { *x.add(j) };
+        let v = sign * unsafe { *x.add(j) };
         if max_first(v, j as u32, bv, bi) {
             (bv, bi) = (v, j as u32);
         }
@@ -396,8 +534,68 @@ pub unsafe extern "ptx-kernel" fn epilogue_rows_backward(
                         }
                         core::mem::swap(&mut g, &mut g_alt);
                     }
-                    OP_ROW_MAX => {
-                        let at = arg_max(x, f, red);
+                    OP_MAX_POOL => {
+                        // Each window's gradient goes to its first maximum (NaN first).
+                        let k = op.count as usize;
+                        let pooled = f / k;
+                        let mut w = t;
+                        while w < pooled {
+                            let mut at = 0;
+                            for e in 1..k {
+                                let (v, best) = (*x.add(w * k + e), *x.add(w * k + at));
+                                if max_first(v, e as u32, best, at as u32) {
+                                    at = e;
+                                }
+                            }
+                            let d = *g.add(w);
+                            for e in 0..k {
+                                *g_alt.add(w * k + e) = if e == at { d } else { 0.0 };
+                            }
+                            w += ROW_THREADS;
+                        }
+                        let mut j = pooled * k + t;
+                        while j < f {
+                            *g_alt.add(j) = 0.0;
+                            j += ROW_THREADS;
+                        }
+                        core::mem::swap(&mut g, &mut g_alt);
+                    }
+                    OP_ROW_SUM | OP_ROW_MEAN | OP_LOGSUMEXP => {
+                        let lse = if op.code == OP_LOGSUMEXP { reduce_row(op.code, x, f, red) } else { 0.0 };
+                        let d = *g;
+                        sync_threads(); // g[0] read by all before g_alt is written
+                        let each = if op.code == OP_ROW_MEAN { d / f as f32 } else { d };
+                        let mut j = t;
+                        while j < f {
+                            *g_alt.add(j) = if op.code == OP_LOGSUMEXP { d * exp(*x.add(j) - lse) } else { each };
+                            j += ROW_THREADS;
+                        }
+                        core::mem::swap(&mut g, &mut g_alt);
+                    }
+                    OP_SOFTMAX => {
+                        // dx = s (dy - sum(dy s)), `s` the softmax (rebuilt in x).
+                        softmax_in_place(x, f, red);
+                        let dot = row_sum(x, f, red, |j, s| s * *g.add(j));
+                        let mut j = t;
+                        while j < f {
+                            *g.add(j) = *x.add(j) * (*g.add(j) - dot);
+                            j += ROW_THREADS;
+                        }
+                    }
+                    OP_RMS_NORM => {
+                        // With xhat = x r: dx = r (dy w - xhat mean(dy w xhat)); dw += dy xhat.
+                        let r = rms_rstd(x, f, op.a, red);
+                        let m = row_sum(x, f, red, |j, v| *g.add(j) * *p0.add(j) * v * r) / f as f32;
+                        let mut j = t;
+                        while j < f {
+                            let (xhat, d) = (*x.add(j) * r, *g.add(j));
+                            *ps.add(j) += d * xhat;
+                            *g.add(j) = r * (d * *p0.add(j) - xhat * m);
+                            j += ROW_THREADS;
+                        }
+                    }
+                    OP_ROW_MAX | OP_ROW_MIN => {
+                        let at = arg_max(x, f, red, if op.code == OP_ROW_MIN { -1.0 } else { 1.0 });
                         let d = *g;
                         sync_threads(); // g[0] read by all before g_alt is written
                         let mut j = t;

@@ -10,6 +10,7 @@
 //! |-----------|-------------------------------------------------|--------------------------------|
 //! | `exp2`    | `ex2.approx.ftz.f32`                            | 2^-22 (PTX ISA)                |
 //! | `exp`     | `exp2(x * log2 e)`                              | 2^-22 + |x| * 2^-24 (< 6e-6 in range) |
+//! | `ln`      | `lg2.approx.ftz.f32` times `ln 2`               | 2^-22 absolute (PTX ISA)       |
 //! | `rsqrt`   | `rsqrt.approx.ftz.f32`                          | 2^-22.9 (PTX ISA)              |
 //! | `recip`   | `rcp.approx.ftz.f32`                            | 1 ulp (PTX ISA)                |
 //! | `sigmoid` | `recip(1 + exp(-x))`                            | as `exp`, plus 1 ulp           |
@@ -44,6 +45,18 @@ pub fn exp2(x: f32) -> f32 {
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
     exp2(x * LOG2_E)
+}
+
+/// `ln x` (`lg2.approx.ftz.f32`, scaled).
+#[inline(always)]
+pub fn ln(x: f32) -> f32 {
+    let out: u32;
+    // SAFETY: register-only arithmetic instruction.
+    unsafe {
+        asm!("lg2.approx.ftz.f32 {o}, {i};", o = out(reg32) out, i = in(reg32) x.to_bits(),
+             options(pure, nomem, nostack, preserves_flags));
+    }
+    f32::from_bits(out) * core::f32::consts::LN_2
 }
 
 /// `1 / sqrt(x)` (`rsqrt.approx.ftz.f32`).

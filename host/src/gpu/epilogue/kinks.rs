@@ -8,7 +8,9 @@ use super::DeviceChain;
 use crate::error::{Error, Result};
 use crate::precision::Precision;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
-use kernel_abi::epilogue::{OP_AVG_POOL, OP_GROUP_NORM, OP_ROW_MAX, OpDesc, ROW_THREADS, features_after};
+use kernel_abi::epilogue::{
+    OP_AVG_POOL, OP_GROUP_NORM, OP_MAX_POOL, OP_ROW_MAX, OP_ROW_MIN, OpDesc, ROW_THREADS, features_after,
+};
 use kernel_abi::kernels::Kernel;
 use kernel_abi::kinks::{
     CHUNK, ELEMENT_CAP, ORDER_BUCKETS, REFINE_SMEM_BYTES, REFINE_THREADS, REFINE_VALUES_BLOCKS_PER_SM, scan_smem_bytes,
@@ -22,7 +24,7 @@ use kernel_abi::ops::{ErrorRule, Pointwise};
 pub const SMALL_GROUP: usize = 8;
 
 /// Ops of a chain over `n` features up to and including its last kinked one
-/// (LeakyReLU, Hardtanh, row max), GroupNorm of small groups, or GroupNorm after a
+/// (LeakyReLU, Hardtanh, row max or min, MaxPool), GroupNorm of small groups, or GroupNorm after a
 /// Hardtanh (the clamp can leave a group of any size with all but a few channels at
 /// one bound, its spread far under the others' radius): what the scan must walk. 0
 /// when the chain has none of them.
@@ -43,9 +45,9 @@ pub fn scanned_prefix(ops: &[OpDesc], n: usize) -> usize {
 }
 
 /// Whether op `code`'s derivative jumps (a per-element op's kink, as the registry
-/// says: LeakyReLU, Hardtanh; or the row max).
+/// says: LeakyReLU, Hardtanh; or a tie: the row max or min, MaxPool).
 pub(crate) fn kinked(code: u32) -> bool {
-    code == OP_ROW_MAX || rule(code).is_some_and(ErrorRule::has_kink)
+    matches!(code, OP_ROW_MAX | OP_ROW_MIN | OP_MAX_POOL) || rule(code).is_some_and(ErrorRule::has_kink)
 }
 
 /// A per-element op's error rule (`None` for the other ops).
@@ -125,7 +127,8 @@ pub fn refine_near_kinks(
             (Kernel::KinkScanTiles, cap, tiles_scan_layout(n, cap)[5])
         }
         Scan::Rows => {
-            (Kernel::KinkScan, 0, scan_smem_bytes(n, chain.ops[..n_ops].iter().any(|d| d.code == OP_AVG_POOL)))
+            let pooled = chain.ops[..n_ops].iter().any(|d| matches!(d.code, OP_AVG_POOL | OP_MAX_POOL));
+            (Kernel::KinkScan, 0, scan_smem_bytes(n, pooled))
         }
     };
     if smem > gpu.props.max_shared_per_block_optin {
@@ -270,6 +273,11 @@ mod tests {
         assert_eq!(scanned_prefix(&[op(OP_HARDTANH), op(OP_MISH), gn(4)], 256), 3);
         assert_eq!(scanned_prefix(&[op(OP_LEAKY_RELU), op(OP_MISH), gn(4)], 256), 1);
         assert_eq!(scanned_prefix(&[op(OP_SWISH), op(OP_ROW_MAX)], 256), 2);
+        // The row min and MaxPool have ties; softmax none.
+        use kernel_abi::epilogue::{OP_MAX_POOL, OP_SOFTMAX};
+        assert_eq!(scanned_prefix(&[op(OP_SOFTMAX), op(OP_ROW_MIN), op(OP_SWISH)], 256), 2);
+        assert_eq!(scanned_prefix(&[op(OP_MAX_POOL), op(OP_SOFTMAX)], 256), 1);
+        assert_eq!(scanned_prefix(&[op(OP_SOFTMAX)], 256), 0);
     }
 
     #[test]

@@ -5,7 +5,7 @@ pub mod lanes;
 pub mod rows;
 
 use super::{DeviceTensor, Gpu, Table};
-use crate::chain::Op;
+use crate::chain::{Op, Reduce};
 use crate::error::{Error, Result};
 use cudarc::driver::DevicePtr;
 use kernel_abi::epilogue::*;
@@ -38,6 +38,19 @@ impl DeviceChain {
                 Op::GroupNorm { groups, eps } => (d.code, d.count, d.a) = (OP_GROUP_NORM, count_u32(op, groups)?, eps),
                 Op::AvgPool(k) => (d.code, d.count) = (OP_AVG_POOL, count_u32(op, k)?),
                 Op::RowMax => d.code = OP_ROW_MAX,
+                Op::Reduce(r) => {
+                    d.code = match r {
+                        Reduce::Sum => OP_ROW_SUM,
+                        Reduce::Mean => OP_ROW_MEAN,
+                        Reduce::Min => OP_ROW_MIN,
+                        Reduce::LogSumExp => OP_LOGSUMEXP,
+                    }
+                }
+                Op::Softmax => d.code = OP_SOFTMAX,
+                Op::MaxPool(k) => (d.code, d.count) = (OP_MAX_POOL, count_u32(op, k)?),
+                // The same math as a GroupNorm of one group (kernel_abi::ops).
+                Op::LayerNorm { eps } => (d.code, d.count, d.a) = (OP_GROUP_NORM, 1, eps),
+                Op::RmsNorm { eps } => (d.code, d.a) = (OP_RMS_NORM, eps),
             }
             descs.push(d);
         }

@@ -23,7 +23,7 @@ mod scan;
 mod scan_tiles;
 
 use super::pointwise::{PointwiseMath, match_pointwise, param_count};
-use crate::prelude::math::{fabs, fma, max_nan, rsqrt, sqrt};
+use crate::prelude::math::{exp, fabs, fma, ln, max_nan, rsqrt, sqrt};
 use crate::prelude::async_copy::{
     cp_async_4, cp_async_16_hint, cp_async_commit, cp_async_wait, cp_async_wait_all, l2_policy, shared_address,
 };

@@ -44,7 +44,8 @@ pub(super) fn pointwise_radius<P: PointwiseMath>(op: &OpDesc, p: f32, x: f32, rx
 /// (see [`ErrorRule::clears_common`]) or divided out (GroupNorm).
 #[inline(always)]
 pub(super) fn clears_common(code: u32) -> bool {
-    code == OP_GROUP_NORM || match_pointwise!(code, P => const { P::OP.info().error.clears_common() }, _ => false)
+    matches!(code, OP_GROUP_NORM | OP_RMS_NORM | OP_SOFTMAX | OP_LOGSUMEXP)
+        || match_pointwise!(code, P => const { P::OP.info().error.clears_common() }, _ => false)
 }
 
 /// A group's statistics for the radius rules: `size` values, `r2` the sum of their

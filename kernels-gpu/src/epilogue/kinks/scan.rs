@@ -122,7 +122,7 @@ pub unsafe extern "ptx-kernel" fn kink_scan(
     unsafe {
         let mut pooled = false;
         for i in 0..n_ops as usize {
-            pooled |= (*ops.add(i)).code == OP_AVG_POOL;
+            pooled |= matches!((*ops.add(i)).code, OP_AVG_POOL | OP_MAX_POOL);
         }
         let (mut v, mut r) = (base, base.add(n));
         let (mut v_alt, mut r_alt) = if pooled { (base.add(2 * n), base.add(3 * n)) } else { (v, r) };
@@ -233,20 +233,22 @@ pub unsafe extern "ptx-kernel" fn kink_scan(
                     pool *= k;
                     dep = nest(dep, pool);
                 }
-                OP_ROW_MAX => {
+                OP_ROW_MAX | OP_ROW_MIN => {
                     // Doubtful when another element's upper bound reaches the largest
-                    // lower bound: the arg-max could be either.
+                    // lower bound: the arg-max could be either. (The min is the max of
+                    // the negated values.)
+                    let sign = if op.code == OP_ROW_MIN { -1.0 } else { 1.0 };
                     let mut lo = f32::NEG_INFINITY;
                     let mut j = t;
                     while j < f {
-                        lo = max_nan(lo, *v.add(j) - *r.add(j));
+                        lo = max_nan(lo, sign * *v.add(j) - *r.add(j));
                         j += ROW_THREADS;
                     }
                     let top = block_max(lo, red);
                     let (mut near, mut m, mut rm) = (0.0, f32::NEG_INFINITY, 0.0f32);
                     let mut j = t;
                     while j < f {
-                        let (x, rx) = (*v.add(j), *r.add(j));
+                        let (x, rx) = (sign * *v.add(j), *r.add(j));
                         if x + rx >= top {
                             near += 1.0;
                         }
@@ -259,12 +261,121 @@ pub unsafe extern "ptx-kernel" fn kink_scan(
                     // A bound on the max's own radius, for any op after it.
                     let rm = block_reduce(rm, red, warp_max, 0.0, f32::max);
                     if t == 0 {
-                        *v = m;
+                        *v = sign * m;
                         *r = rm;
                         if near >= 2.0 && top == top {
                             *row_flag = 1;
                         }
                     }
+                    dep = WHOLE_ROW;
+                }
+                OP_MAX_POOL => {
+                    // A window is doubtful as a row max is; its max carries the
+                    // window's largest radius.
+                    let k = op.count as usize;
+                    let window = Marks { dep: nest(dep, pool * k), ..marks };
+                    let mut j = t;
+                    while j < f_out {
+                        let (mut lo, mut m, mut rm) = (f32::NEG_INFINITY, f32::NEG_INFINITY, 0.0f32);
+                        for e in 0..k {
+                            let (x, rx) = (*v.add(j * k + e), *r.add(j * k + e));
+                            lo = max_nan(lo, x - rx);
+                            m = max_nan(m, x);
+                            rm = rm.max(rx);
+                        }
+                        let mut near = 0;
+                        for e in 0..k {
+                            if *v.add(j * k + e) + *r.add(j * k + e) >= lo {
+                                near += 1;
+                            }
+                        }
+                        if near >= 2 && lo == lo {
+                            window.flag(j * k);
+                        }
+                        *v_alt.add(j) = m;
+                        *r_alt.add(j) = rm;
+                        j += ROW_THREADS;
+                    }
+                    core::mem::swap(&mut v, &mut v_alt);
+                    core::mem::swap(&mut r, &mut r_alt);
+                    pool *= k;
+                    dep = nest(dep, pool);
+                }
+                OP_ROW_SUM | OP_ROW_MEAN | OP_LOGSUMEXP => {
+                    // Sum and mean: the radii add up, the common relative error stays
+                    // (`c` carried on). logsumexp moves by at most its inputs' largest
+                    // change, common error included.
+                    let lse = op.code == OP_LOGSUMEXP;
+                    let (mut s, mut m, mut rs) = (0.0, f32::NEG_INFINITY, 0.0f32);
+                    let mut j = t;
+                    while j < f {
+                        let (x, rx) = (*v.add(j), *r.add(j));
+                        s += x;
+                        m = max_nan(m, x);
+                        rs = if lse { rs.max(rx + c * fabs(x)) } else { rs + rx };
+                        j += ROW_THREADS;
+                    }
+                    let m = block_max(m, red);
+                    let shift = if fabs(m) == f32::INFINITY { 0.0 } else { m };
+                    let mut e = 0.0;
+                    let mut j = t;
+                    while lse && j < f {
+                        e += exp(*v.add(j) - shift);
+                        j += ROW_THREADS;
+                    }
+                    let s = block_sum(if lse { e } else { s }, red);
+                    let rs = if lse { block_reduce(rs, red, warp_max, 0.0, f32::max) } else { block_sum(rs, red) };
+                    if t == 0 {
+                        *v = if lse { shift + ln(s) } else if op.code == OP_ROW_MEAN { s / f as f32 } else { s };
+                        *r = if op.code == OP_ROW_MEAN { rs / f as f32 } else { rs };
+                    }
+                    dep = WHOLE_ROW;
+                }
+                OP_SOFTMAX => {
+                    // |ds_j| <= s_j (|d_j| + sum_k s_k |d_k|) for input changes d.
+                    let mut m = f32::NEG_INFINITY;
+                    let mut j = t;
+                    while j < f {
+                        m = max_nan(m, *v.add(j));
+                        j += ROW_THREADS;
+                    }
+                    let m = block_max(m, red);
+                    let mut e = 0.0;
+                    let mut j = t;
+                    while j < f {
+                        let x = *v.add(j);
+                        *r.add(j) += c * fabs(x);
+                        *v.add(j) = exp(x - m);
+                        e += *v.add(j);
+                        j += ROW_THREADS;
+                    }
+                    let e = block_sum(e, red);
+                    let mut sr = 0.0;
+                    let mut j = t;
+                    while j < f {
+                        *v.add(j) /= e;
+                        sr += *v.add(j) * *r.add(j);
+                        j += ROW_THREADS;
+                    }
+                    let sr = block_sum(sr, red);
+                    each(v, r, f, |_, s, rx| (s, s * (rx + sr)));
+                    dep = WHOLE_ROW;
+                }
+                OP_RMS_NORM => {
+                    // As a GroupNorm of one group around 0.
+                    let (mut sq, mut r2) = (0.0, 0.0);
+                    let mut j = t;
+                    while j < f {
+                        sq += *v.add(j) * *v.add(j);
+                        r2 += *r.add(j) * *r.add(j);
+                        j += ROW_THREADS;
+                    }
+                    let rstd = rsqrt(block_sum(sq, red) / f as f32 + op.a);
+                    let stats = GroupRadius::new(0.0, rstd, block_sum(r2, red), f, rel_err);
+                    if t == 0 && stats.ill_conditioned {
+                        *row_flag = 1;
+                    }
+                    each(v, r, f, |j, x, rx| stats.apply(x, rx, *p0.add(j), 0.0));
                     dep = WHOLE_ROW;
                 }
                 // One loop per op, its code a constant there (a `match` per value would
