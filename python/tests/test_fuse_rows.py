@@ -228,6 +228,18 @@ def test_the_registry_lists_the_whole_row_ops():
     ]
 
 
+def _resized(modules, features):
+    """The norms among ``modules`` made anew over ``features`` (eps and affine kept)."""
+    out = {}
+    for name, m in modules.items():
+        if isinstance(m, nn.LayerNorm):
+            m = nn.LayerNorm(features, m.eps, m.elementwise_affine, bias=m.bias is not None)
+        elif isinstance(m, nn.RMSNorm):
+            m = nn.RMSNorm(features, m.eps, m.elementwise_affine)
+        out[name] = m
+    return out
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "tail,modules",
@@ -242,7 +254,7 @@ def test_the_registry_lists_the_whole_row_ops():
 )
 def test_fuse_whole_row_ops_on_the_gpu(tail, modules):
     torch.manual_seed(3)
-    model = _randomize(Lin(tail, n_in=256, n_out=384, **modules)).cuda()
+    model = _randomize(Lin(tail, n_in=256, n_out=384, **_resized(modules, 384))).cuda()
     assert len(check_same(model, torch.randn(300, 256, device="cuda"), tol=1e-4)) == 1
 
 
@@ -286,4 +298,8 @@ def test_whole_row_ops_match_the_reference_on_the_cpu(ops, dtype):
 @pytest.mark.parametrize("ops", ROW_CHAINS)
 @pytest.mark.parametrize("precision", ["fp32", "tf32"])
 def test_whole_row_ops_match_the_reference_on_the_gpu(ops, precision):
-    _check_op((300, 520, 384), ops, torch.float32, {"fp32": 1e-4, "tf32": 5e-3}[precision], "cuda", precision)
+    # A chain with a max, min or MaxPool needs inputs whose every pick is clear of a tie
+    # by the margin: few enough rows and windows that such inputs come by.
+    tied = {op.split("(")[0] for op in ops.split(",")} & {"max", "min", "maxpool"}
+    shape = (16, 520, 48) if tied else (300, 520, 384)
+    _check_op(shape, ops, torch.float32, {"fp32": 1e-4, "tf32": 5e-3}[precision], "cuda", precision)

@@ -53,8 +53,12 @@ pub fn random_chain(rng: &mut impl Rng, out: usize) -> Chain {
             12 => Op::LayerNorm { eps: 1e-5 },
             13 => Op::RmsNorm { eps: 1e-5 },
             8 | 9 => {
-                let divisors: Vec<usize> = (1..=f).filter(|g| f.is_multiple_of(*g)).collect();
-                Op::GroupNorm { groups: divisors[rng.random_range(0..divisors.len())], eps: 1e-5 }
+                // Groups of 4 channels or more where the features allow: a group of one
+                // is constant, and over two the output is all cancellation, magnifying
+                // the GEMM's rounding of `z` far beyond TF32's and bf16's tolerances.
+                let divisors: Vec<usize> = (1..=f).filter(|g| f.is_multiple_of(*g) && f / g >= 4).collect();
+                let groups = if divisors.is_empty() { 1 } else { divisors[rng.random_range(0..divisors.len())] };
+                Op::GroupNorm { groups, eps: 1e-5 }
             }
             _ => Op::random_pointwise(rng),
         };

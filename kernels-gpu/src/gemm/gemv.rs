@@ -5,9 +5,9 @@
 //! each block owns a slab of [`SLAB`] output columns over the whole depth, so `n /
 //! SLAB` blocks share `W` out across the GPU. Each warp owns four columns; its lanes
 //! split the depth, 8 values each per `K_BLOCK` (so a warp reads 512 contiguous bytes
-//! of a bf16 row per load, and the sum of a column is a warp reduction at the end);
-//! `x` is staged in `K_BLOCK`-deep slices in shared memory, each lane reading its own
-//! 8 values per row. One accumulator per row and column: at most `ROWS * 4`.
+//! of a bf16 row per load, and the sum of a column is a warp reduction at the end),
+//! with no barrier until the sums: each warp streams its columns on its own, one slice
+//! of `W` ahead. One accumulator per row and column: at most `ROWS * 4`.
 //!
 //! The chain runs on the slab when it is per-element ops and GroupNorms whose groups
 //! lie inside a slab (the host checks): the row-wise epilogue's ops, on each row's
@@ -27,11 +27,6 @@ use kernel_abi::gemv::{COLS_PER_WARP, K_BLOCK, ROWS, SLAB, THREADS};
 const WARP: usize = WARP_SIZE as usize;
 const _: () = assert!(ROWS == 8 && COLS_PER_WARP == 4, "the accumulator loops are unrolled 8 x 4 times");
 const _: () = assert!(K_BLOCK == 8 * WARP && SLAB == COLS_PER_WARP * THREADS / WARP);
-
-/// Four floats, 16-byte aligned: one shared-memory vector read.
-#[derive(Clone, Copy)]
-#[repr(C, align(16))]
-struct F4([f32; 4]);
 
 /// # Safety
 /// Device pointers: `x (m, k)` and `w (n, k)` row-major with `k % 8 == 0` and 16-byte
@@ -56,9 +51,8 @@ unsafe fn gemv<E: Element, O: Element>(
     let (warp, lane) = (warp_id() as usize, lane_id() as usize);
     let col0 = block_idx_x() as usize * SLAB;
     let base = dynamic_shared::<f32>();
-    // SAFETY: SMEM_BYTES covers [x: ROWS * K_BLOCK][z: ROWS * SLAB][red: 2 * warps].
-    let (xs, zs) = unsafe { (base, base.add(ROWS * K_BLOCK)) };
-    let red = unsafe { zs.add(ROWS * SLAB) };
+    // SAFETY: SMEM_BYTES covers [z: ROWS * SLAB][red: 2 * warps].
+    let (zs, red) = (base, unsafe { base.add(ROWS * SLAB) });
     // The warp's columns; one past `n` reads the last row of `W` and is never stored.
     let mut w_rows = [w; COLS_PER_WARP];
     unroll!(c in 0..4 => {
@@ -67,44 +61,39 @@ unsafe fn gemv<E: Element, O: Element>(
         w_rows[c] = unsafe { w.add(if col < n { col } else { n - 1 } * k) };
     });
     let mut acc = [[0.0f32; COLS_PER_WARP]; ROWS];
-    let mut kb = 0;
-    while kb < k {
-        let mut i = t;
-        while i < m * K_BLOCK {
-            let (r, c) = (i / K_BLOCK, i % K_BLOCK);
-            // SAFETY: r < m and kb + c < k inside `x`; i inside the staging buffer.
-            unsafe { *xs.add(i) = if kb + c < k { E::load1(x.add(r * k + kb + c)) } else { 0.0 } };
-            i += THREADS;
-        }
-        // SAFETY: uniform control flow.
-        unsafe { sync_threads() };
-        let kk = kb + 8 * lane;
+    // This lane's 8 values of each column's row at depth `kk`.
+    let load_w = |kk: usize| {
+        let mut wv = [[0.0f32; 8]; COLS_PER_WARP];
         if kk < k {
-            let mut wv = [[0.0f32; 8]; COLS_PER_WARP];
             unroll!(c in 0..4 => {
                 // SAFETY: kk + 8 <= k (k % 8 == 0), 16-byte aligned rows.
                 let (lo, hi) = unsafe { (E::load4_nc(w_rows[c].add(kk)), E::load4_nc(w_rows[c].add(kk + 4))) };
                 unroll!(e in 0..4 => { wv[c][e] = lo[e]; wv[c][e + 4] = hi[e]; });
             });
-            unroll!(r in 0..8 => {
-                if r < m {
-                    // SAFETY: this lane's 8 values of row r of the staged slice, 16-byte aligned.
-                    let (F4(xa), F4(xb)) = unsafe {
-                        let p = xs.add(r * K_BLOCK + 8 * lane) as *const F4;
-                        (*p, *p.add(1))
-                    };
-                    unroll!(c in 0..4 => {
-                        let mut s = acc[r][c];
-                        unroll!(e in 0..4 => { s = fma(xa[e], wv[c][e], s); });
-                        unroll!(e in 0..4 => { s = fma(xb[e], wv[c][e + 4], s); });
-                        acc[r][c] = s;
-                    });
-                }
-            });
         }
-        // SAFETY: uniform control flow.
-        unsafe { sync_threads() };
-        kb += K_BLOCK;
+        wv
+    };
+    // No barrier in the loop: each warp streams its columns on its own, the next
+    // slice's `W` in flight while this one's is summed; `x` (a few rows, in L1 and L2
+    // after the first warps) read by each lane where it needs it.
+    let mut kk = 8 * lane;
+    let mut wv = load_w(kk);
+    while kk < k {
+        let next = load_w(kk + K_BLOCK);
+        unroll!(r in 0..8 => {
+            if r < m {
+                let mut xv = [0.0f32; 8];
+                // SAFETY: r < m, kk + 8 <= k: inside `x`.
+                unroll!(e in 0..8 => { xv[e] = unsafe { E::load1(x.add(r * k + kk + e)) }; });
+                unroll!(c in 0..4 => {
+                    let mut s = acc[r][c];
+                    unroll!(e in 0..8 => { s = fma(xv[e], wv[c][e], s); });
+                    acc[r][c] = s;
+                });
+            }
+        });
+        wv = next;
+        kk += K_BLOCK;
     }
     // Each column's sum over the lanes, plus the bias, into the slab (and `save_z`).
     unroll!(r in 0..8 => {
