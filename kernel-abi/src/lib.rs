@@ -59,8 +59,10 @@ pub mod gemv {
     pub const SLAB: usize = COLS_PER_WARP * THREADS / 32;
     /// Depth a warp covers per step: 8 values per lane.
     pub const K_BLOCK: usize = 256;
-    /// Dynamic shared memory: the slab's `z`, two floats per warp of scratch.
-    pub const SMEM_BYTES: usize = 4 * (ROWS * SLAB + 2 * (THREADS / 32));
+    /// Depth of `x` staged in shared memory between two barriers.
+    pub const K_STAGE: usize = 2048;
+    /// Dynamic shared memory: the staged `x`, the slab's `z`, two floats per warp of scratch.
+    pub const SMEM_BYTES: usize = 4 * (ROWS * K_STAGE + ROWS * SLAB + 2 * (THREADS / 32));
 }
 
 /// The persistent, warp-specialised `wgmma` forward: `128 x 256` output tiles, operands
@@ -224,6 +226,16 @@ pub mod epilogue {
     /// `sum_slots` rows of parameter-gradient sums when they are kept on chip (else 0).
     pub const fn row_backward_smem_bytes(features: usize, sum_slots: usize) -> usize {
         ((3 + sum_slots) * features + 2 * (ROW_THREADS / 32)) * 4
+    }
+
+    /// Shared memory a block may opt into on sm_90 (H100, H200): 227 KiB.
+    pub const SM90_MAX_SHARED_OPTIN: usize = 227 * 1024;
+
+    /// Widest row the row-wise kernels take on sm_90: the forward keeps two copies of it
+    /// in shared memory, the backward three.
+    pub const fn max_row_features(backward: bool) -> usize {
+        let copies = if backward { 3 } else { 2 };
+        (SM90_MAX_SHARED_OPTIN / 4 - 2 * (ROW_THREADS / 32)) / copies
     }
 }
 

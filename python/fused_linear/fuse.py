@@ -549,7 +549,7 @@ def fuse(model: nn.Module, precision: Optional[str] = None, verbose: bool = Fals
     call over the model's own parameters (see the module). ``precision`` is passed to
     every fused call (default: the tensors' own). ``verbose`` prints what was fused and
     why each Linear's chain ended where it did."""
-    from . import _describe
+    from . import _describe, _native
 
     gm = fx.symbolic_trace(model)
     _keep_registration_order(gm, model)
@@ -573,6 +573,10 @@ def fuse(model: nn.Module, precision: Optional[str] = None, verbose: bool = Fals
             _describe(chain.in_features, chain.out_features, ops)
         except ValueError as e:
             report.append((node.name, f"left in PyTorch: `{ops}` does not apply ({e})"))
+            continue
+        too_wide = _native.gpu_limit(chain.in_features, chain.out_features, ops)
+        if too_wide is not None:
+            report.append((node.name, f"left in PyTorch: `{ops}` cannot run on the GPU: {too_wide}"))
             continue
         graph = gm.graph
         with graph.inserting_before(cur):

@@ -881,6 +881,18 @@ fn describe(in_features: usize, out_features: usize, ops: &str) -> PyResult<Desc
 
 type Description = (Vec<usize>, usize, usize, Vec<String>, Vec<(String, Vec<usize>, usize)>);
 
+/// Why the GPU cannot run this chain on `Linear(in_features, out_features)` (an op that
+/// needs whole rows, over rows wider than the row-wise kernels take), or `None`.
+/// `fuse()` leaves such chains to PyTorch.
+#[pyfunction]
+fn gpu_limit(in_features: usize, out_features: usize, ops: &str) -> PyResult<Option<String>> {
+    guarded(|| {
+        let chain: Chain = ops.parse().map_err(|e| PyValueError::new_err(format!("ops: {e}")))?;
+        let spec = BlockSpec::new(in_features, out_features, chain).map_err(to_py)?;
+        Ok(host::gpu::dispatch::rows_too_wide(&spec))
+    })
+}
+
 /// The chain syntax's parse, for Python code that needs each op's kind and arguments
 /// (the tests' references, the benchmark's peer) without a parser of its own: every op
 /// as `(kind, args)`, its canonical name (an alias, `double`, resolved) and every
@@ -955,6 +967,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(backward, m)?)?;
     m.add_function(wrap_pyfunction!(describe, m)?)?;
     m.add_function(wrap_pyfunction!(parse_chain, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu_limit, m)?)?;
     m.add_function(wrap_pyfunction!(ops, m)?)?;
     m.add_function(wrap_pyfunction!(_raise_panic, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -271,6 +271,8 @@ def random_chain(
             if kinks and not any(op.kind in SATURATING for op in ops):
                 choices.append("maxpool")
         kind = rng.choice(choices)
+        if kind == "softmax" and ops[-1:] == [Op("softmax")]:
+            continue  # a softmax of a softmax is nearly uniform: its gradients are noise
         if kind == "scale":
             ops.append(Op("scale", (rng.choice([-1.5, 0.5, 2.0, 3.25]),)))
         elif kind == "leakyrelu":

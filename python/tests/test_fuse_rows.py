@@ -228,6 +228,19 @@ def test_the_registry_lists_the_whole_row_ops():
     ]
 
 
+def test_rows_too_wide_for_the_gpu_stay_pytorchs(capsys):
+    # 20000 features: more than the row-wise kernels hold in shared memory on sm_90
+    # (forward and backward), so a whole-row op there stays PyTorch's; a per-element
+    # chain does not need whole rows and is fused.
+    wide = Lin(lambda m, h: torch.sigmoid(h).sum(1), n_in=8, n_out=20000)
+    fused = fused_linear.fuse(wide, verbose=True)
+    assert fused_chains(fused) == [] and "cannot run on the GPU" in capsys.readouterr().out
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(fused(x), wide(x))
+    narrow = Lin(lambda m, h: torch.sigmoid(h), n_in=8, n_out=20000)
+    assert fused_chains(fused_linear.fuse(narrow)) == ["sigmoid"]
+
+
 def _resized(modules, features):
     """The norms among ``modules`` made anew over ``features`` (eps and affine kept)."""
     out = {}

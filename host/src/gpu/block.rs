@@ -199,11 +199,11 @@ impl<W: DeviceElement> GpuBlock<W> {
 
     /// Chooses the kernels for `batch` rows on this GPU ([`dispatch::plan`]).
     pub fn plan(&self, gpu: &Gpu, batch: usize) -> Plan {
-        dispatch::plan(self.forward_case(batch), gpu.props.multiprocessors, gpu.tuning().tma)
+        dispatch::plan(self.forward_case(gpu, batch), gpu.props.multiprocessors, gpu.tuning().tma)
     }
 
     /// The block's forward of `batch` rows, as the dispatch sees it.
-    pub(super) fn forward_case(&self, batch: usize) -> Forward {
+    pub(super) fn forward_case(&self, gpu: &Gpu, batch: usize) -> Forward {
         Forward {
             batch,
             n: self.gemm_width(),
@@ -213,6 +213,7 @@ impl<W: DeviceElement> GpuBlock<W> {
             fusable: self.not_fusable.is_none(),
             gemv_chain: dispatch::gemv_chain_fits(&self.spec.chain.0[self.first_op..], self.gemm_width()),
             w_aligned: self.params.linear_weight.buf.device_address().is_multiple_of(16),
+            rows_fit: dispatch::rows_fit(self.gemm_width(), gpu.props.max_shared_per_block_optin),
         }
     }
 
@@ -225,7 +226,8 @@ impl<W: DeviceElement> GpuBlock<W> {
     /// summary line.
     pub fn describe(&self, gpu: &Gpu, plan: &Plan) -> String {
         // (The forward's route depends on `n`, `k` and the split only.)
-        let (_, route) = dispatch::forward_route(self.forward_case(1), self.precision, plan, true, gpu.tuning().tma);
+        let (_, route) =
+            dispatch::forward_route(self.forward_case(gpu, 1), self.precision, plan, true, gpu.tuning().tma);
         let gemm = match (W::DTYPE, route.widened, plan, &self.folded) {
             (Dtype::F32, ..) => route.kernel.to_string(),
             (_, false, Plan::Fused, _) => format!("{} (bf16 x, W, y as stored)", route.kernel),

@@ -62,7 +62,8 @@ impl GpuBlock<Bf16> {
         let fused = ws.plan == Plan::Fused;
         let aligned = aligned(&[x, w]) && (!fused || ws.y.buf.device_address().is_multiple_of(16));
         let tma = gpu.tuning().tma;
-        let (precision, route) = dispatch::forward_route(self.forward_case(m), self.precision, &ws.plan, aligned, tma);
+        let (precision, route) =
+            dispatch::forward_route(self.forward_case(gpu, m), self.precision, &ws.plan, aligned, tma);
         let (ab, dims, lds, stream) = ((&*x.buf, &*w.buf), (m, n, k), (k, k), gpu.stream());
         match (&ws.plan, ws.z.as_mut(), route.widened) {
             // A few rows: the small-batch kernel on x and W as stored, the chain on its

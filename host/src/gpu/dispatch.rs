@@ -360,6 +360,34 @@ pub struct Forward {
     pub gemv_chain: bool,
     /// `W` starts on a 16-byte boundary (the small-batch kernel reads it by vectors).
     pub w_aligned: bool,
+    /// The row-wise epilogue can take rows of `n` on this GPU ([`rows_fit`]).
+    pub rows_fit: bool,
+}
+
+/// Whether the row-wise epilogue's forward takes rows of `n` features with `smem_optin`
+/// bytes of shared memory per block.
+pub fn rows_fit(n: usize, smem_optin: usize) -> bool {
+    kernel_abi::epilogue::row_smem_bytes(n) <= smem_optin
+}
+
+/// Why the GPU cannot run `spec`'s chain forward and backward, if it cannot: an op
+/// that needs whole rows ([`not_fusable`]) over rows wider than the row-wise kernels
+/// take (`max_row_features`, for sm_90's shared memory). `fuse()` leaves such chains
+/// to PyTorch; the CPU backend has no such limit.
+pub fn rows_too_wide(spec: &crate::BlockSpec) -> Option<String> {
+    let first = usize::from(matches!(spec.chain.0.first(), Some(Op::AvgPool(_))));
+    let n = spec.features_at(first);
+    let limit = kernel_abi::epilogue::max_row_features(true);
+    let op = spec
+        .chain
+        .0
+        .iter()
+        .enumerate()
+        .skip(first)
+        .find_map(|(i, op)| not_fusable(op, spec.features_at(i)).map(|_| op))?;
+    (n > limit).then(|| {
+        format!("`{op}` needs whole rows, and rows of {n} features exceed the row-wise kernels' {limit} on sm_90")
+    })
 }
 
 /// The plan of a forward on a GPU of `sms` multiprocessors. Too few tiles to occupy
@@ -372,13 +400,15 @@ pub struct Forward {
 /// folded from an AvgPool: the small-batch kernel, which streams `W` across every SM
 /// where the tile GEMMs would give it a few dozen.
 pub fn plan(f: Forward, sms: usize, tma: bool) -> Plan {
-    if (1..=GEMV_ROWS).contains(&f.batch) && f.k.is_multiple_of(8) && f.w_aligned && !f.folded {
+    let gemv_ok = f.gemv_chain || f.rows_fit;
+    if (1..=GEMV_ROWS).contains(&f.batch) && f.k.is_multiple_of(8) && f.w_aligned && !f.folded && gemv_ok {
         return Plan::Gemv { chain: f.gemv_chain };
     }
     let tiles = f.batch.div_ceil(BLOCK_M) * f.n.div_ceil(BLOCK_N);
     let unsplit = Plan::GemmThenRows { splits: 1 };
     let as_stored = f.dtype == Dtype::Bf16 && !forward_route(f, Precision::Bf16, &unsplit, true, tma).1.widened;
-    let splits = if !as_stored && tiles * 2 < sms && f.k >= 64 * BLOCK_K {
+    // (Split-K hands the sums to the row-wise epilogue: only where it takes the rows.)
+    let splits = if !as_stored && f.rows_fit && tiles * 2 < sms && f.k >= 64 * BLOCK_K {
         (2 * sms).div_ceil(tiles).min(f.k / (32 * BLOCK_K)).clamp(1, 16)
     } else {
         1
@@ -617,6 +647,7 @@ mod tests {
             fusable: true,
             gemv_chain: true,
             w_aligned: true,
+            rows_fit: true,
         };
         assert_eq!(plan(f(Dtype::Bf16, false), 132, true), Plan::Fused);
         assert!(matches!(plan(f(Dtype::F32, false), 132, true), Plan::GemmThenRows { splits } if splits > 1));
@@ -624,6 +655,8 @@ mod tests {
         let big = Forward { batch: 4096, ..f(Dtype::F32, false) };
         assert_eq!(plan(big, 132, true), Plan::Fused);
         assert_eq!(plan(Forward { fusable: false, ..big }, 132, true), Plan::GemmThenRows { splits: 1 });
+        // Rows too wide for the row-wise epilogue: no split-K, the fused kernel.
+        assert_eq!(plan(Forward { rows_fit: false, ..f(Dtype::F32, false) }, 132, true), Plan::Fused);
 
         let small = Forward { batch: 8, ..f(Dtype::Bf16, false) };
         assert_eq!(plan(small, 132, true), Plan::Gemv { chain: true });
@@ -634,6 +667,7 @@ mod tests {
             Forward { w_aligned: false, ..small },
             Forward { folded: true, ..small },
             Forward { k: 4092, ..small },
+            Forward { gemv_chain: false, rows_fit: false, ..small },
         ] {
             assert!(!matches!(plan(not_gemv, 132, true), Plan::Gemv { .. }), "{not_gemv:?}");
         }
@@ -654,5 +688,18 @@ mod tests {
         assert!(!gemv_chain_fits(&[Op::RowMax], 4096));
         assert!(!gemv_chain_fits(&[Op::AvgPool(4)], 4096));
         assert_eq!(gemv_kernel(Dtype::Bf16, Dtype::Bf16), Kernel::GemvBf16ToBf16);
+    }
+
+    /// A chain that needs whole rows is refused over rows wider than the row-wise
+    /// kernels take; a fusable one, or a leading AvgPool's folded width, is not.
+    #[test]
+    fn rows_wider_than_the_row_kernels_are_named() {
+        let limit = kernel_abi::epilogue::max_row_features(true);
+        let spec = |out: usize, ops: &str| crate::BlockSpec::new(8, out, ops.parse().unwrap()).unwrap();
+        assert!(rows_too_wide(&spec(32768, "sigmoid,sum")).is_some_and(|why| why.contains("`sum`")));
+        assert!(rows_too_wide(&spec(limit, "sigmoid,sum")).is_none());
+        assert!(rows_too_wide(&spec(32768, "swish,scale(2)")).is_none());
+        assert!(rows_too_wide(&spec(32768, "avgpool(2),gelu,max")).is_none());
+        assert!(rows_fit(limit, kernel_abi::epilogue::SM90_MAX_SHARED_OPTIN));
     }
 }

@@ -6,8 +6,8 @@
 //! SLAB` blocks share `W` out across the GPU. Each warp owns four columns; its lanes
 //! split the depth, 8 values each per `K_BLOCK` (so a warp reads 512 contiguous bytes
 //! of a bf16 row per load, and the sum of a column is a warp reduction at the end),
-//! with no barrier until the sums: each warp streams its columns on its own, one slice
-//! of `W` ahead. One accumulator per row and column: at most `ROWS * 4`.
+//! one slice of `W` ahead; `x` is staged in shared memory `K_STAGE` deep, so that the
+//! barriers are few. One accumulator per row and column: at most `ROWS * 4`.
 //!
 //! The chain runs on the slab when it is per-element ops and GroupNorms whose groups
 //! lie inside a slab (the host checks): the row-wise epilogue's ops, on each row's
@@ -22,11 +22,16 @@ use crate::prelude::warp::warp_sum;
 use crate::prelude::*;
 use crate::unroll;
 use kernel_abi::epilogue::{OP_GROUP_NORM, OpDesc};
-use kernel_abi::gemv::{COLS_PER_WARP, K_BLOCK, ROWS, SLAB, THREADS};
+use kernel_abi::gemv::{COLS_PER_WARP, K_BLOCK, K_STAGE, ROWS, SLAB, THREADS};
 
 const WARP: usize = WARP_SIZE as usize;
+
+/// Four floats, 16-byte aligned: one shared-memory vector read.
+#[derive(Clone, Copy)]
+#[repr(C, align(16))]
+struct F4([f32; 4]);
 const _: () = assert!(ROWS == 8 && COLS_PER_WARP == 4, "the accumulator loops are unrolled 8 x 4 times");
-const _: () = assert!(K_BLOCK == 8 * WARP && SLAB == COLS_PER_WARP * THREADS / WARP);
+const _: () = assert!(K_BLOCK == 8 * WARP && SLAB == COLS_PER_WARP * THREADS / WARP && K_STAGE % K_BLOCK == 0);
 
 /// # Safety
 /// Device pointers: `x (m, k)` and `w (n, k)` row-major with `k % 8 == 0` and 16-byte
@@ -51,8 +56,9 @@ unsafe fn gemv<E: Element, O: Element>(
     let (warp, lane) = (warp_id() as usize, lane_id() as usize);
     let col0 = block_idx_x() as usize * SLAB;
     let base = dynamic_shared::<f32>();
-    // SAFETY: SMEM_BYTES covers [z: ROWS * SLAB][red: 2 * warps].
-    let (zs, red) = (base, unsafe { base.add(ROWS * SLAB) });
+    // SAFETY: SMEM_BYTES covers [x: ROWS * K_STAGE][z: ROWS * SLAB][red: 2 * warps].
+    let (xs, zs) = (base, unsafe { base.add(ROWS * K_STAGE) });
+    let red = unsafe { zs.add(ROWS * SLAB) };
     // The warp's columns; one past `n` reads the last row of `W` and is never stored.
     let mut w_rows = [w; COLS_PER_WARP];
     unroll!(c in 0..4 => {
@@ -73,27 +79,47 @@ unsafe fn gemv<E: Element, O: Element>(
         }
         wv
     };
-    // No barrier in the loop: each warp streams its columns on its own, the next
-    // slice's `W` in flight while this one's is summed; `x` (a few rows, in L1 and L2
-    // after the first warps) read by each lane where it needs it.
-    let mut kk = 8 * lane;
-    let mut wv = load_w(kk);
-    while kk < k {
-        let next = load_w(kk + K_BLOCK);
-        unroll!(r in 0..8 => {
-            if r < m {
-                let mut xv = [0.0f32; 8];
-                // SAFETY: r < m, kk + 8 <= k: inside `x`.
-                unroll!(e in 0..8 => { xv[e] = unsafe { E::load1(x.add(r * k + kk + e)) }; });
-                unroll!(c in 0..4 => {
-                    let mut s = acc[r][c];
-                    unroll!(e in 0..8 => { s = fma(xv[e], wv[c][e], s); });
-                    acc[r][c] = s;
-                });
-            }
-        });
-        wv = next;
-        kk += K_BLOCK;
+    // `x` is staged in shared memory `K_STAGE` deep at a time (a barrier on each side);
+    // between the barriers each warp streams its columns on its own, the next slice's
+    // `W` in flight (across the stages too) while this one's is summed, each lane
+    // reading its own 8 values of a staged row as two vectors.
+    let mut wv = load_w(8 * lane);
+    let mut ks = 0;
+    while ks < k {
+        // SAFETY: uniform control flow (the last stage's readers are done).
+        unsafe { sync_threads() };
+        let depth = if k - ks < K_STAGE { k - ks } else { K_STAGE };
+        let mut i = t;
+        while i < m * K_STAGE {
+            let (r, c) = (i / K_STAGE, i % K_STAGE);
+            // SAFETY: r < m and ks + c < k inside `x`; i inside the staging buffer.
+            unsafe { *xs.add(i) = if c < depth { E::load1(x.add(r * k + ks + c)) } else { 0.0 } };
+            i += THREADS;
+        }
+        // SAFETY: uniform control flow.
+        unsafe { sync_threads() };
+        let mut kk = 8 * lane;
+        while kk < depth {
+            let next = load_w(ks + kk + K_BLOCK);
+            unroll!(r in 0..8 => {
+                if r < m {
+                    // SAFETY: this lane's 8 values of row r of the stage, 16-byte aligned.
+                    let (F4(xa), F4(xb)) = unsafe {
+                        let p = xs.add(r * K_STAGE + kk) as *const F4;
+                        (*p, *p.add(1))
+                    };
+                    unroll!(c in 0..4 => {
+                        let mut s = acc[r][c];
+                        unroll!(e in 0..4 => { s = fma(xa[e], wv[c][e], s); });
+                        unroll!(e in 0..4 => { s = fma(xb[e], wv[c][e + 4], s); });
+                        acc[r][c] = s;
+                    });
+                }
+            });
+            wv = next;
+            kk += K_BLOCK;
+        }
+        ks += K_STAGE;
     }
     // Each column's sum over the lanes, plus the bias, into the slab (and `save_z`).
     unroll!(r in 0..8 => {
