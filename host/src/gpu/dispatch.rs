@@ -7,6 +7,8 @@
 //! * [`route`] — which GEMM family and kernel runs each GEMM of a Linear layer, for the
 //!   precision, the shape and how the tensors are stored ([`Storage`]);
 //! * [`gemv_chain_fits`], [`gemv_kernel`] — the small-batch forward's chain and kernel;
+//! * [`fold_kernel`], [`unfold_kernel`] — a leading AvgPool's fold into the weight, and
+//!   its gradient, by the weight's dtype;
 //! * [`tile_backward`] and [`tiles_backward_kernel`] — the chain's backward tile-wise
 //!   or row by row, and the tile kernel for the gradients' dtype;
 //! * [`values_one_by_one`] — how the kink scan hands doubtful values to the refinement.
@@ -476,6 +478,24 @@ pub fn tiles_backward_kernel(dtype: Dtype) -> Kernel {
     match dtype {
         Dtype::F32 => Kernel::EpilogueTilesBackward,
         Dtype::Bf16 => Kernel::EpilogueTilesBackwardBf16,
+    }
+}
+
+/// The AvgPool fold's kernel for a weight of `dtype`: the means in FP32 from FP32 or bf16
+/// rows.
+pub fn fold_kernel(dtype: Dtype) -> Kernel {
+    match dtype {
+        Dtype::F32 => Kernel::FoldRowsMean,
+        Dtype::Bf16 => Kernel::FoldRowsMeanBf16,
+    }
+}
+
+/// The fold's gradient spread back over a weight of `dtype`: FP32, or rounded once into
+/// a bf16 weight's gradient.
+pub fn unfold_kernel(dtype: Dtype) -> Kernel {
+    match dtype {
+        Dtype::F32 => Kernel::UnfoldRowsMeanGrad,
+        Dtype::Bf16 => Kernel::UnfoldRowsMeanGradToBf16,
     }
 }
 

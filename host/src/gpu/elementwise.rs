@@ -2,7 +2,7 @@
 //! fold of a Linear layer (forward) and its transpose (backward), and a matrix
 //! transpose.
 
-use super::{DeviceBuf, DeviceElement, DeviceTensor, Dtype, Gpu, launched};
+use super::{DeviceBuf, DeviceElement, DeviceTensor, Gpu, dispatch, launched};
 use crate::error::{Error, Result};
 use crate::tensor::Bf16;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
@@ -35,11 +35,7 @@ pub fn fold_rows_mean<T: DeviceElement>(gpu: &Gpu, input: &DeviceTensor<T>, k: u
     shape[0] = rows / k;
     let mut out = gpu.alloc(&shape)?;
     let (r, c, k32) = (rows as u32, cols as u32, k as u32);
-    // The means in FP32 from FP32 or bf16 rows.
-    let kernel = match T::DTYPE {
-        Dtype::Bf16 => Kernel::FoldRowsMeanBf16,
-        Dtype::F32 => Kernel::FoldRowsMean,
-    };
+    let kernel = dispatch::fold_kernel(T::DTYPE);
     {
         let (func, cfg) = row_blocks(gpu, kernel, rows / k, cols)?;
         let mut l = gpu.stream().launch_builder(&func);
@@ -77,11 +73,7 @@ pub fn unfold_rows_mean_grad<T: DeviceElement>(
     shape[0] = rows;
     let mut out = gpu.alloc_as::<T>(&shape)?;
     let (r, c, k32) = (rows as u32, cols as u32, k as u32);
-    // FP32 out, or rounded once into a bf16 weight's gradient.
-    let kernel = match T::DTYPE {
-        Dtype::Bf16 => Kernel::UnfoldRowsMeanGradToBf16,
-        Dtype::F32 => Kernel::UnfoldRowsMeanGrad,
-    };
+    let kernel = dispatch::unfold_kernel(T::DTYPE);
     {
         let (func, cfg) = row_blocks(gpu, kernel, rows, cols)?;
         let mut l = gpu.stream().launch_builder(&func);
