@@ -109,11 +109,11 @@ kernels! {
     GemmTmaTf32x3TkT = "gemm_tma_tf32x3_tk_t", bounds(gemm_tma::THREADS, 1);
 
     // The small-batch forward (`gemm/gemv.rs`): FP32 or bf16 `x` and `W`, the chain on
-    // the block's slab, `y` in FP32 or bf16. One block per SM: two slices of `W` per
-    // lane in registers beside 32 accumulators.
-    GemvF32 = "gemv_f32", bounds(gemv::THREADS, 1);
-    GemvBf16 = "gemv_bf16", bounds(gemv::THREADS, 1);
-    GemvBf16ToBf16 = "gemv_bf16_to_bf16", bounds(gemv::THREADS, 1);
+    // the block's slab, `y` in FP32 or bf16. Two blocks per SM (128 registers): more
+    // warps in flight measured faster than a second slice of `W` in registers at one.
+    GemvF32 = "gemv_f32", bounds(gemv::THREADS, 2);
+    GemvBf16 = "gemv_bf16", bounds(gemv::THREADS, 2);
+    GemvBf16ToBf16 = "gemv_bf16_to_bf16", bounds(gemv::THREADS, 2);
 
     // The epilogue chain on whole rows and tiles, its backward, the kink scan and
     // refinement (`epilogue/`). The tile-wise backward and the refinements carry the

@@ -57,12 +57,10 @@ pub mod gemv {
     pub const THREADS: usize = 256;
     /// Columns per block.
     pub const SLAB: usize = COLS_PER_WARP * THREADS / 32;
-    /// Depth a warp covers per step: 8 values per lane.
+    /// Depth of `x` staged in shared memory at a time: 8 values per lane.
     pub const K_BLOCK: usize = 256;
-    /// Depth of `x` staged in shared memory between two barriers.
-    pub const K_STAGE: usize = 2048;
-    /// Dynamic shared memory: the staged `x`, the slab's `z`, two floats per warp of scratch.
-    pub const SMEM_BYTES: usize = 4 * (ROWS * K_STAGE + ROWS * SLAB + 2 * (THREADS / 32));
+    /// Dynamic shared memory: staged `x`, the slab's `z`, two floats per warp of scratch.
+    pub const SMEM_BYTES: usize = 4 * (ROWS * K_BLOCK + ROWS * SLAB + 2 * (THREADS / 32));
 }
 
 /// The persistent, warp-specialised `wgmma` forward: `128 x 256` output tiles, operands

@@ -5,9 +5,9 @@
 //! each block owns a slab of [`SLAB`] output columns over the whole depth, so `n /
 //! SLAB` blocks share `W` out across the GPU. Each warp owns four columns; its lanes
 //! split the depth, 8 values each per `K_BLOCK` (so a warp reads 512 contiguous bytes
-//! of a bf16 row per load, and the sum of a column is a warp reduction at the end),
-//! one slice of `W` ahead; `x` is staged in shared memory `K_STAGE` deep, so that the
-//! barriers are few. One accumulator per row and column: at most `ROWS * 4`.
+//! of a bf16 row per load, and the sum of a column is a warp reduction at the end);
+//! `x` is staged in `K_BLOCK`-deep slices in shared memory, each lane reading its own
+//! 8 values per row. One accumulator per row and column: at most `ROWS * 4`.
 //!
 //! The chain runs on the slab when it is per-element ops and GroupNorms whose groups
 //! lie inside a slab (the host checks): the row-wise epilogue's ops, on each row's
@@ -22,16 +22,16 @@ use crate::prelude::warp::warp_sum;
 use crate::prelude::*;
 use crate::unroll;
 use kernel_abi::epilogue::{OP_GROUP_NORM, OpDesc};
-use kernel_abi::gemv::{COLS_PER_WARP, K_BLOCK, K_STAGE, ROWS, SLAB, THREADS};
+use kernel_abi::gemv::{COLS_PER_WARP, K_BLOCK, ROWS, SLAB, THREADS};
 
 const WARP: usize = WARP_SIZE as usize;
+const _: () = assert!(ROWS == 8 && COLS_PER_WARP == 4, "the accumulator loops are unrolled 8 x 4 times");
+const _: () = assert!(K_BLOCK == 8 * WARP && SLAB == COLS_PER_WARP * THREADS / WARP);
 
 /// Four floats, 16-byte aligned: one shared-memory vector read.
 #[derive(Clone, Copy)]
 #[repr(C, align(16))]
 struct F4([f32; 4]);
-const _: () = assert!(ROWS == 8 && COLS_PER_WARP == 4, "the accumulator loops are unrolled 8 x 4 times");
-const _: () = assert!(K_BLOCK == 8 * WARP && SLAB == COLS_PER_WARP * THREADS / WARP && K_STAGE % K_BLOCK == 0);
 
 /// # Safety
 /// Device pointers: `x (m, k)` and `w (n, k)` row-major with `k % 8 == 0` and 16-byte
@@ -56,8 +56,8 @@ unsafe fn gemv<E: Element, O: Element>(
     let (warp, lane) = (warp_id() as usize, lane_id() as usize);
     let col0 = block_idx_x() as usize * SLAB;
     let base = dynamic_shared::<f32>();
-    // SAFETY: SMEM_BYTES covers [x: ROWS * K_STAGE][z: ROWS * SLAB][red: 2 * warps].
-    let (xs, zs) = (base, unsafe { base.add(ROWS * K_STAGE) });
+    // SAFETY: SMEM_BYTES covers [x: ROWS * K_BLOCK][z: ROWS * SLAB][red: 2 * warps].
+    let (xs, zs) = unsafe { (base, base.add(ROWS * K_BLOCK)) };
     let red = unsafe { zs.add(ROWS * SLAB) };
     // The warp's columns; one past `n` reads the last row of `W` and is never stored.
     let mut w_rows = [w; COLS_PER_WARP];
@@ -67,45 +67,30 @@ unsafe fn gemv<E: Element, O: Element>(
         w_rows[c] = unsafe { w.add(if col < n { col } else { n - 1 } * k) };
     });
     let mut acc = [[0.0f32; COLS_PER_WARP]; ROWS];
-    // This lane's 8 values of each column's row at depth `kk`.
-    let load_w = |kk: usize| {
-        let mut wv = [[0.0f32; 8]; COLS_PER_WARP];
+    let mut kb = 0;
+    while kb < k {
+        let mut i = t;
+        while i < m * K_BLOCK {
+            let (r, c) = (i / K_BLOCK, i % K_BLOCK);
+            // SAFETY: r < m and kb + c < k inside `x`; i inside the staging buffer.
+            unsafe { *xs.add(i) = if kb + c < k { E::load1(x.add(r * k + kb + c)) } else { 0.0 } };
+            i += THREADS;
+        }
+        // SAFETY: uniform control flow.
+        unsafe { sync_threads() };
+        let kk = kb + 8 * lane;
         if kk < k {
+            let mut wv = [[0.0f32; 8]; COLS_PER_WARP];
             unroll!(c in 0..4 => {
                 // SAFETY: kk + 8 <= k (k % 8 == 0), 16-byte aligned rows.
                 let (lo, hi) = unsafe { (E::load4_nc(w_rows[c].add(kk)), E::load4_nc(w_rows[c].add(kk + 4))) };
                 unroll!(e in 0..4 => { wv[c][e] = lo[e]; wv[c][e + 4] = hi[e]; });
             });
-        }
-        wv
-    };
-    // `x` is staged in shared memory `K_STAGE` deep at a time (a barrier on each side);
-    // between the barriers each warp streams its columns on its own, the next slice's
-    // `W` in flight (across the stages too) while this one's is summed, each lane
-    // reading its own 8 values of a staged row as two vectors.
-    let mut wv = load_w(8 * lane);
-    let mut ks = 0;
-    while ks < k {
-        // SAFETY: uniform control flow (the last stage's readers are done).
-        unsafe { sync_threads() };
-        let depth = if k - ks < K_STAGE { k - ks } else { K_STAGE };
-        let mut i = t;
-        while i < m * K_STAGE {
-            let (r, c) = (i / K_STAGE, i % K_STAGE);
-            // SAFETY: r < m and ks + c < k inside `x`; i inside the staging buffer.
-            unsafe { *xs.add(i) = if c < depth { E::load1(x.add(r * k + ks + c)) } else { 0.0 } };
-            i += THREADS;
-        }
-        // SAFETY: uniform control flow.
-        unsafe { sync_threads() };
-        let mut kk = 8 * lane;
-        while kk < depth {
-            let next = load_w(ks + kk + K_BLOCK);
             unroll!(r in 0..8 => {
                 if r < m {
-                    // SAFETY: this lane's 8 values of row r of the stage, 16-byte aligned.
+                    // SAFETY: this lane's 8 values of row r of the staged slice, 16-byte aligned.
                     let (F4(xa), F4(xb)) = unsafe {
-                        let p = xs.add(r * K_STAGE + kk) as *const F4;
+                        let p = xs.add(r * K_BLOCK + 8 * lane) as *const F4;
                         (*p, *p.add(1))
                     };
                     unroll!(c in 0..4 => {
@@ -116,10 +101,10 @@ unsafe fn gemv<E: Element, O: Element>(
                     });
                 }
             });
-            wv = next;
-            kk += K_BLOCK;
         }
-        ks += K_STAGE;
+        // SAFETY: uniform control flow.
+        unsafe { sync_threads() };
+        kb += K_BLOCK;
     }
     // Each column's sum over the lanes, plus the bias, into the slab (and `save_z`).
     unroll!(r in 0..8 => {
