@@ -687,39 +687,46 @@ fn small_batches_match_reference() {
     for (text, (b, i, o), in_kernel) in cases {
         let spec = BlockSpec::new(i, o, text.parse().unwrap()).unwrap();
         let (params, x, dy) = random_case(&spec, b, &mut rng);
+        let folded = text.starts_with("avgpool");
+        let planned = |plan: &Plan| folded || matches!(plan, Plan::Gemv { chain } if *chain == in_kernel);
         // FP32 model.
         let block = GpuBlock::new(&gpu, &spec, &params).unwrap();
         let plan = block.plan(&gpu, b);
-        let folded = text.starts_with("avgpool");
-        assert!(folded || matches!(plan, Plan::Gemv { chain, .. } if chain == in_kernel), "{text}: {plan:?}");
+        assert!(planned(&plan), "{text}: {plan:?}");
         let got = block.forward_backward(&gpu, &x, &dy).unwrap();
-        let p64 = params.map(f64::from);
-        let want_y = reference::block_forward(&spec, &x.to_f64(), &p64).unwrap();
-        let (_, want) = reference::block_backward(&spec, &x.to_f64(), &p64, &dy.to_f64()).unwrap();
-        let mut report = vec![("y".to_string(), compare_f32(got.y.data(), want_y.data()))];
-        report.extend(got.compare(&spec, &want));
-        let worst = report.iter().map(|(_, c)| c.rel).fold(0.0, f64::max);
-        println!("small batch {text:<60} ({b}, {i}, {o}) worst rel {worst:.2e}: {}", block.describe(&gpu, &plan));
-        for (what, c) in &report {
-            assert!(c.passes(FP32_REL), "{text}: {what}: {c:?}");
-        }
+        let path = block.describe(&gpu, &plan);
+        check_step(&format!("small batch {text}"), &spec, &got, (&x, &params, &dy), FP32_REL, &path);
         // bf16 model: x, W, y as stored.
         let p16 = params.map(Bf16::from_f32);
         let (x16, dy16) = (x.to_bf16(), dy.to_bf16());
         let block = GpuBlock::new_bf16(&gpu, &spec, &p16).unwrap();
         let plan = block.plan(&gpu, b);
-        assert!(folded || matches!(plan, Plan::Gemv { chain, .. } if chain == in_kernel), "bf16 {text}: {plan:?}");
+        assert!(planned(&plan), "bf16 {text}: {plan:?}");
         let got = block.forward_backward(&gpu, &x16, &dy16).unwrap();
-        let (x64, dy64) = (x16.to_f32().to_f64(), dy16.to_f32().to_f64());
-        let p64 = p16.map(|v| f64::from(v.to_f32()));
-        let want_y = reference::block_forward(&spec, &x64, &p64).unwrap();
-        let (_, want) = reference::block_backward(&spec, &x64, &p64, &dy64).unwrap();
-        let mut report = vec![("y".to_string(), compare_f32(got.y.data(), want_y.data()))];
-        report.extend(got.compare(&spec, &want));
-        let worst = report.iter().map(|(_, c)| c.rel).fold(0.0, f64::max);
-        println!("small batch bf16 {text:<55} ({b}, {i}, {o}) worst rel {worst:.2e}: {}", block.describe(&gpu, &plan));
-        for (what, c) in &report {
-            assert!(c.passes(BF16_STORED_REL), "bf16 {text}: {what}: {c:?}");
-        }
+        let (x, p, dy) = (x16.to_f32(), p16.map(Bf16::to_f32), dy16.to_f32());
+        let path = block.describe(&gpu, &plan);
+        check_step(&format!("small batch bf16 {text}"), &spec, &got, (&x, &p, &dy), BF16_STORED_REL, &path);
+    }
+}
+
+/// Holds a training step's output and every gradient to `tol` of the f64 reference at
+/// the same inputs (`x`, the parameters and `dy` as the GPU saw them), and prints them.
+fn check_step(
+    name: &str,
+    spec: &BlockSpec,
+    got: &host::gpu::block::HostGrads,
+    (x, params, dy): (&Tensor<f32>, &Params<f32>, &Tensor<f32>),
+    tol: f64,
+    path: &str,
+) {
+    let (x64, p64, dy64) = (x.to_f64(), params.map(f64::from), dy.to_f64());
+    let want_y = reference::block_forward(spec, &x64, &p64).unwrap();
+    let (_, want) = reference::block_backward(spec, &x64, &p64, &dy64).unwrap();
+    let mut report = vec![("y".to_string(), compare_f32(got.y.data(), want_y.data()))];
+    report.extend(got.compare(spec, &want));
+    let worst = report.iter().map(|(_, c)| c.rel).fold(0.0, f64::max);
+    println!("{name:<66} worst rel {worst:.2e}: {path}");
+    for (what, c) in &report {
+        assert!(c.passes(tol), "{name}: {what}: {c:?}");
     }
 }
