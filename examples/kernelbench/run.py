@@ -23,7 +23,9 @@ KernelBench does) so that no run finds the weights already on chip; the median o
 is reported. Forward timings run under `torch.no_grad()`, as inference does.
 
 Tolerances (atol and rtol), KernelBench's: 1e-4 for fp32 and tf32x3 (FP32-accurate), 1e-2 for
-bf16 (and fp16, which the op does not take yet). tf32 is no KernelBench precision (it runs FP32
+bf16 and fp16. `fp16` is an fp16 model: ModelNew is a copy of Model in float16 (`.half()`, fused
+or hand-written), fed float16 inputs, its output widened for the comparison (KernelBench's peer
+is PyTorch's `Model.half()`). tf32 is no KernelBench precision (it runs FP32
 tensors, which it holds to 1e-4); its operand rounding (2^-11) alone misses 1e-4 at these
 reduction lengths, so it gets 2e-2. `--atol/--rtol` override them.
 
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import importlib
 import io
 import json
@@ -78,8 +81,8 @@ def _discover() -> dict[int, str]:
 PROBLEMS: dict[int, str] = _discover()
 #: The problems with a hand-written ModelNew, and the project's names for them.
 MODEL_NAMES = {88: "M1", 37: "M2", 62: "M3", 98: "M4", 94: "M5"}
-PRECISIONS = ("fp32", "tf32x3", "tf32", "bf16")
-DEFAULT_TOL = {"fp32": 1e-4, "tf32x3": 1e-4, "tf32": 2e-2, "bf16": 1e-2}
+PRECISIONS = ("fp32", "tf32x3", "tf32", "bf16", "fp16")
+DEFAULT_TOL = {"fp32": 1e-4, "tf32x3": 1e-4, "tf32": 2e-2, "bf16": 1e-2, "fp16": 1e-2}
 #: --small and the CPU: each problem's own SMALL_SCALE, else this (e.g. 1024 x 8192 -> 32 x 256).
 SMALL_SCALE = 32
 FLUSH_BYTES_MIN = 256 << 20
@@ -210,6 +213,15 @@ def build_models(
     fuse(Model): the same parameters, so the same weights by construction."""
     set_seed(seed)
     init_inputs = mod.get_init_inputs()
+    if precision == "fp16":
+        # A copy in float16 (fuse() shares parameters: converting them in place would change Model).
+        ref, new, report = build_models(mod, "fp32", seed, device, fuse)
+        if fuse:
+            new, report = fuse_with_report(copy.deepcopy(ref).half(), None)
+        else:
+            set_seed(seed)
+            new = mod.ModelNew(*init_inputs).half().to(device)
+        return ref, Half(new), report
     if fuse:
         set_seed(seed)
         ref = mod.Model(*init_inputs).to(device)
@@ -226,6 +238,22 @@ def build_models(
     ):
         raise AssertionError("ModelNew's parameters differ from Model's under the same seed")
     return ref.to(device), new.to(device), {}
+
+
+class Half(nn.Module):
+    """An fp16 model behind float32 inputs and outputs: the inputs rounded to float16 on the
+    way in, the output widened on the way out (exactly), for the comparison with Model."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *inputs: Any) -> torch.Tensor:
+        half = [t.half() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in inputs]
+        return self.model(*half).float()
+
+    def named_parameters(self, *args: Any, **kwargs: Any):  # the model's names, not `model.`-prefixed
+        return self.model.named_parameters(*args, **kwargs)
 
 
 # ---------------------------------------------------------------- what fuse() fused

@@ -219,20 +219,25 @@ def fused_linear(
     row is one sample; a GroupNorm normalises a row's channels, as ``nn.GroupNorm`` does
     on ``(N, C)``). ``ops`` is the chain (e.g. ``"groupnorm(256),swish,mul,swish"``),
     ``params`` its parameters in chain order, ``precision`` one of :data:`PRECISIONS`
-    (default: ``"fp32"`` for float tensors, ``"bf16"`` for bfloat16 ones).
+    (default: ``"fp32"`` for float tensors, ``"bf16"`` for bfloat16 ones, ``"tf32"`` for
+    float16 ones on CUDA).
     Returns ``(*, F)``, or ``(*)`` when the chain reduces each row (``max``, ``sum``, ...).
 
     A bf16 model (``x`` and ``weight`` in ``torch.bfloat16``) stays bf16 on CUDA: the
     GEMMs read ``x`` and ``weight`` as they are and the output and the gradients of
     ``x`` and ``weight`` come back in bf16; the bias and the chain's parameters (bf16
     or float32) enter the FP32 epilogue widened, and their gradients come back in their
-    own dtype. On the CPU a bf16 block runs on float32 copies.
+    own dtype. On the CPU a bf16 block runs on float32 copies. An fp16 model (``x`` and
+    ``weight`` in ``torch.float16``) runs on float32 copies, its output rounded to float16
+    once (see ``_fp16_block``).
     """
     if not isinstance(x, Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     params = list(params)
     if x.dtype == torch.bfloat16 or (isinstance(weight, Tensor) and weight.dtype == torch.bfloat16):
         return _bf16_block(x, weight, bias, ops, params, precision)
+    if x.dtype == torch.float16 or (isinstance(weight, Tensor) and weight.dtype == torch.float16):
+        return _fp16_block(x, weight, bias, ops, params, precision)
     precision = _resolve_precision(x, precision)
     if x.dim() == 2:
         return _apply(x, weight, bias, params, ops, precision)
@@ -292,6 +297,44 @@ def _bf16_block(
     lead = x.shape[:-1]
     y = _apply(x.view(-1, x.shape[-1]), weight, bias, params, ops, "bf16")
     return y.view(tuple(lead) + tuple(y.shape[1:]))
+
+
+# The precisions an fp16 model may ask for: its values' 11 significant bits are exact in
+# TF32 (and so in 3xTF32 and FP32); bf16's 8 would round them.
+FP16_PRECISIONS = ("tf32", "tf32x3", "fp32")
+
+
+def _fp16_block(
+    x: Tensor, weight: Tensor, bias: Tensor, ops: str, params: List[Tensor], precision: Optional[str]
+) -> Tensor:
+    """An fp16 model's block (``x`` and ``weight`` in ``torch.float16``): the tensors are
+    widened to float32 (exactly), the float32 block runs, and the output is rounded to
+    float16 once; gradients come back in each tensor's own dtype through the widening.
+    The GEMMs run in TF32 by default on CUDA: an fp16 value's 11 significant bits are
+    exact in TF32, so the products are exact, as on fp16 tensor cores with FP32
+    accumulation (``Model.half()``); on the CPU in FP32. Not yet fp16 operands read as
+    stored by the kernels (a bf16 model's are): the widening is two more passes."""
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, Tensor) or t.dtype != torch.float16:
+            dtype = t.dtype if isinstance(t, Tensor) else type(t).__name__
+            raise TypeError(
+                f"{name} has dtype {dtype}, but an fp16 block takes x and weight both in torch.float16 "
+                "(convert the model with .half(), or pass float32 tensors)"
+            )
+    for i, t in enumerate([bias, *params]):
+        if isinstance(t, Tensor) and t.dtype not in (torch.float16, torch.float32):
+            name = "bias" if i == 0 else f"params[{i - 1}]"
+            raise TypeError(f"{name} has dtype {t.dtype}; an fp16 block takes float16 or float32 parameters")
+    if precision is None:
+        precision = "tf32" if x.is_cuda else "fp32"
+    elif precision not in FP16_PRECISIONS:
+        raise ValueError(
+            f"precision `{precision}` with float16 tensors: an fp16 model's GEMMs run in one of "
+            f"{', '.join(FP16_PRECISIONS)} (bf16 would round its values); leave precision unset for tf32"
+        )
+    wide = [t.float() if isinstance(t, Tensor) else t for t in (bias, *params)]
+    y = fused_linear(x.float(), weight.float(), wide[0], ops, wide[1:], precision)
+    return y.to(torch.float16)
 
 
 class _EmptyBatch(torch.autograd.Function):
@@ -427,10 +470,13 @@ class FusedLinear(nn.Module):
     @property
     def effective_precision(self) -> str:
         """The precision the GEMMs run in: the one asked for, or the tensors' own (``bf16``
-        for a bfloat16 model, else ``fp32``)."""
+        for a bfloat16 model, ``tf32`` for a float16 one on CUDA, else ``fp32``)."""
         if self.precision is not None:
             return self.precision
-        return "bf16" if self._modules["lin"]._parameters["weight"].dtype == torch.bfloat16 else "fp32"
+        weight = self._modules["lin"]._parameters["weight"]
+        if weight.dtype == torch.float16:
+            return "tf32" if weight.is_cuda else "fp32"
+        return "bf16" if weight.dtype == torch.bfloat16 else "fp32"
 
     def extra_repr(self) -> str:
         chosen = "" if self.precision is not None else " (the tensors' own)"
