@@ -16,7 +16,8 @@ up to four protocols, because no single number says how fast a block is:
 
 Configurations: ``fp32`` (float32; ours strict FP32, the peers with TF32 off), ``tf32x3``
 (ours 3xTF32, FP32-accurate, against the peers in FP32 with TF32 off), ``tf32`` (ours TF32,
-the peers with TF32 allowed), ``bf16`` (a bf16 model: every tensor bfloat16).
+the peers with TF32 allowed), ``bf16`` (a bf16 model: every tensor bfloat16), ``fp16`` (an
+fp16 model: every tensor float16).
 
 Shapes: ``seed`` (the presets M1..M5 at their KernelBench seed sizes), ``sweep`` (one chain,
 M1's by default, over batch rows and (in, out) sizes), ``all`` (both; the default on CUDA),
@@ -73,7 +74,7 @@ from .fuse import _fused_call, fuse
 
 # ---------------------------------------------------------------- what can be measured
 
-CONFIGS = ("fp32", "tf32x3", "tf32", "bf16")
+CONFIGS = ("fp32", "tf32x3", "tf32", "bf16", "fp16")
 MODES = ("fwd", "fwdbwd")
 PROTOCOLS = ("flushed", "stream", "graph", "host")
 IMPLS = ("eager", "compile", "ours")
@@ -121,6 +122,8 @@ CONFIG_DEFS = {
     "tf32x3": "float32 tensors; ours precision tf32x3 (3xTF32, FP32 accuracy), eager/compile with TF32 off",
     "tf32": "float32 tensors; ours precision tf32, eager/compile with TF32 allowed (matmul and cuDNN)",
     "bf16": "a bf16 model: parameters and input in bfloat16, ours with its default precision",
+    "fp16": "an fp16 model: parameters and input in float16; ours on float32 copies in TF32 (exact on "
+    "fp16 values), the peers on fp16 tensor cores",
 }
 
 
@@ -377,12 +380,12 @@ class Pair:
 
 
 def dtype_of(config: str) -> torch.dtype:
-    return torch.bfloat16 if config == "bf16" else torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config, torch.float32)
 
 
 def ours_precision(config: str) -> Optional[str]:
-    """A bf16 model runs its tensors as stored (precision None); float32 ones take the config's."""
-    return None if config == "bf16" else config
+    """A bf16 or fp16 model takes its tensors' own precision (None); float32 ones the config's."""
+    return None if config in ("bf16", "fp16") else config
 
 
 def build_pair(shape: Shape, config: str, device: torch.device, seed: int) -> Pair:
@@ -441,7 +444,7 @@ def estimate_bytes(shape: Shape, config: str, modes: Sequence[str], protocols: S
     peer's) and one weight gradient, the input and its gradient, and the peer's activations
     (about 4 (rows, out) float32 tensors alive in a forward, 12 in a training step), twice over
     when a CUDA graph's private pool holds a captured step beside the live tensors."""
-    e = 2 if config == "bf16" else 4
+    e = 2 if config in ("bf16", "fp16") else 4
     train = "fwdbwd" in modes
     graph = "graph" in protocols
     weights = shape.in_features * shape.out_features * e * (2 + (1 + graph if train else 0))
