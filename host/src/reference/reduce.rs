@@ -58,11 +58,21 @@ pub fn avg_pool_backward<T: Real>(dy: &Tensor<T>, k: usize, in_features: usize) 
 /// (what the backward needs). As `torch.max(dim=1)`: ties go to the first
 /// occurrence, and a row holding NaN has max NaN at its first NaN.
 pub fn row_max_forward<T: Real>(x: &Tensor<T>) -> Result<(Tensor<T>, Vec<usize>)> {
+    row_pick_forward(x, "max", |v, best| v > best)
+}
+
+/// Each row's value that `beats` every earlier one (the first of equals), or its first
+/// NaN, with its index: the row max or min as PyTorch picks them.
+pub(super) fn row_pick_forward<T: Real>(
+    x: &Tensor<T>,
+    what: &str,
+    beats: impl Fn(T, T) -> bool,
+) -> Result<(Tensor<T>, Vec<usize>)> {
     let (batch, features) = matrix_dims("x", x)?;
     if features == 0 {
-        return Err(Error::tensor("x", "max over an empty feature axis"));
+        return Err(Error::tensor("x", format!("{what} over an empty feature axis")));
     }
-    let (mut y, mut argmax) = (Vec::with_capacity(batch), Vec::with_capacity(batch));
+    let (mut y, mut picked) = (Vec::with_capacity(batch), Vec::with_capacity(batch));
     for b in 0..batch {
         let row = x.row(b);
         let mut best = 0;
@@ -70,14 +80,14 @@ pub fn row_max_forward<T: Real>(x: &Tensor<T>) -> Result<(Tensor<T>, Vec<usize>)
             if row[best].is_nan() {
                 break;
             }
-            if v.is_nan() || v > row[best] {
+            if v.is_nan() || beats(v, row[best]) {
                 best = i;
             }
         }
         y.push(row[best]);
-        argmax.push(best);
+        picked.push(best);
     }
-    Ok((Tensor::new(&[batch], y)?, argmax))
+    Ok((Tensor::new(&[batch], y)?, picked))
 }
 
 /// `dx[b, argmax[b]] = dy[b]`, 0 elsewhere.

@@ -46,26 +46,7 @@ pub fn row_sum_backward<T: Real>(dy: &Tensor<T>, mean: bool, in_features: usize)
 /// Min over features: `(B, F) -> (B,)`, and each row's index of it (as
 /// `torch.min(dim=1)`: the first of equal minima, the first NaN if there is one).
 pub fn row_min_forward<T: Real>(x: &Tensor<T>) -> Result<(Tensor<T>, Vec<usize>)> {
-    let (batch, features) = matrix_dims("x", x)?;
-    if features == 0 {
-        return Err(Error::tensor("x", "min over an empty feature axis"));
-    }
-    let (mut y, mut argmin) = (Vec::with_capacity(batch), Vec::with_capacity(batch));
-    for b in 0..batch {
-        let row = x.row(b);
-        let mut best = 0;
-        for (i, &v) in row.iter().enumerate().skip(1) {
-            if row[best].is_nan() {
-                break;
-            }
-            if v.is_nan() || v < row[best] {
-                best = i;
-            }
-        }
-        y.push(row[best]);
-        argmin.push(best);
-    }
-    Ok((Tensor::new(&[batch], y)?, argmin))
+    super::reduce::row_pick_forward(x, "min", |v, best| v < best)
 }
 
 /// `log(sum(exp(x)))` of each row, `(B, F) -> (B, 1)`, shifted by the row max (by 0
