@@ -272,17 +272,7 @@ def _bf16_block(
     parameters (bf16 or float32) passed as stored: the op widens bf16 ones into its FP32
     epilogue and returns their gradients in their own dtype, so the autograd graph holds
     one node per block. On the CPU, the float32 path on copies, the output rounded to bf16."""
-    for name, t in (("x", x), ("weight", weight)):
-        if not isinstance(t, Tensor) or t.dtype != torch.bfloat16:
-            dtype = t.dtype if isinstance(t, Tensor) else type(t).__name__
-            raise TypeError(
-                f"{name} has dtype {dtype}, but a bf16 block takes x and weight both in torch.bfloat16 "
-                "(convert the model with .to(torch.bfloat16), or pass float32 tensors)"
-            )
-    for i, t in enumerate([bias, *params]):
-        if isinstance(t, Tensor) and t.dtype not in (torch.bfloat16, torch.float32):
-            name = "bias" if i == 0 else f"params[{i - 1}]"
-            raise TypeError(f"{name} has dtype {t.dtype}; a bf16 block takes bfloat16 or float32 parameters")
+    _check_half_dtypes(x, weight, [bias, *params], torch.bfloat16, "a bf16 block", ".to(torch.bfloat16)")
     _resolve_precision(x, precision)
     if not x.is_cuda:
         wide = [t.float() if isinstance(t, Tensor) else t for t in (bias, *params)]
@@ -297,6 +287,24 @@ def _bf16_block(
     lead = x.shape[:-1]
     y = _apply(x.view(-1, x.shape[-1]), weight, bias, params, ops, "bf16")
     return y.view(tuple(lead) + tuple(y.shape[1:]))
+
+
+def _check_half_dtypes(
+    x: Tensor, weight: Tensor, rest: List[Tensor], dtype: torch.dtype, block: str, convert: str
+) -> None:
+    """A 16-bit model's tensors: ``x`` and ``weight`` both in ``dtype``, the bias and the
+    chain's parameters in ``dtype`` or float32; a ``TypeError`` naming the first that is not."""
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, Tensor) or t.dtype != dtype:
+            got = t.dtype if isinstance(t, Tensor) else type(t).__name__
+            raise TypeError(
+                f"{name} has dtype {got}, but {block} takes x and weight both in {dtype} "
+                f"(convert the model with {convert}, or pass float32 tensors)"
+            )
+    for i, t in enumerate(rest):
+        if isinstance(t, Tensor) and t.dtype not in (dtype, torch.float32):
+            name = "bias" if i == 0 else f"params[{i - 1}]"
+            raise TypeError(f"{name} has dtype {t.dtype}; {block} takes {dtype} or float32 parameters")
 
 
 # The precisions an fp16 model may ask for: its values' 11 significant bits are exact in
@@ -314,17 +322,7 @@ def _fp16_block(
     exact in TF32, so the products are exact, as on fp16 tensor cores with FP32
     accumulation (``Model.half()``); on the CPU in FP32. Not yet fp16 operands read as
     stored by the kernels (a bf16 model's are): the widening is two more passes."""
-    for name, t in (("x", x), ("weight", weight)):
-        if not isinstance(t, Tensor) or t.dtype != torch.float16:
-            dtype = t.dtype if isinstance(t, Tensor) else type(t).__name__
-            raise TypeError(
-                f"{name} has dtype {dtype}, but an fp16 block takes x and weight both in torch.float16 "
-                "(convert the model with .half(), or pass float32 tensors)"
-            )
-    for i, t in enumerate([bias, *params]):
-        if isinstance(t, Tensor) and t.dtype not in (torch.float16, torch.float32):
-            name = "bias" if i == 0 else f"params[{i - 1}]"
-            raise TypeError(f"{name} has dtype {t.dtype}; an fp16 block takes float16 or float32 parameters")
+    _check_half_dtypes(x, weight, [bias, *params], torch.float16, "an fp16 block", ".half()")
     if precision is None:
         precision = "tf32" if x.is_cuda else "fp32"
     elif precision not in FP16_PRECISIONS:
