@@ -300,14 +300,15 @@ def random_chain(
     # values saturate they are equal in float32 (tanh 1.0, the clamp's bound), so float32's
     # arg-max is one of several, while float64 tells them apart (docs/NUMERICS.md).
     saturated = any(op.kind in SATURATING for op in ops)
-    # No sum or mean right after a softmax: a constant (1, 1 / F), whose gradients are
-    # zero in exact arithmetic and rounding noise in any other. After a reduction, no
-    # saturating op: a row's sum or logsumexp is large, and tanh's derivative there,
-    # 1 - tanh^2 of a value near 1, keeps few of float32's bits.
-    if rng.random() < 0.3:
-        last = ["logsumexp"] if ops and ops[-1].kind == "softmax" else ["sum", "mean", "logsumexp"]
-        if kinks and not saturated:
-            last += ["max", "min"]
+    # After a softmax only the max or min: a softmax row's sum, mean or logsumexp is
+    # (nearly) a constant, whose gradients are zero in exact arithmetic and cancellation in
+    # any other. After a reduction, no saturating op: a row's sum or logsumexp is large,
+    # and tanh's derivative there, 1 - tanh^2 of a value near 1, keeps few of float32's bits.
+    softmax = any(op.kind == "softmax" for op in ops)
+    last = [] if softmax else ["sum", "mean", "logsumexp"]
+    if kinks and not saturated:
+        last += ["max", "min"]
+    if rng.random() < 0.3 and last:
         ops.append(Op(rng.choice(last)))
         if rng.random() < 0.3:
             ops.append(Op(rng.choice(["swish", "gelu"])))

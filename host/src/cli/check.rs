@@ -82,13 +82,16 @@ pub fn random_chain(rng: &mut impl Rng, out: usize) -> Chain {
     // sigmoid, hardtanh): it ties a row's top values in FP32, and which of them wins is then any implementation's
     // choice, not a rounding error to check (docs/NUMERICS.md). The Python tests' random
     // chains follow the same rule.
-    // No sum or mean after a softmax or a norm: a softmax row sums to 1 (a constant, its
-    // gradients zero but for rounding), a normalised one to about its bias's sum, the
-    // rest cancelling (the sum's relative error grows without bound).
+    // After a softmax only the max or min: its row sums to 1 (a constant, its gradients
+    // zero but for rounding) and its logsumexp is nearly constant. No sum or mean after a
+    // norm: a normalised row sums to about its bias's sum, the rest cancelling.
     let saturates = saturating(&ops);
-    let normalised = ops.iter().any(|op| whole_row_norm(op) || matches!(op, Op::Softmax | Op::GroupNorm { .. }));
+    let normalised = ops.iter().any(|op| whole_row_norm(op) || matches!(op, Op::GroupNorm { .. }));
+    let softmax = ops.iter().any(|op| matches!(op, Op::Softmax));
     if rng.random_bool(0.3) && !saturates {
         ops.push(match rng.random_range(0..5) {
+            0 | 1 if softmax => Op::Reduce(Reduce::Min),
+            2 | 3 if softmax => Op::RowMax,
             0 | 1 if normalised => Op::Reduce(Reduce::LogSumExp),
             0 => Op::Reduce(Reduce::Sum),
             1 => Op::Reduce(Reduce::Mean),
