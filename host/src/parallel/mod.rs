@@ -90,15 +90,15 @@ impl TensorSplit {
                 Op::GroupNorm { groups, .. } => {
                     q.keep(f / groups * per_feature, format!("a group of groupnorm({groups})"));
                 }
-                Op::AvgPool(k) => {
+                // A pool's window on one rank: `k` must divide the features it pools.
+                Op::AvgPool(k) | Op::MaxPool(k) => {
                     if !f.is_multiple_of(k) {
                         return Err(Error::Chain(format!(
-                            "avgpool({k}) drops the last {} of its {f} features; tensor parallel needs it to \
-                             divide them",
+                            "{op} drops the last {} of its {f} features; tensor parallel needs it to divide them",
                             f % k
                         )));
                     }
-                    q.keep(k * per_feature, format!("a window of avgpool({k})"));
+                    q.keep(k * per_feature, format!("a window of {op}"));
                     per_feature *= k;
                 }
                 Op::RowMax if i + 1 != chain.0.len() => {
@@ -108,17 +108,6 @@ impl TensorSplit {
                         i + 1,
                         chain.0.len()
                     )));
-                }
-                Op::MaxPool(k) => {
-                    if !f.is_multiple_of(k) {
-                        return Err(Error::Chain(format!(
-                            "maxpool({k}) drops the last {} of its {f} features; tensor parallel needs it to \
-                             divide them",
-                            f % k
-                        )));
-                    }
-                    q.keep(k * per_feature, format!("a window of maxpool({k})"));
-                    per_feature *= k;
                 }
                 // Across the whole row: a rank would need every channel.
                 Op::Reduce(_) | Op::Softmax | Op::LayerNorm { .. } | Op::RmsNorm { .. } => {
