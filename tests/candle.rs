@@ -161,3 +161,24 @@ fn bad_dtype_and_shapes_are_clear_errors() {
     let r = FusedLinear::from_chain(32, 16, "groupnorm(5)", VarBuilder::from_varmap(&VarMap::new(), DType::F32, &dev));
     assert!(r.unwrap_err().to_string().contains("groupnorm(5)"));
 }
+
+#[test]
+fn weights_load_from_safetensors_by_pytorch_name() {
+    let dev = Device::Cpu;
+    let varmap = VarMap::new();
+    let block =
+        FusedLinear::from_chain(32, 16, "groupnorm(4),swish", VarBuilder::from_varmap(&varmap, DType::F32, &dev))
+            .unwrap();
+    let path = std::env::temp_dir().join(format!("fused-linear-candle-{}.safetensors", std::process::id()));
+    varmap.save(&path).unwrap();
+    // SAFETY: the file is written above and not modified while mapped.
+    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[&path], DType::F32, &dev) }.unwrap();
+    let loaded = FusedLinear::from_chain(32, 16, "groupnorm(4),swish", vb).unwrap();
+    let x = Tensor::randn(0f32, 1.0, (4, 32), &dev).unwrap();
+    let (a, b) = (block.forward(&x).unwrap(), loaded.forward(&x).unwrap());
+    std::fs::remove_file(&path).unwrap();
+    let mut names: Vec<String> = varmap.data().lock().unwrap().keys().cloned().collect();
+    names.sort();
+    assert_eq!(names, ["gn.bias", "gn.weight", "lin.bias", "lin.weight"]);
+    close("y from the safetensors file", &a, &b.flatten_all().unwrap().to_vec1().unwrap());
+}
