@@ -3,6 +3,8 @@
 //! kernels in `kernels-gpu`.
 
 pub mod block;
+#[cfg(feature = "candle")]
+pub mod candle;
 pub mod chain;
 pub mod check;
 pub mod cli;

@@ -1,0 +1,184 @@
+//! The candle adapter (`host::candle::FusedLinear`, feature `candle`): forward and every
+//! gradient (x and each parameter) through candle's autograd, against the same block
+//! written with candle's own ops and against the f64 reference; and its errors.
+//!
+//! `cargo test --release -p host --features candle --test candle`
+
+use candle_core::{DType, Device, Module, Tensor, Var};
+use candle_nn::{VarBuilder, VarMap};
+use host::candle::FusedLinear;
+use host::{Params, reference};
+
+/// f32 results (CPU backend, candle) against candle's ops or the f64 reference: the
+/// difference may be up to `TOL * max(1, max|reference|)`. The blocks here are small
+/// (`in = 32`), so f32 rounding through the GEMM and the epilogue stays near 1e-6;
+/// 1e-4 leaves room for GroupNorm's and LayerNorm's division by small deviations.
+const TOL: f32 = 1e-4;
+
+fn close(what: &str, got: &Tensor, want: &[f32]) {
+    let got = got.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let scale = want.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+    let err = got.iter().zip(want).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(err <= TOL * scale, "{what}: max |difference| {err:e} > {TOL:e} * {scale}");
+}
+
+/// The block written with candle's own ops, from the same parameters.
+fn candle_ops(chain: &str, x: &Tensor, p: &[Tensor]) -> Tensor {
+    let z = x.matmul(&p[0].t().unwrap()).unwrap().broadcast_add(&p[1]).unwrap();
+    match chain {
+        "groupnorm(4),swish" => {
+            let gn = candle_nn::GroupNorm::new(p[2].clone(), p[3].clone(), 16, 4, 1e-5).unwrap();
+            // candle's GroupNorm wants (N, C, L): L = 1 here.
+            let n = gn.forward(&z.unsqueeze(2).unwrap()).unwrap().squeeze(2).unwrap();
+            candle_nn::ops::silu(&n).unwrap()
+        }
+        "gelu" => z.gelu_erf().unwrap(),
+        "bias,mul,tanh" => z.broadcast_add(&p[2]).unwrap().broadcast_mul(&p[3]).unwrap().tanh().unwrap(),
+        "layernorm,swish" => {
+            // Written out: candle_nn::LayerNorm's fused op has no backward.
+            let c = z.broadcast_sub(&z.mean_keepdim(1).unwrap()).unwrap();
+            let var = c.sqr().unwrap().mean_keepdim(1).unwrap();
+            let n = c.broadcast_div(&(var + 1e-5).unwrap().sqrt().unwrap()).unwrap();
+            let n = n.broadcast_mul(&p[2]).unwrap().broadcast_add(&p[3]).unwrap();
+            candle_nn::ops::silu(&n).unwrap()
+        }
+        "tanh,sum" => z.tanh().unwrap().sum(1).unwrap(),
+        other => panic!("no candle version of {other}"),
+    }
+}
+
+#[test]
+fn forward_and_gradients_match_candle_and_the_reference() {
+    let dev = Device::Cpu;
+    let (batch, inf, outf) = (8, 32, 16);
+    for chain in ["groupnorm(4),swish", "gelu", "bias,mul,tanh", "layernorm,swish", "tanh,sum"] {
+        let varmap = VarMap::new();
+        let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+        let block = FusedLinear::from_chain(inf, outf, chain, vb).unwrap();
+        // Parameters away from their initial ones/zeros so that every gradient matters.
+        let names: Vec<String> = block.spec().param_specs().into_iter().map(|s| s.name).collect();
+        {
+            let data = varmap.data().lock().unwrap();
+            for (i, n) in names.iter().enumerate().skip(2) {
+                let v = &data[n];
+                let shift = Tensor::randn(0f32, 0.5, v.shape(), &dev).unwrap();
+                v.set(&(v.as_tensor() + shift).unwrap().affine(1.0, 0.1 * i as f64).unwrap()).unwrap();
+            }
+        }
+        let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (batch, inf), &dev).unwrap()).unwrap();
+        let y = block.forward(x.as_tensor()).unwrap();
+        let dy = Tensor::randn(0f32, 1.0, y.shape(), &dev).unwrap();
+        let grads = (&y * &dy).unwrap().sum_all().unwrap().backward().unwrap();
+
+        let params: Vec<Tensor> = {
+            let data = varmap.data().lock().unwrap();
+            names.iter().map(|n| data[n].as_tensor().clone()).collect()
+        };
+        // candle's own ops.
+        let y_c = candle_ops(chain, x.as_tensor(), &params);
+        let grads_c = (&y_c * &dy).unwrap().sum_all().unwrap().backward().unwrap();
+        close(&format!("{chain}: y vs candle"), &y, &y_c.flatten_all().unwrap().to_vec1().unwrap());
+        let dx_c = grads_c.get(x.as_tensor()).unwrap_or_else(|| panic!("{chain}: no dx from candle"));
+        close(
+            &format!("{chain}: dx vs candle"),
+            grads.get(x.as_tensor()).unwrap(),
+            &dx_c.flatten_all().unwrap().to_vec1().unwrap(),
+        );
+        for (n, p) in names.iter().zip(&params) {
+            let want = grads_c.get(p).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            close(&format!("{chain}: d{n} vs candle"), grads.get(p).expect("a gradient for every parameter"), &want);
+        }
+
+        // The f64 reference.
+        let host =
+            |t: &Tensor| host::Tensor::new(t.dims(), t.flatten_all().unwrap().to_vec1::<f32>().unwrap()).unwrap();
+        let spec = block.spec();
+        let params_h = Params::from_flat(spec, params.iter().map(host).collect()).unwrap();
+        let (y_ref, g_ref) = reference::block_backward(
+            spec,
+            &host(x.as_tensor()).to_f64(),
+            &params_h.map(f64::from),
+            &host(&dy).to_f64(),
+        )
+        .unwrap();
+        let f32s = |t: &host::Tensor<f64>| t.to_f32().into_data();
+        close(&format!("{chain}: y vs reference"), &y, &f32s(&y_ref));
+        close(&format!("{chain}: dx vs reference"), grads.get(x.as_tensor()).unwrap(), &f32s(&g_ref.x));
+        for ((n, p), g) in names.iter().zip(&params).zip(g_ref.params.flat()) {
+            close(&format!("{chain}: d{n} vs reference"), grads.get(p).unwrap(), &f32s(g));
+        }
+    }
+}
+
+#[test]
+fn bf16_runs_through_f32() {
+    let dev = Device::Cpu;
+    let varmap = VarMap::new();
+    let block = FusedLinear::from_chain(32, 16, "gelu", VarBuilder::from_varmap(&varmap, DType::BF16, &dev)).unwrap();
+    let x = Tensor::randn(0f32, 1.0, (4, 32), &dev).unwrap().to_dtype(DType::BF16).unwrap();
+    let y = block.forward(&x).unwrap();
+    assert_eq!((y.dtype(), y.dims()), (DType::BF16, &[4usize, 16][..]));
+    let grads = y.to_dtype(DType::F32).unwrap().sum_all().unwrap().backward().unwrap();
+    assert!(grads.get(block.weight()).is_some(), "the bf16 weight gets a gradient");
+}
+
+fn err_of(r: candle_core::Result<Tensor>) -> String {
+    match r {
+        Ok(t) => panic!("expected an error, got a tensor of shape {:?}", t.dims()),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn bad_dtype_and_shapes_are_clear_errors() {
+    let dev = Device::Cpu;
+    let varmap = VarMap::new();
+    let block =
+        FusedLinear::from_chain(32, 16, "groupnorm(4),swish", VarBuilder::from_varmap(&varmap, DType::F32, &dev))
+            .unwrap();
+
+    let e = err_of(block.forward(&Tensor::zeros((4, 32), DType::F64, &dev).unwrap()));
+    assert!(e.contains("dtype F64"), "{e}");
+    let e = err_of(block.forward(&Tensor::zeros((4, 32), DType::U32, &dev).unwrap()));
+    assert!(e.contains("dtype U32"), "{e}");
+    let e = err_of(block.forward(&Tensor::zeros((4, 32), DType::BF16, &dev).unwrap()));
+    assert!(e.contains("lin.weight has dtype F32 but x has BF16"), "{e}");
+
+    let e = err_of(block.forward(&Tensor::zeros((4, 31), DType::F32, &dev).unwrap()));
+    assert!(e.contains("shape (batch >= 1, 32)") && e.contains("[4, 31]"), "{e}");
+    let e = err_of(block.forward(&Tensor::zeros((2, 4, 32), DType::F32, &dev).unwrap()));
+    assert!(e.contains("[2, 4, 32]"), "{e}");
+    let e = err_of(block.forward(&Tensor::zeros((0, 32), DType::F32, &dev).unwrap()));
+    assert!(e.contains("[0, 32]"), "{e}");
+
+    // A weight file whose tensor has the wrong shape is refused when the block is built.
+    let bad = VarMap::new();
+    bad.get((16, 30), "lin.weight", candle_nn::Init::Const(0.0), DType::F32, &dev).unwrap();
+    let r = FusedLinear::from_chain(32, 16, "gelu", VarBuilder::from_varmap(&bad, DType::F32, &dev));
+    assert!(r.is_err(), "a (16, 30) lin.weight for Linear(32, 16)");
+    // And a chain that does not parse.
+    let r = FusedLinear::from_chain(32, 16, "groupnorm(5)", VarBuilder::from_varmap(&VarMap::new(), DType::F32, &dev));
+    assert!(r.unwrap_err().to_string().contains("groupnorm(5)"));
+}
+
+#[test]
+fn weights_load_from_safetensors_by_pytorch_name() {
+    let dev = Device::Cpu;
+    let varmap = VarMap::new();
+    let block =
+        FusedLinear::from_chain(32, 16, "groupnorm(4),swish", VarBuilder::from_varmap(&varmap, DType::F32, &dev))
+            .unwrap();
+    let path = std::env::temp_dir().join(format!("fused-linear-candle-{}.safetensors", std::process::id()));
+    varmap.save(&path).unwrap();
+    // SAFETY: the file is written above and not modified while mapped.
+    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[&path], DType::F32, &dev) }.unwrap();
+    let loaded = FusedLinear::from_chain(32, 16, "groupnorm(4),swish", vb).unwrap();
+    let x = Tensor::randn(0f32, 1.0, (4, 32), &dev).unwrap();
+    let (a, b) = (block.forward(&x).unwrap(), loaded.forward(&x).unwrap());
+    std::fs::remove_file(&path).unwrap();
+    let mut names: Vec<String> = varmap.data().lock().unwrap().keys().cloned().collect();
+    names.sort();
+    assert_eq!(names, ["gn.bias", "gn.weight", "lin.bias", "lin.weight"]);
+    close("y from the safetensors file", &a, &b.flatten_all().unwrap().to_vec1().unwrap());
+}
