@@ -75,9 +75,7 @@ impl GpuBlock<Bf16> {
             (Plan::Gemv { chain: false }, Some(z), _) => {
                 let kernel = dispatch::gemv_kernel(Dtype::Bf16, Dtype::F32);
                 launch_gemv(gpu, kernel, x, w, Some(&b.buf), None, z, None)?;
-                let mut y = gpu.alloc(&ws.y.shape)?;
-                epilogue_rows(gpu, &self.chain, z, None, &mut y, save)?;
-                ws.y = to_bf16(gpu, &y)?;
+                ws.y = self.rows_rounded(gpu, z, save)?;
                 Ok(())
             }
             // One kernel: x and W as stored, bf16 y.
@@ -87,9 +85,7 @@ impl GpuBlock<Bf16> {
             // The GEMM as stored into FP32 `z`, the row-wise epilogue, `y` rounded.
             (Plan::GemmThenRows { splits: 1 }, Some(z), false) => {
                 launch_bf16(gpu, stream, &route, ab, dims, lds, (Some(&b.buf), None), z, None)?;
-                let mut y = gpu.alloc(&ws.y.shape)?;
-                epilogue_rows(gpu, &self.chain, z, None, &mut y, save)?;
-                ws.y = to_bf16(gpu, &y)?;
+                ws.y = self.rows_rounded(gpu, z, save)?;
                 Ok(())
             }
             (plan, z, _) => {
@@ -109,6 +105,14 @@ impl GpuBlock<Bf16> {
                 Ok(())
             }
         }
+    }
+
+    /// The row-wise epilogue over the FP32 GEMM output `z` (bias included), its FP32
+    /// output rounded once into the bf16 `y`; `save` receives `z`.
+    fn rows_rounded(&self, gpu: &Gpu, z: &DeviceTensor, save: Option<&mut DeviceTensor>) -> Result<DeviceTensor<Bf16>> {
+        let mut y = gpu.alloc(&[z.shape[0], self.out_width()])?;
+        epilogue_rows(gpu, &self.chain, z, None, &mut y, save)?;
+        to_bf16(gpu, &y)
     }
 
     /// The forward of a training step on bf16 `x`: `y` in bf16 and the FP32 `z` the

@@ -3,6 +3,7 @@
 
 use super::super::epilogue::DeviceChain;
 use super::super::{DeviceElement, DeviceTensor, Gpu};
+use super::args::EpilogueArgs;
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use kernel_abi::Kernel;
@@ -49,26 +50,10 @@ pub fn launch_gemv<E: DeviceElement, O: DeviceElement>(
         block_dim: (THREADS as u32, 1, 1),
         shared_mem_bytes: SMEM_BYTES as u32,
     };
-    let (m32, n32, k32) = (m as u32, n as u32, k as u32);
-    let n_ops = chain.map_or(0, |c| c.ops.len() as u32);
-    let null = 0u64;
+    let tail = EpilogueArgs::new(&[m, n, k], chain);
     let mut launch = gpu.stream().launch_builder(&func);
     launch.arg(&x.buf).arg(&w.buf);
-    match bias {
-        Some(b) => launch.arg(b),
-        None => launch.arg(&null),
-    };
-    launch.arg(&mut y.buf);
-    match save_z {
-        Some(z) => launch.arg(&mut z.buf),
-        None => launch.arg(&null),
-    };
-    launch.arg(&m32).arg(&n32).arg(&k32);
-    match chain {
-        Some(c) => launch.arg(&c.descs),
-        None => launch.arg(&null),
-    };
-    launch.arg(&n_ops);
+    tail.push(&mut launch, bias, y, save_z, chain);
     // SAFETY: matches the kernel's signature; shapes, the depth's multiple of 8 and
     // W's 16-byte alignment checked above; a chain fits the slab (dispatch::gemv_chain_fits).
     unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{kernel}`"), e))?;
