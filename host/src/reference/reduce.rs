@@ -72,22 +72,25 @@ pub(super) fn row_pick_forward<T: Real>(
     if features == 0 {
         return Err(Error::tensor("x", format!("{what} over an empty feature axis")));
     }
-    let (mut y, mut picked) = (Vec::with_capacity(batch), Vec::with_capacity(batch));
-    for b in 0..batch {
-        let row = x.row(b);
-        let mut best = 0;
-        for (i, &v) in row.iter().enumerate().skip(1) {
-            if row[best].is_nan() {
-                break;
-            }
-            if v.is_nan() || beats(v, row[best]) {
-                best = i;
-            }
-        }
-        y.push(row[best]);
-        picked.push(best);
-    }
+    let picked: Vec<usize> = (0..batch).map(|b| pick(x.row(b), &beats)).collect();
+    let y = picked.iter().enumerate().map(|(b, &i)| x.row(b)[i]).collect();
     Ok((Tensor::new(&[batch], y)?, picked))
+}
+
+/// The index in `values` (not empty) of the first value that `beats` every earlier one
+/// (`>`: the first maximum), or of the first NaN: the element PyTorch's max, min and
+/// MaxPool pick.
+pub(super) fn pick<T: Real>(values: &[T], beats: impl Fn(T, T) -> bool) -> usize {
+    let mut best = 0;
+    for (i, &v) in values.iter().enumerate().skip(1) {
+        if values[best].is_nan() {
+            break;
+        }
+        if v.is_nan() || beats(v, values[best]) {
+            best = i;
+        }
+    }
+    best
 }
 
 /// `dx[b, argmax[b]] = dy[b]`, 0 elsewhere.

@@ -11,6 +11,7 @@
 //! * RMSNorm: `r = 1 / sqrt(mean(x^2) + eps)`, `xhat = x r`, `y = xhat w`;
 //!   `dx = r (dy w - xhat mean(dy w xhat))`, `dw = sum_b dy xhat`.
 
+use super::reduce::pick;
 use super::{Real, check_vector, matrix_dims};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
@@ -56,7 +57,7 @@ pub fn logsumexp_forward<T: Real>(x: &Tensor<T>) -> Result<Tensor<T>> {
     let y = (0..batch)
         .map(|b| {
             let row = x.row(b);
-            let m = row.iter().fold(row[0], |a, &v| if !a.is_nan() && (v.is_nan() || v > a) { v } else { a });
+            let m = row[pick(row, |v, best| v > best)];
             let shift = if m.to_f64().is_infinite() { T::ZERO } else { m };
             shift + row.iter().fold(T::ZERO, |a, &v| a + (v - shift).exp()).ln()
         })
@@ -81,7 +82,7 @@ pub fn softmax_forward<T: Real>(x: &Tensor<T>) -> Result<Tensor<T>> {
     let mut y = Vec::with_capacity(batch * features);
     for b in 0..batch {
         let row = x.row(b);
-        let m = row.iter().fold(row[0], |a, &v| if !a.is_nan() && (v.is_nan() || v > a) { v } else { a });
+        let m = row[pick(row, |v, best| v > best)];
         let e: Vec<T> = row.iter().map(|&v| (v - m).exp()).collect();
         let s = e.iter().fold(T::ZERO, |a, &v| a + v);
         y.extend(e.into_iter().map(|v| v / s));
@@ -114,15 +115,7 @@ pub fn max_pool_forward<T: Real>(x: &Tensor<T>, k: usize) -> Result<(Tensor<T>, 
     for b in 0..batch {
         let row = x.row(b);
         for j in 0..out {
-            let mut best = j * k;
-            for i in j * k + 1..(j + 1) * k {
-                if row[best].is_nan() {
-                    break;
-                }
-                if row[i].is_nan() || row[i] > row[best] {
-                    best = i;
-                }
-            }
+            let best = j * k + pick(&row[j * k..(j + 1) * k], |v, best| v > best);
             y.push(row[best]);
             from.push(best);
         }
