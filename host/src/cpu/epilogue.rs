@@ -232,26 +232,22 @@ fn group_stats(xs: &[f32], eps: f32) -> (f32, f32) {
 /// Index of the row's maximum as `torch.max`: the first of equal maxima, and the
 /// first NaN if there is one (NaN propagates).
 fn argmax(v: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x.is_nan() {
-            return i;
-        }
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best
+    pick(v, |x, best| x > best)
 }
 
 /// Index of the row's minimum as `torch.min`: the first of equal minima, the first NaN.
 fn argmin(v: &[f32]) -> usize {
+    pick(v, |x, best| x < best)
+}
+
+/// Index of the first value that `beats` every earlier one, or of the first NaN.
+fn pick(v: &[f32], beats: impl Fn(f32, f32) -> bool) -> usize {
     let mut best = 0;
     for (i, &x) in v.iter().enumerate() {
         if x.is_nan() {
             return i;
         }
-        if x < v[best] {
+        if beats(x, v[best]) {
             best = i;
         }
     }
