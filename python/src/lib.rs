@@ -886,11 +886,7 @@ type Description = (Vec<usize>, usize, usize, Vec<String>, Vec<(String, Vec<usiz
 /// `fuse()` leaves such chains to PyTorch.
 #[pyfunction]
 fn gpu_limit(in_features: usize, out_features: usize, ops: &str) -> PyResult<Option<String>> {
-    guarded(|| {
-        let chain: Chain = ops.parse().map_err(|e| PyValueError::new_err(format!("ops: {e}")))?;
-        let spec = BlockSpec::new(in_features, out_features, chain).map_err(to_py)?;
-        Ok(host::gpu::dispatch::rows_too_wide(&spec))
-    })
+    guarded(|| Ok(host::gpu::dispatch::rows_too_wide(&Block::of(ops, in_features, out_features)?.spec)))
 }
 
 /// The chain syntax's parse, for Python code that needs each op's kind and arguments
