@@ -214,11 +214,14 @@ def build_models(
     set_seed(seed)
     init_inputs = mod.get_init_inputs()
     if precision == "fp16":
-        # A copy in float16 (fuse() shares parameters: converting them in place would change Model).
-        ref, new, report = build_models(mod, "fp32", seed, device, fuse)
+        # A float16 copy (fuse() shares parameters: converting them in place would change
+        # Model), its own default precision; a hand-written ModelNew's weights checked first.
         if fuse:
+            set_seed(seed)
+            ref = mod.Model(*init_inputs).to(device)
             new, report = fuse_with_report(copy.deepcopy(ref).half(), None)
         else:
+            ref, _, report = build_models(mod, "fp32", seed, device, fuse)
             set_seed(seed)
             new = mod.ModelNew(*init_inputs).half().to(device)
         return ref, Half(new), report
