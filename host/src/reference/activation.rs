@@ -143,7 +143,8 @@ pub fn mish_grad<T: Real>(x: T) -> T {
     t + x * (T::ONE - t * t) * sigmoid(x)
 }
 
-/// GELU, exact form: `f(x) = x Phi(x)`, `Phi(x) = (1 + erf(x / sqrt 2)) / 2`.
+/// GELU, exact form: `f(x) = x Phi(x)`, `Phi(x) = (1 + erf(x / sqrt 2)) / 2 =
+/// erfc(-x / sqrt 2) / 2` (the second form: no `1 + erf` to cancel for negative `x`).
 pub fn gelu<T: Real>(x: T) -> T {
     x * normal_cdf(x)
 }
@@ -157,7 +158,7 @@ pub fn gelu_grad<T: Real>(x: T) -> T {
 
 fn normal_cdf<T: Real>(x: T) -> T {
     let half = T::from_f64_nearest(0.5);
-    half * (T::ONE + (x * T::from_f64_nearest(std::f64::consts::FRAC_1_SQRT_2)).erf())
+    half * (-x * T::from_f64_nearest(std::f64::consts::FRAC_1_SQRT_2)).erfc()
 }
 
 /// `u(x) = sqrt(2/pi) (x + 0.044715 x^3)` of GELU's tanh form, and `u'(x)`.

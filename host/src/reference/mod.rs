@@ -44,8 +44,10 @@ pub trait Real: nalgebra::RealField + Copy {
     /// f64 takes the decimal it was written as (`0.01`, not `0.009999999776…`), so the
     /// f64 oracle computes the model with the constants its definition names.
     fn from_chain_constant(v: f32) -> Self;
-    /// The error function (through `libm`: `nalgebra` has none).
-    fn erf(self) -> Self;
+    /// The complementary error function (through `libm`: `nalgebra` has none); the
+    /// normal CDF through it keeps its relative accuracy in the negative tail, where
+    /// `1 + erf` cancels.
+    fn erfc(self) -> Self;
     fn is_nan(self) -> bool;
 }
 
@@ -61,8 +63,8 @@ impl Real for f32 {
     fn from_chain_constant(v: f32) -> f32 {
         v
     }
-    fn erf(self) -> f32 {
-        libm::erff(self)
+    fn erfc(self) -> f32 {
+        libm::erfcf(self)
     }
     fn is_nan(self) -> bool {
         f32::is_nan(self)
@@ -82,8 +84,8 @@ impl Real for f64 {
         // `Display` prints the shortest decimal that reads back as the same f32.
         v.to_string().parse().expect("an f32's Display output parses as f64")
     }
-    fn erf(self) -> f64 {
-        libm::erf(self)
+    fn erfc(self) -> f64 {
+        libm::erfc(self)
     }
     fn is_nan(self) -> bool {
         f64::is_nan(self)
