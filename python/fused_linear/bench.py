@@ -78,7 +78,7 @@ CONFIGS = ("fp32", "tf32x3", "tf32", "bf16", "fp16")
 MODES = ("fwd", "fwdbwd")
 PROTOCOLS = ("flushed", "stream", "graph", "host")
 IMPLS = ("eager", "compile", "ours")
-SHAPE_SETS = ("all", "seed", "sweep", "tiny")
+SHAPE_SETS = ("all", "seed", "sweep", "tiny", "none")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 CPU_PROTOCOLS = ("stream", "host")  # CUDA events, L2 flushes and CUDA graphs mean nothing on the CPU
 CPU_CONFIGS = ("fp32",)  # the CPU backend is FP32 whatever the precision; no bf16 model there
@@ -333,12 +333,23 @@ def problem_files(folder: Path, fused: bool) -> List[Path]:
     return [p for p in paths if "class Model" in texts[p] and "def get_inputs" in texts[p]]
 
 
-def kernelbench_shapes(folder: Path, scale: Optional[int], fused: bool = False) -> List[Shape]:
-    """One shape per problem file in ``folder``, at its own (seed) size divided by ``scale``
-    (None: each file's small scale). Ours is the file's ``ModelNew``, or ``fuse(Model)`` with
-    ``fused`` or where the file has none; the chain column says what runs fused."""
+def problem_number(path: Path) -> int:
+    """KernelBench's number of a problem file (``p088_...`` or ``88_...``), -1 without one."""
+    digits = re.match(r"p?0*(\d+)", path.stem)
+    return int(digits.group(1)) if digits else -1
+
+
+def kernelbench_shapes(
+    folder: Path, scale: Optional[int], fused: bool = False, numbers: Optional[Sequence[int]] = None
+) -> List[Shape]:
+    """One shape per problem file in ``folder`` (those of ``numbers`` only, where given), at its
+    own (seed) size divided by ``scale`` (None: each file's small scale). Ours is the file's
+    ``ModelNew``, or ``fuse(Model)`` with ``fused`` or where the file has none; the chain column
+    says what runs fused."""
     shapes = []
     for path in problem_files(folder, fused):
+        if numbers and problem_number(path) not in numbers:
+            continue
         module = load_problem(path, scale)
         _PROBLEMS[str(path)] = module
         by_fuse = fused or not hasattr(module, "ModelNew")
@@ -350,8 +361,7 @@ def kernelbench_shapes(folder: Path, scale: Optional[int], fused: bool = False) 
         if weight is None:
             weight = next((p for p in plain.parameters() if p.dim() == 2), None)
         out_features = int(weight.shape[0]) if weight is not None else 0
-        digits = re.match(r"p?0*(\d+)", path.stem)
-        pid = int(digits.group(1)) if digits else -1
+        pid = problem_number(path)
         model = f"KB{pid}" + (f"({KERNELBENCH_MODELS[pid]})" if pid in KERNELBENCH_MODELS else "")
         if by_fuse:
             calls = [
@@ -1146,7 +1156,7 @@ def _int_list(text: str) -> Tuple[int, ...]:
             f"`{text}`: expected comma-separated integers, e.g. 1,64,1024"
         ) from None
     if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"`{text}`: every row count must be at least 1")
+        raise argparse.ArgumentTypeError(f"`{text}`: every value must be at least 1")
     return values
 
 
@@ -1203,7 +1213,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--shapes",
         choices=SHAPE_SETS,
         help="seed: the presets at their KernelBench sizes; sweep: --sweep-chain over --rows and --features; "
-        "all: both (default on cuda); tiny: small shapes (default on cpu)",
+        "all: both (default on cuda); tiny: small shapes (default on cpu); none: only --kernelbench's "
+        "problems (the default with --kernelbench)",
     )
     p.add_argument(
         "--models",
@@ -1243,6 +1254,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="also time the KernelBench problem files' ModelNew (fuse(Model) where a file has none) "
         "against Model (e.g. examples/kernelbench)",
+    )
+    p.add_argument(
+        "--problems",
+        type=_int_list,
+        help="with --kernelbench: only these problem numbers, comma list (e.g. 30,84)",
     )
     p.add_argument(
         "--fuse",
@@ -1290,11 +1306,21 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                 args.notes.append(f"--device cpu: {name} {', '.join(dropped)} skipped ({why})")
             setattr(args, name, kept)
     if args.shapes is None:
-        args.shapes = "tiny" if cpu else "all"
+        # With --kernelbench the problems alone, unless shapes are asked for too.
+        args.shapes = "none" if args.kernelbench is not None else "tiny" if cpu else "all"
     if args.kernelbench is not None and not args.kernelbench.is_dir():
         p.error(f"--kernelbench {args.kernelbench}: not a directory")
     if args.kernelbench is not None and not problem_files(args.kernelbench, args.fuse):
         p.error(f"--kernelbench {args.kernelbench}: no KernelBench problem files there")
+    if args.shapes == "none" and args.kernelbench is None:
+        p.error("--shapes none times only --kernelbench's problems: give --kernelbench DIR")
+    if args.problems and args.kernelbench is None:
+        p.error("--problems picks among --kernelbench's problem files: give --kernelbench DIR")
+    if args.kernelbench is not None and args.problems:
+        numbers = {problem_number(f) for f in problem_files(args.kernelbench, args.fuse)}
+        missing = sorted(set(args.problems) - numbers)
+        if missing:
+            p.error(f"--problems {','.join(map(str, missing))}: no such problem file in {args.kernelbench}")
     if args.fuse and args.kernelbench is None:
         p.error("--fuse times fuse(Model) of --kernelbench's problem files: give --kernelbench DIR")
     if args.shapes in ("sweep", "all", "tiny"):
@@ -1318,7 +1344,8 @@ def select_shapes(args: argparse.Namespace) -> List[Shape]:
         shapes += sweep_shapes(args.sweep_chain, rows, features)
     if args.kernelbench is not None:
         # On the CPU the problems run at their small scale (1/32 of the seed sizes by default).
-        shapes += kernelbench_shapes(args.kernelbench, None if args.device == "cpu" else 1, args.fuse)
+        scale = None if args.device == "cpu" else 1
+        shapes += kernelbench_shapes(args.kernelbench, scale, args.fuse, args.problems)
     return shapes
 
 

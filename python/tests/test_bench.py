@@ -287,3 +287,26 @@ def test_kernelbench_fused_mode(tmp_path):
     with pytest.raises(SystemExit) as e:
         bench.main(["--device", "cpu", "--fuse"])
     assert e.value.code == 2
+
+
+def test_kernelbench_problem_filter(tmp_path):
+    """--problems picks problem files by number; --kernelbench alone times no presets; a
+    number with no file, or --problems / --shapes none without --kernelbench, is refused."""
+    import json
+
+    from fused_linear import bench
+
+    out = tmp_path / "p.json"
+    folder = kernelbench_subset(tmp_path)
+    argv = ["--device", "cpu", "--no-compile", "--iters", "1", "--warmup", "0", "--no-progress", "--fuse"]
+    argv += ["--kernelbench", str(folder), "--problems", "14", "--json", str(out), "--markdown", ""]
+    assert bench.main(argv) == 0
+    assert {row["model"] for row in json.loads(out.read_text())["rows"]} == {"KB14"}
+    for bad in (
+        ["--kernelbench", str(folder), "--problems", "999"],
+        ["--problems", "14"],
+        ["--shapes", "none"],
+    ):
+        with pytest.raises(SystemExit) as e:
+            bench.main(["--device", "cpu", "--no-compile", *bad])
+        assert e.value.code == 2, bad
