@@ -119,7 +119,9 @@ kernels! {
     // refinement (`epilogue/`). The tile-wise backward and the refinements carry the
     // blocks per SM their grids are sized for.
     EpilogueRows = "epilogue_rows";
+    EpilogueRowsBf16 = "epilogue_rows_bf16";
     EpilogueRowsBackward = "epilogue_rows_backward";
+    EpilogueRowsBackwardBf16 = "epilogue_rows_backward_bf16";
     EpilogueTilesBackward = "epilogue_tiles_backward",
         bounds(epilogue::TILE_THREADS, epilogue::TILES_BACKWARD_BLOCKS_PER_SM);
     EpilogueTilesBackwardBf16 = "epilogue_tiles_backward_bf16",

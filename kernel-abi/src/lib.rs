@@ -188,10 +188,16 @@ pub mod epilogue {
     pub const ROW_THREADS: usize = 256;
 
     /// Dynamic shared memory of the row-wise epilogue for rows of `features` floats:
-    /// the row, a second buffer that pooling writes into, and scratch for two values
-    /// per warp (row max and arg-max reductions).
+    /// scratch for two values per warp (row max and arg-max reductions), the row, and
+    /// a second buffer that pooling writes into.
     pub const fn row_smem_bytes(features: usize) -> usize {
-        (2 * features + 2 * (ROW_THREADS / 32)) * 4
+        row_smem_bytes_unpooled(features) + features * 4
+    }
+
+    /// [`row_smem_bytes`] without the pooling buffer, for a forward chain with no
+    /// pooling op: half the bytes, twice the blocks per SM on wide rows.
+    pub const fn row_smem_bytes_unpooled(features: usize) -> usize {
+        (features + 2 * (ROW_THREADS / 32)) * 4
     }
 
     /// Threads per block of the tile-wise backward (`epilogue_tiles_backward`).

@@ -67,7 +67,7 @@ impl GpuBlock<Bf16> {
         let (ab, dims, lds, stream) = ((&*x.buf, &*w.buf), (m, n, k), (k, k), gpu.stream());
         match (&ws.plan, ws.z.as_mut(), route.widened) {
             // A few rows: the small-batch kernel on x and W as stored, the chain on its
-            // slabs into bf16 y; or into FP32 `z`, the row-wise epilogue, `y` rounded.
+            // slabs into bf16 y; or into FP32 `z`, then the row-wise epilogue into bf16 `y`.
             (Plan::Gemv { chain: true }, ..) => {
                 let kernel = dispatch::gemv_kernel(Dtype::Bf16, Dtype::Bf16);
                 launch_gemv(gpu, kernel, x, w, Some(&b.buf), Some(&self.chain), &mut ws.y, save)
@@ -75,18 +75,16 @@ impl GpuBlock<Bf16> {
             (Plan::Gemv { chain: false }, Some(z), _) => {
                 let kernel = dispatch::gemv_kernel(Dtype::Bf16, Dtype::F32);
                 launch_gemv(gpu, kernel, x, w, Some(&b.buf), None, z, None)?;
-                ws.y = self.rows_rounded(gpu, z, save)?;
-                Ok(())
+                epilogue_rows(gpu, &self.chain, z, None, &mut ws.y, save)
             }
             // One kernel: x and W as stored, bf16 y.
             (Plan::Fused, _, false) => {
                 launch_bf16(gpu, stream, &route, ab, dims, lds, (Some(&b.buf), Some(&self.chain)), &mut ws.y, save)
             }
-            // The GEMM as stored into FP32 `z`, the row-wise epilogue, `y` rounded.
+            // The GEMM as stored into FP32 `z`, the row-wise epilogue into bf16 `y`.
             (Plan::GemmThenRows { splits: 1 }, Some(z), false) => {
                 launch_bf16(gpu, stream, &route, ab, dims, lds, (Some(&b.buf), None), z, None)?;
-                ws.y = self.rows_rounded(gpu, z, save)?;
-                Ok(())
+                epilogue_rows(gpu, &self.chain, z, None, &mut ws.y, save)
             }
             (plan, z, _) => {
                 // On FP32 copies: `x` widened, and `W` (or a folded AvgPool's FP32 means).
@@ -105,14 +103,6 @@ impl GpuBlock<Bf16> {
                 Ok(())
             }
         }
-    }
-
-    /// The row-wise epilogue over the FP32 GEMM output `z` (bias included), its FP32
-    /// output rounded once into the bf16 `y`; `save` receives `z`.
-    fn rows_rounded(&self, gpu: &Gpu, z: &DeviceTensor, save: Option<&mut DeviceTensor>) -> Result<DeviceTensor<Bf16>> {
-        let mut y = gpu.alloc(&[z.shape[0], self.out_width()])?;
-        epilogue_rows(gpu, &self.chain, z, None, &mut y, save)?;
-        to_bf16(gpu, &y)
     }
 
     /// The forward of a training step on bf16 `x`: `y` in bf16 and the FP32 `z` the
@@ -171,17 +161,14 @@ impl GpuBlock<Bf16> {
         if dy.len() != m * self.out_width() {
             return Err(Error::tensor("dy", format!("expected {m} x {} values, got {:?}", self.out_width(), dy.shape)));
         }
-        // dz in bf16: the tile-wise backward reads and writes bf16 where rows are
-        // 8-byte aligned; otherwise the FP32 one on a widened dy, rounded.
-        let (dz, slots) = if self.tile_backward() && n % 4 == 0 && dy.buf.device_address().is_multiple_of(8) {
+        // dz in bf16: the row-wise backward reads and writes bf16; the tile-wise one
+        // too where rows are 8-byte aligned, otherwise the FP32 one on a widened dy, rounded.
+        let (dz, slots) = if !self.tile_backward() {
+            epilogue_rows_backward(gpu, &self.chain, &saved.z, dy, self.out_width())?
+        } else if n % 4 == 0 && dy.buf.device_address().is_multiple_of(8) {
             epilogue_tiles_backward(gpu, &self.chain, &saved.z, dy)?
         } else {
-            let dy32 = widen(gpu, dy)?;
-            let (dz, slots) = if self.tile_backward() {
-                epilogue_tiles_backward(gpu, &self.chain, &saved.z, &dy32)?
-            } else {
-                epilogue_rows_backward(gpu, &self.chain, &saved.z, &dy32, self.out_width())?
-            };
+            let (dz, slots) = epilogue_tiles_backward(gpu, &self.chain, &saved.z, &widen(gpu, dy)?)?;
             (to_bf16(gpu, &dz)?, slots)
         };
         drop(saved);

@@ -481,6 +481,23 @@ pub fn tiles_backward_kernel(dtype: Dtype) -> Kernel {
     }
 }
 
+/// The row-wise epilogue's forward for an output of `dtype`: a bf16 model's `y` is
+/// rounded as it is stored, not by a second pass.
+pub fn rows_kernel(dtype: Dtype) -> Kernel {
+    match dtype {
+        Dtype::F32 => Kernel::EpilogueRows,
+        Dtype::Bf16 => Kernel::EpilogueRowsBf16,
+    }
+}
+
+/// The row-wise chain backward for `dy` and `dz` of `dtype`.
+pub fn rows_backward_kernel(dtype: Dtype) -> Kernel {
+    match dtype {
+        Dtype::F32 => Kernel::EpilogueRowsBackward,
+        Dtype::Bf16 => Kernel::EpilogueRowsBackwardBf16,
+    }
+}
+
 /// The AvgPool fold's kernel for a weight of `dtype`: the means in FP32 from FP32 or bf16
 /// rows.
 pub fn fold_kernel(dtype: Dtype) -> Kernel {

@@ -7,6 +7,10 @@
 
 use super::pointwise::{PointwiseMath, match_pointwise, param_count};
 use crate::prelude::math::{exp, fabs, ln, max_nan, rsqrt};
+use core::ptr::{null, null_mut};
+
+use crate::prelude::element::Element;
+use crate::prelude::global::store_v4;
 use crate::prelude::warp::{shfl_xor, warp_max, warp_sum};
 use crate::prelude::*;
 use kernel_abi::epilogue::*;
@@ -91,7 +95,7 @@ unsafe fn row_max(x: *const f32, f: usize, red: *mut f32, sign: f32) -> f32 {
     unsafe { block_reduce(m, red, warp_max, max_nan) }
 }
 
-/// What the row reduction `code` (sum, mean, min, logsumexp) gives for `x[..f]`, in
+/// What the row reduction `code` (sum, mean, max, min, logsumexp) gives for `x[..f]`, in
 /// every thread. logsumexp shifts by the row max, or by 0 where that max is infinite
 /// (`-inf` for a row of `-inf`, `inf` for one holding `inf`, as PyTorch).
 ///
@@ -101,6 +105,7 @@ unsafe fn row_max(x: *const f32, f: usize, red: *mut f32, sign: f32) -> f32 {
 unsafe fn reduce_row(code: u32, x: *const f32, f: usize, red: *mut f32) -> f32 {
     unsafe {
         match code {
+            OP_ROW_MAX => row_max(x, f, red, 1.0),
             OP_ROW_MIN => -row_max(x, f, red, -1.0),
             OP_LOGSUMEXP => {
                 let m = row_max(x, f, red, 1.0);
@@ -204,7 +209,7 @@ pub(crate) unsafe fn op_forward(op: &OpDesc, cur: &mut *mut f32, alt: &mut *mut 
                 }
                 core::mem::swap(cur, alt);
             }
-            OP_ROW_SUM | OP_ROW_MEAN | OP_ROW_MIN | OP_LOGSUMEXP => {
+            OP_ROW_SUM | OP_ROW_MEAN | OP_ROW_MAX | OP_ROW_MIN | OP_LOGSUMEXP => {
                 let v = reduce_row(op.code, x, f, red);
                 if t == 0 {
                     *x = v;
@@ -217,26 +222,6 @@ pub(crate) unsafe fn op_forward(op: &OpDesc, cur: &mut *mut f32, alt: &mut *mut 
                 while j < f {
                     *x.add(j) = *x.add(j) * r * *p0.add(j);
                     j += ROW_THREADS;
-                }
-            }
-            OP_ROW_MAX => {
-                let mut m = f32::NEG_INFINITY;
-                let mut j = t;
-                while j < f {
-                    m = max_nan(m, *x.add(j));
-                    j += ROW_THREADS;
-                }
-                let m = warp_max(m);
-                if lane == 0 {
-                    *red.add(warp) = m;
-                }
-                sync_threads();
-                if t == 0 {
-                    let mut m = *red;
-                    for w in 1..WARPS {
-                        m = max_nan(m, *red.add(w));
-                    }
-                    *x = m;
                 }
             }
             code => {
@@ -256,13 +241,126 @@ pub(crate) unsafe fn op_forward(op: &OpDesc, cur: &mut *mut f32, alt: &mut *mut 
     f_out
 }
 
+/// Float4 loads each thread keeps in flight when it copies a row into shared memory:
+/// a row of 8192 floats is then two round trips per thread, not 32 dependent ones.
+const ROW_LOADS: usize = 4;
+
+/// `dst[..n] = sum_s src[s * stride + ..n] (+ bias[..n], added last)` in FP32 from
+/// elements `E`, and `copy[..n]` the same
+/// where `copy` is not null: a global row (or `parts` split-K parts of it) into
+/// shared memory. With `n % 4 == 0` and 16-byte aligned rows every thread issues
+/// `ROW_LOADS` 16-byte loads before it stores any (a plain loop waits for each load:
+/// its store could alias the next load's address); otherwise one float at a time.
+///
+/// # Safety
+/// `dst` (shared) holds `n` floats; `src` holds `parts` rows of `n`
+/// floats `stride` apart, nothing writes them during the kernel; `bias` (or null)
+/// `n` floats; `copy` (or null) `n` writable floats. Called by the whole block.
+#[inline(always)]
+unsafe fn load_row<E: Element>(
+    dst: *mut f32,
+    src: *const E,
+    parts: usize,
+    stride: usize,
+    bias: *const E,
+    copy: *mut f32,
+    n: usize,
+) {
+    let t = thread_idx_x() as usize;
+    let aligned = |p: usize| p.is_multiple_of(4 * size_of::<E>());
+    let vector = n.is_multiple_of(4)
+        && aligned(src as usize)
+        && (parts <= 1 || stride.is_multiple_of(4))
+        && (bias.is_null() || aligned(bias as usize))
+        && (copy.is_null() || (copy as usize).is_multiple_of(16));
+    // SAFETY (both paths): every index is below n, the parts below `parts`.
+    unsafe {
+        if vector {
+            let quads = n / 4;
+            let mut first = t;
+            while first < quads {
+                let mut v = [[0.0f32; 4]; ROW_LOADS];
+                // The part loop outside, the constant one inside: unrolled, `v` in registers.
+                for p in 0..parts + !bias.is_null() as usize {
+                    let from = if p < parts { src.add(p * stride) } else { bias };
+                    for (u, v) in v.iter_mut().enumerate() {
+                        let q = first + u * ROW_THREADS;
+                        if q < quads {
+                            let w = E::load4_nc(from.add(4 * q));
+                            *v = [v[0] + w[0], v[1] + w[1], v[2] + w[2], v[3] + w[3]];
+                        }
+                    }
+                }
+                for (u, v) in v.iter().enumerate() {
+                    let q = first + u * ROW_THREADS;
+                    if q < quads {
+                        for (e, &x) in v.iter().enumerate() {
+                            *dst.add(4 * q + e) = x;
+                        }
+                        if !copy.is_null() {
+                            store_v4(copy.add(4 * q), *v);
+                        }
+                    }
+                }
+                first += ROW_LOADS * ROW_THREADS;
+            }
+        } else {
+            let mut c = t;
+            while c < n {
+                // The vector path's order: the parts, then the bias.
+                let mut v = 0.0;
+                for p in 0..parts {
+                    v += E::load1(src.add(p * stride + c));
+                }
+                if !bias.is_null() {
+                    v += E::load1(bias.add(c));
+                }
+                *dst.add(c) = v;
+                if !copy.is_null() {
+                    *copy.add(c) = v;
+                }
+                c += ROW_THREADS;
+            }
+        }
+    }
+}
+
+/// `y[..f] = src[..f]` from shared memory, rounded to `E`: four at a time where `f`
+/// and `y` allow.
+///
+/// # Safety
+/// `src` (shared, 16-byte aligned) holds `f` floats, `y` `f` writable elements.
+#[inline(always)]
+unsafe fn store_row<E: Element>(y: *mut E, src: *const f32, f: usize) {
+    let t = thread_idx_x() as usize;
+    // SAFETY (both paths): indices below f.
+    unsafe {
+        if f.is_multiple_of(4) && (y as usize).is_multiple_of(4 * size_of::<E>()) {
+            let mut q = t;
+            while q < f / 4 {
+                let s = src.add(4 * q);
+                E::store4(y.add(4 * q), [*s, *s.add(1), *s.add(2), *s.add(3)]);
+                q += ROW_THREADS;
+            }
+        } else {
+            let mut j = t;
+            while j < f {
+                E::store1(y.add(j), *src.add(j));
+                j += ROW_THREADS;
+            }
+        }
+    }
+}
+
 /// `y[row] = chain(sum_s z[s, row] + bias)` for every row: `splits` partial GEMM
-/// products (split-K) are added first, then the bias (if not null), then the chain.
+/// products (split-K) are added first, then the bias (if not null), then the chain;
+/// `y` is stored as `E` (FP32, or bf16 rounded to nearest even once).
 ///
 /// # Safety
 /// Device pointers; `ops[..n_ops]` well formed (see [`OpDesc`]), its parameter vectors
 /// as long as the features at their op. Launch: grid `(rows, 1, 1)`, `ROW_THREADS`
-/// threads, `row_smem_bytes(n)` dynamic shared memory.
+/// threads, `row_smem_bytes(n)` dynamic shared memory (`row_smem_bytes_unpooled(n)`
+/// where the chain has no pooling op).
 ///
 /// # Parameters
 /// * `z`: `(splits, rows, n)` row-major: the GEMM output (`splits == 1`, Linear bias
@@ -277,6 +375,45 @@ pub(crate) unsafe fn op_forward(op: &OpDesc, cur: &mut *mut f32, alt: &mut *mut 
 /// and variance with shuffle reductions); pooling writes into the second buffer;
 /// the row reductions (and softmax's and RMSNorm's sums) reduce over warps, then
 /// across them.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn rows_forward<E: Element>(
+    z: *const f32,
+    splits: u32,
+    bias: *const f32,
+    y: *mut E,
+    save_z: *mut f32,
+    n: u32,
+    ops: *const OpDesc,
+    n_ops: u32,
+) {
+    let row = block_idx_x() as usize;
+    let rows = grid_dim_x() as usize;
+    let n = n as usize;
+    let base = dynamic_shared::<f32>();
+    // SAFETY: the launch's shared memory covers [red: 2 * WARPS][cur: n], then [alt: n]
+    // where the chain pools (only pooling touches alt).
+    let (red, mut cur, mut alt) = unsafe { (base, base.add(2 * WARPS), base.add(2 * WARPS + n)) };
+    // SAFETY: row < rows: this row of each split-K part, of save_z.
+    unsafe {
+        let copy = if save_z.is_null() { save_z } else { save_z.add(row * n) };
+        load_row(cur, z.add(row * n), splits as usize, rows * n, bias, copy, n);
+        // Uniform control flow (every op is run by the whole block).
+        sync_threads();
+    }
+    let mut f = n;
+    for i in 0..n_ops as usize {
+        // SAFETY: i < n_ops; buffers as above.
+        f = unsafe { op_forward(&*ops.add(i), &mut cur, &mut alt, red, f) };
+    }
+    // SAFETY: the row's output, f wide.
+    unsafe { store_row(y.add(row * f), cur, f) };
+}
+
+/// [`rows_forward`] with `y` in FP32.
+///
+/// # Safety
+/// As [`rows_forward`].
 #[unsafe(no_mangle)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "ptx-kernel" fn epilogue_rows(
@@ -289,41 +426,26 @@ pub unsafe extern "ptx-kernel" fn epilogue_rows(
     ops: *const OpDesc,
     n_ops: u32,
 ) {
-    let row = block_idx_x() as usize;
-    let rows = grid_dim_x() as usize;
-    let t = thread_idx_x() as usize;
-    let n = n as usize;
-    let base = dynamic_shared::<f32>();
-    // SAFETY: row_smem_bytes(n) covers [cur: n][alt: n][red: 2 * WARPS].
-    let (mut cur, mut alt, red) = unsafe { (base, base.add(n), base.add(2 * n)) };
-    let mut c = t;
-    while c < n {
-        // SAFETY: c < n and s < splits: inside z's (splits, rows, n) and the first buffer.
-        unsafe {
-            let mut v = if bias.is_null() { 0.0 } else { *bias.add(c) };
-            for s in 0..splits as usize {
-                v += *z.add((s * rows + row) * n + c);
-            }
-            *cur.add(c) = v;
-            if !save_z.is_null() {
-                *save_z.add(row * n + c) = v;
-            }
-        }
-        c += ROW_THREADS;
-    }
-    // SAFETY: uniform control flow (every op is run by the whole block).
-    unsafe { sync_threads() };
-    let mut f = n;
-    for i in 0..n_ops as usize {
-        // SAFETY: i < n_ops; buffers as above.
-        f = unsafe { op_forward(&*ops.add(i), &mut cur, &mut alt, red, f) };
-    }
-    let mut j = t;
-    while j < f {
-        // SAFETY: j < f, the row's output width.
-        unsafe { *y.add(row * f + j) = *cur.add(j) };
-        j += ROW_THREADS;
-    }
+    unsafe { rows_forward(z, splits, bias, y, save_z, n, ops, n_ops) }
+}
+
+/// [`rows_forward`] with `y` in bf16: a bf16 model's output without a second pass.
+///
+/// # Safety
+/// As [`rows_forward`].
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "ptx-kernel" fn epilogue_rows_bf16(
+    z: *const f32,
+    splits: u32,
+    bias: *const f32,
+    y: *mut u16,
+    save_z: *mut f32,
+    n: u32,
+    ops: *const OpDesc,
+    n_ops: u32,
+) {
+    unsafe { rows_forward(z, splits, bias, y, save_z, n, ops, n_ops) }
 }
 
 /// `(value, index)` `a` comes before `b` as the row max's pick: the larger value, the
@@ -397,8 +519,9 @@ unsafe fn arg_max(x: *const f32, f: usize, red: *mut f32, sign: f32) -> usize {
 ///
 /// # Parameters
 /// * `z`: `(rows, n)`, the chain's input saved by the forward.
-/// * `dy`: `(rows, f_out)`, the gradient of the chain's output.
-/// * `dz`: `(rows, n)`, written.
+/// * `dy`: `(rows, f_out)`, the gradient of the chain's output, as `E`.
+/// * `dz`: `(rows, n)`, written as `E` (bf16: rounded once; the sums are of the FP32
+///   values).
 /// * `partials`: `(G, slots, n)`: slot 0 sums `dz` (the Linear bias's gradient), then
 ///   one slot per op parameter in chain order (`bias`, `w`, GroupNorm `gamma`, `beta`).
 /// * `sums_in_smem`: keep the block's sums in shared memory and write them once at the
@@ -409,12 +532,12 @@ unsafe fn arg_max(x: *const f32, f: usize, red: *mut f32, sign: f32) -> usize {
 /// its input from `z` (ops before it, forward), then turn the gradient of its output
 /// into that of its input in place. A thread always owns the same columns (or, for
 /// GroupNorm, the same lanes of the same groups), so its partial sums need no atomics.
-#[unsafe(no_mangle)]
+#[inline(always)]
 #[allow(clippy::too_many_arguments)]
-pub unsafe extern "ptx-kernel" fn epilogue_rows_backward(
+unsafe fn rows_backward<E: Element>(
     z: *const f32,
-    dy: *const f32,
-    dz: *mut f32,
+    dy: *const E,
+    dz: *mut E,
     partials: *mut f32,
     rows: u32,
     n: u32,
@@ -457,22 +580,14 @@ pub unsafe extern "ptx-kernel" fn epilogue_rows_backward(
         let (mut g, mut g_alt) = (g_buf, alt_buf);
         // SAFETY (whole row): indices below the buffer extents; uniform barriers.
         unsafe {
-            let mut j = t;
-            while j < f_out {
-                *g.add(j) = *dy.add(row * f_out + j);
-                j += ROW_THREADS;
-            }
+            load_row(g, dy.add(row * f_out), 1, 0, null(), null_mut(), f_out);
             let mut slot_end = slots;
             for i in (0..n_ops).rev() {
                 let op = op_at(i);
                 // Rebuild op i's input in x (ops 0..i forward from z); shrinking ops
                 // write into the buffer the gradient is not using.
                 let (mut x, mut x_alt) = (x_buf, g_alt);
-                let mut j = t;
-                while j < n {
-                    *x.add(j) = *z.add(row * n + j);
-                    j += ROW_THREADS;
-                }
+                load_row(x, z.add(row * n), 1, 0, null::<f32>(), null_mut(), n);
                 sync_threads();
                 let mut f = n;
                 for p in 0..i {
@@ -627,7 +742,7 @@ pub unsafe extern "ptx-kernel" fn epilogue_rows_backward(
             let mut j = t;
             while j < n {
                 let d = *g.add(j);
-                *dz.add(row * n + j) = d;
+                E::store1(dz.add(row * n + j), d);
                 *part.add(j) += d;
                 j += ROW_THREADS;
             }
@@ -643,6 +758,47 @@ pub unsafe extern "ptx-kernel" fn epilogue_rows_backward(
             j += ROW_THREADS;
         }
     }
+}
+
+/// [`rows_backward`] in FP32.
+///
+/// # Safety
+/// As [`rows_backward`].
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "ptx-kernel" fn epilogue_rows_backward(
+    z: *const f32,
+    dy: *const f32,
+    dz: *mut f32,
+    partials: *mut f32,
+    rows: u32,
+    n: u32,
+    ops: *const OpDesc,
+    n_ops: u32,
+    sums_in_smem: u32,
+) {
+    unsafe { rows_backward(z, dy, dz, partials, rows, n, ops, n_ops, sums_in_smem) }
+}
+
+/// [`rows_backward`] with `dy` and `dz` in bf16: a bf16 model's gradients without a
+/// widening pass before and a rounding pass after.
+///
+/// # Safety
+/// As [`rows_backward`].
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "ptx-kernel" fn epilogue_rows_backward_bf16(
+    z: *const f32,
+    dy: *const u16,
+    dz: *mut u16,
+    partials: *mut f32,
+    rows: u32,
+    n: u32,
+    ops: *const OpDesc,
+    n_ops: u32,
+    sums_in_smem: u32,
+) {
+    unsafe { rows_backward(z, dy, dz, partials, rows, n, ops, n_ops, sums_in_smem) }
 }
 
 /// `out[j] = sum_b partials[b, j]`: the second level of the parameter-gradient

@@ -1,15 +1,16 @@
 //! Launchers of `epilogue_rows`, `epilogue_rows_backward` and `sum_partials`
 //! (kernels-gpu/src/epilogue/rows.rs): any chain, row by row, forward and backward.
 
+use super::super::dispatch::{rows_backward_kernel, rows_kernel};
+use super::super::memory::DeviceElement;
 use super::super::{DeviceTensor, Gpu, launched};
 use super::DeviceChain;
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
-use kernel_abi::epilogue::{ROW_THREADS, row_backward_smem_bytes, row_smem_bytes};
+use kernel_abi::epilogue::{
+    OP_AVG_POOL, OP_MAX_POOL, ROW_THREADS, row_backward_smem_bytes, row_smem_bytes, row_smem_bytes_unpooled,
+};
 use kernel_abi::kernels::Kernel;
-
-const FORWARD: Kernel = Kernel::EpilogueRows;
-const BACKWARD: Kernel = Kernel::EpilogueRowsBackward;
 
 /// Refuses what the kernel cannot launch: one block per row (`gridDim.x` < 2^31),
 /// `n` and `splits` as u32 (at most 64 split-K parts).
@@ -21,14 +22,14 @@ fn check_rows_size(splits: usize, rows: usize, n: usize) -> Result<()> {
 }
 
 /// Queues `y = chain(sum_s z[s] + bias)` row by row. `z` is `(rows, n)`, or
-/// `(splits, rows, n)` holding split-K parts; `y` has the chain's output width.
-/// `save_z`, if given, receives the chain's input `(rows, n)`.
-pub fn epilogue_rows(
+/// `(splits, rows, n)` holding split-K parts; `y` has the chain's output width, in
+/// FP32 or bf16. `save_z`, if given, receives the chain's input `(rows, n)`.
+pub fn epilogue_rows<T: DeviceElement>(
     gpu: &Gpu,
     chain: &DeviceChain,
     z: &DeviceTensor,
     bias: Option<&CudaSlice<f32>>,
-    y: &mut DeviceTensor,
+    y: &mut DeviceTensor<T>,
     save_z: Option<&mut DeviceTensor>,
 ) -> Result<()> {
     let (splits, rows, n) = match z.shape[..] {
@@ -40,9 +41,12 @@ pub fn epilogue_rows(
     if bias.is_some_and(|b| b.len() != n) || save_z.as_ref().is_some_and(|s| s.shape != [rows, n]) {
         return Err(Error::Shape(format!("epilogue bias / saved input must have {n} columns")));
     }
-    let func = gpu.function(FORWARD)?;
-    let smem = row_smem_bytes(n);
-    gpu.allow_shared(&func, FORWARD, smem)
+    let kernel = rows_kernel(T::DTYPE);
+    let func = gpu.function(kernel)?;
+    // The pooling buffer only where an op pools.
+    let pools = chain.ops.iter().any(|op| matches!(op.code, OP_AVG_POOL | OP_MAX_POOL));
+    let smem = if pools { row_smem_bytes(n) } else { row_smem_bytes_unpooled(n) };
+    gpu.allow_shared(&func, kernel, smem)
         .map_err(|e| Error::Unsupported(format!("{e}: rows of {n} features are too wide for the row-wise epilogue")))?;
     let cfg = LaunchConfig {
         grid_dim: (rows as u32, 1, 1),
@@ -66,20 +70,21 @@ pub fn epilogue_rows(
     // SAFETY: matches the kernel's signature; z holds splits * rows * n values; the
     // chain was validated against n when its BlockSpec was built, and its parameter
     // vectors have the matching lengths.
-    unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{FORWARD}`"), e))?;
+    unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{kernel}`"), e))?;
     Ok(())
 }
 
 /// Backward of the chain: `dz` from the saved chain input `z (rows, n)` and `dy`, and
 /// the parameter gradients `(grad_slots, n)`: slot 0 the Linear bias, then each op
 /// parameter in chain order (the first `features` entries of each slot are used).
-pub fn epilogue_rows_backward(
+/// `dy` and `dz` are FP32, or both bf16 (the sums FP32 either way).
+pub fn epilogue_rows_backward<T: DeviceElement>(
     gpu: &Gpu,
     chain: &DeviceChain,
     z: &DeviceTensor,
-    dy: &DeviceTensor,
+    dy: &DeviceTensor<T>,
     out_width: usize,
-) -> Result<(DeviceTensor, DeviceTensor)> {
+) -> Result<(DeviceTensor<T>, DeviceTensor)> {
     let [rows, n] = z.shape[..] else {
         return Err(Error::Shape(format!("saved chain input must be 2-D, got {:?}", z.shape)));
     };
@@ -95,9 +100,10 @@ pub fn epilogue_rows_backward(
     let per_sm = (gpu.props.shared_per_multiprocessor / smem.max(1)).clamp(1, 8);
     let blocks = rows.min(per_sm * gpu.props.multiprocessors);
     let mut partials = if in_smem { gpu.alloc(&[blocks, slots, n])? } else { gpu.zeros(&[blocks, slots, n])? };
-    let mut dz = gpu.alloc(&[rows, n])?;
-    let func = gpu.function(BACKWARD)?;
-    gpu.allow_shared(&func, BACKWARD, smem)
+    let mut dz = gpu.alloc_as::<T>(&[rows, n])?;
+    let kernel = rows_backward_kernel(T::DTYPE);
+    let func = gpu.function(kernel)?;
+    gpu.allow_shared(&func, kernel, smem)
         .map_err(|e| Error::Unsupported(format!("{e}: rows of {n} features are too wide for the row-wise backward")))?;
     let cfg = LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
@@ -111,7 +117,7 @@ pub fn epilogue_rows_backward(
     // SAFETY: matches the kernel's signature; z and dz hold rows * n, dy rows * out_width,
     // partials blocks * slots * n (zeroed unless the kernel sums in shared memory and
     // writes it whole); the chain was validated against n.
-    unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{BACKWARD}`"), e))?;
+    unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{kernel}`"), e))?;
 
     let grads = sum_partials(gpu, &partials, blocks, slots * n)?.reshape(&[slots, n])?;
     Ok((dz, grads))
