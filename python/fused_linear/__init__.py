@@ -263,7 +263,8 @@ def _resolve_precision(x: Tensor, precision: Optional[str]) -> str:
         raise ValueError(f"precision `{precision}` is not one of {', '.join(PRECISIONS)}")
     if own is not None and precision != own:
         raise ValueError(
-            f"precision `{precision}` with {x.dtype} tensors: a {own} model's GEMMs read its {own} values as "
+            f"precision `{precision}` with {str(x.dtype).removeprefix('torch.')} tensors: a {own} model's GEMMs "
+            f"read its {own} values as "
             f"they are (precision {own}); leave precision unset, or pass float32 tensors for {precision}"
         )
     return precision
