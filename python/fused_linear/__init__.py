@@ -263,9 +263,9 @@ def _resolve_precision(x: Tensor, precision: Optional[str]) -> str:
         raise ValueError(f"precision `{precision}` is not one of {', '.join(PRECISIONS)}")
     if own is not None and precision != own:
         raise ValueError(
-            f"precision `{precision}` with {str(x.dtype).removeprefix('torch.')} tensors: a {own} model's GEMMs "
-            f"read its {own} values as "
-            f"they are (precision {own}); leave precision unset, or pass float32 tensors for {precision}"
+            f"precision `{precision}` with {str(x.dtype).removeprefix('torch.')} tensors: a {own} model's "
+            f"GEMMs read its {own} values as they are (precision {own}); leave precision unset, or pass "
+            f"float32 tensors for {precision}"
         )
     return precision
 
