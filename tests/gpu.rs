@@ -211,7 +211,7 @@ fn tensor_core_precisions_match_reference() {
         ("avgpool(16),gelu,scale(2),max", (100, 2048, 512)),
         ("swish,bias,groupnorm(4)", (65, 1024, 96)),
     ];
-    for precision in [Precision::Tf32x3, Precision::Tf32, Precision::Bf16] {
+    for precision in [Precision::Tf32x3, Precision::Tf32, Precision::Bf16, Precision::Fp16] {
         for (text, (b, i, o)) in cases {
             let spec = BlockSpec::new(i, o, text.parse().unwrap()).unwrap();
             let params = Params::init(&spec, &mut rng);
@@ -615,10 +615,23 @@ fn opening_the_gpu_never_panics() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn bf16_model_blocks_match_reference() {
-    use host::precision::BF16_STORED_REL;
-    use host::tensor::Bf16;
+    half_model_blocks_match_reference::<host::tensor::Bf16>(host::precision::BF16_STORED_REL, 29);
+}
+
+/// [`bf16_model_blocks_match_reference`] for an fp16 model (`GpuBlock<F16>`, the fp16
+/// kernels), at its own tolerance.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fp16_model_blocks_match_reference() {
+    half_model_blocks_match_reference::<host::tensor::F16>(host::precision::FP16_STORED_REL, 37);
+}
+
+/// The body of the 16-bit model tests: every path's shapes, each against the f64
+/// reference from the same 16-bit values, held to `tol`.
+fn half_model_blocks_match_reference<H: host::gpu::HalfElement>(tol: f64, seed: u64) {
     let gpu = gpu();
-    let mut rng = StdRng::seed_from_u64(29);
+    let name = H::NAME;
+    let mut rng = StdRng::seed_from_u64(seed);
     let cases: [(&str, (usize, usize, usize)); 9] = [
         ("", (300, 520, 264)),
         ("groupnorm(65),swish,mul,swish", (300, 4104, 520)),
@@ -629,7 +642,7 @@ fn bf16_model_blocks_match_reference() {
         // Folded AvgPool, max: the FP32 forward and row-wise backward, dW in FP32 spread.
         ("avgpool(16),gelu,scale(2),max", (100, 2048, 512)),
         ("swish,bias,groupnorm(4)", (65, 1024, 96)),
-        // Odd width: pairs of bf16 stores end early; dz widened.
+        // Odd width: pairs of 16-bit stores end early; dz widened.
         ("swish", (64, 256, 77)),
         // Not fusable (avgpool inside): the GEMM into FP32 `z`, then rows.
         ("leakyrelu(0.2),hardtanh(-0.5,0.7),avgpool(3),scale(-1.5),max", (9, 32, 100)),
@@ -637,11 +650,11 @@ fn bf16_model_blocks_match_reference() {
     ];
     for (text, (b, i, o)) in cases {
         let spec = BlockSpec::new(i, o, text.parse().unwrap()).unwrap();
-        let params = Params::init(&spec, &mut rng).map(Bf16::from_f32);
-        let x = random_input(b, i, &mut rng).unwrap().to_bf16();
+        let params = Params::init(&spec, &mut rng).map(H::from_f32);
+        let x = random_input(b, i, &mut rng).unwrap().to_half::<H>();
         let out = spec.output_shape(b);
-        let dy = random_input(1, out.iter().product(), &mut rng).unwrap().reshape(&out).unwrap().to_bf16();
-        let block = GpuBlock::new_bf16(&gpu, &spec, &params).unwrap();
+        let dy = random_input(1, out.iter().product(), &mut rng).unwrap().reshape(&out).unwrap().to_half::<H>();
+        let block = GpuBlock::new_half(&gpu, &spec, &params).unwrap();
         let got = block.forward_backward(&gpu, &x, &dy).unwrap();
         let (x64, dy64) = (x.to_f32().to_f64(), dy.to_f32().to_f64());
         let p64 = params.map(|v| f64::from(v.to_f32()));
@@ -651,17 +664,17 @@ fn bf16_model_blocks_match_reference() {
         report.extend(got.compare(&spec, &want));
         let worst = report.iter().map(|(_, c)| c.rel).fold(0.0, f64::max);
         println!(
-            "bf16 model {text:<62} ({b}, {i}, {o}) worst rel {worst:.2e}: {}",
+            "{name} model {text:<62} ({b}, {i}, {o}) worst rel {worst:.2e}: {}",
             block.describe(&gpu, &block.plan(&gpu, b))
         );
         for (what, c) in &report {
-            assert!(c.passes(BF16_STORED_REL), "bf16 model {text}: {what}: {c:?}");
+            assert!(c.passes(tol), "{name} model {text}: {what}: {c:?}");
         }
     }
 }
 
 /// At most 8 rows, a depth of whole 8-value chunks: the small-batch kernel (`gemv_*`),
-/// FP32 and bf16 models, forward and gradients (the training forward saves `z` from
+/// FP32, bf16 and fp16 models, forward and gradients (the training forward saves `z` from
 /// it). Chains on its 32-column slabs (groups of 32; per-channel parameters offset per
 /// slab), and chains it leaves to the row-wise epilogue (groups wider than a slab, a
 /// width not whole slabs, a row max).
@@ -669,8 +682,8 @@ fn bf16_model_blocks_match_reference() {
 #[ignore = "needs a CUDA GPU"]
 fn small_batches_match_reference() {
     use host::gpu::dispatch::Plan;
-    use host::precision::BF16_STORED_REL;
-    use host::tensor::Bf16;
+    use host::precision::{BF16_STORED_REL, FP16_STORED_REL};
+    use host::tensor::{Bf16, F16};
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(31);
     let cases: [(&str, (usize, usize, usize), bool); 9] = [
@@ -706,6 +719,15 @@ fn small_batches_match_reference() {
         let (x, p, dy) = (x16.to_f32(), p16.map(Bf16::to_f32), dy16.to_f32());
         let path = block.describe(&gpu, &plan);
         check_step(&format!("small batch bf16 {text}"), &spec, &got, (&x, &p, &dy), BF16_STORED_REL, &path);
+        // fp16 model: the same on the fp16 kernels.
+        let (x, p, dy) = (x.to_f16(), params.map(F16::from_f32), dy.to_f16());
+        let block = GpuBlock::new_half(&gpu, &spec, &p).unwrap();
+        let plan = block.plan(&gpu, b);
+        assert!(planned(&plan), "fp16 {text}: {plan:?}");
+        let got = block.forward_backward(&gpu, &x, &dy).unwrap();
+        let (x, p, dy) = (x.to_f32(), p.map(F16::to_f32), dy.to_f32());
+        let path = block.describe(&gpu, &plan);
+        check_step(&format!("small batch fp16 {text}"), &spec, &got, (&x, &p, &dy), FP16_STORED_REL, &path);
     }
 }
 

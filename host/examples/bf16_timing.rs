@@ -101,7 +101,7 @@ fn main() -> host::Result<()> {
         // The backward's two GEMMs alone at M1's and M2's shapes, on bf16 tensors as stored.
         use host::gpu::Dtype;
         use host::gpu::dispatch::{Role, Storage, route};
-        use host::gpu::gemm::tma::launch_bf16;
+        use host::gpu::gemm::tma::launch_half;
         for p in [Preset::M1, Preset::M2] {
             let (m, k, n) = p.seed_shape();
             let mut rng = StdRng::seed_from_u64(3);
@@ -115,11 +115,11 @@ fn main() -> host::Result<()> {
             let (dx_route, dw_route) = (as_stored(Role::GradInput), as_stored(Role::GradWeight));
             let t_dx = median(&gpu, || {
                 let ab = (&*dz.buf, &*w.buf);
-                launch_bf16(&gpu, s, &dx_route, ab, (m, k, n), (n, k), none, &mut dx, None)
+                launch_half(&gpu, s, &dx_route, ab, (m, k, n), (n, k), none, &mut dx, None)
             })?;
             let t_dw = median(&gpu, || {
                 let ab = (&*dz.buf, &*x.buf);
-                launch_bf16(&gpu, s, &dw_route, ab, (n, k, m), (n, k), none, &mut dw, None)
+                launch_half(&gpu, s, &dw_route, ab, (n, k, m), (n, k), none, &mut dw, None)
             })?;
             let (c_dx, c_dw) = (
                 median(&gpu, || cublas.grad_input(&dz, &w, &mut dx))?,

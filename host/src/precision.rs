@@ -9,8 +9,8 @@
 //!   computed in f32. [`FP32_REL`] = 1e-4 leaves ~20x headroom for that, and is what
 //!   every strict-f32 path is held to. 3xTF32 is held to it too: its products are
 //!   FP32-accurate.
-//! * TF32 keeps 10 mantissa bits of each operand ([`TF32_REL`]), bf16 8 ([`BF16_REL`]):
-//!   the bars of the tensor-core paths.
+//! * TF32 keeps 10 mantissa bits of each operand ([`TF32_REL`]), fp16 10 rounded to
+//!   nearest ([`FP16_REL`]), bf16 7 ([`BF16_REL`]): the bars of the tensor-core paths.
 //!
 //! Every comparison is norm-wise relative ([`crate::check::Comparison::passes`]).
 //!
@@ -35,6 +35,17 @@ pub const BF16_REL: f64 = 2e-2;
 /// is 4x that; FP32 outputs (the bias's and the chain parameters' gradients) meet it
 /// with room.
 pub const BF16_STORED_REL: f64 = 5e-3;
+/// `--precision fp16`: operands rounded to fp16 (10 mantissa bits, rounded to nearest:
+/// 2^-11 relative at most, half TF32's truncation), FP32 accumulation: TF32's bar.
+/// Operands beyond fp16's range (|v| > 65504) become infinite, as in PyTorch's fp16
+/// GEMMs: the bar holds for data in range (docs/NUMERICS.md).
+pub const FP16_REL: f64 = 2e-3;
+/// An fp16 model's tensors (`GpuBlock<F16>`) against the f64 reference computed from
+/// the same fp16 values: as [`BF16_STORED_REL`], with each output's one rounding 8x
+/// finer (at most 2^-11 relative, ~1.4e-4 as a norm). 1e-3 is 7x that, leaving room
+/// for gradients whose small values fall into fp16's subnormals (below 2^-14, an
+/// absolute step of 2^-24) and for the FP32 accumulation and epilogue.
+pub const FP16_STORED_REL: f64 = 1e-3;
 
 /// The arithmetic of the GEMMs (the epilogue is always FP32).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, clap::ValueEnum)]
@@ -46,6 +57,9 @@ pub enum Precision {
     Tf32x3,
     /// Tensor cores, operands rounded to TF32 (10-bit mantissa).
     Tf32,
+    /// Tensor cores, operands rounded to fp16 (10-bit mantissa, 5-bit exponent: finite
+    /// up to 65504), FP32 accumulation.
+    Fp16,
     /// Tensor cores, operands rounded to bf16 (7-bit mantissa), FP32 accumulation.
     Bf16,
 }
@@ -61,6 +75,8 @@ const SIGMAS: f32 = 4.0;
 const TF32_PRODUCT_SIGMA: f32 = 3.1e-4;
 /// The same with both operands rounded to nearest bf16.
 const BF16_PRODUCT_SIGMA: f32 = 2.3e-3;
+/// The same with both operands rounded to nearest fp16 (3 bits finer than bf16: 1/8).
+const FP16_PRODUCT_SIGMA: f32 = 2.9e-4;
 /// 3xTF32: the tensor cores' accumulation, per accumulating MMA (three per 8 of `k`),
 /// relative to `rms(z row)`. They truncate as they add, and the errors of a run of
 /// adds sum like its partial sums: H100, M1 / M3 / M5 at `k` = 8192, the forward's
@@ -70,7 +86,23 @@ const TF32X3_ADD_SIGMA: f32 = 1.5e-8;
 
 impl Precision {
     /// Every precision, strictest first.
-    pub const ALL: [Precision; 4] = [Precision::Fp32, Precision::Tf32x3, Precision::Tf32, Precision::Bf16];
+    pub const ALL: [Precision; 5] =
+        [Precision::Fp32, Precision::Tf32x3, Precision::Tf32, Precision::Fp16, Precision::Bf16];
+
+    /// The precision of a 16-bit model's GEMMs: its operands as stored, the products
+    /// exact (`None` for FP32 tensors, whose precision is the caller's choice).
+    pub fn of_storage(dtype: crate::gpu::Dtype) -> Option<Precision> {
+        match dtype {
+            crate::gpu::Dtype::F32 => None,
+            crate::gpu::Dtype::Bf16 => Some(Precision::Bf16),
+            crate::gpu::Dtype::F16 => Some(Precision::Fp16),
+        }
+    }
+
+    /// Whether the GEMMs' operands are a 16-bit type (bf16 or fp16).
+    pub fn is_half(self) -> bool {
+        matches!(self, Precision::Bf16 | Precision::Fp16)
+    }
 
     /// Relative error against the f64 reference this precision is held to (see the
     /// module's explanation).
@@ -78,6 +110,7 @@ impl Precision {
         match self {
             Precision::Fp32 | Precision::Tf32x3 => FP32_REL,
             Precision::Tf32 => TF32_REL,
+            Precision::Fp16 => FP16_REL,
             Precision::Bf16 => BF16_REL,
         }
     }
@@ -95,7 +128,8 @@ impl Precision {
     ///   unrelated signs (a row of `z` sums the same `x` against every weight row), and
     ///   the mean part shrinks `z` by `7e-4 |z|` (taken whole, as a bound: `2^-10`).
     /// * bf16 (rounded to nearest, 8 significant bits): each operand off by a standard
-    ///   deviation of `1.6e-3`, a product by `2.3e-3`, no bias.
+    ///   deviation of `1.6e-3`, a product by `2.3e-3`, no bias; fp16 (11 significant
+    ///   bits) 8x less, `2.9e-4` a product (for values in its normal range).
     /// * FP32 and 3xTF32: the FP32 accumulation over `k` terms, about `2^-24 sqrt(k)`
     ///   (3xTF32 also drops the low parts' product, `2^-22`, and the tensor cores'
     ///   accumulation adds `TF32X3_ADD_SIGMA` per MMA, `3 k / 8` of them: no credit is
@@ -116,6 +150,7 @@ impl Precision {
             Precision::Fp32 => (fp32, 0.0),
             Precision::Tf32x3 => (fp32 + 2f32.powi(-22) + TF32X3_ADD_SIGMA * (3 * k).div_ceil(8) as f32, 0.0),
             Precision::Tf32 => (TF32_PRODUCT_SIGMA * spread, 2f32.powi(-10)),
+            Precision::Fp16 => (FP16_PRODUCT_SIGMA * spread, 0.0),
             Precision::Bf16 => (BF16_PRODUCT_SIGMA * spread, 0.0),
         };
         (SIGMAS * sigma, shrink)
@@ -128,6 +163,7 @@ impl std::fmt::Display for Precision {
             Precision::Fp32 => "fp32",
             Precision::Tf32x3 => "tf32x3",
             Precision::Tf32 => "tf32",
+            Precision::Fp16 => "fp16",
             Precision::Bf16 => "bf16",
         })
     }
@@ -154,12 +190,15 @@ mod tests {
             let b = v.to_bits();
             f32::from_bits((b + 0x7fff + ((b >> 16) & 1)) & 0xffff_0000)
         };
+        let fp16 = |v: f32| crate::tensor::F16::from_f32(v).to_f32();
         let mut rng = StdRng::seed_from_u64(5);
         let pairs: Vec<(f32, f32)> =
             (0..200_000).map(|_| (rng.random_range(-1.0..1.0), rng.random_range(-1.0..1.0))).collect();
-        for (round, model, name) in
-            [(&tf32 as &dyn Fn(f32) -> f32, TF32_PRODUCT_SIGMA, "tf32"), (&bf16, BF16_PRODUCT_SIGMA, "bf16")]
-        {
+        for (round, model, name) in [
+            (&tf32 as &dyn Fn(f32) -> f32, TF32_PRODUCT_SIGMA, "tf32"),
+            (&bf16, BF16_PRODUCT_SIGMA, "bf16"),
+            (&fp16, FP16_PRODUCT_SIGMA, "fp16"),
+        ] {
             let errs: Vec<f64> = pairs
                 .iter()
                 .map(|&(x, w)| {
@@ -182,6 +221,7 @@ mod tests {
         // (3xTF32's tensor-core accumulation, taken unflushed, is 5-6x under TF32's rounding.)
         assert!(rel(Precision::Tf32x3) * 5.0 < rel(Precision::Tf32));
         assert!(rel(Precision::Tf32) < rel(Precision::Bf16));
+        assert!(rel(Precision::Fp16) < rel(Precision::Bf16) && Precision::Fp16.z_error(k).1 == 0.0);
         // TF32 truncates (biased toward zero), so only it has a value-proportional part.
         assert!(Precision::Tf32.z_error(k).1 > 0.0 && Precision::Bf16.z_error(k).1 == 0.0);
     }

@@ -60,8 +60,8 @@ kernels! {
 
     // The `mma.sync` GEMMs (`gemm/mma.rs`): 2 blocks per SM (128 registers),
     // except the 3xTF32 forward (its two `ldmatrix` operands and their residuals need
-    // ~8 registers more: ptxas spills at 128) and the bf16 kernels (two TF32 steps'
-    // words feed one `m16n8k16`): 1 block per SM.
+    // ~8 registers more: ptxas spills at 128) and the bf16 and fp16 kernels (two TF32
+    // steps' words feed one `m16n8k16`): 1 block per SM.
     GemmMmaTf32NtVec4 = "gemm_mma_tf32_nt_vec4", bounds(gemm_mma::THREADS, 2);
     GemmMmaTf32NtScalar = "gemm_mma_tf32_nt_scalar", bounds(gemm_mma::THREADS, 2);
     GemmMmaTf32NnVec4 = "gemm_mma_tf32_nn_vec4", bounds(gemm_mma::THREADS, 2);
@@ -74,6 +74,12 @@ kernels! {
     GemmMmaBf16NnScalar = "gemm_mma_bf16_nn_scalar", bounds(gemm_mma::THREADS, 1);
     GemmMmaBf16TnVec4 = "gemm_mma_bf16_tn_vec4", bounds(gemm_mma::THREADS, 1);
     GemmMmaBf16TnScalar = "gemm_mma_bf16_tn_scalar", bounds(gemm_mma::THREADS, 1);
+    GemmMmaF16NtVec4 = "gemm_mma_f16_nt_vec4", bounds(gemm_mma::THREADS, 1);
+    GemmMmaF16NtScalar = "gemm_mma_f16_nt_scalar", bounds(gemm_mma::THREADS, 1);
+    GemmMmaF16NnVec4 = "gemm_mma_f16_nn_vec4", bounds(gemm_mma::THREADS, 1);
+    GemmMmaF16NnScalar = "gemm_mma_f16_nn_scalar", bounds(gemm_mma::THREADS, 1);
+    GemmMmaF16TnVec4 = "gemm_mma_f16_tn_vec4", bounds(gemm_mma::THREADS, 1);
+    GemmMmaF16TnScalar = "gemm_mma_f16_tn_scalar", bounds(gemm_mma::THREADS, 1);
     GemmMmaTf32x3NtVec4 = "gemm_mma_tf32x3_nt_vec4", bounds(gemm_mma::THREADS, 1);
     GemmMmaTf32x3NtScalar = "gemm_mma_tf32x3_nt_scalar", bounds(gemm_mma::THREADS, 1);
     GemmMmaTf32x3NnVec4 = "gemm_mma_tf32x3_nn_vec4", bounds(gemm_mma::THREADS, 2);
@@ -103,28 +109,40 @@ kernels! {
     GemmTmaBf16NnToBf16 = "gemm_tma_bf16_nn_to_bf16", bounds(gemm_tma::THREADS, 1);
     GemmTmaBf16TnToBf16 = "gemm_tma_bf16_tn_to_bf16", bounds(gemm_tma::THREADS, 1);
     GemmTmaBf16Tn = "gemm_tma_bf16_tn", bounds(gemm_tma::THREADS, 1);
+    // The same five in fp16.
+    GemmTmaF16Nt = "gemm_tma_f16_nt", bounds(gemm_tma::THREADS, 1);
+    GemmTmaF16NtToF16 = "gemm_tma_f16_nt_to_f16", bounds(gemm_tma::THREADS, 1);
+    GemmTmaF16NnToF16 = "gemm_tma_f16_nn_to_f16", bounds(gemm_tma::THREADS, 1);
+    GemmTmaF16TnToF16 = "gemm_tma_f16_tn_to_f16", bounds(gemm_tma::THREADS, 1);
+    GemmTmaF16Tn = "gemm_tma_f16_tn", bounds(gemm_tma::THREADS, 1);
     GemmTmaTf32Tk = "gemm_tma_tf32_tk", bounds(gemm_tma::THREADS, 1);
     GemmTmaTf32TkT = "gemm_tma_tf32_tk_t", bounds(gemm_tma::THREADS, 1);
     GemmTmaTf32x3Tk = "gemm_tma_tf32x3_tk", bounds(gemm_tma::THREADS, 1);
     GemmTmaTf32x3TkT = "gemm_tma_tf32x3_tk_t", bounds(gemm_tma::THREADS, 1);
 
-    // The small-batch forward (`gemm/gemv.rs`): FP32 or bf16 `x` and `W`, the chain on
-    // the block's slab, `y` in FP32 or bf16. Two blocks per SM (128 registers): more
+    // The small-batch forward (`gemm/gemv.rs`): FP32, bf16 or fp16 `x` and `W`, the
+    // chain on the block's slab, `y` in FP32 or the operands' type. Two blocks per SM (128 registers): more
     // warps in flight measured faster than a second slice of `W` in registers at one.
     GemvF32 = "gemv_f32", bounds(gemv::THREADS, 2);
     GemvBf16 = "gemv_bf16", bounds(gemv::THREADS, 2);
     GemvBf16ToBf16 = "gemv_bf16_to_bf16", bounds(gemv::THREADS, 2);
+    GemvF16 = "gemv_f16", bounds(gemv::THREADS, 2);
+    GemvF16ToF16 = "gemv_f16_to_f16", bounds(gemv::THREADS, 2);
 
     // The epilogue chain on whole rows and tiles, its backward, the kink scan and
     // refinement (`epilogue/`). The tile-wise backward and the refinements carry the
     // blocks per SM their grids are sized for.
     EpilogueRows = "epilogue_rows";
     EpilogueRowsBf16 = "epilogue_rows_bf16";
+    EpilogueRowsF16 = "epilogue_rows_f16";
     EpilogueRowsBackward = "epilogue_rows_backward";
     EpilogueRowsBackwardBf16 = "epilogue_rows_backward_bf16";
+    EpilogueRowsBackwardF16 = "epilogue_rows_backward_f16";
     EpilogueTilesBackward = "epilogue_tiles_backward",
         bounds(epilogue::TILE_THREADS, epilogue::TILES_BACKWARD_BLOCKS_PER_SM);
     EpilogueTilesBackwardBf16 = "epilogue_tiles_backward_bf16",
+        bounds(epilogue::TILE_THREADS, epilogue::TILES_BACKWARD_BLOCKS_PER_SM);
+    EpilogueTilesBackwardF16 = "epilogue_tiles_backward_f16",
         bounds(epilogue::TILE_THREADS, epilogue::TILES_BACKWARD_BLOCKS_PER_SM);
     SumPartials = "sum_partials";
     KinkScan = "kink_scan";
@@ -137,13 +155,18 @@ kernels! {
     AddAssign = "add_assign";
     FoldRowsMean = "fold_rows_mean";
     FoldRowsMeanBf16 = "fold_rows_mean_bf16";
+    FoldRowsMeanF16 = "fold_rows_mean_f16";
     UnfoldRowsMeanGrad = "unfold_rows_mean_grad";
     UnfoldRowsMeanGradToBf16 = "unfold_rows_mean_grad_to_bf16";
+    UnfoldRowsMeanGradToF16 = "unfold_rows_mean_grad_to_f16";
     Transpose = "transpose";
     TransposeVec4 = "transpose_vec4";
     TransposeVec4ToBf16 = "transpose_vec4_to_bf16";
+    TransposeVec4ToF16 = "transpose_vec4_to_f16";
     F32ToBf16 = "f32_to_bf16";
     Bf16ToF32 = "bf16_to_f32";
+    F32ToF16 = "f32_to_f16";
+    F16ToF32 = "f16_to_f32";
     StoreWords = "store_words";
     ConvertVectors = "convert_vectors";
     MseLossGrad = "mse_loss_grad";

@@ -14,10 +14,12 @@ pub const STORE_WORDS: usize = 32;
 /// Vectors one `convert_vectors` launch takes (three argument words each).
 pub const VECTORS: usize = 8;
 /// `convert_vectors`' modes (the high word of a vector's third word): FP32 copied,
-/// bf16 widened to FP32 (exact), FP32 rounded to bf16 (to nearest even).
+/// bf16 or fp16 widened to FP32 (exact), FP32 rounded to bf16 or fp16 (to nearest even).
 pub const CONVERT_F32: u32 = 0;
 pub const CONVERT_BF16_TO_F32: u32 = 1;
 pub const CONVERT_F32_TO_BF16: u32 = 2;
+pub const CONVERT_F16_TO_F32: u32 = 3;
+pub const CONVERT_F32_TO_F16: u32 = 4;
 
 pub mod kernels;
 pub use kernels::{Kernel, LaunchBounds};

@@ -4,7 +4,7 @@
 //! The elementwise ones are 1-D (one thread per output element, any grid that covers
 //! `len`); the fold, unfold and transposes take a block per row or tile, as each says.
 
-use crate::prelude::element::Element;
+use crate::prelude::element::{Bf16, Element, F16, Half};
 use crate::prelude::global::{load_v4_nc, store_v2, store_v4};
 use crate::prelude::*;
 use crate::unroll;
@@ -77,8 +77,17 @@ pub unsafe extern "ptx-kernel" fn fold_rows_mean(input: *const f32, rows: u32, c
 /// # Safety
 /// As [`fold_rows_mean`], `input` holding 16-bit words, 8-byte aligned.
 #[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn fold_rows_mean_bf16(input: *const u16, rows: u32, cols: u32, k: u32, out: *mut f32) {
-    unsafe { fold_rows::<u16>(input, rows, cols, k, out) }
+pub unsafe extern "ptx-kernel" fn fold_rows_mean_bf16(input: *const Bf16, rows: u32, cols: u32, k: u32, out: *mut f32) {
+    unsafe { fold_rows::<Bf16>(input, rows, cols, k, out) }
+}
+
+/// [`fold_rows_mean`] of an fp16 weight: the means in FP32.
+///
+/// # Safety
+/// As [`fold_rows_mean_bf16`].
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn fold_rows_mean_f16(input: *const F16, rows: u32, cols: u32, k: u32, out: *mut f32) {
+    unsafe { fold_rows::<F16>(input, rows, cols, k, out) }
 }
 
 /// The body of the folds.
@@ -123,8 +132,17 @@ pub unsafe extern "ptx-kernel" fn unfold_rows_mean_grad(g: *const f32, rows: u32
 /// # Safety
 /// As [`unfold_rows_mean_grad`], `out` holding 16-bit words, 8-byte aligned.
 #[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn unfold_rows_mean_grad_to_bf16(g: *const f32, rows: u32, cols: u32, k: u32, out: *mut u16) {
-    unsafe { unfold_rows::<u16>(g, rows, cols, k, out) }
+pub unsafe extern "ptx-kernel" fn unfold_rows_mean_grad_to_bf16(g: *const f32, rows: u32, cols: u32, k: u32, out: *mut Bf16) {
+    unsafe { unfold_rows::<Bf16>(g, rows, cols, k, out) }
+}
+
+/// [`unfold_rows_mean_grad`] into an fp16 weight gradient (rounded to nearest).
+///
+/// # Safety
+/// As [`unfold_rows_mean_grad_to_bf16`].
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn unfold_rows_mean_grad_to_f16(g: *const f32, rows: u32, cols: u32, k: u32, out: *mut F16) {
+    unsafe { unfold_rows::<F16>(g, rows, cols, k, out) }
 }
 
 /// The body of the unfolds.
@@ -218,11 +236,26 @@ pub unsafe extern "ptx-kernel" fn transpose_vec4(input: *const f32, rows: u32, c
 /// # Safety
 /// As [`transpose_vec4`], `out` holding `rows * cols` 16-bit words (8-byte aligned).
 #[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn transpose_vec4_to_bf16(input: *const f32, rows: u32, cols: u32, out: *mut u16) {
-    use crate::prelude::mma::pack_bf16x2;
-    let pack = |w: [f32; 4]| {
-        [pack_bf16x2(w[0].to_bits(), w[1].to_bits()), pack_bf16x2(w[2].to_bits(), w[3].to_bits())].map(f32::from_bits)
-    };
+pub unsafe extern "ptx-kernel" fn transpose_vec4_to_bf16(input: *const f32, rows: u32, cols: u32, out: *mut Bf16) {
+    unsafe { transpose_to_half(input, rows, cols, out) }
+}
+
+/// [`transpose_vec4_to_bf16`] rounding to fp16.
+///
+/// # Safety
+/// As [`transpose_vec4_to_bf16`].
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn transpose_vec4_to_f16(input: *const f32, rows: u32, cols: u32, out: *mut F16) {
+    unsafe { transpose_to_half(input, rows, cols, out) }
+}
+
+/// The body of the rounding transposes.
+///
+/// # Safety
+/// As [`transpose_vec4_to_bf16`].
+#[inline(always)]
+unsafe fn transpose_to_half<H: Half>(input: *const f32, rows: u32, cols: u32, out: *mut H) {
+    let pack = |w: [f32; 4]| [H::pack2(w[0].to_bits(), w[1].to_bits()), H::pack2(w[2].to_bits(), w[3].to_bits())].map(f32::from_bits);
     // SAFETY: as the caller promises; four words at `at` (a multiple of 4) inside out.
     unsafe { transpose_tiles(input, rows, cols, |at, w| store_v2(out.add(at) as *mut f32, pack(w))) }
 }
@@ -272,12 +305,17 @@ unsafe fn transpose_tiles(input: *const f32, rows: u32, cols: u32, store: impl F
 /// # Safety
 /// `input` holds `len` floats, `out` `len` 16-bit words.
 #[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn f32_to_bf16(input: *const f32, len: u32, out: *mut u16) {
-    let i = global_index();
-    if i < len as usize {
-        // SAFETY: i < len.
-        unsafe { *out.add(i) = crate::prelude::mma::pack_bf16x2((*input.add(i)).to_bits(), 0) as u16 };
-    }
+pub unsafe extern "ptx-kernel" fn f32_to_bf16(input: *const f32, len: u32, out: *mut Bf16) {
+    unsafe { narrow(input, len, out) }
+}
+
+/// `out[i] = fp16(input[i])` (round to nearest even; beyond 65504, infinity).
+///
+/// # Safety
+/// As [`f32_to_bf16`].
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn f32_to_f16(input: *const f32, len: u32, out: *mut F16) {
+    unsafe { narrow(input, len, out) }
 }
 
 /// `out[i] = input[i]` widened from bf16 to FP32 (exact): a bf16 caller's tensors on
@@ -286,11 +324,42 @@ pub unsafe extern "ptx-kernel" fn f32_to_bf16(input: *const f32, len: u32, out: 
 /// # Safety
 /// `input` holds `len` 16-bit words, `out` `len` floats.
 #[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn bf16_to_f32(input: *const u16, len: u32, out: *mut f32) {
+pub unsafe extern "ptx-kernel" fn bf16_to_f32(input: *const Bf16, len: u32, out: *mut f32) {
+    unsafe { widen(input, len, out) }
+}
+
+/// [`bf16_to_f32`] from fp16 (exact).
+///
+/// # Safety
+/// As [`bf16_to_f32`].
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn f16_to_f32(input: *const F16, len: u32, out: *mut f32) {
+    unsafe { widen(input, len, out) }
+}
+
+/// The body of the roundings to 16 bits.
+///
+/// # Safety
+/// As [`f32_to_bf16`].
+#[inline(always)]
+unsafe fn narrow<H: Half>(input: *const f32, len: u32, out: *mut H) {
     let i = global_index();
     if i < len as usize {
         // SAFETY: i < len.
-        unsafe { *out.add(i) = u16::load1(input.add(i)) };
+        unsafe { H::store1(out.add(i), *input.add(i)) };
+    }
+}
+
+/// The body of the widenings from 16 bits.
+///
+/// # Safety
+/// As [`bf16_to_f32`].
+#[inline(always)]
+unsafe fn widen<H: Half>(input: *const H, len: u32, out: *mut f32) {
+    let i = global_index();
+    if i < len as usize {
+        // SAFETY: i < len.
+        unsafe { *out.add(i) = H::load1(input.add(i)) };
     }
 }
 
@@ -299,7 +368,7 @@ const _: () = assert!(kernel_abi::VECTORS == 8);
 
 /// Up to [`kernel_abi::VECTORS`] short vectors copied or converted in one launch, each
 /// from its own source to its own destination: a block's small parameters widened from
-/// bf16 and its small gradients copied out or rounded, in one launch per call instead
+/// a 16-bit type and its small gradients copied out or rounded, in one launch per call instead
 /// of one per vector. Vector `v` is `words[3v]` (source address), `words[3v + 1]`
 /// (destination address) and `words[3v + 2]` (length, and in the high word a
 /// `kernel_abi::CONVERT_*` mode); `count` vectors are given. The words stay in parameter
@@ -331,8 +400,10 @@ pub unsafe extern "ptx-kernel" fn convert_vectors(count: u32, words: [u64; 3 * k
         // SAFETY: i < len, inside both vectors by the contract.
         unsafe {
             match mode {
-                kernel_abi::CONVERT_BF16_TO_F32 => *(dst as *mut f32).add(i) = u16::load1((src as *const u16).add(i)),
-                kernel_abi::CONVERT_F32_TO_BF16 => u16::store1((dst as *mut u16).add(i), *(src as *const f32).add(i)),
+                kernel_abi::CONVERT_BF16_TO_F32 => *(dst as *mut f32).add(i) = Bf16::load1((src as *const Bf16).add(i)),
+                kernel_abi::CONVERT_F32_TO_BF16 => Bf16::store1((dst as *mut Bf16).add(i), *(src as *const f32).add(i)),
+                kernel_abi::CONVERT_F16_TO_F32 => *(dst as *mut f32).add(i) = F16::load1((src as *const F16).add(i)),
+                kernel_abi::CONVERT_F32_TO_F16 => F16::store1((dst as *mut F16).add(i), *(src as *const f32).add(i)),
                 _ => *(dst as *mut f32).add(i) = *(src as *const f32).add(i),
             }
         }

@@ -27,7 +27,7 @@ __version__ = _native.__version__
 
 #: The GEMMs' arithmetic (the epilogue is always FP32): strict FP32 on the FMA units;
 #: 3xTF32 on the tensor cores (FP32-level accuracy); TF32; bf16 operands, FP32 accumulation.
-PRECISIONS = ("fp32", "tf32x3", "tf32", "bf16")
+PRECISIONS = ("fp32", "tf32x3", "tf32", "bf16", "fp16")
 
 #: The five reference blocks' chains (KernelBench level 2: #88, #37, #62, #98, #94).
 PRESETS: Dict[str, str] = {
@@ -40,6 +40,9 @@ PRESETS: Dict[str, str] = {
 
 _ALIGNMENT = 16
 
+#: The 16-bit model dtypes the GPU kernels read as stored, and their precision.
+_HALF = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
 
 @functools.lru_cache(maxsize=512)
 def _describe(in_features: int, out_features: int, ops: str):
@@ -51,11 +54,13 @@ def _describe(in_features: int, out_features: int, ops: str):
 def _allocator(device: torch.device, dtype: torch.dtype):
     """Buffers for the Rust side, from PyTorch's allocator, made in the shape (a tuple, or
     a length) the Rust side will use: kind 0 holds `dtype` values
-    (float32 for a bf16 block), kind 1 bytes, kind 2 bfloat16 values (the returned tensor
-    owns the memory for as long as Rust keeps it). One per device and dtype, made once."""
+    (float32 for a 16-bit block), kind 1 bytes, kind 2 bfloat16 values, kind 3 float16
+    values (the returned tensor owns the memory for as long as Rust keeps it). One per
+    device and dtype, made once."""
 
-    # A bf16 block's float32 buffers (z, the small gradients) are kind 0 too.
-    kinds = (torch.float32 if dtype == torch.bfloat16 else dtype, torch.uint8, torch.bfloat16)
+    # A 16-bit block's float32 buffers (z, the small gradients) are kind 0 too.
+    wide = torch.float32 if dtype in _HALF else dtype
+    kinds = (wide, torch.uint8, torch.bfloat16, torch.float16)
     empty = torch.empty
 
     def allocate(shape, kind: int) -> Tensor:
@@ -106,8 +111,8 @@ def _forward_op(
 def _forward_fake(x, weight, bias, params, ops, precision):
     out_shape, gpu_width, cpu_width, _, _ = _describe(int(x.shape[1]), int(weight.shape[0]), ops)
     y = x.new_empty((x.shape[0], *out_shape))
-    # A bf16 model's saved z is float32.
-    z_dtype = torch.float32 if x.dtype == torch.bfloat16 else x.dtype
+    # A 16-bit model's saved z is float32.
+    z_dtype = torch.float32 if x.dtype in _HALF else x.dtype
     z = x.new_empty((x.shape[0], gpu_width if x.device.type == "cuda" else cpu_width), dtype=z_dtype)
     return y, z
 
@@ -219,25 +224,23 @@ def fused_linear(
     row is one sample; a GroupNorm normalises a row's channels, as ``nn.GroupNorm`` does
     on ``(N, C)``). ``ops`` is the chain (e.g. ``"groupnorm(256),swish,mul,swish"``),
     ``params`` its parameters in chain order, ``precision`` one of :data:`PRECISIONS`
-    (default: ``"fp32"`` for float tensors, ``"bf16"`` for bfloat16 ones, ``"tf32"`` for
-    float16 ones on CUDA).
+    (default: ``"fp32"`` for float tensors, ``"bf16"`` for bfloat16 ones, ``"fp16"`` for
+    float16 ones).
     Returns ``(*, F)``, or ``(*)`` when the chain reduces each row (``max``, ``sum``, ...).
 
     A bf16 model (``x`` and ``weight`` in ``torch.bfloat16``) stays bf16 on CUDA: the
     GEMMs read ``x`` and ``weight`` as they are and the output and the gradients of
     ``x`` and ``weight`` come back in bf16; the bias and the chain's parameters (bf16
     or float32) enter the FP32 epilogue widened, and their gradients come back in their
-    own dtype. On the CPU a bf16 block runs on float32 copies. An fp16 model (``x`` and
-    ``weight`` in ``torch.float16``) runs on float32 copies, its output rounded to float16
-    once (see ``_fp16_block``).
+    own dtype. An fp16 model (``torch.float16``) is served the same way by the fp16
+    kernels. On the CPU a 16-bit block runs on float32 copies, its output rounded once.
     """
     if not isinstance(x, Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     params = list(params)
-    if x.dtype == torch.bfloat16 or (isinstance(weight, Tensor) and weight.dtype == torch.bfloat16):
-        return _bf16_block(x, weight, bias, ops, params, precision)
-    if x.dtype == torch.float16 or (isinstance(weight, Tensor) and weight.dtype == torch.float16):
-        return _fp16_block(x, weight, bias, ops, params, precision)
+    for dtype in _HALF:
+        if x.dtype == dtype or (isinstance(weight, Tensor) and weight.dtype == dtype):
+            return _half_block(x, weight, bias, ops, params, precision, dtype)
     precision = _resolve_precision(x, precision)
     if x.dim() == 2:
         return _apply(x, weight, bias, params, ops, precision)
@@ -251,41 +254,52 @@ def fused_linear(
 
 
 def _resolve_precision(x: Tensor, precision: Optional[str]) -> str:
-    """The precision asked for, or the tensors' own: bf16 for bfloat16, else fp32."""
-    bf16 = x.dtype == torch.bfloat16
+    """The precision asked for, or the tensors' own: bf16 for bfloat16, fp16 for float16,
+    else fp32. A 16-bit model's GEMMs read its values as stored: its own precision only."""
+    own = _HALF.get(x.dtype)
     if precision is None:
-        return "bf16" if bf16 else "fp32"
+        return own or "fp32"
     if precision not in PRECISIONS:
         raise ValueError(f"precision `{precision}` is not one of {', '.join(PRECISIONS)}")
-    if bf16 and precision != "bf16":
+    if own is not None and precision != own:
         raise ValueError(
-            f"precision `{precision}` with bfloat16 tensors: a bf16 model's GEMMs read its bf16 values as "
-            f"they are (precision bf16); leave precision unset, or pass float32 tensors for {precision}"
+            f"precision `{precision}` with {str(x.dtype).removeprefix('torch.')} tensors: a {own} model's "
+            f"GEMMs read its {own} values as they are (precision {own}); leave precision unset, or pass "
+            f"float32 tensors for {precision}"
         )
     return precision
 
 
-def _bf16_block(
-    x: Tensor, weight: Tensor, bias: Tensor, ops: str, params: List[Tensor], precision: Optional[str]
+def _half_block(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    ops: str,
+    params: List[Tensor],
+    precision: Optional[str],
+    dtype: torch.dtype,
 ) -> Tensor:
-    """A bf16 model's block: x and weight bf16 as they are; the bias and the chain's
-    parameters (bf16 or float32) passed as stored: the op widens bf16 ones into its FP32
-    epilogue and returns their gradients in their own dtype, so the autograd graph holds
-    one node per block. On the CPU, the float32 path on copies, the output rounded to bf16."""
-    _check_half_dtypes(x, weight, [bias, *params], torch.bfloat16, "a bf16 block", ".to(torch.bfloat16)")
+    """A 16-bit model's block (bf16 or fp16): x and weight as they are; the bias and the
+    chain's parameters (of ``dtype`` or float32) passed as stored: the op widens 16-bit
+    ones into its FP32 epilogue and returns their gradients in their own dtype, so the
+    autograd graph holds one node per block. On the CPU (no 16-bit kernels there), the
+    float32 path on copies, the output rounded to ``dtype`` once."""
+    convert = ".half()" if dtype == torch.float16 else ".to(torch.bfloat16)"
+    own = _HALF[dtype]
+    _check_half_dtypes(x, weight, [bias, *params], dtype, f"a {own} block", convert)
     _resolve_precision(x, precision)
     if not x.is_cuda:
         wide = [t.float() if isinstance(t, Tensor) else t for t in (bias, *params)]
         y = fused_linear(x.float(), weight.float(), wide[0], ops, wide[1:], "fp32")
-        return y.to(torch.bfloat16)
+        return y.to(dtype)
     if x.dim() == 2:
-        return _apply(x, weight, bias, params, ops, "bf16")
+        return _apply(x, weight, bias, params, ops, own)
     if x.dim() == 0:
         raise ValueError("x: expected a tensor of shape (*, in_features), got a scalar")
     if not x.is_contiguous():
         raise ValueError(f"x is not contiguous (shape {tuple(x.shape)}); pass x.contiguous()")
     lead = x.shape[:-1]
-    y = _apply(x.view(-1, x.shape[-1]), weight, bias, params, ops, "bf16")
+    y = _apply(x.view(-1, x.shape[-1]), weight, bias, params, ops, own)
     return y.view(tuple(lead) + tuple(y.shape[1:]))
 
 
@@ -305,34 +319,6 @@ def _check_half_dtypes(
         if isinstance(t, Tensor) and t.dtype not in (dtype, torch.float32):
             name = "bias" if i == 0 else f"params[{i - 1}]"
             raise TypeError(f"{name} has dtype {t.dtype}; {block} takes {dtype} or float32 parameters")
-
-
-# The precisions an fp16 model may ask for: its values' 11 significant bits are exact in
-# TF32 (and so in 3xTF32 and FP32); bf16's 8 would round them.
-FP16_PRECISIONS = ("tf32", "tf32x3", "fp32")
-
-
-def _fp16_block(
-    x: Tensor, weight: Tensor, bias: Tensor, ops: str, params: List[Tensor], precision: Optional[str]
-) -> Tensor:
-    """An fp16 model's block (``x`` and ``weight`` in ``torch.float16``): the tensors are
-    widened to float32 (exactly), the float32 block runs, and the output is rounded to
-    float16 once; gradients come back in each tensor's own dtype through the widening.
-    The GEMMs run in TF32 by default on CUDA: an fp16 value's 11 significant bits are
-    exact in TF32, so the products are exact, as on fp16 tensor cores with FP32
-    accumulation (``Model.half()``); on the CPU in FP32. Not yet fp16 operands read as
-    stored by the kernels (a bf16 model's are): the widening is two more passes."""
-    _check_half_dtypes(x, weight, [bias, *params], torch.float16, "an fp16 block", ".half()")
-    if precision is None:
-        precision = "tf32" if x.is_cuda else "fp32"
-    elif precision not in FP16_PRECISIONS:
-        raise ValueError(
-            f"precision `{precision}` with float16 tensors: an fp16 model's GEMMs run in one of "
-            f"{', '.join(FP16_PRECISIONS)} (bf16 would round its values); leave precision unset for tf32"
-        )
-    wide = [t.float() if isinstance(t, Tensor) else t for t in (bias, *params)]
-    y = fused_linear(x.float(), weight.float(), wide[0], ops, wide[1:], precision)
-    return y.to(torch.float16)
 
 
 class _EmptyBatch(torch.autograd.Function):
@@ -468,13 +454,11 @@ class FusedLinear(nn.Module):
     @property
     def effective_precision(self) -> str:
         """The precision the GEMMs run in: the one asked for, or the tensors' own (``bf16``
-        for a bfloat16 model, ``tf32`` for a float16 one on CUDA, else ``fp32``)."""
+        for a bfloat16 model, ``fp16`` for a float16 one, else ``fp32``)."""
         if self.precision is not None:
             return self.precision
         weight = self._modules["lin"]._parameters["weight"]
-        if weight.dtype == torch.float16:
-            return "tf32" if weight.is_cuda else "fp32"
-        return "bf16" if weight.dtype == torch.bfloat16 else "fp32"
+        return _HALF.get(weight.dtype, "fp32")
 
     def extra_repr(self) -> str:
         chosen = "" if self.precision is not None else " (the tensors' own)"
@@ -512,7 +496,7 @@ class FusedLinear(nn.Module):
         if weight is None or weight.dim() != 2:
             raise ValueError(f"{path}: no 2-D lin.weight (it holds: {', '.join(sorted(tensors))})")
         stored = metadata.get(files.PRECISION_KEY)
-        if precision is None and not (weight.dtype == torch.bfloat16 and stored == "bf16"):
+        if precision is None and not (weight.dtype in _HALF and stored == _HALF[weight.dtype]):
             precision = stored
         out_features, in_features = weight.shape
         block = cls(in_features, out_features, chain, precision, device=device, dtype=weight.dtype)

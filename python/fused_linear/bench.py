@@ -122,8 +122,8 @@ CONFIG_DEFS = {
     "tf32x3": "float32 tensors; ours precision tf32x3 (3xTF32, FP32 accuracy), eager/compile with TF32 off",
     "tf32": "float32 tensors; ours precision tf32, eager/compile with TF32 allowed (matmul and cuDNN)",
     "bf16": "a bf16 model: parameters and input in bfloat16, ours with its default precision",
-    "fp16": "an fp16 model: parameters and input in float16; ours on float32 copies in TF32 (exact on "
-    "fp16 values), the peers on fp16 tensor cores",
+    "fp16": "an fp16 model: parameters and input in float16, ours with its default precision (fp16 "
+    "operands as stored), the peers on fp16 tensor cores",
 }
 
 

@@ -17,7 +17,7 @@ use host::gpu::block::{DeviceParams, GpuBlock, Saved};
 use host::gpu::elementwise::{Convert, Vector, convert_vectors};
 use host::gpu::{DeviceAllocator, DeviceElement, DeviceTensor, ElementKind, Gpu};
 use host::reference::{self, BlockGrads, Real};
-use host::tensor::{Bf16, Tensor};
+use host::tensor::{Bf16, F16, Tensor};
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -63,6 +63,19 @@ enum DType {
     /// A bf16 model's `x`, Linear weight and `dy` (CUDA only: the package widens the
     /// rest, and runs CPU bf16 on float32 copies).
     Bf16,
+    /// An fp16 model's, as bf16's.
+    F16,
+}
+
+impl DType {
+    /// A 16-bit model's type, and the precision its GEMMs run in.
+    fn half_precision(self) -> Option<Precision> {
+        match self {
+            DType::Bf16 => Some(Precision::Bf16),
+            DType::F16 => Some(Precision::Fp16),
+            DType::F32 | DType::F64 => None,
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -95,17 +108,18 @@ fn tensor_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
     TENSOR.import(py, "torch", "Tensor")
 }
 
-/// `torch.float32`, `torch.float64` and `torch.bfloat16`, compared by identity (dtypes
-/// are singletons).
-type Dtypes<'py> = (&'py Bound<'py, PyAny>, &'py Bound<'py, PyAny>, &'py Bound<'py, PyAny>);
+/// `torch.float32`, `torch.float64`, `torch.bfloat16` and `torch.float16`, compared by
+/// identity (dtypes are singletons).
+type Dtypes<'py> = (&'py Bound<'py, PyAny>, &'py Bound<'py, PyAny>, &'py Bound<'py, PyAny>, &'py Bound<'py, PyAny>);
 fn float_dtypes(py: Python<'_>) -> PyResult<Dtypes<'_>> {
     static F32: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
     static F64: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
     static BF16: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    static F16: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
     let get = |cell: &'static PyOnceLock<Py<PyAny>>, name: &str| -> PyResult<&Bound<'_, PyAny>> {
         Ok(cell.get_or_try_init(py, || py.import("torch")?.getattr(name).map(Bound::unbind))?.bind(py))
     };
-    Ok((get(&F32, "float32")?, get(&F64, "float64")?, get(&BF16, "bfloat16")?))
+    Ok((get(&F32, "float32")?, get(&F64, "float64")?, get(&BF16, "bfloat16")?, get(&F16, "float16")?))
 }
 
 impl<'py> Arg<'py> {
@@ -117,7 +131,7 @@ impl<'py> Arg<'py> {
         }
         // The cheapest reads PyTorch offers (each a few hundred ns): this runs for every
         // tensor of every call.
-        let (f32_, f64_, bf16_) = float_dtypes(py)?;
+        let (f32_, f64_, bf16_, f16_) = float_dtypes(py)?;
         let dt = obj.getattr(intern!(py, "dtype"))?;
         let dtype = if dt.is(f32_) {
             DType::F32
@@ -125,9 +139,12 @@ impl<'py> Arg<'py> {
             DType::F64
         } else if dt.is(bf16_) {
             DType::Bf16
+        } else if dt.is(f16_) {
+            DType::F16
         } else {
             return Err(PyTypeError::new_err(format!(
-                "{name} has dtype {}; expected torch.float32, torch.bfloat16 (or torch.float64 on the CPU)",
+                "{name} has dtype {}; expected torch.float32, torch.bfloat16, torch.float16 (or torch.float64 on \
+                 the CPU)",
                 dt.str()?
             )));
         };
@@ -242,7 +259,8 @@ fn parse_precision(s: &str) -> PyResult<Precision> {
         "tf32x3" => Ok(Precision::Tf32x3),
         "tf32" => Ok(Precision::Tf32),
         "bf16" => Ok(Precision::Bf16),
-        _ => Err(PyValueError::new_err(format!("precision `{s}` is not one of fp32, tf32x3, tf32, bf16"))),
+        "fp16" => Ok(Precision::Fp16),
+        _ => Err(PyValueError::new_err(format!("precision `{s}` is not one of fp32, tf32x3, tf32, bf16, fp16"))),
     }
 }
 
@@ -268,22 +286,26 @@ impl<'py> Call<'py> {
         match (&device, dtype) {
             (Device::Cuda(_), DType::F64) => {
                 return Err(PyTypeError::new_err(
-                    "x has dtype torch.float64 on CUDA; the GPU kernels take torch.float32 or torch.bfloat16 \
-                     (float64 runs on the CPU)",
+                    "x has dtype torch.float64 on CUDA; the GPU kernels take torch.float32, torch.bfloat16 or \
+                     torch.float16 (float64 runs on the CPU)",
                 ));
             }
-            (Device::Cpu, DType::Bf16) => {
-                return Err(PyTypeError::new_err(
-                    "x has dtype torch.bfloat16 on the CPU; the native CPU path takes float32 or float64 \
-                     (fused_linear() runs CPU bf16 on float32 copies)",
-                ));
+            (Device::Cpu, DType::Bf16 | DType::F16) => {
+                return Err(PyTypeError::new_err(format!(
+                    "x has dtype {} on the CPU; the native CPU path takes float32 or float64 \
+                     (fused_linear() runs CPU 16-bit models on float32 copies)",
+                    dtype_name(dtype)
+                )));
             }
             _ => {}
         }
-        if dtype == DType::Bf16 && precision != Precision::Bf16 {
+        if let Some(p) = dtype.half_precision()
+            && precision != p
+        {
             return Err(PyValueError::new_err(format!(
-                "precision `{precision}` with bfloat16 tensors: a bf16 model's GEMMs read its bf16 values as they \
-                 are (precision bf16); pass precision=\"bf16\", or float32 tensors for {precision}"
+                "precision `{precision}` with {} tensors: a {p} model's GEMMs read its {p} values as they \
+                 are (precision {p}); pass precision=\"{p}\", or float32 tensors for {precision}",
+                dtype_name(dtype)
             )));
         }
         for a in [&weight, &bias].into_iter().chain(&params) {
@@ -293,19 +315,23 @@ impl<'py> Call<'py> {
                     a.name, a.device
                 )));
             }
-            // A bf16 model: the weight is bf16 like x; the bias and the chain's
-            // parameters are bf16 or float32 each (widened into the FP32 epilogue).
-            let fits = match (dtype, a.name.as_str()) {
-                (DType::Bf16, "weight") => a.dtype == DType::Bf16,
-                (DType::Bf16, _) => matches!(a.dtype, DType::Bf16 | DType::F32),
-                (d, _) => a.dtype == d,
+            // A 16-bit model: the weight is of x's type; the bias and the chain's
+            // parameters are of that type or float32 each (widened into the FP32 epilogue).
+            let half = dtype.half_precision().is_some();
+            let fits = match (half, a.name.as_str()) {
+                (true, "weight") => a.dtype == dtype,
+                (true, _) => a.dtype == dtype || a.dtype == DType::F32,
+                (false, _) => a.dtype == dtype,
             };
             if !fits {
-                let rule = if dtype == DType::Bf16 {
-                    "a bf16 block takes x and weight in torch.bfloat16 and the bias and chain parameters in \
-                     torch.bfloat16 or torch.float32"
+                let rule = if half {
+                    format!(
+                        "a 16-bit block takes x and weight in {0} and the bias and chain parameters in {0} or \
+                         torch.float32",
+                        dtype_name(dtype)
+                    )
                 } else {
-                    "all tensors of the block must have one dtype"
+                    "all tensors of the block must have one dtype".to_string()
                 };
                 return Err(PyTypeError::new_err(format!(
                     "{} has dtype {} but x has {}: {rule}",
@@ -382,6 +408,7 @@ fn dtype_name(d: DType) -> &'static str {
         DType::F32 => "torch.float32",
         DType::F64 => "torch.float64",
         DType::Bf16 => "torch.bfloat16",
+        DType::F16 => "torch.float16",
     }
 }
 
@@ -423,6 +450,7 @@ impl DeviceAllocator for TorchAllocator {
                 ElementKind::F32 => 0,
                 ElementKind::Bytes => 1,
                 ElementKind::Bf16 => 2,
+                ElementKind::F16 => 3,
             };
             let t = self.allocate.call1(py, (PyTuple::new(py, shape)?, kind))?;
             let ptr: u64 = t.call_method0(py, intern!(py, "data_ptr"))?.extract(py)?;
@@ -482,7 +510,7 @@ fn gpu_call<W: DeviceElement>(
         .into_iter()
         .chain(&call.params)
         .map(|a| {
-            (a.dtype == DType::Bf16).then(|| {
+            (a.dtype == DType::Bf16 || a.dtype == DType::F16).then(|| {
                 let at = wide_len;
                 wide_len += a.shape.iter().product::<usize>().next_multiple_of(4);
                 at
@@ -496,7 +524,8 @@ fn gpu_call<W: DeviceElement>(
             (Some(at), Some(w)) => {
                 let dst = w.buf.device_address() + (at * 4) as u64;
                 let len = a.shape.iter().product();
-                widen.push(Vector { src: a.ptr, dst, len, mode: Convert::Bf16ToF32 });
+                let mode = if a.dtype == DType::F16 { Convert::F16ToF32 } else { Convert::Bf16ToF32 };
+                widen.push(Vector { src: a.ptr, dst, len, mode });
                 dst
             }
             _ => a.ptr,
@@ -579,6 +608,7 @@ macro_rules! gpu_entry_points {
             let mut small = small.into_iter().zip(&specs[1..]).map(|(t, s)| match t {
                 SmallGrad::F32(t) => into_torch(py, t, &s.shape),
                 SmallGrad::Bf16(t) => into_torch(py, t, &s.shape),
+                SmallGrad::F16(t) => into_torch(py, t, &s.shape),
             });
             let db = small
                 .next()
@@ -593,6 +623,7 @@ macro_rules! gpu_entry_points {
 enum SmallGrad {
     F32(DeviceTensor),
     Bf16(DeviceTensor<Bf16>),
+    F16(DeviceTensor<F16>),
 }
 
 /// The bias's and the chain parameters' gradients out of the backward's `slots`, each in
@@ -612,6 +643,10 @@ fn small_grads<W: DeviceElement>(
             DType::Bf16 => {
                 let t = gpu.alloc_as::<Bf16>(&[len])?;
                 (t.buf.device_address(), SmallGrad::Bf16(t), Convert::F32ToBf16)
+            }
+            DType::F16 => {
+                let t = gpu.alloc_as::<F16>(&[len])?;
+                (t.buf.device_address(), SmallGrad::F16(t), Convert::F32ToF16)
             }
             _ => {
                 let t = gpu.alloc(&[len])?;
@@ -654,6 +689,7 @@ fn small_grads<W: DeviceElement>(
 
 gpu_entry_points!(gpu_forward_f32, gpu_backward_f32, f32);
 gpu_entry_points!(gpu_forward_bf16, gpu_backward_bf16, Bf16);
+gpu_entry_points!(gpu_forward_f16, gpu_backward_f16, F16);
 
 // ---------------------------------------------------------------------------------
 // CPU
@@ -797,8 +833,9 @@ fn forward<'py>(
         match (call.device.clone(), call.dtype) {
             (Device::Cpu, DType::F32) => cpu_forward::<f32>(&call, allocate, save),
             (Device::Cpu, DType::F64) => cpu_forward::<f64>(&call, allocate, save),
-            (Device::Cpu, DType::Bf16) => unreachable!("Call::new refuses CPU bf16"),
+            (Device::Cpu, DType::Bf16 | DType::F16) => unreachable!("Call::new refuses CPU 16-bit tensors"),
             (Device::Cuda(index), DType::Bf16) => gpu_forward_bf16(&call, index, stream, allocate, save),
+            (Device::Cuda(index), DType::F16) => gpu_forward_f16(&call, index, stream, allocate, save),
             (Device::Cuda(index), _) => gpu_forward_f32(&call, index, stream, allocate, save),
         }
     })
@@ -825,7 +862,7 @@ fn backward<'py>(
         let call = Call::new(x, weight, bias, &params, ops, precision)?;
         let (z, dy) = (Arg::read("z", z)?, Arg::read("dy", dy)?);
         // `z` is float32 on the GPU whatever the block's type; `dy` is of the block's.
-        let z_dtype = if call.dtype == DType::Bf16 { DType::F32 } else { call.dtype };
+        let z_dtype = if call.dtype.half_precision().is_some() { DType::F32 } else { call.dtype };
         for (a, dtype) in [(&z, z_dtype), (&dy, call.dtype)] {
             if a.device != call.device || a.dtype != dtype {
                 return Err(PyRuntimeError::new_err(format!(
@@ -843,14 +880,14 @@ fn backward<'py>(
         match (call.device.clone(), call.dtype) {
             (Device::Cpu, DType::F32) => cpu_backward::<f32>(&call, &z, &dy, allocate),
             (Device::Cpu, DType::F64) => cpu_backward::<f64>(&call, &z, &dy, allocate),
-            (Device::Cpu, DType::Bf16) => unreachable!("Call::new refuses CPU bf16"),
+            (Device::Cpu, DType::Bf16 | DType::F16) => unreachable!("Call::new refuses CPU 16-bit tensors"),
             (Device::Cuda(index), dtype) => {
                 z.expect_aligned()?;
                 dy.expect_aligned()?;
-                if dtype == DType::Bf16 {
-                    gpu_backward_bf16(&call, (&z, &dy), index, stream, allocate)
-                } else {
-                    gpu_backward_f32(&call, (&z, &dy), index, stream, allocate)
+                match dtype {
+                    DType::Bf16 => gpu_backward_bf16(&call, (&z, &dy), index, stream, allocate),
+                    DType::F16 => gpu_backward_f16(&call, (&z, &dy), index, stream, allocate),
+                    _ => gpu_backward_f32(&call, (&z, &dy), index, stream, allocate),
                 }
             }
         }

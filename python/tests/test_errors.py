@@ -112,7 +112,7 @@ def test_unknown_op_is_named():
         call(x, weight, bias, params, ops="groupnorm(4),relu6,mul,swish")
 
 
-@pytest.mark.parametrize("precision", ["fp16", "FP64", "", "tf32x2"])
+@pytest.mark.parametrize("precision", ["fp8", "FP64", "", "tf32x2"])
 def test_unknown_precision(precision):
     x, weight, bias, params = args()
     with pytest.raises(ValueError, match="precision"):
@@ -176,12 +176,12 @@ def test_empty_batch_gives_an_empty_output_and_zero_gradients():
 def test_module_errors():
     block = FusedLinear(5, 16, OPS)
     with pytest.raises(TypeError, match=r"\bx\b"):
-        block(torch.randn(3, 5, dtype=torch.float16))
+        block(torch.randn(3, 5, dtype=torch.float16))  # float16 x, float32 weight
     with pytest.raises(ValueError):
         block(torch.randn(3, 6))  # in-features do not match the weight
     # A bad precision or chain is refused at construction or, at the latest, on the first call.
     with pytest.raises(ValueError, match="precision"):
-        FusedLinear(5, 16, OPS, precision="fp16")(torch.randn(3, 5))
+        FusedLinear(5, 16, OPS, precision="fp8")(torch.randn(3, 5))
     with pytest.raises(ValueError, match="groupnorm"):
         FusedLinear(5, 16, "groupnorm(5)")(torch.randn(3, 5))
 

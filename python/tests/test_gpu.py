@@ -160,7 +160,7 @@ def test_two_devices():
         fused_linear.fused_linear(x, weight.to(CUDA), bias.to(CUDA), ops, gpu_params)
 
 
-# float16 is served (on float32 copies: test_fp16.py); float64 has no kernels.
+# float16 is served (its own kernels: test_fp16.py); float64 has no kernels.
 @pytest.mark.parametrize("dtype", [torch.float64])
 def test_gpu_dtypes_other_than_float32_and_half(dtype):
     ops = "swish,mul"

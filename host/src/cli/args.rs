@@ -214,7 +214,7 @@ impl BlockArgs {
                     Error::file(
                         path,
                         format!(
-                            "its metadata names the precision `{}`, which is not one of fp32, tf32x3, tf32, bf16",
+                            "its metadata names the precision `{}`, which is not one of fp32, tf32x3, tf32, bf16, fp16",
                             m.precision
                         ),
                     )

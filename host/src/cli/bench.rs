@@ -6,7 +6,7 @@ use crate::block::random_input;
 use crate::error::{Error, Result};
 use crate::gpu::block::GpuBlock;
 use crate::gpu::cublas::{Cublas, Operand};
-use crate::gpu::elementwise::to_bf16;
+use crate::gpu::elementwise::to_half;
 use crate::gpu::{DeviceTensor, Gpu, Phases};
 use crate::precision::Precision;
 use crate::tensor::Bf16;
@@ -175,8 +175,8 @@ pub fn run(a: &BenchArgs) -> Result<(), Failure> {
         let cublas_ms = if a.precision == Precision::Bf16 {
             // cuBLAS's bf16 GEMM on bf16 copies, made before timing (a bf16 model would
             // hold its tensors in bf16 already).
-            let (xb, wb) = (to_bf16(&gpu, &x)?, to_bf16(&gpu, &w)?);
-            let dzb = grads.as_ref().map(|(dz, ..)| to_bf16(&gpu, dz)).transpose()?;
+            let (xb, wb) = (to_half::<Bf16>(&gpu, &x)?, to_half::<Bf16>(&gpu, &w)?);
+            let dzb = grads.as_ref().map(|(dz, ..)| to_half::<Bf16>(&gpu, dz)).transpose()?;
             let grads = grads.as_mut().zip(dzb.as_ref()).map(|((_, dx, dw), dzb)| (dzb, dx, dw));
             time_cublas(&gpu, &cublas, a.repeat, model, (&xb, &wb), &mut y, grads)?
         } else {

@@ -10,8 +10,9 @@
 //!   gradients over rows in f32, tree-wise), then runs the two GEMMs.
 //! * Precision: [`Precision::Fp32`] (the default) is strict FP32, what the CLI and
 //!   the Python op run on the CPU whatever their precision. [`Precision::Tf32`] and
-//!   [`Precision::Bf16`] round every GEMM operand as the GPU's tensor cores take them
-//!   (TF32: the low 13 mantissa bits dropped; bf16: to nearest even), still summing in
+//!   [`Precision::Bf16`] / [`Precision::Fp16`] round every GEMM operand as the GPU's
+//!   tensor cores take them (TF32: the low 13 mantissa bits dropped; bf16, fp16: to
+//!   nearest even, fp16 to infinity beyond 65504 and to subnormals below 2^-14), still summing in
 //!   f32: a library option to see those precisions' forward error on the CPU. Their
 //!   gradients are those of the rounded `z`: unlike the GPU, this backend does not
 //!   recompute in f64 the values of `z` whose rounding could flip a kink (LeakyReLU,
@@ -47,6 +48,9 @@ pub enum Precision {
     Tf32,
     /// Operands rounded to bf16 (7 mantissa bits, to nearest even), FP32 sums.
     Bf16,
+    /// Operands rounded to fp16 (10 mantissa bits, 5 exponent bits, to nearest even,
+    /// as `cvt.rn.f16.f32`), FP32 sums.
+    Fp16,
 }
 
 impl Precision {
@@ -61,6 +65,7 @@ impl Precision {
             Precision::Tf32 => f32::from_bits(bits & 0xffff_e000),
             // Cannot overflow: the largest non-NaN pattern is 0xff80_0000.
             Precision::Bf16 => f32::from_bits((bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff_0000),
+            Precision::Fp16 => crate::tensor::F16::from_f32(v).to_f32(),
         }
     }
 }
@@ -96,6 +101,7 @@ pub fn describe(precision: Precision) -> String {
         Precision::Fp32 => "f32 GEMMs",
         Precision::Tf32 => "f32 GEMMs of TF32-rounded operands",
         Precision::Bf16 => "f32 GEMMs of bf16-rounded operands",
+        Precision::Fp16 => "f32 GEMMs of fp16-rounded operands",
     };
     let threads = match threads() {
         1 => "1 thread".to_string(),
@@ -377,5 +383,13 @@ mod tests {
         assert!(Precision::Tf32.round(f32::from_bits(0x7f80_0001)).is_nan());
         assert_eq!(Precision::Bf16.round(f32::MAX), f32::INFINITY);
         assert_eq!(Precision::Bf16.round(f32::NEG_INFINITY), f32::NEG_INFINITY);
+        // fp16: 10 bits, nearest even; the narrow range saturates to infinity.
+        assert_eq!(Precision::Fp16.round(1.0 + 2f32.powi(-11)), 1.0);
+        assert_eq!(Precision::Fp16.round(1.0 + 3.0 * 2f32.powi(-11)), 1.0 + 2f32.powi(-9));
+        assert_eq!(Precision::Fp16.round(1.0 + 1.5 * 2f32.powi(-11)), 1.0 + 2f32.powi(-10));
+        assert_eq!(Precision::Fp16.round(65504.0), 65504.0);
+        assert_eq!(Precision::Fp16.round(7e4), f32::INFINITY);
+        assert_eq!(Precision::Fp16.round(2f32.powi(-26)), 0.0);
+        assert!(Precision::Fp16.round(f32::NAN).is_nan());
     }
 }

@@ -88,8 +88,8 @@ impl DeviceParams {
     }
 }
 
-/// A block resident on the GPU, over FP32 tensors or (`GpuBlock<Bf16>`, see
-/// `block_bf16.rs`) a bf16 model's.
+/// A block resident on the GPU, over FP32 tensors or (`GpuBlock<Bf16>`,
+/// `GpuBlock<F16>`, see `block_half.rs`) a 16-bit model's.
 pub struct GpuBlock<W = f32> {
     pub spec: BlockSpec,
     pub params: DeviceParams<W>,
@@ -173,9 +173,10 @@ impl<W: DeviceElement> GpuBlock<W> {
         Ok(block)
     }
 
-    /// The same block with its GEMMs in `precision` (a bf16 model's are bf16 always).
+    /// The same block with its GEMMs in `precision` (a 16-bit model's are in its type's
+    /// precision always).
     pub fn with_precision(mut self, precision: Precision) -> GpuBlock<W> {
-        self.precision = if W::DTYPE == Dtype::Bf16 { Precision::Bf16 } else { precision };
+        self.precision = Precision::of_storage(W::DTYPE).unwrap_or(precision);
         self
     }
 
@@ -228,14 +229,15 @@ impl<W: DeviceElement> GpuBlock<W> {
         // (The forward's route depends on `n`, `k` and the split only.)
         let (_, route) =
             dispatch::forward_route(self.forward_case(gpu, 1), self.precision, plan, true, gpu.tuning().tma);
+        let t = Precision::of_storage(W::DTYPE).map_or(String::new(), |p| p.to_string());
         let gemm = match (W::DTYPE, route.widened, plan, &self.folded) {
             (Dtype::F32, ..) => route.kernel.to_string(),
-            (_, false, Plan::Fused, _) => format!("{} (bf16 x, W, y as stored)", route.kernel),
-            (_, false, ..) => format!("{} (bf16 x, W as stored)", route.kernel),
+            (_, false, Plan::Fused, _) => format!("{} ({t} x, W, y as stored)", route.kernel),
+            (_, false, ..) => format!("{} ({t} x, W as stored)", route.kernel),
             (_, true, _, Some(_)) => {
-                format!("{} (FP32 copy of bf16 x, the FP32 folded weight; y rounded)", route.kernel)
+                format!("{} (FP32 copy of {t} x, the FP32 folded weight; y rounded)", route.kernel)
             }
-            (_, true, _, None) => format!("{} (on FP32 copies of bf16 x, W; y rounded)", route.kernel),
+            (_, true, _, None) => format!("{} (on FP32 copies of {t} x, W; y rounded)", route.kernel),
         };
         let fold =
             self.folded.as_ref().map_or(String::new(), |(k, ..)| format!("; avgpool({k}) folded into the weights"));
@@ -248,7 +250,7 @@ impl<W: DeviceElement> GpuBlock<W> {
                 format!("{}: small batch, W streamed by every SM, the chain on its slabs (1 kernel)", gemv(true))
             }
             Plan::Gemv { chain: false } => {
-                let rounded = if W::DTYPE == Dtype::Bf16 { ", y rounded" } else { "" };
+                let rounded = if W::DTYPE != Dtype::F32 { ", y rounded" } else { "" };
                 format!(
                     "{}: small batch, W streamed by every SM + epilogue_rows (the chain needs whole rows{rounded})",
                     gemv(false)

@@ -99,6 +99,110 @@ impl Storage {
     pub const fn bf16(output: Dtype, aligned: bool) -> Storage {
         Storage { operands: Dtype::Bf16, output, aligned }
     }
+
+    /// A 16-bit model's operands (`operands`: bf16 or fp16), the output in `output`.
+    pub const fn half(operands: Dtype, output: Dtype, aligned: bool) -> Storage {
+        Storage { operands, output, aligned }
+    }
+}
+
+/// The kernels of one 16-bit operand type, as typed identities: the bf16 and fp16
+/// kernels are instances of the same generic bodies, so one table row names both and
+/// [`HalfKernels::of`] picks by the dtype.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HalfKernels {
+    /// TMA `wgmma`: forward into FP32 (also the precision's kernel on rounded copies).
+    pub tma_nt: Kernel,
+    /// TMA `wgmma` on a 16-bit model's tensors as stored, 16-bit output: forward, `dX`, `dW`.
+    pub tma_nt_to_half: Kernel,
+    pub tma_nn_to_half: Kernel,
+    pub tma_tn_to_half: Kernel,
+    /// `dW` into FP32 (a folded AvgPool's weight).
+    pub tma_tn: Kernel,
+    /// `mma.sync` on FP32 operands rounded as loaded: `[layout][vec4, scalar]`, layouts
+    /// `Nt`, `Nn`, `Tn`.
+    pub mma: [[Kernel; 2]; 3],
+    /// The small-batch forward, FP32 `y` and 16-bit `y`.
+    pub gemv: Kernel,
+    pub gemv_to_half: Kernel,
+    /// The tile-wise chain backward with 16-bit `dy`, `dz`.
+    pub tiles_backward: Kernel,
+    /// The row-wise epilogue into 16-bit `y`, and its backward with 16-bit `dy`, `dz`.
+    pub rows: Kernel,
+    pub rows_backward: Kernel,
+    /// A leading AvgPool's fold of a 16-bit weight, and its gradient rounded back.
+    pub fold: Kernel,
+    pub unfold: Kernel,
+    /// The rounding transpose, the rounding and the widening.
+    pub transpose_to_half: Kernel,
+    pub narrow: Kernel,
+    pub widen: Kernel,
+}
+
+impl HalfKernels {
+    pub const BF16: HalfKernels = HalfKernels {
+        tma_nt: Kernel::GemmTmaBf16Nt,
+        tma_nt_to_half: Kernel::GemmTmaBf16NtToBf16,
+        tma_nn_to_half: Kernel::GemmTmaBf16NnToBf16,
+        tma_tn_to_half: Kernel::GemmTmaBf16TnToBf16,
+        tma_tn: Kernel::GemmTmaBf16Tn,
+        mma: [
+            [Kernel::GemmMmaBf16NtVec4, Kernel::GemmMmaBf16NtScalar],
+            [Kernel::GemmMmaBf16NnVec4, Kernel::GemmMmaBf16NnScalar],
+            [Kernel::GemmMmaBf16TnVec4, Kernel::GemmMmaBf16TnScalar],
+        ],
+        gemv: Kernel::GemvBf16,
+        gemv_to_half: Kernel::GemvBf16ToBf16,
+        tiles_backward: Kernel::EpilogueTilesBackwardBf16,
+        rows: Kernel::EpilogueRowsBf16,
+        rows_backward: Kernel::EpilogueRowsBackwardBf16,
+        fold: Kernel::FoldRowsMeanBf16,
+        unfold: Kernel::UnfoldRowsMeanGradToBf16,
+        transpose_to_half: Kernel::TransposeVec4ToBf16,
+        narrow: Kernel::F32ToBf16,
+        widen: Kernel::Bf16ToF32,
+    };
+
+    pub const F16: HalfKernels = HalfKernels {
+        tma_nt: Kernel::GemmTmaF16Nt,
+        tma_nt_to_half: Kernel::GemmTmaF16NtToF16,
+        tma_nn_to_half: Kernel::GemmTmaF16NnToF16,
+        tma_tn_to_half: Kernel::GemmTmaF16TnToF16,
+        tma_tn: Kernel::GemmTmaF16Tn,
+        mma: [
+            [Kernel::GemmMmaF16NtVec4, Kernel::GemmMmaF16NtScalar],
+            [Kernel::GemmMmaF16NnVec4, Kernel::GemmMmaF16NnScalar],
+            [Kernel::GemmMmaF16TnVec4, Kernel::GemmMmaF16TnScalar],
+        ],
+        gemv: Kernel::GemvF16,
+        gemv_to_half: Kernel::GemvF16ToF16,
+        tiles_backward: Kernel::EpilogueTilesBackwardF16,
+        rows: Kernel::EpilogueRowsF16,
+        rows_backward: Kernel::EpilogueRowsBackwardF16,
+        fold: Kernel::FoldRowsMeanF16,
+        unfold: Kernel::UnfoldRowsMeanGradToF16,
+        transpose_to_half: Kernel::TransposeVec4ToF16,
+        narrow: Kernel::F32ToF16,
+        widen: Kernel::F16ToF32,
+    };
+
+    /// The kernels of a 16-bit `dtype` (`None` for FP32).
+    pub const fn of(dtype: Dtype) -> Option<&'static HalfKernels> {
+        match dtype {
+            Dtype::F32 => None,
+            Dtype::Bf16 => Some(&HalfKernels::BF16),
+            Dtype::F16 => Some(&HalfKernels::F16),
+        }
+    }
+
+    /// The kernels of a 16-bit precision's operands (`None` for the others).
+    pub const fn of_precision(precision: Precision) -> Option<&'static HalfKernels> {
+        match precision {
+            Precision::Bf16 => Some(&HalfKernels::BF16),
+            Precision::Fp16 => Some(&HalfKernels::F16),
+            Precision::Fp32 | Precision::Tf32 | Precision::Tf32x3 => None,
+        }
+    }
 }
 
 /// How one GEMM runs: its family and kernel, the layout the kernel reads, what is
@@ -163,8 +267,8 @@ pub struct Route {
 /// 1024 and 8192; `kernel_abi::gemm_tma::MIN_K`). The backward's bf16 GEMMs run as
 /// `Nt` after transposing, since the bf16 TMA kernel reads `k`-contiguous rows only.
 pub fn route(precision: Precision, role: Role, dims: (usize, usize, usize), storage: Storage, tma: bool) -> Route {
-    if storage.operands == Dtype::Bf16 {
-        return match bf16_as_stored(role, dims, storage, tma) {
+    if let Some(kernels) = HalfKernels::of(storage.operands) {
+        return match half_as_stored(kernels, role, dims, storage, tma) {
             Some((kernel, layout)) => Route { layout, ..Route::tma(layout, kernel) },
             None => Route { widened: true, ..f32_route(precision, role, dims, tma) },
         };
@@ -172,8 +276,9 @@ pub fn route(precision: Precision, role: Role, dims: (usize, usize, usize), stor
     f32_route(precision, role, dims, tma)
 }
 
-/// The kernel reading a bf16 model's tensors as stored, and its layout, if one fits.
-fn bf16_as_stored(
+/// The kernel reading a 16-bit model's tensors as stored, and its layout, if one fits.
+fn half_as_stored(
+    kernels: &HalfKernels,
     role: Role,
     (m, n, k): (usize, usize, usize),
     storage: Storage,
@@ -183,16 +288,16 @@ fn bf16_as_stored(
     if !tma || !storage.aligned || [m, n, k].contains(&0) {
         return None;
     }
-    let bf16_out = storage.output == Dtype::Bf16;
+    let half_out = storage.output == storage.operands;
     match role {
-        Role::Forward { splits } if splits <= 1 && rows16(&[k]) => match bf16_out {
-            true if rows16(&[n]) => Some((Kernel::GemmTmaBf16NtToBf16, Layout::Nt)),
+        Role::Forward { splits } if splits <= 1 && rows16(&[k]) => match half_out {
+            true if rows16(&[n]) => Some((kernels.tma_nt_to_half, Layout::Nt)),
             true => None,
-            false => Some((Kernel::GemmTmaBf16Nt, Layout::Nt)),
+            false => Some((kernels.tma_nt, Layout::Nt)),
         },
-        Role::GradInput if bf16_out && rows16(&[n, k]) => Some((Kernel::GemmTmaBf16NnToBf16, Layout::Nn)),
+        Role::GradInput if half_out && rows16(&[n, k]) => Some((kernels.tma_nn_to_half, Layout::Nn)),
         Role::GradWeight if rows16(&[n, k]) => {
-            Some((if bf16_out { Kernel::GemmTmaBf16TnToBf16 } else { Kernel::GemmTmaBf16Tn }, Layout::Tn))
+            Some((if half_out { kernels.tma_tn_to_half } else { kernels.tma_tn }, Layout::Tn))
         }
         _ => None,
     }
@@ -200,8 +305,9 @@ fn bf16_as_stored(
 
 /// The table's rows for FP32 tensors.
 fn f32_route(precision: Precision, role: Role, (m, n, k): (usize, usize, usize), tma: bool) -> Route {
-    use Precision::{Bf16, Tf32, Tf32x3};
+    use Precision::{Tf32, Tf32x3};
     let split = precision == Tf32x3;
+    let half = HalfKernels::of_precision(precision);
     let fits = |dims: &[usize], by: usize| dims.iter().all(|d| d.is_multiple_of(by));
     // The TMA kernels: allowed, a deep enough reduction, no split-K.
     let deep = |depth: usize, splits: usize| tma && depth >= MIN_K && splits <= 1;
@@ -209,8 +315,8 @@ fn f32_route(precision: Precision, role: Role, (m, n, k): (usize, usize, usize),
         (Role::Forward { splits }, Tf32 | Tf32x3) if fits(&[k], 4) && deep(k, splits) => {
             Route::tma(Layout::Nt, if split { Kernel::GemmTmaTf32x3Nt } else { Kernel::GemmTmaTf32Nt })
         }
-        (Role::Forward { splits }, Bf16) if fits(&[k], 8) && deep(k, splits) => {
-            Route::tma(Layout::Nt, Kernel::GemmTmaBf16Nt)
+        (Role::Forward { splits }, _) if half.is_some() && fits(&[k], 8) && deep(k, splits) => {
+            Route::tma(Layout::Nt, half.map_or(Kernel::GemmTmaBf16Nt, |h| h.tma_nt))
         }
         (Role::Forward { .. }, Tf32 | Tf32x3) if fits(&[k], 4) => {
             Route::wgmma(Layout::Nt, if split { Kernel::GemmWgmmaTf32x3NtVec4 } else { Kernel::GemmWgmmaTf32NtVec4 })
@@ -225,9 +331,10 @@ fn f32_route(precision: Precision, role: Role, (m, n, k): (usize, usize, usize),
             transpose_y: true,
             ..Route::wgmma(Layout::Tk, if split { Kernel::GemmWgmmaTf32x3DxVec4 } else { Kernel::GemmWgmmaTf32DxVec4 })
         },
-        (Role::GradInput, Bf16) if fits(&[n], 8) && deep(n, 1) => {
-            Route { transposed: Transposed::B, ..Route::tma(Layout::Nt, Kernel::GemmTmaBf16Nt) }
-        }
+        (Role::GradInput, _) if half.is_some() && fits(&[n], 8) && deep(n, 1) => Route {
+            transposed: Transposed::B,
+            ..Route::tma(Layout::Nt, half.map_or(Kernel::GemmTmaBf16Nt, |h| h.tma_nt))
+        },
         (Role::GradInput, _) => Route::grid(precision, Stored::Nn, fits(&[n, k], 4)),
 
         (Role::GradWeight, Tf32 | Tf32x3) if fits(&[m, n], 4) && deep(m, 1) => Route {
@@ -238,14 +345,16 @@ fn f32_route(precision: Precision, role: Role, (m, n, k): (usize, usize, usize),
             transposed: Transposed::B,
             ..Route::wgmma(Layout::Tk, if split { Kernel::GemmWgmmaTf32x3DwVec4 } else { Kernel::GemmWgmmaTf32DwVec4 })
         },
-        (Role::GradWeight, Bf16) if fits(&[m], 8) && deep(m, 1) => {
-            Route { transposed: Transposed::Both, ..Route::tma(Layout::Nt, Kernel::GemmTmaBf16Nt) }
-        }
+        (Role::GradWeight, _) if half.is_some() && fits(&[m], 8) && deep(m, 1) => Route {
+            transposed: Transposed::Both,
+            ..Route::tma(Layout::Nt, half.map_or(Kernel::GemmTmaBf16Nt, |h| h.tma_nt))
+        },
         (Role::GradWeight, _) => Route::grid(precision, Stored::Tn, fits(&[n, k], 4)),
     }
 }
 
-/// The layouts the FMA and `mma.sync` kernels read (`Tk` is `wgmma`'s alone).
+/// The layouts the FMA and `mma.sync` kernels read (`Tk` is `wgmma`'s alone), in the
+/// order of [`HalfKernels::mma`].
 #[derive(Clone, Copy)]
 enum Stored {
     Nt,
@@ -294,9 +403,11 @@ impl Route {
             (Precision::Tf32x3, Nt) => pick(GemmMmaTf32x3NtVec4, GemmMmaTf32x3NtScalar),
             (Precision::Tf32x3, Nn) => pick(GemmMmaTf32x3NnVec4, GemmMmaTf32x3NnScalar),
             (Precision::Tf32x3, Tn) => pick(GemmMmaTf32x3TnVec4, GemmMmaTf32x3TnScalar),
-            (Precision::Bf16, Nt) => pick(GemmMmaBf16NtVec4, GemmMmaBf16NtScalar),
-            (Precision::Bf16, Nn) => pick(GemmMmaBf16NnVec4, GemmMmaBf16NnScalar),
-            (Precision::Bf16, Tn) => pick(GemmMmaBf16TnVec4, GemmMmaBf16TnScalar),
+            (Precision::Bf16 | Precision::Fp16, _) => {
+                let half = HalfKernels::of_precision(precision).map_or(&HalfKernels::BF16, |h| h);
+                let [v, s] = half.mma[stored as usize];
+                pick(v, s)
+            }
         };
         let family = if precision == Precision::Fp32 { Family::Fma } else { Family::Mma };
         let layout = match stored {
@@ -322,12 +433,13 @@ pub enum Plan {
 }
 
 /// The small-batch kernel reading `operands` and writing `output`: FP32 throughout, or
-/// a bf16 model's tensors as stored with `y` in bf16 or FP32 (`z`, or `y` before rounding).
+/// a 16-bit model's tensors as stored with `y` in their type or FP32 (`z`, or `y`
+/// before rounding).
 pub fn gemv_kernel(operands: Dtype, output: Dtype) -> Kernel {
-    match (operands, output) {
-        (Dtype::Bf16, Dtype::Bf16) => Kernel::GemvBf16ToBf16,
-        (Dtype::Bf16, Dtype::F32) => Kernel::GemvBf16,
-        (Dtype::F32, _) => Kernel::GemvF32,
+    match HalfKernels::of(operands) {
+        Some(h) if output == operands => h.gemv_to_half,
+        Some(h) => h.gemv,
+        None => Kernel::GemvF32,
     }
 }
 
@@ -422,25 +534,24 @@ pub fn plan(f: Forward, sms: usize, tma: bool) -> Plan {
 }
 
 /// The forward GEMM's precision and route under `plan` (`aligned`: every tensor
-/// starts on a 16-byte boundary). A bf16 model's folded AvgPool weight holds FP32
-/// means, not bf16 values: that GEMM runs in 3xTF32 (FP32-accurate) on a widened `x`
+/// starts on a 16-byte boundary). A 16-bit model's folded AvgPool weight holds FP32
+/// means, not 16-bit values: that GEMM runs in 3xTF32 (FP32-accurate) on a widened `x`
 /// (rounded to bf16, the means moved M4's row max on some rows: `dx` 7.9e-2 from f64
-/// at seed size). Its other GEMMs write a bf16 `y` where fused, else the FP32 `z`.
+/// at seed size). Its other GEMMs write a 16-bit `y` where fused, else the FP32 `z`,
+/// in the precision of the storage type ([`Precision::of_storage`]).
 pub fn forward_route(f: Forward, precision: Precision, plan: &Plan, aligned: bool, tma: bool) -> (Precision, Route) {
     let (splits, output) = match *plan {
-        Plan::Fused => (1, Dtype::Bf16),
+        Plan::Fused => (1, f.dtype),
         Plan::GemmThenRows { splits } => (splits, Dtype::F32),
         Plan::Gemv { .. } => (1, Dtype::F32),
     };
     let (role, dims) = (Role::Forward { splits }, (f.batch.max(1), f.n, f.k));
-    match (f.dtype, f.folded) {
-        (Dtype::Bf16, true) => {
+    match (Precision::of_storage(f.dtype), f.folded) {
+        (Some(_), true) => {
             (Precision::Tf32x3, Route { widened: true, ..route(Precision::Tf32x3, role, dims, Storage::F32, tma) })
         }
-        (Dtype::Bf16, false) => {
-            (Precision::Bf16, route(Precision::Bf16, role, dims, Storage::bf16(output, aligned), tma))
-        }
-        (Dtype::F32, _) => (precision, route(precision, role, dims, Storage::F32, tma)),
+        (Some(p), false) => (p, route(p, role, dims, Storage::half(f.dtype, output, aligned), tma)),
+        (None, _) => (precision, route(precision, role, dims, Storage::F32, tma)),
     }
 }
 
@@ -472,48 +583,33 @@ pub fn tile_backward(fusable: bool, tiles_fit: bool) -> bool {
     fusable && tiles_fit
 }
 
-/// The tile-wise chain backward for `dy` and `dz` of `dtype` (bf16: 8-byte copies of
+/// The tile-wise chain backward for `dy` and `dz` of `dtype` (16-bit: 8-byte copies of
 /// four values).
 pub fn tiles_backward_kernel(dtype: Dtype) -> Kernel {
-    match dtype {
-        Dtype::F32 => Kernel::EpilogueTilesBackward,
-        Dtype::Bf16 => Kernel::EpilogueTilesBackwardBf16,
-    }
+    HalfKernels::of(dtype).map_or(Kernel::EpilogueTilesBackward, |h| h.tiles_backward)
 }
 
-/// The row-wise epilogue's forward for an output of `dtype`: a bf16 model's `y` is
+/// The row-wise epilogue's forward for an output of `dtype`: a 16-bit model's `y` is
 /// rounded as it is stored, not by a second pass.
 pub fn rows_kernel(dtype: Dtype) -> Kernel {
-    match dtype {
-        Dtype::F32 => Kernel::EpilogueRows,
-        Dtype::Bf16 => Kernel::EpilogueRowsBf16,
-    }
+    HalfKernels::of(dtype).map_or(Kernel::EpilogueRows, |h| h.rows)
 }
 
 /// The row-wise chain backward for `dy` and `dz` of `dtype`.
 pub fn rows_backward_kernel(dtype: Dtype) -> Kernel {
-    match dtype {
-        Dtype::F32 => Kernel::EpilogueRowsBackward,
-        Dtype::Bf16 => Kernel::EpilogueRowsBackwardBf16,
-    }
+    HalfKernels::of(dtype).map_or(Kernel::EpilogueRowsBackward, |h| h.rows_backward)
 }
 
-/// The AvgPool fold's kernel for a weight of `dtype`: the means in FP32 from FP32 or bf16
-/// rows.
+/// The AvgPool fold's kernel for a weight of `dtype`: the means in FP32 from FP32 or
+/// 16-bit rows.
 pub fn fold_kernel(dtype: Dtype) -> Kernel {
-    match dtype {
-        Dtype::F32 => Kernel::FoldRowsMean,
-        Dtype::Bf16 => Kernel::FoldRowsMeanBf16,
-    }
+    HalfKernels::of(dtype).map_or(Kernel::FoldRowsMean, |h| h.fold)
 }
 
 /// The fold's gradient spread back over a weight of `dtype`: FP32, or rounded once into
-/// a bf16 weight's gradient.
+/// a 16-bit weight's gradient.
 pub fn unfold_kernel(dtype: Dtype) -> Kernel {
-    match dtype {
-        Dtype::F32 => Kernel::UnfoldRowsMeanGrad,
-        Dtype::Bf16 => Kernel::UnfoldRowsMeanGradToBf16,
-    }
+    HalfKernels::of(dtype).map_or(Kernel::UnfoldRowsMeanGrad, |h| h.unfold)
 }
 
 /// Whether the tile scan's rows should hand their doubtful values to `refine_values`
@@ -604,6 +700,40 @@ mod tests {
         assert_eq!(r(Bf16, Role::Forward { splits: 1 }).kernel, Kernel::GemmMmaBf16NtVec4);
         assert_eq!(r(Bf16, Role::GradInput).kernel, Kernel::GemmMmaBf16NnVec4);
         assert_eq!(r(Bf16, Role::GradWeight).kernel, Kernel::GemmMmaBf16TnVec4);
+        assert_eq!(r(Fp16, Role::Forward { splits: 1 }).kernel, Kernel::GemmMmaF16NtVec4);
+        assert_eq!(r(Fp16, Role::GradInput).kernel, Kernel::GemmMmaF16NnVec4);
+        assert_eq!(r(Fp16, Role::GradWeight).kernel, Kernel::GemmMmaF16TnVec4);
+    }
+
+    /// An fp16 model's tensors take the same rows as a bf16 model's, on the fp16 kernels;
+    /// every kernel of one 16-bit type's table is that type's.
+    #[test]
+    fn fp16_tensors_are_read_as_stored_by_the_fp16_kernels() {
+        use Dtype::{F16, F32};
+        let r =
+            |role, dims, output, aligned| route(Precision::Fp16, role, dims, Storage::half(F16, output, aligned), true);
+        let fwd = Role::Forward { splits: 1 };
+        assert_eq!(r(fwd, (3, 16, 8), F16, true).kernel, Kernel::GemmTmaF16NtToF16);
+        assert_eq!(r(fwd, (3, 12, 8), F32, true).kernel, Kernel::GemmTmaF16Nt);
+        assert_eq!(r(Role::GradInput, (3, 16, 8), F16, true).kernel, Kernel::GemmTmaF16NnToF16);
+        assert_eq!(r(Role::GradWeight, (3, 16, 8), F32, true).kernel, Kernel::GemmTmaF16Tn);
+        assert_eq!(r(Role::GradWeight, (3, 16, 8), F16, true).kernel, Kernel::GemmTmaF16TnToF16);
+        // The widened fallback runs the FP32 tensors' route in fp16.
+        let w = r(fwd, (3, 12, 12), F16, true);
+        assert!(w.widened && w.kernel == Kernel::GemmMmaF16NtVec4, "{w:?}");
+        assert_eq!(gemv_kernel(F16, F16), Kernel::GemvF16ToF16);
+        assert_eq!(gemv_kernel(F16, F32), Kernel::GemvF16);
+        assert_eq!(tiles_backward_kernel(F16), Kernel::EpilogueTilesBackwardF16);
+        for (h, tag) in [(&HalfKernels::BF16, "bf16"), (&HalfKernels::F16, "f16")] {
+            let all =
+                [h.tma_nt, h.tma_nt_to_half, h.tma_nn_to_half, h.tma_tn_to_half, h.tma_tn, h.gemv, h.gemv_to_half];
+            let all = all.into_iter().chain(h.mma.into_iter().flatten());
+            let all = all.chain([h.tiles_backward, h.fold, h.unfold, h.transpose_to_half, h.narrow, h.widen]);
+            for k in all {
+                let other = if tag == "f16" { "bf16" } else { "_f16" };
+                assert!(k.name().contains(tag) && !k.name().contains(other), "{tag}: {k}");
+            }
+        }
     }
 
     /// Over many shapes: every route's kernel belongs to its family and precision, has
@@ -627,7 +757,9 @@ mod tests {
                         };
                         assert!(name.starts_with(family), "{p} {role:?} ({m}, {n}, {k}): {name} in {:?}", r.family);
                         if p != Precision::Fp32 {
-                            assert!(name.starts_with(&format!("{family}{p}_")), "{p} {role:?}: {name}");
+                            // (The fp16 kernels are named by their element, `f16`.)
+                            let tag = if p == Precision::Fp16 { "f16".to_string() } else { p.to_string() };
+                            assert!(name.starts_with(&format!("{family}{tag}_")), "{p} {role:?}: {name}");
                         }
                         assert!(r.kernel.launch_bounds().is_some(), "{name}");
                         assert!(tma || r.family != Family::Tma);

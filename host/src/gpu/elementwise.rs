@@ -2,9 +2,8 @@
 //! fold of a Linear layer (forward) and its transpose (backward), and a matrix
 //! transpose.
 
-use super::{DeviceBuf, DeviceElement, DeviceTensor, Gpu, dispatch, launched};
+use super::{DeviceBuf, DeviceElement, DeviceTensor, Gpu, HalfElement, dispatch, launched};
 use crate::error::{Error, Result};
-use crate::tensor::Bf16;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use kernel_abi::Kernel;
 use std::sync::Arc;
@@ -99,20 +98,20 @@ pub fn transpose_on(gpu: &Gpu, stream: &Arc<CudaStream>, input: &DeviceTensor) -
     Ok(DeviceTensor { shape: vec![cols, rows], buf })
 }
 
-/// `input (rows, cols)^T` rounded to bf16, a new `cols x rows` buffer allocated and
-/// queued on `stream`, in one pass (`transpose_vec4_to_bf16`); `None`
-/// unless `rows` and `cols` are multiples of 4 (the caller then transposes and rounds
-/// in two).
-pub fn transpose_to_bf16_on(
+/// `input (rows, cols)^T` rounded to the 16-bit `H`, a new `cols x rows` buffer
+/// allocated and queued on `stream`, in one pass (`transpose_vec4_to_{bf16,f16}`);
+/// `None` unless `rows` and `cols` are multiples of 4 (the caller then transposes and
+/// rounds in two).
+pub fn transpose_to_half_on<H: HalfElement>(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
     input: &DeviceTensor,
-) -> Result<Option<DeviceBuf<Bf16>>> {
+) -> Result<Option<DeviceBuf<H>>> {
     let (rows, cols) = matrix_dims(input)?;
     if rows % 4 != 0 || cols % 4 != 0 {
         return Ok(None);
     }
-    launch_transpose::<Bf16>(gpu, stream, input, Kernel::TransposeVec4ToBf16, 64, (256, 1)).map(Some)
+    launch_transpose::<H>(gpu, stream, input, H::KERNELS.transpose_to_half, 64, (256, 1)).map(Some)
 }
 
 /// The `(rows, cols)` of a matrix to transpose.
@@ -158,43 +157,49 @@ fn launch_transpose<T: cudarc::driver::DeviceRepr + 'static>(
     Ok(buf)
 }
 
-/// `input` rounded to bf16 (to nearest, ties to even), queued on the GPU's stream.
-pub fn to_bf16(gpu: &Gpu, input: &DeviceTensor) -> Result<DeviceTensor<Bf16>> {
-    Ok(DeviceTensor { shape: input.shape.clone(), buf: slice_to_bf16(gpu, gpu.stream(), &input.buf)? })
+/// `input` rounded to the 16-bit `H` (to nearest, ties to even), queued on the GPU's stream.
+pub fn to_half<H: HalfElement>(gpu: &Gpu, input: &DeviceTensor) -> Result<DeviceTensor<H>> {
+    Ok(DeviceTensor { shape: input.shape.clone(), buf: slice_to_half(gpu, gpu.stream(), &input.buf)? })
 }
 
-/// A bf16 tensor's values as FP32 (exact), queued on `stream`: for the paths that
-/// compute from FP32 operands (shapes the bf16 kernels do not take).
-pub fn widen_on(gpu: &Gpu, stream: &Arc<CudaStream>, input: &DeviceTensor<Bf16>) -> Result<DeviceTensor> {
+/// A 16-bit tensor's values as FP32 (exact), queued on `stream`: for the paths that
+/// compute from FP32 operands (shapes the 16-bit kernels do not take).
+pub fn widen_on<H: HalfElement>(gpu: &Gpu, stream: &Arc<CudaStream>, input: &DeviceTensor<H>) -> Result<DeviceTensor> {
     let len = input.len();
     // SAFETY: the kernel below writes all `len` floats before anything reads them.
     let mut buf = unsafe { gpu.alloc_buf::<f32>(stream, len)? };
     let n = u32::try_from(len).map_err(|_| Error::Shape(format!("{len} values exceed a 32-bit launch")))?;
-    let (func, cfg) = gpu.kernel_1d(Kernel::Bf16ToF32, len, 0)?;
+    let kernel = H::KERNELS.widen;
+    let (func, cfg) = gpu.kernel_1d(kernel, len, 0)?;
     let mut l = stream.launch_builder(&func);
     l.arg(&input.buf).arg(&n).arg(&mut buf);
     // SAFETY: (input, len, out) as the kernel takes; out holds len floats.
-    launched(Kernel::Bf16ToF32, unsafe { l.launch(cfg) })?;
+    launched(kernel, unsafe { l.launch(cfg) })?;
     Ok(DeviceTensor { shape: input.shape.clone(), buf })
 }
 
 /// [`widen_on`] on the GPU's stream.
-pub fn widen(gpu: &Gpu, input: &DeviceTensor<Bf16>) -> Result<DeviceTensor> {
+pub fn widen<H: HalfElement>(gpu: &Gpu, input: &DeviceTensor<H>) -> Result<DeviceTensor> {
     widen_on(gpu, gpu.stream(), input)
 }
 
-/// Every float of `input` rounded to bf16 (to nearest, ties to even), in a new buffer,
-/// queued on `stream`.
-pub fn slice_to_bf16(gpu: &Gpu, stream: &Arc<CudaStream>, input: &CudaSlice<f32>) -> Result<DeviceBuf<Bf16>> {
+/// Every float of `input` rounded to the 16-bit `H` (to nearest, ties to even), in a
+/// new buffer, queued on `stream`.
+pub fn slice_to_half<H: HalfElement>(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    input: &CudaSlice<f32>,
+) -> Result<DeviceBuf<H>> {
     let len = input.len();
     let n = u32::try_from(len).map_err(|_| Error::Shape(format!("{len} values exceed a 32-bit launch")))?;
     // SAFETY: the kernel below writes all `len` values before anything reads them.
-    let mut buf = unsafe { gpu.alloc_buf::<Bf16>(stream, len)? };
-    let (func, cfg) = gpu.kernel_1d(Kernel::F32ToBf16, len, 0)?;
+    let mut buf = unsafe { gpu.alloc_buf::<H>(stream, len)? };
+    let kernel = H::KERNELS.narrow;
+    let (func, cfg) = gpu.kernel_1d(kernel, len, 0)?;
     let mut l = stream.launch_builder(&func);
     l.arg(input).arg(&n).arg(&mut buf);
     // SAFETY: (input, len, out) as the kernel takes; out holds len 16-bit values.
-    launched(Kernel::F32ToBf16, unsafe { l.launch(cfg) })?;
+    launched(kernel, unsafe { l.launch(cfg) })?;
     Ok(buf)
 }
 
@@ -207,6 +212,21 @@ pub enum Convert {
     Bf16ToF32,
     /// FP32 rounded to bf16 (to nearest even).
     F32ToBf16,
+    /// fp16 widened to FP32 (exact).
+    F16ToF32,
+    /// FP32 rounded to fp16 (to nearest even).
+    F32ToF16,
+}
+
+impl Convert {
+    /// Widening from the 16-bit `H`.
+    pub fn widen<H: HalfElement>() -> Convert {
+        if H::KERNELS.widen == Kernel::F16ToF32 { Convert::F16ToF32 } else { Convert::Bf16ToF32 }
+    }
+    /// Rounding to the 16-bit `H`.
+    pub fn narrow<H: HalfElement>() -> Convert {
+        if H::KERNELS.narrow == Kernel::F32ToF16 { Convert::F32ToF16 } else { Convert::F32ToBf16 }
+    }
 }
 
 impl Convert {
@@ -215,6 +235,8 @@ impl Convert {
             Convert::F32 => kernel_abi::CONVERT_F32,
             Convert::Bf16ToF32 => kernel_abi::CONVERT_BF16_TO_F32,
             Convert::F32ToBf16 => kernel_abi::CONVERT_F32_TO_BF16,
+            Convert::F16ToF32 => kernel_abi::CONVERT_F16_TO_F32,
+            Convert::F32ToF16 => kernel_abi::CONVERT_F32_TO_F16,
         }
     }
 }

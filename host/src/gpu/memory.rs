@@ -3,7 +3,7 @@
 //! launchers read.
 
 use crate::error::{Error, Result};
-use crate::tensor::Bf16;
+use crate::tensor::{Bf16, F16};
 use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, LaunchArgs, PushKernelArg};
 use std::any::Any;
 use std::mem::ManuallyDrop;
@@ -28,6 +28,8 @@ pub enum ElementKind {
     F32,
     /// A bf16 tensor's values.
     Bf16,
+    /// An fp16 tensor's values.
+    F16,
     /// Anything else: 16-bit words, 32-bit indices, 64-bit table words.
     Bytes,
 }
@@ -38,13 +40,14 @@ pub struct DeviceTensor<T = f32> {
     pub buf: DeviceBuf<T>,
 }
 
-/// What a device tensor holds: FP32, or bf16 (a bf16 model's tensors, kept as they are).
+/// What a device tensor holds: FP32, or bf16 or fp16 (a 16-bit model's tensors, kept
+/// as they are).
 pub trait DeviceElement: DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Default + Send + Sync + 'static {
     /// The dtype's name in messages.
     const NAME: &'static str;
     /// The bit pattern of a quiet NaN (poisoned outputs).
     const NAN_BITS: u32;
-    /// The dtype: a bf16 model's tensors are read as stored by its own kernels, which
+    /// The dtype: a 16-bit model's tensors are read as stored by its own kernels, which
     /// [`dispatch`](super::dispatch) chooses by this, never by the type's size.
     const DTYPE: Dtype;
 }
@@ -54,6 +57,18 @@ pub trait DeviceElement: DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + D
 pub enum Dtype {
     F32,
     Bf16,
+    F16,
+}
+
+impl Dtype {
+    /// The element kind an allocator hands out for this dtype.
+    pub fn kind(self) -> ElementKind {
+        match self {
+            Dtype::F32 => ElementKind::F32,
+            Dtype::Bf16 => ElementKind::Bf16,
+            Dtype::F16 => ElementKind::F16,
+        }
+    }
 }
 
 impl DeviceElement for f32 {
@@ -70,6 +85,30 @@ impl DeviceElement for Bf16 {
     const NAME: &'static str = "bfloat16";
     const NAN_BITS: u32 = 0x7fc0;
     const DTYPE: Dtype = Dtype::Bf16;
+}
+
+/// A 16-bit model's element (bf16 or fp16): a device element with its own kernels.
+pub trait HalfElement: DeviceElement + crate::tensor::Half {
+    /// The kernels reading and writing this type.
+    const KERNELS: &'static super::dispatch::HalfKernels;
+}
+
+impl HalfElement for Bf16 {
+    const KERNELS: &'static super::dispatch::HalfKernels = &super::dispatch::HalfKernels::BF16;
+}
+
+impl HalfElement for F16 {
+    const KERNELS: &'static super::dispatch::HalfKernels = &super::dispatch::HalfKernels::F16;
+}
+
+// SAFETY: as `Bf16`'s.
+unsafe impl DeviceRepr for F16 {}
+unsafe impl cudarc::driver::ValidAsZeroBits for F16 {}
+
+impl DeviceElement for F16 {
+    const NAME: &'static str = "float16";
+    const NAN_BITS: u32 = 0x7e00;
+    const DTYPE: Dtype = Dtype::F16;
 }
 
 /// Who frees a [`DeviceBuf`]'s memory.

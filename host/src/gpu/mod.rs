@@ -5,7 +5,7 @@
 //! checks for the library first and turns every failure into an [`Error`].
 
 pub mod block;
-pub mod block_bf16;
+pub mod block_half;
 pub mod collective;
 pub mod cublas;
 pub mod dispatch;
@@ -29,7 +29,7 @@ use cudarc::nvrtc::Ptx;
 use kernel_abi::Kernel;
 use limits::oom_or;
 pub use limits::{MAX_BATCH, check_device_memory, check_launch_sizes};
-pub use memory::{DeviceAllocator, DeviceBuf, DeviceElement, DeviceTensor, Dtype, ElementKind, Table};
+pub use memory::{DeviceAllocator, DeviceBuf, DeviceElement, DeviceTensor, Dtype, ElementKind, HalfElement, Table};
 use memory::{Owner, SideFrees, Tables};
 use std::sync::Arc;
 pub use tuning::Tuning;
@@ -251,6 +251,8 @@ impl Gpu {
                     ElementKind::F32
                 } else if std::any::TypeId::of::<T>() == std::any::TypeId::of::<Bf16>() {
                     ElementKind::Bf16
+                } else if std::any::TypeId::of::<T>() == std::any::TypeId::of::<crate::tensor::F16>() {
+                    ElementKind::F16
                 } else {
                     ElementKind::Bytes
                 };
@@ -469,7 +471,7 @@ impl Gpu {
         // SAFETY: fills exactly the allocation's `len` elements on our stream.
         let filled = unsafe {
             match T::DTYPE {
-                Dtype::Bf16 => cudarc::driver::sys::cuMemsetD16Async(ptr, T::NAN_BITS as u16, len, stream),
+                Dtype::Bf16 | Dtype::F16 => cudarc::driver::sys::cuMemsetD16Async(ptr, T::NAN_BITS as u16, len, stream),
                 Dtype::F32 => cudarc::driver::sys::cuMemsetD32Async(ptr, T::NAN_BITS, len, stream),
             }
         };

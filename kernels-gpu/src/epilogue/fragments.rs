@@ -1,6 +1,6 @@
 //! The chain on `wgmma` accumulator fragments, in registers: the TMA GEMM's epilogue
-//! (`gemm/tma/`), with no staging through shared memory and no barrier (but for a bf16
-//! `y`, staged for the TMA store: [`stage_half_bf16`]).
+//! (`gemm/tma/`), with no staging through shared memory and no barrier (but for a 16-bit
+//! `y`, staged for the TMA store: [`stage_half`]).
 //!
 //! A thread of an `m64n256` warpgroup holds 128 values of a `256`-column tile: value
 //! `4 j + e` is row `r + 8 (e / 2)` (two rows), column `col + 8 j + e % 2`
@@ -13,9 +13,9 @@
 
 use super::lanes::column_param;
 use super::pointwise::*;
-use crate::prelude::element::Element;
+use crate::prelude::element::{Element, Half};
 use crate::prelude::math::{fma, rsqrt};
-use crate::prelude::mma::{pack_bf16x2, st_shared_b32};
+use crate::prelude::mma::st_shared_b32;
 use crate::prelude::warp::shfl_xor;
 use crate::unroll;
 use kernel_abi::epilogue::*;
@@ -276,11 +276,11 @@ fn group_norm<const CPG: usize, const SHUFFLES: u32, const BJ: usize>(
     });
 }
 
-/// One warpgroup's share of a staged half tile: 64 rows x 128 bf16 columns, as two
+/// One warpgroup's share of a staged half tile: 64 rows x 128 16-bit columns, as two
 /// `64 x 64` boxes of 128-byte rows in the 128-byte swizzle (the TMA store's layout).
 pub const STAGED_HALF_BYTES: u32 = 64 * 128 * 2;
 
-/// Writes a half fragment, rounded to bf16 (nearest even), into the warpgroup's
+/// Writes a half fragment, rounded to `H` (nearest even), into the warpgroup's
 /// staging boxes at `buf` (1024-byte aligned): row `16 warp + gid (+ 8)` of 64, column
 /// `2 tig + 8 j` of 128, in box `j / 8`, its 16-byte chunk `j % 8` moved to
 /// `(j % 8) ^ (row % 8)` as the swizzle places it. So the 8 rows x 4 lanes of one store
@@ -290,12 +290,12 @@ pub const STAGED_HALF_BYTES: u32 = 64 * 128 * 2;
 /// `buf` is a 1024-byte aligned shared address with [`STAGED_HALF_BYTES`] bytes that no
 /// store still reads; `gid`, `tig`, `warp` as the fragment's thread.
 #[inline(always)]
-pub unsafe fn stage_half_bf16(buf: u32, v: &HalfFragment, warp: u32, gid: u32, tig: u32) {
+pub unsafe fn stage_half<H: Half>(buf: u32, v: &HalfFragment, warp: u32, gid: u32, tig: u32) {
     unroll!(i in 0..2 => {
         let base = buf + (warp * 16 + gid + 8 * i as u32) * 128 + 4 * tig;
         unroll!(j in 0..16 => {
             let at = base + (j as u32 / 8) * 8192 + (((j as u32 % 8) ^ gid) << 4);
-            let pair = pack_bf16x2(v[4 * j + 2 * i].to_bits(), v[4 * j + 2 * i + 1].to_bits());
+            let pair = H::pack2(v[4 * j + 2 * i].to_bits(), v[4 * j + 2 * i + 1].to_bits());
             // SAFETY: inside the caller's boxes, 4-byte aligned.
             unsafe { st_shared_b32(at, pair) };
         });

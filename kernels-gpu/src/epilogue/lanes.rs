@@ -9,7 +9,7 @@
 
 use super::pointwise::{PointwiseMath, match_pointwise, param_count};
 use crate::prelude::async_copy::{cp_async_4, cp_async_8, cp_async_16, cp_async_commit, cp_async_wait, cp_async_wait_all, shared_address};
-use crate::prelude::element::{Element, unpack_bf16x4};
+use crate::prelude::element::{Bf16, Element, F16};
 use crate::prelude::global::load_v4_nc;
 use crate::prelude::math::{fma, rsqrt};
 use crate::prelude::warp::shfl_xor;
@@ -332,8 +332,31 @@ pub unsafe extern "ptx-kernel" fn epilogue_tiles_backward(
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "ptx-kernel" fn epilogue_tiles_backward_bf16(
     z: *const f32,
-    dy: *const u16,
-    dz: *mut u16,
+    dy: *const Bf16,
+    dz: *mut Bf16,
+    partials: *mut f32,
+    rows: u32,
+    n: u32,
+    ops: *const OpDesc,
+    n_ops: u32,
+    rows_per_block: u32,
+) {
+    if n % 4 != 0 {
+        return;
+    }
+    unsafe { tiles_backward(z, dy, dz, partials, rows, n, ops, n_ops, rows_per_block) }
+}
+
+/// [`epilogue_tiles_backward_bf16`] for an fp16 model: `dy` and `dz` in fp16.
+///
+/// # Safety
+/// As [`epilogue_tiles_backward_bf16`].
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "ptx-kernel" fn epilogue_tiles_backward_f16(
+    z: *const f32,
+    dy: *const F16,
+    dz: *mut F16,
     partials: *mut f32,
     rows: u32,
     n: u32,
@@ -361,7 +384,7 @@ unsafe fn tiles_backward<G: Element>(
     n_ops: u32,
     rows_per_block: u32,
 ) {
-    let bf16 = core::mem::size_of::<G>() == 2;
+    let half = core::mem::size_of::<G>() == 2;
     let (rows, n, n_ops) = (rows as usize, n as usize, (n_ops as usize).min(MAX_TILE_OPS));
     let (warp, lane) = (warp_id() as usize, lane_id() as usize);
     let warps = TILE_THREADS / 32;
@@ -421,8 +444,8 @@ unsafe fn tiles_backward<G: Element>(
             let at = at + i * n;
             unroll!(t in 0..2 => {
                 let dst = shared_address(ring.add(((slot * 2 + i) * 2 + t) * 32 + lane));
-                if t == 1 && bf16 {
-                    // Four bf16 values of `dy`, 8 bytes (the host sends `n % 4 == 0`).
+                if t == 1 && half {
+                    // Four 16-bit values of `dy`, 8 bytes (the host sends `n % 4 == 0`).
                     let ok = live && c < n;
                     let dy16 = dy as *const u16;
                     cp_async_8(dst, if ok { dy16.add(at) } else { dy16 }, if ok { 8 } else { 0 });
@@ -453,11 +476,11 @@ unsafe fn tiles_backward<G: Element>(
         cp_async_wait::<1>();
         // SAFETY: the lane's own slots, landed.
         let mut cur = [0, 1].map(|i| [0, 1].map(|t| unsafe { (*ring.add(((slot * 2 + i) * 2 + t) * 32 + lane)).0 }));
-        if bf16 {
-            // `dy`'s four bf16 values sit in the slot's first 8 bytes.
+        if half {
+            // `dy`'s four 16-bit values sit in the slot's first 8 bytes.
             unroll!(i in 0..2 => {
                 let w = cur[i][1].map(f32::to_bits);
-                cur[i][1] = unpack_bf16x4([w[0], w[1]]);
+                cur[i][1] = G::unpack4([w[0], w[1]]);
             });
         }
         slot ^= 1;

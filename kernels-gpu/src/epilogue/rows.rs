@@ -9,7 +9,7 @@ use super::pointwise::{PointwiseMath, match_pointwise, param_count};
 use crate::prelude::math::{exp, fabs, ln, max_nan, rsqrt};
 use core::ptr::{null, null_mut};
 
-use crate::prelude::element::Element;
+use crate::prelude::element::{Bf16, Element, F16};
 use crate::prelude::global::store_v4;
 use crate::prelude::warp::{shfl_xor, warp_max, warp_sum};
 use crate::prelude::*;
@@ -354,7 +354,7 @@ unsafe fn store_row<E: Element>(y: *mut E, src: *const f32, f: usize) {
 
 /// `y[row] = chain(sum_s z[s, row] + bias)` for every row: `splits` partial GEMM
 /// products (split-K) are added first, then the bias (if not null), then the chain;
-/// `y` is stored as `E` (FP32, or bf16 rounded to nearest even once).
+/// `y` is stored as `E` (FP32, or bf16 / fp16 rounded to nearest even once).
 ///
 /// # Safety
 /// Device pointers; `ops[..n_ops]` well formed (see [`OpDesc`]), its parameter vectors
@@ -429,24 +429,31 @@ pub unsafe extern "ptx-kernel" fn epilogue_rows(
     unsafe { rows_forward(z, splits, bias, y, save_z, n, ops, n_ops) }
 }
 
-/// [`rows_forward`] with `y` in bf16: a bf16 model's output without a second pass.
-///
-/// # Safety
-/// As [`rows_forward`].
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "ptx-kernel" fn epilogue_rows_bf16(
-    z: *const f32,
-    splits: u32,
-    bias: *const f32,
-    y: *mut u16,
-    save_z: *mut f32,
-    n: u32,
-    ops: *const OpDesc,
-    n_ops: u32,
-) {
-    unsafe { rows_forward(z, splits, bias, y, save_z, n, ops, n_ops) }
+/// [`rows_forward`] with `y` in bf16 or fp16: a 16-bit model's output without a
+/// second pass.
+macro_rules! rows_forward_into {
+    ($($name:ident: $t:ty),*) => {$(
+        /// [`rows_forward`] into a 16-bit `y`.
+        ///
+        /// # Safety
+        /// As [`rows_forward`].
+        #[unsafe(no_mangle)]
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe extern "ptx-kernel" fn $name(
+            z: *const f32,
+            splits: u32,
+            bias: *const f32,
+            y: *mut $t,
+            save_z: *mut f32,
+            n: u32,
+            ops: *const OpDesc,
+            n_ops: u32,
+        ) {
+            unsafe { rows_forward(z, splits, bias, y, save_z, n, ops, n_ops) }
+        }
+    )*};
 }
+rows_forward_into!(epilogue_rows_bf16: Bf16, epilogue_rows_f16: F16);
 
 /// `(value, index)` `a` comes before `b` as the row max's pick: the larger value, the
 /// first index on ties, and NaN before any number (PyTorch's `max`).
@@ -780,26 +787,32 @@ pub unsafe extern "ptx-kernel" fn epilogue_rows_backward(
     unsafe { rows_backward(z, dy, dz, partials, rows, n, ops, n_ops, sums_in_smem) }
 }
 
-/// [`rows_backward`] with `dy` and `dz` in bf16: a bf16 model's gradients without a
-/// widening pass before and a rounding pass after.
-///
-/// # Safety
-/// As [`rows_backward`].
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "ptx-kernel" fn epilogue_rows_backward_bf16(
-    z: *const f32,
-    dy: *const u16,
-    dz: *mut u16,
-    partials: *mut f32,
-    rows: u32,
-    n: u32,
-    ops: *const OpDesc,
-    n_ops: u32,
-    sums_in_smem: u32,
-) {
-    unsafe { rows_backward(z, dy, dz, partials, rows, n, ops, n_ops, sums_in_smem) }
+/// [`rows_backward`] with `dy` and `dz` in bf16 or fp16: a 16-bit model's gradients
+/// without a widening pass before and a rounding pass after.
+macro_rules! rows_backward_of {
+    ($($name:ident: $t:ty),*) => {$(
+        /// [`rows_backward`] on a 16-bit `dy` and `dz`.
+        ///
+        /// # Safety
+        /// As [`rows_backward`].
+        #[unsafe(no_mangle)]
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe extern "ptx-kernel" fn $name(
+            z: *const f32,
+            dy: *const $t,
+            dz: *mut $t,
+            partials: *mut f32,
+            rows: u32,
+            n: u32,
+            ops: *const OpDesc,
+            n_ops: u32,
+            sums_in_smem: u32,
+        ) {
+            unsafe { rows_backward(z, dy, dz, partials, rows, n, ops, n_ops, sums_in_smem) }
+        }
+    )*};
 }
+rows_backward_of!(epilogue_rows_backward_bf16: Bf16, epilogue_rows_backward_f16: F16);
 
 /// `out[j] = sum_b partials[b, j]`: the second level of the parameter-gradient
 /// reduction (the first is per block in `epilogue_rows_backward`).

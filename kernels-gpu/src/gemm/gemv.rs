@@ -16,7 +16,7 @@
 //! the row-wise epilogue.
 
 use crate::epilogue::rows::op_forward;
-use crate::prelude::element::Element;
+use crate::prelude::element::{Bf16, Element, F16};
 use crate::prelude::math::fma;
 use crate::prelude::warp::warp_sum;
 use crate::prelude::*;
@@ -189,7 +189,11 @@ gemv_entries! {
     /// FP32 `x`, `W` and `y`.
     gemv_f32 = <f32, f32>;
     /// A bf16 model's `x` and `W` as stored, FP32 `y` (or `z` before the row-wise epilogue).
-    gemv_bf16 = <u16, f32>;
+    gemv_bf16 = <Bf16, f32>;
     /// A bf16 model's `x`, `W` and `y` as stored.
-    gemv_bf16_to_bf16 = <u16, u16>;
+    gemv_bf16_to_bf16 = <Bf16, Bf16>;
+    /// An fp16 model's `x` and `W` as stored, FP32 `y`.
+    gemv_f16 = <F16, f32>;
+    /// An fp16 model's `x`, `W` and `y` as stored.
+    gemv_f16_to_f16 = <F16, F16>;
 }

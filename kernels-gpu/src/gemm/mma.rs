@@ -24,6 +24,7 @@
 use super::BlockTile;
 use super::staged::{STAGE_STRIDE, write_staged_tile};
 use crate::prelude::async_copy::*;
+use crate::prelude::element::{self, Bf16, Half};
 use crate::prelude::mma::*;
 use crate::prelude::*;
 use crate::unroll;
@@ -39,11 +40,12 @@ const R_ROW_BYTES: u32 = (BLOCK_M * 4) as u32;
 type Acc = [[[f32; 4]; 4]; 4];
 
 /// The arithmetic of a `gemm_mma` kernel: TF32 (operands truncated to TF32), 3xTF32
-/// (FP32-accurate split) or bf16 (operands rounded to bf16, `m16n8k16`); FP32
-/// accumulation in all three.
+/// (FP32-accurate split), bf16 or fp16 (operands rounded to the 16-bit type,
+/// `m16n8k16`); FP32 accumulation in all.
 const TF32: u8 = 0;
 const TF32X3: u8 = 1;
 const BF16: u8 = 2;
+const F16: u8 = 3;
 
 /// `y = chain(A B^T + bias)` on tensor cores; the contract (operand orders, split-K via
 /// `gridDim.z`, `save_z`, bias) is that of [`super::fma`]'s `gemm_fma` with the sizes
@@ -263,25 +265,12 @@ impl Fragments {
     #[inline(always)]
     unsafe fn multiply<const MATH: u8, const A_K: bool, const B_K: bool>(&self, acc: &mut Acc, sa: u32, sb: u32) {
         if MATH == BF16 {
-            // A bf16 `k`-step of 16 is two TF32 steps of 8: the thread's TF32 words for
-            // `k` = tig, tig + 4 (step 2 j) and 8 + tig, 12 + tig (step 2 j + 1) become the
-            // bf16 pairs of logical `k` = 2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9 — the same
-            // renaming of `k` for `A` and `B`, so the products still pair up.
-            unroll!(j in 0..2 => {
-                // Pack each step's words as soon as they are loaded: half the registers.
-                let mut a = [[0u32; 4]; 4];
-                let mut b = [[0u32; 2]; 4];
-                unroll!(h in 0..2 => {
-                    let (af, bf) = unsafe { self.fragments::<A_K, B_K>(sa, sb, 2 * j as u32 + h as u32) };
-                    unroll!(mi in 0..4 => {
-                        a[mi][2 * h] = pack_bf16x2(af[mi][0], af[mi][2]);
-                        a[mi][2 * h + 1] = pack_bf16x2(af[mi][1], af[mi][3]);
-                    });
-                    unroll!(ni in 0..4 => { b[ni][h] = pack_bf16x2(bf[ni][0], bf[ni][1]); });
-                });
-                unroll!(mi in 0..4 => { unroll!(ni in 0..4 => { mma_bf16(&mut acc[mi][ni], a[mi], b[ni]); }); });
-            });
-            return;
+            // SAFETY: as the caller's.
+            return unsafe { self.multiply_half::<Bf16, A_K, B_K>(acc, sa, sb) };
+        }
+        if MATH == F16 {
+            // SAFETY: as the caller's.
+            return unsafe { self.multiply_half::<element::F16, A_K, B_K>(acc, sa, sb) };
         }
         unroll!(s in 0..4 => {
             let (af, bf) = unsafe { self.fragments::<A_K, B_K>(sa, sb, s as u32) };
@@ -303,6 +292,32 @@ impl Fragments {
                 // k-tile beside 64 MMAs: the loop would be bound by instruction issue.
                 unroll!(mi in 0..4 => { unroll!(ni in 0..4 => { mma_tf32(&mut acc[mi][ni], af[mi], bf[ni]); }); });
             }
+        });
+    }
+
+    /// [`Fragments::multiply`] with the operands rounded to the 16-bit `H`.
+    ///
+    /// # Safety
+    /// As [`Fragments::multiply`].
+    #[inline(always)]
+    unsafe fn multiply_half<H: Half, const A_K: bool, const B_K: bool>(&self, acc: &mut Acc, sa: u32, sb: u32) {
+        // A 16-bit `k`-step of 16 is two TF32 steps of 8: the thread's TF32 words for
+        // `k` = tig, tig + 4 (step 2 j) and 8 + tig, 12 + tig (step 2 j + 1) become the
+        // 16-bit pairs of logical `k` = 2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9 — the same
+        // renaming of `k` for `A` and `B`, so the products still pair up.
+        unroll!(j in 0..2 => {
+            // Pack each step's words as soon as they are loaded: half the registers.
+            let mut a = [[0u32; 4]; 4];
+            let mut b = [[0u32; 2]; 4];
+            unroll!(h in 0..2 => {
+                let (af, bf) = unsafe { self.fragments::<A_K, B_K>(sa, sb, 2 * j as u32 + h as u32) };
+                unroll!(mi in 0..4 => {
+                    a[mi][2 * h] = H::pack2(af[mi][0], af[mi][2]);
+                    a[mi][2 * h + 1] = H::pack2(af[mi][1], af[mi][3]);
+                });
+                unroll!(ni in 0..4 => { b[ni][h] = H::pack2(bf[ni][0], bf[ni][1]); });
+            });
+            unroll!(mi in 0..4 => { unroll!(ni in 0..4 => { H::mma(&mut acc[mi][ni], a[mi], b[ni]); }); });
         });
     }
 
@@ -405,4 +420,16 @@ gemm_entries! {
     gemm_mma_bf16_tn_vec4 = <BF16, true, false, false>;
     /// `dW = dZ^T X`, bf16, 4-byte copies.
     gemm_mma_bf16_tn_scalar = <BF16, false, false, false>;
+    /// Forward `x W^T`, fp16 operands, FP32 accumulation, 16-byte copies.
+    gemm_mma_f16_nt_vec4 = <F16, true, true, true>;
+    /// Forward `x W^T`, fp16, 4-byte copies.
+    gemm_mma_f16_nt_scalar = <F16, false, true, true>;
+    /// `dX = dZ W`, fp16, 16-byte copies.
+    gemm_mma_f16_nn_vec4 = <F16, true, true, false>;
+    /// `dX = dZ W`, fp16, 4-byte copies.
+    gemm_mma_f16_nn_scalar = <F16, false, true, false>;
+    /// `dW = dZ^T X`, fp16, 16-byte copies.
+    gemm_mma_f16_tn_vec4 = <F16, true, false, false>;
+    /// `dW = dZ^T X`, fp16, 4-byte copies.
+    gemm_mma_f16_tn_scalar = <F16, false, false, false>;
 }

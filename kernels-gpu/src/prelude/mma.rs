@@ -186,3 +186,46 @@ pub fn mma_bf16(d: &mut [f32; 4], a: [u32; 4], b: [u32; 2]) {
     }
     *d = c.map(f32::from_bits);
 }
+
+/// Two floats rounded to fp16 (to nearest even; beyond 65504 to infinity, as IEEE
+/// rounding does) and packed: `lo` in the low half, as [`pack_bf16x2`].
+#[inline(always)]
+pub fn pack_f16x2(lo: u32, hi: u32) -> u32 {
+    let out: u32;
+    // SAFETY: register-only conversion.
+    unsafe {
+        asm!("cvt.rn.f16x2.f32 {o}, {h}, {l};", o = out(reg32) out, h = in(reg32) hi, l = in(reg32) lo,
+             options(pure, nomem, nostack, preserves_flags));
+    }
+    out
+}
+
+/// The two fp16 values of a 32-bit word (low half first) as floats: exact.
+#[inline(always)]
+pub fn unpack_f16x2(w: u32) -> [f32; 2] {
+    let (lo, hi): (u32, u32);
+    // SAFETY: register-only conversion.
+    unsafe {
+        asm!("{{ .reg .b16 l, h; mov.b32 {{l, h}}, {w}; cvt.f32.f16 {lo}, l; cvt.f32.f16 {hi}, h; }}",
+             lo = out(reg32) lo, hi = out(reg32) hi, w = in(reg32) w,
+             options(pure, nomem, nostack, preserves_flags));
+    }
+    [f32::from_bits(lo), f32::from_bits(hi)]
+}
+
+/// `d += a b` for one `m16n8k16` fp16 fragment product with FP32 accumulation.
+#[inline(always)]
+pub fn mma_f16(d: &mut [f32; 4], a: [u32; 4], b: [u32; 2]) {
+    let mut c = d.map(f32::to_bits);
+    // SAFETY: register-only; every lane of the warp executes it.
+    unsafe {
+        asm!(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{{d0},{d1},{d2},{d3}}}, {{{a0},{a1},{a2},{a3}}}, {{{b0},{b1}}}, {{{d0},{d1},{d2},{d3}}};",
+            d0 = inout(reg32) c[0], d1 = inout(reg32) c[1], d2 = inout(reg32) c[2], d3 = inout(reg32) c[3],
+            a0 = in(reg32) a[0], a1 = in(reg32) a[1], a2 = in(reg32) a[2], a3 = in(reg32) a[3],
+            b0 = in(reg32) b[0], b1 = in(reg32) b[1],
+            options(nostack, preserves_flags),
+        );
+    }
+    *d = c.map(f32::from_bits);
+}

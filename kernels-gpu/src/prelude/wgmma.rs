@@ -350,3 +350,15 @@ wgmma_n256_k_tile_fn!(
     /// `X` as stored).
     wgmma_n256_k_tile_bf16_tn, "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16", ", 1, 1"
 );
+wgmma_n256_k_tile_fn!(
+    /// [`wgmma_n256_k_tile_bf16`] in fp16.
+    wgmma_n256_k_tile_f16, "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16", ", 0, 0"
+);
+wgmma_n256_k_tile_fn!(
+    /// [`wgmma_n256_k_tile_bf16_nn`] in fp16.
+    wgmma_n256_k_tile_f16_nn, "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16", ", 0, 1"
+);
+wgmma_n256_k_tile_fn!(
+    /// [`wgmma_n256_k_tile_bf16_tn`] in fp16.
+    wgmma_n256_k_tile_f16_tn, "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16", ", 1, 1"
+);

@@ -22,8 +22,8 @@ pub fn epilogue_tiles_backward<G: DeviceElement>(
     z: &DeviceTensor,
     dy: &DeviceTensor<G>,
 ) -> Result<(DeviceTensor<G>, DeviceTensor)> {
-    // bf16 `dy` and `dz` (a bf16 model's): 8-byte copies of four values.
-    let bf16 = G::DTYPE == Dtype::Bf16;
+    // 16-bit `dy` and `dz` (a 16-bit model's): 8-byte copies of four values.
+    let half = G::DTYPE != Dtype::F32;
     let kernel = tiles_backward_kernel(G::DTYPE);
     let [rows, n] = z.shape[..] else {
         return Err(Error::Shape(format!("saved chain input must be 2-D, got {:?}", z.shape)));
@@ -33,7 +33,7 @@ pub fn epilogue_tiles_backward<G: DeviceElement>(
         || rows == 0
         || n == 0
         || rows * n > u32::MAX as usize
-        || (bf16 && n % 4 != 0)
+        || (half && n % 4 != 0)
     {
         return Err(Error::Shape(format!("tile-wise backward of {rows} x {n} with dy {:?}", dy.shape)));
     }

@@ -3,13 +3,14 @@
 //! [`route`] and launched by their family's launcher, after the
 //! operand transposes a route asks for.
 
-use super::super::dispatch::{Family, Layout, Role, Route, Storage, Transposed, route};
-use super::super::elementwise::{slice_to_bf16, transpose_on, transpose_to_bf16_on};
+use super::super::dispatch::{Family, HalfKernels, Layout, Role, Route, Storage, Transposed, route};
+use super::super::elementwise::{slice_to_half, transpose_on, transpose_to_half_on};
 use super::super::epilogue::DeviceChain;
-use super::super::{DeviceTensor, Gpu, Tuning};
+use super::super::{DeviceTensor, Gpu, HalfElement, Tuning};
 use super::args::Operands;
 use crate::error::{Error, Result};
 use crate::precision::Precision;
+use crate::tensor::{Bf16, F16};
 use cudarc::driver::{CudaSlice, CudaStream};
 use std::sync::Arc;
 
@@ -152,20 +153,12 @@ pub fn grad_input(gpu: &Gpu, precision: Precision, dz: &DeviceTensor, w: &Device
     match (route.layout, route.transposed) {
         (Layout::Nt, Transposed::B) => {
             // `B` = W^T (k, n), rows of `n`.
-            if let Some(wt16) = transpose_to_bf16_on(gpu, stream, w)? {
-                let dz16 = slice_to_bf16(gpu, stream, &dz.buf)?;
-                super::tma::launch_bf16(
-                    gpu,
-                    stream,
-                    &route,
-                    (&dz16, &wt16),
-                    (m, k, n),
-                    (n, n),
-                    (None, None),
-                    &mut dx,
-                    None,
-                )?;
+            let done = if route.kernel == HalfKernels::F16.tma_nt {
+                grad_input_half::<F16>(gpu, stream, &route, dz, w, (m, n, k), &mut dx)?
             } else {
+                grad_input_half::<Bf16>(gpu, stream, &route, dz, w, (m, n, k), &mut dx)?
+            };
+            if !done {
                 let wt = transpose_on(gpu, stream, w)?;
                 launch(gpu, stream, &route, &op(&dz.buf, &wt.buf, (n, n)), &mut dx, None)?;
             }
@@ -241,21 +234,13 @@ pub fn grad_weight_into(
             // `A` = dZ^T (n, m) and `B` = X^T (k, m): rows of the batch, transposed and
             // rounded in one pass where the shapes allow (those copies are freed in
             // `stream`'s order, after the GEMM); else transposed here, rounded by the launcher.
-            if [m, n, k].iter().all(|d| d.is_multiple_of(4))
-                && let (Some(dzt16), Some(xt16)) =
-                    (transpose_to_bf16_on(gpu, stream, dz)?, transpose_to_bf16_on(gpu, stream, x)?)
-            {
-                super::tma::launch_bf16(
-                    gpu,
-                    stream,
-                    &route,
-                    (&dzt16, &xt16),
-                    (n, k, m),
-                    (m, m),
-                    (None, None),
-                    dw,
-                    None,
-                )?;
+            let done = [m, n, k].iter().all(|d| d.is_multiple_of(4))
+                && if route.kernel == HalfKernels::F16.tma_nt {
+                    grad_weight_half::<F16>(gpu, stream, &route, dz, x, (m, n, k), dw)?
+                } else {
+                    grad_weight_half::<Bf16>(gpu, stream, &route, dz, x, (m, n, k), dw)?
+                };
+            if done {
                 return Ok(Vec::new());
             }
             let (dzt, xt) = (transpose_on(gpu, stream, dz)?, transpose_on(gpu, stream, x)?);
@@ -275,4 +260,42 @@ pub fn grad_weight_into(
         }
         _ => Err(Error::Unsupported(format!("dW has no operands for the route {route:?}"))),
     }
+}
+
+/// `dX (m, k)` on the 16-bit TMA kernel over `dZ` rounded to `H` and `W^T` transposed
+/// and rounded in one pass (freed in stream order after the GEMM); `false` where the
+/// shapes do not allow that pass (nothing queued).
+fn grad_input_half<H: HalfElement>(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    route: &Route,
+    dz: &DeviceTensor,
+    w: &DeviceTensor,
+    (m, n, k): (usize, usize, usize),
+    dx: &mut DeviceTensor,
+) -> Result<bool> {
+    let Some(wt16) = transpose_to_half_on::<H>(gpu, stream, w)? else { return Ok(false) };
+    let dz16 = slice_to_half::<H>(gpu, stream, &dz.buf)?;
+    super::tma::launch_half(gpu, stream, route, (&dz16, &wt16), (m, k, n), (n, n), (None, None), dx, None)?;
+    Ok(true)
+}
+
+/// `dW (n, k)` on the 16-bit TMA kernel over `dZ^T` and `X^T`, each transposed and
+/// rounded to `H` in one pass; `false` where the shapes do not allow it (nothing queued).
+fn grad_weight_half<H: HalfElement>(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    route: &Route,
+    dz: &DeviceTensor,
+    x: &DeviceTensor,
+    (m, n, k): (usize, usize, usize),
+    dw: &mut DeviceTensor,
+) -> Result<bool> {
+    let (Some(dzt16), Some(xt16)) =
+        (transpose_to_half_on::<H>(gpu, stream, dz)?, transpose_to_half_on::<H>(gpu, stream, x)?)
+    else {
+        return Ok(false);
+    };
+    super::tma::launch_half(gpu, stream, route, (&dzt16, &xt16), (n, k, m), (m, m), (None, None), dw, None)?;
+    Ok(true)
 }

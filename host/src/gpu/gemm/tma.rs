@@ -6,12 +6,12 @@
 //! kernel the dispatch chose.
 
 use super::super::dispatch::{Layout, Route};
-use super::super::elementwise::slice_to_bf16;
+use super::super::elementwise::slice_to_half;
 use super::super::epilogue::DeviceChain;
-use super::super::{DeviceElement, DeviceTensor, Dtype, Gpu, Table};
+use super::super::{DeviceElement, DeviceTensor, Dtype, Gpu, HalfElement, Table};
 use super::args::{EpilogueArgs, Operands};
 use crate::error::{Error, Result};
-use crate::tensor::Bf16;
+use crate::tensor::{Bf16, F16};
 use cudarc::driver::sys::{self, CUtensorMap};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use kernel_abi::Kernel;
@@ -29,6 +29,8 @@ enum Arith {
     Tf32x3,
     /// bf16 copies of the operands, 64-deep stages of the same 128-byte rows.
     Bf16,
+    /// fp16 copies, as bf16's.
+    F16,
 }
 
 /// The forward kernels: `Nt`, both operands `k`-contiguous.
@@ -37,6 +39,7 @@ fn forward_arith(kernel: Kernel) -> Result<Arith> {
         Kernel::GemmTmaTf32Nt => Ok(Arith::Tf32),
         Kernel::GemmTmaTf32x3Nt => Ok(Arith::Tf32x3),
         Kernel::GemmTmaBf16Nt => Ok(Arith::Bf16),
+        Kernel::GemmTmaF16Nt => Ok(Arith::F16),
         _ => Err(Error::Unsupported(format!("`{kernel}` is not a TMA forward GEMM"))),
     }
 }
@@ -78,28 +81,27 @@ fn encode_map(
     boxes: (usize, usize),
     swizzle: sys::CUtensorMapSwizzle,
 ) -> Result<CUtensorMap> {
-    encode_map_typed(buf.device_ptr(stream).0, 4, shape, boxes, swizzle)
+    encode_map_typed(buf.device_ptr(stream).0, Dtype::F32, shape, boxes, swizzle)
 }
 
-/// [`encode_map`] for the matrix at device address `ptr` with `elem_bytes`-byte
-/// elements: 4 (FP32) or 2 (bf16).
+/// [`encode_map`] for the matrix at device address `ptr` of `dtype`.
 fn encode_map_typed(
     ptr: u64,
-    elem_bytes: usize,
+    dtype: Dtype,
     (rows, k, pitch): (usize, usize, usize),
     (box_rows, box_k): (usize, usize),
     swizzle: sys::CUtensorMapSwizzle,
 ) -> Result<CUtensorMap> {
     let mut map = CUtensorMap { opaque: [0; 16] };
     let dims = [k as u64, rows as u64];
-    let pitch = [(pitch * elem_bytes) as u64];
     let boxes = [box_k as u32, box_rows as u32];
     let steps = [1u32, 1];
-    let data_type = if elem_bytes == 2 {
-        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-    } else {
-        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+    let (data_type, elem_bytes) = match dtype {
+        Dtype::Bf16 => (sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2),
+        Dtype::F16 => (sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2),
+        Dtype::F32 => (sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4),
     };
+    let pitch = [(pitch * elem_bytes) as u64];
     // SAFETY: every array has the rank's length (2; the pitch 1); `map` is writable
     // and 64-byte aligned; the driver only encodes (nothing is read from `ptr`).
     let result = unsafe {
@@ -126,20 +128,23 @@ fn encode_map_typed(
     Ok(map)
 }
 
-/// The layout a bf16 kernel reads (`None`: not a bf16 kernel).
-fn bf16_layout(kernel: Kernel) -> Option<Layout> {
+/// The layout a 16-bit kernel of `H` reads (`None`: not one of `H`'s kernels).
+fn half_layout<H: HalfElement>(kernel: Kernel) -> Option<Layout> {
+    let h = H::KERNELS;
     match kernel {
-        Kernel::GemmTmaBf16Nt | Kernel::GemmTmaBf16NtToBf16 => Some(Layout::Nt),
-        Kernel::GemmTmaBf16NnToBf16 => Some(Layout::Nn),
-        Kernel::GemmTmaBf16Tn | Kernel::GemmTmaBf16TnToBf16 => Some(Layout::Tn),
+        _ if kernel == h.tma_nt || kernel == h.tma_nt_to_half => Some(Layout::Nt),
+        _ if kernel == h.tma_nn_to_half => Some(Layout::Nn),
+        _ if kernel == h.tma_tn || kernel == h.tma_tn_to_half => Some(Layout::Tn),
         _ => None,
     }
 }
 
-/// Whether `kernel` stores a bf16 `y` through the TMA unit: its table holds a third map
-/// (of `y`), and it stages half tiles in more shared memory.
+/// Whether `kernel` stores a 16-bit `y` through the TMA unit: its table holds a third
+/// map (of `y`), and it stages half tiles in more shared memory.
 fn stores_by_tma(kernel: Kernel) -> bool {
-    matches!(kernel, Kernel::GemmTmaBf16NtToBf16 | Kernel::GemmTmaBf16NnToBf16 | Kernel::GemmTmaBf16TnToBf16)
+    [&super::super::dispatch::HalfKernels::BF16, &super::super::dispatch::HalfKernels::F16]
+        .iter()
+        .any(|h| [h.tma_nt_to_half, h.tma_nn_to_half, h.tma_tn_to_half].contains(&kernel))
 }
 
 /// What every launch of the persistent kernels needs: the tensor maps uploaded
@@ -165,7 +170,7 @@ fn persistent(
     let smem_bytes = match arith {
         _ if stores_by_tma(kernel) => BF16_OUT_SMEM_BYTES,
         Arith::Tf32x3 => SPLIT_SMEM_BYTES,
-        Arith::Tf32 | Arith::Bf16 => SMEM_BYTES,
+        Arith::Tf32 | Arith::Bf16 | Arith::F16 => SMEM_BYTES,
     };
     let func = gpu.function(kernel)?;
     gpu.allow_shared(&func, kernel, smem_bytes)?;
@@ -194,9 +199,14 @@ pub fn launch_forward(
     let (m, n, k, lda, ldb, kernel) = (op.m, op.n, op.k, op.lda, op.ldb, route.kernel);
     let arith = forward_arith(kernel)?;
     if arith == Arith::Bf16 {
-        let (a16, b16) = (slice_to_bf16(gpu, stream, op.a)?, slice_to_bf16(gpu, stream, op.b)?);
+        let (a16, b16) = (slice_to_half::<Bf16>(gpu, stream, op.a)?, slice_to_half::<Bf16>(gpu, stream, op.b)?);
         let (ab, dims, lds) = ((&*a16, &*b16), (m, n, k), (lda, ldb));
-        return launch_bf16(gpu, stream, route, ab, dims, lds, (op.bias, op.chain), y, save_z);
+        return launch_half(gpu, stream, route, ab, dims, lds, (op.bias, op.chain), y, save_z);
+    }
+    if arith == Arith::F16 {
+        let (a16, b16) = (slice_to_half::<F16>(gpu, stream, op.a)?, slice_to_half::<F16>(gpu, stream, op.b)?);
+        let (ab, dims, lds) = ((&*a16, &*b16), (m, n, k), (lda, ldb));
+        return launch_half(gpu, stream, route, ab, dims, lds, (op.bias, op.chain), y, save_z);
     }
     let maps = [
         tensor_map(stream, op.a, (m, k, lda), BLOCK_M, arith)?,
@@ -265,17 +275,17 @@ pub fn launch_tk(
     Ok(())
 }
 
-/// Queues `route`'s bf16 TMA kernel (see `kernels-gpu/src/gemm/tma/forward.rs`) on bf16
-/// tensors: `y (m, n)` (bf16 or FP32, as the kernel writes, in `O`) from `a` and `b`, in
+/// Queues `route`'s 16-bit TMA kernel (see `kernels-gpu/src/gemm/tma/forward.rs`) on
+/// tensors of `H`: `y (m, n)` (`H` or FP32, as the kernel writes, in `O`) from `a` and `b`, in
 /// the route's layout (`Nt`: `A (m, k)`, `B (n, k)`; `Nn`: `B (k, n)`; `Tn`: `A (k, m)`
 /// too), with pitches `lda`, `ldb` (elements) and depth `k`; the forward (`Nt`) with
 /// its bias, chain and saved `z`.
 #[allow(clippy::too_many_arguments)]
-pub fn launch_bf16<O: DeviceElement>(
+pub fn launch_half<H: HalfElement, O: DeviceElement>(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
     route: &Route,
-    (a, b): (&CudaSlice<Bf16>, &CudaSlice<Bf16>),
+    (a, b): (&CudaSlice<H>, &CudaSlice<H>),
     (m, n, k): (usize, usize, usize),
     (lda, ldb): (usize, usize),
     (bias, chain): (Option<&CudaSlice<f32>>, Option<&DeviceChain>),
@@ -283,9 +293,14 @@ pub fn launch_bf16<O: DeviceElement>(
     save_z: Option<&mut DeviceTensor>,
 ) -> Result<()> {
     let kernel = route.kernel;
-    let bf16_out = O::DTYPE == Dtype::Bf16;
-    if bf16_layout(kernel) != Some(route.layout) || stores_by_tma(kernel) != bf16_out {
-        return Err(Error::Unsupported(format!("`{kernel}` is no bf16 {:?} kernel writing {}", route.layout, O::NAME)));
+    let half_out = O::DTYPE == H::DTYPE;
+    if half_layout::<H>(kernel) != Some(route.layout) || stores_by_tma(kernel) != half_out {
+        return Err(Error::Unsupported(format!(
+            "`{kernel}` is no {} {:?} kernel writing {}",
+            H::NAME,
+            route.layout,
+            O::NAME
+        )));
     }
     // Extents: `A` is (m, k) or, MN-major, (k, m); `B` (n, k) or (k, n).
     let (a_rows, a_cols, b_rows, b_cols) = match route.layout {
@@ -303,7 +318,7 @@ pub fn launch_bf16<O: DeviceElement>(
         || save_z.as_ref().is_some_and(|z| z.shape != [m, n])
     {
         return Err(Error::Shape(format!(
-            "bf16 GEMM `{kernel}` ({m}, {n}, {k}): operands of {} and {} values at pitches {lda}, {ldb}, output {:?}",
+            "16-bit GEMM `{kernel}` ({m}, {n}, {k}): operands of {} and {} values at pitches {lda}, {ldb}, output {:?}",
             a.len(),
             b.len(),
             y.shape
@@ -313,15 +328,16 @@ pub fn launch_bf16<O: DeviceElement>(
         return Err(Error::Unsupported(format!("`{kernel}` takes no bias, chain or saved output")));
     }
     if [m, n, k, lda, ldb, a.len(), b.len()].iter().any(|&d| d > u32::MAX as usize) {
-        return Err(Error::Shape(format!("bf16 GEMM ({m}, {n}, {k}) exceeds the kernel's 32-bit arguments")));
+        return Err(Error::Shape(format!("16-bit GEMM ({m}, {n}, {k}) exceeds the kernel's 32-bit arguments")));
     }
     let swizzle = sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B;
     let (pa, pb) = (a.device_ptr(stream).0, b.device_ptr(stream).0);
     // `k`-major: boxes of a tile's rows x 64 of `k`; MN-major: 64 of `k` x 64 of M or N
     // (one 128-byte swizzle row), several per tile.
-    let k_major =
-        |ptr, rows, pitch, box_rows| encode_map_typed(ptr, 2, (rows, k, pitch), (box_rows, BF16_BLOCK_K), swizzle);
-    let mn_major = |ptr, cols, pitch| encode_map_typed(ptr, 2, (k, cols, pitch), (BF16_BLOCK_K, 64), swizzle);
+    let k_major = |ptr, rows, pitch, box_rows| {
+        encode_map_typed(ptr, H::DTYPE, (rows, k, pitch), (box_rows, BF16_BLOCK_K), swizzle)
+    };
+    let mn_major = |ptr, cols, pitch| encode_map_typed(ptr, H::DTYPE, (k, cols, pitch), (BF16_BLOCK_K, 64), swizzle);
     let mut maps = match route.layout {
         Layout::Nt => vec![k_major(pa, m, lda, BLOCK_M)?, k_major(pb, n, ldb, BLOCK_N)?],
         Layout::Nn => vec![k_major(pa, m, lda, BLOCK_M)?, mn_major(pb, n, ldb)?],
@@ -332,10 +348,10 @@ pub fn launch_bf16<O: DeviceElement>(
         let py = y.buf.device_address();
         if !(n.is_multiple_of(8) && py.is_multiple_of(16)) {
             return Err(Error::Unsupported(format!(
-                "`{kernel}` stores a bf16 `y` of {n} columns by TMA: it needs a multiple of 8 columns and a 16-byte aligned start"
+                "`{kernel}` stores a 16-bit `y` of {n} columns by TMA: it needs a multiple of 8 columns and a 16-byte aligned start"
             )));
         }
-        maps.push(encode_map_typed(py, 2, (m, n, n), (64, 64), swizzle)?);
+        maps.push(encode_map_typed(py, H::DTYPE, (m, n, n), (64, 64), swizzle)?);
     }
     launch_with_maps(gpu, stream, kernel, Arith::Bf16, &maps, (m, n, k), bias, chain, y, save_z)
 }

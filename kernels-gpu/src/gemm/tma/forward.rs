@@ -5,11 +5,11 @@ use super::flush::{Layout, add_flushed, flush_accumulators, k_runs, run_k_tiles}
 use super::opaque;
 use super::pipeline::{CONSUMER_REGISTERS, PRODUCER_REGISTERS, Pipeline};
 use crate::epilogue::fragments::{
-    HalfFragment, STAGED_HALF_BYTES, add_column_bias, each_half_value, fragment_forward, prefetch_tile_params, stage_half_bf16,
+    HalfFragment, STAGED_HALF_BYTES, add_column_bias, each_half_value, fragment_forward, prefetch_tile_params, stage_half,
     store_half,
 };
 use crate::prelude::bulk_copy::*;
-use crate::prelude::element::Element;
+use crate::prelude::element::{Bf16, Element, F16, Half};
 use crate::prelude::mma::{fence_proxy_async_shared, ld_shared_v4, st_shared_v4, tf32_residual};
 use crate::prelude::wgmma::*;
 use crate::prelude::*;
@@ -20,12 +20,13 @@ use kernel_abi::gemm_tma::*;
 /// Bytes of one MN-major box: 64 values of 2 bytes x 64 of `k`.
 const MN_BOX_BYTES: u32 = 64 * 64 * 2;
 
-/// Declares entry points, each an instance of [`gemm_tma`]: `SPLIT`, `BF16`, whether
-/// `A` and `B` are stored MN-major (`TRANS_A`, `TRANS_B`: bf16 only), whether the
-/// epilogue runs a chain (`CHAIN`; else it only stores), and the output's element type
-/// (one signature: the two tensor maps, then as `fma::gemm_fma` with `y` of that type).
+/// Declares entry points, each an instance of [`gemm_tma`]: `SPLIT`, `HALF` and its
+/// 16-bit operand type (ignored without `HALF`), whether `A` and `B` are stored MN-major
+/// (`TRANS_A`, `TRANS_B`: 16-bit only), whether the epilogue runs a chain (`CHAIN`; else
+/// it only stores), and the output's element type (one signature: the two tensor maps,
+/// then as `fma::gemm_fma` with `y` of that type).
 macro_rules! gemm_tma_entries {
-    ($($(#[$doc:meta])* $name:ident = <$split:literal, $bf16:literal, $ta:literal, $tb:literal, $chain:literal, $out:ty>;)*) => {$(
+    ($($(#[$doc:meta])* $name:ident = <$split:literal, $half:literal, $h:ty, $ta:literal, $tb:literal, $chain:literal, $out:ty>;)*) => {$(
         $(#[$doc])*
         #[unsafe(no_mangle)]
         #[allow(clippy::too_many_arguments)]
@@ -40,7 +41,7 @@ macro_rules! gemm_tma_entries {
             ops: *const OpDesc,
             n_ops: u32,
         ) {
-            unsafe { gemm_tma::<$split, $bf16, $ta, $tb, $chain, $out>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
+            unsafe { gemm_tma::<$split, $half, $h, $ta, $tb, $chain, $out>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
         }
     )*};
 }
@@ -55,7 +56,7 @@ gemm_tma_entries! {
     /// The maps describe readable `f32` tensors of `(m, k)` and `(n, k)` in global memory;
     /// `y` holds `m * n` floats; bias, `save_z` and `ops` as in `fma::gemm_fma`; `THREADS`
     /// threads, dynamic shared memory `SMEM_BYTES`, any grid; an sm_90a device.
-    gemm_tma_tf32_nt = <false, false, false, false, true, f32>;
+    gemm_tma_tf32_nt = <false, false, Bf16, false, false, true, f32>;
 
     /// [`gemm_tma_tf32_nt`] in 3xTF32 (FP32-level accuracy): each stage also holds the
     /// FP32 residuals `x - tf32(x)` of its `A` and `B` tiles, which the consumers write
@@ -67,7 +68,7 @@ gemm_tma_entries! {
     ///
     /// # Safety
     /// As [`gemm_tma_tf32_nt`], with `SPLIT_SMEM_BYTES` of shared memory.
-    gemm_tma_tf32x3_nt = <true, false, false, false, true, f32>;
+    gemm_tma_tf32x3_nt = <true, false, Bf16, false, false, true, f32>;
 
     /// [`gemm_tma_tf32_nt`] in bf16: `A` and `B` are bf16 copies of `x` and `W` (rounded to
     /// nearest), their tensor maps with `64 x 128` and `64 x 256` boxes (128-byte rows of
@@ -77,7 +78,7 @@ gemm_tma_entries! {
     ///
     /// # Safety
     /// As [`gemm_tma_tf32_nt`], the maps describing `u16` (bf16) tensors.
-    gemm_tma_bf16_nt = <false, true, false, false, true, f32>;
+    gemm_tma_bf16_nt = <false, true, Bf16, false, false, true, f32>;
 
     /// [`gemm_tma_bf16_nt`] on bf16 tensors as a bf16 model keeps them: `x` and `W`
     /// read as stored (nothing rounded per call), `y` stored in bf16 (each value rounded
@@ -85,7 +86,7 @@ gemm_tma_entries! {
     ///
     /// # Safety
     /// As [`gemm_tma_bf16_nt`]; `y` holds `m * n` 16-bit words.
-    gemm_tma_bf16_nt_to_bf16 = <false, true, false, false, true, u16>;
+    gemm_tma_bf16_nt_to_bf16 = <false, true, Bf16, false, false, true, Bf16>;
 
     /// `dX (m, n) = dZ (m, k) W (k, n)` on bf16 tensors as stored: `A` = `dZ`
     /// `k`-contiguous (its map as the forward's `A`), `B` = `W` `n`-contiguous
@@ -94,7 +95,7 @@ gemm_tma_entries! {
     ///
     /// # Safety
     /// As [`gemm_tma_bf16_nt_to_bf16`], `B`'s map describing a `(k, n)` tensor.
-    gemm_tma_bf16_nn_to_bf16 = <false, true, false, true, false, u16>;
+    gemm_tma_bf16_nn_to_bf16 = <false, true, Bf16, false, true, false, Bf16>;
 
     /// `dW (m, n) = dZ^T X` on bf16 tensors as stored: `A` = `dZ (k, m)`, `B` =
     /// `X (k, n)`, both MN-major (boxes of 64 x 64, two per `A` tile and four per `B`
@@ -102,14 +103,41 @@ gemm_tma_entries! {
     ///
     /// # Safety
     /// As [`gemm_tma_bf16_nn_to_bf16`], `A`'s map describing a `(k, m)` tensor.
-    gemm_tma_bf16_tn_to_bf16 = <false, true, true, true, false, u16>;
+    gemm_tma_bf16_tn_to_bf16 = <false, true, Bf16, true, true, false, Bf16>;
 
     /// [`gemm_tma_bf16_tn_to_bf16`] with an FP32 `y`: the folded weight's gradient of a
     /// leading AvgPool, spread over the whole weight (and rounded) afterwards.
     ///
     /// # Safety
     /// As [`gemm_tma_bf16_tn_to_bf16`], `y` holding `m * n` floats.
-    gemm_tma_bf16_tn = <false, true, true, true, false, f32>;
+    gemm_tma_bf16_tn = <false, true, Bf16, true, true, false, f32>;
+
+    /// [`gemm_tma_bf16_nt`] in fp16: fp16 copies of FP32 `x` and `W` (or an fp16
+    /// model's as stored), each `k`-step one `wgmma.m64n256k16.f32.f16.f16`.
+    ///
+    /// # Safety
+    /// As [`gemm_tma_bf16_nt`], the maps describing fp16 tensors.
+    gemm_tma_f16_nt = <false, true, F16, false, false, true, f32>;
+    /// [`gemm_tma_bf16_nt_to_bf16`] in fp16: an fp16 model's forward, `y` in fp16.
+    ///
+    /// # Safety
+    /// As [`gemm_tma_f16_nt`]; `y` holds `m * n` 16-bit words.
+    gemm_tma_f16_nt_to_f16 = <false, true, F16, false, false, true, F16>;
+    /// [`gemm_tma_bf16_nn_to_bf16`] in fp16: an fp16 model's `dX`.
+    ///
+    /// # Safety
+    /// As [`gemm_tma_f16_nt_to_f16`], `B`'s map describing a `(k, n)` tensor.
+    gemm_tma_f16_nn_to_f16 = <false, true, F16, false, true, false, F16>;
+    /// [`gemm_tma_bf16_tn_to_bf16`] in fp16: an fp16 model's `dW`.
+    ///
+    /// # Safety
+    /// As [`gemm_tma_f16_nn_to_f16`], `A`'s map describing a `(k, m)` tensor.
+    gemm_tma_f16_tn_to_f16 = <false, true, F16, true, true, false, F16>;
+    /// [`gemm_tma_bf16_tn`] in fp16 (a folded AvgPool weight's gradient).
+    ///
+    /// # Safety
+    /// As [`gemm_tma_f16_tn_to_f16`], `y` holding `m * n` floats.
+    gemm_tma_f16_tn = <false, true, F16, true, true, false, f32>;
 }
 
 /// A barrier over warpgroup `wg`'s 128 threads: named barrier `2 + wg`. (A register id,
@@ -124,14 +152,23 @@ unsafe fn staging_barrier(wg: u32) {
     unsafe { named_barrier(2 + wg, 128) }
 }
 
-/// The body of the entry points (`SPLIT`: 3xTF32; `BF16`: bf16 operands, `TRANS_A`,
-/// `TRANS_B` MN-major; `CHAIN`: bias, saved `z` and chain; `O`: the output's type).
+/// The body of the entry points (`SPLIT`: 3xTF32; `HALF`: 16-bit operands of type `H`,
+/// `TRANS_A`, `TRANS_B` MN-major; `CHAIN`: bias, saved `z` and chain; `O`: the output's
+/// type, `H` where it is 16-bit).
 ///
 /// # Safety
 /// See [`gemm_tma_tf32_nt`].
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemm_tma<const SPLIT: bool, const BF16: bool, const TRANS_A: bool, const TRANS_B: bool, const CHAIN: bool, O: Element>(
+unsafe fn gemm_tma<
+    const SPLIT: bool,
+    const HALF: bool,
+    H: Half,
+    const TRANS_A: bool,
+    const TRANS_B: bool,
+    const CHAIN: bool,
+    O: Element,
+>(
     maps: *const u8,
     bias: *const f32,
     y: *mut O,
@@ -146,7 +183,7 @@ unsafe fn gemm_tma<const SPLIT: bool, const BF16: bool, const TRANS_A: bool, con
     // SAFETY: the second of the two maps.
     let (map_a, map_b) = (maps, unsafe { maps.add(128) });
     // SAFETY: every thread, first; the launch's shared memory.
-    let pipe = unsafe { Pipeline::new::<SPLIT, BF16>(maps, (m, n, k)) };
+    let pipe = unsafe { Pipeline::new::<SPLIT, HALF>(maps, (m, n, k)) };
     let Pipeline { tile_bytes, block_k, a_bytes, k_tiles, .. } = pipe;
 
     if t < 128 {
@@ -193,7 +230,7 @@ unsafe fn gemm_tma<const SPLIT: bool, const BF16: bool, const TRANS_A: bool, con
     let c = t - 128;
     let (wg, warp, lane) = (c / 128, (c / 32) % 4, c % 32);
     let (gid, tig) = ((lane / 4) as usize, (lane % 4) as usize);
-    // A bf16 `y` goes out through a TMA store where the host could describe it (a third
+    // A 16-bit `y` goes out through a TMA store where the host could describe it (a third
     // map, flagged by the word after it): each warpgroup stages its half tiles in shared
     // memory and its first thread stores them, so the writes drain while the next tile's
     // MMAs run instead of holding up the epilogue.
@@ -201,7 +238,7 @@ unsafe fn gemm_tma<const SPLIT: bool, const BF16: bool, const TRANS_A: bool, con
     // main loop, they cost the chain's epilogue spills.)
     let tma_y = core::mem::size_of::<O>() == 2;
     let leader = || thread_idx_x() % 128 == 0;
-    // SAFETY: a bf16 kernel's table holds three maps.
+    // SAFETY: a 16-bit output's table holds three maps.
     let store_map = || unsafe { maps.add(256) };
     if tma_y && leader() {
         // SAFETY: a valid map, read by this thread's TMA stores.
@@ -225,7 +262,7 @@ unsafe fn gemm_tma<const SPLIT: bool, const BF16: bool, const TRANS_A: bool, con
             let sa = pipe.stage(s);
             let describe = if SPLIT { descriptor_64b } else { descriptor_128b };
             // The warpgroup's 64 rows of `A` (rows of `block_k` 4- or 2-byte values).
-            let da = describe(sa + wg * 64 * block_k * if BF16 { 2 } else { 4 });
+            let da = describe(sa + wg * 64 * block_k * if HALF { 2 } else { 4 });
             let db = describe(sa + a_bytes);
             // k-step i: 32 bytes along the swizzled rows = start address + 2 (16-byte units).
             // SAFETY: the stage is complete once its phase is; all 128 threads of the
@@ -252,7 +289,7 @@ unsafe fn gemm_tma<const SPLIT: bool, const BF16: bool, const TRANS_A: bool, con
                     named_barrier(1, CONSUMER_THREADS as u32);
                     let (dal, dbl) = (da + (tile_bytes as u64 >> 4), db + (tile_bytes as u64 >> 4));
                     wgmma_n256_k_tile_split(&mut acc, [da, db, dal, dbl]);
-                } else if BF16 {
+                } else if HALF {
                     // k-step i: 32 bytes further along a `k`-major operand's 128-byte rows
                     // (2 16-byte units), 16 rows of 128 bytes further in an MN-major one
                     // (2048 bytes = 128 units).
@@ -261,13 +298,7 @@ unsafe fn gemm_tma<const SPLIT: bool, const BF16: bool, const TRANS_A: bool, con
                     let db = if TRANS_B { descriptor_128b_mn(sa + a_bytes) } else { db };
                     let a = [0, 1, 2, 3].map(|i| da + if TRANS_A { 128 * i } else { 2 * i });
                     let b = [0, 1, 2, 3].map(|i| db + if TRANS_B { 128 * i } else { 2 * i });
-                    if TRANS_A {
-                        wgmma_n256_k_tile_bf16_tn(&mut acc, a, b);
-                    } else if TRANS_B {
-                        wgmma_n256_k_tile_bf16_nn(&mut acc, a, b);
-                    } else {
-                        wgmma_n256_k_tile_bf16(&mut acc, a, b);
-                    }
+                    H::wgmma_k_tile::<TRANS_A, TRANS_B>(&mut acc, a, b);
                 } else {
                     wgmma_n256_k_tile(&mut acc, [da, da + 2, da + 4, da + 6], [db, db + 2, db + 4, db + 6]);
                 }
@@ -347,7 +378,7 @@ unsafe fn gemm_tma<const SPLIT: bool, const BF16: bool, const TRANS_A: bool, con
                     // The buffer is free once the last store from it has read it.
                     bulk_wait_group_read_if(leader());
                     staging_barrier(wg);
-                    stage_half_bf16(buf, &v, opaque(warp), opaque(gid as u32), opaque(tig as u32));
+                    stage_half::<H>(buf, &v, opaque(warp), opaque(gid as u32), opaque(tig as u32));
                     // Visible to the TMA unit (async proxy), then to the leader.
                     fence_proxy_async_shared();
                     staging_barrier(wg);
