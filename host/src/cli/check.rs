@@ -82,16 +82,18 @@ pub fn random_chain(rng: &mut impl Rng, out: usize) -> Chain {
     // sigmoid, hardtanh): it ties a row's top values in FP32, and which of them wins is then any implementation's
     // choice, not a rounding error to check (docs/NUMERICS.md). The Python tests' random
     // chains follow the same rule.
-    // After a softmax only the max or min: its row sums to 1 (a constant, its gradients
-    // zero but for rounding) and its logsumexp is nearly constant. No sum or mean after a
+    // After a softmax only the max: its row sums to 1 (a constant, its gradients zero
+    // but for rounding), its logsumexp is nearly constant, and its min, the row's
+    // smallest probability exp(v_min - lse), carries the GEMM's absolute error of
+    // v_min - lse as a relative one (5.5e-3 of gradient in fp16 operands, an RMSNorm'd
+    // row of 384: beyond the 10-bit mantissas' 2e-3). No sum or mean after a
     // norm: a normalised row sums to about its bias's sum, the rest cancelling.
     let saturates = saturating(&ops);
     let normalised = ops.iter().any(|op| whole_row_norm(op) || matches!(op, Op::GroupNorm { .. }));
     let softmax = ops.iter().any(|op| matches!(op, Op::Softmax));
     if rng.random_bool(0.3) && !saturates {
         ops.push(match rng.random_range(0..5) {
-            0 | 1 if softmax => Op::Reduce(Reduce::Min),
-            2 | 3 if softmax => Op::RowMax,
+            _ if softmax => Op::RowMax,
             0 | 1 if normalised => Op::Reduce(Reduce::LogSumExp),
             0 => Op::Reduce(Reduce::Sum),
             1 => Op::Reduce(Reduce::Mean),
