@@ -68,12 +68,12 @@ impl GpuBlock<Bf16> {
         match (&ws.plan, ws.z.as_mut(), route.widened) {
             // A few rows: the small-batch kernel on x and W as stored, the chain on its
             // slabs into bf16 y; or into FP32 `z`, the row-wise epilogue, `y` rounded.
-            (Plan::Gemv { chain: true }, ..) => {
-                let kernel = dispatch::gemv_kernel(Dtype::Bf16, Dtype::Bf16);
+            (&Plan::Gemv { chain: true, tensor_cores }, ..) => {
+                let kernel = dispatch::gemv_kernel(Dtype::Bf16, Dtype::Bf16, precision, tensor_cores);
                 launch_gemv(gpu, kernel, x, w, Some(&b.buf), Some(&self.chain), &mut ws.y, save)
             }
-            (Plan::Gemv { chain: false }, Some(z), _) => {
-                let kernel = dispatch::gemv_kernel(Dtype::Bf16, Dtype::F32);
+            (&Plan::Gemv { chain: false, tensor_cores }, Some(z), _) => {
+                let kernel = dispatch::gemv_kernel(Dtype::Bf16, Dtype::F32, precision, tensor_cores);
                 launch_gemv(gpu, kernel, x, w, Some(&b.buf), None, z, None)?;
                 ws.y = self.rows_rounded(gpu, z, save)?;
                 Ok(())
