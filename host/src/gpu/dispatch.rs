@@ -30,7 +30,7 @@ use kernel_abi::gemv::{ROWS as GEMV_ROWS, SLAB as GEMV_SLAB};
 /// Most rows the tensor-core small-batch kernel (`gemv_tc_*`) takes before the tile
 /// GEMMs do. Its `mma.sync` work grows with the rows (padded to 8) while `W`'s bytes
 /// do not, and the tile GEMMs' idle SMs fill up as the rows grow: the crossover is a
-/// measurement (`host bench --shape ROWS,IN,OUT` with and without `--no-gemv`), not yet made;
+/// measurement (`host bench --shape ROWS,IN,OUT --small-batch-kernels`), not yet made;
 /// this is the kernel's own limit (`kernel_abi::gemv_tc::ROWS`) until then.
 pub const GEMV_TC_ROWS: usize = 64;
 const _: () = assert!(GEMV_TC_ROWS <= kernel_abi::gemv_tc::ROWS && GEMV_TC_ROWS >= GEMV_ROWS);
