@@ -117,7 +117,7 @@ kernels! {
 
     // The tensor-core small-batch forward (`gemm/gemv_tc.rs`): `mma.sync` bf16, TF32 or
     // 3xTF32, up to 64 rows; two blocks per SM where its shared memory allows (up to
-    // 16 rows), so at most 128 registers.
+    // 24 rows), so at most 128 registers.
     GemvTcBf16 = "gemv_tc_bf16", bounds(gemv_tc::THREADS, 2);
     GemvTcBf16ToBf16 = "gemv_tc_bf16_to_bf16", bounds(gemv_tc::THREADS, 2);
     GemvTcTf32 = "gemv_tc_tf32", bounds(gemv_tc::THREADS, 2);
