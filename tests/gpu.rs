@@ -673,61 +673,127 @@ fn half_model_blocks_match_reference<H: host::gpu::HalfElement>(tol: f64, seed: 
     }
 }
 
-/// At most 8 rows, a depth of whole 8-value chunks: the small-batch kernel (`gemv_*`),
-/// FP32, bf16 and fp16 models, forward and gradients (the training forward saves `z` from
-/// it). Chains on its 32-column slabs (groups of 32; per-channel parameters offset per
-/// slab), and chains it leaves to the row-wise epilogue (groups wider than a slab, a
-/// width not whole slabs, a row max).
+/// A few rows, a depth of whole 8-value chunks: the small-batch kernels, forward and
+/// gradients (the training forward saves `z` from them), outputs poisoned. Strict FP32
+/// runs `gemv_f32` and fp16 models `gemv_f16*` up to 8 rows; TF32, 3xTF32 and bf16 models run `gemv_tc_*` up to
+/// `GEMV_TC_ROWS` (1, 3, 8, 9, 16, 33 and 64 rows: 1 to 8 `n8` fragments, partial
+/// ones), 65 rows the tile GEMMs. Chains on the 32-column slabs (groups of 32 and 16;
+/// per-channel parameters offset per slab), and chains left to the row-wise epilogue
+/// (groups wider than a slab, a width not whole slabs, a row max). Depths that are not
+/// whole units of the warps' split (32 bf16 or 16 FP32 values per unit, 8 units a
+/// round), and shallower than one round (idle warps).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn small_batches_match_reference() {
-    use host::gpu::dispatch::Plan;
+    use host::Precision;
+    use host::gpu::dispatch::{GEMV_TC_ROWS, Plan};
     use host::precision::{BF16_STORED_REL, FP16_STORED_REL};
     use host::tensor::{Bf16, F16};
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(31);
-    let cases: [(&str, (usize, usize, usize), bool); 9] = [
+    let cases: [(&str, (usize, usize, usize), bool); 14] = [
         ("groupnorm(16),swish,mul,swish", (8, 520, 512), true),
+        ("groupnorm(16),swish,mul,swish", (9, 520, 512), true),
         ("bias,mish,groupnorm(32),mul,gelu", (6, 64, 1024), true),
+        ("bias,mish,groupnorm(64),mul,gelu", (16, 64, 1024), true),
         ("sigmoid,gelu_tanh,bias", (1, 1024, 1024), true),
         ("swish,bias,groupnorm(2)", (3, 1024, 512), false),
-        ("groupnorm(1),leakyrelu(0.01),scale(2)", (1, 256, 1024), false),
+        ("swish,bias,groupnorm(2)", (33, 1000, 512), false),
+        ("groupnorm(1),leakyrelu(0.01),scale(2)", (64, 256, 1024), false),
         ("gelu,tanh", (5, 96, 77), false),
+        ("", (16, 1000, 1000), false),
         ("avgpool(4),gelu,scale(2),max", (2, 264, 512), false),
         ("leakyrelu(0.2),hardtanh(-0.5,0.7),avgpool(3),scale(-1.5),max", (7, 32, 96), false),
-        ("groupnorm(128),swish,mul,swish", (8, 4096, 4096), true),
+        ("groupnorm(128),swish,mul,swish", (64, 4096, 4096), true),
+        ("swish,groupnorm(8)", (65, 512, 256), true),
     ];
     for (text, (b, i, o), in_kernel) in cases {
         let spec = BlockSpec::new(i, o, text.parse().unwrap()).unwrap();
         let (params, x, dy) = random_case(&spec, b, &mut rng);
         let folded = text.starts_with("avgpool");
-        let planned = |plan: &Plan| folded || matches!(plan, Plan::Gemv { chain } if *chain == in_kernel);
-        // FP32 model.
-        let block = GpuBlock::new(&gpu, &spec, &params).unwrap();
-        let plan = block.plan(&gpu, b);
-        assert!(planned(&plan), "{text}: {plan:?}");
-        let got = block.forward_backward(&gpu, &x, &dy).unwrap();
-        let path = block.describe(&gpu, &plan);
-        check_step(&format!("small batch {text}"), &spec, &got, (&x, &params, &dy), FP32_REL, &path);
+        // The plan where a tensor-core kernel serves the block (`tc`) or only `gemv_*`.
+        let planned = |plan: &Plan, tc: bool| {
+            let rows = if tc { GEMV_TC_ROWS } else { 8 };
+            match folded || b > rows {
+                true => !matches!(plan, Plan::Gemv { .. }),
+                false => *plan == Plan::Gemv { chain: in_kernel, tensor_cores: tc },
+            }
+        };
+        // FP32 model: strict FP32 on `gemv_f32`, TF32 and 3xTF32 on `gemv_tc_*`.
+        for precision in [Precision::Fp32, Precision::Tf32, Precision::Tf32x3] {
+            let block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(precision);
+            let plan = block.plan(&gpu, b);
+            assert!(planned(&plan, precision != Precision::Fp32), "{precision} {text} ({b} rows): {plan:?}");
+            let got = block.forward_backward(&gpu, &x, &dy).unwrap();
+            let path = block.describe(&gpu, &plan);
+            let name = format!("small batch {precision} {b} rows {text}");
+            check_step(&name, &spec, &got, (&x, &params, &dy), precision.tolerance(), &path);
+        }
         // bf16 model: x, W, y as stored.
         let p16 = params.map(Bf16::from_f32);
         let (x16, dy16) = (x.to_bf16(), dy.to_bf16());
         let block = GpuBlock::new_bf16(&gpu, &spec, &p16).unwrap();
         let plan = block.plan(&gpu, b);
-        assert!(planned(&plan), "bf16 {text}: {plan:?}");
+        assert!(planned(&plan, true), "bf16 {text} ({b} rows): {plan:?}");
         let got = block.forward_backward(&gpu, &x16, &dy16).unwrap();
         let (x, p, dy) = (x16.to_f32(), p16.map(Bf16::to_f32), dy16.to_f32());
         let path = block.describe(&gpu, &plan);
-        check_step(&format!("small batch bf16 {text}"), &spec, &got, (&x, &p, &dy), BF16_STORED_REL, &path);
-        // fp16 model: the same on the fp16 kernels.
+        let name = format!("small batch bf16 {b} rows {text}");
+        check_step(&name, &spec, &got, (&x, &p, &dy), BF16_STORED_REL, &path);
+        // fp16 model: the same on the fp16 kernels (FP32 FMAs, up to 8 rows).
         let (x, p, dy) = (x.to_f16(), params.map(F16::from_f32), dy.to_f16());
         let block = GpuBlock::new_half(&gpu, &spec, &p).unwrap();
         let plan = block.plan(&gpu, b);
-        assert!(planned(&plan), "fp16 {text}: {plan:?}");
+        assert!(planned(&plan, false), "fp16 {text} ({b} rows): {plan:?}");
         let got = block.forward_backward(&gpu, &x, &dy).unwrap();
         let (x, p, dy) = (x.to_f32(), p.map(F16::to_f32), dy.to_f32());
         let path = block.describe(&gpu, &plan);
-        check_step(&format!("small batch fp16 {text}"), &spec, &got, (&x, &p, &dy), FP16_STORED_REL, &path);
+        let name = format!("small batch fp16 {b} rows {text}");
+        check_step(&name, &spec, &got, (&x, &p, &dy), FP16_STORED_REL, &path);
+    }
+}
+
+/// The tensor-core small-batch kernel against the FP32-FMA one and the tile GEMMs
+/// (switched by the tuning) on the same bf16 model and TF32 block: the forward's `y`
+/// to the reference's tolerance each way, so the A/B timings of `host bench` compare
+/// equal work.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn small_batch_kernels_agree_across_tunings() {
+    use host::Precision;
+    use host::gpu::dispatch::Plan;
+    use host::tensor::Bf16;
+    let base = gpu();
+    let mut rng = StdRng::seed_from_u64(37);
+    let spec = BlockSpec::new(1024, 1024, "groupnorm(32),swish".parse().unwrap()).unwrap();
+    for b in [1, 8] {
+        let (params, x, _) = random_case(&spec, b, &mut rng);
+        let want = reference::block_forward(&spec, &x.to_f64(), &params.map(f64::from)).unwrap();
+        let tunings = [
+            (Tuning::default(), true),
+            (Tuning { gemv_tensor_cores: false, ..Tuning::default() }, true),
+            (Tuning { gemv: false, ..Tuning::default() }, false),
+        ];
+        for (tuning, gemv) in tunings {
+            let gpu = base.clone().with_tuning(tuning);
+            let block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(Precision::Tf32);
+            let plan = block.plan(&gpu, b);
+            assert_eq!(matches!(plan, Plan::Gemv { .. }), gemv, "{tuning:?}: {plan:?}");
+            let c = compare_f32(block.forward(&gpu, &x).unwrap().data(), want.data());
+            println!("{b} rows TF32 {:<60} rel {:.2e}", block.describe(&gpu, &plan), c.rel);
+            assert!(c.passes(Precision::Tf32.tolerance()), "{tuning:?}: {c:?}");
+            let p16 = params.map(Bf16::from_f32);
+            let block = GpuBlock::new_bf16(&gpu, &spec, &p16).unwrap();
+            let x16 = x.to_bf16();
+            let want16 =
+                reference::block_forward(&spec, &x16.to_f32().to_f64(), &p16.map(|v| f64::from(v.to_f32()))).unwrap();
+            let mut ws = block.workspace(&gpu, b).unwrap();
+            block.forward_into(&gpu, &gpu.upload(&x16).unwrap(), &mut ws, None).unwrap();
+            let y = gpu.download(&ws.y).unwrap().to_f32();
+            let c = compare_f32(y.data(), want16.data());
+            println!("{b} rows bf16 {:<60} rel {:.2e}", block.describe(&gpu, &ws.plan), c.rel);
+            assert!(c.passes(host::precision::BF16_STORED_REL), "{tuning:?}: {c:?}");
+        }
     }
 }
 

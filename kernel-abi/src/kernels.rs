@@ -3,7 +3,7 @@
 //! writes the launch bounds into the PTX from [`Kernel::ALL`]; `tests/ptx.rs` checks
 //! that the identifiers and the PTX's entries are the same set.
 
-use crate::{epilogue, gemm_fma, gemm_mma, gemm_tma, gemm_wgmma, gemv, kinks};
+use crate::{epilogue, gemm_fma, gemm_mma, gemm_tma, gemm_wgmma, gemv, gemv_tc, kinks};
 
 /// `__launch_bounds__(max_threads, min_blocks_per_sm)`, which rustc cannot express:
 /// `host/build.rs` writes them into the PTX (`.maxntid`, `.minnctapersm`) so that
@@ -128,6 +128,14 @@ kernels! {
     GemvBf16ToBf16 = "gemv_bf16_to_bf16", bounds(gemv::THREADS, 2);
     GemvF16 = "gemv_f16", bounds(gemv::THREADS, 2);
     GemvF16ToF16 = "gemv_f16_to_f16", bounds(gemv::THREADS, 2);
+
+    // The tensor-core small-batch forward (`gemm/gemv_tc.rs`): `mma.sync` bf16, TF32 or
+    // 3xTF32, up to 64 rows; two blocks per SM where its shared memory allows (up to
+    // 24 rows), so at most 128 registers.
+    GemvTcBf16 = "gemv_tc_bf16", bounds(gemv_tc::THREADS, 2);
+    GemvTcBf16ToBf16 = "gemv_tc_bf16_to_bf16", bounds(gemv_tc::THREADS, 2);
+    GemvTcTf32 = "gemv_tc_tf32", bounds(gemv_tc::THREADS, 2);
+    GemvTcTf32x3 = "gemv_tc_tf32x3", bounds(gemv_tc::THREADS, 2);
 
     // The epilogue chain on whole rows and tiles, its backward, the kink scan and
     // refinement (`epilogue/`). The tile-wise backward and the refinements carry the

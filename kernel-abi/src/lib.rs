@@ -65,6 +65,38 @@ pub mod gemv {
     pub const SMEM_BYTES: usize = 4 * (ROWS * K_BLOCK + ROWS * SLAB + 2 * (THREADS / 32));
 }
 
+/// The tensor-core small-batch forward (`kernels-gpu/src/gemm/gemv_tc.rs`): at most
+/// [`ROWS`](gemv_tc::ROWS) rows on `mma.sync` (bf16, TF32, 3xTF32), each block a slab
+/// of [`SLAB`](gemv_tc::SLAB) columns over the whole depth, its warps splitting `k`.
+pub mod gemv_tc {
+    /// Most rows: eight `n8` fragments of the MMA's `B` operand (`x^T`).
+    pub const ROWS: usize = 64;
+    /// Threads per block: eight warps, as the epilogue's row ops expect.
+    pub const THREADS: usize = 256;
+    pub const WARPS: usize = THREADS / 32;
+    /// Columns per block: as `gemv`'s, so one rule says which chains run on the slabs.
+    pub const SLAB: usize = super::gemv::SLAB;
+    /// Bytes each lane copies per row and unit of `k`: one 16-byte `cp.async`.
+    pub const CHUNK: usize = 16;
+    /// `W` rows a lane copies per unit (rows `g + 8 j` of the slab).
+    pub const W_SLOTS: usize = SLAB / 8;
+    /// Units of `k` each warp has in flight in its own `cp.async` ring.
+    pub const STAGES: usize = 4;
+    /// Row pitch (floats) of the warps' partial sums: 36 keeps the fragment stores
+    /// conflict-free.
+    pub const RED_PITCH: usize = SLAB + 4;
+    /// Dynamic shared memory for `rows` rows: each warp's ring of `STAGES` units (`W`'s
+    /// slots and one slot per `n8` fragment of `x`, `32 * CHUNK` bytes each), later
+    /// reused for the warps' partial sums and the slab's `z`.
+    pub const fn smem_bytes(rows: usize) -> usize {
+        let frags = rows.div_ceil(8);
+        let ring = WARPS * STAGES * (W_SLOTS + frags) * 32 * CHUNK;
+        let sums = (WARPS * frags * 8 * RED_PITCH + frags * 8 * SLAB) * 4;
+        if ring > sums { ring } else { sums }
+    }
+    const _: () = assert!(smem_bytes(ROWS) <= 227 * 1024 && W_SLOTS == 4);
+}
+
 /// The persistent, warp-specialised `wgmma` forward: `128 x 256` output tiles, operands
 /// copied by TMA into 128-byte-swizzled stages whose completion `mbarrier`s announce.
 pub mod gemm_tma {

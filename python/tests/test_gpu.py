@@ -128,6 +128,40 @@ def test_module_on_gpu_matches_cpu():
     assert moved(x.to(CUDA)).device.type == "cuda"
 
 
+# ---------------------------------------------------------------- small batches
+
+# 1..64 rows of TF32, 3xTF32 and bf16 models run the tensor-core small-batch kernel
+# (gemv_tc_*), 65 the tile GEMMs; k = 520 is not whole rounds of its warps' k units. The
+# first chain runs on its 32-column slabs (groups of 32), the second needs whole rows
+# (groups of 512: the kernel stores z, then the row-wise epilogue).
+SMALL_ROWS = [1, 3, 8, 9, 16, 33, 64, 65]
+SMALL_CHAINS = ["groupnorm(32),swish,mul,swish", "swish,bias,groupnorm(2)"]
+
+
+@pytest.mark.parametrize("ops", SMALL_CHAINS)
+@pytest.mark.parametrize("rows", SMALL_ROWS)
+@pytest.mark.parametrize("precision", ["tf32", "tf32x3"])
+def test_small_batches_match_float64(precision, rows, ops):
+    check_against_float64((rows, 520, 1024), ops, precision, seed=rows + len(ops))
+
+
+@pytest.mark.parametrize("ops", SMALL_CHAINS)
+@pytest.mark.parametrize("rows", SMALL_ROWS)
+def test_small_batches_of_a_bf16_model_match_float64(rows, ops):
+    (x, weight, bias, params), dy = gpu_case((rows, 520, 1024), ops, seed=rows + len(ops))
+    bf16 = [t.to(torch.bfloat16) for t in (x, weight, bias, *params, dy)]
+    leaves = [t.clone().requires_grad_(True) for t in bf16[:-1]]
+    y = fused_linear.fused_linear(leaves[0], leaves[1], leaves[2], ops, leaves[3:])
+    assert y.dtype == torch.bfloat16
+    grads = torch.autograd.grad(y, leaves, bf16[-1])
+    y64, grads64 = reference_grads(*bf16[:3], ops, bf16[3:-1], bf16[-1])
+    names = ["y", "x", "weight", "bias", *(f"param{i}" for i in range(len(params)))]
+    for name, got, ref in zip(names, [y, *grads], [y64, *grads64]):
+        assert torch.isfinite(got.float()).all(), f"{name}: non-finite values ({ops}, {rows} rows)"
+        err = rel_err(got, ref)
+        assert err < TOL["bf16"], f"{ops}, {rows} rows: {name} relative error {err:.2e}"
+
+
 # ---------------------------------------------------------------- errors
 
 

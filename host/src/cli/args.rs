@@ -85,6 +85,14 @@ pub struct TuningArgs {
     /// GPU after each refinement).
     #[arg(long)]
     pub(super) kink_stats: bool,
+    /// Forward: run every batch on the tile GEMMs, never a small-batch kernel (`gemv_*`,
+    /// `gemv_tc_*`).
+    #[arg(long)]
+    pub(super) no_gemv: bool,
+    /// Forward: small batches on the FP32-FMA `gemv_*` (up to 8 rows), not the
+    /// tensor-core `gemv_tc_*`.
+    #[arg(long)]
+    pub(super) no_gemv_tensor_cores: bool,
 }
 
 impl TuningArgs {
@@ -95,6 +103,8 @@ impl TuningArgs {
             kink_refinement: !self.no_kink_refinement,
             kink_values: !self.kink_chunks_only,
             kink_stats: self.kink_stats,
+            gemv: !self.no_gemv,
+            gemv_tensor_cores: !self.no_gemv_tensor_cores,
         }
     }
 }

@@ -7,7 +7,7 @@ use crate::error::{Error, Result};
 use crate::gpu::block::GpuBlock;
 use crate::gpu::cublas::{Cublas, Operand};
 use crate::gpu::elementwise::to_half;
-use crate::gpu::{DeviceTensor, Gpu, Phases};
+use crate::gpu::{DeviceTensor, Gpu, Phases, Tuning};
 use crate::precision::Precision;
 use crate::tensor::Bf16;
 use rand::SeedableRng;
@@ -46,6 +46,12 @@ pub struct BenchArgs {
     /// with FP32 output.
     #[arg(long)]
     fp32_tensors: bool,
+    /// Time each model's forward three times, one row each: as the tuning flags say
+    /// (production: `gemv_tc_*` at 1-64 rows of bf16 and TF32/3xTF32), with
+    /// `--no-gemv-tensor-cores` (`gemv_*` up to 8 rows) and with `--no-gemv` (the tile
+    /// GEMMs): the small-batch kernels side by side at `--shape ROWS,IN,OUT`.
+    #[arg(long, conflicts_with = "backward")]
+    small_batch_kernels: bool,
     /// Also write the table as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -114,8 +120,18 @@ pub fn run(a: &BenchArgs) -> Result<(), Failure> {
         .with_tuning(a.tuning.tuning());
     let cublas = Cublas::new(&gpu, a.precision == Precision::Tf32)?;
     let models: Vec<&str> = if a.ops.is_some() { vec!["custom"] } else { a.models.split(',').map(str::trim).collect() };
+    let tuning = a.tuning.tuning();
+    let tunings = match a.small_batch_kernels {
+        true => vec![
+            tuning,
+            Tuning { gemv_tensor_cores: false, ..tuning },
+            Tuning { gemv: false, gemv_tensor_cores: false, ..tuning },
+        ],
+        false => vec![tuning],
+    };
     let mut rows = Vec::new();
-    for model in models {
+    for (model, tuning) in models.iter().flat_map(|m| tunings.iter().map(move |t| (*m, *t))) {
+        let gpu = gpu.clone().with_tuning(tuning);
         let args = BlockArgs {
             model: Some(if a.ops.is_some() { "M1".into() } else { model.into() }),
             ops: a.ops.clone(),

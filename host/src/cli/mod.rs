@@ -89,13 +89,24 @@ mod tests {
         assert_eq!(tuning(&["--no-kink-refinement"]), Tuning { kink_refinement: false, ..production });
         assert_eq!(tuning(&["--kink-chunks-only"]), Tuning { kink_values: false, ..production });
         assert_eq!(tuning(&["--kink-stats"]), Tuning { kink_stats: true, ..production });
+        assert_eq!(tuning(&["--no-gemv"]), Tuning { gemv: false, ..production });
+        assert_eq!(tuning(&["--no-gemv-tensor-cores"]), Tuning { gemv_tensor_cores: false, ..production });
     }
 
     /// Every command that runs on the GPU takes the tuning flags.
     #[test]
     fn every_gpu_command_takes_the_tuning_flags() {
         for command in ["forward", "backward", "bench", "check", "train"] {
-            let args = ["host", command, "--no-tma", "--no-kink-refinement", "--kink-chunks-only", "--kink-stats"];
+            let args = [
+                "host",
+                command,
+                "--no-tma",
+                "--no-kink-refinement",
+                "--kink-chunks-only",
+                "--kink-stats",
+                "--no-gemv",
+                "--no-gemv-tensor-cores",
+            ];
             assert!(Cli::try_parse_from(args).is_ok(), "{command}");
         }
     }

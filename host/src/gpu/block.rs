@@ -215,6 +215,8 @@ impl<W: DeviceElement> GpuBlock<W> {
             gemv_chain: dispatch::gemv_chain_fits(&self.spec.chain.0[self.first_op..], self.gemm_width()),
             w_aligned: self.params.linear_weight.buf.device_address().is_multiple_of(16),
             rows_fit: dispatch::rows_fit(self.gemm_width(), gpu.props.max_shared_per_block_optin),
+            gemv: gpu.tuning().gemv,
+            gemv_tc: gpu.tuning().gemv_tensor_cores && dispatch::gemv_tc_serves(W::DTYPE, self.precision),
         }
     }
 
@@ -241,28 +243,29 @@ impl<W: DeviceElement> GpuBlock<W> {
         };
         let fold =
             self.folded.as_ref().map_or(String::new(), |(k, ..)| format!("; avgpool({k}) folded into the weights"));
-        let gemv = |chain: bool| {
+        let gemv = |chain: bool, tc: bool| {
             let out = if chain { W::DTYPE } else { Dtype::F32 };
-            dispatch::gemv_kernel(W::DTYPE, out)
+            dispatch::gemv_kernel(W::DTYPE, out, self.precision, tc)
         };
-        match plan {
-            Plan::Gemv { chain: true } => {
-                format!("{}: small batch, W streamed by every SM, the chain on its slabs (1 kernel)", gemv(true))
-            }
-            Plan::Gemv { chain: false } => {
+        match *plan {
+            Plan::Gemv { chain: true, tensor_cores } => format!(
+                "{}: small batch, W streamed by every SM, the chain on its slabs (1 kernel)",
+                gemv(true, tensor_cores)
+            ),
+            Plan::Gemv { chain: false, tensor_cores } => {
                 let rounded = if W::DTYPE != Dtype::F32 { ", y rounded" } else { "" };
                 format!(
                     "{}: small batch, W streamed by every SM + epilogue_rows (the chain needs whole rows{rounded})",
-                    gemv(false)
+                    gemv(false, tensor_cores)
                 )
             }
             Plan::Fused => format!("fused: {gemm} with bias and chain in the epilogue (1 kernel{fold})"),
             Plan::GemmThenRows { splits } => {
-                let why = match (&self.not_fusable, splits) {
+                let why = match (&self.not_fusable, &splits) {
                     (Some(reason), _) => reason.clone(),
                     (None, s) => format!("{s}-way split-K to fill the GPU"),
                 };
-                let split = if *splits > 1 { format!(" split-K x{splits}") } else { String::new() };
+                let split = if splits > 1 { format!(" split-K x{splits}") } else { String::new() };
                 format!("{gemm}{split} + epilogue_rows (2 kernels: {why}{fold})")
             }
         }
@@ -283,8 +286,8 @@ impl<W: DeviceElement> GpuBlock<W> {
         let n = self.gemm_width();
         let new = |shape: &[usize]| if poison { gpu.poisoned(shape) } else { gpu.alloc(shape) };
         let z = match plan {
-            Plan::Fused | Plan::Gemv { chain: true } => None,
-            Plan::GemmThenRows { splits: 1 } | Plan::Gemv { chain: false } => Some(new(&[batch, n])?),
+            Plan::Fused | Plan::Gemv { chain: true, .. } => None,
+            Plan::GemmThenRows { splits: 1 } | Plan::Gemv { chain: false, .. } => Some(new(&[batch, n])?),
             Plan::GemmThenRows { splits } => Some(new(&[splits, batch, n])?),
         };
         let y_shape = [batch, self.out_width()];
@@ -312,8 +315,8 @@ impl<W: DeviceElement> GpuBlock<W> {
         y: &mut DeviceTensor,
         save: Option<&mut DeviceTensor>,
     ) -> Result<()> {
-        if let Plan::Gemv { chain } = *plan {
-            let kernel = dispatch::gemv_kernel(Dtype::F32, Dtype::F32);
+        if let Plan::Gemv { chain, tensor_cores } = *plan {
+            let kernel = dispatch::gemv_kernel(Dtype::F32, Dtype::F32, precision, tensor_cores);
             return match (chain, z) {
                 (true, _) => launch_gemv(gpu, kernel, x, w, Some(&b.buf), Some(&self.chain), y, save),
                 (false, Some(z)) => {

@@ -85,12 +85,12 @@ impl<H: HalfElement> GpuBlock<H> {
         match (&ws.plan, ws.z.as_mut(), route.widened) {
             // A few rows: the small-batch kernel on x and W as stored, the chain on its
             // slabs into 16-bit y; or into FP32 `z`, then the row-wise epilogue into 16-bit `y`.
-            (Plan::Gemv { chain: true }, ..) => {
-                let kernel = dispatch::gemv_kernel(H::DTYPE, H::DTYPE);
+            (&Plan::Gemv { chain: true, tensor_cores }, ..) => {
+                let kernel = dispatch::gemv_kernel(H::DTYPE, H::DTYPE, precision, tensor_cores);
                 launch_gemv(gpu, kernel, x, w, Some(&b.buf), Some(&self.chain), &mut ws.y, save)
             }
-            (Plan::Gemv { chain: false }, Some(z), _) => {
-                let kernel = dispatch::gemv_kernel(H::DTYPE, Dtype::F32);
+            (&Plan::Gemv { chain: false, tensor_cores }, Some(z), _) => {
+                let kernel = dispatch::gemv_kernel(H::DTYPE, Dtype::F32, precision, tensor_cores);
                 launch_gemv(gpu, kernel, x, w, Some(&b.buf), None, z, None)?;
                 epilogue_rows(gpu, &self.chain, z, None, &mut ws.y, save)
             }

@@ -6,7 +6,8 @@
 //!   epilogue; [`not_fusable`] says why an op cannot ride in the store;
 //! * [`route`] — which GEMM family and kernel runs each GEMM of a Linear layer, for the
 //!   precision, the shape and how the tensors are stored ([`Storage`]);
-//! * [`gemv_chain_fits`], [`gemv_kernel`] — the small-batch forward's chain and kernel;
+//! * [`gemv_chain_fits`], [`gemv_kernel`], [`GEMV_TC_ROWS`] — the small-batch forward's
+//!   chain, kernel and row limits;
 //! * [`fold_kernel`], [`unfold_kernel`] — a leading AvgPool's fold into the weight, and
 //!   its gradient, by the weight's dtype;
 //! * [`tile_backward`] and [`tiles_backward_kernel`] — the chain's backward tile-wise
@@ -25,6 +26,14 @@ use kernel_abi::epilogue::{OP_GROUP_NORM, OpDesc};
 use kernel_abi::gemm_fma::{BLOCK_K, BLOCK_M, BLOCK_N, MAX_FUSED_GROUP, MIN_FUSED_GROUP};
 use kernel_abi::gemm_tma::MIN_K;
 use kernel_abi::gemv::{ROWS as GEMV_ROWS, SLAB as GEMV_SLAB};
+
+/// Most rows the tensor-core small-batch kernel (`gemv_tc_*`) takes before the tile
+/// GEMMs do. Its `mma.sync` work grows with the rows (padded to 8) while `W`'s bytes
+/// do not, and the tile GEMMs' idle SMs fill up as the rows grow: the crossover is a
+/// measurement (`host bench --shape ROWS,IN,OUT --small-batch-kernels`), not yet made;
+/// this is the kernel's own limit (`kernel_abi::gemv_tc::ROWS`) until then.
+pub const GEMV_TC_ROWS: usize = 64;
+const _: () = assert!(GEMV_TC_ROWS <= kernel_abi::gemv_tc::ROWS && GEMV_TC_ROWS >= GEMV_ROWS);
 
 /// Memory order of the operands of `y = A B^T` as a kernel reads them (see
 /// `kernels-gpu/src/gemm/fma.rs`; the bf16 TMA kernels read the same three).
@@ -427,19 +436,49 @@ pub enum Plan {
     /// The GEMM into `z` (in `splits` partial products where `splits > 1`), then the
     /// row-wise epilogue.
     GemmThenRows { splits: usize },
-    /// A few rows: the small-batch kernel (`gemv_*`), with the chain on its slabs
-    /// (`chain`), or storing `z` for the row-wise epilogue.
-    Gemv { chain: bool },
+    /// A few rows: a small-batch kernel, with the chain on its slabs (`chain`), or
+    /// storing `z` for the row-wise epilogue; on the tensor cores (`gemv_tc_*`,
+    /// `tensor_cores`) or FP32 FMAs (`gemv_*`).
+    Gemv { chain: bool, tensor_cores: bool },
 }
 
-/// The small-batch kernel reading `operands` and writing `output`: FP32 throughout, or
-/// a 16-bit model's tensors as stored with `y` in their type or FP32 (`z`, or `y`
-/// before rounding).
-pub fn gemv_kernel(operands: Dtype, output: Dtype) -> Kernel {
-    match HalfKernels::of(operands) {
-        Some(h) if output == operands => h.gemv_to_half,
-        Some(h) => h.gemv,
-        None => Kernel::GemvF32,
+/// The small-batch kernel reading `operands` and writing `output` (`z`, or `y` before
+/// rounding, where FP32 for 16-bit operands):
+///
+/// | operands | precision | `tensor_cores` | kernel |
+/// |----------|-----------|----------------|--------|
+/// | bf16 (a bf16 model's, as stored) | bf16 | yes | `gemv_tc_bf16`, `gemv_tc_bf16_to_bf16` (`mma.sync` `m16n8k16`) |
+/// | | | no | `gemv_bf16`, `gemv_bf16_to_bf16` (FP32 FMAs) |
+/// | FP32 | tf32 | yes | `gemv_tc_tf32` (`m16n8k8`) |
+/// | | tf32x3 | yes | `gemv_tc_tf32x3` (`m16n8k8`, 3 products) |
+/// | fp16 (an fp16 model's) | fp16 | no | `gemv_f16`, `gemv_f16_to_f16` (FP32 FMAs) |
+/// | | any | no | `gemv_f32` (FP32 FMAs; strict FP32 and FP32 models at bf16 precision) |
+///
+/// [`plan`] sets `tensor_cores` only where a tensor-core kernel exists
+/// ([`Forward::gemv_tc`]).
+pub fn gemv_kernel(operands: Dtype, output: Dtype, precision: Precision, tensor_cores: bool) -> Kernel {
+    match (operands, output, tensor_cores, precision) {
+        (Dtype::Bf16, Dtype::Bf16, true, _) => Kernel::GemvTcBf16ToBf16,
+        (Dtype::Bf16, Dtype::F32, true, _) => Kernel::GemvTcBf16,
+        (Dtype::Bf16 | Dtype::F16, _, _, _) => {
+            let h = HalfKernels::of(operands).expect("a 16-bit dtype");
+            if output == operands { h.gemv_to_half } else { h.gemv }
+        }
+        (Dtype::F32, _, true, Precision::Tf32) => Kernel::GemvTcTf32,
+        (Dtype::F32, _, true, Precision::Tf32x3) => Kernel::GemvTcTf32x3,
+        (Dtype::F32, ..) => Kernel::GemvF32,
+    }
+}
+
+/// Whether a tensor-core small-batch kernel serves a block whose tensors are `dtype`
+/// at `precision`: a bf16 model's (as stored), or FP32 tensors in TF32 or 3xTF32.
+/// Strict FP32 stays on FP32 FMAs, and FP32 tensors at bf16 precision (operands
+/// rounded per call) have no such kernel.
+pub fn gemv_tc_serves(dtype: Dtype, precision: Precision) -> bool {
+    match dtype {
+        Dtype::Bf16 => true,
+        Dtype::F16 => false,
+        Dtype::F32 => matches!(precision, Precision::Tf32 | Precision::Tf32x3),
     }
 }
 
@@ -476,6 +515,11 @@ pub struct Forward {
     pub w_aligned: bool,
     /// The row-wise epilogue can take rows of `n` on this GPU ([`rows_fit`]).
     pub rows_fit: bool,
+    /// The small-batch kernels may run ([`Tuning::gemv`](crate::gpu::Tuning::gemv)).
+    pub gemv: bool,
+    /// A tensor-core small-batch kernel serves this block ([`gemv_tc_serves`]) and may
+    /// run ([`Tuning::gemv_tensor_cores`](crate::gpu::Tuning::gemv_tensor_cores)).
+    pub gemv_tc: bool,
 }
 
 /// Whether the row-wise epilogue's forward takes rows of `n` features with `smem_optin`
@@ -510,13 +554,16 @@ pub fn rows_too_wide(spec: &crate::BlockSpec) -> Option<String> {
 /// take widened copies of both on every call (of the whole weight: 0.27 ms at 8 x
 /// 4096 x 4096, where the unsplit bf16 kernel streams `W` once).
 ///
-/// At most `gemv::ROWS` rows, a depth of whole 16-byte chunks and an aligned `W` not
-/// folded from an AvgPool: the small-batch kernel, which streams `W` across every SM
-/// where the tile GEMMs would give it a few dozen.
+/// A few rows, a depth of whole 16-byte chunks (`k % 8 == 0`) and an aligned `W` not
+/// folded from an AvgPool: a small-batch kernel, which streams `W` across every SM
+/// where the tile GEMMs would give it a few dozen. Up to [`GEMV_TC_ROWS`] rows on the
+/// tensor cores where a kernel serves the block ([`Forward::gemv_tc`]), else up to
+/// `gemv::ROWS` on FP32 FMAs.
 pub fn plan(f: Forward, sms: usize, tma: bool) -> Plan {
-    let gemv_ok = f.gemv_chain || f.rows_fit;
-    if (1..=GEMV_ROWS).contains(&f.batch) && f.k.is_multiple_of(8) && f.w_aligned && !f.folded && gemv_ok {
-        return Plan::Gemv { chain: f.gemv_chain };
+    let gemv_ok = f.gemv && (f.gemv_chain || f.rows_fit) && f.k.is_multiple_of(8) && f.w_aligned && !f.folded;
+    let rows = if f.gemv_tc { GEMV_TC_ROWS } else { GEMV_ROWS };
+    if gemv_ok && (1..=rows).contains(&f.batch) {
+        return Plan::Gemv { chain: f.gemv_chain, tensor_cores: f.gemv_tc };
     }
     let tiles = f.batch.div_ceil(BLOCK_M) * f.n.div_ceil(BLOCK_N);
     let unsplit = Plan::GemmThenRows { splits: 1 };
@@ -721,14 +768,16 @@ mod tests {
         // The widened fallback runs the FP32 tensors' route in fp16.
         let w = r(fwd, (3, 12, 12), F16, true);
         assert!(w.widened && w.kernel == Kernel::GemmMmaF16NtVec4, "{w:?}");
-        assert_eq!(gemv_kernel(F16, F16), Kernel::GemvF16ToF16);
-        assert_eq!(gemv_kernel(F16, F32), Kernel::GemvF16);
+        assert_eq!(gemv_kernel(F16, F16, Precision::Fp16, false), Kernel::GemvF16ToF16);
+        assert_eq!(gemv_kernel(F16, F32, Precision::Fp16, false), Kernel::GemvF16);
+        assert!(!gemv_tc_serves(F16, Precision::Fp16));
         assert_eq!(tiles_backward_kernel(F16), Kernel::EpilogueTilesBackwardF16);
         for (h, tag) in [(&HalfKernels::BF16, "bf16"), (&HalfKernels::F16, "f16")] {
             let all =
                 [h.tma_nt, h.tma_nt_to_half, h.tma_nn_to_half, h.tma_tn_to_half, h.tma_tn, h.gemv, h.gemv_to_half];
             let all = all.into_iter().chain(h.mma.into_iter().flatten());
-            let all = all.chain([h.tiles_backward, h.fold, h.unfold, h.transpose_to_half, h.narrow, h.widen]);
+            let all = all.chain([h.tiles_backward, h.rows, h.rows_backward, h.fold, h.unfold]);
+            let all = all.chain([h.transpose_to_half, h.narrow, h.widen]);
             for k in all {
                 let other = if tag == "f16" { "bf16" } else { "_f16" };
                 assert!(k.name().contains(tag) && !k.name().contains(other), "{tag}: {k}");
@@ -804,7 +853,8 @@ mod tests {
 
     /// A bf16 model's forward never splits `k` where its kernel reads the tensors as
     /// stored; an FP32 one does at few tiles and a deep `k`. At most 8 rows take the
-    /// small-batch kernel, unless `W` is misaligned or folded, or `k` not whole chunks.
+    /// small-batch kernel (`GEMV_TC_ROWS` on the tensor cores), unless `W` is
+    /// misaligned or folded, `k` not whole chunks, or the tuning says no.
     #[test]
     fn plans_split_only_widened_or_fp32_forwards() {
         let f = |dtype, folded| Forward {
@@ -817,6 +867,8 @@ mod tests {
             gemv_chain: true,
             w_aligned: true,
             rows_fit: true,
+            gemv: true,
+            gemv_tc: false,
         };
         assert_eq!(plan(f(Dtype::Bf16, false), 132, true), Plan::Fused);
         assert!(matches!(plan(f(Dtype::F32, false), 132, true), Plan::GemmThenRows { splits } if splits > 1));
@@ -828,9 +880,24 @@ mod tests {
         assert_eq!(plan(Forward { rows_fit: false, ..f(Dtype::F32, false) }, 132, true), Plan::Fused);
 
         let small = Forward { batch: 8, ..f(Dtype::Bf16, false) };
-        assert_eq!(plan(small, 132, true), Plan::Gemv { chain: true });
-        assert_eq!(plan(Forward { gemv_chain: false, ..small }, 132, true), Plan::Gemv { chain: false });
+        let fma = |chain| Plan::Gemv { chain, tensor_cores: false };
+        assert_eq!(plan(small, 132, true), fma(true));
+        assert_eq!(plan(Forward { gemv_chain: false, ..small }, 132, true), fma(false));
+        // On the tensor cores: up to GEMV_TC_ROWS rows.
+        let tc = Forward { gemv_tc: true, ..small };
+        for batch in [1, 9, GEMV_TC_ROWS] {
+            let want = Plan::Gemv { chain: true, tensor_cores: true };
+            assert_eq!(plan(Forward { batch, ..tc }, 132, true), want, "{batch} rows");
+        }
+        assert_eq!(
+            plan(Forward { gemv_chain: false, ..tc }, 132, true),
+            Plan::Gemv { chain: false, tensor_cores: true }
+        );
         for not_gemv in [
+            Forward { batch: GEMV_TC_ROWS + 1, ..tc },
+            Forward { k: 4092, ..tc },
+            Forward { gemv: false, ..tc },
+            Forward { gemv: false, ..small },
             Forward { batch: 9, ..small },
             Forward { batch: 0, ..small },
             Forward { w_aligned: false, ..small },
@@ -856,7 +923,16 @@ mod tests {
         assert!(!gemv_chain_fits(&[swish], 100)); // n not whole slabs
         assert!(!gemv_chain_fits(&[Op::RowMax], 4096));
         assert!(!gemv_chain_fits(&[Op::AvgPool(4)], 4096));
-        assert_eq!(gemv_kernel(Dtype::Bf16, Dtype::Bf16), Kernel::GemvBf16ToBf16);
+        use Precision::*;
+        assert_eq!(gemv_kernel(Dtype::Bf16, Dtype::Bf16, Bf16, false), Kernel::GemvBf16ToBf16);
+        assert_eq!(gemv_kernel(Dtype::Bf16, Dtype::Bf16, Bf16, true), Kernel::GemvTcBf16ToBf16);
+        assert_eq!(gemv_kernel(Dtype::Bf16, Dtype::F32, Bf16, true), Kernel::GemvTcBf16);
+        assert_eq!(gemv_kernel(Dtype::F32, Dtype::F32, Tf32, true), Kernel::GemvTcTf32);
+        assert_eq!(gemv_kernel(Dtype::F32, Dtype::F32, Tf32x3, true), Kernel::GemvTcTf32x3);
+        assert_eq!(gemv_kernel(Dtype::F32, Dtype::F32, Tf32, false), Kernel::GemvF32);
+        // Strict FP32, and FP32 tensors at bf16 precision, have no tensor-core kernel.
+        assert!(gemv_tc_serves(Dtype::Bf16, Bf16) && gemv_tc_serves(Dtype::F32, Tf32x3));
+        assert!(!gemv_tc_serves(Dtype::F32, Fp32) && !gemv_tc_serves(Dtype::F32, Bf16));
     }
 
     /// A chain that needs whole rows is refused over rows wider than the row-wise

@@ -26,10 +26,26 @@ pub struct Tuning {
     /// it waits for the GPU to read the counts): for tuning the error model. Default:
     /// off.
     pub kink_stats: bool,
+    /// Let a forward of a few rows run a small-batch kernel (`gemv_*`, `gemv_tc_*`)
+    /// where the dispatch allows (`gpu::dispatch::plan`). Off (`--no-gemv`), the tile
+    /// GEMMs run every batch. Default: on.
+    pub gemv: bool,
+    /// Let the small-batch forward run on the tensor cores (`gemv_tc_*`, up to
+    /// `dispatch::GEMV_TC_ROWS` rows) for bf16 models and TF32 / 3xTF32. Off
+    /// (`--no-gemv-tensor-cores`), the FP32-FMA `gemv_*` takes up to 8 rows and the
+    /// tile GEMMs the rest. Default: on.
+    pub gemv_tensor_cores: bool,
 }
 
 impl Default for Tuning {
     fn default() -> Tuning {
-        Tuning { tma: true, kink_refinement: true, kink_values: true, kink_stats: false }
+        Tuning {
+            tma: true,
+            kink_refinement: true,
+            kink_values: true,
+            kink_stats: false,
+            gemv: true,
+            gemv_tensor_cores: true,
+        }
     }
 }

@@ -352,6 +352,53 @@ unsafe fn store_row<E: Element>(y: *mut E, src: *const f32, f: usize) {
     }
 }
 
+/// [`op_forward`] for the ops that stay inside a slab of a row — per-element ops and
+/// GroupNorms whose groups lie in it — over `rows` rows of `f` features at `x` (row
+/// pitch `f`) at once: one barrier per op however many rows. Unknown codes poison.
+/// Every thread of the block calls it; it ends with a barrier.
+///
+/// # Safety
+/// `x` holds `rows * f` floats; `op` is per-element or a GroupNorm of `op.count`
+/// groups dividing `f`, its parameter vectors hold `f` floats.
+#[inline(always)]
+pub(crate) unsafe fn op_forward_rows(op: &OpDesc, x: *mut f32, rows: usize, f: usize) {
+    let t = thread_idx_x() as usize;
+    let (warp, lane) = (warp_id() as usize, lane_id() as usize);
+    let (p0, p1) = (op.param0 as *const f32, op.param1 as *const f32);
+    // SAFETY (whole body): every index is below the extent the contract gives.
+    unsafe {
+        if op.code == OP_GROUP_NORM {
+            let groups = op.count as usize;
+            let size = f / groups;
+            let mut g = warp;
+            while g < rows * groups {
+                let (r, gi) = (g / groups, g % groups);
+                let s = x.add(r * f + gi * size);
+                let (mean, rstd) = group_stats(s, size, op.a, lane);
+                let mut j = lane;
+                while j < size {
+                    let ch = gi * size + j;
+                    *s.add(j) = (*s.add(j) - mean) * rstd * *p0.add(ch) + *p1.add(ch);
+                    j += WARP;
+                }
+                g += WARPS;
+            }
+        } else {
+            let code = op.code;
+            let mut i = t;
+            while i < rows * f {
+                let j = i % f;
+                let v = *x.add(i);
+                *x.add(i) = match_pointwise!(code, P => {
+                    P::forward(v, if P::HAS_PARAM { *p0.add(j) } else { 0.0 }, op.a, op.b)
+                }, _ => f32::NAN);
+                i += ROW_THREADS;
+            }
+        }
+        sync_threads();
+    }
+}
+
 /// `y[row] = chain(sum_s z[s, row] + bias)` for every row: `splits` partial GEMM
 /// products (split-K) are added first, then the bias (if not null), then the chain;
 /// `y` is stored as `E` (FP32, or bf16 / fp16 rounded to nearest even once).

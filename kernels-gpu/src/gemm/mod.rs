@@ -50,6 +50,7 @@ impl BlockTile {
 
 pub mod fma;
 pub mod gemv;
+pub mod gemv_tc;
 pub mod staged;
 pub mod mma;
 pub mod tma;
