@@ -51,6 +51,9 @@ impl DeviceChain {
                 // The same math as a GroupNorm of one group (kernel_abi::ops).
                 Op::LayerNorm { eps } => (d.code, d.count, d.a) = (OP_GROUP_NORM, 1, eps),
                 Op::RmsNorm { eps } => (d.code, d.a) = (OP_RMS_NORM, eps),
+                Op::BatchNorm { .. } => {
+                    return Err(Error::Chain(format!("`{op}`: the GPU kernels do not run a BatchNorm")));
+                }
             }
             descs.push(d);
         }
