@@ -106,9 +106,11 @@ def _forward_op(
 def _forward_fake(x, weight, bias, params, ops, precision):
     out_shape, gpu_width, cpu_width, _, _ = _describe(int(x.shape[1]), int(weight.shape[0]), ops)
     y = x.new_empty((x.shape[0], *out_shape))
-    # A bf16 model's saved z is float32.
+    # A bf16 model's saved z is float32; a BatchNorm's batch statistics are two more rows.
     z_dtype = torch.float32 if x.dtype == torch.bfloat16 else x.dtype
-    z = x.new_empty((x.shape[0], gpu_width if x.device.type == "cuda" else cpu_width), dtype=z_dtype)
+    canonical = _describe(int(x.shape[1]), int(weight.shape[0]), ops)[3]
+    rows = x.shape[0] + (2 if any(op.startswith("batchnorm") for op in canonical) else 0)
+    z = x.new_empty((rows, gpu_width if x.device.type == "cuda" else cpu_width), dtype=z_dtype)
     return y, z
 
 
@@ -177,10 +179,11 @@ class _Eager(torch.autograd.Function):
         y, z = _run_forward(x, weight, bias, list(params), ops, precision, True)
         ctx.save_for_backward(x, weight, bias, z, *params)
         ctx.ops, ctx.precision = ops, precision
-        return y
+        ctx.mark_non_differentiable(z)
+        return y, z
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, _dz):
         x, weight, bias, z, *params = ctx.saved_tensors
         dx, dw, db, dparams = _run_backward(x, weight, bias, params, z, dy, ctx.ops, ctx.precision)
         return (dx, dw, db, None, None, *dparams)
@@ -397,13 +400,46 @@ def _apply(x: Tensor, weight: Tensor, bias: Tensor, params: List[Tensor], ops: s
     )
     if _plain_eager(x, weight, bias, params):
         if wants_grad:
-            return _Eager.apply(x, weight, bias, ops, precision, *params)
+            return _Eager.apply(x, weight, bias, ops, precision, *params)[0]
         return _native.forward(
             x, weight, bias, params, ops, precision, _stream(x), _allocator(x.device, x.dtype), save=False
         )[0]
     if wants_grad:
         return torch.ops.fused_linear.forward(x, weight, bias, params, ops, precision)[0]
     return torch.ops.fused_linear.inference(x, weight, bias, params, ops, precision)
+
+
+def _with_batch_stats(
+    x: Tensor, weight: Tensor, bias: Tensor, ops: str, params: List[Tensor], precision: Optional[str]
+) -> Tuple[Tensor, Tensor]:
+    """:func:`fused_linear` of a chain with a ``batchnorm`` on a 2-D ``x``, and the batch
+    statistics of its BatchNorm, ``(2, C)``: each feature's mean and biased variance (detached),
+    what the caller's running statistics are updated from. The forward saves its state
+    ``z`` (it carries the statistics as two more rows) even where no gradient is wanted."""
+    params = list(params)
+    if x.dim() != 2:
+        raise ValueError(
+            f"x: a chain with a BatchNorm takes 2-D (batch, features) inputs, got {tuple(x.shape)}"
+        )
+    half = x.dtype in (torch.bfloat16, torch.float16)
+    if half and not x.is_cuda:
+        wide = [t.float() if isinstance(t, Tensor) else t for t in (bias, *params)]
+        y, stats = _with_batch_stats(x.float(), weight.float(), wide[0], ops, wide[1:], None)
+        return y.to(x.dtype), stats
+    if x.dtype == torch.float16:
+        raise TypeError("a chain with a BatchNorm on CUDA float16 tensors is not supported; use float32")
+    precision = _resolve_precision(x, precision)
+    wants_grad = torch.is_grad_enabled() and any(
+        getattr(t, "requires_grad", False) for t in (x, weight, bias, *params)
+    )
+    if _plain_eager(x, weight, bias, params):
+        if wants_grad:
+            y, z = _Eager.apply(x, weight, bias, ops, precision, *params)
+        else:
+            y, z = _run_forward(x, weight, bias, params, ops, precision, True)
+    else:
+        y, z = torch.ops.fused_linear.forward(x, weight, bias, params, ops, precision)
+    return y, z[-2:].detach()
 
 
 _GROUPNORM = re.compile(r"groupnorm\((\d+),([^)]+)\)")

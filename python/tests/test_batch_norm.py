@@ -1,0 +1,202 @@
+"""BatchNorm1d in training mode as the ``batchnorm`` chain op: float64 gradcheck, and
+``fuse()`` on KernelBench's BatchNorm problems (33, 39, 84, 41, 97) at small sizes against
+PyTorch: output, every gradient, the running statistics and ``num_batches_tracked`` over
+training steps, ``.train()``/``.eval()`` switching at call time, ``momentum=None``.
+
+Gradients are compared as test_kernelbench36 does (``NOISE``): the Linear bias ahead of a
+training-mode BatchNorm gets a gradient of exactly zero in exact arithmetic, which float32
+rounds to noise in any summation order.
+"""
+
+import copy
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import fused_linear
+from fused_linear.fuse import _fused_call
+
+KERNELBENCH = Path(__file__).resolve().parents[2] / "examples" / "kernelbench"
+PROBLEMS = (
+    "p033_gemm_scale_batchnorm",
+    "p039_gemm_scale_batchnorm",
+    "p084_gemm_batchnorm_scaling_softmax",
+    "p041_gemm_batchnorm_gelu_relu",
+    "p097_matmul_batchnorm_biasadd_divide_swish",
+)
+TOL = 1e-5
+NOISE = 4.0
+
+
+def _gradcheck(ops, shape=(6, 5, 7), seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    n, k, f = shape
+    make = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(device).requires_grad_(True)  # noqa: E731
+    x, w, b = make(n, k), make(f, k), make(f)
+    gamma, beta = make(f), make(f)
+    params = [gamma, beta] if ops.count(",") == ops.replace("batchnorm", "").count(",") else []
+    _, _, _, _, specs = fused_linear._describe(k, f, ops)
+    params = [make(*shape) for _, shape, _ in specs]
+
+    def fn(x, w, b, *p):
+        return fused_linear.fused_linear(x, w, b, ops, list(p))
+
+    assert torch.autograd.gradcheck(fn, (x, w, b, *params), eps=1e-6, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "ops",
+    ["swish,batchnorm", "batchnorm(1e-3),scale(2.0),softmax", "tanh,mul,batchnorm,gelu", "bn,bias,swish"],
+)
+def test_gradcheck_float64(ops):
+    _gradcheck(ops)
+
+
+def test_one_row_is_refused_as_pytorch_refuses_it():
+    x, w, b = torch.randn(1, 4), torch.randn(3, 4), torch.randn(3)
+    with pytest.raises(ValueError, match="more than 1 row"):
+        fused_linear.fused_linear(x, w, b, "batchnorm", [torch.ones(3), torch.zeros(3)])
+
+
+def test_batchnorm_after_a_row_op_is_refused():
+    with pytest.raises(ValueError, match="per-element ops only"):
+        fused_linear.fused_linear(torch.randn(4, 4), torch.randn(3, 4), torch.randn(3), "softmax,bn", [])
+
+
+def _problem(name, scale=32):
+    sys.path.insert(0, str(KERNELBENCH))
+    try:
+        problem = importlib.import_module(name)
+    finally:
+        sys.path.remove(str(KERNELBENCH))
+    problem.set_shape_scale(scale)
+    try:
+        torch.manual_seed(0)
+        model = problem.Model(*problem.get_init_inputs())
+        xs = [problem.get_inputs()[0] for _ in range(3)]
+    finally:
+        problem.set_shape_scale(1)
+    return model, xs
+
+
+def _step(model, x, seed):
+    xg = x.detach().clone().requires_grad_(True)
+    y = model(xg)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), dtype=y.dtype)
+    names, params = zip(*model.named_parameters())
+    grads = torch.autograd.grad(y, [xg, *params], dy)
+    return y.detach(), dict(zip(("x", *names), grads))
+
+
+def _close(name, new, ref, ref64):
+    err = (new - ref).double().norm().item()
+    bar = TOL * ref.double().norm().item() + NOISE * (ref.double() - ref64).norm().item()
+    assert err <= bar, f"{name}: ||fused - model|| = {err:.3e} > {bar:.3e}"
+
+
+def _check_buffers(fused, model):
+    for (name, mine), (_, theirs) in zip(fused.named_buffers(), model.named_buffers()):
+        if mine.dtype == torch.long:
+            assert torch.equal(mine, theirs), name
+        else:
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("name", PROBLEMS)
+def test_fuse_takes_the_whole_problem_in_training_mode(name):
+    model, xs = _problem(name)
+    ref = copy.deepcopy(model)
+    ref64 = copy.deepcopy(model).double()
+    fused = fused_linear.fuse(model)
+    calls = [n for n in fused.graph.nodes if n.op == "call_function" and n.target is _fused_call]
+    assert len(calls) == 1 and "batchnorm" in calls[0].args[3]
+    left = [n for n in fused.graph.nodes if n.op == "call_module"]
+    assert not left, f"left to PyTorch: {left}"
+    for step, x in enumerate(xs):
+        y_new, g_new = _step(fused, x, step)
+        y_ref, g_ref = _step(ref, x, step)
+        y_64, g_64 = _step(ref64, x.double(), step)
+        _close("y", y_new, y_ref, y_64)
+        for n in g_ref:
+            _close(n, g_new[n], g_ref[n], g_64[n])
+        _check_buffers(fused, ref)
+    # Eval mode uses the running statistics (the affine), and training again the batch's.
+    fused.eval()
+    ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fused(xs[0]), ref(xs[0]), rtol=1e-5, atol=1e-6)
+    _check_buffers(fused, ref)
+    fused.train()
+    ref.train()
+    with torch.no_grad():  # running statistics move under no_grad as well
+        torch.testing.assert_close(fused(xs[1]), ref(xs[1]), rtol=1e-5, atol=1e-5)
+    _check_buffers(fused, ref)
+
+
+def test_an_eval_model_fused_then_trained():
+    """A model fused in eval mode gets the same switching call: training later works."""
+    model = nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5), nn.GELU()).eval()
+    ref = copy.deepcopy(model)
+    fused = fused_linear.fuse(model)
+    x = torch.randn(9, 6)
+    torch.testing.assert_close(fused(x), ref(x))
+    fused.train()
+    ref.train()
+    torch.testing.assert_close(fused(x), ref(x), rtol=1e-5, atol=1e-5)
+    _check_buffers(fused, ref)
+
+
+@pytest.mark.parametrize("momentum", [None, 0.3])
+@pytest.mark.parametrize("affine", [True, False])
+def test_momentum_and_affine(momentum, affine):
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.BatchNorm1d(5, momentum=momentum, affine=affine))
+    ref = copy.deepcopy(model)
+    fused = fused_linear.fuse(model)
+    for seed in range(3):
+        x = torch.randn(7, 6, generator=torch.Generator().manual_seed(seed))
+        y_new, g_new = _step(fused, x, seed)
+        y_ref, g_ref = _step(ref, x, seed)
+        torch.testing.assert_close(y_new, y_ref, rtol=1e-5, atol=1e-5)
+        for n in g_ref:
+            torch.testing.assert_close(g_new[n], g_ref[n], rtol=1e-4, atol=1e-5, msg=n)
+        _check_buffers(fused, ref)
+
+
+def test_without_running_statistics():
+    """track_running_stats=False: batch statistics in both modes, no buffers to update."""
+    model = nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5, track_running_stats=False), nn.ReLU())
+    ref = copy.deepcopy(model)
+    fused = fused_linear.fuse(model)
+    x = torch.randn(8, 6)
+    for mode in (True, False):
+        fused.train(mode)
+        ref.train(mode)
+        torch.testing.assert_close(fused(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_second_batchnorm_is_left_to_pytorch(capsys):
+    model = nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5), nn.Softmax(dim=1), nn.BatchNorm1d(5))
+    fused = fused_linear.fuse(model, verbose=True)
+    out = capsys.readouterr().out
+    assert "must follow per-element ops only" in out
+    ref = copy.deepcopy(model)
+    x = torch.randn(8, 6)
+    torch.testing.assert_close(fused(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_fuse_leaves_training_batchnorm_to_pytorch_on_the_gpu(capsys):
+    """The GPU kernels have no BatchNorm on batch statistics: a CUDA model's stays PyTorch's."""
+    model = nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.GELU()).cuda()
+    ref = copy.deepcopy(model)
+    fused = fused_linear.fuse(model, verbose=True)
+    assert "the GPU kernels do not run a BatchNorm" in capsys.readouterr().out
+    x = torch.randn(16, 64, device="cuda")
+    torch.testing.assert_close(fused(x), ref(x), rtol=1e-4, atol=1e-4)
+    _check_buffers(fused, ref)
+    with pytest.raises(Exception, match="do not run a BatchNorm"):
+        fused_linear.fused_linear(x, ref[0].weight, ref[0].bias, "batchnorm", [ref[1].weight, ref[1].bias])
