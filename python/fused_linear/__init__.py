@@ -421,13 +421,14 @@ def _with_batch_stats(
         raise ValueError(
             f"x: a chain with a BatchNorm takes 2-D (batch, features) inputs, got {tuple(x.shape)}"
         )
-    half = x.dtype in (torch.bfloat16, torch.float16)
-    if half and not x.is_cuda:
+    # 16-bit models on float32 copies, as fused_linear() runs them (a bf16 model's own
+    # kernels on CUDA have no BatchNorm yet: the op says so).
+    if x.dtype == torch.float16 or (x.dtype == torch.bfloat16 and not x.is_cuda):
         wide = [t.float() if isinstance(t, Tensor) else t for t in (bias, *params)]
-        y, stats = _with_batch_stats(x.float(), weight.float(), wide[0], ops, wide[1:], None)
+        if precision is None and x.dtype == torch.float16 and x.is_cuda:
+            precision = "tf32"
+        y, stats = _with_batch_stats(x.float(), weight.float(), wide[0], ops, wide[1:], precision)
         return y.to(x.dtype), stats
-    if x.dtype == torch.float16:
-        raise TypeError("a chain with a BatchNorm on CUDA float16 tensors is not supported; use float32")
     precision = _resolve_precision(x, precision)
     wants_grad = torch.is_grad_enabled() and any(
         getattr(t, "requires_grad", False) for t in (x, weight, bias, *params)

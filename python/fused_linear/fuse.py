@@ -316,7 +316,9 @@ def _step(gm: fx.GraphModule, chain: _Chain, cur: fx.Node) -> Optional[fx.Node]:
         tracked = (
             module.track_running_stats and module.running_mean is not None and module.running_var is not None
         )
-        on_gpu = any(t.is_cuda for t in (*module.parameters(), *module.buffers()))
+        # A bf16 model's own GPU kernels have no BatchNorm yet (float32 and fp16 ones do).
+        tensors = [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
+        on_gpu = any(t.is_cuda and t.dtype == torch.bfloat16 for t in tensors)
         # The `batchnorm` op (batch statistics) follows per-element ops only, once.
         before = [op.split("(")[0] for op in chain.ops]
         fits = chain.batch_norm is None and not chain.reduced and all(op in _per_element() for op in before)
@@ -329,7 +331,7 @@ def _step(gm: fx.GraphModule, chain: _Chain, cur: fx.Node) -> Optional[fx.Node]:
             return take(f"batchnorm({module.eps!r})", weight, bias)
         if module.training or not tracked:
             why = (
-                "the GPU kernels do not run a BatchNorm on batch statistics yet"
+                "a bf16 model's GPU kernels do not run a BatchNorm on batch statistics yet"
                 if on_gpu
                 else "a BatchNorm on batch statistics must follow per-element ops only, once"
             )

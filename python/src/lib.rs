@@ -560,8 +560,12 @@ macro_rules! gpu_entry_points {
                 g.block.forward_into(&g.gpu, &g.x, &mut ws, None).map_err(to_py)?;
                 return Ok((into_torch(py, ws.y, &out_shape)?, None));
             }
-            let (y, saved) = g.block.forward_train(&g.gpu, &g.x, false).map_err(to_py)?;
-            Ok((into_torch(py, y, &out_shape)?, Some(into_torch(py, saved.z, &call.z_shape())?)))
+            let (y, saved, stats) = g.block.forward_train_stats(&g.gpu, &g.x, false).map_err(to_py)?;
+            let z = match stats {
+                Some(stats) => with_batch_stats(&g.gpu, &saved.z, &stats).map_err(to_py)?,
+                None => saved.z,
+            };
+            Ok((into_torch(py, y, &out_shape)?, Some(into_torch(py, z, &call.z_shape())?)))
         }
 
         fn $backward<'py>(
@@ -574,7 +578,9 @@ macro_rules! gpu_entry_points {
             let g = gpu_call::<$w>(call, index, stream, allocate)?;
             // SAFETY: z and dy were checked as the other arguments were (z float32, dy
             // of the block's type).
-            let z_dev = unsafe { g.gpu.borrow_tensor::<f32>(z.ptr, &z.shape) }.map_err(to_py)?;
+            // Without a BatchNorm's statistics rows (the backward recomputes them from z).
+            let z_rows = [call.batch, z.shape[1]];
+            let z_dev = unsafe { g.gpu.borrow_tensor::<f32>(z.ptr, &z_rows) }.map_err(to_py)?;
             let dy_dev = unsafe { g.gpu.borrow_tensor::<$w>(dy.ptr, &dy.shape) }.map_err(to_py)?;
             let dtypes: Vec<DType> = [&call.bias].into_iter().chain(&call.params).map(|a| a.dtype).collect();
             let small = |block: &GpuBlock<$w>, gpu: &Gpu, slots: &DeviceTensor| small_grads(block, gpu, slots, &dtypes);
@@ -597,6 +603,27 @@ macro_rules! gpu_entry_points {
             Ok((dx, dw, db, dparams))
         }
     };
+}
+
+/// `z` `(batch, n)` followed by the BatchNorm's batch mean and biased variance (the first
+/// two rows of `stats`): the saved state a chain with a BatchNorm hands the package.
+fn with_batch_stats(gpu: &Gpu, z: &DeviceTensor, stats: &DeviceTensor) -> host::Result<DeviceTensor> {
+    let (len, n) = (z.len(), stats.shape[1]);
+    let out = gpu.alloc(&[z.shape[0] + BATCH_STATS_ROWS, n])?;
+    let at = out.buf.device_address();
+    let copies = [
+        Vector { src: z.buf.device_address(), dst: at, len, mode: Convert::F32 },
+        Vector {
+            src: stats.buf.device_address(),
+            dst: at + (len * 4) as u64,
+            len: BATCH_STATS_ROWS * n,
+            mode: Convert::F32,
+        },
+    ];
+    // SAFETY: the sources hold `len` and `2 n` values, `out` both after one another; all
+    // live until the launch is queued, their frees stream-ordered after it.
+    unsafe { convert_vectors(gpu, gpu.stream(), &copies)? };
+    Ok(out)
 }
 
 /// A small gradient (the bias's or a chain parameter's) in its parameter's dtype.

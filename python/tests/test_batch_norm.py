@@ -37,8 +37,6 @@ def _gradcheck(ops, shape=(6, 5, 7), seed=0, device="cpu"):
     n, k, f = shape
     make = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(device).requires_grad_(True)  # noqa: E731
     x, w, b = make(n, k), make(f, k), make(f)
-    gamma, beta = make(f), make(f)
-    params = [gamma, beta] if ops.count(",") == ops.replace("batchnorm", "").count(",") else []
     _, _, _, _, specs = fused_linear._describe(k, f, ops)
     params = [make(*shape) for _, shape, _ in specs]
 
@@ -188,15 +186,71 @@ def test_a_second_batchnorm_is_left_to_pytorch(capsys):
     torch.testing.assert_close(fused(x), ref(x), rtol=1e-5, atol=1e-5)
 
 
+# ---------------------------------------------------------------- GPU
+
+# Chains with a nonlinear op before the BatchNorm (so the Linear bias has a gradient: straight
+# after the Linear the BatchNorm removes it), at shapes for the small-batch kernel (6 rows),
+# split-K (few rows, deep k), the fused GEMM and ragged widths. Not 2 rows: there each output
+# is about +-gamma and the input's gradient cancels to ~eps (a GroupNorm of two channels' case).
+GPU_CASES = [
+    ((6, 300, 512), "tanh,batchnorm,gelu,leakyrelu(0.0)"),
+    ((33, 4104, 130), "swish,bn,bias,scale(0.5),swish"),
+    ((1024, 256, 1000), "gelu,batchnorm,scale(1.5),softmax"),
+    ((130, 517, 1024), "bias,mish,bn,mul,groupnorm(8),max"),
+    ((3, 64, 96), "sigmoid,bn(1e-3),mul,gelu_tanh"),
+]
+GPU_PARITY = [(s, o, p) for s, o in GPU_CASES for p in ("fp32", "tf32x3", "bf16")]
+
+
 @pytest.mark.gpu
-def test_fuse_leaves_training_batchnorm_to_pytorch_on_the_gpu(capsys):
-    """The GPU kernels have no BatchNorm on batch statistics: a CUDA model's stays PyTorch's."""
-    model = nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.GELU()).cuda()
+@pytest.mark.parametrize(
+    "shape,ops,precision", GPU_PARITY, ids=[f"{p}-{'x'.join(map(str, s))}-{o}" for s, o, p in GPU_PARITY]
+)
+def test_gpu_parity_float64(shape, ops, precision):
+    from test_gpu import check_against_float64
+
+    check_against_float64(shape, ops, precision, seed=sum(shape))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", PROBLEMS)
+def test_fuse_on_the_gpu(name):
+    """KernelBench's BatchNorm problems on CUDA (at 1/8 of the seed size), fused against the
+    CUDA Model with TF32 off: output, every gradient, running statistics, eval switching."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model, xs = _problem(name, scale=8)
+    model, xs = model.cuda(), [x.cuda() for x in xs]
     ref = copy.deepcopy(model)
+    ref64 = copy.deepcopy(model).double()
+    fused = fused_linear.fuse(model)
+    assert not [n for n in fused.graph.nodes if n.op == "call_module"]
+    for step, x in enumerate(xs):
+        y_new, g_new = _step(fused, x, step)
+        y_ref, g_ref = _step(ref, x, step)
+        y_64, g_64 = _step(ref64, x.double(), step)
+        bar = {"y": (y_new, y_ref, y_64), **{n: (g_new[n], g_ref[n], g_64[n]) for n in g_ref}}
+        for n, (new, r, r64) in bar.items():
+            err = (new - r).double().norm().item()
+            limit = 1e-4 * r.double().norm().item() + NOISE * (r.double() - r64).norm().item()
+            assert err <= limit, f"{name} {n}: {err:.3e} > {limit:.3e}"
+        for (b, mine), (_, theirs) in zip(fused.named_buffers(), ref.named_buffers()):
+            if mine.dtype == torch.long:
+                assert torch.equal(mine, theirs), b
+            else:
+                torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5, msg=b)
+    fused.eval()
+    ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fused(xs[0]), ref(xs[0]), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_a_bf16_model_on_the_gpu_leaves_it_to_pytorch(capsys):
+    model = nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.GELU()).cuda().bfloat16()
     fused = fused_linear.fuse(model, verbose=True)
-    assert "the GPU kernels do not run a BatchNorm" in capsys.readouterr().out
-    x = torch.randn(16, 64, device="cuda")
-    torch.testing.assert_close(fused(x), ref(x), rtol=1e-4, atol=1e-4)
-    _check_buffers(fused, ref)
-    with pytest.raises(Exception, match="do not run a BatchNorm"):
+    assert "a bf16 model's GPU kernels do not run a BatchNorm" in capsys.readouterr().out
+    x = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)
+    ref = copy.deepcopy(model)
+    torch.testing.assert_close(fused(x), ref(x))
+    with pytest.raises(Exception, match="bf16 model's block with a BatchNorm"):
         fused_linear.fused_linear(x, ref[0].weight, ref[0].bias, "batchnorm", [ref[1].weight, ref[1].bias])

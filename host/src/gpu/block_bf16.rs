@@ -131,6 +131,17 @@ impl GpuBlock<Bf16> {
         Ok((ws.y, Saved { z, refined: true, own: true }))
     }
 
+    /// [`GpuBlock::forward_train`] with the statistics of a BatchNorm: none (a bf16
+    /// model's block refuses chains with one).
+    pub fn forward_train_stats(
+        &self,
+        gpu: &Gpu,
+        x: &DeviceTensor<Bf16>,
+        poison: bool,
+    ) -> Result<(DeviceTensor<Bf16>, Saved, Option<DeviceTensor>)> {
+        self.forward_train(gpu, x, poison).map(|(y, saved)| (y, saved, None))
+    }
+
     /// Gradients of a bf16 block: `dX` and `dW` in bf16, the bias's and the chain
     /// parameters' in FP32 (the caller rounds them into its parameters' type), from the
     /// output's gradient `dy (batch, features out)` in bf16, the input `x` and the
