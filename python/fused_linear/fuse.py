@@ -12,13 +12,15 @@ PyTorch's.
 Recognised, in order after the Linear: ``nn.GroupNorm`` (affine), SiLU and ``x *
 sigmoid(x)``, Sigmoid (module, ``torch.sigmoid``, ``F.sigmoid``, ``x.sigmoid()``), Mish,
 GELU (erf and ``approximate="tanh"`` forms), Tanh, LeakyReLU, Hardtanh and ``clamp(min,
-max)``, ReLU (as LeakyReLU(0)) and ReLU6 (as Hardtanh(0, 6)), ``nn.BatchNorm1d`` in eval
-mode with running statistics (the per-channel affine it is, ``mul(p),bias(q)`` with ``p =
-weight / sqrt(running_var + eps)`` and ``q = bias - running_mean * p`` computed in the
-graph; in training mode, or without running statistics, it normalises by the batch's
-and stays PyTorch's; the fused model refuses to run once put back in training mode),
-addition, subtraction, multiplication and division by a number or by a parameter of the
-features' length (subtracted and divided ones computed in the graph: ``-p``, ``1 / p``),
+max)``, ReLU (as LeakyReLU(0)) and ReLU6 (as Hardtanh(0, 6)), ``nn.BatchNorm1d`` after
+per-element ops only, once (the op ``batchnorm``, its module's mode read at each call: batch
+statistics and the running statistics' update in training mode, the per-channel affine
+``mul(p),bias(q)`` of the running statistics in eval mode, ``p = weight / sqrt(running_var +
+eps)``, ``q = bias - running_mean * p``; elsewhere an eval-mode one is that affine alone,
+computed in the graph, and the fused model refuses training mode; a training-mode one there,
+or in a bf16 model on CUDA, stays PyTorch's), addition, subtraction, multiplication and
+division by a number or by a parameter of the features' length or of one element (expanded;
+subtracted and divided ones computed in the graph: ``-p``, ``1 / p``),
 ``x + x``, ``nn.Dropout(p=0)``, AvgPool1d over features
 (``pool(x.unsqueeze(1)).squeeze(1)``) and MaxPool1d the same way (kernel and stride
 equal, no padding), ``nn.LayerNorm`` over the features (with or without weight and bias),
