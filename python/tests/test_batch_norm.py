@@ -186,6 +186,25 @@ def test_a_second_batchnorm_is_left_to_pytorch(capsys):
     torch.testing.assert_close(fused(x), ref(x), rtol=1e-5, atol=1e-5)
 
 
+def test_training_under_torch_compile():
+    """The call-time mode switch and the running statistics' update trace into one graph."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.GELU())
+    ref = copy.deepcopy(model)
+    fused = fused_linear.fuse(model)
+    compiled = torch.compile(fused, backend="aot_eager", fullgraph=True)
+    for seed in range(2):
+        x = torch.randn(10, 8, generator=torch.Generator().manual_seed(seed))
+        y_ref, g_ref = _step(ref, x, seed)
+        xg = x.clone().requires_grad_(True)
+        y = compiled(xg)
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed))
+        grads = torch.autograd.grad(y, [xg, *fused.parameters()], dy)
+        torch.testing.assert_close(y.detach(), y_ref, rtol=1e-5, atol=1e-5)
+        for n, g in zip(("x", *(n for n, _ in fused.named_parameters())), grads):
+            torch.testing.assert_close(g, g_ref[n], rtol=1e-4, atol=1e-5, msg=n)
+        _check_buffers(fused, ref)
+
+
 # ---------------------------------------------------------------- GPU
 
 # Chains with a nonlinear op before the BatchNorm (so the Linear bias has a gradient: straight
