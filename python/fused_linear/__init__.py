@@ -450,10 +450,13 @@ class FusedLinear(nn.Module):
     """``Linear(in_features, out_features)`` followed by the epilogue chain ``ops``, fused.
 
     Parameters are named as the plain PyTorch modules name theirs — ``lin.weight``,
-    ``lin.bias``, ``gn.weight``, ``gn.bias``, ``w`` (``mul``), ``bias`` (the chain's
-    ``bias``); a second op of a kind gets a number (``gn2``, ``bias2``) — and are
+    ``lin.bias``, ``gn.weight``, ``gn.bias`` (``ln``, ``rms``, ``bn`` likewise), ``w``
+    (``mul``), ``bias`` (the chain's ``bias``); a second op of a kind gets a number (``gn2``,
+    ``bias2``) — and are
     initialised as PyTorch initialises them, in chain order, so ``load_state_dict`` from
-    the plain model works and the same seed draws the same values.
+    the plain model works and the same seed draws the same values. A ``batchnorm`` is an
+    ``nn.BatchNorm1d`` (``bn``): batch statistics and its running statistics' update in
+    training mode, the running statistics in eval mode, as the module computes.
     """
 
     def __init__(
@@ -480,12 +483,25 @@ class FusedLinear(nn.Module):
         self.lin = nn.Linear(in_features, out_features, **factory)
         self._param_names: List[str] = []
         self._param_refs: List[Tuple[str, str]] = []  # (submodule or "", attribute): one getattr each
-        for name, shape, op_index in params:
+        # A BatchNorm: (its module, its op's index, its weight's index in the parameters).
+        self._batch_norm: Optional[Tuple[str, int, int]] = None
+        for i, (name, shape, op_index) in enumerate(params):
             module, _, field = name.rpartition(".")
-            if module:  # a GroupNorm's weight or bias: the module holds both
+            if module:  # a norm's weight or bias: its module holds both
                 if field == "weight":
-                    groups, eps = _GROUPNORM.fullmatch(canonical[op_index]).groups()
-                    self.add_module(module, nn.GroupNorm(int(groups), shape[0], eps=float(eps), **factory))
+                    op = canonical[op_index]
+                    eps = float(op[op.rindex(",") + 1 if "," in op else op.index("(") + 1 : -1])
+                    if op.startswith("groupnorm"):
+                        groups = int(_GROUPNORM.fullmatch(op).group(1))
+                        norm = nn.GroupNorm(groups, shape[0], eps=eps, **factory)
+                    elif op.startswith("layernorm"):
+                        norm = nn.LayerNorm(shape[0], eps=eps, **factory)
+                    elif op.startswith("rmsnorm"):
+                        norm = nn.RMSNorm(shape[0], eps=eps, **factory)
+                    else:  # batchnorm: its running statistics too, updated in training mode
+                        norm = nn.BatchNorm1d(shape[0], eps=eps, **factory)
+                        self._batch_norm = (module, op_index, i)
+                    self.add_module(module, norm)
             else:
                 self.register_parameter(name, nn.Parameter(torch.randn(*shape, **factory)))
             self._param_names.append(name)
@@ -500,7 +516,16 @@ class FusedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         lin = self._modules["lin"]._parameters
-        return fused_linear(x, lin["weight"], lin["bias"], self.ops, self.chain_parameters(), self.precision)
+        params = self.chain_parameters()
+        if self._batch_norm is not None:
+            from .fuse import _fused_call
+
+            module, op, p = self._batch_norm
+            norm = self._modules[module]
+            return _fused_call(
+                x, lin["weight"], lin["bias"], self.ops, params, self.precision, True, norm, (op, p)
+            )
+        return fused_linear(x, lin["weight"], lin["bias"], self.ops, params, self.precision)
 
     @property
     def effective_precision(self) -> str:
@@ -557,9 +582,10 @@ class FusedLinear(nn.Module):
         # Parameters stored in another dtype than the weight's (a bf16 model's float32
         # GroupNorm, say) keep it.
         with torch.no_grad():
+            own = dict(block.named_parameters())  # (a BatchNorm's running statistics are buffers)
             for name, t in tensors.items():
-                p = block.get_parameter(name)
-                if p.dtype != t.dtype:
+                p = own.get(name)
+                if p is not None and p.dtype != t.dtype:
                     p.data = t.to(p.device)
         return block
 

@@ -205,6 +205,50 @@ def test_training_under_torch_compile():
         _check_buffers(fused, ref)
 
 
+def test_fused_linear_module_with_a_batchnorm(tmp_path):
+    """FusedLinear's `batchnorm` is an nn.BatchNorm1d `bn`: parameters and running statistics
+    named as the plain model's, trained and evaluated as it is, saved and loaded whole."""
+    torch.manual_seed(0)
+    block = fused_linear.FusedLinear(6, 8, "swish,batchnorm(1e-3),gelu")
+    assert list(block.state_dict()) == [
+        "lin.weight",
+        "lin.bias",
+        "bn.weight",
+        "bn.bias",
+        "bn.running_mean",
+        "bn.running_var",
+        "bn.num_batches_tracked",
+    ]
+    ref = nn.Sequential(nn.Linear(6, 8), nn.SiLU(), nn.BatchNorm1d(8, eps=1e-3), nn.GELU())
+    ref[0].load_state_dict(block.lin.state_dict())
+    for seed in range(2):
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(seed))
+        torch.testing.assert_close(block(x), ref(x), rtol=1e-5, atol=1e-6)
+    _check_buffers(block.bn, ref[2])
+    path = tmp_path / "bn.safetensors"
+    block.save(path)
+    again = fused_linear.FusedLinear.load(path)
+    _check_buffers(again.bn, ref[2])
+    block.eval()
+    again.eval()
+    ref.eval()
+    x = torch.randn(3, 6)
+    torch.testing.assert_close(again(x), ref(x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(block(x), ref(x), rtol=1e-5, atol=1e-6)
+
+
+def test_fused_linear_module_makes_its_norms():
+    block = fused_linear.FusedLinear(4, 8, "layernorm(1e-3),rmsnorm,groupnorm(2,1e-4)")
+    assert isinstance(block.ln, nn.LayerNorm) and block.ln.eps == 1e-3
+    assert isinstance(block.rms, nn.RMSNorm) and isinstance(block.gn, nn.GroupNorm)
+    assert block.gn.num_groups == 2 and block.gn.eps == 1e-4
+    ref = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8, eps=1e-3), nn.RMSNorm(8, eps=torch.finfo().eps))
+    ref.append(nn.GroupNorm(2, 8, eps=1e-4))
+    ref[0].load_state_dict(block.lin.state_dict())
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(block(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------- GPU
 
 # Chains with a nonlinear op before the BatchNorm (so the Linear bias has a gradient: straight
