@@ -307,3 +307,77 @@ fn bad_input_is_an_error() {
     let e = err(cpu::block_forward_taped(&mut tape, &case.spec, &case.x, x_var, &case.params, &[], &opts).map(drop));
     assert!(e.contains("tape variables"), "{e}");
 }
+
+/// Chains with a BatchNorm (KernelBench 33/39, 84, 41, 97, and ops on both sides):
+/// forward, every gradient and the batch statistics against the f64 reference; over 2
+/// rows too, where each output is `±gamma / sqrt(1 + eps / d^2)` and the input's gradient
+/// is ~eps (the backend takes its exact form there, as the GPU's GroupNorm of two channels).
+#[test]
+fn batch_norm_chains_match_the_reference() {
+    let mut rng = StdRng::seed_from_u64(18);
+    let opts = Options::default();
+    for (chain, batch, k, n) in [
+        ("scale(2),batchnorm", 3, 5, 7),
+        ("swish,batchnorm(1e-2)", 2, 5, 7),
+        ("scale(-0.5),batchnorm(1e-3)", 33, 31, 24),
+        ("batchnorm,scale(1.5),softmax", 40, 8, 33),
+        ("bn,gelu,leakyrelu(0.0)", 17, 77, 96),
+        ("bn,bias,scale(0.5),swish", 130, 31, 15),
+        ("bias,mish,bn,mul,groupnorm(3),max", 5, 3, 12),
+    ] {
+        let case = Case::new(BlockSpec::new(k, n, chain.parse().unwrap()).unwrap(), batch, &mut rng);
+        let what = case.what();
+        let (y, grads) = cpu::backward(&case.spec, &case.x, &case.params, &case.dy, &opts).unwrap();
+        let (y2, z) = cpu::forward_saving(&case.spec, &case.x, &case.params, &opts).unwrap();
+        assert_eq!(y, y2, "{what}");
+        let (y_want, mut grads_want) = case.reference(Some(&z));
+        assert_close(&what, &y, &y_want, FP32_REL);
+        // After ops that are affine per feature, the BatchNorm removes the Linear bias:
+        // its gradient is 0 (f64 rounding in the reference), the sum of `dz` over rows,
+        // which cancels; held to FP32_REL of the largest `bn.bias` gradient instead.
+        if grads_want.params.linear_bias.data().iter().all(|g| g.abs() < 1e-12) {
+            let scale =
+                grads_want.params.ops.iter().flatten().flat_map(|t| t.data()).fold(0.0f64, |m, g| m.max(g.abs()));
+            let worst = grads.params.linear_bias.data().iter().fold(0.0f32, |m, g| m.max(g.abs()));
+            assert!(f64::from(worst) <= FP32_REL * scale, "{what}: lin.bias gradient {worst} (0 exactly)");
+            grads_want.params.linear_bias = grads.params.linear_bias.to_f64();
+        }
+        assert_grads_close(&what, &case.spec, &grads, &grads_want, FP32_REL);
+        let (mean, var) = cpu::batch_norm_stats(&case.spec, &case.params, &z).unwrap().unwrap();
+        let want = reference::batch_norm_stats(&case.spec, &case.params.map(f64::from), &z.to_f64()).unwrap().unwrap();
+        let n = mean.len();
+        assert_close(
+            &format!("{what}: mean"),
+            &Tensor::new(&[n], mean).unwrap(),
+            &Tensor::new(&[n], want.mean).unwrap(),
+            FP32_REL,
+        );
+        assert_close(
+            &format!("{what}: var"),
+            &Tensor::new(&[n], var).unwrap(),
+            &Tensor::new(&[n], want.var).unwrap(),
+            FP32_REL,
+        );
+    }
+}
+
+/// A BatchNorm in the wrong place, or over one row, is a clear error.
+#[test]
+fn batch_norm_refuses_one_row_and_other_places() {
+    let spec = BlockSpec::new(4, 6, "scale(2),batchnorm".parse().unwrap()).unwrap();
+    let mut rng = StdRng::seed_from_u64(19);
+    let case = Case::new(spec, 1, &mut rng);
+    let e = cpu::forward(&case.spec, &case.x, &case.params, &Options::default()).unwrap_err().to_string();
+    assert!(e.contains("more than 1 row") && e.contains("Expected more than 1 value per channel"), "{e}");
+    let e = case.spec.check_batch(1).unwrap_err().to_string();
+    assert!(e.contains("more than 1 row"), "{e}");
+    let e = reference::block_forward(&case.spec, &case.x.to_f64(), &case.params.map(f64::from)).unwrap_err();
+    assert!(e.to_string().contains("more than 1 row"), "{e}");
+    for (chain, why) in
+        [("softmax,batchnorm", "after `softmax`"), ("bn,bn", "once in a chain"), ("max,bn", "after `max`")]
+    {
+        let e = BlockSpec::new(4, 6, chain.parse().unwrap()).unwrap_err().to_string();
+        assert!(e.contains(why), "{chain}: {e}");
+    }
+    assert!(BlockSpec::new(4, 6, "bn,softmax,max".parse().unwrap()).is_ok());
+}

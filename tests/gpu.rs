@@ -818,3 +818,87 @@ fn check_step(
         assert!(c.passes(tol), "{name}: {what}: {c:?}");
     }
 }
+
+/// Chains with a BatchNorm on batch statistics (KernelBench 33/39, 84, 41, 97, and ops on
+/// both sides of it) in FP32, 3xTF32 and bf16 GEMMs, on every forward plan (the small-batch
+/// kernel at 6 rows, split-K at few rows and a deep `k`, the fused GEMM, ragged widths),
+/// into poisoned outputs: `y` against the f64 reference at the precision's tolerance,
+/// every gradient and the batch statistics against the reference at the GPU's own `z`
+/// (the backward's and the column reduction's own error, FP32's). A Linear bias straight
+/// before the BatchNorm has a gradient of exactly 0: held to FP32_REL of the largest
+/// BatchNorm gradient instead.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn batch_norm_chains_match_reference() {
+    use host::Precision;
+    let gpu = gpu();
+    let mut rng = StdRng::seed_from_u64(31);
+    let cases: [(&str, (usize, usize, usize)); 7] = [
+        ("scale(2),batchnorm", (300, 520, 256)),
+        ("batchnorm,scale(1.5),softmax", (1024, 256, 1000)),
+        ("bn,gelu,leakyrelu(0)", (6, 300, 512)),
+        ("bn,bias,scale(0.5),swish", (33, 4104, 130)),
+        ("bias,mish,bn,mul,groupnorm(8),max", (130, 517, 1024)),
+        ("tanh,bn(1e-3),mul,gelu_tanh", (3, 64, 96)),
+        ("leakyrelu(0.2),batchnorm,avgpool(4),sum", (2100, 200, 260)),
+    ];
+    for precision in [Precision::Fp32, Precision::Tf32x3, Precision::Bf16] {
+        for (text, (b, i, o)) in cases {
+            let spec = BlockSpec::new(i, o, text.parse().unwrap()).unwrap();
+            let (params, x, dy) = random_case(&spec, b, &mut rng);
+            let block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(precision);
+            let what = format!("{precision} {text} ({b}, {i}, {o})");
+            let y = block.forward(&gpu, &x).unwrap();
+            let p64 = params.map(f64::from);
+            let want_y = reference::block_forward(&spec, &x.to_f64(), &p64).unwrap();
+            let c = compare_f32(y.data(), want_y.data());
+            assert!(c.passes(precision.tolerance()), "{what}: y {c:?}");
+
+            let got = block.forward_backward(&gpu, &x, &dy).unwrap();
+            let c = compare_f32(got.y.data(), want_y.data());
+            assert!(c.passes(precision.tolerance()), "{what}: training y {c:?}");
+            let z64 = got.z.to_f64();
+            let (_, mut want) = reference::block_backward_at(&spec, &x.to_f64(), &p64, &dy.to_f64(), &z64).unwrap();
+            if want.params.linear_bias.data().iter().all(|g| g.abs() < 1e-9) {
+                let scale = want.params.ops.iter().flatten().flat_map(|t| t.data()).fold(0.0f64, |m, g| m.max(g.abs()));
+                let worst = got.params.linear_bias.data().iter().fold(0.0f32, |m, g| m.max(g.abs()));
+                assert!(f64::from(worst) <= FP32_REL * scale, "{what}: lin.bias gradient {worst} (0 exactly)");
+                want.params.linear_bias = got.params.linear_bias.to_f64();
+            }
+            for (name, c) in got.compare(&spec, &want) {
+                assert!(c.passes(FP32_REL), "{what}: {name}: {c:?}");
+            }
+
+            // The batch statistics, at the GPU's own z.
+            let dx = gpu.upload(&x).unwrap();
+            let (_, saved, stats) = block.forward_train_stats(&gpu, &dx, true).unwrap();
+            let stats = gpu.download(&stats.expect("a BatchNorm's statistics")).unwrap();
+            let z = gpu.download(&saved.z).unwrap().to_f64();
+            let want = reference::batch_norm_stats(&spec, &p64, &z).unwrap().unwrap();
+            let (mean, var) = stats.data()[..2 * o].split_at(o);
+            assert!(compare_f32(mean, &want.mean).passes(FP32_REL), "{what}: mean {:?}", compare_f32(mean, &want.mean));
+            assert!(compare_f32(var, &want.var).passes(FP32_REL), "{what}: var {:?}", compare_f32(var, &want.var));
+            println!("{what}: ok");
+        }
+    }
+}
+
+/// One row, and a bf16 model's block, are refused with a reason.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn batch_norm_refuses_one_row_and_bf16_models() {
+    let gpu = gpu();
+    let spec = BlockSpec::new(16, 32, "scale(2),batchnorm".parse().unwrap()).unwrap();
+    let mut rng = StdRng::seed_from_u64(32);
+    let (params, x, _) = random_case(&spec, 1, &mut rng);
+    let block = GpuBlock::new(&gpu, &spec, &params).unwrap();
+    let e = block.forward(&gpu, &x).expect_err("one row refused").to_string();
+    assert!(e.contains("more than 1 row"), "{e}");
+    let bf16 = host::gpu::block::DeviceParams {
+        linear_weight: gpu.upload(&params.linear_weight.to_bf16()).unwrap(),
+        linear_bias: gpu.upload(&params.linear_bias).unwrap(),
+        ops: params.ops.iter().map(|p| p.iter().map(|t| gpu.upload(t).unwrap()).collect()).collect(),
+    };
+    let e = GpuBlock::from_device(&gpu, &spec, bf16).err().expect("bf16 refused").to_string();
+    assert!(e.contains("bf16 model's block with a BatchNorm"), "{e}");
+}

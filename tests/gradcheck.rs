@@ -164,6 +164,8 @@ fn every_op_backward_matches_finite_differences() {
         Op::LayerNorm { eps: 1e-5 },
         Op::RmsNorm { eps: 1e-5 },
         Op::RmsNorm { eps: f32::EPSILON },
+        Op::BatchNorm { eps: 1e-5 },
+        Op::BatchNorm { eps: 1e-2 },
     ];
     // Every per-element op of the registry is checked here.
     for kind in Pointwise::ALL {
@@ -252,6 +254,14 @@ fn other_chains_match_finite_differences() {
         ("double,mish,avgpool(2),groupnorm(4)", 24),
         ("mul,mul,bias,swish,bias", 13),
         ("sigmoid,mul,gelu_tanh,groupnorm(3),bias,sigmoid", 30),
+        // KernelBench's BatchNorm blocks (33, 84, 41, 97) after a nonlinear op: straight
+        // after the Linear (or a scale) the BatchNorm removes its bias, whose gradient
+        // is then 0 (tests/cpu_backend.rs checks those as they are).
+        ("swish,scale(2),batchnorm", 13),
+        ("tanh,batchnorm,scale(1.5),softmax", 13),
+        ("gelu,bn,gelu,leakyrelu(0.2)", 13),
+        ("mish,bn(1e-3),bias,scale(0.5),swish", 13),
+        ("bias,mish,mul,bn,groupnorm(3),max", 30),
     ] {
         let spec = BlockSpec::new(7, n, chain.parse().unwrap()).unwrap();
         check_block(&spec, 3, &mut rng);

@@ -187,6 +187,17 @@ fn naive_block(x: &Rows, w: &Rows, b: &[f64], chain: &[Op], params: &[Vec<f64>])
                     }
                 }
             }
+            Op::BatchNorm { eps } => {
+                let (gamma, beta) = (next.next().unwrap(), next.next().unwrap());
+                let n = h.len() as f64;
+                for c in 0..h[0].len() {
+                    let mean = h.iter().map(|row| row[c]).sum::<f64>() / n;
+                    let var = h.iter().map(|row| (row[c] - mean) * (row[c] - mean)).sum::<f64>() / n;
+                    for row in h.iter_mut() {
+                        row[c] = (row[c] - mean) / (var + constant(eps)).sqrt() * gamma[c] + beta[c];
+                    }
+                }
+            }
         }
     }
     assert!(next.next().is_none(), "every parameter used");

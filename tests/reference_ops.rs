@@ -105,6 +105,20 @@ fn naive_group_norm(x: &Rows, groups: usize, eps: f64, gamma: &[f64], beta: &[f6
     y
 }
 
+/// BatchNorm1d in training mode: each column by its mean and biased variance over the rows.
+fn naive_batch_norm(x: &Rows, eps: f64, gamma: &[f64], beta: &[f64]) -> Rows {
+    let n = x.len() as f64;
+    let mut y = x.clone();
+    for c in 0..x[0].len() {
+        let mean = x.iter().map(|row| row[c]).sum::<f64>() / n;
+        let var = x.iter().map(|row| (row[c] - mean).powi(2)).sum::<f64>() / n;
+        for (row, out) in x.iter().zip(y.iter_mut()) {
+            out[c] = (row[c] - mean) / (var + eps).sqrt() * gamma[c] + beta[c];
+        }
+    }
+    y
+}
+
 fn naive_swish(x: f64) -> f64 {
     x / (1.0 + (-x).exp())
 }
@@ -180,6 +194,7 @@ fn naive_block(spec: &BlockSpec, x: &Rows, p: &Params<f64>) -> Vec<f64> {
             Op::MaxPool(k) => naive_max_pool(&h, k),
             Op::LayerNorm { eps } => naive_group_norm(&h, 1, constant(eps), param(0), param(1)),
             Op::RmsNorm { eps } => naive_rms_norm(&h, constant(eps), param(0)),
+            Op::BatchNorm { eps } => naive_batch_norm(&h, constant(eps), param(0), param(1)),
         };
     }
     flatten(&h)
@@ -704,6 +719,9 @@ fn other_chains_match_a_naive_composition() {
         ("bias,min,swish,scale(-2)", 17),
         ("softmax,scale(3),mul,maxpool(3),layernorm,gelu", 31),
         ("layernorm(1e-3),mul,rmsnorm,bias,softmax,sum", 24),
+        ("scale(2),batchnorm", 13),
+        ("bn(1e-3),gelu,leakyrelu(0.0),bias,softmax", 24),
+        ("bias,mish,bn,scale(-2),swish", 17),
         ("rmsnorm(1e-6),maxpool(4),softmax,max", 30),
     ] {
         let spec = BlockSpec::new(7, n, chain.parse().unwrap()).unwrap();

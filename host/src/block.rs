@@ -53,7 +53,19 @@ impl BlockSpec {
         })?;
         let mut features = vec![out_features];
         let mut reduced: Option<&Op> = None;
+        // The BatchNorm's statistics are per feature over the rows: only ops that keep
+        // each feature apart (per-element ones) may come before it.
+        let mut across: Option<&Op> = None;
         for op in &chain.0 {
+            if let (Op::BatchNorm { .. }, Some(before)) = (op, across) {
+                return Err(Error::Chain(format!(
+                    "`{op}` after `{before}`: a BatchNorm may follow per-element ops only, and appear once \
+                     in a chain"
+                )));
+            }
+            if !matches!(op, Op::Pointwise(..)) {
+                across = across.or(Some(op));
+            }
             if let (Some(r), Some(p)) = (reduced, op.param_bases().first()) {
                 return Err(Error::Chain(format!(
                     "`{op}` after `{r}`: its per-channel parameter `{p}` has no channels to act on (the \
@@ -107,8 +119,8 @@ impl BlockSpec {
                     (n, None) => format!("{base}{n}"),
                 };
                 let init = match *base {
-                    "gn.weight" | "ln.weight" | "rms.weight" => Init::Ones,
-                    "gn.bias" | "ln.bias" => Init::Zeros,
+                    "gn.weight" | "ln.weight" | "rms.weight" | "bn.weight" => Init::Ones,
+                    "gn.bias" | "ln.bias" | "bn.bias" => Init::Zeros,
                     _ => Init::Normal,
                 };
                 specs.push(ParamSpec { name, shape: vec![self.features[i]], init });
@@ -123,6 +135,7 @@ impl BlockSpec {
         if batch == 0 {
             return Err(Error::Shape("the batch is empty (0 rows)".into()));
         }
+        self.check_batch_norm_rows(batch)?;
         let widest = self.features.iter().copied().max().unwrap_or(self.out_features).max(self.in_features);
         numel::<f64>(&[batch, widest]).map_err(|_| {
             Error::Shape(format!("{batch} rows of {widest} features have more elements than memory can address"))
@@ -131,9 +144,21 @@ impl BlockSpec {
     }
 
     /// Checks that `x` is a `(batch, in_features)` input and returns the batch.
+    /// A BatchNorm's statistics need two rows at least (PyTorch refuses one as well).
+    fn check_batch_norm_rows(&self, batch: usize) -> Result<()> {
+        if batch == 1 && self.chain.batch_norm().is_some() {
+            return Err(Error::Shape(
+                "a BatchNorm in training mode needs more than 1 row (the variance of each feature over one \
+                 value); PyTorch's: \"Expected more than 1 value per channel when training\""
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
     pub fn check_input<T: Copy>(&self, x: &Tensor<T>) -> Result<usize> {
         match x.shape() {
-            [b, i] if *i == self.in_features && *b > 0 => Ok(*b),
+            [b, i] if *i == self.in_features && *b > 0 => self.check_batch_norm_rows(*b).map(|_| *b),
             [0, _] => Err(Error::tensor("x", "the batch is empty (0 rows)")),
             s => Err(Error::tensor(
                 "x",

@@ -44,6 +44,12 @@ pub enum Op {
     RmsNorm {
         eps: f32,
     },
+    /// BatchNorm1d in training mode: each feature normalised by its mean and (biased)
+    /// variance over the batch's rows, then a per-feature weight and bias. The one op
+    /// that mixes rows: at most once per chain, after per-element ops only.
+    BatchNorm {
+        eps: f32,
+    },
 }
 
 /// The row reductions besides the max: `(N, F) -> (N,)`.
@@ -131,7 +137,7 @@ impl Op {
             }
             Op::RowMax | Op::Reduce(_) => Ok(1),
             Op::Softmax => Ok(f),
-            Op::LayerNorm { eps } | Op::RmsNorm { eps } => {
+            Op::LayerNorm { eps } | Op::RmsNorm { eps } | Op::BatchNorm { eps } => {
                 if !(eps > 0.0 && eps.is_finite()) {
                     return Err(Error::Chain(format!("{self}: eps must be positive and finite")));
                 }
@@ -160,6 +166,7 @@ impl Op {
             Op::GroupNorm { .. } => &["gn.weight", "gn.bias"],
             Op::LayerNorm { .. } => &["ln.weight", "ln.bias"],
             Op::RmsNorm { .. } => &["rms.weight"],
+            Op::BatchNorm { .. } => &["bn.weight", "bn.bias"],
             _ => &[],
         }
     }
@@ -202,6 +209,7 @@ impl fmt::Display for Op {
             Op::MaxPool(k) => write!(f, "maxpool({k})"),
             Op::LayerNorm { eps } => write!(f, "layernorm({eps:e})"),
             Op::RmsNorm { eps } => write!(f, "rmsnorm({eps:e})"),
+            Op::BatchNorm { eps } => write!(f, "batchnorm({eps:e})"),
         }
     }
 }
@@ -283,6 +291,14 @@ pub fn registry() -> Vec<OpEntry> {
         &["rms.weight"],
         false,
         "RMSNorm over the features (eps: FP32's machine epsilon by default)",
+    ));
+    ops.push(across(
+        "batchnorm",
+        &["bn"],
+        vec![("eps", Some(1e-5))],
+        &["bn.weight", "bn.bias"],
+        false,
+        "BatchNorm1d in training mode: each feature over the batch's rows (once, after per-element ops only)",
     ));
     ops
 }
@@ -463,6 +479,10 @@ fn parse_op(token: &str) -> Result<Op> {
             arity(0, 1)?;
             Op::RmsNorm { eps: if args.len() == 1 { num(0)? } else { RMS_NORM_EPS } }
         }
+        "batchnorm" | "bn" => {
+            arity(0, 1)?;
+            Op::BatchNorm { eps: if args.len() == 1 { num(0)? } else { 1e-5 } }
+        }
         other => {
             return Err(Error::Chain(format!("unknown op `{other}`; known:\n{}", syntax_help())));
         }
@@ -539,6 +559,16 @@ impl Chain {
     pub fn has_group_norm(&self) -> bool {
         self.0.iter().any(|op| matches!(op, Op::GroupNorm { .. }))
     }
+
+    /// The index of the chain's BatchNorm, if it has one (at most one: [`BlockSpec::new`]).
+    ///
+    /// [`BlockSpec::new`]: crate::block::BlockSpec::new
+    pub fn batch_norm(&self) -> Option<(usize, f32)> {
+        self.0.iter().enumerate().find_map(|(i, op)| match *op {
+            Op::BatchNorm { eps } => Some((i, eps)),
+            _ => None,
+        })
+    }
 }
 
 #[cfg(test)]
@@ -591,6 +621,7 @@ mod tests {
             ("groupnorm(x)", "not a whole number"),
             ("scale(1", "unbalanced"),
             ("hardtanh(1)", "takes 2 argument(s), got 1"),
+            ("batchnorm(1,2)", "takes 0 to 1"),
         ] {
             let err = text.parse::<Chain>().unwrap_err().to_string();
             assert!(err.contains(needle), "`{text}` gave `{err}`");

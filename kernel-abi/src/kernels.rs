@@ -181,6 +181,10 @@ kernels! {
     SgdStep = "sgd_step";
     AdamStep = "adam_step";
 
+    // BatchNorm on batch statistics (`batch_norm.rs`).
+    BatchNormStats = "batch_norm_stats", bounds(crate::batch_norm::COLUMNS * crate::batch_norm::ROW_GROUPS, 1);
+    BatchNormFinish = "batch_norm_finish";
+    BatchNormGrad = "batch_norm_grad";
     // A tensor-parallel row max (`parallel.rs`).
     RowMaxKeys = "row_max_keys";
     RowMaxValues = "row_max_values";

@@ -176,6 +176,16 @@ pub mod gemm_mma {
 }
 
 /// The epilogue chain as the kernels see it: one [`OpDesc`](epilogue::OpDesc) per op, in a device array.
+/// The column statistics of a BatchNorm (`batch_norm_stats`).
+pub mod batch_norm {
+    /// Columns per block: a warp's lanes read 32 consecutive features of a row.
+    pub const COLUMNS: usize = 32;
+    /// Rows taken apart by each block's warps (row `r` by warp `r % ROW_GROUPS`).
+    pub const ROW_GROUPS: usize = 8;
+    /// Shared memory of a block: a count, a mean and a sum of squares per thread.
+    pub const SMEM_BYTES: usize = 3 * COLUMNS * ROW_GROUPS * 4;
+}
+
 pub mod epilogue {
     pub use crate::ops::{
         OP_AVG_POOL, OP_GROUP_NORM, OP_LOGSUMEXP, OP_MAX_POOL, OP_RMS_NORM, OP_ROW_MAX, OP_ROW_MEAN, OP_ROW_MIN,

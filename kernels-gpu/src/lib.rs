@@ -14,6 +14,7 @@
 // (checked by diff), and the kernels as they stand are the ones verified on the GPU.
 #![allow(clippy::manual_is_multiple_of)]
 
+pub mod batch_norm;
 pub mod elementwise;
 pub mod epilogue;
 pub mod gemm;

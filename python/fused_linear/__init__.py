@@ -111,9 +111,11 @@ def _forward_op(
 def _forward_fake(x, weight, bias, params, ops, precision):
     out_shape, gpu_width, cpu_width, _, _ = _describe(int(x.shape[1]), int(weight.shape[0]), ops)
     y = x.new_empty((x.shape[0], *out_shape))
-    # A 16-bit model's saved z is float32.
+    # A 16-bit model's saved z is float32; a BatchNorm's batch statistics are two more rows.
     z_dtype = torch.float32 if x.dtype in _HALF else x.dtype
-    z = x.new_empty((x.shape[0], gpu_width if x.device.type == "cuda" else cpu_width), dtype=z_dtype)
+    canonical = _describe(int(x.shape[1]), int(weight.shape[0]), ops)[3]
+    rows = x.shape[0] + (2 if any(op.startswith("batchnorm") for op in canonical) else 0)
+    z = x.new_empty((rows, gpu_width if x.device.type == "cuda" else cpu_width), dtype=z_dtype)
     return y, z
 
 
@@ -182,10 +184,11 @@ class _Eager(torch.autograd.Function):
         y, z = _run_forward(x, weight, bias, list(params), ops, precision, True)
         ctx.save_for_backward(x, weight, bias, z, *params)
         ctx.ops, ctx.precision = ops, precision
-        return y
+        ctx.mark_non_differentiable(z)
+        return y, z
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, _dz):
         x, weight, bias, z, *params = ctx.saved_tensors
         dx, dw, db, dparams = _run_backward(x, weight, bias, params, z, dy, ctx.ops, ctx.precision)
         return (dx, dw, db, None, None, *dparams)
@@ -282,15 +285,19 @@ def _half_block(
     """A 16-bit model's block (bf16 or fp16): x and weight as they are; the bias and the
     chain's parameters (of ``dtype`` or float32) passed as stored: the op widens 16-bit
     ones into its FP32 epilogue and returns their gradients in their own dtype, so the
-    autograd graph holds one node per block. On the CPU (no 16-bit kernels there), the
-    float32 path on copies, the output rounded to ``dtype`` once."""
+    autograd graph holds one node per block. On the CPU (no 16-bit kernels there), and
+    for a chain with a BatchNorm, the float32 path on copies, the output rounded to
+    ``dtype`` once."""
     convert = ".half()" if dtype == torch.float16 else ".to(torch.bfloat16)"
     own = _HALF[dtype]
     _check_half_dtypes(x, weight, [bias, *params], dtype, f"a {own} block", convert)
     _resolve_precision(x, precision)
-    if not x.is_cuda:
+    # A BatchNorm on batch statistics: the 16-bit kernels have none; float32 copies in
+    # the model's own precision (operands rounded to its type as loaded).
+    batch_norm = x.is_cuda and "batchnorm" in ops
+    if not x.is_cuda or batch_norm:
         wide = [t.float() if isinstance(t, Tensor) else t for t in (bias, *params)]
-        y = fused_linear(x.float(), weight.float(), wide[0], ops, wide[1:], "fp32")
+        y = fused_linear(x.float(), weight.float(), wide[0], ops, wide[1:], own if batch_norm else "fp32")
         return y.to(dtype)
     if x.dim() == 2:
         return _apply(x, weight, bias, params, ops, own)
@@ -383,13 +390,48 @@ def _apply(x: Tensor, weight: Tensor, bias: Tensor, params: List[Tensor], ops: s
     )
     if _plain_eager(x, weight, bias, params):
         if wants_grad:
-            return _Eager.apply(x, weight, bias, ops, precision, *params)
+            return _Eager.apply(x, weight, bias, ops, precision, *params)[0]
         return _native.forward(
             x, weight, bias, params, ops, precision, _stream(x), _allocator(x.device, x.dtype), save=False
         )[0]
     if wants_grad:
         return torch.ops.fused_linear.forward(x, weight, bias, params, ops, precision)[0]
     return torch.ops.fused_linear.inference(x, weight, bias, params, ops, precision)
+
+
+def _with_batch_stats(
+    x: Tensor, weight: Tensor, bias: Tensor, ops: str, params: List[Tensor], precision: Optional[str]
+) -> Tuple[Tensor, Tensor]:
+    """:func:`fused_linear` of a chain with a ``batchnorm`` on a 2-D ``x``, and the batch
+    statistics of its BatchNorm, ``(2, C)``: each feature's mean and biased variance (detached),
+    what the caller's running statistics are updated from. The forward saves its state
+    ``z`` (it carries the statistics as two more rows) even where no gradient is wanted."""
+    params = list(params)
+    if x.dim() != 2:
+        raise ValueError(
+            f"x: a chain with a BatchNorm takes 2-D (batch, features) inputs, got {tuple(x.shape)}"
+        )
+    # 16-bit models on float32 copies in their own precision (operands rounded to the
+    # 16-bit type as the kernels load them), output rounded once: the 16-bit models'
+    # own kernels have no BatchNorm on batch statistics.
+    if x.dtype in _HALF:
+        wide = [t.float() if isinstance(t, Tensor) else t for t in (bias, *params)]
+        if precision is None:
+            precision = "bf16" if x.dtype == torch.bfloat16 else "fp16"
+        y, stats = _with_batch_stats(x.float(), weight.float(), wide[0], ops, wide[1:], precision)
+        return y.to(x.dtype), stats
+    precision = _resolve_precision(x, precision)
+    wants_grad = torch.is_grad_enabled() and any(
+        getattr(t, "requires_grad", False) for t in (x, weight, bias, *params)
+    )
+    if _plain_eager(x, weight, bias, params):
+        if wants_grad:
+            y, z = _Eager.apply(x, weight, bias, ops, precision, *params)
+        else:
+            y, z = _run_forward(x, weight, bias, params, ops, precision, True)
+    else:
+        y, z = torch.ops.fused_linear.forward(x, weight, bias, params, ops, precision)
+    return y, z[-2:].detach()
 
 
 _GROUPNORM = re.compile(r"groupnorm\((\d+),([^)]+)\)")
@@ -399,10 +441,13 @@ class FusedLinear(nn.Module):
     """``Linear(in_features, out_features)`` followed by the epilogue chain ``ops``, fused.
 
     Parameters are named as the plain PyTorch modules name theirs — ``lin.weight``,
-    ``lin.bias``, ``gn.weight``, ``gn.bias``, ``w`` (``mul``), ``bias`` (the chain's
-    ``bias``); a second op of a kind gets a number (``gn2``, ``bias2``) — and are
+    ``lin.bias``, ``gn.weight``, ``gn.bias`` (``ln``, ``rms``, ``bn`` likewise), ``w``
+    (``mul``), ``bias`` (the chain's ``bias``); a second op of a kind gets a number (``gn2``,
+    ``bias2``) — and are
     initialised as PyTorch initialises them, in chain order, so ``load_state_dict`` from
-    the plain model works and the same seed draws the same values.
+    the plain model works and the same seed draws the same values. A ``batchnorm`` is an
+    ``nn.BatchNorm1d`` (``bn``): batch statistics and its running statistics' update in
+    training mode, the running statistics in eval mode, as the module computes.
     """
 
     def __init__(
@@ -429,12 +474,25 @@ class FusedLinear(nn.Module):
         self.lin = nn.Linear(in_features, out_features, **factory)
         self._param_names: List[str] = []
         self._param_refs: List[Tuple[str, str]] = []  # (submodule or "", attribute): one getattr each
-        for name, shape, op_index in params:
+        # A BatchNorm: (its module, its op's index, its weight's index in the parameters).
+        self._batch_norm: Optional[Tuple[str, int, int]] = None
+        for i, (name, shape, op_index) in enumerate(params):
             module, _, field = name.rpartition(".")
-            if module:  # a GroupNorm's weight or bias: the module holds both
+            if module:  # a norm's weight or bias: its module holds both
                 if field == "weight":
-                    groups, eps = _GROUPNORM.fullmatch(canonical[op_index]).groups()
-                    self.add_module(module, nn.GroupNorm(int(groups), shape[0], eps=float(eps), **factory))
+                    op = canonical[op_index]
+                    eps = float(op[op.rindex(",") + 1 if "," in op else op.index("(") + 1 : -1])
+                    if op.startswith("groupnorm"):
+                        groups = int(_GROUPNORM.fullmatch(op).group(1))
+                        norm = nn.GroupNorm(groups, shape[0], eps=eps, **factory)
+                    elif op.startswith("layernorm"):
+                        norm = nn.LayerNorm(shape[0], eps=eps, **factory)
+                    elif op.startswith("rmsnorm"):
+                        norm = nn.RMSNorm(shape[0], eps=eps, **factory)
+                    else:  # batchnorm: its running statistics too, updated in training mode
+                        norm = nn.BatchNorm1d(shape[0], eps=eps, **factory)
+                        self._batch_norm = (module, op_index, i)
+                    self.add_module(module, norm)
             else:
                 self.register_parameter(name, nn.Parameter(torch.randn(*shape, **factory)))
             self._param_names.append(name)
@@ -449,7 +507,16 @@ class FusedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         lin = self._modules["lin"]._parameters
-        return fused_linear(x, lin["weight"], lin["bias"], self.ops, self.chain_parameters(), self.precision)
+        params = self.chain_parameters()
+        if self._batch_norm is not None:
+            from .fuse import _fused_call
+
+            module, op, p = self._batch_norm
+            norm = self._modules[module]
+            return _fused_call(
+                x, lin["weight"], lin["bias"], self.ops, params, self.precision, True, norm, (op, p)
+            )
+        return fused_linear(x, lin["weight"], lin["bias"], self.ops, params, self.precision)
 
     @property
     def effective_precision(self) -> str:
@@ -504,9 +571,10 @@ class FusedLinear(nn.Module):
         # Parameters stored in another dtype than the weight's (a bf16 model's float32
         # GroupNorm, say) keep it.
         with torch.no_grad():
+            own = dict(block.named_parameters())  # (a BatchNorm's running statistics are buffers)
             for name, t in tensors.items():
-                p = block.get_parameter(name)
-                if p.dtype != t.dtype:
+                p = own.get(name)
+                if p is not None and p.dtype != t.dtype:
                     p.data = t.to(p.device)
         return block
 

@@ -23,12 +23,14 @@ from torch import Tensor
 CHAIN_KEY = "fused_linear.chain"
 PRECISION_KEY = "fused_linear.precision"
 
+# int64: a BatchNorm's `num_batches_tracked`.
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+_DTYPES[torch.int64] = "I64"
 _TORCH = {name: dtype for dtype, name in _DTYPES.items()}
 
 
 def write(path: Union[str, Path], tensors: Dict[str, Tensor], metadata: Dict[str, str]) -> None:
-    """``tensors`` (floating point, any device) and string ``metadata`` to ``path``, written
+    """``tensors`` (floating point or int64, any device) and string ``metadata`` to ``path``, written
     to ``<path>.partial`` first and renamed, so a failure never leaves half a file."""
     header: Dict[str, object] = {"__metadata__": dict(metadata)}
     blobs = []
@@ -37,7 +39,8 @@ def write(path: Union[str, Path], tensors: Dict[str, Tensor], metadata: Dict[str
         t = tensors[name].detach()
         if t.dtype not in _DTYPES:
             raise TypeError(
-                f"{name} has dtype {t.dtype}; a weights file holds float32, bfloat16, float16 or float64"
+                f"{name} has dtype {t.dtype}; a weights file holds float32, bfloat16, float16, float64 "
+                "or int64"
             )
         t = t.to("cpu").contiguous()
         size = t.numel() * t.element_size()
@@ -82,7 +85,9 @@ def read(path: Union[str, Path]) -> Tuple[Dict[str, Tensor], Dict[str, str]]:
     for name, info in header.items():
         dtype = _TORCH.get(info.get("dtype"))
         if dtype is None:
-            raise ValueError(f"{path}: {name} has dtype {info.get('dtype')}; expected F32, BF16, F16 or F64")
+            raise ValueError(
+                f"{path}: {name} has dtype {info.get('dtype')}; expected F32, BF16, F16, F64 or I64"
+            )
         begin, end = info["data_offsets"]
         if not 0 <= begin <= end <= len(body):
             raise ValueError(f"{path}: {name}'s bytes {begin}..{end} lie outside the file")

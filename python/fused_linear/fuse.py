@@ -12,13 +12,15 @@ PyTorch's.
 Recognised, in order after the Linear: ``nn.GroupNorm`` (affine), SiLU and ``x *
 sigmoid(x)``, Sigmoid (module, ``torch.sigmoid``, ``F.sigmoid``, ``x.sigmoid()``), Mish,
 GELU (erf and ``approximate="tanh"`` forms), Tanh, LeakyReLU, Hardtanh and ``clamp(min,
-max)``, ReLU (as LeakyReLU(0)) and ReLU6 (as Hardtanh(0, 6)), ``nn.BatchNorm1d`` in eval
-mode with running statistics (the per-channel affine it is, ``mul(p),bias(q)`` with ``p =
-weight / sqrt(running_var + eps)`` and ``q = bias - running_mean * p`` computed in the
-graph; in training mode, or without running statistics, it normalises by the batch's
-and stays PyTorch's; the fused model refuses to run once put back in training mode),
-addition, subtraction, multiplication and division by a number or by a parameter of the
-features' length (subtracted and divided ones computed in the graph: ``-p``, ``1 / p``),
+max)``, ReLU (as LeakyReLU(0)) and ReLU6 (as Hardtanh(0, 6)), ``nn.BatchNorm1d`` after
+per-element ops only, once (the op ``batchnorm``, its module's mode read at each call: batch
+statistics and the running statistics' update in training mode, the per-channel affine
+``mul(p),bias(q)`` of the running statistics in eval mode, ``p = weight / sqrt(running_var +
+eps)``, ``q = bias - running_mean * p``; elsewhere an eval-mode one is that affine alone,
+computed in the graph, and the fused model refuses training mode; a training-mode one there,
+or in a bf16 model on CUDA, stays PyTorch's), addition, subtraction, multiplication and
+division by a number or by a parameter of the features' length or of one element (expanded;
+subtracted and divided ones computed in the graph: ``-p``, ``1 / p``),
 ``x + x``, ``nn.Dropout(p=0)``, AvgPool1d over features
 (``pool(x.unsqueeze(1)).squeeze(1)``) and MaxPool1d the same way (kernel and stride
 equal, no padding), ``nn.LayerNorm`` over the features (with or without weight and bias),
@@ -37,6 +39,7 @@ by ``s / (1 + s)`` on the way back, which ends the chain after it.
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
@@ -69,6 +72,8 @@ class _Chain:
     # output's gradient is scaled by this factor, `s / (1 + s)`, on the way back.
     gradient_factor: Optional[float] = None
     out_features: int = 0  # the Linear's (``features`` moves with a pool)
+    # A BatchNorm1d fused as `batchnorm`: (module, its index in `ops`, its weight's in `params`).
+    batch_norm: Optional[Tuple[str, int, int]] = None
 
     def __post_init__(self) -> None:
         self.out_features = self.features
@@ -198,6 +203,14 @@ def _scale_gradient(y: torch.Tensor, factor: float) -> torch.Tensor:
     return _GradientScale.apply(y, factor)
 
 
+@functools.lru_cache(maxsize=1)
+def _per_element() -> frozenset:
+    """The chain syntax's per-element ops (names and aliases), from the registry."""
+    from . import _native
+
+    return frozenset(n for op in _native.ops() if op["per_element"] for n in (op["name"], *op["aliases"]))
+
+
 def _is_sigmoid(gm: fx.GraphModule, node: fx.Node) -> bool:
     return (
         isinstance(_target_module(gm, node), nn.Sigmoid)
@@ -299,16 +312,28 @@ def _step(gm: fx.GraphModule, chain: _Chain, cur: fx.Node) -> Optional[fx.Node]:
             return None
         return take("gelu" if approximate == "none" else "gelu_tanh")
     if isinstance(module, nn.BatchNorm1d):
-        if module.training:
-            chain.stopped = f"{u.target}: BatchNorm1d in training mode (normalised by batch statistics)"
-            return None
-        if not module.track_running_stats or module.running_mean is None or module.running_var is None:
-            chain.stopped = f"{u.target}: BatchNorm1d without running statistics (it uses each batch's)"
-            return None
         if module.num_features != f:
             chain.stopped = f"{u.target}: BatchNorm1d over {module.num_features} features, not {f}"
             return None
-        # (N, C) only: on (N, C, L) it would normalise over another dimension.
+        tracked = (
+            module.track_running_stats and module.running_mean is not None and module.running_var is not None
+        )
+        # The `batchnorm` op (batch statistics) follows per-element ops only, once.
+        before = [op.split("(")[0] for op in chain.ops]
+        fits = chain.batch_norm is None and not chain.reduced and all(op in _per_element() for op in before)
+        if fits:
+            # (N, C) only: on (N, C, L) it would normalise over another dimension.
+            chain.shape_sensitive = True
+            chain.batch_norm = (u.target, len(chain.ops), len(chain.params))
+            weight = f"{u.target}.weight" if module.weight is not None else ("const", 1.0, f)
+            bias = f"{u.target}.bias" if module.bias is not None else ("const", 0.0, f)
+            return take(f"batchnorm({module.eps!r})", weight, bias)
+        if module.training or not tracked:
+            why = "a BatchNorm on batch statistics must follow per-element ops only, once"
+            chain.stopped = f"{u.target}: BatchNorm1d in training mode or without running statistics ({why})"
+            return None
+        # Eval mode with running statistics: the per-channel affine it is (the fused model
+        # refuses to run once the module is put back in training mode).
         chain.shape_sensitive = True
         chain.ops.append("mul")
         return take("bias", ("bn_scale", u.target), ("bn_shift", u.target))
@@ -351,6 +376,10 @@ def _step(gm: fx.GraphModule, chain: _Chain, cur: fx.Node) -> Optional[fx.Node]:
         cur_first = a is cur
         t = _attr(gm, other)
         vector = t is not None and t.dim() == 1 and t.shape[0] == f and not chain.reduced
+        if t is not None and t.dim() == 1 and t.shape[0] == 1 and f > 1 and not chain.reduced:
+            # A (1,) parameter broadcast over the features (KernelBench 97's bias): the
+            # op's (F,) parameter is its expansion, whose gradient autograd sums back.
+            vector, other = True, ("expand", other, f)
         if (
             chain.reduced
             and not (kind == "add" and a is cur and b is cur)
@@ -494,7 +523,10 @@ def _param_node(graph: fx.Graph, p: Any, x: fx.Node) -> fx.Node:
     if what in ("bn_scale", "bn_shift"):
         norm = graph.get_attr(source)
         return graph.call_function(_batch_norm_affine, (norm, x, what == "bn_shift", source))
-    node = graph.get_attr(source) if isinstance(source, str) else source
+    if what == "expand":
+        expanded = graph.call_method("expand", (_param_node(graph, source, x), p[2]))
+        return graph.call_method("contiguous", (expanded,))
+    node = _param_node(graph, source, x)
     return graph.call_function(torch.neg if what == "neg" else torch.reciprocal, (node,))
 
 
@@ -529,19 +561,71 @@ def _batch_norm_affine(norm: nn.BatchNorm1d, x: torch.Tensor, shift: bool, name:
 
 
 def _fused_call(
-    x, weight, bias, ops: str, params: List[torch.Tensor], precision: Optional[str], needs_2d: bool
+    x,
+    weight,
+    bias,
+    ops: str,
+    params: List[torch.Tensor],
+    precision: Optional[str],
+    needs_2d: bool,
+    norm: Optional[nn.BatchNorm1d] = None,
+    norm_at: Tuple[int, int] = (0, 0),
 ):
     """The fused chain as the graph calls it. A chain with a norm, a pool, a softmax or a row
     reduction was matched for ``(N, features)`` inputs: other shapes are refused rather than given
-    another function than the model's."""
-    from . import fused_linear
+    another function than the model's. ``norm``, the BatchNorm1d fused as op ``norm_at[0]``
+    (its weight ``params[norm_at[1]]``), decides at each call: in training mode (or without
+    running statistics) the ``batchnorm`` op normalises by the batch's statistics and the
+    running ones are updated as the module would; in eval mode it is the affine of the
+    running statistics, ``mul(p),bias(q)``."""
+    from . import _with_batch_stats, fused_linear
 
     if needs_2d and x.dim() != 2:
         raise ValueError(
             f"fuse(): this chain ({ops}) was fused for 2-D (batch, features) inputs, as its norm, pool, "
             f"softmax or row reduction computes on them; got an input of shape {tuple(x.shape)}"
         )
-    return fused_linear(x, weight, bias, ops, params, precision)
+    if norm is None:
+        return fused_linear(x, weight, bias, ops, params, precision)
+    tracked = norm.track_running_stats and norm.running_mean is not None and norm.running_var is not None
+    if tracked and not norm.training:
+        op, p = norm_at
+        names = _split_ops(ops)
+        names[op : op + 1] = ["mul", "bias"]
+        params = list(params)
+        params[p : p + 2] = [_batch_norm_affine(norm, x, False, ""), _batch_norm_affine(norm, x, True, "")]
+        return fused_linear(x, weight, bias, ",".join(names), params, precision)
+    y, stats = _with_batch_stats(x, weight, bias, ops, params, precision)
+    if tracked and norm.training:
+        _update_running_stats(norm, stats, x.shape[0])
+    return y
+
+
+def _split_ops(ops: str) -> List[str]:
+    """``ops`` split at the commas outside parentheses."""
+    out, depth, start = [], 0, 0
+    for i, c in enumerate(ops):
+        depth += {"(": 1, ")": -1}.get(c, 0)
+        if c == "," and depth == 0:
+            out.append(ops[start:i])
+            start = i + 1
+    return [*out, ops[start:]]
+
+
+def _update_running_stats(norm: nn.BatchNorm1d, stats: torch.Tensor, rows: int) -> None:
+    """One training step's update of ``norm``'s running statistics from the batch's mean and
+    biased variance (``stats``, ``(2, C)``), as ``nn.BatchNorm1d`` makes it: the variance
+    unbiased by ``N / (N - 1)``, momentum ``None`` a cumulative average."""
+    with torch.no_grad():
+        if norm.num_batches_tracked is not None:
+            norm.num_batches_tracked.add_(1)
+        if norm.momentum is None:
+            factor = 1.0 / float(norm.num_batches_tracked)
+        else:
+            factor = norm.momentum
+        mean, var = stats[0], stats[1] * (rows / (rows - 1))
+        norm.running_mean.mul_(1 - factor).add_(mean.to(norm.running_mean.dtype), alpha=factor)
+        norm.running_var.mul_(1 - factor).add_(var.to(norm.running_var.dtype), alpha=factor)
 
 
 def fuse(model: nn.Module, precision: Optional[str] = None, verbose: bool = False) -> fx.GraphModule:
@@ -583,9 +667,11 @@ def fuse(model: nn.Module, precision: Optional[str] = None, verbose: bool = Fals
             weight = graph.get_attr(chain.weight)
             bias = _param_node(graph, chain.bias, chain.x)
             params = [_param_node(graph, p, chain.x) for p in chain.params]
-            fused = graph.call_function(
-                _fused_call, (chain.x, weight, bias, ops, params, precision, chain.shape_sensitive)
-            )
+            args = (chain.x, weight, bias, ops, params, precision, chain.shape_sensitive)
+            if chain.batch_norm is not None:
+                target, op, p = chain.batch_norm
+                args += (graph.get_attr(target), (op, p))
+            fused = graph.call_function(_fused_call, args)
             if chain.gradient_factor is not None:
                 fused = graph.call_function(_scale_gradient, (fused, chain.gradient_factor))
             out = graph.call_method("unsqueeze", (fused, -1)) if chain.keepdim else fused

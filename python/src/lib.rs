@@ -393,15 +393,25 @@ impl<'py> Call<'py> {
     }
 
     /// Shape of a saved `z` on this call's device: the Linear output, or on the GPU the
-    /// folded one where the chain starts with `avgpool(k)`.
+    /// folded one where the chain starts with `avgpool(k)`. A chain with a BatchNorm
+    /// appends [`BATCH_STATS_ROWS`] rows: its batch mean and biased variance, which
+    /// the package reads to update the running statistics.
     fn z_shape(&self) -> Vec<usize> {
         let width = match (&self.device, self.block.spec.chain.0.first()) {
             (Device::Cuda(_), Some(host::chain::Op::AvgPool(k))) => self.block.spec.out_features / k,
             _ => self.block.spec.out_features,
         };
-        vec![self.batch, width]
+        vec![self.batch + self.stats_rows(), width]
+    }
+
+    fn stats_rows(&self) -> usize {
+        if self.block.spec.chain.batch_norm().is_some() { BATCH_STATS_ROWS } else { 0 }
     }
 }
+
+/// Rows a saved `z` carries after the batch's for a chain with a BatchNorm: the
+/// BatchNorm input's mean and biased variance per feature.
+const BATCH_STATS_ROWS: usize = 2;
 
 fn dtype_name(d: DType) -> &'static str {
     match d {
@@ -579,8 +589,12 @@ macro_rules! gpu_entry_points {
                 g.block.forward_into(&g.gpu, &g.x, &mut ws, None).map_err(to_py)?;
                 return Ok((into_torch(py, ws.y, &out_shape)?, None));
             }
-            let (y, saved) = g.block.forward_train(&g.gpu, &g.x, false).map_err(to_py)?;
-            Ok((into_torch(py, y, &out_shape)?, Some(into_torch(py, saved.z, &call.z_shape())?)))
+            let (y, saved, stats) = g.block.forward_train_stats(&g.gpu, &g.x, false).map_err(to_py)?;
+            let z = match stats {
+                Some(stats) => with_batch_stats(&g.gpu, &saved.z, &stats).map_err(to_py)?,
+                None => saved.z,
+            };
+            Ok((into_torch(py, y, &out_shape)?, Some(into_torch(py, z, &call.z_shape())?)))
         }
 
         fn $backward<'py>(
@@ -593,7 +607,9 @@ macro_rules! gpu_entry_points {
             let g = gpu_call::<$w>(call, index, stream, allocate)?;
             // SAFETY: z and dy were checked as the other arguments were (z float32, dy
             // of the block's type).
-            let z_dev = unsafe { g.gpu.borrow_tensor::<f32>(z.ptr, &z.shape) }.map_err(to_py)?;
+            // Without a BatchNorm's statistics rows (the backward recomputes them from z).
+            let z_rows = [call.batch, z.shape[1]];
+            let z_dev = unsafe { g.gpu.borrow_tensor::<f32>(z.ptr, &z_rows) }.map_err(to_py)?;
             let dy_dev = unsafe { g.gpu.borrow_tensor::<$w>(dy.ptr, &dy.shape) }.map_err(to_py)?;
             let dtypes: Vec<DType> = [&call.bias].into_iter().chain(&call.params).map(|a| a.dtype).collect();
             let small = |block: &GpuBlock<$w>, gpu: &Gpu, slots: &DeviceTensor| small_grads(block, gpu, slots, &dtypes);
@@ -617,6 +633,27 @@ macro_rules! gpu_entry_points {
             Ok((dx, dw, db, dparams))
         }
     };
+}
+
+/// `z` `(batch, n)` followed by the BatchNorm's batch mean and biased variance (the first
+/// two rows of `stats`): the saved state a chain with a BatchNorm hands the package.
+fn with_batch_stats(gpu: &Gpu, z: &DeviceTensor, stats: &DeviceTensor) -> host::Result<DeviceTensor> {
+    let (len, n) = (z.len(), stats.shape[1]);
+    let out = gpu.alloc(&[z.shape[0] + BATCH_STATS_ROWS, n])?;
+    let at = out.buf.device_address();
+    let copies = [
+        Vector { src: z.buf.device_address(), dst: at, len, mode: Convert::F32 },
+        Vector {
+            src: stats.buf.device_address(),
+            dst: at + (len * 4) as u64,
+            len: BATCH_STATS_ROWS * n,
+            mode: Convert::F32,
+        },
+    ];
+    // SAFETY: the sources hold `len` and `2 n` values, `out` both after one another; all
+    // live until the launch is queued, their frees stream-ordered after it.
+    unsafe { convert_vectors(gpu, gpu.stream(), &copies)? };
+    Ok(out)
 }
 
 /// A small gradient (the bias's or a chain parameter's) in its parameter's dtype.
@@ -712,6 +749,12 @@ trait Element: Real {
         dy: &Tensor<Self>,
         z: &Tensor<Self>,
     ) -> host::Result<BlockGrads<Self>>;
+    /// The BatchNorm's batch mean and biased variance at `z`, if the chain has one.
+    fn batch_norm_stats(
+        spec: &BlockSpec,
+        params: &Params<Self>,
+        z: &Tensor<Self>,
+    ) -> host::Result<Option<(Vec<Self>, Vec<Self>)>>;
 }
 
 impl Element for f32 {
@@ -731,6 +774,13 @@ impl Element for f32 {
     ) -> host::Result<BlockGrads<f32>> {
         host::cpu::backward_at(spec, x, params, dy, z, &Default::default())
     }
+    fn batch_norm_stats(
+        spec: &BlockSpec,
+        params: &Params<f32>,
+        z: &Tensor<f32>,
+    ) -> host::Result<Option<(Vec<f32>, Vec<f32>)>> {
+        host::cpu::batch_norm_stats(spec, params, z)
+    }
 }
 
 impl Element for f64 {
@@ -749,6 +799,13 @@ impl Element for f64 {
         z: &Tensor<f64>,
     ) -> host::Result<BlockGrads<f64>> {
         Ok(reference::block_backward_at(spec, x, params, dy, z)?.1)
+    }
+    fn batch_norm_stats(
+        spec: &BlockSpec,
+        params: &Params<f64>,
+        z: &Tensor<f64>,
+    ) -> host::Result<Option<(Vec<f64>, Vec<f64>)>> {
+        Ok(reference::batch_norm_stats(spec, params, z)?.map(|s| (s.mean, s.var)))
     }
 }
 
@@ -788,6 +845,14 @@ fn cpu_forward<'py, T: Element>(
 ) -> PyResult<(Bound<'py, PyAny>, Option<Bound<'py, PyAny>>)> {
     let (x, params) = (read_cpu::<T>(&call.x)?, cpu_params::<T>(call)?);
     let (y, z) = T::forward_saving(&call.block.spec, &x, &params).map_err(to_py)?;
+    let z = match T::batch_norm_stats(&call.block.spec, &params, &z).map_err(to_py)? {
+        Some((mean, var)) if save => {
+            let mut data = z.into_data();
+            data.extend(mean.into_iter().chain(var));
+            Tensor::new(&call.z_shape(), data).map_err(to_py)?
+        }
+        _ => z,
+    };
     let z = if save { Some(write_cpu(allocate, &z, z.shape())?) } else { None };
     Ok((write_cpu(allocate, &y, y.shape())?, z))
 }
@@ -802,6 +867,12 @@ fn cpu_backward<'py, T: Element>(
 ) -> PyResult<Grads<'py>> {
     let (x, params) = (read_cpu::<T>(&call.x)?, cpu_params::<T>(call)?);
     let (z, dy) = (read_cpu::<T>(z)?, read_cpu::<T>(dy)?);
+    // Without the batch statistics' rows (the backward recomputes them from `z`).
+    let width = call.block.spec.out_features;
+    let z = match call.stats_rows() {
+        0 => z,
+        _ => Tensor::new(&[call.batch, width], z.data()[..call.batch * width].to_vec()).map_err(to_py)?,
+    };
     let grads = T::backward_at(&call.block.spec, &x, &params, &dy, &z).map_err(to_py)?;
     let flat = grads.params.flat();
     let mut out = flat.iter().map(|g| write_cpu(allocate, g, g.shape())).collect::<PyResult<Vec<_>>>()?.into_iter();
@@ -956,6 +1027,7 @@ fn parse_chain(ops: &str) -> PyResult<Vec<(String, Vec<f64>)>> {
                 host::chain::Op::MaxPool(k) => ("maxpool".into(), vec![k as f64]),
                 host::chain::Op::LayerNorm { eps } => ("layernorm".into(), vec![decimal(eps)]),
                 host::chain::Op::RmsNorm { eps } => ("rmsnorm".into(), vec![decimal(eps)]),
+                host::chain::Op::BatchNorm { eps } => ("batchnorm".into(), vec![decimal(eps)]),
             })
             .collect())
     })

@@ -72,8 +72,20 @@ def chain_to_str(ops: list[Op]) -> str:
 # The row reductions: one value per row after them.
 REDUCTIONS = ("max", "min", "sum", "mean", "logsumexp")
 # Parameter base names of the ops with parameters, and the fields of the norms'.
-BASES = {"bias": "bias", "mul": "w", "groupnorm": "gn", "layernorm": "ln", "rmsnorm": "rms"}
-NORM_FIELDS = {"groupnorm": ("weight", "bias"), "layernorm": ("weight", "bias"), "rmsnorm": ("weight",)}
+BASES = {
+    "bias": "bias",
+    "mul": "w",
+    "groupnorm": "gn",
+    "layernorm": "ln",
+    "rmsnorm": "rms",
+    "batchnorm": "bn",
+}
+NORM_FIELDS = {
+    "groupnorm": ("weight", "bias"),
+    "layernorm": ("weight", "bias"),
+    "rmsnorm": ("weight",),
+    "batchnorm": ("weight", "bias"),
+}
 
 
 def param_specs(ops, out_features: int) -> list[tuple[str, int]]:
@@ -172,6 +184,9 @@ def apply_chain(h: torch.Tensor, ops, params, trace=None) -> torch.Tensor:
             h = F.layer_norm(h, (h.shape[1],), lw, lb, op.args[0])
         elif k == "rmsnorm":
             h = F.rms_norm(h, (h.shape[1],), params.pop(0), op.args[0])
+        elif k == "batchnorm":  # training mode: the batch's statistics, no running ones
+            bw, bb = params.pop(0), params.pop(0)
+            h = F.batch_norm(h, None, None, bw, bb, training=True, eps=op.args[0])
         else:  # pragma: no cover
             raise ValueError(k)
         reduced = reduced or k in REDUCTIONS
@@ -303,8 +318,9 @@ def random_chain(
     # After a softmax only the max: a softmax row's sum, mean or logsumexp is (nearly) a
     # constant, whose gradients are zero in exact arithmetic and cancellation in any other,
     # and its min, exp(v_min - lse), turns the absolute error of v_min - lse into a
-    # relative one (host/src/cli/check.rs has the same rule). After a reduction, no saturating op: a row's sum or logsumexp is large,
-    # and tanh's derivative there, 1 - tanh^2 of a value near 1, keeps few of float32's bits.
+    # relative one (host/src/cli/check.rs has the same rule). After a reduction, no
+    # saturating op: a row's sum or logsumexp is large, and tanh's derivative there,
+    # 1 - tanh^2 of a value near 1, keeps few of float32's bits.
     softmax = any(op.kind == "softmax" for op in ops)
     last = [] if softmax else ["sum", "mean", "logsumexp"]
     if kinks and not saturated:
@@ -395,6 +411,8 @@ class PlainBlock(nn.Module):
                     self.add_module(name, nn.LayerNorm(f, eps=op.args[0], **kw))
                 elif op.kind == "rmsnorm":
                     self.add_module(name, nn.RMSNorm(f, eps=op.args[0], **kw))
+                elif op.kind == "batchnorm":
+                    self.add_module(name, nn.BatchNorm1d(f, eps=op.args[0], **kw))
                 else:
                     self.register_parameter(name, nn.Parameter(torch.randn(f, **kw)))
             elif op.kind in ("avgpool", "maxpool"):
@@ -406,7 +424,7 @@ class PlainBlock(nn.Module):
     def randomize_affine(self, generator=None):
         with torch.no_grad():
             for m in self.modules():
-                if isinstance(m, (nn.GroupNorm, nn.LayerNorm, nn.RMSNorm)):
+                if isinstance(m, (nn.GroupNorm, nn.LayerNorm, nn.RMSNorm, nn.BatchNorm1d)):
                     m.weight.copy_(torch.randn(m.weight.shape, generator=generator))
                     if getattr(m, "bias", None) is not None:
                         m.bias.copy_(torch.randn(m.bias.shape, generator=generator))

@@ -140,6 +140,15 @@ def test_coverage_report_matches_the_fused_graph(name):
     assert len(report["linears"]) == linears
 
 
+@pytest.mark.parametrize("pid", [33, 39, 41, 84, 97])
+def test_batch_norm_problems_fuse_whole(pid):
+    """The problems with a training-mode BatchNorm1d fuse whole (the `batchnorm` op)."""
+    model, _ = problem_case(RUN.PROBLEMS[pid])
+    _, report = RUN.fuse_with_report(model)
+    assert report["status"] == "whole", report
+    assert len(report["chains"]) == 1 and "batchnorm" in report["chains"][0], report
+
+
 def test_run_py_on_the_cpu(capsys):
     assert RUN.main(["--device", "cpu", "--trials", "1", "--problems", "9,66,88,33"]) == 0
     out = capsys.readouterr().out

@@ -31,6 +31,8 @@ SAMPLES = [
     ((4, 7, 12), "bias,hardtanh(-1,1),mish,groupnorm(3)"),
     ((5, 6, 16), "avgpool(3),gelu,scale(2),max"),
     ((12, 4, 12), "swish,bias,leakyrelu(0.2),mul"),
+    # A BatchNorm: the saved state carries its batch statistics as two more rows.
+    ((6, 5, 12), "tanh,batchnorm,gelu"),
 ]
 
 

@@ -146,6 +146,9 @@ pub fn run(a: &CheckArgs) -> Result<(), Failure> {
     for p in [Preset::M1, Preset::M3, Preset::M5] {
         cases.push((format!("{p} 256 rows"), p.chain().with_groups(16), (256, 1024, 512)));
     }
+    // The BatchNorm on batch statistics (KernelBench 84's ops after a nonlinear one, so that
+    // the Linear bias has a gradient: straight after the Linear the BatchNorm removes it).
+    cases.push(("batchnorm".into(), "swish,batchnorm,scale(1.5),softmax".parse()?, (130, 300, 256)));
     for i in 0..a.random {
         let shape = (
             [1, 3, 17, 33, 130, 257][rng.random_range(0..6)],

@@ -56,6 +56,14 @@ pub(crate) fn forward_row(op: &Op, p: &[&[f32]], v: &mut [f32]) -> usize {
             return n / k;
         }
         Op::LayerNorm { eps } => return forward_row(&Op::GroupNorm { groups: 1, eps }, p, v),
+        // Per element once the batch statistics are known: `p` is gamma, beta, then
+        // each feature's batch mean and rstd (`cpu::batch_norm` appends them).
+        Op::BatchNorm { .. } => {
+            let (gamma, beta, mean, rstd) = (p[0], p[1], p[2], p[3]);
+            for (c, x) in v.iter_mut().enumerate() {
+                *x = (*x - mean[c]) * rstd[c] * gamma[c] + beta[c];
+            }
+        }
         Op::RmsNorm { eps } => {
             let r = rms_rstd(v, eps);
             v.iter_mut().zip(p[0]).for_each(|(x, &w)| *x = *x * r * w);
@@ -182,6 +190,17 @@ pub(crate) fn backward_row(op: &Op, p: &[&[f32]], x: &[f32], dy: &[f32], dx: &mu
             }
         }
         Op::LayerNorm { eps } => backward_row(&Op::GroupNorm { groups: 1, eps }, p, x, dy, dx, dp),
+        // With the batch statistics held fixed (`cpu::batch_norm` adds their paths):
+        // dx = gamma rstd dy; dgamma += dy xhat; dbeta += dy.
+        Op::BatchNorm { .. } => {
+            let (gamma, mean, rstd) = (p[0], p[2], p[3]);
+            let (dgamma, rest) = dp.split_at_mut(1);
+            for (c, ((d, &g), &v)) in dx.iter_mut().zip(dy).zip(x).enumerate() {
+                *d = gamma[c] * rstd[c] * g;
+                dgamma[0][c] += g * (v - mean[c]) * rstd[c];
+                rest[0][c] += g;
+            }
+        }
         // With xhat = x r: dx = r (dy w - xhat mean(dy w xhat)); dw += dy xhat.
         Op::RmsNorm { eps } => {
             let r = rms_rstd(x, eps);

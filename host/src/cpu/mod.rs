@@ -22,6 +22,7 @@
 //! The backend shares no code with the f64 reference in [`crate::reference`]: the
 //! reference is the oracle it is tested against (tests/cpu_backend.rs).
 
+mod batch_norm;
 mod epilogue;
 mod matmul;
 mod progress;
@@ -259,6 +260,10 @@ fn forward_impl(
 ) -> Result<(Tensor<f32>, Option<Tensor<f32>>)> {
     let batch = spec.check_input(x)?;
     check_params(spec, params)?;
+    if let Some((k, eps)) = spec.chain.batch_norm() {
+        return forward_batch_norm(spec, x, params, precision, (k, eps), progress)
+            .map(|(y, z)| (y, keep_z.then_some(z)));
+    }
     let (in_f, out_f) = (spec.in_features, spec.out_features);
     let chain = chain_rows(spec, params);
     let out_w = *chain.features.last().expect("features of the input at least");
@@ -293,6 +298,175 @@ fn forward_impl(
     Ok((y.reshape(&spec.output_shape(batch))?, z))
 }
 
+/// `z = x W^T + b` for every row (the BatchNorm's statistics need them all).
+fn linear_all(
+    spec: &BlockSpec,
+    x: &Tensor<f32>,
+    params: &Params<f32>,
+    precision: Precision,
+    progress: &mut Progress,
+) -> Result<Tensor<f32>> {
+    let batch = x.rows();
+    let (in_f, out_f) = (spec.in_features, spec.out_features);
+    let mut z = Tensor::full(&[batch, out_f], 0.0f32)?;
+    let x_op = operand(x.data(), precision);
+    let w_op = operand(params.linear_weight.data(), precision);
+    let a = MatRef::row_major(&x_op, batch, in_f);
+    let b = MatRef::row_major(&w_op, out_f, in_f).t();
+    let tiles = Tiles::new(batch, out_f, in_f);
+    for r0 in (0..batch).step_by(tiles.rows) {
+        let r1 = (r0 + tiles.rows).min(batch);
+        matmul_rows(&mut z.data_mut()[r0 * out_f..r1 * out_f], a, (r0, r1), b, tiles.cols, progress);
+    }
+    let bias = params.linear_bias.data();
+    z.data_mut().par_chunks_mut(out_f).for_each(|r| r.iter_mut().zip(bias).for_each(|(v, &b)| *v += b));
+    Ok(z)
+}
+
+/// The BatchNorm's input `u`: the ops before it (op `k`) on each row of `z`.
+fn batch_norm_input(spec: &BlockSpec, params: &Params<f32>, z: &Tensor<f32>, k: usize) -> Result<Tensor<f32>> {
+    let before = batch_norm::before(spec, params, k);
+    let mut u = z.clone();
+    u.data_mut().par_chunks_mut(spec.out_features).for_each(|r| {
+        before.forward(r);
+    });
+    Ok(u)
+}
+
+/// The forward of a chain with a BatchNorm (op `k`, `eps`): see `batch_norm.rs`.
+fn forward_batch_norm(
+    spec: &BlockSpec,
+    x: &Tensor<f32>,
+    params: &Params<f32>,
+    precision: Precision,
+    (k, eps): (usize, f32),
+    progress: &mut Progress,
+) -> Result<(Tensor<f32>, Tensor<f32>)> {
+    let batch = x.rows();
+    let z = linear_all(spec, x, params, precision, progress)?;
+    let f = spec.out_features;
+    let u = batch_norm_input(spec, params, &z, k)?;
+    let (mean, rstd, _) = batch_norm::stats_f32(u.data(), f, eps);
+    let after = batch_norm::after(spec, params, k, &mean, &rstd);
+    let out_w = *after.features.last().expect("features of the input at least");
+    let mut y = Tensor::full(&[batch, out_w], 0.0f32)?;
+    u.data().par_chunks(f).zip(y.data_mut().par_chunks_mut(out_w)).for_each_init(
+        || vec![0.0f32; f],
+        |row, (ur, yr)| {
+            row.copy_from_slice(ur);
+            let n = after.forward(row);
+            yr.copy_from_slice(&row[..n]);
+        },
+    );
+    Ok((y.reshape(&spec.output_shape(batch))?, z))
+}
+
+/// The batch statistics of the BatchNorm of `spec`'s chain at the Linear output `z`
+/// (what [`forward_saving`] returned): each feature's mean and biased variance over the
+/// rows, or `None` for a chain without one. A caller keeping running statistics
+/// (PyTorch's `running_mean`, `running_var`) updates them from these.
+pub fn batch_norm_stats(
+    spec: &BlockSpec,
+    params: &Params<f32>,
+    z: &Tensor<f32>,
+) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
+    let Some((k, _)) = spec.chain.batch_norm() else { return Ok(None) };
+    check_params(spec, params)?;
+    if z.shape() != [z.rows(), spec.out_features] {
+        return Err(Error::tensor("z", format!("expected (batch, {}), got {:?}", spec.out_features, z.shape())));
+    }
+    let u = batch_norm_input(spec, params, z, k)?;
+    let (mean, var) = batch_norm::column_stats(u.data(), spec.out_features);
+    Ok(Some((mean.iter().map(|&m| m as f32).collect(), var.iter().map(|&v| v as f32).collect())))
+}
+
+/// `dz`, the Linear bias's gradient and the chain parameters' gradients.
+type ChainGrads = (Tensor<f32>, Vec<f32>, Vec<Vec<f32>>);
+
+/// `dz`, the Linear bias's gradient and the chain's parameters' gradients of a chain
+/// with a BatchNorm (op `k`): see `batch_norm.rs`.
+fn dz_batch_norm(
+    spec: &BlockSpec,
+    params: &Params<f32>,
+    dy: &Tensor<f32>,
+    z: &Tensor<f32>,
+    (k, eps): (usize, f32),
+) -> Result<ChainGrads> {
+    let (batch, f) = (z.rows(), spec.out_features);
+    let u = batch_norm_input(spec, params, z, k)?;
+    let (mean, rstd, _) = batch_norm::stats_f32(u.data(), f, eps);
+    let after = batch_norm::after(spec, params, k, &mean, &rstd);
+    let out_w = *after.features.last().expect("features of the input at least");
+    let add = |mut a: Vec<Vec<f32>>, b: Vec<Vec<f32>>| {
+        for (sa, sb) in a.iter_mut().zip(&b) {
+            sa.iter_mut().zip(sb).for_each(|(s, v)| *s += v);
+        }
+        a
+    };
+    // g = d(after)/du at fixed statistics, row by row; dgamma, dbeta and the later ops'
+    // parameters' gradients summed over rows.
+    let mut g = Tensor::full(&[batch, f], 0.0f32)?;
+    let d_after = g
+        .data_mut()
+        .par_chunks_mut(ROWS_PER_TASK * f)
+        .enumerate()
+        .map(|(task, g_rows)| {
+            let mut dp = after.zero_grads();
+            let mut scratch = after.scratch();
+            for (j, gr) in g_rows.chunks_exact_mut(f).enumerate() {
+                let r = task * ROWS_PER_TASK + j;
+                let (ur, dyr) = (&u.data()[r * f..(r + 1) * f], &dy.data()[r * out_w..(r + 1) * out_w]);
+                after.backward(ur, dyr, gr, &mut scratch, &mut dp);
+            }
+            dp
+        })
+        .reduce(|| after.zero_grads(), add);
+    // du = g - gamma rstd (S1 + xhat S2) / N, S1 = dbeta, S2 = dgamma. Over two rows
+    // xhat = ±sqrt(1 - eps rstd²) and the formula's 1 - xhat² cancels to noise when the
+    // variance dwarfs eps: its exact value eps rstd² instead, du = (g - a S1 / 2) eps rstd².
+    let (gamma, s2, s1) = (params.ops[k][0].data(), &d_after[0], &d_after[1]);
+    let n = batch as f32;
+    g.data_mut().par_chunks_mut(f).zip(u.data().par_chunks(f)).for_each(|(gr, ur)| {
+        for c in 0..f {
+            let a = gamma[c] * rstd[c];
+            if batch == 2 {
+                gr[c] = (gr[c] - a * s1[c] * 0.5) * (eps * rstd[c] * rstd[c]);
+            } else {
+                let xhat = (ur[c] - mean[c]) * rstd[c];
+                gr[c] -= a * (s1[c] + xhat * s2[c]) / n;
+            }
+        }
+    });
+    // The ops before the BatchNorm, row by row from z; the Linear bias's gradient.
+    let before = batch_norm::before(spec, params, k);
+    let mut dz = Tensor::full(&[batch, f], 0.0f32)?;
+    let zeros = || (vec![0.0f32; f], before.zero_grads());
+    let (db, d_before) = dz
+        .data_mut()
+        .par_chunks_mut(ROWS_PER_TASK * f)
+        .enumerate()
+        .map(|(task, dz_rows)| {
+            let (mut db, mut dp) = zeros();
+            let mut scratch = before.scratch();
+            for (j, dzr) in dz_rows.chunks_exact_mut(f).enumerate() {
+                let r = task * ROWS_PER_TASK + j;
+                let (zr, gr) = (&z.data()[r * f..(r + 1) * f], &g.data()[r * f..(r + 1) * f]);
+                before.backward(zr, gr, dzr, &mut scratch, &mut dp);
+                db.iter_mut().zip(dzr.iter()).for_each(|(s, v)| *s += v);
+            }
+            (db, dp)
+        })
+        .reduce(zeros, |a, b| {
+            let mut db = a.0;
+            db.iter_mut().zip(&b.0).for_each(|(s, v)| *s += v);
+            (db, add(a.1, b.1))
+        });
+    // The statistics' two extra "parameters" of the BatchNorm have no gradient to give.
+    let mut dchain = d_before;
+    dchain.extend(d_after.into_iter().enumerate().filter(|(i, _)| *i != 2 && *i != 3).map(|(_, g)| g));
+    Ok((dz, db, dchain))
+}
+
 /// Rows of the chain's backward per task: the parameter gradients are summed over a
 /// task's rows in order, then over tasks tree-wise.
 const ROWS_PER_TASK: usize = 16;
@@ -309,12 +483,16 @@ fn backward_impl(
     let batch = spec.check_input(x)?;
     check_params(spec, params)?;
     check_dy(spec, batch, dy)?;
-    let (in_f, out_f) = (spec.in_features, spec.out_features);
+    let out_f = spec.out_features;
     if z.shape() != [batch, out_f] {
         return Err(Error::tensor(
             "z",
             format!("expected the Linear output's shape [{batch}, {out_f}], got {:?}", z.shape()),
         ));
+    }
+    if let Some((k, eps)) = spec.chain.batch_norm() {
+        let (dz, db, dchain) = dz_batch_norm(spec, params, dy, z, (k, eps))?;
+        return finish_backward(spec, x, params, dz, db, dchain, precision, progress);
     }
     let chain = chain_rows(spec, params);
     let out_w = *chain.features.last().expect("features of the input at least");
@@ -345,7 +523,24 @@ fn backward_impl(
             (db, dp)
         })
         .reduce(zeros, add);
+    finish_backward(spec, x, params, dz, db, dchain, precision, progress)
+}
 
+/// The two GEMMs of the backward from `dz`, and every gradient in [`Params`]' layout
+/// (`dchain`: the chain's parameters' gradients in order).
+#[allow(clippy::too_many_arguments)]
+fn finish_backward(
+    spec: &BlockSpec,
+    x: &Tensor<f32>,
+    params: &Params<f32>,
+    dz: Tensor<f32>,
+    db: Vec<f32>,
+    dchain: Vec<Vec<f32>>,
+    precision: Precision,
+    progress: &mut Progress,
+) -> Result<BlockGrads<f32>> {
+    let batch = x.rows();
+    let (in_f, out_f) = (spec.in_features, spec.out_features);
     // dx = dz W (batch x in), dW = dz^T x (out x in).
     let dz_op = operand(dz.data(), precision);
     let w_op = operand(params.linear_weight.data(), precision);

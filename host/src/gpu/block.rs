@@ -102,6 +102,9 @@ pub struct GpuBlock<W = f32> {
     pub(super) not_fusable: Option<String>,
     /// The chain's first op index the kernels run (1 when an avgpool is folded).
     pub(super) first_op: usize,
+    /// The chain's BatchNorm (its index and eps): `chain` then holds the ops before it,
+    /// and `gpu/batch_norm.rs` runs it and the ops after it.
+    pub(super) batch_norm: Option<(usize, f32)>,
     /// Arithmetic of the three GEMMs.
     pub precision: Precision,
 }
@@ -113,6 +116,9 @@ pub struct Workspace<T = f32> {
     pub(super) z: Option<DeviceTensor>,
     /// The block's output, `(batch, features out)`.
     pub y: DeviceTensor<T>,
+    /// A BatchNorm's batch statistics after a forward, `[mean; var; -mean; rstd]` `(4, F)`
+    /// (`var` biased): what running statistics are updated from.
+    pub stats: Option<DeviceTensor>,
 }
 
 /// What the forward keeps for the backward: the chain's input `(batch, n)`, `n` the
@@ -157,8 +163,17 @@ impl<W: DeviceElement> GpuBlock<W> {
             }
         }
         let first_op = usize::from(matches!(spec.chain.0.first(), Some(Op::AvgPool(_))));
-        let ops = &spec.chain.0[first_op..];
-        let chain = DeviceChain::new(gpu, ops, &params.ops[first_op..])?;
+        let batch_norm = spec.chain.batch_norm();
+        if batch_norm.is_some() && W::DTYPE == Dtype::Bf16 {
+            return Err(Error::Unsupported(
+                "a bf16 model's block with a BatchNorm: not on the GPU yet (a float32 model's block runs it, \
+                 in any precision)"
+                    .into(),
+            ));
+        }
+        let end = batch_norm.map_or(spec.chain.0.len(), |(k, _)| k);
+        let ops = &spec.chain.0[first_op..end];
+        let chain = DeviceChain::new(gpu, ops, &params.ops[first_op..end])?;
         let not_fusable = ops.iter().enumerate().find_map(|(i, op)| not_fusable(op, spec.features_at(first_op + i)));
         let mut block = GpuBlock {
             spec: spec.clone(),
@@ -167,6 +182,7 @@ impl<W: DeviceElement> GpuBlock<W> {
             chain,
             not_fusable,
             first_op,
+            batch_norm,
             precision: Precision::Fp32,
         };
         block.refold(gpu)?;
@@ -212,7 +228,10 @@ impl<W: DeviceElement> GpuBlock<W> {
             dtype: W::DTYPE,
             folded: self.folded.is_some(),
             fusable: self.not_fusable.is_none(),
-            gemv_chain: dispatch::gemv_chain_fits(&self.spec.chain.0[self.first_op..], self.gemm_width()),
+            gemv_chain: dispatch::gemv_chain_fits(
+                &self.spec.chain.0[self.first_op..self.first_op + self.chain.ops.len()],
+                self.gemm_width(),
+            ),
             w_aligned: self.params.linear_weight.buf.device_address().is_multiple_of(16),
             rows_fit: dispatch::rows_fit(self.gemm_width(), gpu.props.max_shared_per_block_optin),
             gemv: gpu.tuning().gemv,
@@ -241,8 +260,13 @@ impl<W: DeviceElement> GpuBlock<W> {
             }
             (_, true, _, None) => format!("{} (on FP32 copies of {t} x, W; y rounded)", route.kernel),
         };
-        let fold =
-            self.folded.as_ref().map_or(String::new(), |(k, ..)| format!("; avgpool({k}) folded into the weights"));
+        let fold = match (&self.folded, self.batch_norm) {
+            (Some((k, ..)), _) => format!("; avgpool({k}) folded into the weights"),
+            (_, Some(_)) => "; then batch_norm_stats, batch_norm_finish and epilogue_rows: the BatchNorm on \
+                             batch statistics and the ops after it"
+                .to_string(),
+            _ => String::new(),
+        };
         let gemv = |chain: bool, tc: bool| {
             let out = if chain { W::DTYPE } else { Dtype::F32 };
             dispatch::gemv_kernel(W::DTYPE, out, self.precision, tc)
@@ -292,7 +316,7 @@ impl<W: DeviceElement> GpuBlock<W> {
         };
         let y_shape = [batch, self.out_width()];
         let y = if poison { gpu.poisoned_as::<W>(&y_shape)? } else { gpu.alloc_as::<W>(&y_shape)? };
-        Ok(Workspace { plan, z, y })
+        Ok(Workspace { plan, z, y, stats: None })
     }
 
     /// Whether the chain backward runs tile-wise ([`dispatch::tile_backward`]).
@@ -428,6 +452,11 @@ impl GpuBlock {
         if x.shape.get(1) != Some(&self.spec.in_features) || x.shape.first() != ws.y.shape.first() {
             return Err(Error::tensor("x", format!("shape {:?} does not fit this workspace", x.shape)));
         }
+        if let Some(bn) = self.batch_norm {
+            self.spec.check_batch(x.shape[0])?;
+            ws.stats = Some(self.forward_batch_norm(gpu, x, ws, save, bn)?);
+            return Ok(());
+        }
         self.forward_f32(gpu, self.precision, x, self.gemm_params(), (&ws.plan, ws.z.as_mut()), &mut ws.y, save)
     }
 
@@ -443,12 +472,22 @@ impl GpuBlock {
     /// The forward of a training step: the output `(batch, features out)` and what the
     /// backward needs. `poison` NaN-fills the buffers first (for checks).
     pub fn forward_train(&self, gpu: &Gpu, x: &DeviceTensor, poison: bool) -> Result<(DeviceTensor, Saved)> {
+        self.forward_train_stats(gpu, x, poison).map(|(y, saved, _)| (y, saved))
+    }
+
+    /// [`GpuBlock::forward_train`] and a BatchNorm's batch statistics ([`Workspace::stats`]).
+    pub fn forward_train_stats(
+        &self,
+        gpu: &Gpu,
+        x: &DeviceTensor,
+        poison: bool,
+    ) -> Result<(DeviceTensor, Saved, Option<DeviceTensor>)> {
         let batch = x.shape[0];
         let mut ws = self.workspace_with(gpu, batch, poison)?;
         let shape = [batch, self.gemm_width()];
         let mut z = if poison { gpu.poisoned(&shape)? } else { gpu.alloc(&shape)? };
         self.forward_into(gpu, x, &mut ws, Some(&mut z))?;
-        Ok((ws.y, Saved { z, refined: false, own: true }))
+        Ok((ws.y, Saved { z, refined: false, own: true }, ws.stats))
     }
 
     /// Recomputes exactly the chunks of the saved `z` where its rounding could flip a
@@ -508,7 +547,9 @@ impl GpuBlock {
             mark("kink refinement")?;
         }
         let (w, _) = self.gemm_params();
-        let (dz, slots) = if self.tile_backward() {
+        let (dz, slots) = if let Some(bn) = self.batch_norm {
+            self.backward_batch_norm(gpu, &saved.z, dy, bn)?
+        } else if self.tile_backward() {
             epilogue_tiles_backward(gpu, &self.chain, &saved.z, dy)?
         } else {
             epilogue_rows_backward(gpu, &self.chain, &saved.z, dy, self.out_width())?

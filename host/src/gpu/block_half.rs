@@ -133,6 +133,17 @@ impl<H: HalfElement> GpuBlock<H> {
         Ok((ws.y, Saved { z, refined: true, own: true }))
     }
 
+    /// [`GpuBlock::forward_train`] with the statistics of a BatchNorm: none (a 16-bit
+    /// model's block refuses chains with one).
+    pub fn forward_train_stats(
+        &self,
+        gpu: &Gpu,
+        x: &DeviceTensor<H>,
+        poison: bool,
+    ) -> Result<(DeviceTensor<H>, Saved, Option<DeviceTensor>)> {
+        self.forward_train(gpu, x, poison).map(|(y, saved)| (y, saved, None))
+    }
+
     /// Gradients of a 16-bit block: `dX` and `dW` in its type, the bias's and the chain
     /// parameters' in FP32 (the caller rounds them into its parameters' type), from the
     /// output's gradient `dy (batch, features out)` in its type, the input `x` and the

@@ -608,6 +608,7 @@ pub fn not_fusable(op: &Op, features: usize) -> Option<String> {
     match *op {
         Op::AvgPool(_) | Op::RowMax | Op::Reduce(_) | Op::MaxPool(_) => Some(format!("`{op}` reduces across tiles")),
         Op::Softmax | Op::RmsNorm { .. } => Some(format!("`{op}` needs the whole row")),
+        Op::BatchNorm { .. } => Some(format!("`{op}` needs the statistics of every row")),
         // LayerNorm runs as a GroupNorm of one group: fused where the row is such a group.
         Op::GroupNorm { .. } | Op::LayerNorm { .. } => {
             let groups = if let Op::GroupNorm { groups, .. } = *op { groups } else { 1 };

@@ -4,6 +4,7 @@
 //! cudarc loads `libcuda` at run time and panics when it is missing, so [`Gpu::open`]
 //! checks for the library first and turns every failure into an [`Error`].
 
+pub mod batch_norm;
 pub mod block;
 pub mod block_half;
 pub mod collective;

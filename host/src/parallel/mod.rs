@@ -113,6 +113,11 @@ impl TensorSplit {
                 Op::Reduce(_) | Op::Softmax | Op::LayerNorm { .. } | Op::RmsNorm { .. } => {
                     q.keep(f * per_feature, format!("the row `{op}` works across"));
                 }
+                Op::BatchNorm { .. } => {
+                    return Err(Error::Chain(format!(
+                        "`{op}`: the parallel blocks do not run a BatchNorm (its statistics span the batch)"
+                    )));
+                }
                 Op::RowMax | Op::Pointwise(..) => {}
             }
         }

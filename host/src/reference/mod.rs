@@ -13,6 +13,7 @@
 //! Linear layer, one per chain op) and back-propagates the caller's `dy`.
 
 pub mod activation;
+pub mod batch_norm;
 pub mod group_norm;
 pub mod linear;
 pub mod op;
@@ -161,6 +162,26 @@ pub fn block_forward_saving<T: Real>(
         h = op_forward(op, &h, op_params)?.0;
     }
     Ok((h.reshape(&spec.output_shape(batch))?, z))
+}
+
+/// The batch statistics of the chain's BatchNorm at the Linear output `z`: each
+/// feature's mean and biased variance over the rows (`None` without a BatchNorm). The
+/// running statistics are the caller's ([`batch_norm::running_stats_update`]).
+pub fn batch_norm_stats<T: Real>(
+    spec: &BlockSpec,
+    params: &Params<T>,
+    z: &Tensor<T>,
+) -> Result<Option<batch_norm::BatchNormStats<T>>> {
+    let Some((k, _)) = spec.chain.batch_norm() else { return Ok(None) };
+    check_params(spec, params)?;
+    let mut h = z.clone();
+    for (op, op_params) in spec.chain.0[..=k].iter().zip(&params.ops) {
+        match op_forward(op, &h, op_params)? {
+            (_, Saved::BatchNorm { stats, .. }) => return Ok(Some(stats)),
+            (y, _) => h = y,
+        }
+    }
+    unreachable!("op {k} is the BatchNorm")
 }
 
 /// Gradients of a block's input and of each of its parameters.

@@ -2,6 +2,7 @@
 //! forward saves for its backward.
 
 use super::activation::{pointwise_backward, pointwise_forward};
+use super::batch_norm::{BatchNormStats, batch_norm_backward, batch_norm_forward};
 use super::group_norm::{GroupNormStats, group_norm_backward, group_norm_forward};
 use super::reduce::{avg_pool_backward, avg_pool_forward, row_max_backward, row_max_forward};
 use super::rows::*;
@@ -31,6 +32,8 @@ pub enum Saved<T> {
     MaxPool { from: Vec<usize>, in_features: usize },
     /// RMSNorm: the input and each row's `1 / rms`.
     RmsNorm { x: Tensor<T>, rstd: Vec<T> },
+    /// BatchNorm: the input and each channel's batch statistics.
+    BatchNorm { x: Tensor<T>, stats: BatchNormStats<T> },
 }
 
 /// Applies `op` to `x` (B,F) with its parameters (in [`Op::param_bases`] order).
@@ -80,6 +83,10 @@ pub fn op_forward<T: Real>(op: &Op, x: &Tensor<T>, params: &[Tensor<T>]) -> Resu
             let (y, rstd) = rms_norm_forward(x, c(eps), &params[0])?;
             (y, Saved::RmsNorm { x: x.clone(), rstd })
         }
+        Op::BatchNorm { eps } => {
+            let (y, stats) = batch_norm_forward(x, c(eps), &params[0], &params[1])?;
+            (y, Saved::BatchNorm { x: x.clone(), stats })
+        }
     })
 }
 
@@ -120,6 +127,10 @@ pub fn op_backward<T: Real>(
         (Op::RmsNorm { .. }, Saved::RmsNorm { x, rstd }) => {
             let (dx, dw) = rms_norm_backward(x, rstd, &params[0], dy)?;
             (dx, vec![dw])
+        }
+        (Op::BatchNorm { .. }, Saved::BatchNorm { x, stats }) => {
+            let (dx, dgamma, dbeta) = batch_norm_backward(x, stats, &params[0], dy)?;
+            (dx, vec![dgamma, dbeta])
         }
         (op, _) => return Err(Error::Argument(format!("`{op}` backward was given another op's saved state"))),
     })

@@ -26,12 +26,27 @@ impl DeviceChain {
         if ops.len() != params.len() {
             return Err(Error::Chain(format!("{} ops but {} parameter lists", ops.len(), params.len())));
         }
+        let ptrs: Vec<[u64; 2]> = params
+            .iter()
+            .map(|op_params| {
+                let mut ptrs = [0u64; 2];
+                for (slot, p) in ptrs.iter_mut().zip(op_params) {
+                    *slot = p.buf.device_ptr(gpu.stream()).0;
+                }
+                ptrs
+            })
+            .collect();
+        Self::from_ptrs(gpu, ops, &ptrs)
+    }
+
+    /// [`DeviceChain::new`] from each op's parameter addresses (0 where it has none): a
+    /// chain over vectors that are no tensors of their own (a BatchNorm's statistics).
+    pub fn from_ptrs(gpu: &Gpu, ops: &[Op], params: &[[u64; 2]]) -> Result<DeviceChain> {
+        if ops.len() != params.len() {
+            return Err(Error::Chain(format!("{} ops but {} parameter lists", ops.len(), params.len())));
+        }
         let mut descs = Vec::new();
-        for (op, op_params) in ops.iter().zip(params) {
-            let mut ptrs = [0u64; 2];
-            for (slot, p) in ptrs.iter_mut().zip(op_params) {
-                *slot = p.buf.device_ptr(gpu.stream()).0;
-            }
+        for (op, ptrs) in ops.iter().zip(params) {
             let mut d = OpDesc { param0: ptrs[0], param1: ptrs[1], ..OpDesc::default() };
             match *op {
                 Op::Pointwise(kind, [a, b]) => (d.code, d.a, d.b) = (kind as u32, a, b),
@@ -51,6 +66,10 @@ impl DeviceChain {
                 // The same math as a GroupNorm of one group (kernel_abi::ops).
                 Op::LayerNorm { eps } => (d.code, d.count, d.a) = (OP_GROUP_NORM, 1, eps),
                 Op::RmsNorm { eps } => (d.code, d.a) = (OP_RMS_NORM, eps),
+                // The block runs the ops around it (`gpu/batch_norm.rs`), never a kernel.
+                Op::BatchNorm { .. } => {
+                    return Err(Error::Chain(format!("`{op}`: a BatchNorm is no op of the kernels' chains")));
+                }
             }
             descs.push(d);
         }
