@@ -135,7 +135,6 @@ kernels! {
     GemvTcBf16 = "gemv_tc_bf16", bounds(gemv_tc::THREADS, 2);
     GemvTcBf16ToBf16 = "gemv_tc_bf16_to_bf16", bounds(gemv_tc::THREADS, 2);
     GemvTcTf32 = "gemv_tc_tf32", bounds(gemv_tc::THREADS, 2);
-    GemvTcTf32x3 = "gemv_tc_tf32x3", bounds(gemv_tc::THREADS, 2);
 
     // The epilogue chain on whole rows and tiles, its backward, the kink scan and
     // refinement (`epilogue/`). The tile-wise backward and the refinements carry the

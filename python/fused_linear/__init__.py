@@ -185,10 +185,14 @@ class _Eager(torch.autograd.Function):
         ctx.save_for_backward(x, weight, bias, z, *params)
         ctx.ops, ctx.precision = ops, precision
         ctx.mark_non_differentiable(z)
+        # z's gradient is never used: not materialised as zeros (the size of z each step).
+        ctx.set_materialize_grads(False)
         return y, z
 
     @staticmethod
     def backward(ctx, dy, _dz):
+        if dy is None:  # y unused by the loss: every gradient is zero
+            return (None,) * (5 + len(ctx.saved_tensors) - 4)
         x, weight, bias, z, *params = ctx.saved_tensors
         dx, dw, db, dparams = _run_backward(x, weight, bias, params, z, dy, ctx.ops, ctx.precision)
         return (dx, dw, db, None, None, *dparams)

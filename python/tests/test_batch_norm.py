@@ -84,7 +84,7 @@ def _problem(name, scale=32):
 def _step(model, x, seed):
     xg = x.detach().clone().requires_grad_(True)
     y = model(xg)
-    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), dtype=y.dtype)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed), dtype=y.dtype).to(y.device)
     names, params = zip(*model.named_parameters())
     grads = torch.autograd.grad(y, [xg, *params], dy)
     return y.detach(), dict(zip(("x", *names), grads))

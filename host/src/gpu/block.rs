@@ -164,9 +164,9 @@ impl<W: DeviceElement> GpuBlock<W> {
         }
         let first_op = usize::from(matches!(spec.chain.0.first(), Some(Op::AvgPool(_))));
         let batch_norm = spec.chain.batch_norm();
-        if batch_norm.is_some() && W::DTYPE == Dtype::Bf16 {
+        if batch_norm.is_some() && W::DTYPE != Dtype::F32 {
             return Err(Error::Unsupported(
-                "a bf16 model's block with a BatchNorm: not on the GPU yet (a float32 model's block runs it, \
+                "a 16-bit model's block with a BatchNorm: not on the GPU yet (a float32 model's block runs it, \
                  in any precision)"
                     .into(),
             ));

@@ -29,9 +29,10 @@ use kernel_abi::gemv::{ROWS as GEMV_ROWS, SLAB as GEMV_SLAB};
 
 /// Most rows the tensor-core small-batch kernel (`gemv_tc_*`) takes before the tile
 /// GEMMs do. Its `mma.sync` work grows with the rows (padded to 8) while `W`'s bytes
-/// do not, and the tile GEMMs' idle SMs fill up as the rows grow: the crossover is a
-/// measurement (`host bench --shape ROWS,IN,OUT --small-batch-kernels`), not yet made;
-/// this is the kernel's own limit (`kernel_abi::gemv_tc::ROWS`) until then.
+/// do not, and the tile GEMMs' idle SMs fill up as the rows grow. Measured (`host bench
+/// --shape ROWS,IN,OUT --small-batch-kernels`, H100): faster than the tile GEMMs up to
+/// 64 rows in bf16, level with them in TF32 at 64 rows of 4096² (docs/PERFORMANCE.md):
+/// the kernel's own limit (`kernel_abi::gemv_tc::ROWS`).
 pub const GEMV_TC_ROWS: usize = 64;
 const _: () = assert!(GEMV_TC_ROWS <= kernel_abi::gemv_tc::ROWS && GEMV_TC_ROWS >= GEMV_ROWS);
 
@@ -450,9 +451,8 @@ pub enum Plan {
 /// | bf16 (a bf16 model's, as stored) | bf16 | yes | `gemv_tc_bf16`, `gemv_tc_bf16_to_bf16` (`mma.sync` `m16n8k16`) |
 /// | | | no | `gemv_bf16`, `gemv_bf16_to_bf16` (FP32 FMAs) |
 /// | FP32 | tf32 | yes | `gemv_tc_tf32` (`m16n8k8`) |
-/// | | tf32x3 | yes | `gemv_tc_tf32x3` (`m16n8k8`, 3 products) |
 /// | fp16 (an fp16 model's) | fp16 | no | `gemv_f16`, `gemv_f16_to_f16` (FP32 FMAs) |
-/// | | any | no | `gemv_f32` (FP32 FMAs; strict FP32 and FP32 models at bf16 precision) |
+/// | | any | no | `gemv_f32` (FP32 FMAs; strict FP32, 3xTF32, FP32 models at bf16 precision) |
 ///
 /// [`plan`] sets `tensor_cores` only where a tensor-core kernel exists
 /// ([`Forward::gemv_tc`]).
@@ -465,20 +465,21 @@ pub fn gemv_kernel(operands: Dtype, output: Dtype, precision: Precision, tensor_
             if output == operands { h.gemv_to_half } else { h.gemv }
         }
         (Dtype::F32, _, true, Precision::Tf32) => Kernel::GemvTcTf32,
-        (Dtype::F32, _, true, Precision::Tf32x3) => Kernel::GemvTcTf32x3,
         (Dtype::F32, ..) => Kernel::GemvF32,
     }
 }
 
 /// Whether a tensor-core small-batch kernel serves a block whose tensors are `dtype`
-/// at `precision`: a bf16 model's (as stored), or FP32 tensors in TF32 or 3xTF32.
-/// Strict FP32 stays on FP32 FMAs, and FP32 tensors at bf16 precision (operands
-/// rounded per call) have no such kernel.
+/// at `precision`: a bf16 model's (as stored), or FP32 tensors in TF32. Strict FP32 and
+/// 3xTF32 stay on FP32 FMAs: a 3xTF32 tensor-core form measured 1.5e-4 from float64 on
+/// a one-row `hardtanh,mean` (a mean's cancellation over 1000 values; H100, 2026-11-27),
+/// beyond the 1e-4 that 3xTF32 promises, where the FMAs are FP32's own rounding. FP32
+/// tensors at bf16 precision (operands rounded per call) have no such kernel.
 pub fn gemv_tc_serves(dtype: Dtype, precision: Precision) -> bool {
     match dtype {
         Dtype::Bf16 => true,
         Dtype::F16 => false,
-        Dtype::F32 => matches!(precision, Precision::Tf32 | Precision::Tf32x3),
+        Dtype::F32 => precision == Precision::Tf32,
     }
 }
 
@@ -929,11 +930,11 @@ mod tests {
         assert_eq!(gemv_kernel(Dtype::Bf16, Dtype::Bf16, Bf16, true), Kernel::GemvTcBf16ToBf16);
         assert_eq!(gemv_kernel(Dtype::Bf16, Dtype::F32, Bf16, true), Kernel::GemvTcBf16);
         assert_eq!(gemv_kernel(Dtype::F32, Dtype::F32, Tf32, true), Kernel::GemvTcTf32);
-        assert_eq!(gemv_kernel(Dtype::F32, Dtype::F32, Tf32x3, true), Kernel::GemvTcTf32x3);
         assert_eq!(gemv_kernel(Dtype::F32, Dtype::F32, Tf32, false), Kernel::GemvF32);
-        // Strict FP32, and FP32 tensors at bf16 precision, have no tensor-core kernel.
-        assert!(gemv_tc_serves(Dtype::Bf16, Bf16) && gemv_tc_serves(Dtype::F32, Tf32x3));
+        // Strict FP32, 3xTF32 and FP32 tensors at bf16 precision have no tensor-core kernel.
+        assert!(gemv_tc_serves(Dtype::Bf16, Bf16) && gemv_tc_serves(Dtype::F32, Tf32));
         assert!(!gemv_tc_serves(Dtype::F32, Fp32) && !gemv_tc_serves(Dtype::F32, Bf16));
+        assert!(!gemv_tc_serves(Dtype::F32, Tf32x3));
     }
 
     /// A chain that needs whole rows is refused over rows wider than the row-wise

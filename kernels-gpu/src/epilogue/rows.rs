@@ -635,6 +635,9 @@ unsafe fn rows_backward<E: Element>(
         // SAFETY (whole row): indices below the buffer extents; uniform barriers.
         unsafe {
             load_row(g, dy.add(row * f_out), 1, 0, null(), null_mut(), f_out);
+            // Threads read columns that others loaded (16 bytes each): and with no op
+            // below, the store of dz reads them straight away.
+            sync_threads();
             let mut slot_end = slots;
             for i in (0..n_ops).rev() {
                 let op = op_at(i);

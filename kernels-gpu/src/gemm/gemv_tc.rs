@@ -12,7 +12,8 @@
 //! unit's bytes stay in flight without holding registers. The order of `k` inside an
 //! MMA is free as long as `A` and `B` agree: the chunk's words `2s`, `2s + 1` are the
 //! `k` halves of step `s` for both, so a chunk of a row feeds two MMAs (`m16n8k16`
-//! bf16 or `m16n8k8` TF32) as loaded. 3xTF32 adds the two residual products.
+//! bf16 or `m16n8k8` TF32) as loaded. (No 3xTF32 form: `host::gpu::dispatch::gemv_tc_serves`
+//! says why.)
 //!
 //! The warps' partial sums meet in shared memory (added in warp order: deterministic),
 //! then bias, `save_z`, and the chain on the slab as in `gemv`: per-element ops and
@@ -22,7 +23,7 @@
 use crate::epilogue::rows::op_forward_rows;
 use crate::prelude::async_copy::{cp_async_16, cp_async_commit, cp_async_wait, cp_async_wait_all, shared_address};
 use crate::prelude::element::{Bf16, Element};
-use crate::prelude::mma::{ld_shared_v4, mma_bf16, mma_tf32, tf32_residual};
+use crate::prelude::mma::{ld_shared_v4, mma_bf16, mma_tf32};
 use crate::prelude::*;
 use crate::unroll;
 use kernel_abi::epilogue::{OP_GROUP_NORM, OpDesc, ROW_THREADS};
@@ -35,10 +36,9 @@ const _: () = assert!(FRAGS == 8 && W_SLOTS == 4 && SLAB == 32 && THREADS == ROW
 /// Bytes of one slot: a 16-byte chunk per lane.
 const SLOT_BYTES: usize = WARP * CHUNK;
 
-/// The arithmetic: TF32 (operands truncated), 3xTF32 (FP32-accurate split) or bf16
-/// (a bf16 model's values as stored); FP32 accumulation in all three.
+/// The arithmetic: TF32 (operands truncated) or bf16 (a bf16 model's values as
+/// stored); FP32 accumulation in both.
 const TF32: u8 = 0;
-const TF32X3: u8 = 1;
 const BF16: u8 = 2;
 
 /// # Safety
@@ -135,13 +135,9 @@ unsafe fn gemv_tc<E: Element, O: Element, const MATH: u8>(
         cp_async_commit();
         // `A` of fragment `mf` at step `s`: rows g, g + 8 of the fragment, words 2s, 2s + 1.
         let mut a = [[[0u32; 4]; 2]; 2];
-        let mut a_lo = [[[0u32; 4]; 2]; 2];
         unroll!(mf in 0..2 => {
             unroll!(s in 0..2 => {
                 a[mf][s] = [wv[2 * mf][2 * s], wv[2 * mf + 1][2 * s], wv[2 * mf][2 * s + 1], wv[2 * mf + 1][2 * s + 1]];
-                if MATH == TF32X3 {
-                    a_lo[mf][s] = a[mf][s].map(tf32_residual);
-                }
             });
         });
         unroll!(f in 0..8 => {
@@ -150,17 +146,11 @@ unsafe fn gemv_tc<E: Element, O: Element, const MATH: u8>(
                 let xv = unsafe { ld_shared_v4(st + ((W_SLOTS + f) * SLOT_BYTES) as u32) };
                 unroll!(s in 0..2 => {
                     let b = [xv[2 * s], xv[2 * s + 1]];
-                    let b_lo = if MATH == TF32X3 { b.map(tf32_residual) } else { b };
                     unroll!(mf in 0..2 => {
-                        match MATH {
-                            BF16 => mma_bf16(&mut acc[mf][f], a[mf][s], b),
-                            TF32 => mma_tf32(&mut acc[mf][f], a[mf][s], b),
-                            _ => {
-                                // High parts are the raw operands (see `tf32_residual`).
-                                mma_tf32(&mut acc[mf][f], a_lo[mf][s], b);
-                                mma_tf32(&mut acc[mf][f], a[mf][s], b_lo);
-                                mma_tf32(&mut acc[mf][f], a[mf][s], b);
-                            }
+                        if MATH == BF16 {
+                            mma_bf16(&mut acc[mf][f], a[mf][s], b);
+                        } else {
+                            mma_tf32(&mut acc[mf][f], a[mf][s], b);
                         }
                     });
                 });
@@ -269,6 +259,4 @@ gemv_tc_entries! {
     gemv_tc_bf16_to_bf16 = <Bf16, Bf16, BF16>;
     /// FP32 `x`, `W` and `y`, TF32 products.
     gemv_tc_tf32 = <f32, f32, TF32>;
-    /// FP32 `x`, `W` and `y`, 3xTF32 products (FP32-accurate).
-    gemv_tc_tf32x3 = <f32, f32, TF32X3>;
 }
