@@ -824,7 +824,8 @@ fn check_step(
 /// kernel at 6 rows, split-K at few rows and a deep `k`, the fused GEMM, ragged widths),
 /// into poisoned outputs: `y` against the f64 reference at the precision's tolerance,
 /// every gradient and the batch statistics against the reference at the GPU's own `z`
-/// (the backward's and the column reduction's own error, FP32's). A Linear bias straight
+/// (the backward's and the column reduction's own error, FP32's; `dX` and `dW` the
+/// precision's, from its GEMMs). A Linear bias straight
 /// before the BatchNorm has a gradient of exactly 0: held to FP32_REL of the largest
 /// BatchNorm gradient instead.
 #[test]
@@ -866,7 +867,11 @@ fn batch_norm_chains_match_reference() {
                 want.params.linear_bias = got.params.linear_bias.to_f64();
             }
             for (name, c) in got.compare(&spec, &want) {
-                assert!(c.passes(FP32_REL), "{what}: {name}: {c:?}");
+                // `dX = dZ W` and `dW = dZ^T X` run in the precision's GEMMs (bf16: `dZ`
+                // rounded to bf16, 2.4e-3 on the H100); the rest is the FP32 epilogue's.
+                let gemm = name == "x" || name == "lin.weight";
+                let bar = if gemm { precision.tolerance().max(FP32_REL) } else { FP32_REL };
+                assert!(c.passes(bar), "{what}: {name}: {c:?}");
             }
 
             // The batch statistics, at the GPU's own z.
