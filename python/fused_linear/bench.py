@@ -688,8 +688,8 @@ class Progress:
         if self.bar:
             self._draw(note)
         else:
-            took = time.perf_counter() - self.case_t0
-            self.stream.write(f"{self._head()} {self.label}: {note or f'{took:.1f} s'}\n")
+            took = f"{time.perf_counter() - self.case_t0:.1f} s"
+            self.stream.write(f"{self._head()} {self.label}: {took}{f' | {note}' if note else ''}\n")
             self.stream.flush()
         self.case_t0 = time.perf_counter()
 
@@ -855,10 +855,25 @@ class Bench:
         self._checked.add((shape, config))
         for mode in self.args.modes:
             self.progress.begin(f"{shape.label} {config} {mode}")
+            first = len(self.rows)
             self._run_mode(shape, config, mode, blocks, x, dy, check)
             self._modes_done.add((shape, config, mode))
-            self.progress.advance()
+            self.progress.advance(note=self._summary(self.rows[first:]))
         del x, dy
+
+    def _summary(self, rows: Sequence[Dict[str, Any]]) -> str:
+        """A finished case's times in one line (``graph eager/compile/ours x ratio; ...``):
+        what a log keeps of a run that stops before its tables are written."""
+        parts = []
+        for protocol in self.args.protocols:
+            got = {r["impl"]: r["value"] for r in rows if r["protocol"] == protocol}
+            if not got or any(v is None for v in got.values()):
+                continue
+            times = "/".join(f"{got[i]:.4g}" for i in self.impls if i in got)
+            peers = [got[i] for i in ("eager", "compile") if i in got]
+            ratio = f" x{min(peers) / got['ours']:.2f}" if peers and got.get("ours") else ""
+            parts.append(f"{protocol} {times}{ratio}")
+        return "; ".join(parts)
 
     def _calls(
         self, block: nn.Module, mode: str, x: Tensor, xg: Optional[Tensor], dy: Tensor
