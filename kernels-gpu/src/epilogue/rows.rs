@@ -457,10 +457,10 @@ unsafe fn rows_forward<E: Element>(
     unsafe { store_row(y.add(row * f), cur, f) };
 }
 
-/// [`rows_forward`] with `y` in FP32.
+/// `rows_forward` with `y` in FP32.
 ///
 /// # Safety
-/// As [`rows_forward`].
+/// As `rows_forward`.
 #[unsafe(no_mangle)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "ptx-kernel" fn epilogue_rows(
@@ -476,14 +476,14 @@ pub unsafe extern "ptx-kernel" fn epilogue_rows(
     unsafe { rows_forward(z, splits, bias, y, save_z, n, ops, n_ops) }
 }
 
-/// [`rows_forward`] with `y` in bf16 or fp16: a 16-bit model's output without a
+/// `rows_forward` with `y` in bf16 or fp16: a 16-bit model's output without a
 /// second pass.
 macro_rules! rows_forward_into {
     ($($name:ident: $t:ty),*) => {$(
-        /// [`rows_forward`] into a 16-bit `y`.
+        /// `rows_forward` into a 16-bit `y`.
         ///
         /// # Safety
-        /// As [`rows_forward`].
+        /// As `rows_forward`.
         #[unsafe(no_mangle)]
         #[allow(clippy::too_many_arguments)]
         pub unsafe extern "ptx-kernel" fn $name(
@@ -817,10 +817,10 @@ unsafe fn rows_backward<E: Element>(
     }
 }
 
-/// [`rows_backward`] in FP32.
+/// `rows_backward` in FP32.
 ///
 /// # Safety
-/// As [`rows_backward`].
+/// As `rows_backward`.
 #[unsafe(no_mangle)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "ptx-kernel" fn epilogue_rows_backward(
@@ -837,14 +837,14 @@ pub unsafe extern "ptx-kernel" fn epilogue_rows_backward(
     unsafe { rows_backward(z, dy, dz, partials, rows, n, ops, n_ops, sums_in_smem) }
 }
 
-/// [`rows_backward`] with `dy` and `dz` in bf16 or fp16: a 16-bit model's gradients
+/// `rows_backward` with `dy` and `dz` in bf16 or fp16: a 16-bit model's gradients
 /// without a widening pass before and a rounding pass after.
 macro_rules! rows_backward_of {
     ($($name:ident: $t:ty),*) => {$(
-        /// [`rows_backward`] on a 16-bit `dy` and `dz`.
+        /// `rows_backward` on a 16-bit `dy` and `dz`.
         ///
         /// # Safety
-        /// As [`rows_backward`].
+        /// As `rows_backward`.
         #[unsafe(no_mangle)]
         #[allow(clippy::too_many_arguments)]
         pub unsafe extern "ptx-kernel" fn $name(
