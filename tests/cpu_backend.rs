@@ -1,6 +1,7 @@
 //! The CPU backend (`host::cpu`) against the f64 reference: random shapes and chains,
 //! the five models at a small size, forward and backward, two blocks on one tape,
-//! the emulated TF32/bf16 operands, NaN/Inf, and refused input.
+//! the emulated TF32/bf16 operands, FP8 (e4m3 with row-wise scales, emulated), NaN/Inf,
+//! and refused input.
 //!
 //! Tolerances are those of `host::check` (its module says why): the backend's f32
 //! results are held to `FP32_REL` (norm-wise relative error) against the reference
@@ -14,7 +15,7 @@ mod common;
 
 use common::{random_params, random_tensor};
 use host::chain::Reduce;
-use host::check::{BF16_REL, FP32_REL, TF32_REL, compare_f32};
+use host::check::{BF16_REL, FP8_REL, FP32_REL, TF32_REL, compare_f32};
 use host::cpu::{self, Options, Precision};
 use host::reference::{self, BlockGrads};
 use host::tape::{Tape, VarId};
@@ -380,4 +381,121 @@ fn batch_norm_refuses_one_row_and_other_places() {
         assert!(e.contains(why), "{chain}: {e}");
     }
     assert!(BlockSpec::new(4, 6, "bn,softmax,max".parse().unwrap()).is_ok());
+}
+
+/// The largest norm-wise relative error over the input's and every parameter's gradient.
+fn worst_grad(got: &BlockGrads<f32>, want: &BlockGrads<f64>) -> f64 {
+    std::iter::once((&got.x, &want.x))
+        .chain(got.params.flat().into_iter().zip(want.params.flat()))
+        .map(|(g, w)| compare_f32(g.data(), w.data()).rel)
+        .fold(0.0, f64::max)
+}
+
+/// FP8 on random blocks: the output against the reference within `FP8_REL`, and every
+/// gradient against the reference's at the backend's own `z` (a `z` 4% off crosses a
+/// kink or changes a row's maximum now and then: see `FP8_REL`). `fp8_gw_bf16` gives
+/// the same output and `dX` bit for bit, and a `dW` within bf16's bar. Blocks of 8
+/// features or more each side and 3 rows or more: over fewer terms a sum can cancel
+/// beyond e4m3's 4 significant bits (`dX = 0.13 (w1 - w2)` came out 0, `w1` and `w2`
+/// rounding to one value: 100% off), which no norm-wise bar covers (docs/NUMERICS.md).
+/// Worst seen here: 0.10 (`y`, three rows of a min and mean), 6.1e-2 (a gradient).
+#[test]
+fn fp8_matches_the_f64_reference_on_random_chains() {
+    let mut rng = StdRng::seed_from_u64(21);
+    let (fp8, gw_bf16) = (Options::new(Precision::Fp8), Options::new(Precision::Fp8GwBf16));
+    for _ in 0..120 {
+        let (spec, batch) = loop {
+            let (spec, batch) = random_spec(&mut rng, true);
+            if spec.in_features >= 8 && spec.out_features >= 8 && batch >= 3 {
+                break (spec, batch);
+            }
+        };
+        let case = Case::new(spec, batch, &mut rng);
+        let what = format!("fp8 {}", case.what());
+        let (y_want, _) = case.reference(None);
+        let (y, grads) = cpu::backward(&case.spec, &case.x, &case.params, &case.dy, &fp8).unwrap();
+        let (_, z) = cpu::forward_saving(&case.spec, &case.x, &case.params, &fp8).unwrap();
+        let (_, grads_want) = case.reference(Some(&z));
+        assert_close(&what, &y, &y_want, FP8_REL);
+        assert_grads_close(&what, &case.spec, &grads, &grads_want, FP8_REL);
+
+        let (y2, grads2) = cpu::backward(&case.spec, &case.x, &case.params, &case.dy, &gw_bf16).unwrap();
+        assert_eq!((&y2, &grads2.x), (&y, &grads.x), "{what}: fp8_gw_bf16's forward and dX");
+        let w = &grads_want.params.linear_weight;
+        assert_close(&format!("{what}: fp8_gw_bf16's dW"), &grads2.params.linear_weight, w, BF16_REL);
+    }
+}
+
+/// The five models at a small size in FP8: output and gradients within `FP8_REL` of the
+/// reference — at the backend's own `z`, and for the chains without a kink or a row
+/// maximum (M1, M2) of the exact one too; and the error in FP8's band: over 10x bf16's on
+/// the same case (the operands are quantised), and around e4m3's per-product standard
+/// deviation (no more than `FP8_REL`, no less than a quarter of the deviation).
+#[test]
+fn the_five_models_in_fp8() {
+    let mut rng = StdRng::seed_from_u64(22);
+    let sigma = f64::from(host::precision::FP8_PRODUCT_SIGMA);
+    for preset in Preset::ALL {
+        let chain = if preset.chain().has_group_norm() { preset.chain().with_groups(4) } else { preset.chain() };
+        let case = Case::new(BlockSpec::new(77, 96, chain).unwrap(), 33, &mut rng);
+        let what = format!("fp8 {preset}");
+        let (y_want, exact) = case.reference(None);
+        let opts = Options::new(Precision::Fp8);
+        let (y, grads) = cpu::backward(&case.spec, &case.x, &case.params, &case.dy, &opts).unwrap();
+        let (_, z) = cpu::forward_saving(&case.spec, &case.x, &case.params, &opts).unwrap();
+        let (_, at_z) = case.reference(Some(&z));
+        assert_close(&what, &y, &y_want, FP8_REL);
+        assert_grads_close(&what, &case.spec, &grads, &at_z, FP8_REL);
+        if matches!(preset, Preset::M1 | Preset::M2) {
+            assert_grads_close(&format!("{what} (exact z)"), &case.spec, &grads, &exact, FP8_REL);
+        }
+        // z itself: about one per-product standard deviation off.
+        let (_, z_want) =
+            reference::block_forward_saving(&case.spec, &case.x.to_f64(), &case.params.map(f64::from)).unwrap();
+        let z_rel = compare_f32(z.data(), z_want.data()).rel;
+        assert!((0.5 * sigma..2.0 * sigma).contains(&z_rel), "{what}: z off by {z_rel:e}, e4m3 predicts ~{sigma:e}");
+
+        let bf16 = Options::new(Precision::Bf16);
+        let (y16, grads16) = cpu::backward(&case.spec, &case.x, &case.params, &case.dy, &bf16).unwrap();
+        let (_, z16) = cpu::forward_saving(&case.spec, &case.x, &case.params, &bf16).unwrap();
+        let (_, at_z16) = case.reference(Some(&z16));
+        let (rel8, rel16) = (compare_f32(y.data(), y_want.data()).rel, compare_f32(y16.data(), y_want.data()).rel);
+        assert!(rel8 > 10.0 * rel16 && rel8 > 0.25 * sigma, "{what}: y {rel8:e} against bf16's {rel16:e}");
+        let (g8, g16) = (worst_grad(&grads, &at_z), worst_grad(&grads16, &at_z16));
+        assert!(g8 > 10.0 * g16 && g8 > 0.25 * sigma, "{what}: gradients {g8:e} against bf16's {g16:e}");
+    }
+}
+
+/// Inputs that stress the scales: a row of zeros stays exactly zero (scale 1, not NaN);
+/// a row 10^6 times larger than the others is scaled on its own (its neighbours keep
+/// their precision); a NaN reaches only its own row's output.
+#[test]
+fn fp8_scales_rows_on_their_own() {
+    let mut rng = StdRng::seed_from_u64(23);
+    let spec = BlockSpec::new(40, 24, "gelu".parse().unwrap()).unwrap();
+    let mut case = Case::new(spec, 6, &mut rng);
+    let opts = Options::new(Precision::Fp8);
+    let row = |t: &mut Tensor<f32>, r: usize, f: &dyn Fn(f32) -> f32| {
+        let c = t.cols();
+        t.data_mut()[r * c..(r + 1) * c].iter_mut().for_each(|v| *v = f(*v));
+    };
+    row(&mut case.x, 1, &|_| 0.0);
+    row(&mut case.x, 2, &|v| v * 1e6);
+    let (y_want, _) = case.reference(None);
+    let (_, z) = cpu::forward_saving(&case.spec, &case.x, &case.params, &opts).unwrap();
+    let (_, z_want) =
+        reference::block_forward_saving(&case.spec, &case.x.to_f64(), &case.params.map(f64::from)).unwrap();
+    // The zero row's z is the bias exactly.
+    assert_eq!(z.row(1), case.params.linear_bias.data());
+    for r in [0, 2, 3] {
+        let rel = compare_f32(z.row(r), z_want.row(r)).rel;
+        assert!(rel < FP8_REL, "row {r}: {rel:e}");
+    }
+    let y = cpu::forward(&case.spec, &case.x, &case.params, &opts).unwrap();
+    assert_close("fp8 with a zero row and a huge one", &y, &y_want, FP8_REL);
+    row(&mut case.x, 4, &|v| if v > 0.0 { f32::NAN } else { v });
+    let y = cpu::forward(&case.spec, &case.x, &case.params, &opts).unwrap();
+    for r in 0..6 {
+        assert_eq!(y.row(r).iter().all(|v| v.is_nan()), r == 4, "row {r}: {:?}", y.row(r));
+    }
 }

@@ -907,3 +907,21 @@ fn batch_norm_refuses_one_row_and_bf16_models() {
     let e = GpuBlock::from_device(&gpu, &spec, bf16).err().expect("bf16 refused").to_string();
     assert!(e.contains("16-bit model's block with a BatchNorm"), "{e}");
 }
+
+/// FP8 runs on the CPU backend only so far: the GPU refuses it, forward and backward,
+/// with `Error::Unsupported`, before launching anything.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fp8_is_refused_on_the_gpu() {
+    let gpu = gpu();
+    let spec = BlockSpec::new(64, 32, Preset::M1.chain().with_groups(4)).unwrap();
+    let mut rng = StdRng::seed_from_u64(8);
+    let (params, x, dy) = random_case(&spec, 16, &mut rng);
+    for p in [host::Precision::Fp8, host::Precision::Fp8GwBf16] {
+        let block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(p);
+        let e = block.forward(&gpu, &x).unwrap_err();
+        assert!(matches!(e, host::Error::Unsupported(_)) && e.to_string().contains("fp8 runs on the CPU"), "{e}");
+        let Err(e) = block.forward_backward(&gpu, &x, &dy) else { panic!("{p}: the GPU ran a backward") };
+        assert!(matches!(e, host::Error::Unsupported(_)), "{e}");
+    }
+}

@@ -19,7 +19,7 @@
 //!   sit near 1e-9 relative, so [`FD_REL`] = 1e-6 catches any wrong derivative term
 //!   (those are off by O(1)) without flaking.
 
-pub use crate::precision::{BF16_REL, FP32_REL, TF32_REL};
+pub use crate::precision::{BF16_REL, FP8_REL, FP32_REL, TF32_REL};
 
 /// `allclose`'s elementwise bound `|got - ref| <= atol + rtol |ref|` (PyTorch's), with
 /// these two: measured and reported, see the module.

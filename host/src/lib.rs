@@ -10,6 +10,7 @@ pub mod check;
 pub mod cli;
 pub mod cpu;
 pub mod error;
+pub mod fp8;
 pub mod gpu;
 pub mod io;
 pub mod parallel;

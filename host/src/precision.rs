@@ -11,6 +11,8 @@
 //!   FP32-accurate.
 //! * TF32 keeps 10 mantissa bits of each operand ([`TF32_REL`]), fp16 10 rounded to
 //!   nearest ([`FP16_REL`]), bf16 7 ([`BF16_REL`]): the bars of the tensor-core paths.
+//! * FP8 (e4m3, 3 mantissa bits, row-wise scales; the CPU emulates it, the GPU refuses
+//!   it so far) is held to [`FP8_REL`], derived beside it.
 //!
 //! Every comparison is norm-wise relative ([`crate::check::Comparison::passes`]).
 //!
@@ -62,7 +64,33 @@ pub enum Precision {
     Fp16,
     /// Tensor cores, operands rounded to bf16 (7-bit mantissa), FP32 accumulation.
     Bf16,
+    /// FP8 (e4m3) operands with row-wise power-of-two scales, FP32 accumulation, the
+    /// scales undone in the epilogue; every GEMM of the backward in FP8 too. The CPU
+    /// backend emulates it; the GPU refuses it ([`Precision::gpu_support`]).
+    Fp8,
+    /// [`Precision::Fp8`] with the weight's gradient `dZ^T X` from bf16 operands
+    /// instead (torchao's `rowwise_with_gw_hp`): the update keeps 8 significant bits.
+    #[value(name = "fp8_gw_bf16")]
+    Fp8GwBf16,
 }
+
+/// `--precision fp8` (emulated on the CPU: docs/NUMERICS.md): every GEMM operand scaled
+/// by a power of two that puts its row's (or column's) largest magnitude in `(224, 448]`
+/// and rounded to e4m3, FP32 sums. e4m3 keeps 3 mantissa bits: rounding to nearest is
+/// off by at most `2^-4` relative (unit roundoff) for a value in its normal range, which
+/// reaches 16 binades below the scaled maximum; a product of two by at most `2 * 2^-4`,
+/// with a standard deviation of [`FP8_PRODUCT_SIGMA`] (3.7e-2, 16x bf16's: `tests`
+/// simulates it). A GEMM output summed over `k` products of unrelated signs has a
+/// norm-wise error of about that standard deviation (the error's and the output's
+/// squares both sum `(x w)^2`), whatever `k`; the FP32 sums (`sqrt(k) 2^-24`) add nothing
+/// visible. So the forward's `z`, and `dX`, `dW` at a given `dz`, are about `2^-4.8` off.
+/// 0.15 is 4 such standard deviations (the kink scan's `SIGMAS`): room for tensors of a
+/// few elements, whose norm-wise ratio spreads (8.7e-2 was seen on a 1x1 weight's
+/// gradient over 40 rows), and for a chain's norms and pools, while the rounding is still
+/// visible (the tests hold fp8's error above 10x bf16's on the same case). Gradients are
+/// held to it at the backend's own `z`: a `z` 4% off picks another row maximum or side
+/// of a kink now and then, which moves gradients by O(1) (docs/NUMERICS.md).
+pub const FP8_REL: f64 = 0.15;
 
 /// How many estimated standard deviations of the GEMM's error a value's radius spans.
 /// Outside 4 sigma a Gaussian error crosses a kink so rarely that the flips left
@@ -77,6 +105,9 @@ const TF32_PRODUCT_SIGMA: f32 = 3.1e-4;
 const BF16_PRODUCT_SIGMA: f32 = 2.3e-3;
 /// The same with both operands rounded to nearest fp16 (3 bits finer than bf16: 1/8).
 const FP16_PRODUCT_SIGMA: f32 = 2.9e-4;
+/// The same with both operands rounded to nearest e4m3 after their power-of-two scale
+/// (4 significant bits: 16x bf16's; the scale keeps them out of the subnormals).
+pub const FP8_PRODUCT_SIGMA: f32 = 3.7e-2;
 /// 3xTF32: the tensor cores' accumulation, per accumulating MMA (three per 8 of `k`),
 /// relative to `rms(z row)`. They truncate as they add, and the errors of a run of
 /// adds sum like its partial sums: H100, M1 / M3 / M5 at `k` = 8192, the forward's
@@ -86,8 +117,34 @@ const TF32X3_ADD_SIGMA: f32 = 1.5e-8;
 
 impl Precision {
     /// Every precision, strictest first.
-    pub const ALL: [Precision; 5] =
+    pub const ALL: [Precision; 7] = [
+        Precision::Fp32,
+        Precision::Tf32x3,
+        Precision::Tf32,
+        Precision::Fp16,
+        Precision::Bf16,
+        Precision::Fp8GwBf16,
+        Precision::Fp8,
+    ];
+    /// The precisions the GPU kernels run.
+    pub const GPU: [Precision; 5] =
         [Precision::Fp32, Precision::Tf32x3, Precision::Tf32, Precision::Fp16, Precision::Bf16];
+
+    /// Whether the GPU runs this precision: `Err(Error::Unsupported)` for FP8, which only
+    /// the CPU backend emulates so far.
+    pub fn gpu_support(self) -> crate::Result<()> {
+        match self {
+            Precision::Fp8 | Precision::Fp8GwBf16 => Err(crate::Error::Unsupported(format!(
+                "{self}: fp8 runs on the CPU backend only so far (emulation); the GPU kernels are not built yet"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether the GEMMs' operands are FP8 (the forward's and `dX`'s at least).
+    pub fn is_fp8(self) -> bool {
+        matches!(self, Precision::Fp8 | Precision::Fp8GwBf16)
+    }
 
     /// The precision of a 16-bit model's GEMMs: its operands as stored, the products
     /// exact (`None` for FP32 tensors, whose precision is the caller's choice).
@@ -112,6 +169,7 @@ impl Precision {
             Precision::Tf32 => TF32_REL,
             Precision::Fp16 => FP16_REL,
             Precision::Bf16 => BF16_REL,
+            Precision::Fp8 | Precision::Fp8GwBf16 => FP8_REL,
         }
     }
 
@@ -152,6 +210,7 @@ impl Precision {
             Precision::Tf32 => (TF32_PRODUCT_SIGMA * spread, 2f32.powi(-10)),
             Precision::Fp16 => (FP16_PRODUCT_SIGMA * spread, 0.0),
             Precision::Bf16 => (BF16_PRODUCT_SIGMA * spread, 0.0),
+            Precision::Fp8 | Precision::Fp8GwBf16 => (FP8_PRODUCT_SIGMA * spread, 0.0),
         };
         (SIGMAS * sigma, shrink)
     }
@@ -165,6 +224,8 @@ impl std::fmt::Display for Precision {
             Precision::Tf32 => "tf32",
             Precision::Fp16 => "fp16",
             Precision::Bf16 => "bf16",
+            Precision::Fp8 => "fp8",
+            Precision::Fp8GwBf16 => "fp8_gw_bf16",
         })
     }
 }
@@ -178,6 +239,21 @@ mod tests {
         let tol: Vec<f64> = Precision::ALL.iter().map(|p| p.tolerance()).collect();
         assert!(tol.windows(2).all(|w| w[0] <= w[1]), "{tol:?}");
         assert_eq!(Precision::Tf32x3.tolerance(), Precision::Fp32.tolerance());
+        // 4 standard deviations of an FP8 GEMM output's norm-wise error.
+        assert!((FP8_REL - 4.0 * f64::from(FP8_PRODUCT_SIGMA)).abs() < 0.01);
+    }
+
+    #[test]
+    fn only_the_cpu_runs_fp8() {
+        for p in Precision::ALL {
+            assert_eq!(p.gpu_support().is_ok(), Precision::GPU.contains(&p), "{p}");
+            assert_eq!(p.is_fp8(), !Precision::GPU.contains(&p), "{p}");
+        }
+        let e = Precision::Fp8.gpu_support().unwrap_err().to_string();
+        assert!(e.contains("fp8 runs on the CPU backend only so far"), "{e}");
+        use clap::ValueEnum;
+        assert_eq!(Precision::from_str("fp8_gw_bf16", false), Ok(Precision::Fp8GwBf16));
+        assert_eq!(Precision::from_str("fp8", false), Ok(Precision::Fp8));
     }
 
     /// The per-product error the model assumes, against products of random operands
@@ -191,6 +267,8 @@ mod tests {
             f32::from_bits((b + 0x7fff + ((b >> 16) & 1)) & 0xffff_0000)
         };
         let fp16 = |v: f32| crate::tensor::F16::from_f32(v).to_f32();
+        // Scaled as the FP8 GEMMs scale a slice of largest magnitude 1 (by 256).
+        let e4m3 = |v: f32| crate::fp8::E4M3.round(v * 256.0) / 256.0;
         let mut rng = StdRng::seed_from_u64(5);
         let pairs: Vec<(f32, f32)> =
             (0..200_000).map(|_| (rng.random_range(-1.0..1.0), rng.random_range(-1.0..1.0))).collect();
@@ -198,6 +276,7 @@ mod tests {
             (&tf32 as &dyn Fn(f32) -> f32, TF32_PRODUCT_SIGMA, "tf32"),
             (&bf16, BF16_PRODUCT_SIGMA, "bf16"),
             (&fp16, FP16_PRODUCT_SIGMA, "fp16"),
+            (&e4m3, FP8_PRODUCT_SIGMA, "e4m3"),
         ] {
             let errs: Vec<f64> = pairs
                 .iter()
@@ -221,6 +300,7 @@ mod tests {
         // (3xTF32's tensor-core accumulation, taken unflushed, is 5-6x under TF32's rounding.)
         assert!(rel(Precision::Tf32x3) * 5.0 < rel(Precision::Tf32));
         assert!(rel(Precision::Tf32) < rel(Precision::Bf16));
+        assert!(rel(Precision::Bf16) * 10.0 < rel(Precision::Fp8));
         assert!(rel(Precision::Fp16) < rel(Precision::Bf16) && Precision::Fp16.z_error(k).1 == 0.0);
         // TF32 truncates (biased toward zero), so only it has a value-proportional part.
         assert!(Precision::Tf32.z_error(k).1 > 0.0 && Precision::Bf16.z_error(k).1 == 0.0);

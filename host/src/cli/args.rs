@@ -473,7 +473,7 @@ pub fn flop_rate(flops: f64, ms: f64) -> String {
 /// it does not do (it computes in FP32, which 3xTF32 matches).
 pub fn cpu_precision_note(p: Precision) -> String {
     match p {
-        Precision::Fp32 | Precision::Tf32x3 => String::new(),
+        Precision::Fp32 | Precision::Tf32x3 | Precision::Fp8 | Precision::Fp8GwBf16 => String::new(),
         p => format!(" (--precision {p} is the GPU's: FP32 here)"),
     }
 }

@@ -76,12 +76,13 @@ pub fn run(a: &BackwardArgs) -> Result<(), Failure> {
             (s.backend, s.y, dx, grads, s.ms, s.timing)
         }
         (Backend::Cpu, None) => {
-            let opts = cpu::Options::default().with_progress("cpu forward+backward");
+            let precision = cpu::Precision::emulating(p.precision).unwrap_or_default();
+            let opts = cpu::Options::new(precision).with_progress("cpu forward+backward");
             let t0 = Instant::now();
             let (y, g) = cpu::backward(&p.spec, &p.x, &p.params, &dy, &opts)?;
             let ms = t0.elapsed().as_secs_f64() * 1e3;
             (
-                format!("cpu: {}{}", cpu::describe(cpu::Precision::Fp32), super::cpu_precision_note(p.precision)),
+                format!("cpu: {}{}", cpu::describe(precision), super::cpu_precision_note(p.precision)),
                 y,
                 g.x,
                 g.params,

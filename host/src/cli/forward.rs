@@ -154,10 +154,11 @@ pub fn run(a: &ForwardArgs) -> Result<(), Failure> {
 
 fn run_cpu(p: &Problem) -> Result<Run> {
     let t0 = Instant::now();
-    let y = cpu::forward(&p.spec, &p.x, &p.params, &cpu::Options::default().with_progress("cpu forward"))?;
+    let precision = cpu::Precision::emulating(p.precision).unwrap_or_default();
+    let y = cpu::forward(&p.spec, &p.x, &p.params, &cpu::Options::new(precision).with_progress("cpu forward"))?;
     let ms = t0.elapsed().as_secs_f64() * 1e3;
     Ok(Run {
-        backend: format!("cpu: {}{}", cpu::describe(cpu::Precision::Fp32), super::cpu_precision_note(p.precision)),
+        backend: format!("cpu: {}{}", cpu::describe(precision), super::cpu_precision_note(p.precision)),
         flops: p.spec.forward_flops(p.x.rows()),
         path: "GEMM (in row panels above 160 GFLOP), then the chain on each row, rows in parallel".into(),
         y,

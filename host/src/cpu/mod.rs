@@ -18,6 +18,14 @@
 //!   recompute in f64 the values of `z` whose rounding could flip a kink (LeakyReLU,
 //!   Hardtanh, max), so against the f64 reference M3's and M5's TF32 gradients were
 //!   off by 1.6e-2 (tolerance 2e-3). The epilogue is always f32.
+//! * [`Precision::Fp8`] emulates Hopper's row-wise FP8 recipe: each GEMM's operands
+//!   scaled along the dimensions the product keeps (the forward's `x` per row and `W`
+//!   per output channel; `dX = dz W`: `dz` per row, `W` per input feature; `dW = dz^T
+//!   x`: `dz` per output feature, `x` per input feature) by a power of two that puts the
+//!   largest magnitude in `(224, 448]`, rounded to e4m3, multiplied with f32 sums (a
+//!   product of two e4m3 values is exact in f32), the scales then undone (exactly: they
+//!   are powers of two) before the bias and the chain. [`Precision::Fp8GwBf16`] takes
+//!   `dW`'s operands in bf16 instead. See `crate::fp8` and docs/NUMERICS.md.
 //!
 //! The backend shares no code with the f64 reference in [`crate::reference`]: the
 //! reference is the oracle it is tested against (tests/cpu_backend.rs).
@@ -29,6 +37,7 @@ mod progress;
 
 use crate::block::{BlockSpec, Params};
 use crate::error::{Error, Result};
+use crate::fp8::{self, Axis};
 use crate::reference::BlockGrads;
 use crate::tape::{Tape, VarId};
 use crate::tensor::Tensor;
@@ -52,10 +61,27 @@ pub enum Precision {
     /// Operands rounded to fp16 (10 mantissa bits, 5 exponent bits, to nearest even,
     /// as `cvt.rn.f16.f32`), FP32 sums.
     Fp16,
+    /// Operands scaled row-wise and rounded to e4m3 in every GEMM, FP32 sums, the scales
+    /// undone after (module docs).
+    Fp8,
+    /// [`Precision::Fp8`], but `dW`'s operands rounded to bf16 (unscaled), FP32 sums.
+    Fp8GwBf16,
 }
 
 impl Precision {
-    /// `v` as this precision's GEMMs take it (NaN stays NaN, infinities stay).
+    /// The CPU emulation of a GEMM precision the CLI or the Python package asks for:
+    /// FP8's, or `None` for the others, which the CPU runs in FP32 (the GPU's roundings
+    /// are a library option here, held to their own tolerances in the tests).
+    pub fn emulating(p: crate::precision::Precision) -> Option<Precision> {
+        match p {
+            crate::precision::Precision::Fp8 => Some(Precision::Fp8),
+            crate::precision::Precision::Fp8GwBf16 => Some(Precision::Fp8GwBf16),
+            _ => None,
+        }
+    }
+
+    /// `v` as this precision's GEMMs take it (NaN stays NaN, infinities stay). For FP8
+    /// this is the e4m3 rounding alone: the GEMMs scale each row or column first.
     pub fn round(self, v: f32) -> f32 {
         if v.is_nan() {
             return v;
@@ -67,6 +93,7 @@ impl Precision {
             // Cannot overflow: the largest non-NaN pattern is 0xff80_0000.
             Precision::Bf16 => f32::from_bits((bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff_0000),
             Precision::Fp16 => crate::tensor::F16::from_f32(v).to_f32(),
+            Precision::Fp8 | Precision::Fp8GwBf16 => fp8::E4M3.round(v),
         }
     }
 }
@@ -103,6 +130,8 @@ pub fn describe(precision: Precision) -> String {
         Precision::Tf32 => "f32 GEMMs of TF32-rounded operands",
         Precision::Bf16 => "f32 GEMMs of bf16-rounded operands",
         Precision::Fp16 => "f32 GEMMs of fp16-rounded operands",
+        Precision::Fp8 => "f32 GEMMs of e4m3 operands with row-wise scales (fp8 emulated)",
+        Precision::Fp8GwBf16 => "f32 GEMMs of e4m3 operands with row-wise scales, dW of bf16 ones (fp8 emulated)",
     };
     let threads = match threads() {
         1 => "1 thread".to_string(),
@@ -240,10 +269,40 @@ fn chain_rows<'a>(spec: &'a BlockSpec, params: &'a Params<f32>) -> ChainRows<'a>
 }
 
 /// A GEMM operand as `precision` takes it: the data itself for FP32, else a rounded copy.
+/// (FP8 operands are scaled first: [`Operand::new`].)
 fn operand(data: &[f32], precision: Precision) -> Cow<'_, [f32]> {
     match precision {
         Precision::Fp32 => Cow::Borrowed(data),
         p => Cow::Owned(data.par_iter().map(|&v| p.round(v)).collect()),
+    }
+}
+
+/// A GEMM operand, the row-major `rows x cols` matrix as stored, as the GEMM takes it:
+/// rounded as [`operand`] does, or for FP8 scaled along `axis` and rounded to e4m3,
+/// with its scales (the product is then divided by them: [`fp8::unscale`]).
+struct Operand<'a> {
+    values: Cow<'a, [f32]>,
+    scales: Option<Vec<f32>>,
+}
+
+impl<'a> Operand<'a> {
+    fn new(data: &'a [f32], (rows, cols): (usize, usize), axis: Axis, precision: Precision) -> Self {
+        match precision {
+            Precision::Fp8 | Precision::Fp8GwBf16 => {
+                let q = fp8::quantise(data, rows, cols, axis, fp8::E4M3);
+                Operand { values: Cow::Owned(q.values), scales: Some(q.scales) }
+            }
+            p => Operand { values: operand(data, p), scales: None },
+        }
+    }
+}
+
+/// Divides the rows `r0..` of a product of `a` (scaled per row of the product) and `b`
+/// (per column) by their scales, where they were scaled (FP8).
+fn unscale(dst: &mut [f32], a: &Operand<'_>, r0: usize, b: &Operand<'_>) {
+    if let (Some(sa), Some(sb)) = (&a.scales, &b.scales) {
+        let rows = dst.len() / sb.len().max(1);
+        fp8::unscale(dst, &sa[r0..r0 + rows], sb);
     }
 }
 
@@ -269,10 +328,11 @@ fn forward_impl(
     let out_w = *chain.features.last().expect("features of the input at least");
     let mut y = Tensor::full(&[batch, out_w], 0.0f32)?;
     let mut z = if keep_z { Some(Tensor::full(&[batch, out_f], 0.0f32)?) } else { None };
-    let x_op = operand(x.data(), precision);
-    let w_op = operand(params.linear_weight.data(), precision);
-    let a = MatRef::row_major(&x_op, batch, in_f);
-    let b = MatRef::row_major(&w_op, out_f, in_f).t();
+    // FP8: x per row, W per output channel (its rows: the product's columns).
+    let x_op = Operand::new(x.data(), (batch, in_f), Axis::Rows, precision);
+    let w_op = Operand::new(params.linear_weight.data(), (out_f, in_f), Axis::Rows, precision);
+    let a = MatRef::row_major(&x_op.values, batch, in_f);
+    let b = MatRef::row_major(&w_op.values, out_f, in_f).t();
     let tiles = Tiles::new(batch, out_f, in_f);
     // Without `z` to keep, one panel's worth of it is reused.
     let mut panel = if keep_z { Vec::new() } else { Tensor::full(&[tiles.rows, out_f], 0.0f32)?.into_data() };
@@ -284,6 +344,7 @@ fn forward_impl(
             None => &mut panel[..(r1 - r0) * out_f],
         };
         matmul_rows(zp, a, (r0, r1), b, tiles.cols, progress);
+        unscale(zp, &x_op, r0, &w_op);
         let yp = &mut y.data_mut()[r0 * out_w..r1 * out_w];
         zp.par_chunks_mut(out_f).zip(yp.par_chunks_mut(out_w)).for_each_init(
             || vec![0.0f32; out_f],
@@ -309,14 +370,17 @@ fn linear_all(
     let batch = x.rows();
     let (in_f, out_f) = (spec.in_features, spec.out_features);
     let mut z = Tensor::full(&[batch, out_f], 0.0f32)?;
-    let x_op = operand(x.data(), precision);
-    let w_op = operand(params.linear_weight.data(), precision);
-    let a = MatRef::row_major(&x_op, batch, in_f);
-    let b = MatRef::row_major(&w_op, out_f, in_f).t();
+    // FP8: x per row, W per output channel (its rows: the product's columns).
+    let x_op = Operand::new(x.data(), (batch, in_f), Axis::Rows, precision);
+    let w_op = Operand::new(params.linear_weight.data(), (out_f, in_f), Axis::Rows, precision);
+    let a = MatRef::row_major(&x_op.values, batch, in_f);
+    let b = MatRef::row_major(&w_op.values, out_f, in_f).t();
     let tiles = Tiles::new(batch, out_f, in_f);
     for r0 in (0..batch).step_by(tiles.rows) {
         let r1 = (r0 + tiles.rows).min(batch);
-        matmul_rows(&mut z.data_mut()[r0 * out_f..r1 * out_f], a, (r0, r1), b, tiles.cols, progress);
+        let zp = &mut z.data_mut()[r0 * out_f..r1 * out_f];
+        matmul_rows(zp, a, (r0, r1), b, tiles.cols, progress);
+        unscale(zp, &x_op, r0, &w_op);
     }
     let bias = params.linear_bias.data();
     z.data_mut().par_chunks_mut(out_f).for_each(|r| r.iter_mut().zip(bias).for_each(|(v, &b)| *v += b));
@@ -541,17 +605,25 @@ fn finish_backward(
 ) -> Result<BlockGrads<f32>> {
     let batch = x.rows();
     let (in_f, out_f) = (spec.in_features, spec.out_features);
-    // dx = dz W (batch x in), dW = dz^T x (out x in).
-    let dz_op = operand(dz.data(), precision);
-    let w_op = operand(params.linear_weight.data(), precision);
-    let x_op = operand(x.data(), precision);
-    let dz_mat = MatRef::row_major(&dz_op, batch, out_f);
+    // dx = dz W (batch x in), dW = dz^T x (out x in). FP8 scales each operand along the
+    // dimension its product keeps: dx's dz per row and W per column (input feature), dW's
+    // dz per column (output feature) and x per column (input feature).
+    let dz_rows = Operand::new(dz.data(), (batch, out_f), Axis::Rows, precision);
+    let w_op = Operand::new(params.linear_weight.data(), (out_f, in_f), Axis::Cols, precision);
     let mut dx = Tensor::full(&[batch, in_f], 0.0f32)?;
-    let w_mat = MatRef::row_major(&w_op, out_f, in_f);
+    let (dz_mat, w_mat) =
+        (MatRef::row_major(&dz_rows.values, batch, out_f), MatRef::row_major(&w_op.values, out_f, in_f));
     matmul_tiled(dx.data_mut(), dz_mat, w_mat, Tiles::new(batch, in_f, out_f), progress);
+    unscale(dx.data_mut(), &dz_rows, 0, &w_op);
+    drop(dz_rows);
+    let dw_precision = if precision == Precision::Fp8GwBf16 { Precision::Bf16 } else { precision };
+    let dz_cols = Operand::new(dz.data(), (batch, out_f), Axis::Cols, dw_precision);
+    let x_op = Operand::new(x.data(), (batch, in_f), Axis::Cols, dw_precision);
     let mut dw = Tensor::full(&[out_f, in_f], 0.0f32)?;
-    let x_mat = MatRef::row_major(&x_op, batch, in_f);
+    let (dz_mat, x_mat) =
+        (MatRef::row_major(&dz_cols.values, batch, out_f), MatRef::row_major(&x_op.values, batch, in_f));
     matmul_tiled(dw.data_mut(), dz_mat.t(), x_mat, Tiles::new(out_f, in_f, batch), progress);
+    unscale(dw.data_mut(), &dz_cols, 0, &x_op);
 
     let mut dchain = dchain.into_iter();
     let ops = params

@@ -449,6 +449,7 @@ impl GpuBlock {
         ws: &mut Workspace,
         save: Option<&mut DeviceTensor>,
     ) -> Result<()> {
+        self.precision.gpu_support()?;
         if x.shape.get(1) != Some(&self.spec.in_features) || x.shape.first() != ws.y.shape.first() {
             return Err(Error::tensor("x", format!("shape {:?} does not fit this workspace", x.shape)));
         }
@@ -542,6 +543,7 @@ impl GpuBlock {
         mut phases: Option<&mut Phases>,
         small: impl FnOnce(&Self, &Gpu, &DeviceTensor) -> Result<S>,
     ) -> Result<(DeviceTensor, DeviceTensor, S)> {
+        self.precision.gpu_support()?;
         let mut mark = |name| phases.as_deref_mut().map_or(Ok(()), |p| p.mark(gpu, name));
         if self.refine_saved(gpu, x, &mut saved)? == Refined::Done {
             mark("kink refinement")?;

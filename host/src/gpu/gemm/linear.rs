@@ -41,6 +41,7 @@ pub struct Gemm<'a> {
 
 /// The forward GEMM `x (m, k) W^T` with `w (n, k)`: no bias, chain or split yet.
 pub fn forward_gemm<'a>(precision: Precision, x: &'a DeviceTensor, w: &'a DeviceTensor) -> Result<Gemm<'a>> {
+    precision.gpu_support()?;
     let dims = linear_dims(x, w)?;
     Ok(Gemm { precision, x, w, dims, bias: None, chain: None, splits: 1 })
 }
@@ -132,6 +133,7 @@ pub fn grad_input_route(
     dz: &DeviceTensor,
     w: &DeviceTensor,
 ) -> Result<(Route, (usize, usize, usize))> {
+    precision.gpu_support()?;
     let (&[m, n], &[wn, k]) = (&dz.shape[..], &w.shape[..]) else {
         return Err(Error::Shape(format!("dX = dZ W: dZ {:?}, W {:?}", dz.shape, w.shape)));
     };
@@ -219,6 +221,7 @@ pub fn grad_weight_into(
     x: &DeviceTensor,
     dw: &mut DeviceTensor,
 ) -> Result<Vec<DeviceTensor>> {
+    precision.gpu_support()?;
     let (&[m, n], &[xm, k]) = (&dz.shape[..], &x.shape[..]) else {
         return Err(Error::Shape(format!("dW = dZ^T X: dZ {:?}, X {:?}", dz.shape, x.shape)));
     };
