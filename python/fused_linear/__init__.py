@@ -27,7 +27,7 @@ __version__ = _native.__version__
 
 #: The GEMMs' arithmetic (the epilogue is always FP32): strict FP32 on the FMA units;
 #: 3xTF32 on the tensor cores (FP32-level accuracy); TF32; bf16 operands, FP32 accumulation.
-PRECISIONS = ("fp32", "tf32x3", "tf32", "bf16", "fp16")
+PRECISIONS = ("fp32", "tf32x3", "tf32", "bf16", "fp16", "fp8", "fp8_gw_bf16")
 
 #: The five reference blocks' chains (KernelBench level 2: #88, #37, #62, #98, #94).
 PRESETS: Dict[str, str] = {

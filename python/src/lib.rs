@@ -260,7 +260,11 @@ fn parse_precision(s: &str) -> PyResult<Precision> {
         "tf32" => Ok(Precision::Tf32),
         "bf16" => Ok(Precision::Bf16),
         "fp16" => Ok(Precision::Fp16),
-        _ => Err(PyValueError::new_err(format!("precision `{s}` is not one of fp32, tf32x3, tf32, bf16, fp16"))),
+        "fp8" => Ok(Precision::Fp8),
+        "fp8_gw_bf16" => Ok(Precision::Fp8GwBf16),
+        _ => Err(PyValueError::new_err(format!(
+            "precision `{s}` is not one of fp32, tf32x3, tf32, bf16, fp16, fp8, fp8_gw_bf16"
+        ))),
     }
 }
 
@@ -504,6 +508,8 @@ fn gpu_call<W: DeviceElement>(
     stream: u64,
     allocate: &Bound<'_, PyAny>,
 ) -> PyResult<GpuCall<W>> {
+    // FP8 is the CPU backend's emulation only so far: refused before anything runs.
+    call.precision.gpu_support().map_err(to_py)?;
     let opened = gpu(index)?;
     let allocator = Arc::new(TorchAllocator { allocate: allocate.clone().unbind() });
     // SAFETY: `stream` is PyTorch's current stream of the tensors' device (the package
@@ -735,11 +741,13 @@ gpu_entry_points!(gpu_forward_f16, gpu_backward_f16, F16);
 /// (`host::cpu`, FP32 on every core whatever the precision), float64 on the f64
 /// reference.
 trait Element: Real {
-    /// `(y, z)`: the output and the Linear output the backward takes.
+    /// `(y, z)`: the output and the Linear output the backward takes, the GEMMs in
+    /// `precision` where the CPU emulates it (FP8), else FP32.
     fn forward_saving(
         spec: &BlockSpec,
         x: &Tensor<Self>,
         params: &Params<Self>,
+        precision: Precision,
     ) -> host::Result<(Tensor<Self>, Tensor<Self>)>;
     /// The gradients at the forward's `z`.
     fn backward_at(
@@ -748,6 +756,7 @@ trait Element: Real {
         params: &Params<Self>,
         dy: &Tensor<Self>,
         z: &Tensor<Self>,
+        precision: Precision,
     ) -> host::Result<BlockGrads<Self>>;
     /// The BatchNorm's batch mean and biased variance at `z`, if the chain has one.
     fn batch_norm_stats(
@@ -757,13 +766,19 @@ trait Element: Real {
     ) -> host::Result<Option<(Vec<Self>, Vec<Self>)>>;
 }
 
+/// The CPU backend's options for a call's precision: FP8's emulation, else FP32.
+fn cpu_options(precision: Precision) -> host::cpu::Options {
+    host::cpu::Precision::emulating(precision).map_or_else(Default::default, host::cpu::Options::new)
+}
+
 impl Element for f32 {
     fn forward_saving(
         spec: &BlockSpec,
         x: &Tensor<f32>,
         params: &Params<f32>,
+        precision: Precision,
     ) -> host::Result<(Tensor<f32>, Tensor<f32>)> {
-        host::cpu::forward_saving(spec, x, params, &Default::default())
+        host::cpu::forward_saving(spec, x, params, &cpu_options(precision))
     }
     fn backward_at(
         spec: &BlockSpec,
@@ -771,8 +786,9 @@ impl Element for f32 {
         params: &Params<f32>,
         dy: &Tensor<f32>,
         z: &Tensor<f32>,
+        precision: Precision,
     ) -> host::Result<BlockGrads<f32>> {
-        host::cpu::backward_at(spec, x, params, dy, z, &Default::default())
+        host::cpu::backward_at(spec, x, params, dy, z, &cpu_options(precision))
     }
     fn batch_norm_stats(
         spec: &BlockSpec,
@@ -788,6 +804,7 @@ impl Element for f64 {
         spec: &BlockSpec,
         x: &Tensor<f64>,
         params: &Params<f64>,
+        _precision: Precision,
     ) -> host::Result<(Tensor<f64>, Tensor<f64>)> {
         reference::block_forward_saving(spec, x, params)
     }
@@ -797,6 +814,7 @@ impl Element for f64 {
         params: &Params<f64>,
         dy: &Tensor<f64>,
         z: &Tensor<f64>,
+        _precision: Precision,
     ) -> host::Result<BlockGrads<f64>> {
         Ok(reference::block_backward_at(spec, x, params, dy, z)?.1)
     }
@@ -844,7 +862,7 @@ fn cpu_forward<'py, T: Element>(
     save: bool,
 ) -> PyResult<(Bound<'py, PyAny>, Option<Bound<'py, PyAny>>)> {
     let (x, params) = (read_cpu::<T>(&call.x)?, cpu_params::<T>(call)?);
-    let (y, z) = T::forward_saving(&call.block.spec, &x, &params).map_err(to_py)?;
+    let (y, z) = T::forward_saving(&call.block.spec, &x, &params, call.precision).map_err(to_py)?;
     let z = match T::batch_norm_stats(&call.block.spec, &params, &z).map_err(to_py)? {
         Some((mean, var)) if save => {
             let mut data = z.into_data();
@@ -873,7 +891,7 @@ fn cpu_backward<'py, T: Element>(
         0 => z,
         _ => Tensor::new(&[call.batch, width], z.data()[..call.batch * width].to_vec()).map_err(to_py)?,
     };
-    let grads = T::backward_at(&call.block.spec, &x, &params, &dy, &z).map_err(to_py)?;
+    let grads = T::backward_at(&call.block.spec, &x, &params, &dy, &z, call.precision).map_err(to_py)?;
     let flat = grads.params.flat();
     let mut out = flat.iter().map(|g| write_cpu(allocate, g, g.shape())).collect::<PyResult<Vec<_>>>()?.into_iter();
     let (dw, db) = (out.next().unwrap(), out.next().unwrap());

@@ -33,7 +33,7 @@ TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 
 
 def test_presets_are_the_spec_models():
-    assert tuple(fused_linear.PRECISIONS) == ("fp32", "tf32x3", "tf32", "bf16", "fp16")
+    assert tuple(fused_linear.PRECISIONS) == ("fp32", "tf32x3", "tf32", "bf16", "fp16", "fp8", "fp8_gw_bf16")
     assert sorted(fused_linear.PRESETS) == ["M1", "M2", "M3", "M4", "M5"]
     for name, text in SPEC_PRESETS.items():
         assert parse_chain(fused_linear.PRESETS[name]) == parse_chain(text), name

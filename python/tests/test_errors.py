@@ -112,7 +112,7 @@ def test_unknown_op_is_named():
         call(x, weight, bias, params, ops="groupnorm(4),relu6,mul,swish")
 
 
-@pytest.mark.parametrize("precision", ["fp8", "FP64", "", "tf32x2"])
+@pytest.mark.parametrize("precision", ["fp4", "FP64", "", "tf32x2"])
 def test_unknown_precision(precision):
     x, weight, bias, params = args()
     with pytest.raises(ValueError, match="precision"):
@@ -181,7 +181,7 @@ def test_module_errors():
         block(torch.randn(3, 6))  # in-features do not match the weight
     # A bad precision or chain is refused at construction or, at the latest, on the first call.
     with pytest.raises(ValueError, match="precision"):
-        FusedLinear(5, 16, OPS, precision="fp8")(torch.randn(3, 5))
+        FusedLinear(5, 16, OPS, precision="fp4")(torch.randn(3, 5))
     with pytest.raises(ValueError, match="groupnorm"):
         FusedLinear(5, 16, "groupnorm(5)")(torch.randn(3, 5))
 

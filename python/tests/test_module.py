@@ -195,9 +195,11 @@ def test_module_and_functional_agree():
 
 
 def test_precision_has_no_effect_on_cpu():
+    """The GPU's operand roundings are not emulated on the CPU (FP32 there); FP8 is
+    (test_fp8.py)."""
     x = torch.randn(6, 9)
     outs = []
-    for precision in fused_linear.PRECISIONS:
+    for precision in [p for p in fused_linear.PRECISIONS if not p.startswith("fp8")]:
         torch.manual_seed(4)
         block = FusedLinear(9, 16, M1, precision=precision)
         xx = x.clone().requires_grad_(True)
