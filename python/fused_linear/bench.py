@@ -56,6 +56,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import statistics
 import sys
 import time
@@ -1407,8 +1408,13 @@ def _write(path: str, text: str) -> None:
             f.write(text)
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Runs the benchmark; returns 0 (130 when interrupted: what was measured is still written)."""
+    """Runs the benchmark; returns 0 (130 when interrupted by Ctrl-C or SIGTERM: what was
+    measured is still written)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     for note in args.notes:
@@ -1430,12 +1436,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     meta = metadata(args, argv)
     status = 0
     t0 = time.perf_counter()
+    # SIGTERM (`timeout`, a job scheduler) stops the run as Ctrl-C does: what was measured
+    # is still written.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         bench.run(shapes)
     except KeyboardInterrupt:
         meta["notes"].append("interrupted: the results are partial")
         status = 130
     finally:
+        signal.signal(signal.SIGTERM, previous)
         progress.close()
     meta["elapsed_s"] = round(time.perf_counter() - t0, 1)
     result = {

@@ -315,3 +315,25 @@ def test_kernelbench_problem_filter(tmp_path):
         with pytest.raises(SystemExit) as e:
             bench.main(["--device", "cpu", "--no-compile", *bad])
         assert e.value.code == 2, bad
+
+
+def test_sigterm_writes_what_was_measured(tmp_path):
+    """A run stopped by SIGTERM (`timeout`, a scheduler) writes its partial results and
+    exits 130, as Ctrl-C does."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "partial.json"
+    argv = [sys.executable, "-m", "fused_linear.bench", "--device", "cpu", "--no-compile", "--no-progress"]
+    argv += ["--shapes", "tiny", "--iters", "400", "--warmup", "1", "--json", str(out), "--markdown", ""]
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    first = proc.stderr.readline()  # the first finished case's line
+    assert first.startswith("[1/"), first
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    result = json.loads(out.read_text())
+    assert "interrupted: the results are partial" in result["meta"]["notes"]
+    assert result["rows"], "the finished case's measurements"
