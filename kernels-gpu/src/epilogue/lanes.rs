@@ -322,53 +322,36 @@ pub unsafe extern "ptx-kernel" fn epilogue_tiles_backward(
     unsafe { tiles_backward(z, dy, dz, partials, rows, n, ops, n_ops, rows_per_block) }
 }
 
-/// [`epilogue_tiles_backward`] for a bf16 model: `dy` and `dz` in bf16 (the chain in
-/// FP32, `dz` rounded to nearest once), `z` and the partial sums in FP32.
-///
-/// # Safety
-/// As [`epilogue_tiles_backward`], with `n % 4 == 0` (8-byte copies of `dy`; otherwise
-/// the kernel writes nothing).
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "ptx-kernel" fn epilogue_tiles_backward_bf16(
-    z: *const f32,
-    dy: *const Bf16,
-    dz: *mut Bf16,
-    partials: *mut f32,
-    rows: u32,
-    n: u32,
-    ops: *const OpDesc,
-    n_ops: u32,
-    rows_per_block: u32,
-) {
-    if n % 4 != 0 {
-        return;
-    }
-    unsafe { tiles_backward(z, dy, dz, partials, rows, n, ops, n_ops, rows_per_block) }
+/// [`epilogue_tiles_backward`] for a 16-bit model: `dy` and `dz` in bf16 or fp16 (the
+/// chain in FP32, `dz` rounded to nearest once), `z` and the partial sums in FP32.
+macro_rules! tiles_backward_of {
+    ($($name:ident: $t:ty),*) => {$(
+        /// [`epilogue_tiles_backward`] on a 16-bit `dy` and `dz`.
+        ///
+        /// # Safety
+        /// As [`epilogue_tiles_backward`], with `n % 4 == 0` (8-byte copies of `dy`;
+        /// otherwise the kernel writes nothing).
+        #[unsafe(no_mangle)]
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe extern "ptx-kernel" fn $name(
+            z: *const f32,
+            dy: *const $t,
+            dz: *mut $t,
+            partials: *mut f32,
+            rows: u32,
+            n: u32,
+            ops: *const OpDesc,
+            n_ops: u32,
+            rows_per_block: u32,
+        ) {
+            if n % 4 != 0 {
+                return;
+            }
+            unsafe { tiles_backward(z, dy, dz, partials, rows, n, ops, n_ops, rows_per_block) }
+        }
+    )*};
 }
-
-/// [`epilogue_tiles_backward_bf16`] for an fp16 model: `dy` and `dz` in fp16.
-///
-/// # Safety
-/// As [`epilogue_tiles_backward_bf16`].
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "ptx-kernel" fn epilogue_tiles_backward_f16(
-    z: *const f32,
-    dy: *const F16,
-    dz: *mut F16,
-    partials: *mut f32,
-    rows: u32,
-    n: u32,
-    ops: *const OpDesc,
-    n_ops: u32,
-    rows_per_block: u32,
-) {
-    if n % 4 != 0 {
-        return;
-    }
-    unsafe { tiles_backward(z, dy, dz, partials, rows, n, ops, n_ops, rows_per_block) }
-}
+tiles_backward_of!(epilogue_tiles_backward_bf16: Bf16, epilogue_tiles_backward_f16: F16);
 
 /// The body of the tile-wise backwards, `G` the type of `dy` and `dz`.
 #[inline(always)]

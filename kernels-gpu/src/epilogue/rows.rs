@@ -39,6 +39,23 @@ fn group_stats(s: *const f32, size: usize, eps: f32, lane: usize) -> (f32, f32) 
     (mean, rsqrt(warp_sum(sq) / size as f32 + eps))
 }
 
+/// GroupNorm of one group in place, by one warp: `s[..size]` normalised by its own mean
+/// and variance, then `gamma`, `beta` (the op's parameters) from channel `first` on.
+///
+/// # Safety
+/// `s` holds `size` floats; the op's parameter vectors hold `first + size`.
+#[inline(always)]
+unsafe fn normalize_group(s: *mut f32, size: usize, first: usize, op: &OpDesc, lane: usize) {
+    let (gamma, beta) = (op.param0 as *const f32, op.param1 as *const f32);
+    let (mean, rstd) = group_stats(s, size, op.a, lane);
+    let mut j = lane;
+    while j < size {
+        // SAFETY: j < size; first + j below the parameters' length.
+        unsafe { *s.add(j) = (*s.add(j) - mean) * rstd * *gamma.add(first + j) + *beta.add(first + j) };
+        j += WARP;
+    }
+}
+
 /// `v` reduced over the block, the same in every thread: each warp's by `in_warp`,
 /// then the warps' by `fold` (`red` holds `WARPS` floats; ends with a barrier).
 ///
@@ -161,7 +178,7 @@ unsafe fn rms_rstd(x: *const f32, f: usize, eps: f32, red: *mut f32) -> f32 {
 pub(crate) unsafe fn op_forward(op: &OpDesc, cur: &mut *mut f32, alt: &mut *mut f32, red: *mut f32, f: usize) -> usize {
     let t = thread_idx_x() as usize;
     let (warp, lane) = (warp_id() as usize, lane_id() as usize);
-    let (p0, p1) = (op.param0 as *const f32, op.param1 as *const f32);
+    let p0 = op.param0 as *const f32;
     let x = *cur;
     let f_out = features_after(op, f);
     // SAFETY (whole body): every index is below the extent the contract gives.
@@ -172,14 +189,7 @@ pub(crate) unsafe fn op_forward(op: &OpDesc, cur: &mut *mut f32, alt: &mut *mut 
                 let size = f / groups;
                 let mut g = warp;
                 while g < groups {
-                    let s = x.add(g * size);
-                    let (mean, rstd) = group_stats(s, size, op.a, lane);
-                    let mut j = lane;
-                    while j < size {
-                        let ch = g * size + j;
-                        *s.add(j) = (*s.add(j) - mean) * rstd * *p0.add(ch) + *p1.add(ch);
-                        j += WARP;
-                    }
+                    normalize_group(x.add(g * size), size, g * size, op, lane);
                     g += WARPS;
                 }
             }
@@ -364,7 +374,7 @@ unsafe fn store_row<E: Element>(y: *mut E, src: *const f32, f: usize) {
 pub(crate) unsafe fn op_forward_rows(op: &OpDesc, x: *mut f32, rows: usize, f: usize) {
     let t = thread_idx_x() as usize;
     let (warp, lane) = (warp_id() as usize, lane_id() as usize);
-    let (p0, p1) = (op.param0 as *const f32, op.param1 as *const f32);
+    let p0 = op.param0 as *const f32;
     // SAFETY (whole body): every index is below the extent the contract gives.
     unsafe {
         if op.code == OP_GROUP_NORM {
@@ -373,14 +383,7 @@ pub(crate) unsafe fn op_forward_rows(op: &OpDesc, x: *mut f32, rows: usize, f: u
             let mut g = warp;
             while g < rows * groups {
                 let (r, gi) = (g / groups, g % groups);
-                let s = x.add(r * f + gi * size);
-                let (mean, rstd) = group_stats(s, size, op.a, lane);
-                let mut j = lane;
-                while j < size {
-                    let ch = gi * size + j;
-                    *s.add(j) = (*s.add(j) - mean) * rstd * *p0.add(ch) + *p1.add(ch);
-                    j += WARP;
-                }
+                normalize_group(x.add(r * f + gi * size), size, gi * size, op, lane);
                 g += WARPS;
             }
         } else {
