@@ -329,8 +329,12 @@ def test_sigterm_writes_what_was_measured(tmp_path):
     argv = [sys.executable, "-m", "fused_linear.bench", "--device", "cpu", "--no-compile", "--no-progress"]
     argv += ["--shapes", "tiny", "--iters", "400", "--warmup", "1", "--json", str(out), "--markdown", ""]
     proc = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    first = proc.stderr.readline()  # the first finished case's line
-    assert first.startswith("[1/"), first
+    # The first finished case's line (warnings, e.g. torch's without numpy, may come first).
+    seen = []
+    while not (seen and seen[-1].startswith("[1/")):
+        line = proc.stderr.readline()
+        assert line, f"the run ended before its first case: {seen}"
+        seen.append(line)
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=120)
     assert proc.returncode == 130
