@@ -454,3 +454,22 @@ class PlainBlock(nn.Module):
             else:
                 h = apply_chain(h, [op], [])
         return h.reshape(*lead, *h.shape[1:])
+
+
+def half_pair(in_features, out_features, ops, device, dtype, seed=0):
+    """PyTorch's model of a chain in a 16-bit ``dtype`` and our block with the same parameters."""
+    from fused_linear import FusedLinear
+
+    torch.manual_seed(seed)
+    plain = PlainBlock(in_features, out_features, ops).randomize_affine().to(device=device, dtype=dtype)
+    ours = FusedLinear(in_features, out_features, ops).to(device=device, dtype=dtype)
+    ours.load_state_dict(plain.state_dict())
+    return plain, ours
+
+
+def grads_of(module, x, dy):
+    """The output and the gradients by name (``x`` and each parameter's)."""
+    x = x.clone().requires_grad_(True)
+    y = module(x)
+    y.backward(dy)
+    return y.detach(), {"x": x.grad, **{n: p.grad for n, p in module.named_parameters()}}

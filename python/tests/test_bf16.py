@@ -11,34 +11,17 @@ import pytest
 import torch
 
 import fused_linear
-from chain_ref import PlainBlock, reference_grads, rel_err
+from chain_ref import grads_of, half_pair, reference_grads, rel_err
 from fused_linear import PRESETS, FusedLinear, _forward_fake
 
 BF16 = torch.bfloat16
-
-
-def bf16_pair(in_features, out_features, ops, device, seed=0):
-    """PyTorch's bf16 model of a chain and our block with the same bf16 parameters."""
-    torch.manual_seed(seed)
-    plain = PlainBlock(in_features, out_features, ops).randomize_affine().to(device=device, dtype=BF16)
-    ours = FusedLinear(in_features, out_features, ops).to(device=device, dtype=BF16)
-    ours.load_state_dict(plain.state_dict())
-    return plain, ours
-
-
-def grads_of(module, x, dy):
-    """The output and the gradients by name (``x`` and each parameter's)."""
-    x = x.clone().requires_grad_(True)
-    y = module(x)
-    y.backward(dy)
-    return y.detach(), {"x": x.grad, **{n: p.grad for n, p in module.named_parameters()}}
 
 
 # ---------------------------------------------------------------- CPU
 
 
 def test_cpu_bf16_runs_on_float32_copies():
-    plain, ours = bf16_pair(16, 32, PRESETS["M1"].replace("256", "4"), "cpu")
+    plain, ours = half_pair(16, 32, PRESETS["M1"].replace("256", "4"), "cpu", BF16)
     x = torch.rand(5, 16, dtype=BF16)
     y, grads = grads_of(ours, x, torch.ones(5, 32, dtype=BF16))
     assert y.dtype == BF16 and all(g.dtype == BF16 for g in grads.values())
@@ -112,7 +95,7 @@ CASES = [(name, (256, 1024, 1024)) for name in PRESETS] + [
 def test_bf16_model_against_pytorch_bf16_and_float64(name, shape):
     batch, k, n = shape
     ops = PRESETS[name]
-    plain, ours = bf16_pair(k, n, ops, "cuda")
+    plain, ours = half_pair(k, n, ops, "cuda", BF16)
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.rand(batch, k, device="cuda", generator=g).to(BF16)  # KernelBench's inputs
     out = ours(x).shape

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fused_linear
-from chain_ref import PlainBlock, reference_grads, rel_err
+from chain_ref import grads_of, half_pair, reference_grads, rel_err
 from fused_linear import PRESETS, FusedLinear, _forward_fake
 
 F16 = torch.float16
@@ -130,23 +130,6 @@ def test_fuse_on_an_fp16_model():
 # ---------------------------------------------------------------- GPU
 
 
-def fp16_pair(in_features, out_features, ops, device, seed=0):
-    """PyTorch's fp16 model of a chain and our block with the same fp16 parameters."""
-    torch.manual_seed(seed)
-    plain = PlainBlock(in_features, out_features, ops).randomize_affine().to(device=device, dtype=F16)
-    ours = FusedLinear(in_features, out_features, ops).to(device=device, dtype=F16)
-    ours.load_state_dict(plain.state_dict())
-    return plain, ours
-
-
-def grads_of(module, x, dy):
-    """The output and the gradients by name (``x`` and each parameter's)."""
-    x = x.clone().requires_grad_(True)
-    y = module(x)
-    y.backward(dy)
-    return y.detach(), {"x": x.grad, **{n: p.grad for n, p in module.named_parameters()}}
-
-
 # The fp16 model's error bound against float64 on the same fp16 values: each output's one
 # rounding to fp16 plus the FP32 sums (host::precision::FP16_STORED_REL, docs/NUMERICS.md).
 FP16_STORED_REL = 1e-3
@@ -168,7 +151,7 @@ def test_fp16_model_against_float64_and_pytorch_fp16(name, shape):
     ops = PRESETS[name]
     if "groupnorm(256)" in ops and n < 1024:
         ops = ops.replace("groupnorm(256)", "groupnorm(16)")
-    plain, ours = fp16_pair(k, n, ops, "cuda")
+    plain, ours = half_pair(k, n, ops, "cuda", F16)
     assert ours.effective_precision == "fp16"
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.rand(batch, k, device="cuda", generator=g).to(F16)
@@ -197,7 +180,7 @@ def test_fp16_model_against_float64_and_pytorch_fp16(name, shape):
 def test_fp16_outputs_are_written_everywhere():
     """The op's outputs are fresh tensors from PyTorch's allocator, filled with NaN first
     by a caching allocator's reuse: every value must be written (NaN-poisoned memory)."""
-    plain, ours = fp16_pair(64, 256, PRESETS["M1"].replace("256", "16"), "cuda")
+    plain, ours = half_pair(64, 256, PRESETS["M1"].replace("256", "16"), "cuda", F16)
     for batch in (1, 5, 8, 300):
         # Leave NaN in the allocator's cache where the outputs will come from.
         junk = torch.full((batch * 256 * 8,), float("nan"), device="cuda", dtype=F16)

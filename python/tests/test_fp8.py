@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fused_linear
-from chain_ref import reference_grads, rel_err
+from chain_ref import grads_of, reference_grads, rel_err
 from fused_linear import PRESETS, FusedLinear
 
 #: host/src/precision.rs's FP8_REL: about 4 standard deviations of one e4m3 product's
@@ -21,11 +21,8 @@ BF16_REL = 2e-2
 
 def _grads(block, x, dy):
     """y, then the gradients of x, lin.weight, lin.bias and the chain's parameters in order."""
-    x = x.clone().requires_grad_(True)
-    y = block(x)
-    y.backward(dy)
-    named = dict(block.named_parameters())
-    return y.detach(), [x.grad, *[named[n].grad for n in ["lin.weight", "lin.bias", *block._param_names]]]
+    y, grads = grads_of(block, x, dy)
+    return y, [grads[n] for n in ["x", "lin.weight", "lin.bias", *block._param_names]]
 
 
 @pytest.mark.parametrize("precision", ["fp8", "fp8_gw_bf16"])
