@@ -460,30 +460,11 @@ unsafe fn rows_forward<E: Element>(
     unsafe { store_row(y.add(row * f), cur, f) };
 }
 
-/// `rows_forward` with `y` in FP32.
-///
-/// # Safety
-/// As `rows_forward`.
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "ptx-kernel" fn epilogue_rows(
-    z: *const f32,
-    splits: u32,
-    bias: *const f32,
-    y: *mut f32,
-    save_z: *mut f32,
-    n: u32,
-    ops: *const OpDesc,
-    n_ops: u32,
-) {
-    unsafe { rows_forward(z, splits, bias, y, save_z, n, ops, n_ops) }
-}
-
-/// `rows_forward` with `y` in bf16 or fp16: a 16-bit model's output without a
-/// second pass.
+/// The row-wise forward's entry points, one per type of `y`: FP32, and bf16 or fp16 (a
+/// 16-bit model's output without a second pass).
 macro_rules! rows_forward_into {
     ($($name:ident: $t:ty),*) => {$(
-        /// `rows_forward` into a 16-bit `y`.
+        /// `rows_forward` with `y` of this entry point's type.
         ///
         /// # Safety
         /// As `rows_forward`.
@@ -503,7 +484,7 @@ macro_rules! rows_forward_into {
         }
     )*};
 }
-rows_forward_into!(epilogue_rows_bf16: Bf16, epilogue_rows_f16: F16);
+rows_forward_into!(epilogue_rows: f32, epilogue_rows_bf16: Bf16, epilogue_rows_f16: F16);
 
 /// `(value, index)` `a` comes before `b` as the row max's pick: the larger value, the
 /// first index on ties, and NaN before any number (PyTorch's `max`).
@@ -820,31 +801,12 @@ unsafe fn rows_backward<E: Element>(
     }
 }
 
-/// `rows_backward` in FP32.
-///
-/// # Safety
-/// As `rows_backward`.
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "ptx-kernel" fn epilogue_rows_backward(
-    z: *const f32,
-    dy: *const f32,
-    dz: *mut f32,
-    partials: *mut f32,
-    rows: u32,
-    n: u32,
-    ops: *const OpDesc,
-    n_ops: u32,
-    sums_in_smem: u32,
-) {
-    unsafe { rows_backward(z, dy, dz, partials, rows, n, ops, n_ops, sums_in_smem) }
-}
-
-/// `rows_backward` with `dy` and `dz` in bf16 or fp16: a 16-bit model's gradients
-/// without a widening pass before and a rounding pass after.
+/// The row-wise backward's entry points, one per type of `dy` and `dz`: FP32, and bf16
+/// or fp16 (a 16-bit model's gradients without a widening pass before and a rounding
+/// pass after).
 macro_rules! rows_backward_of {
     ($($name:ident: $t:ty),*) => {$(
-        /// `rows_backward` on a 16-bit `dy` and `dz`.
+        /// `rows_backward` with `dy` and `dz` of this entry point's type.
         ///
         /// # Safety
         /// As `rows_backward`.
@@ -865,7 +827,7 @@ macro_rules! rows_backward_of {
         }
     )*};
 }
-rows_backward_of!(epilogue_rows_backward_bf16: Bf16, epilogue_rows_backward_f16: F16);
+rows_backward_of!(epilogue_rows_backward: f32, epilogue_rows_backward_bf16: Bf16, epilogue_rows_backward_f16: F16);
 
 /// `out[j] = sum_b partials[b, j]`: the second level of the parameter-gradient
 /// reduction (the first is per block in `epilogue_rows_backward`).
