@@ -10,9 +10,13 @@ error ``||a - b|| / ||b||``.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import math
 import random
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -473,3 +477,23 @@ def grads_of(module, x, dy):
     y = module(x)
     y.backward(dy)
     return y.detach(), {"x": x.grad, **{n: p.grad for n, p in module.named_parameters()}}
+
+
+#: The repository's KernelBench problem files (examples/kernelbench).
+KERNELBENCH = Path(__file__).resolve().parents[2] / "examples" / "kernelbench"
+
+
+@contextlib.contextmanager
+def kernelbench_problem(name, scale):
+    """Problem ``name``'s module, its sizes divided by ``scale`` while the block runs (a
+    callable ``scale`` gets the module first), restored to its seed sizes after."""
+    sys.path.insert(0, str(KERNELBENCH))
+    try:
+        problem = importlib.import_module(name)
+    finally:
+        sys.path.remove(str(KERNELBENCH))
+    problem.set_shape_scale(scale(problem) if callable(scale) else scale)
+    try:
+        yield problem
+    finally:
+        problem.set_shape_scale(1)

@@ -9,18 +9,15 @@ rounds to noise in any summation order.
 """
 
 import copy
-import importlib
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 import fused_linear
+from chain_ref import kernelbench_problem
 from fused_linear.fuse import _fused_call
 
-KERNELBENCH = Path(__file__).resolve().parents[2] / "examples" / "kernelbench"
 PROBLEMS = (
     "p033_gemm_scale_batchnorm",
     "p039_gemm_scale_batchnorm",
@@ -66,18 +63,10 @@ def test_batchnorm_after_a_row_op_is_refused():
 
 
 def _problem(name, scale=32):
-    sys.path.insert(0, str(KERNELBENCH))
-    try:
-        problem = importlib.import_module(name)
-    finally:
-        sys.path.remove(str(KERNELBENCH))
-    problem.set_shape_scale(scale)
-    try:
+    with kernelbench_problem(name, scale) as problem:
         torch.manual_seed(0)
         model = problem.Model(*problem.get_init_inputs())
         xs = [problem.get_inputs()[0] for _ in range(3)]
-    finally:
-        problem.set_shape_scale(1)
     return model, xs
 
 

@@ -1,18 +1,14 @@
 """fused_linear.fuse(model): the KernelBench problems and mixed models, on the CPU backend
 against the unfused model (values and every gradient), the parameters shared, not copied."""
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import fused_linear
+from chain_ref import kernelbench_problem
 
-KERNELBENCH = Path(__file__).resolve().parents[2] / "examples" / "kernelbench"
 PROBLEMS = [
     "p088_gemm_groupnorm_swish_multiply_swish",
     "p037_matmul_swish_sum_groupnorm",
@@ -49,17 +45,9 @@ def check_same(model, fused, x, tol=1e-5):
 
 def kernelbench_case(name, scale, device="cpu"):
     """Problem ``name``'s Model (seeded) and an input, at its seed sizes divided by ``scale``."""
-    sys.path.insert(0, str(KERNELBENCH))
-    try:
-        problem = importlib.import_module(name)
-    finally:
-        sys.path.remove(str(KERNELBENCH))
-    problem.set_shape_scale(scale)
-    try:
+    with kernelbench_problem(name, scale) as problem:
         torch.manual_seed(0)
         return problem.Model(*problem.get_init_inputs()).to(device), problem.get_inputs()[0].to(device)
-    finally:
-        problem.set_shape_scale(1)
 
 
 @pytest.mark.parametrize("name", PROBLEMS)

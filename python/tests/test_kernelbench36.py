@@ -18,17 +18,15 @@ own is noise that no other float32 summation order reproduces.
 import copy
 import importlib
 import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 import fused_linear
+from chain_ref import KERNELBENCH, kernelbench_problem
 from fused_linear.fuse import _fused_call
 
-KERNELBENCH = Path(__file__).resolve().parents[2] / "examples" / "kernelbench"
 #: KernelBench level 2's problems whose Model is a Linear (nn.Linear or a matmul with a
 #: weight) followed by other ops.
 LINEAR_PROBLEMS = (9, 12, 14, 18, 22, 29, 30, 33, 37, 39, 40, 41, 45, 51, 53, 55, 56, 59)
@@ -53,21 +51,14 @@ NAMES = sorted(RUN.PROBLEMS.values()) if RUN else []
 
 
 def problem_case(name, device="cpu", scale=None):
-    """Problem ``name``'s Model (seeded) and input at ``scale`` (default: its SMALL_SCALE)."""
-    sys.path.insert(0, str(KERNELBENCH))
-    try:
-        problem = importlib.import_module(name)
-    finally:
-        sys.path.remove(str(KERNELBENCH))
-    problem.set_shape_scale(scale or RUN.small_scale(problem))
-    try:
+    """Problem ``name``'s Model (seeded) and input at ``scale`` (default: its SMALL_SCALE; a
+    callable gets the problem's module)."""
+    with kernelbench_problem(name, scale or RUN.small_scale) as problem:
         torch.manual_seed(0)
         model = problem.Model(*problem.get_init_inputs())
         torch.manual_seed(1)
         (x,) = problem.get_inputs()
         return model.to(device), x.to(device)
-    finally:
-        problem.set_shape_scale(1)
 
 
 def norm(t):
@@ -164,11 +155,6 @@ def test_run_py_on_the_cpu(capsys):
 @pytest.mark.parametrize("name", NAMES)
 def test_fused_model_computes_the_model_on_the_gpu(name):
     """The same on CUDA (strict FP32 on both sides, TF32 off), at 4x each problem's CPU sizes."""
-    sys.path.insert(0, str(KERNELBENCH))
-    try:
-        scale = max(1, RUN.small_scale(importlib.import_module(name)) // 4)
-    finally:
-        sys.path.remove(str(KERNELBENCH))
-    model, x = problem_case(name, "cuda", scale)
+    model, x = problem_case(name, "cuda", lambda problem: max(1, RUN.small_scale(problem) // 4))
     torch.backends.cuda.matmul.allow_tf32 = False
     check_against_model(model, fused_linear.fuse(model), x, TOL_GPU)
