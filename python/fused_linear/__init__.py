@@ -50,6 +50,12 @@ def _describe(in_features: int, out_features: int, ops: str):
     return _native.describe(in_features, out_features, ops)
 
 
+def _batch_norm_in(canonical: List[str]) -> bool:
+    """Whether a chain (its ops in canonical form, `_describe`'s) holds a BatchNorm on batch
+    statistics (written `batchnorm` or `bn`)."""
+    return any(op.startswith("batchnorm") for op in canonical)
+
+
 @functools.lru_cache(maxsize=64)
 def _allocator(device: torch.device, dtype: torch.dtype):
     """Buffers for the Rust side, from PyTorch's allocator, made in the shape (a tuple, or
@@ -109,12 +115,11 @@ def _forward_op(
 
 @_forward_op.register_fake
 def _forward_fake(x, weight, bias, params, ops, precision):
-    out_shape, gpu_width, cpu_width, _, _ = _describe(int(x.shape[1]), int(weight.shape[0]), ops)
+    out_shape, gpu_width, cpu_width, canonical, _ = _describe(int(x.shape[1]), int(weight.shape[0]), ops)
     y = x.new_empty((x.shape[0], *out_shape))
     # A 16-bit model's saved z is float32; a BatchNorm's batch statistics are two more rows.
     z_dtype = torch.float32 if x.dtype in _HALF else x.dtype
-    canonical = _describe(int(x.shape[1]), int(weight.shape[0]), ops)[3]
-    rows = x.shape[0] + (2 if any(op.startswith("batchnorm") for op in canonical) else 0)
+    rows = x.shape[0] + (2 if _batch_norm_in(canonical) else 0)
     z = x.new_empty((rows, gpu_width if x.device.type == "cuda" else cpu_width), dtype=z_dtype)
     return y, z
 
@@ -298,7 +303,8 @@ def _half_block(
     _resolve_precision(x, precision)
     # A BatchNorm on batch statistics: the 16-bit kernels have none; float32 copies in
     # the model's own precision (operands rounded to its type as loaded).
-    batch_norm = x.is_cuda and "batchnorm" in ops
+    shape = tuple(weight.shape)
+    batch_norm = x.is_cuda and len(shape) == 2 and _batch_norm_in(_describe(shape[1], shape[0], ops)[3])
     if not x.is_cuda or batch_norm:
         wide = [t.float() if isinstance(t, Tensor) else t for t in (bias, *params)]
         y = fused_linear(x.float(), weight.float(), wide[0], ops, wide[1:], own if batch_norm else "fp32")

@@ -327,5 +327,6 @@ def test_a_16_bit_model_on_the_gpu_fuses_it(dtype):
         else:
             torch.testing.assert_close(mine.float(), theirs.float(), rtol=2e-2, atol=2e-2, msg=name)
     # The functional op takes the same path.
-    y2 = fused_linear.fused_linear(x, ref[0].weight, ref[0].bias, "batchnorm", [ref[1].weight, ref[1].bias])
-    assert y2.dtype == dtype and y2.shape == (16, 32)
+    for ops in ("batchnorm", "bn"):  # the alias too: the chain is read in canonical form
+        y2 = fused_linear.fused_linear(x, ref[0].weight, ref[0].bias, ops, [ref[1].weight, ref[1].bias])
+        assert y2.dtype == dtype and y2.shape == (16, 32)
