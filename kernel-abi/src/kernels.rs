@@ -3,7 +3,7 @@
 //! writes the launch bounds into the PTX from [`Kernel::ALL`]; `tests/ptx.rs` checks
 //! that the identifiers and the PTX's entries are the same set.
 
-use crate::{epilogue, gemm_fma, gemm_mma, gemm_tma, gemm_wgmma, gemv, gemv_tc, kinks};
+use crate::{epilogue, fp8, gemm_fma, gemm_mma, gemm_tma, gemm_wgmma, gemv, gemv_tc, kinks};
 
 /// `__launch_bounds__(max_threads, min_blocks_per_sm)`, which rustc cannot express:
 /// `host/build.rs` writes them into the PTX (`.maxntid`, `.minnctapersm`) so that
@@ -115,6 +115,9 @@ kernels! {
     GemmTmaF16NnToF16 = "gemm_tma_f16_nn_to_f16", bounds(gemm_tma::THREADS, 1);
     GemmTmaF16TnToF16 = "gemm_tma_f16_tn_to_f16", bounds(gemm_tma::THREADS, 1);
     GemmTmaF16Tn = "gemm_tma_f16_tn", bounds(gemm_tma::THREADS, 1);
+    GemmTmaE4m3Nt = "gemm_tma_e4m3_nt", bounds(gemm_tma::THREADS, 1);
+    GemmTmaE4m3NtToBf16 = "gemm_tma_e4m3_nt_to_bf16", bounds(gemm_tma::THREADS, 1);
+    GemmTmaE4m3NtToF16 = "gemm_tma_e4m3_nt_to_f16", bounds(gemm_tma::THREADS, 1);
     GemmTmaTf32Tk = "gemm_tma_tf32_tk", bounds(gemm_tma::THREADS, 1);
     GemmTmaTf32TkT = "gemm_tma_tf32_tk_t", bounds(gemm_tma::THREADS, 1);
     GemmTmaTf32x3Tk = "gemm_tma_tf32x3_tk", bounds(gemm_tma::THREADS, 1);
@@ -180,6 +183,16 @@ kernels! {
     SgdStep = "sgd_step";
     AdamStep = "adam_step";
 
+    // FP8 operands (`fp8.rs`).
+    Fp8QuantiseRowsF32 = "fp8_quantise_rows_f32", bounds(fp8::ROW_THREADS, 1);
+    Fp8QuantiseRowsBf16 = "fp8_quantise_rows_bf16", bounds(fp8::ROW_THREADS, 1);
+    Fp8QuantiseRowsF16 = "fp8_quantise_rows_f16", bounds(fp8::ROW_THREADS, 1);
+    Fp8ColumnAmaxF32 = "fp8_column_amax_f32", bounds(256, 1);
+    Fp8ColumnAmaxBf16 = "fp8_column_amax_bf16", bounds(256, 1);
+    Fp8ColumnAmaxF16 = "fp8_column_amax_f16", bounds(256, 1);
+    Fp8QuantiseColumnsTF32 = "fp8_quantise_columns_t_f32", bounds(256, 1);
+    Fp8QuantiseColumnsTBf16 = "fp8_quantise_columns_t_bf16", bounds(256, 1);
+    Fp8QuantiseColumnsTF16 = "fp8_quantise_columns_t_f16", bounds(256, 1);
     // BatchNorm on batch statistics (`batch_norm.rs`).
     BatchNormStats = "batch_norm_stats", bounds(crate::batch_norm::COLUMNS * crate::batch_norm::ROW_GROUPS, 1);
     BatchNormFinish = "batch_norm_finish";

@@ -186,6 +186,26 @@ pub mod batch_norm {
     pub const SMEM_BYTES: usize = 3 * COLUMNS * ROW_GROUPS * 4;
 }
 
+/// FP8 (e4m3) operands: the quantisation kernels (`kernels-gpu/src/fp8.rs`).
+pub mod fp8 {
+    /// Threads of a row-wise quantisation block (one block per row).
+    pub const ROW_THREADS: usize = 256;
+    /// Shared memory of a row-wise block: a word per warp.
+    pub const ROW_SMEM_BYTES: usize = ROW_THREADS / 8;
+    /// Rows of a column-amax block's panel.
+    pub const COLUMN_BLOCK_ROWS: usize = 64;
+    /// The transposing quantisation's tiles: `TILE x TILE` values.
+    pub const TILE: usize = 64;
+    /// Bytes between its transposed tile's rows in shared memory (4 more than a row:
+    /// fewer bank conflicts on the byte writes).
+    pub const TILE_PITCH: usize = TILE + 4;
+    pub const TILE_SMEM_BYTES: usize = TILE * TILE_PITCH;
+    /// The e4m3 GEMM's k-tile: 128 one-byte values, the same 128-byte rows as the
+    /// TF32 and bf16 stages.
+    pub const E4M3_BLOCK_K: usize = 128;
+    const _: () = assert!(E4M3_BLOCK_K == super::gemm_tma::BF16_BLOCK_K * 2 && TILE.is_multiple_of(16));
+}
+
 pub mod epilogue {
     pub use crate::ops::{
         OP_AVG_POOL, OP_GROUP_NORM, OP_LOGSUMEXP, OP_MAX_POOL, OP_RMS_NORM, OP_ROW_MAX, OP_ROW_MEAN, OP_ROW_MIN,

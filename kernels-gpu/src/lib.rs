@@ -17,6 +17,7 @@
 pub mod batch_norm;
 pub mod elementwise;
 pub mod epilogue;
+pub mod fp8;
 pub mod gemm;
 pub mod optim;
 pub mod parallel;

@@ -110,6 +110,16 @@ pub fn add_column_bias(v: &mut HalfFragment, bias: *const f32, n: usize, col: us
     per_column(v, bias, n, col, |x, b| x + b);
 }
 
+/// `v = v * row_inv[row] * col_inv[column]` over the half fragment from `col`: an FP8
+/// GEMM's sums with their operands' scales undone (`row_inv` holds the thread's two
+/// rows', `row` and `row + 8`; `col_inv` `n` floats). Powers of two: exact, in the CPU
+/// emulation's order.
+#[inline(always)]
+pub fn unscale_fragment(v: &mut HalfFragment, row_inv: [f32; 2], col_inv: *const f32, n: usize, col: usize) {
+    each_half_value(v, |x, _, e| x * row_inv[e / 2]);
+    per_column(v, col_inv, n, col, |x, c| x * c);
+}
+
 /// `v = f(v, p[column])` over the half fragment from `col`, for a per-column parameter
 /// `p` of length `n`: with the whole half inside `n` (all tiles but the last column's),
 /// 8-byte read-only loads and no checks; else a bounds check per chunk.

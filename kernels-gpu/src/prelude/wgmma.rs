@@ -362,3 +362,8 @@ wgmma_n256_k_tile_fn!(
     /// [`wgmma_n256_k_tile_bf16_tn`] in fp16.
     wgmma_n256_k_tile_f16_tn, "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16", ", 1, 1"
 );
+wgmma_n256_k_tile_fn!(
+    /// A 128-deep e4m3 k-tile: four `m64n256k32` steps over the same 128-byte rows as
+    /// bf16's, both operands `k`-major (FP8 `wgmma` takes no transpose immediates).
+    wgmma_n256_k_tile_e4m3, "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3", ""
+);

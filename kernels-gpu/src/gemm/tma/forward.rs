@@ -6,7 +6,7 @@ use super::opaque;
 use super::pipeline::{CONSUMER_REGISTERS, PRODUCER_REGISTERS, Pipeline};
 use crate::epilogue::fragments::{
     HalfFragment, STAGED_HALF_BYTES, add_column_bias, each_half_value, fragment_forward, prefetch_tile_params, stage_half,
-    store_half,
+    store_half, unscale_fragment,
 };
 use crate::prelude::bulk_copy::*;
 use crate::prelude::element::{Bf16, Element, F16, Half};
@@ -41,9 +41,63 @@ macro_rules! gemm_tma_entries {
             ops: *const OpDesc,
             n_ops: u32,
         ) {
-            unsafe { gemm_tma::<$split, $half, $h, $ta, $tb, $chain, $out>(maps, bias, y, save_z, m, n, k, ops, n_ops) }
+            let no_scales = (core::ptr::null(), core::ptr::null());
+            unsafe { gemm_tma::<$split, $half, $h, $ta, $tb, $chain, $out, false>(maps, bias, y, save_z, (m, n, k), ops, n_ops, no_scales) }
         }
     )*};
+}
+
+/// Declares the e4m3 entry points: the forward's signature, then the inverse scales of
+/// `A`'s rows and `B`'s (`y`'s rows and columns); the 16-bit type a 16-bit `y` is staged
+/// in, and the output's element type.
+macro_rules! gemm_tma_e4m3_entries {
+    ($($(#[$doc:meta])* $name:ident = <$h:ty, $out:ty>;)*) => {$(
+        $(#[$doc])*
+        #[unsafe(no_mangle)]
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe extern "ptx-kernel" fn $name(
+            maps: *const u8,
+            bias: *const f32,
+            y: *mut $out,
+            save_z: *mut f32,
+            m: u32,
+            n: u32,
+            k: u32,
+            ops: *const OpDesc,
+            n_ops: u32,
+            inv_row_scales: *const f32,
+            inv_col_scales: *const f32,
+        ) {
+            let scales = (inv_row_scales, inv_col_scales);
+            unsafe { gemm_tma::<false, false, $h, false, false, true, $out, true>(maps, bias, y, save_z, (m, n, k), ops, n_ops, scales) }
+        }
+    )*};
+}
+
+gemm_tma_e4m3_entries! {
+    /// The forward `y (m, n) = chain(unscale(x_q W_q^T) + bias)` in FP8: `A` = `x_q (m,
+    /// k)` and `B` = `W_q (n, k)` e4m3 (`crate::fp8`'s, scaled per row), their tensor maps
+    /// with `128 x 128` and `128 x 256` boxes (128-byte rows of 128 values, the same
+    /// swizzle and stage bytes as bf16's 64), each 32-deep `k`-step one
+    /// `wgmma.m64n256k32.f32.e4m3.e4m3`. The epilogue first multiplies each sum by its
+    /// row's and column's inverse scale (powers of two: exact), then runs as the bf16
+    /// kernel's. Also `dX` and `dW` (no bias or chain) over operands quantised transposed.
+    ///
+    /// # Safety
+    /// As [`gemm_tma_bf16_nt`], the maps describing byte tensors; `inv_row_scales` holds
+    /// `m` floats, `inv_col_scales` `n`.
+    gemm_tma_e4m3_nt = <Bf16, f32>;
+    /// [`gemm_tma_e4m3_nt`] with `y` stored in bf16 through the TMA unit (a third map),
+    /// as [`gemm_tma_bf16_nt_to_bf16`].
+    ///
+    /// # Safety
+    /// As [`gemm_tma_e4m3_nt`]; `y` holds `m * n` 16-bit words.
+    gemm_tma_e4m3_nt_to_bf16 = <Bf16, Bf16>;
+    /// [`gemm_tma_e4m3_nt`] with `y` stored in fp16 (an fp16 model's FP8 blocks).
+    ///
+    /// # Safety
+    /// As [`gemm_tma_e4m3_nt_to_bf16`].
+    gemm_tma_e4m3_nt_to_f16 = <F16, F16>;
 }
 
 gemm_tma_entries! {
@@ -154,10 +208,11 @@ unsafe fn staging_barrier(wg: u32) {
 
 /// The body of the entry points (`SPLIT`: 3xTF32; `HALF`: 16-bit operands of type `H`,
 /// `TRANS_A`, `TRANS_B` MN-major; `CHAIN`: bias, saved `z` and chain; `O`: the output's
-/// type, `H` where it is 16-bit).
+/// type, `H` where it is 16-bit; `E4M3`: e4m3 operands, `scales` their inverse row and
+/// column scales).
 ///
 /// # Safety
-/// See [`gemm_tma_tf32_nt`].
+/// See [`gemm_tma_tf32_nt`] and [`gemm_tma_e4m3_nt`].
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn gemm_tma<
@@ -168,22 +223,24 @@ unsafe fn gemm_tma<
     const TRANS_B: bool,
     const CHAIN: bool,
     O: Element,
+    const E4M3: bool,
 >(
     maps: *const u8,
     bias: *const f32,
     y: *mut O,
     save_z: *mut f32,
-    m: u32,
-    n: u32,
-    k: u32,
+    (m, n, k): (u32, u32, u32),
     ops: *const OpDesc,
     n_ops: u32,
+    scales: (*const f32, *const f32),
 ) {
+    const { assert!(!E4M3 || !(HALF || SPLIT || TRANS_A || TRANS_B), "e4m3 operands are k-major bytes") };
+    let operand_bytes = const { if E4M3 { 1 } else if HALF { 2 } else { 4 } };
     let t = thread_idx_x();
     // SAFETY: the second of the two maps.
     let (map_a, map_b) = (maps, unsafe { maps.add(128) });
     // SAFETY: every thread, first; the launch's shared memory.
-    let pipe = unsafe { Pipeline::new::<SPLIT, HALF>(maps, (m, n, k)) };
+    let pipe = unsafe { Pipeline::new::<SPLIT>(maps, (m, n, k), operand_bytes) };
     let Pipeline { tile_bytes, block_k, a_bytes, k_tiles, .. } = pipe;
 
     if t < 128 {
@@ -262,7 +319,7 @@ unsafe fn gemm_tma<
             let sa = pipe.stage(s);
             let describe = if SPLIT { descriptor_64b } else { descriptor_128b };
             // The warpgroup's 64 rows of `A` (rows of `block_k` 4- or 2-byte values).
-            let da = describe(sa + wg * 64 * block_k * if HALF { 2 } else { 4 });
+            let da = describe(sa + wg * 64 * block_k * operand_bytes);
             let db = describe(sa + a_bytes);
             // k-step i: 32 bytes along the swizzled rows = start address + 2 (16-byte units).
             // SAFETY: the stage is complete once its phase is; all 128 threads of the
@@ -289,6 +346,9 @@ unsafe fn gemm_tma<
                     named_barrier(1, CONSUMER_THREADS as u32);
                     let (dal, dbl) = (da + (tile_bytes as u64 >> 4), db + (tile_bytes as u64 >> 4));
                     wgmma_n256_k_tile_split(&mut acc, [da, db, dal, dbl]);
+                } else if E4M3 {
+                    // k-step i: 32 bytes (values) further along the 128-byte rows.
+                    wgmma_n256_k_tile_e4m3(&mut acc, [da, da + 2, da + 4, da + 6], [db, db + 2, db + 4, db + 6]);
                 } else if HALF {
                     // k-step i: 32 bytes further along a `k`-major operand's 128-byte rows
                     // (2 16-byte units), 16 rows of 128 bytes further in an MN-major one
@@ -356,9 +416,20 @@ unsafe fn gemm_tma<
             let (mut v, mut rest): (HalfFragment, HalfFragment) = ([0.0; 64], [0.0; 64]);
             each_half_value(&mut v, |_, j, e| f32::from_bits(acc[4 * j + e]));
             each_half_value(&mut rest, |_, j, e| f32::from_bits(acc[64 + 4 * j + e]));
+            // FP8: the inverse scales of the thread's two rows (1 past `m`: never stored).
+            let row_inv = if E4M3 {
+                let (m, inv) = (opaque(m) as usize, scales.0);
+                [row, row + 8].map(|r| if r < m { *inv.add(r) } else { 1.0 })
+            } else {
+                [1.0; 2]
+            };
             let mut h = 0u32;
             while h < opaque(2) {
                 let offset = 128 * h;
+                if E4M3 {
+                    let (col, _, n) = fresh(offset);
+                    unscale_fragment(&mut v, row_inv, scales.1, n, col);
+                }
                 if CHAIN && !bias.is_null() {
                     let (col, _, n) = fresh(offset);
                     add_column_bias(&mut v, bias, n, col);

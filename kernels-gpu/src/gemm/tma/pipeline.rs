@@ -55,7 +55,8 @@ pub(super) struct Pipeline {
 
 impl Pipeline {
     /// The layout for `SPLIT` (3xTF32: four 16-deep stages with the 64-byte swizzle,
-    /// so that they fit beside their residuals) and a `(m, n, k)` GEMM. Thread 0 sets
+    /// so that they fit beside their residuals) or operands of `operand_bytes` bytes,
+    /// and a `(m, n, k)` GEMM. Thread 0 sets
     /// up the barriers ("full": the producer's one arrival plus the stage's bytes;
     /// "empty": one arrival per consumer warp) and prefetches both tensor maps; then
     /// the block's only barrier.
@@ -64,17 +65,16 @@ impl Pipeline {
     /// Every thread of the block calls it once, first; `maps` holds two tensor maps;
     /// the dynamic shared memory is `SMEM_BYTES` (`SPLIT_SMEM_BYTES` with `SPLIT`).
     #[inline(always)]
-    pub(super) unsafe fn new<const SPLIT: bool, const BF16: bool>(maps: *const u8, (m, n, k): (u32, u32, u32)) -> Pipeline {
+    pub(super) unsafe fn new<const SPLIT: bool>(maps: *const u8, (m, n, k): (u32, u32, u32), operand_bytes: u32) -> Pipeline {
         // The hardware swizzle is a function of address bits 7-9: stages start
         // 1024-byte aligned.
         let base = (shared_address(dynamic_shared::<f32>()) + 1023) & !1023;
         let (stages, tile_bytes, block_k, a_bytes) = if SPLIT {
             (SPLIT_STAGES, SPLIT_STAGE_BYTES, SPLIT_BLOCK_K, SPLIT_A_BYTES)
-        } else if BF16 {
-            // The same bytes: 128-byte rows of 64 bf16 values.
-            (STAGES, STAGE_BYTES, BF16_BLOCK_K, A_BYTES)
         } else {
-            (STAGES, STAGE_BYTES, BLOCK_K, A_BYTES)
+            // The same bytes whatever the operand: 128-byte rows of 32 floats, 64
+            // 16-bit values or 128 e4m3 ones.
+            (STAGES, STAGE_BYTES, 128 / operand_bytes as usize, A_BYTES)
         };
         let (stages, tile_bytes, block_k, a_bytes) = (stages as u32, tile_bytes as u32, block_k as u32, a_bytes as u32);
         let stage_bytes = if SPLIT { 2 * tile_bytes } else { tile_bytes };

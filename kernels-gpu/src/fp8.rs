@@ -1,0 +1,312 @@
+//! FP8 operands for the e4m3 GEMMs (`gemm_tma_e4m3_*`): a matrix scaled by a power of
+//! two per row (or per column, written transposed so that the scaled dimension becomes
+//! rows again) and rounded to e4m3, with the inverse scales the GEMM's epilogue
+//! multiplies its sums by.
+//!
+//! The recipe is the CPU backend's (`host/src/fp8.rs`): the scale `s` is the largest
+//! power of two with `amax * s <= 448`, so the largest magnitude lands in `(224, 448]`;
+//! a NaN or infinite `amax` gives a NaN scale, a zero one `1`; the exponent is clamped to
+//! FP32's normal range. Values are `cvt.rn.satfinite` conversions (nearest, ties to
+//! even, saturating at `±448`, NaN kept), the same rounding as the emulation. Scaling by
+//! a power of two is exact, so GPU and CPU quantise every operand to the same bytes.
+//!
+//! The amaxes are taken over bit patterns: `|v|`'s bits order as its magnitude, and a
+//! NaN's (`0x7fc0_0000` and up) above infinity's, so an unsigned maximum propagates NaN
+//! as `max` would.
+
+use crate::prelude::element::{Bf16, Element, F16};
+use crate::prelude::warp::shfl_xor;
+use crate::prelude::*;
+use crate::prelude::global::store_v4;
+use kernel_abi::fp8::{COLUMN_BLOCK_ROWS, ROW_THREADS, TILE, TILE_PITCH};
+
+/// The scale's exponent for a slice of largest magnitude `amax_bits` (`|v|`'s bits),
+/// or `None` where the scale is NaN (a NaN or infinite `amax`).
+#[inline(always)]
+fn scale_exponent(amax_bits: u32) -> Option<i32> {
+    if amax_bits >= 0x7f80_0000 {
+        return None;
+    }
+    if amax_bits == 0 {
+        return Some(0);
+    }
+    let (field, mantissa) = ((amax_bits >> 23) as i32, amax_bits & 0x7f_ffff);
+    // amax = 1.m * 2^(field - 127) and 448 = 1.75 * 2^8: the largest `e` with
+    // `amax * 2^e <= 448` is `8 - (field - 127)` where 1.m <= 1.75, else one less. A
+    // subnormal `amax` (field 0) lands above 127, and is clamped as on the CPU.
+    let e = if mantissa <= 0x60_0000 { 8 + 127 - field } else { 7 + 127 - field };
+    Some(e.clamp(-126, 127))
+}
+
+/// `2^e` for `-127 <= e <= 127` (`2^-127` is subnormal).
+#[inline(always)]
+fn pow2(e: i32) -> f32 {
+    if e >= -126 { f32::from_bits(((e + 127) as u32) << 23) } else { f32::from_bits(1 << 22) }
+}
+
+/// The scale and its inverse (both NaN where the exponent is `None`).
+#[inline(always)]
+fn scales(amax_bits: u32) -> (f32, f32) {
+    match scale_exponent(amax_bits) {
+        Some(e) => (pow2(e), pow2(-e)),
+        None => (f32::NAN, f32::NAN),
+    }
+}
+
+/// Two values rounded to e4m3 (nearest, ties to even, saturating), `lo` in the low byte.
+#[inline(always)]
+fn e4m3x2(lo: f32, hi: f32) -> u16 {
+    let d: u16;
+    // SAFETY: a register conversion (sm_89+).
+    unsafe {
+        core::arch::asm!("cvt.rn.satfinite.e4m3x2.f32 {d}, {hi}, {lo};", d = out(reg16) d, hi = in(reg32) hi, lo = in(reg32) lo, options(pure, nomem, nostack))
+    };
+    d
+}
+
+/// Four values rounded to e4m3, the first in the low byte.
+#[inline(always)]
+fn e4m3x4(v: [f32; 4]) -> u32 {
+    e4m3x2(v[0], v[1]) as u32 | (e4m3x2(v[2], v[3]) as u32) << 16
+}
+
+/// The unsigned maximum of `v` over the block's `ROW_THREADS` threads, returned to all;
+/// `shared` holds a word per warp.
+///
+/// # Safety
+/// Every thread of the block calls it; `shared` is the block's.
+#[inline(always)]
+unsafe fn block_max_bits(v: u32, shared: *mut u32) -> u32 {
+    let warp_max = |mut v: u32| {
+        let mut m = 1;
+        while m < 32 {
+            let o = shfl_xor(f32::from_bits(v), m).to_bits();
+            v = if o > v { o } else { v };
+            m <<= 1;
+        }
+        v
+    };
+    let v = warp_max(v);
+    let (warp, lane) = (thread_idx_x() / 32, thread_idx_x() % 32);
+    // SAFETY: one word per warp; the barriers order the writes before the reads.
+    unsafe {
+        if lane == 0 {
+            *shared.add(warp as usize) = v;
+        }
+        sync_threads();
+        let w = if lane < (ROW_THREADS / 32) as u32 { *shared.add(lane as usize) } else { 0 };
+        warp_max(w)
+    }
+}
+
+/// Declares entry points, each an instance of a generic body for one source element
+/// type: `body(arguments after src); entries`.
+macro_rules! fp8_entries {
+    ($body:ident $args:tt; $($(#[$doc:meta])* $name:ident = <$t:ty>;)*) => {$(
+        fp8_entries!(@one $body $args; $(#[$doc])* $name = <$t>);
+    )*};
+    (@one $body:ident ($($arg:ident: $ty:ty),*); $(#[$doc:meta])* $name:ident = <$t:ty>) => {
+        $(#[$doc])*
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(src: *const $t, $($arg: $ty),*) {
+            unsafe { $body::<$t>(src, $($arg),*) }
+        }
+    };
+}
+
+fp8_entries! {
+    quantise_rows(rows: u32, cols: u32, dst: *mut u8, inv_scales: *mut f32);
+    /// Quantises the row-major `(rows, cols)` FP32 matrix `src` to e4m3 with one scale
+    /// per row: `dst[r][c] = e4m3(src[r][c] * s_r)`, `inv_scales[r] = 1 / s_r`.
+    ///
+    /// # Safety
+    /// `src` holds `rows * cols` values, 16-byte aligned; `dst` `rows * cols` bytes and
+    /// `inv_scales` `rows` floats, 4-byte aligned; `cols` a multiple of 4. Launch: one
+    /// block of `ROW_THREADS` threads per row, `ROW_THREADS / 8` bytes of shared memory.
+    fp8_quantise_rows_f32 = <f32>;
+    /// [`fp8_quantise_rows_f32`] of a bf16 matrix.
+    ///
+    /// # Safety
+    /// As [`fp8_quantise_rows_f32`], `src` 8-byte aligned.
+    fp8_quantise_rows_bf16 = <Bf16>;
+    /// [`fp8_quantise_rows_f32`] of an fp16 matrix.
+    ///
+    /// # Safety
+    /// As [`fp8_quantise_rows_bf16`].
+    fp8_quantise_rows_f16 = <F16>;
+}
+
+/// The body of the `fp8_quantise_rows_*` kernels: the row's amax, then its values
+/// scaled and rounded, four per thread and step (read twice: the second pass hits L1/L2).
+#[inline(always)]
+unsafe fn quantise_rows<T: Element>(src: *const T, _rows: u32, cols: u32, dst: *mut u8, inv_scales: *mut f32) {
+    let (row, t) = (block_idx_x() as usize, thread_idx_x() as usize);
+    let cols = cols as usize;
+    // SAFETY: the row's `cols` values, 4 at a time (`cols % 4 == 0`, aligned).
+    let load = |c: usize| unsafe { T::load4_nc(src.add(row * cols + c)) };
+    let mut amax = 0u32;
+    let mut c = 4 * t;
+    while c < cols {
+        for v in load(c) {
+            let b = v.to_bits() & 0x7fff_ffff;
+            amax = if b > amax { b } else { amax };
+        }
+        c += 4 * ROW_THREADS;
+    }
+    // SAFETY: every thread; the block's shared words.
+    let amax = unsafe { block_max_bits(amax, dynamic_shared::<u32>()) };
+    let (s, inv) = scales(amax);
+    let mut c = 4 * t;
+    while c < cols {
+        let q = e4m3x4(load(c).map(|v| v * s));
+        // SAFETY: 4 bytes of the row, 4-byte aligned.
+        unsafe { *(dst.add(row * cols + c) as *mut u32) = q };
+        c += 4 * ROW_THREADS;
+    }
+    if t == 0 {
+        // SAFETY: `row < rows`.
+        unsafe { *inv_scales.add(row) = inv };
+    }
+}
+
+fp8_entries! {
+    column_amax(rows: u32, cols: u32, amax_bits: *mut u32);
+    /// Raises `amax_bits[c]` to the largest `|src[r][c]|`'s bits over the rows of this
+    /// block's panel (`COLUMN_BLOCK_ROWS` rows): the first pass of a per-column
+    /// quantisation. `amax_bits` starts at zero.
+    ///
+    /// # Safety
+    /// `src` holds `rows * cols` FP32 values, `amax_bits` `cols` words. Launch: grid
+    /// `(ceil(cols / 256), ceil(rows / COLUMN_BLOCK_ROWS))` of 256 threads.
+    fp8_column_amax_f32 = <f32>;
+    /// [`fp8_column_amax_f32`] of a bf16 matrix.
+    ///
+    /// # Safety
+    /// As [`fp8_column_amax_f32`].
+    fp8_column_amax_bf16 = <Bf16>;
+    /// [`fp8_column_amax_f32`] of an fp16 matrix.
+    ///
+    /// # Safety
+    /// As [`fp8_column_amax_f32`].
+    fp8_column_amax_f16 = <F16>;
+}
+
+#[inline(always)]
+unsafe fn column_amax<T: Element>(src: *const T, rows: u32, cols: u32, amax_bits: *mut u32) {
+    let c = (block_idx_x() * 256 + thread_idx_x()) as usize;
+    let (rows, cols) = (rows as usize, cols as usize);
+    if c >= cols {
+        return;
+    }
+    let r0 = block_idx_y() as usize * COLUMN_BLOCK_ROWS;
+    let end = if r0 + COLUMN_BLOCK_ROWS < rows { r0 + COLUMN_BLOCK_ROWS } else { rows };
+    let mut amax = 0u32;
+    for r in r0..end {
+        // SAFETY: r < rows, c < cols.
+        let b = unsafe { T::load1(src.add(r * cols + c)) }.to_bits() & 0x7fff_ffff;
+        amax = if b > amax { b } else { amax };
+    }
+    // SAFETY: c < cols.
+    unsafe { atomic_max_u32(amax_bits.add(c), amax) };
+}
+
+/// `*at = max(*at, v)`, unsigned, atomically.
+///
+/// # Safety
+/// `at` is a valid global word.
+#[inline(always)]
+unsafe fn atomic_max_u32(at: *mut u32, v: u32) {
+    // SAFETY: as the caller promises.
+    unsafe {
+        core::arch::asm!("red.global.max.u32 [{at}], {v};", at = in(reg64) at, v = in(reg32) v, options(nostack))
+    };
+}
+
+fp8_entries! {
+    quantise_columns_t(rows: u32, cols: u32, amax_bits: *const u32, dst_t: *mut u8, pitch: u32, inv_scales: *mut f32);
+    /// Quantises the row-major `(rows, cols)` FP32 matrix `src` to e4m3 with one scale
+    /// per column (from `amax_bits`, [`fp8_column_amax_f32`]'s), written transposed:
+    /// `dst_t[c][r] = e4m3(src[r][c] * s_c)` (row pitch `pitch` bytes, zeros from
+    /// `rows` to `pitch`: a GEMM may run its depth to `pitch`), `inv_scales[c] = 1 / s_c`.
+    /// Tiles of `TILE x TILE` pass through shared memory, so both the reads and the
+    /// writes are row-contiguous.
+    ///
+    /// # Safety
+    /// `src` holds `rows * cols` values; `amax_bits` and `inv_scales` `cols` words;
+    /// `dst_t` `cols * pitch` bytes, 16-byte aligned; `pitch` a multiple of 16, at least
+    /// `rows`. Launch: grid `(ceil(cols / TILE), ceil(pitch / TILE))` of 256 threads, `TILE *
+    /// TILE_PITCH` bytes of shared memory.
+    fp8_quantise_columns_t_f32 = <f32>;
+    /// [`fp8_quantise_columns_t_f32`] of a bf16 matrix.
+    ///
+    /// # Safety
+    /// As [`fp8_quantise_columns_t_f32`].
+    fp8_quantise_columns_t_bf16 = <Bf16>;
+    /// [`fp8_quantise_columns_t_f32`] of an fp16 matrix.
+    ///
+    /// # Safety
+    /// As [`fp8_quantise_columns_t_f32`].
+    fp8_quantise_columns_t_f16 = <F16>;
+}
+
+#[inline(always)]
+unsafe fn quantise_columns_t<T: Element>(
+    src: *const T,
+    rows: u32,
+    cols: u32,
+    amax_bits: *const u32,
+    dst_t: *mut u8,
+    pitch: u32,
+    inv_scales: *mut f32,
+) {
+    // The tile transposed, one row of `TILE_PITCH` bytes per column of `src`.
+    const PITCH: usize = TILE_PITCH;
+    let tile_t = dynamic_shared::<u8>();
+    let t = thread_idx_x() as usize;
+    let (rows, cols, pitch) = (rows as usize, cols as usize, pitch as usize);
+    let (c0, r0) = (block_idx_x() as usize * TILE, block_idx_y() as usize * TILE);
+    // Reads: thread `t` takes column `c0 + t % TILE`, rows `t / TILE` apart.
+    let (cc, first) = (t % TILE, t / TILE);
+    let c = c0 + cc;
+    if c < cols {
+        // SAFETY: c < cols.
+        let (s, inv) = scales(unsafe { *amax_bits.add(c) });
+        if r0 == 0 && first == 0 {
+            // SAFETY: c < cols.
+            unsafe { *inv_scales.add(c) = inv };
+        }
+        let mut rr = first;
+        while rr < TILE {
+            let r = r0 + rr;
+            // Rows past the end: zeros (stored up to `pitch`), whatever the scale.
+            let q = if r < rows {
+                // SAFETY: r < rows, c < cols.
+                e4m3x2(unsafe { T::load1(src.add(r * cols + c)) } * s, 0.0) as u8
+            } else {
+                0
+            };
+            // SAFETY: inside the tile.
+            unsafe { *tile_t.add(cc * PITCH + rr) = q };
+            rr += 256 / TILE;
+        }
+    }
+    // SAFETY: uniform.
+    unsafe { sync_threads() };
+    // Writes: 16 bytes per thread, `TILE / 16` threads per output row (a column of `src`).
+    let per_row = TILE / 16;
+    let mut i = t;
+    while i < TILE * per_row {
+        let (oc, chunk) = (i / per_row, i % per_row);
+        let (c, r) = (c0 + oc, r0 + 16 * chunk);
+        if c < cols && r < pitch {
+            let at = tile_t.wrapping_add(oc * PITCH + 16 * chunk) as *const u32;
+            // SAFETY: inside the tile (4-byte aligned: PITCH and 16 chunk are multiples
+            // of 4); `dst_t`'s row `c` holds `pitch` bytes, `r + 16 <= pitch`, 16-byte aligned.
+            unsafe {
+                let w = [*at, *at.add(1), *at.add(2), *at.add(3)].map(f32::from_bits);
+                store_v4(dst_t.add(c * pitch + r) as *mut f32, w);
+            }
+        }
+        i += 256;
+    }
+}
