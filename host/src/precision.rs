@@ -65,8 +65,8 @@ pub enum Precision {
     /// Tensor cores, operands rounded to bf16 (7-bit mantissa), FP32 accumulation.
     Bf16,
     /// FP8 (e4m3) operands with row-wise power-of-two scales, FP32 accumulation, the
-    /// scales undone in the epilogue; every GEMM of the backward in FP8 too. The CPU
-    /// backend emulates it; the GPU refuses it ([`Precision::gpu_support`]).
+    /// scales undone in the epilogue; every GEMM of the backward in FP8 too. The GPU
+    /// runs it on Hopper's e4m3 `wgmma` (float32 blocks), the CPU backend emulates it.
     Fp8,
     /// [`Precision::Fp8`] with the weight's gradient `dZ^T X` from bf16 operands
     /// instead (torchao's `rowwise_with_gw_hp`): the update keeps 8 significant bits.
@@ -126,21 +126,6 @@ impl Precision {
         Precision::Fp8GwBf16,
         Precision::Fp8,
     ];
-    /// The precisions the GPU kernels run.
-    pub const GPU: [Precision; 5] =
-        [Precision::Fp32, Precision::Tf32x3, Precision::Tf32, Precision::Fp16, Precision::Bf16];
-
-    /// Whether the GPU runs this precision: `Err(Error::Unsupported)` for FP8, which only
-    /// the CPU backend emulates so far.
-    pub fn gpu_support(self) -> crate::Result<()> {
-        match self {
-            Precision::Fp8 | Precision::Fp8GwBf16 => Err(crate::Error::Unsupported(format!(
-                "{self}: fp8 runs on the CPU backend only so far (emulation); the GPU kernels are not built yet"
-            ))),
-            _ => Ok(()),
-        }
-    }
-
     /// Whether the GEMMs' operands are FP8 (the forward's and `dX`'s at least).
     pub fn is_fp8(self) -> bool {
         matches!(self, Precision::Fp8 | Precision::Fp8GwBf16)
@@ -244,13 +229,8 @@ mod tests {
     }
 
     #[test]
-    fn only_the_cpu_runs_fp8() {
-        for p in Precision::ALL {
-            assert_eq!(p.gpu_support().is_ok(), Precision::GPU.contains(&p), "{p}");
-            assert_eq!(p.is_fp8(), !Precision::GPU.contains(&p), "{p}");
-        }
-        let e = Precision::Fp8.gpu_support().unwrap_err().to_string();
-        assert!(e.contains("fp8 runs on the CPU backend only so far"), "{e}");
+    fn fp8_precisions_parse_by_name() {
+        assert!(Precision::ALL.iter().filter(|p| p.is_fp8()).eq([Precision::Fp8GwBf16, Precision::Fp8].iter()));
         use clap::ValueEnum;
         assert_eq!(Precision::from_str("fp8_gw_bf16", false), Ok(Precision::Fp8GwBf16));
         assert_eq!(Precision::from_str("fp8", false), Ok(Precision::Fp8));

@@ -151,7 +151,9 @@ pub fn run(a: &BenchArgs) -> Result<(), Failure> {
             rows.push(Row { model: p.name, shape: (b, i, o), path, ours_ms: ours, cublas_ms, tflops });
             continue;
         }
-        let block = GpuBlock::new(&gpu, &p.spec, &p.params)?.with_precision(a.precision);
+        let mut block = GpuBlock::new(&gpu, &p.spec, &p.params)?.with_precision(a.precision);
+        // FP8: the weight quantised once, as between optimizer steps (or for inference).
+        block.refold(&gpu)?;
         let x = gpu.upload(&p.x)?;
         let ws = block.workspace(&gpu, b)?;
         let path = block.describe(&gpu, &ws.plan);
@@ -188,9 +190,9 @@ pub fn run(a: &BenchArgs) -> Result<(), Failure> {
         } else {
             None
         };
-        let cublas_ms = if a.precision == Precision::Bf16 {
+        let cublas_ms = if a.precision == Precision::Bf16 || a.precision.is_fp8() {
             // cuBLAS's bf16 GEMM on bf16 copies, made before timing (a bf16 model would
-            // hold its tensors in bf16 already).
+            // hold its tensors in bf16 already): FP8's peer too.
             let (xb, wb) = (to_half::<Bf16>(&gpu, &x)?, to_half::<Bf16>(&gpu, &w)?);
             let dzb = grads.as_ref().map(|(dz, ..)| to_half::<Bf16>(&gpu, dz)).transpose()?;
             let grads = grads.as_mut().zip(dzb.as_ref()).map(|((_, dx, dw), dzb)| (dzb, dx, dw));
@@ -200,7 +202,7 @@ pub fn run(a: &BenchArgs) -> Result<(), Failure> {
             time_cublas(&gpu, &cublas, a.repeat, model, (&x, &w), &mut y, grads)?
         };
         let tflops = flops / (ours * 1e-3) / 1e12;
-        eprintln!("{model}: ours {ours:.3} ms, cuBLAS SGEMM {cublas_ms:.3} ms ({path})");
+        eprintln!("{model}: ours {ours:.3} ms, cuBLAS {cublas_ms:.3} ms ({path})");
         rows.push(Row { model: p.name, shape: (b, i, o), path, ours_ms: ours, cublas_ms, tflops });
     }
 
@@ -215,6 +217,9 @@ pub fn run(a: &BenchArgs) -> Result<(), Failure> {
             (Precision::Bf16, true) => "bf16 GEMM on bf16 copies, FP32 accumulation and output; ours on FP32 tensors",
             (Precision::Bf16, false) =>
                 "bf16 GEMM, FP32 accumulation, bf16 output; ours and cuBLAS on a bf16 model's bf16 tensors",
+            (Precision::Fp8 | Precision::Fp8GwBf16, _) => {
+                "bf16 GEMM on bf16 copies, FP32 output; ours FP8 on FP32 tensors, x quantised per call, W once"
+            }
             _ => "SGEMM, FP32",
         },
         a.repeat

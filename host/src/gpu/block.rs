@@ -29,7 +29,9 @@ use super::epilogue::DeviceChain;
 use super::epilogue::kinks::{Refined, Scan, refine_near_kinks, scanned_prefix};
 use super::epilogue::lanes::{epilogue_tiles_backward, fits as tiles_fit};
 use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
+use super::gemm::fp8::{self, Fp8Matrix};
 use super::gemm::gemv::launch_gemv;
+use super::gemm::linear::grad_input_fp8;
 use super::gemm::{forward_gemm, grad_input, grad_weight};
 use super::{DeviceElement, DeviceTensor, Dtype, Gpu, Phases};
 use crate::block::{BlockSpec, Params};
@@ -107,6 +109,26 @@ pub struct GpuBlock<W = f32> {
     pub(super) batch_norm: Option<(usize, f32)>,
     /// Arithmetic of the three GEMMs.
     pub precision: Precision,
+    /// FP8: the GEMM's weight quantised for the forward (by rows) and for `dX` (by
+    /// columns, transposed), made by [`GpuBlock::refold`]; `None`: quantised per call.
+    pub(super) fp8: Option<Fp8Weight>,
+}
+
+/// A block's weight quantised for its FP8 GEMMs, and the address it was quantised from.
+pub(super) struct Fp8Weight {
+    source: u64,
+    pub(super) rows: Fp8Matrix,
+    pub(super) columns_t: Fp8Matrix,
+}
+
+impl Fp8Weight {
+    /// `w (n, k)` quantised for the forward (by rows) and for `dX` (by columns, transposed).
+    fn of<T: DeviceElement>(gpu: &Gpu, w: &DeviceTensor<T>) -> Result<Fp8Weight> {
+        let stream = gpu.stream();
+        let rows = fp8::quantise_rows(gpu, stream, w, "lin.weight")?;
+        let columns_t = fp8::quantise_columns_t(gpu, stream, w, "lin.weight")?;
+        Ok(Fp8Weight { source: w.buf.device_address(), rows, columns_t })
+    }
 }
 
 /// Buffers of one forward pass for a batch size, and the plan they serve.
@@ -184,24 +206,40 @@ impl<W: DeviceElement> GpuBlock<W> {
             first_op,
             batch_norm,
             precision: Precision::Fp32,
+            fp8: None,
         };
         block.refold(gpu)?;
         Ok(block)
     }
 
     /// The same block with its GEMMs in `precision` (a 16-bit model's are in its type's
-    /// precision always).
+    /// precision, or FP8).
     pub fn with_precision(mut self, precision: Precision) -> GpuBlock<W> {
-        self.precision = Precision::of_storage(W::DTYPE).unwrap_or(precision);
+        // A 16-bit model's GEMMs read its values as stored, or quantise them to FP8.
+        self.precision = match Precision::of_storage(W::DTYPE) {
+            Some(_) if precision.is_fp8() => precision,
+            own => own.unwrap_or(precision),
+        };
+        self.fp8 = None;
         self
     }
 
-    /// Recomputes the folded weight and bias after the parameters changed (training).
+    /// Recomputes what the block derives from its parameters after they changed
+    /// (training): the folded weight and bias of a leading AvgPool, and in FP8 the
+    /// quantised weight (until the first call, an FP8 block quantises it per call).
     pub fn refold(&mut self, gpu: &Gpu) -> Result<()> {
         if let Some(Op::AvgPool(k)) = self.spec.chain.0.first().copied() {
             let w = fold_rows_mean(gpu, &self.params.linear_weight, k)?;
             let b = fold_rows_mean(gpu, &self.params.linear_bias, k)?;
             self.folded = Some((k, w, b));
+        }
+        self.fp8 = None;
+        let (n, k) = (self.gemm_width(), self.spec.in_features);
+        if self.precision.is_fp8() && fp8::unsupported(k, n).is_none() {
+            self.fp8 = Some(match &self.folded {
+                Some((_, w, _)) => Fp8Weight::of(gpu, w)?,
+                None => Fp8Weight::of(gpu, &self.params.linear_weight)?,
+            });
         }
         Ok(())
     }
@@ -236,6 +274,7 @@ impl<W: DeviceElement> GpuBlock<W> {
             rows_fit: dispatch::rows_fit(self.gemm_width(), gpu.props.max_shared_per_block_optin),
             gemv: gpu.tuning().gemv,
             gemv_tc: gpu.tuning().gemv_tensor_cores && dispatch::gemv_tc_serves(W::DTYPE, self.precision),
+            fp8: self.precision.is_fp8(),
         }
     }
 
@@ -351,6 +390,7 @@ impl<W: DeviceElement> GpuBlock<W> {
             };
         }
         let mut gemm = forward_gemm(precision, x, w)?;
+        gemm.w_fp8 = self.fp8_weight(w).map(|c| &c.rows);
         match (plan, z) {
             (Plan::Fused, _) => {
                 gemm.bias = Some(&b.buf);
@@ -370,6 +410,40 @@ impl<W: DeviceElement> GpuBlock<W> {
             (Plan::GemmThenRows { .. }, None) => unreachable!("workspace() allocates z for this plan"),
             (Plan::Gemv { .. }, _) => unreachable!("returned above"),
         }
+    }
+
+    /// The same FP8 block with its weight already quantised by the caller (a framework's
+    /// cache of [`fp8::quantise_rows`] and [`fp8::quantise_columns_t`] of this weight):
+    /// `rows (n, k)` for the forward, `columns_t (k, n)` for `dX`. Not for a folded
+    /// AvgPool's weight, which the block derives itself.
+    pub fn with_fp8_weight(mut self, rows: Fp8Matrix, columns_t: Fp8Matrix) -> Result<GpuBlock<W>> {
+        let (n, k) = (self.spec.out_features, self.spec.in_features);
+        if !self.precision.is_fp8() || self.folded.is_some() {
+            return Err(Error::Unsupported(format!(
+                "a quantised weight for a block in {} {}",
+                self.precision,
+                if self.folded.is_some() { "with a folded AvgPool" } else { "(not fp8)" }
+            )));
+        }
+        if (rows.rows, rows.cols, rows.pitch) != (n, k, k)
+            || (columns_t.rows, columns_t.cols, columns_t.pitch) != (k, n, n.next_multiple_of(16))
+        {
+            return Err(Error::tensor(
+                "fp8 weight",
+                format!(
+                    "quantised copies of {}x{} and {}x{} for a weight of {n}x{k}",
+                    rows.rows, rows.cols, columns_t.rows, columns_t.cols
+                ),
+            ));
+        }
+        let source = self.params.linear_weight.buf.device_address();
+        self.fp8 = Some(Fp8Weight { source, rows, columns_t });
+        Ok(self)
+    }
+
+    /// The cached FP8 weight, if it was quantised from `w` (the GEMM's weight).
+    pub(super) fn fp8_weight<T>(&self, w: &DeviceTensor<T>) -> Option<&Fp8Weight> {
+        self.fp8.as_ref().filter(|c| c.source == w.buf.device_address())
     }
 
     /// Where the small gradients lie in the chain backward's `slots`, as `(offset, len)`
@@ -449,7 +523,6 @@ impl GpuBlock {
         ws: &mut Workspace,
         save: Option<&mut DeviceTensor>,
     ) -> Result<()> {
-        self.precision.gpu_support()?;
         if x.shape.get(1) != Some(&self.spec.in_features) || x.shape.first() != ws.y.shape.first() {
             return Err(Error::tensor("x", format!("shape {:?} does not fit this workspace", x.shape)));
         }
@@ -497,7 +570,9 @@ impl GpuBlock {
     /// [`Tuning::kink_values`](super::Tuning::kink_values)). Returns what was done.
     pub fn refine_saved(&self, gpu: &Gpu, x: &DeviceTensor, saved: &mut Saved) -> Result<Refined> {
         let tuning = gpu.tuning();
-        if saved.refined || !tuning.kink_refinement {
+        // (Not in FP8: its `z` is a quantised product, percents off; its gradients are
+        // that product's, as in the emulation and torchao's recipes.)
+        if saved.refined || !tuning.kink_refinement || self.precision.is_fp8() {
             return Ok(Refined::Off);
         }
         let scan = if self.tile_backward() { Scan::Tiles { values: tuning.kink_values } } else { Scan::Rows };
@@ -543,7 +618,6 @@ impl GpuBlock {
         mut phases: Option<&mut Phases>,
         small: impl FnOnce(&Self, &Gpu, &DeviceTensor) -> Result<S>,
     ) -> Result<(DeviceTensor, DeviceTensor, S)> {
-        self.precision.gpu_support()?;
         let mut mark = |name| phases.as_deref_mut().map_or(Ok(()), |p| p.mark(gpu, name));
         if self.refine_saved(gpu, x, &mut saved)? == Refined::Done {
             mark("kink refinement")?;
@@ -563,7 +637,10 @@ impl GpuBlock {
         // stream before anything after (dz's and the dW scratch's frees included) is queued.
         let side = gpu.side_stream();
         let (dw, dw_scratch) = grad_weight(gpu, self.precision, side, &dz, x)?;
-        let dx = grad_input(gpu, self.precision, &dz, w)?;
+        let dx = match self.fp8_weight(w) {
+            Some(c) if self.precision.is_fp8() => grad_input_fp8(gpu, &dz, w, Some(&c.columns_t))?,
+            _ => grad_input(gpu, self.precision, &dz, w)?,
+        };
         gpu.order(side, gpu.stream())?;
         mark("dX and dW GEMMs")?;
         drop((dz, dw_scratch));

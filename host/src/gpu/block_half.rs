@@ -18,6 +18,7 @@ use super::dispatch::{self, Role, Route, Storage};
 use super::elementwise::{to_half, unfold_rows_mean_grad, widen, widen_on};
 use super::epilogue::lanes::epilogue_tiles_backward;
 use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
+use super::gemm::fp8;
 use super::gemm::gemv::launch_gemv;
 use super::gemm::tma::launch_half;
 use super::gemm::{grad_input, grad_weight};
@@ -74,6 +75,9 @@ impl<H: HalfElement> GpuBlock<H> {
             [m, xk] if xk == k && Some(&m) == ws.y.shape.first() => m,
             _ => return Err(Error::tensor("x", format!("shape {:?} does not fit this workspace", x.shape))),
         };
+        if self.precision.is_fp8() {
+            return self.forward_fp8(gpu, x, ws, save);
+        }
         let w = &self.params.linear_weight;
         let b = &self.params.linear_bias;
         let fused = ws.plan == Plan::Fused;
@@ -119,6 +123,55 @@ impl<H: HalfElement> GpuBlock<H> {
                 ws.y = to_half(gpu, &y)?;
                 Ok(())
             }
+        }
+    }
+
+    /// The FP8 forward of 16-bit `x`: `x` quantised by rows, the weight (a folded
+    /// AvgPool's FP32 means, or the model's as stored) cached by `refold` or quantised
+    /// here, the e4m3 GEMM into 16-bit `y` with the chain, or into FP32 `z` for the
+    /// row-wise epilogue.
+    fn forward_fp8(
+        &self,
+        gpu: &Gpu,
+        x: &DeviceTensor<H>,
+        ws: &mut Workspace<H>,
+        save: Option<&mut DeviceTensor>,
+    ) -> Result<()> {
+        let (n, k) = (self.gemm_width(), self.spec.in_features);
+        if let Some(why) = fp8::unsupported(k, n) {
+            return Err(Error::Unsupported(why));
+        }
+        let stream = gpu.stream();
+        let xq = fp8::quantise_rows(gpu, stream, x, "x")?;
+        let (quantised, b);
+        let wq = match &self.folded {
+            Some((_, w, fb)) => {
+                b = fb;
+                self.fp8_weight(w).map(|c| &c.rows)
+            }
+            None => {
+                b = &self.params.linear_bias;
+                self.fp8_weight(&self.params.linear_weight).map(|c| &c.rows)
+            }
+        };
+        let wq = match (wq, &self.folded) {
+            (Some(w), _) => w,
+            (None, Some((_, w, _))) => {
+                quantised = fp8::quantise_rows(gpu, stream, w, "lin.weight")?;
+                &quantised
+            }
+            (None, None) => {
+                quantised = fp8::quantise_rows(gpu, stream, &self.params.linear_weight, "lin.weight")?;
+                &quantised
+            }
+        };
+        match (&ws.plan, ws.z.as_mut()) {
+            (Plan::Fused, _) => fp8::gemm(gpu, stream, &xq, wq, Some(&b.buf), Some(&self.chain), &mut ws.y, save),
+            (Plan::GemmThenRows { splits: 1 }, Some(z)) => {
+                fp8::gemm(gpu, stream, &xq, wq, Some(&b.buf), None, z, None)?;
+                epilogue_rows(gpu, &self.chain, z, None, &mut ws.y, save)
+            }
+            (plan, _) => Err(Error::Unsupported(format!("no fp8 forward for the plan {plan:?}"))),
         }
     }
 
@@ -196,6 +249,12 @@ impl<H: HalfElement> GpuBlock<H> {
             (to_half(gpu, &dz)?, slots)
         };
         drop(saved);
+        if self.precision.is_fp8() {
+            let (dx, dw) = self.grad_gemms_fp8(gpu, x, &dz)?;
+            drop(dz);
+            let small = small(self, gpu, &slots)?;
+            return Ok((dx, dw, small));
+        }
         // The GEMMs' weight: the block's, or a folded AvgPool's rounded to the type.
         let folded16 = self.folded.as_ref().map(|(_, w, _)| to_half::<H>(gpu, w)).transpose()?;
         let w16 = folded16.as_ref().unwrap_or(&self.params.linear_weight);
@@ -259,6 +318,82 @@ impl<H: HalfElement> GpuBlock<H> {
         };
         let small = small(self, gpu, &slots)?;
         Ok((dx, dw, small))
+    }
+
+    /// `dX` and `dW` in FP8 (`dW` from the 16-bit `dZ` and `X` as stored for
+    /// `Fp8GwBf16`): `dX` from `dZ` by rows and the weight's cached (or fresh) transposed
+    /// copy, `dW` on the side stream from `dZ^T` and `X^T`, into the model's type (FP32
+    /// for a folded AvgPool's, spread back and rounded after).
+    fn grad_gemms_fp8(
+        &self,
+        gpu: &Gpu,
+        x: &DeviceTensor<H>,
+        dz: &DeviceTensor<H>,
+    ) -> Result<(DeviceTensor<H>, DeviceTensor<H>)> {
+        let (m, n, k) = (x.shape[0], self.gemm_width(), self.spec.in_features);
+        let side = gpu.side_stream();
+        gpu.order(gpu.stream(), side)?;
+        let dw = if self.precision == Precision::Fp8 {
+            let (dzt, xt) =
+                (fp8::quantise_columns_t(gpu, side, dz, "dz")?, fp8::quantise_columns_t(gpu, side, x, "x")?);
+            if self.folded.is_some() {
+                let mut dw = gpu.alloc(&[n, k])?;
+                fp8::gemm(gpu, side, &dzt, &xt, None, None, &mut dw, None)?;
+                WeightGrad::F32(dw)
+            } else {
+                let mut dw = gpu.alloc_as::<H>(&[n, k])?;
+                fp8::gemm(gpu, side, &dzt, &xt, None, None, &mut dw, None)?;
+                WeightGrad::Half(dw)
+            }
+        } else {
+            // `Fp8GwBf16`: the model's 16-bit dZ and X as stored (bf16 or fp16 operands).
+            let out = if self.folded.is_some() { Dtype::F32 } else { H::DTYPE };
+            let route = dispatch::route(
+                Precision::of_storage(H::DTYPE).unwrap_or(Precision::Bf16),
+                Role::GradWeight,
+                (m, n, k),
+                Storage::half(H::DTYPE, out, aligned(&[dz, x])),
+                gpu.tuning().tma,
+            );
+            match (route.widened, out == H::DTYPE) {
+                (false, true) => WeightGrad::Half(grad_weight_native(gpu, &route, dz, x, (n, k, m))?),
+                (false, false) => WeightGrad::F32(grad_weight_native(gpu, &route, dz, x, (n, k, m))?),
+                (true, _) => {
+                    return Err(Error::Unsupported(format!(
+                        "fp8_gw_bf16's dW of a {m}-row batch: the 16-bit kernel takes a multiple of 8 rows,                          16-byte aligned"
+                    )));
+                }
+            }
+        };
+        let stream = gpu.stream();
+        let dzq = fp8::quantise_rows(gpu, stream, dz, "dz")?;
+        let quantised;
+        let cached = match &self.folded {
+            Some((_, w, _)) => self.fp8_weight(w),
+            None => self.fp8_weight(&self.params.linear_weight),
+        };
+        let wt = match (cached, &self.folded) {
+            (Some(c), _) => &c.columns_t,
+            (None, Some((_, w, _))) => {
+                quantised = fp8::quantise_columns_t(gpu, stream, w, "lin.weight")?;
+                &quantised
+            }
+            (None, None) => {
+                quantised = fp8::quantise_columns_t(gpu, stream, &self.params.linear_weight, "lin.weight")?;
+                &quantised
+            }
+        };
+        let mut dx = gpu.alloc_as::<H>(&[m, k])?;
+        fp8::gemm(gpu, stream, &dzq, wt, None, None, &mut dx, None)?;
+        gpu.order(side, gpu.stream())?;
+        let dw = match (dw, &self.folded) {
+            (WeightGrad::Half(dw), _) => dw,
+            (WeightGrad::F32(dw), Some((pool, ..))) => {
+                unfold_rows_mean_grad::<H>(gpu, &dw, self.spec.out_features, *pool)?
+            }
+            (WeightGrad::F32(dw), None) => to_half(gpu, &dw)?,
+        };
+        Ok((dx, dw))
     }
 
     /// Uploads 16-bit `x` and `dy` (shaped as the output), runs the training forward and

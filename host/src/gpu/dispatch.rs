@@ -316,6 +316,21 @@ fn half_as_stored(
 /// The table's rows for FP32 tensors.
 fn f32_route(precision: Precision, role: Role, (m, n, k): (usize, usize, usize), tma: bool) -> Route {
     use Precision::{Tf32, Tf32x3};
+    // FP8: one kernel, over `k`-major e4m3 copies quantised by `gemm::fp8` (`dX`'s `W`
+    // and `dW`'s two operands transposed as they are quantised).
+    match (precision, role) {
+        (Precision::Fp8, Role::GradWeight) => {
+            return Route { transposed: Transposed::Both, ..Route::tma(Layout::Nt, Kernel::GemmTmaE4m3Nt) };
+        }
+        (Precision::Fp8 | Precision::Fp8GwBf16, Role::GradInput) => {
+            return Route { transposed: Transposed::B, ..Route::tma(Layout::Nt, Kernel::GemmTmaE4m3Nt) };
+        }
+        (Precision::Fp8 | Precision::Fp8GwBf16, Role::Forward { .. }) => {
+            return Route::tma(Layout::Nt, Kernel::GemmTmaE4m3Nt);
+        }
+        (Precision::Fp8GwBf16, Role::GradWeight) => return f32_route(Precision::Bf16, role, (m, n, k), tma),
+        _ => {}
+    }
     let split = precision == Tf32x3;
     let half = HalfKernels::of_precision(precision);
     let fits = |dims: &[usize], by: usize| dims.iter().all(|d| d.is_multiple_of(by));
@@ -413,8 +428,8 @@ impl Route {
             (Precision::Tf32x3, Nt) => pick(GemmMmaTf32x3NtVec4, GemmMmaTf32x3NtScalar),
             (Precision::Tf32x3, Nn) => pick(GemmMmaTf32x3NnVec4, GemmMmaTf32x3NnScalar),
             (Precision::Tf32x3, Tn) => pick(GemmMmaTf32x3TnVec4, GemmMmaTf32x3TnScalar),
-            // Never launched: every GEMM launch refuses FP8 first (`Precision::gpu_support`);
-            // a plan asked for is described with the FP32 kernels.
+            // Never chosen: FP8's GEMMs route to `gemm_tma_e4m3_nt` (`f32_route`) on every
+            // shape; the arms keep the table whole.
             (Precision::Fp8 | Precision::Fp8GwBf16, Nt) => pick(GemmFmaNtVec4, GemmFmaNtScalar),
             (Precision::Fp8 | Precision::Fp8GwBf16, Nn) => pick(GemmFmaNnVec4, GemmFmaNnScalar),
             (Precision::Fp8 | Precision::Fp8GwBf16, Tn) => pick(GemmFmaTnVec4, GemmFmaTnScalar),
@@ -530,6 +545,8 @@ pub struct Forward {
     /// A tensor-core small-batch kernel serves this block ([`gemv_tc_serves`]) and may
     /// run ([`Tuning::gemv_tensor_cores`](crate::gpu::Tuning::gemv_tensor_cores)).
     pub gemv_tc: bool,
+    /// The GEMM is FP8 (`gemm_tma_e4m3_*`): no small-batch kernel or split-K takes it.
+    pub fp8: bool,
 }
 
 /// Whether the row-wise epilogue's forward takes rows of `n` features with `smem_optin`
@@ -570,6 +587,9 @@ pub fn rows_too_wide(spec: &crate::BlockSpec) -> Option<String> {
 /// tensor cores where a kernel serves the block ([`Forward::gemv_tc`]), else up to
 /// `gemv::ROWS` on FP32 FMAs.
 pub fn plan(f: Forward, sms: usize, tma: bool) -> Plan {
+    if f.fp8 {
+        return if f.fusable { Plan::Fused } else { Plan::GemmThenRows { splits: 1 } };
+    }
     let gemv_ok = f.gemv && (f.gemv_chain || f.rows_fit) && f.k.is_multiple_of(8) && f.w_aligned && !f.folded;
     let rows = if f.gemv_tc { GEMV_TC_ROWS } else { GEMV_ROWS };
     if gemv_ok && (1..=rows).contains(&f.batch) {
@@ -801,7 +821,7 @@ mod tests {
     #[test]
     fn every_route_is_consistent() {
         let sizes = [1, 4, 8, 12, MIN_K - 8, MIN_K, MIN_K + 4, MIN_K + 8, 3 * MIN_K + 1];
-        for p in Precision::GPU {
+        for p in Precision::ALL {
             for role in [Role::Forward { splits: 1 }, Role::Forward { splits: 3 }, Role::GradInput, Role::GradWeight] {
                 for (m, n, k) in
                     sizes.iter().flat_map(|&m| sizes.iter().flat_map(move |&n| sizes.map(move |k| (m, n, k))))
@@ -809,6 +829,15 @@ mod tests {
                     for tma in [false, true] {
                         let r = route(p, role, (m, n, k), Storage::F32, tma);
                         let name = r.kernel.name();
+                        // FP8 has one kernel, whatever the shape or tuning (its dW in bf16
+                        // for `Fp8GwBf16`: bf16's route).
+                        let bf16_dw = p == Precision::Fp8GwBf16 && role == Role::GradWeight;
+                        if p.is_fp8() && !bf16_dw {
+                            assert_eq!(r.kernel, Kernel::GemmTmaE4m3Nt, "{p} {role:?}");
+                            assert_eq!(r.layout, Layout::Nt);
+                            continue;
+                        }
+                        let p = if bf16_dw { Precision::Bf16 } else { p };
                         let family = match r.family {
                             Family::Fma => "gemm_fma_",
                             Family::Mma => "gemm_mma_",
@@ -880,6 +909,7 @@ mod tests {
             rows_fit: true,
             gemv: true,
             gemv_tc: false,
+            fp8: false,
         };
         assert_eq!(plan(f(Dtype::Bf16, false), 132, true), Plan::Fused);
         assert!(matches!(plan(f(Dtype::F32, false), 132, true), Plan::GemmThenRows { splits } if splits > 1));

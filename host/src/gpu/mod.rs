@@ -202,6 +202,17 @@ impl Gpu {
         Gpu { stream, allocator, tables, side_frees: SideFrees::default(), ..self.clone() }
     }
 
+    /// A buffer of `len` values of `T` over memory someone else owns (raw bytes, scales:
+    /// what [`Gpu::borrow_tensor`] does for tensors of a [`DeviceElement`]).
+    ///
+    /// # Safety
+    /// As [`Gpu::borrow_tensor`]: `ptr` addresses `len` values of `T` on this device.
+    pub unsafe fn borrow_buf<T: cudarc::driver::DeviceRepr>(&self, ptr: u64, len: usize) -> DeviceBuf<T> {
+        // SAFETY: the caller's contract; `Owner::Borrowed` leaks instead of freeing.
+        let slice = unsafe { self.stream.upgrade_device_ptr::<T>(ptr, len) };
+        DeviceBuf::new(slice, Owner::Borrowed, None)
+    }
+
     /// A device tensor over memory someone else owns (`ptr`, row-major `shape`); this
     /// crate never frees it. The caller checked the pointer (alignment, device).
     ///

@@ -8,6 +8,7 @@ use super::super::elementwise::{slice_to_half, transpose_on, transpose_to_half_o
 use super::super::epilogue::DeviceChain;
 use super::super::{DeviceTensor, Gpu, HalfElement, Tuning};
 use super::args::Operands;
+use super::fp8::{self, Fp8Matrix};
 use crate::error::{Error, Result};
 use crate::precision::Precision;
 use crate::tensor::{Bf16, F16};
@@ -37,13 +38,14 @@ pub struct Gemm<'a> {
     pub bias: Option<&'a CudaSlice<f32>>,
     pub chain: Option<&'a DeviceChain>,
     pub splits: usize,
+    /// FP8: `W` already quantised by rows (a block's cached copy), else quantised per call.
+    pub w_fp8: Option<&'a Fp8Matrix>,
 }
 
 /// The forward GEMM `x (m, k) W^T` with `w (n, k)`: no bias, chain or split yet.
 pub fn forward_gemm<'a>(precision: Precision, x: &'a DeviceTensor, w: &'a DeviceTensor) -> Result<Gemm<'a>> {
-    precision.gpu_support()?;
     let dims = linear_dims(x, w)?;
-    Ok(Gemm { precision, x, w, dims, bias: None, chain: None, splits: 1 })
+    Ok(Gemm { precision, x, w, dims, bias: None, chain: None, splits: 1, w_fp8: None })
 }
 
 impl Gemm<'_> {
@@ -65,12 +67,89 @@ impl Gemm<'_> {
         y: &mut DeviceTensor,
         save_z: Option<&mut DeviceTensor>,
     ) -> Result<()> {
+        if self.precision.is_fp8() {
+            return self.launch_fp8(gpu, stream, y, save_z);
+        }
         let (m, n, k) = self.dims;
         let (a, b) = (&self.x.buf, &self.w.buf);
         let (bias, chain, splits) = (self.bias, self.chain, self.splits.max(1));
         let op = Operands { a, b, m, n, k, lda: k, ldb: k, bias, chain, splits };
         launch(gpu, stream, &self.route(gpu.tuning()), &op, y, save_z)
     }
+}
+
+impl Gemm<'_> {
+    /// The FP8 forward: `x` quantised by rows here, `W` by rows (or its cached copy),
+    /// then the e4m3 GEMM with the bias and chain.
+    fn launch_fp8(
+        &self,
+        gpu: &Gpu,
+        stream: &Arc<CudaStream>,
+        y: &mut DeviceTensor,
+        save_z: Option<&mut DeviceTensor>,
+    ) -> Result<()> {
+        if self.splits > 1 {
+            return Err(Error::Unsupported("the fp8 GEMM takes no split-K".into()));
+        }
+        let (_, n, k) = self.dims;
+        if let Some(why) = fp8::unsupported(k, n) {
+            return Err(Error::Unsupported(why));
+        }
+        let x = fp8::quantise_rows::<f32>(gpu, stream, self.x, "x")?;
+        let quantised;
+        let w = match self.w_fp8 {
+            Some(w) if (w.rows, w.cols) == (n, k) => w,
+            Some(w) => {
+                return Err(Error::Shape(format!("cached fp8 weight is {}x{}, the GEMM's {n}x{k}", w.rows, w.cols)));
+            }
+            None => {
+                quantised = fp8::quantise_rows::<f32>(gpu, stream, self.w, "lin.weight")?;
+                &quantised
+            }
+        };
+        fp8::gemm(gpu, stream, &x, w, self.bias, self.chain, y, save_z)
+    }
+}
+
+/// `dX (m, k) = dZ (m, n) W (n, k)` in FP8: `dZ` quantised by rows, `W^T` by rows of
+/// `W^T` (input features; `w_t`, a block's cached copy, or quantised here).
+pub fn grad_input_fp8(gpu: &Gpu, dz: &DeviceTensor, w: &DeviceTensor, w_t: Option<&Fp8Matrix>) -> Result<DeviceTensor> {
+    let (&[m, n], &[wn, k]) = (&dz.shape[..], &w.shape[..]) else {
+        return Err(Error::Shape(format!("dX = dZ W: dZ {:?}, W {:?}", dz.shape, w.shape)));
+    };
+    if wn != n {
+        return Err(Error::Shape(format!("dX = dZ W: dZ {:?}, W {:?}", dz.shape, w.shape)));
+    }
+    if let Some(why) = fp8::unsupported(k, n) {
+        return Err(Error::Unsupported(why));
+    }
+    let stream = gpu.stream();
+    let dz_q = fp8::quantise_rows::<f32>(gpu, stream, dz, "dz")?;
+    let quantised;
+    let w_t = match w_t {
+        Some(t) => t,
+        None => {
+            quantised = fp8::quantise_columns_t::<f32>(gpu, stream, w, "lin.weight")?;
+            &quantised
+        }
+    };
+    let mut dx = gpu.alloc(&[m, k])?;
+    fp8::gemm(gpu, stream, &dz_q, w_t, None, None, &mut dx, None)?;
+    Ok(dx)
+}
+
+/// `dW (n, k) = dZ^T X` in FP8 on `stream`: `dZ^T` and `X^T` quantised per output and
+/// input feature (transposed, the batch padded to a multiple of 16).
+fn grad_weight_fp8(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    dz: &DeviceTensor,
+    x: &DeviceTensor,
+    dw: &mut DeviceTensor,
+) -> Result<()> {
+    let dzt = fp8::quantise_columns_t::<f32>(gpu, stream, dz, "dz")?;
+    let xt = fp8::quantise_columns_t::<f32>(gpu, stream, x, "x")?;
+    fp8::gemm(gpu, stream, &dzt, &xt, None, None, dw, None)
 }
 
 /// Queues the GEMM `op` as `route` says, on `stream`: checks the output, the operands'
@@ -133,7 +212,6 @@ pub fn grad_input_route(
     dz: &DeviceTensor,
     w: &DeviceTensor,
 ) -> Result<(Route, (usize, usize, usize))> {
-    precision.gpu_support()?;
     let (&[m, n], &[wn, k]) = (&dz.shape[..], &w.shape[..]) else {
         return Err(Error::Shape(format!("dX = dZ W: dZ {:?}, W {:?}", dz.shape, w.shape)));
     };
@@ -148,6 +226,9 @@ pub fn grad_input_route(
 /// the shapes allow, else transposed here and rounded by the launcher; freed in stream
 /// order after the GEMM), or `Nn` as stored.
 pub fn grad_input(gpu: &Gpu, precision: Precision, dz: &DeviceTensor, w: &DeviceTensor) -> Result<DeviceTensor> {
+    if precision.is_fp8() {
+        return grad_input_fp8(gpu, dz, w, None);
+    }
     let (route, (m, n, k)) = grad_input_route(precision, gpu.tuning(), dz, w)?;
     let mut dx = gpu.alloc(&[m, k])?;
     let stream = gpu.stream();
@@ -221,16 +302,21 @@ pub fn grad_weight_into(
     x: &DeviceTensor,
     dw: &mut DeviceTensor,
 ) -> Result<Vec<DeviceTensor>> {
-    precision.gpu_support()?;
     let (&[m, n], &[xm, k]) = (&dz.shape[..], &x.shape[..]) else {
         return Err(Error::Shape(format!("dW = dZ^T X: dZ {:?}, X {:?}", dz.shape, x.shape)));
     };
     if xm != m || dw.shape != [n, k] {
         return Err(Error::Shape(format!("dW {:?} = dZ^T X: dZ {:?}, X {:?}", dw.shape, dz.shape, x.shape)));
     }
-    let route = route(precision, Role::GradWeight, (m, n, k), Storage::F32, gpu.tuning().tma);
     // `stream` starts after everything queued on the GPU's stream, `dw`'s allocation included.
     gpu.order(gpu.stream(), stream)?;
+    if precision == Precision::Fp8 {
+        grad_weight_fp8(gpu, stream, dz, x, dw)?;
+        return Ok(Vec::new());
+    }
+    // fp8 with dW in bf16 (`Fp8GwBf16`): bf16 operands, as the bf16 precision's.
+    let precision = if precision == Precision::Fp8GwBf16 { Precision::Bf16 } else { precision };
+    let route = route(precision, Role::GradWeight, (m, n, k), Storage::F32, gpu.tuning().tma);
     let op = |a, b, (lda, ldb)| Operands { a, b, m: n, n: k, k: m, lda, ldb, bias: None, chain: None, splits: 1 };
     match (route.layout, route.transposed) {
         (Layout::Nt, Transposed::Both) => {

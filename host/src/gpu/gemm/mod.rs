@@ -13,6 +13,7 @@
 //! Nothing here depends on a family's launcher but [`linear`].
 
 pub mod args;
+pub mod fp8;
 pub mod gemv;
 pub mod grid;
 pub mod linear;

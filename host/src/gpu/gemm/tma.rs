@@ -15,6 +15,7 @@ use crate::tensor::{Bf16, F16};
 use cudarc::driver::sys::{self, CUtensorMap};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use kernel_abi::Kernel;
+use kernel_abi::fp8::E4M3_BLOCK_K;
 use kernel_abi::gemm_tma::{
     BF16_BLOCK_K, BF16_OUT_SMEM_BYTES, BLOCK_K, BLOCK_M, BLOCK_N, SMEM_BYTES, SPLIT_BLOCK_K, SPLIT_SMEM_BYTES, THREADS,
 };
@@ -31,6 +32,8 @@ enum Arith {
     Bf16,
     /// fp16 copies, as bf16's.
     F16,
+    /// e4m3 operands (quantised by [`super::fp8`]), 128-deep stages of the same rows.
+    E4m3,
 }
 
 /// The forward kernels: `Nt`, both operands `k`-contiguous.
@@ -88,6 +91,22 @@ fn encode_map(
 fn encode_map_typed(
     ptr: u64,
     dtype: Dtype,
+    shape: (usize, usize, usize),
+    boxes: (usize, usize),
+    swizzle: sys::CUtensorMapSwizzle,
+) -> Result<CUtensorMap> {
+    let data_type = match dtype {
+        Dtype::Bf16 => (sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2),
+        Dtype::F16 => (sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2),
+        Dtype::F32 => (sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4),
+    };
+    encode_map_raw(ptr, data_type, shape, boxes, swizzle)
+}
+
+/// [`encode_map_typed`] for elements of the TMA unit's `data_type` of `elem_bytes`.
+fn encode_map_raw(
+    ptr: u64,
+    (data_type, elem_bytes): (sys::CUtensorMapDataType, usize),
     (rows, k, pitch): (usize, usize, usize),
     (box_rows, box_k): (usize, usize),
     swizzle: sys::CUtensorMapSwizzle,
@@ -96,11 +115,6 @@ fn encode_map_typed(
     let dims = [k as u64, rows as u64];
     let boxes = [box_k as u32, box_rows as u32];
     let steps = [1u32, 1];
-    let (data_type, elem_bytes) = match dtype {
-        Dtype::Bf16 => (sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2),
-        Dtype::F16 => (sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2),
-        Dtype::F32 => (sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4),
-    };
     let pitch = [(pitch * elem_bytes) as u64];
     // SAFETY: every array has the rank's length (2; the pitch 1); `map` is writable
     // and 64-byte aligned; the driver only encodes (nothing is read from `ptr`).
@@ -142,9 +156,10 @@ fn half_layout<H: HalfElement>(kernel: Kernel) -> Option<Layout> {
 /// Whether `kernel` stores a 16-bit `y` through the TMA unit: its table holds a third
 /// map (of `y`), and it stages half tiles in more shared memory.
 fn stores_by_tma(kernel: Kernel) -> bool {
-    [&super::super::dispatch::HalfKernels::BF16, &super::super::dispatch::HalfKernels::F16]
-        .iter()
-        .any(|h| [h.tma_nt_to_half, h.tma_nn_to_half, h.tma_tn_to_half].contains(&kernel))
+    [Kernel::GemmTmaE4m3NtToBf16, Kernel::GemmTmaE4m3NtToF16].contains(&kernel)
+        || [&super::super::dispatch::HalfKernels::BF16, &super::super::dispatch::HalfKernels::F16]
+            .iter()
+            .any(|h| [h.tma_nt_to_half, h.tma_nn_to_half, h.tma_tn_to_half].contains(&kernel))
 }
 
 /// What every launch of the persistent kernels needs: the tensor maps uploaded
@@ -170,7 +185,7 @@ fn persistent(
     let smem_bytes = match arith {
         _ if stores_by_tma(kernel) => BF16_OUT_SMEM_BYTES,
         Arith::Tf32x3 => SPLIT_SMEM_BYTES,
-        Arith::Tf32 | Arith::Bf16 | Arith::F16 => SMEM_BYTES,
+        Arith::Tf32 | Arith::Bf16 | Arith::F16 | Arith::E4m3 => SMEM_BYTES,
     };
     let func = gpu.function(kernel)?;
     gpu.allow_shared(&func, kernel, smem_bytes)?;
@@ -212,7 +227,7 @@ pub fn launch_forward(
         tensor_map(stream, op.a, (m, k, lda), BLOCK_M, arith)?,
         tensor_map(stream, op.b, (n, k, ldb), BLOCK_N, arith)?,
     ];
-    launch_with_maps(gpu, stream, kernel, arith, &maps, (m, n, k), op.bias, op.chain, y, save_z)
+    launch_with_maps(gpu, stream, kernel, arith, &maps, (m, n, k), op.bias, op.chain, y, save_z, None)
 }
 
 /// Launches the forward-signature `kernel` (`y` of type `O`) over its tensor maps.
@@ -228,12 +243,16 @@ fn launch_with_maps<O: DeviceElement>(
     chain: Option<&DeviceChain>,
     y: &mut DeviceTensor<O>,
     save_z: Option<&mut DeviceTensor>,
+    scales: Option<(&CudaSlice<f32>, &CudaSlice<f32>)>,
 ) -> Result<()> {
     let Persistent { maps, func, cfg } = persistent(gpu, stream, kernel, arith, maps, (m, n))?;
     let tail = EpilogueArgs::new(&[m, n, k], chain);
     let mut launch = stream.launch_builder(&func);
     launch.arg(&maps);
     tail.push(&mut launch, bias, y, save_z, chain);
+    if let Some((rows, cols)) = scales {
+        launch.arg(rows).arg(cols);
+    }
     // SAFETY: matches the kernel's signature; the maps describe `a` and `b` within the
     // extents the caller checked; grid, block and shared memory follow kernel_abi::gemm_tma.
     unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{kernel}`"), e))?;
@@ -353,5 +372,49 @@ pub fn launch_half<H: HalfElement, O: DeviceElement>(
         }
         maps.push(encode_map_typed(py, H::DTYPE, (m, n, n), (64, 64), swizzle)?);
     }
-    launch_with_maps(gpu, stream, kernel, Arith::Bf16, &maps, (m, n, k), bias, chain, y, save_z)
+    launch_with_maps(gpu, stream, kernel, Arith::Bf16, &maps, (m, n, k), bias, chain, y, save_z, None)
+}
+
+/// Queues `gemm_tma_e4m3_nt` (FP32 `y`) or `gemm_tma_e4m3_nt_to_{bf16,f16}` (16-bit `y`,
+/// stored through a third map): `y (m, n) = chain(unscale(A B^T) + bias)` over the e4m3
+/// matrices `a (m, k)` and `b (n, k)` (depth: their common pitch), the scales undone in
+/// the epilogue; `save_z` as in the other forwards.
+pub fn launch_e4m3<O: DeviceElement>(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    a: &super::fp8::Fp8Matrix,
+    b: &super::fp8::Fp8Matrix,
+    (bias, chain): (Option<&CudaSlice<f32>>, Option<&DeviceChain>),
+    y: &mut DeviceTensor<O>,
+    save_z: Option<&mut DeviceTensor>,
+) -> Result<()> {
+    let kernel = match O::DTYPE {
+        Dtype::F32 => Kernel::GemmTmaE4m3Nt,
+        Dtype::Bf16 => Kernel::GemmTmaE4m3NtToBf16,
+        Dtype::F16 => Kernel::GemmTmaE4m3NtToF16,
+    };
+    let (m, n, k) = (a.rows, b.rows, a.pitch);
+    if y.shape != [m, n] || save_z.as_ref().is_some_and(|z| z.shape != [m, n]) || [m, n, k].contains(&0) {
+        return Err(Error::Shape(format!("fp8 GEMM ({m}, {n}, {k}): output {:?}", y.shape)));
+    }
+    if [m, n, k, m * k, n * k].iter().any(|&d| d > u32::MAX as usize) {
+        return Err(Error::Shape(format!("fp8 GEMM ({m}, {n}, {k}) exceeds the kernel's 32-bit arguments")));
+    }
+    let swizzle = sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B;
+    let bytes = (sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8, 1);
+    let map = |m: &super::fp8::Fp8Matrix, box_rows| {
+        encode_map_raw(m.values.device_address(), bytes, (m.rows, k, k), (box_rows, E4M3_BLOCK_K), swizzle)
+    };
+    let mut maps = vec![map(a, BLOCK_M)?, map(b, BLOCK_N)?];
+    if stores_by_tma(kernel) {
+        let py = y.buf.device_address();
+        if !(n.is_multiple_of(8) && py.is_multiple_of(16)) {
+            return Err(Error::Unsupported(format!(
+                "`{kernel}` stores a bf16 `y` of {n} columns by TMA: it needs a multiple of 8 columns and a 16-byte aligned start"
+            )));
+        }
+        maps.push(encode_map_typed(py, O::DTYPE, (m, n, n), (64, 64), swizzle)?);
+    }
+    let scales = Some((&*a.inv_scales, &*b.inv_scales));
+    launch_with_maps(gpu, stream, kernel, Arith::E4m3, &maps, (m, n, k), bias, chain, y, save_z, scales)
 }
