@@ -13,6 +13,7 @@ their own dtype (float32 or float64).
 
 import functools
 import re
+import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -22,7 +23,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 
 from . import _native
 
-__all__ = ["PRECISIONS", "PRESETS", "FusedLinear", "fuse", "fused_linear"]
+__all__ = ["PRECISIONS", "PRESETS", "FusedLinear", "clear_fp8_cache", "fuse", "fused_linear"]
 __version__ = _native.__version__
 
 #: The GEMMs' arithmetic (the epilogue is always FP32): strict FP32 on the FMA units;
@@ -89,20 +90,92 @@ def _stream(x: Tensor) -> int:
 
 
 def _run_forward(
-    x: Tensor, weight: Tensor, bias: Tensor, params: List[Tensor], ops: str, precision: str, save: bool
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    params: List[Tensor],
+    ops: str,
+    precision: str,
+    save: bool,
+    fp8_weight: Optional[List[Tensor]] = None,
 ):
     return _native.forward(
-        x, weight, bias, params, ops, precision, _stream(x), _allocator(x.device, x.dtype), save=save
+        x,
+        weight,
+        bias,
+        params,
+        ops,
+        precision,
+        _stream(x),
+        _allocator(x.device, x.dtype),
+        save=save,
+        fp8_weight=fp8_weight,
     )
 
 
-def _run_backward(x, weight, bias, params, z, dy, ops: str, precision: str):
+def _run_backward(x, weight, bias, params, z, dy, ops: str, precision: str, fp8_weight=None):
     if not dy.is_contiguous() or (dy.is_cuda and dy.data_ptr() % _ALIGNMENT):
         # Gradients arrive as autograd makes them (expanded, offset views): dense them.
         dy = dy.contiguous().clone()
     return _native.backward(
-        x, weight, bias, params, z, dy, ops, precision, _stream(x), _allocator(x.device, x.dtype)
+        x,
+        weight,
+        bias,
+        params,
+        z,
+        dy,
+        ops,
+        precision,
+        _stream(x),
+        _allocator(x.device, x.dtype),
+        fp8_weight=fp8_weight,
     )
+
+
+#: Each fp8 weight's quantised copies (:func:`_fp8_weight`), by the weight's ``id``; an
+#: entry goes when its weight does (a ``WeakKeyDictionary`` would compare tensors with ``==``).
+_FP8_CACHE: Dict[int, Tuple[tuple, List[Tensor]]] = {}
+#: The ids whose weights have a finaliser dropping their entry (registered once each).
+_FP8_WATCHED: set = set()
+
+
+def _forget_fp8(key: int) -> None:
+    _FP8_CACHE.pop(key, None)
+    _FP8_WATCHED.discard(key)
+
+
+def _fp8_weight(weight: Tensor, precision: str) -> Optional[List[Tensor]]:
+    """A CUDA weight quantised for the fp8 GEMMs, once per version of it: the forward's
+    copy (by rows) and ``dX``'s (by columns, transposed), with their scales. The cache
+    entry is keyed by the weight's storage address, dtype, shape and version counter, which
+    every in-place write through the weight or its views bumps (optimizer steps,
+    ``copy_``, ``load_state_dict``): a changed weight is quantised again before use. Writes
+    through ``weight.data`` bypass the counter; :func:`clear_fp8_cache` after them. None
+    where the kernels quantise per call instead (not fp8, not CUDA, a shape they refuse)."""
+    if not precision.startswith("fp8") or not weight.is_cuda or weight.dim() != 2:
+        return None
+    n, k = weight.shape
+    if n % 16 or k % 16 or weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None
+    key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape))
+    hit = _FP8_CACHE.get(id(weight))
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    with torch.no_grad():
+        w = weight.detach()
+        quantised = _native.fp8_weight(w, _stream(w), _allocator(w.device, w.dtype))
+    if id(weight) not in _FP8_WATCHED:
+        weakref.finalize(weight, _forget_fp8, id(weight))
+        _FP8_WATCHED.add(id(weight))
+    _FP8_CACHE[id(weight)] = (key, quantised)
+    return quantised
+
+
+def clear_fp8_cache() -> None:
+    """Drops every cached fp8 weight: needed only after writing a weight through
+    ``.data`` (which PyTorch's version counter does not see); the next call quantises
+    again."""
+    _FP8_CACHE.clear()
 
 
 @torch.library.custom_op("fused_linear::forward", mutates_args=())
@@ -186,9 +259,10 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, ops, precision, *params):
-        y, z = _run_forward(x, weight, bias, list(params), ops, precision, True)
+        fp8 = _fp8_weight(weight, precision)
+        y, z = _run_forward(x, weight, bias, list(params), ops, precision, True, fp8)
         ctx.save_for_backward(x, weight, bias, z, *params)
-        ctx.ops, ctx.precision = ops, precision
+        ctx.ops, ctx.precision, ctx.fp8 = ops, precision, fp8
         ctx.mark_non_differentiable(z)
         # z's gradient is never used: not materialised as zeros (the size of z each step).
         ctx.set_materialize_grads(False)
@@ -199,7 +273,7 @@ class _Eager(torch.autograd.Function):
         if dy is None:  # y unused by the loss: every gradient is zero
             return (None,) * (5 + len(ctx.saved_tensors) - 4)
         x, weight, bias, z, *params = ctx.saved_tensors
-        dx, dw, db, dparams = _run_backward(x, weight, bias, params, z, dy, ctx.ops, ctx.precision)
+        dx, dw, db, dparams = _run_backward(x, weight, bias, params, z, dy, ctx.ops, ctx.precision, ctx.fp8)
         return (dx, dw, db, None, None, *dparams)
 
 
@@ -267,17 +341,18 @@ def fused_linear(
 
 def _resolve_precision(x: Tensor, precision: Optional[str]) -> str:
     """The precision asked for, or the tensors' own: bf16 for bfloat16, fp16 for float16,
-    else fp32. A 16-bit model's GEMMs read its values as stored: its own precision only."""
+    else fp32. A 16-bit model's GEMMs read its values as stored (its own precision) or
+    quantise them to fp8."""
     own = _HALF.get(x.dtype)
     if precision is None:
         return own or "fp32"
     if precision not in PRECISIONS:
         raise ValueError(f"precision `{precision}` is not one of {', '.join(PRECISIONS)}")
-    if own is not None and precision != own:
+    if own is not None and precision != own and not precision.startswith("fp8"):
         raise ValueError(
             f"precision `{precision}` with {str(x.dtype).removeprefix('torch.')} tensors: a {own} model's "
-            f"GEMMs read its {own} values as they are (precision {own}); leave precision unset, or pass "
-            f"float32 tensors for {precision}"
+            f"GEMMs read its {own} values as they are (precision {own}) or quantise them to fp8; leave "
+            f"precision unset, pass fp8 or fp8_gw_bf16, or pass float32 tensors for {precision}"
         )
     return precision
 
@@ -300,23 +375,26 @@ def _half_block(
     convert = ".half()" if dtype == torch.float16 else ".to(torch.bfloat16)"
     own = _HALF[dtype]
     _check_half_dtypes(x, weight, [bias, *params], dtype, f"a {own} block", convert)
-    _resolve_precision(x, precision)
+    precision = _resolve_precision(x, precision)
     # A BatchNorm on batch statistics: the 16-bit kernels have none; float32 copies in
-    # the model's own precision (operands rounded to its type as loaded).
+    # the model's own precision (operands rounded to its type as loaded), or fp8.
     shape = tuple(weight.shape)
     batch_norm = x.is_cuda and len(shape) == 2 and _batch_norm_in(_describe(shape[1], shape[0], ops)[3])
     if not x.is_cuda or batch_norm:
         wide = [t.float() if isinstance(t, Tensor) else t for t in (bias, *params)]
-        y = fused_linear(x.float(), weight.float(), wide[0], ops, wide[1:], own if batch_norm else "fp32")
+        fp8 = precision.startswith("fp8")
+        y = fused_linear(
+            x.float(), weight.float(), wide[0], ops, wide[1:], precision if fp8 or batch_norm else "fp32"
+        )
         return y.to(dtype)
     if x.dim() == 2:
-        return _apply(x, weight, bias, params, ops, own)
+        return _apply(x, weight, bias, params, ops, precision)
     if x.dim() == 0:
         raise ValueError("x: expected a tensor of shape (*, in_features), got a scalar")
     if not x.is_contiguous():
         raise ValueError(f"x is not contiguous (shape {tuple(x.shape)}); pass x.contiguous()")
     lead = x.shape[:-1]
-    y = _apply(x.view(-1, x.shape[-1]), weight, bias, params, ops, own)
+    y = _apply(x.view(-1, x.shape[-1]), weight, bias, params, ops, precision)
     return y.view(tuple(lead) + tuple(y.shape[1:]))
 
 
@@ -401,9 +479,7 @@ def _apply(x: Tensor, weight: Tensor, bias: Tensor, params: List[Tensor], ops: s
     if _plain_eager(x, weight, bias, params):
         if wants_grad:
             return _Eager.apply(x, weight, bias, ops, precision, *params)[0]
-        return _native.forward(
-            x, weight, bias, params, ops, precision, _stream(x), _allocator(x.device, x.dtype), save=False
-        )[0]
+        return _run_forward(x, weight, bias, params, ops, precision, False, _fp8_weight(weight, precision))[0]
     if wants_grad:
         return torch.ops.fused_linear.forward(x, weight, bias, params, ops, precision)[0]
     return torch.ops.fused_linear.inference(x, weight, bias, params, ops, precision)

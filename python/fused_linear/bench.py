@@ -69,13 +69,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import PRESETS, FusedLinear, _native
+from . import PRESETS, FusedLinear, _native, clear_fp8_cache
 from . import __version__ as _fused_linear_version
 from .fuse import _fused_call, fuse
 
 # ---------------------------------------------------------------- what can be measured
 
-CONFIGS = ("fp32", "tf32x3", "tf32", "bf16", "fp16")
+CONFIGS = ("fp32", "tf32x3", "tf32", "bf16", "fp16", "fp8")
 MODES = ("fwd", "fwdbwd")
 PROTOCOLS = ("flushed", "stream", "graph", "host")
 IMPLS = ("eager", "compile", "ours")
@@ -125,6 +125,8 @@ CONFIG_DEFS = {
     "bf16": "a bf16 model: parameters and input in bfloat16, ours with its default precision",
     "fp16": "an fp16 model: parameters and input in float16, ours with its default precision (fp16 "
     "operands as stored), the peers on fp16 tensor cores",
+    "fp8": "a bf16 model, ours with precision fp8 (e4m3 GEMMs; x and dZ quantised per call, the weight "
+    "once per version of it), the peers the bf16 model as in bf16",
 }
 
 
@@ -391,11 +393,12 @@ class Pair:
 
 
 def dtype_of(config: str) -> torch.dtype:
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config, torch.float32)
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(config, torch.float32)
 
 
 def ours_precision(config: str) -> Optional[str]:
-    """A bf16 or fp16 model takes its tensors' own precision (None); float32 ones the config's."""
+    """A bf16 or fp16 model takes its tensors' own precision (None); float32 ones the
+    config's; fp8 a bf16 model quantised to fp8."""
     return None if config in ("bf16", "fp16") else config
 
 
@@ -877,9 +880,17 @@ class Bench:
         return "; ".join(parts)
 
     def _calls(
-        self, block: nn.Module, mode: str, x: Tensor, xg: Optional[Tensor], dy: Tensor
+        self,
+        block: nn.Module,
+        mode: str,
+        x: Tensor,
+        xg: Optional[Tensor],
+        dy: Tensor,
+        requantise: bool = False,
     ) -> Tuple[Callable[[], Any], Callable[[], Any]]:
-        """(the call timed by flushed, stream and host; its capturable form for graph)."""
+        """(the call timed by flushed, stream and host; its capturable form for graph).
+        ``requantise``: an fp8 training step quantises its weight again, as after the
+        optimizer step every real step has (the forward alone reuses it, as inference does)."""
         if mode == "fwd":
 
             def forward() -> Any:
@@ -895,11 +906,15 @@ class Bench:
             for p in params:
                 p.grad = None
             xg.grad = None
+            if requantise:
+                clear_fp8_cache()
             block(xg).backward(dy)
 
         inputs = [xg, *params]
 
         def captured_step() -> Any:
+            if requantise:
+                clear_fp8_cache()
             return torch.autograd.grad(block(xg), inputs, dy)
 
         return step, captured_step
@@ -918,7 +933,10 @@ class Bench:
         reported as its compile time), then each protocol for each implementation."""
         args = self.args
         xg = self._mark(x.detach().clone().requires_grad_(True)) if mode == "fwdbwd" else None
-        calls = {impl: self._calls(block, mode, x, xg, dy) for impl, block in blocks.items()}
+        calls = {
+            impl: self._calls(block, mode, x, xg, dy, config == "fp8" and impl == "ours")
+            for impl, block in blocks.items()
+        }
         failed: Dict[str, str] = {}
         # First calls (compilation, autotuning, lazy initialisation) are never timed.
         for impl in self.impls:

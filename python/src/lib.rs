@@ -305,10 +305,12 @@ impl<'py> Call<'py> {
         }
         if let Some(p) = dtype.half_precision()
             && precision != p
+            && !precision.is_fp8()
         {
             return Err(PyValueError::new_err(format!(
                 "precision `{precision}` with {} tensors: a {p} model's GEMMs read its {p} values as they \
-                 are (precision {p}); pass precision=\"{p}\", or float32 tensors for {precision}",
+                 are (precision {p}) or quantise them to fp8; pass precision=\"{p}\", \"fp8\" or \
+                 \"fp8_gw_bf16\", or float32 tensors for {precision}",
                 dtype_name(dtype)
             )));
         }
@@ -507,9 +509,8 @@ fn gpu_call<W: DeviceElement>(
     index: usize,
     stream: u64,
     allocate: &Bound<'_, PyAny>,
+    fp8_weight: Option<&[Bound<'_, PyAny>]>,
 ) -> PyResult<GpuCall<W>> {
-    // FP8 is the CPU backend's emulation only so far: refused before anything runs.
-    call.precision.gpu_support().map_err(to_py)?;
     let opened = gpu(index)?;
     let allocator = Arc::new(TorchAllocator { allocate: allocate.clone().unbind() });
     // SAFETY: `stream` is PyTorch's current stream of the tensors' device (the package
@@ -570,9 +571,56 @@ fn gpu_call<W: DeviceElement>(
         .map(|op| op.param_bases().iter().map(|_| flat.next().unwrap()).collect())
         .collect();
     let params = DeviceParams { linear_weight: borrow_w(&call.weight)?, linear_bias, ops };
-    let block = GpuBlock::from_device(&gpu, &call.block.spec, params).map_err(to_py)?.with_precision(call.precision);
+    let mut block =
+        GpuBlock::from_device(&gpu, &call.block.spec, params).map_err(to_py)?.with_precision(call.precision);
+    if let Some(quantised) = fp8_weight {
+        let (n, k) = (call.block.spec.out_features, call.block.spec.in_features);
+        let [rows, rows_s, cols, cols_s] = quantised else {
+            return Err(PyValueError::new_err("fp8_weight: expected [rows, rows_scales, columns_t, columns_t_scales]"));
+        };
+        let rows = fp8_matrix(&gpu, (rows, rows_s), (n, k, k), call.device.clone())?;
+        let cols = fp8_matrix(&gpu, (cols, cols_s), (k, n, n.next_multiple_of(16)), call.device.clone())?;
+        block = block.with_fp8_weight(rows, cols).map_err(to_py)?;
+    }
     let x = borrow_w(&call.x)?;
     Ok(GpuCall { gpu, block, x, _widened: widened })
+}
+
+/// An e4m3 matrix `(rows, pitch)` and its `rows` inverse scales, as [`fp8_weight`]
+/// made them (uint8 and float32 tensors on the block's device), borrowed.
+fn fp8_matrix(
+    gpu: &Gpu,
+    (values, scales): (&Bound<'_, PyAny>, &Bound<'_, PyAny>),
+    (rows, cols, pitch): (usize, usize, usize),
+    device: Device,
+) -> PyResult<host::gpu::gemm::fp8::Fp8Matrix> {
+    let py = values.py();
+    let torch = py.import("torch")?;
+    let mut ptrs = [0u64; 2];
+    for (i, (t, dtype, len)) in
+        [(values, torch.getattr("uint8")?, rows * pitch), (scales, torch.getattr("float32")?, rows)]
+            .into_iter()
+            .enumerate()
+    {
+        let a = (
+            t.getattr("dtype")?.eq(&dtype)?,
+            t.call_method0("numel")?.extract::<usize>()? == len,
+            t.call_method0("is_contiguous")?.extract::<bool>()?,
+            t.getattr("device")?.str()?.to_string() == device.to_string(),
+        );
+        if a != (true, true, true, true) {
+            return Err(PyValueError::new_err(format!(
+                "fp8_weight: expected {len} contiguous {} values on {device} (made by fp8_weight() for this weight)",
+                dtype.str()?
+            )));
+        }
+        ptrs[i] = t.call_method0("data_ptr")?.extract()?;
+    }
+    // SAFETY: checked above: contiguous tensors of these lengths on the block's device,
+    // which the caller holds for the call.
+    let (values, inv_scales) =
+        unsafe { (gpu.borrow_buf::<u8>(ptrs[0], rows * pitch), gpu.borrow_buf::<f32>(ptrs[1], rows)) };
+    Ok(host::gpu::gemm::fp8::Fp8Matrix { values, inv_scales, rows, cols, pitch })
 }
 
 /// The GPU forward and backward of [`forward`] and [`backward`], for a block over
@@ -586,8 +634,9 @@ macro_rules! gpu_entry_points {
             stream: u64,
             allocate: &Bound<'py, PyAny>,
             save: bool,
+            fp8_weight: Option<&[Bound<'py, PyAny>]>,
         ) -> PyResult<(Bound<'py, PyAny>, Option<Bound<'py, PyAny>>)> {
-            let g = gpu_call::<$w>(call, index, stream, allocate)?;
+            let g = gpu_call::<$w>(call, index, stream, allocate, fp8_weight)?;
             let py = allocate.py();
             let out_shape = call.block.spec.output_shape(call.batch);
             if !save {
@@ -609,8 +658,9 @@ macro_rules! gpu_entry_points {
             index: usize,
             stream: u64,
             allocate: &Bound<'py, PyAny>,
+            fp8_weight: Option<&[Bound<'py, PyAny>]>,
         ) -> PyResult<Grads<'py>> {
-            let g = gpu_call::<$w>(call, index, stream, allocate)?;
+            let g = gpu_call::<$w>(call, index, stream, allocate, fp8_weight)?;
             // SAFETY: z and dy were checked as the other arguments were (z float32, dy
             // of the block's type).
             // Without a BatchNorm's statistics rows (the backward recomputes them from z).
@@ -904,7 +954,7 @@ fn cpu_backward<'py, T: Element>(
 /// The block's forward: `(y, z)`, `z` the state the backward takes, or `(y, None)`
 /// without `save` (inference: `z` is then neither written nor allocated).
 #[pyfunction]
-#[pyo3(signature = (x, weight, bias, params, ops, precision, stream, allocate, save = true))]
+#[pyo3(signature = (x, weight, bias, params, ops, precision, stream, allocate, save = true, fp8_weight = None))]
 #[allow(clippy::too_many_arguments)]
 fn forward<'py>(
     x: &Bound<'py, PyAny>,
@@ -916,16 +966,18 @@ fn forward<'py>(
     stream: u64,
     allocate: &Bound<'py, PyAny>,
     save: bool,
+    fp8_weight: Option<Vec<Bound<'py, PyAny>>>,
 ) -> PyResult<(Bound<'py, PyAny>, Option<Bound<'py, PyAny>>)> {
     guarded(|| {
         let call = Call::new(x, weight, bias, &params, ops, precision)?;
+        let fp8 = fp8_weight.as_deref();
         match (call.device.clone(), call.dtype) {
             (Device::Cpu, DType::F32) => cpu_forward::<f32>(&call, allocate, save),
             (Device::Cpu, DType::F64) => cpu_forward::<f64>(&call, allocate, save),
             (Device::Cpu, DType::Bf16 | DType::F16) => unreachable!("Call::new refuses CPU 16-bit tensors"),
-            (Device::Cuda(index), DType::Bf16) => gpu_forward_bf16(&call, index, stream, allocate, save),
-            (Device::Cuda(index), DType::F16) => gpu_forward_f16(&call, index, stream, allocate, save),
-            (Device::Cuda(index), _) => gpu_forward_f32(&call, index, stream, allocate, save),
+            (Device::Cuda(index), DType::Bf16) => gpu_forward_bf16(&call, index, stream, allocate, save, fp8),
+            (Device::Cuda(index), DType::F16) => gpu_forward_f16(&call, index, stream, allocate, save, fp8),
+            (Device::Cuda(index), _) => gpu_forward_f32(&call, index, stream, allocate, save, fp8),
         }
     })
 }
@@ -933,7 +985,7 @@ fn forward<'py>(
 /// The block's backward from the forward's `z` and the output's gradient `dy`:
 /// `(dx, dweight, dbias, [d params...])`.
 #[pyfunction]
-#[pyo3(signature = (x, weight, bias, params, z, dy, ops, precision, stream, allocate))]
+#[pyo3(signature = (x, weight, bias, params, z, dy, ops, precision, stream, allocate, fp8_weight = None))]
 #[allow(clippy::too_many_arguments)]
 fn backward<'py>(
     x: &Bound<'py, PyAny>,
@@ -946,9 +998,11 @@ fn backward<'py>(
     precision: &str,
     stream: u64,
     allocate: &Bound<'py, PyAny>,
+    fp8_weight: Option<Vec<Bound<'py, PyAny>>>,
 ) -> PyResult<Grads<'py>> {
     guarded(|| {
         let call = Call::new(x, weight, bias, &params, ops, precision)?;
+        let fp8 = fp8_weight.as_deref();
         let (z, dy) = (Arg::read("z", z)?, Arg::read("dy", dy)?);
         // `z` is float32 on the GPU whatever the block's type; `dy` is of the block's.
         let z_dtype = if call.dtype.half_precision().is_some() { DType::F32 } else { call.dtype };
@@ -974,12 +1028,77 @@ fn backward<'py>(
                 z.expect_aligned()?;
                 dy.expect_aligned()?;
                 match dtype {
-                    DType::Bf16 => gpu_backward_bf16(&call, (&z, &dy), index, stream, allocate),
-                    DType::F16 => gpu_backward_f16(&call, (&z, &dy), index, stream, allocate),
-                    _ => gpu_backward_f32(&call, (&z, &dy), index, stream, allocate),
+                    DType::Bf16 => gpu_backward_bf16(&call, (&z, &dy), index, stream, allocate, fp8),
+                    DType::F16 => gpu_backward_f16(&call, (&z, &dy), index, stream, allocate, fp8),
+                    _ => gpu_backward_f32(&call, (&z, &dy), index, stream, allocate, fp8),
                 }
             }
         }
+    })
+}
+
+/// A Linear weight `(out, in)` on a GPU (float32, bf16 or fp16) quantised for the fp8
+/// GEMMs, once, for the package's cache: `[rows (out, in) uint8, their inverse scales
+/// (out,), columns_t (in, out padded to 16) uint8, their inverse scales (in,)]`, the
+/// forward's copy and `dX`'s. Passed back as `fp8_weight` to `forward` and `backward`.
+#[pyfunction]
+fn fp8_weight<'py>(
+    weight: &Bound<'py, PyAny>,
+    stream: u64,
+    allocate: &Bound<'py, PyAny>,
+) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    guarded(|| {
+        let w = Arg::read("weight", weight)?;
+        let (n, k) = match w.shape[..] {
+            [n, k] => (n, k),
+            _ => return Err(PyValueError::new_err(format!("weight: expected 2 dimensions, got {:?}", w.shape))),
+        };
+        let Device::Cuda(index) = w.device else {
+            return Err(PyValueError::new_err("fp8_weight: the weight is on the CPU (the cache is for the GPU)"));
+        };
+        if let Some(why) = host::gpu::gemm::fp8::unsupported(k, n) {
+            return Err(PyValueError::new_err(why));
+        }
+        w.expect_aligned()?;
+        let opened = gpu(index)?;
+        let allocator = Arc::new(TorchAllocator { allocate: allocate.clone().unbind() });
+        // SAFETY: as in `gpu_call`: PyTorch's current stream of the weight's device.
+        let gpu = unsafe { opened.on_stream(stream, Some(allocator)) };
+        use host::gpu::gemm::fp8::{quantise_columns_t, quantise_rows};
+        // SAFETY (each): a checked contiguous tensor of this shape and dtype on this device.
+        let (rows, cols) = match w.dtype {
+            DType::Bf16 => {
+                let t = unsafe { gpu.borrow_tensor::<Bf16>(w.ptr, &w.shape) }.map_err(to_py)?;
+                (quantise_rows(&gpu, gpu.stream(), &t, "weight"), quantise_columns_t(&gpu, gpu.stream(), &t, "weight"))
+            }
+            DType::F16 => {
+                let t = unsafe { gpu.borrow_tensor::<F16>(w.ptr, &w.shape) }.map_err(to_py)?;
+                (quantise_rows(&gpu, gpu.stream(), &t, "weight"), quantise_columns_t(&gpu, gpu.stream(), &t, "weight"))
+            }
+            DType::F32 => {
+                let t = unsafe { gpu.borrow_tensor::<f32>(w.ptr, &w.shape) }.map_err(to_py)?;
+                (quantise_rows(&gpu, gpu.stream(), &t, "weight"), quantise_columns_t(&gpu, gpu.stream(), &t, "weight"))
+            }
+            DType::F64 => {
+                return Err(PyTypeError::new_err("fp8_weight: a float64 weight (fp8 takes float32, bf16, fp16)"));
+            }
+        };
+        let (rows, cols) = (rows.map_err(to_py)?, cols.map_err(to_py)?);
+        let py = weight.py();
+        let torch_of = |buf: host::gpu::DeviceBuf<u8>| -> PyResult<Bound<'py, PyAny>> {
+            let len = buf.len();
+            into_torch(py, DeviceTensor { shape: vec![len], buf }, &[len])
+        };
+        let scales_of = |buf: host::gpu::DeviceBuf<f32>| -> PyResult<Bound<'py, PyAny>> {
+            let len = buf.len();
+            into_torch(py, DeviceTensor { shape: vec![len], buf }, &[len])
+        };
+        Ok(vec![
+            torch_of(rows.values)?,
+            scales_of(rows.inv_scales)?,
+            torch_of(cols.values)?,
+            scales_of(cols.inv_scales)?,
+        ])
     })
 }
 
@@ -1089,6 +1208,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(forward, m)?)?;
     m.add_function(wrap_pyfunction!(backward, m)?)?;
     m.add_function(wrap_pyfunction!(describe, m)?)?;
+    m.add_function(wrap_pyfunction!(fp8_weight, m)?)?;
     m.add_function(wrap_pyfunction!(parse_chain, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_limit, m)?)?;
     m.add_function(wrap_pyfunction!(ops, m)?)?;

@@ -1,7 +1,8 @@
 """FP8 (`precision="fp8"`, `"fp8_gw_bf16"`): on the CPU, the backend's emulation of Hopper's
-row-wise e4m3 recipe (docs/NUMERICS.md, "FP8"); on CUDA, a clear error until its kernels
-exist. Compared with float64 PyTorch (chain_ref) at FP8's documented tolerance, and with
-the same block in bf16 to show the quantisation happens."""
+row-wise e4m3 recipe (docs/NUMERICS.md, "FP8"); on CUDA, the e4m3 GEMMs, which quantise to
+the emulation's bytes. Compared with float64 PyTorch (chain_ref) at FP8's documented
+tolerance, with the same block in bf16 to show the quantisation happens, and on CUDA with
+the emulation itself."""
 
 import re
 
@@ -68,10 +69,70 @@ def test_fp8_quantises_the_operands():
     assert torch.equal(g8[0], g8w[0]) and not torch.equal(g8[1], g8w[1])
 
 
+#: On CUDA against the CPU emulation of the same block: the same quantised operands, so only
+#: the FP32 sums' order and the tensor cores' accumulation differ (a wrong scale or
+#: transpose is off by O(1)); a bf16 model's output and dX, dW are also rounded to bf16.
+EMULATION_REL = {torch.float32: 1e-2, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("precision", ["fp8", "fp8_gw_bf16"])
-def test_fp8_on_cuda_is_refused_with_a_clear_error(precision):
-    x = torch.randn(4, 32, device="cuda")
-    w, b = torch.randn(16, 32, device="cuda"), torch.randn(16, device="cuda")
-    with pytest.raises(RuntimeError, match="fp8 runs on the CPU backend only"):
-        fused_linear.fused_linear(x, w, b, "swish", [], precision=precision)
+def test_fp8_on_cuda_matches_the_emulation_and_float64(precision, dtype):
+    torch.manual_seed(2)
+    ops = "groupnorm(16),swish,mul,swish"
+    cpu = FusedLinear(256, 512, ops, precision=precision)
+    gpu = FusedLinear(256, 512, ops, precision=precision).to("cuda", dtype)
+    gpu.load_state_dict(cpu.state_dict())
+    # The emulation sees the values the GPU block holds (rounded to its dtype).
+    cpu.load_state_dict({k: v.to(dtype).float() for k, v in cpu.state_dict().items()})
+    x = torch.randn(48, 256).to(dtype).float()
+    dy = torch.randn(48, 512).to(dtype).float()
+    y, grads = _grads(gpu, x.to("cuda", dtype), dy.to("cuda", dtype))
+    y_emu, grads_emu = _grads(cpu, x, dy)
+    y64, grads64 = reference_grads(x, cpu.lin.weight, cpu.lin.bias, cpu.ops, cpu.chain_parameters(), dy)
+    names = ["x", "lin.weight", "lin.bias", *gpu._param_names]
+    assert rel_err(y, y_emu) < EMULATION_REL[dtype], rel_err(y, y_emu)
+    assert rel_err(y, y64) < FP8_REL
+    for name, got, emu, want in zip(names, grads, grads_emu, grads64):
+        assert rel_err(got, emu) < EMULATION_REL[dtype], (name, rel_err(got, emu))
+        assert rel_err(got, want) < FP8_REL, (name, rel_err(got, want))
+
+
+@pytest.mark.gpu
+def test_fp8_weight_cache_follows_the_weight():
+    """The quantised weight is made once per version of the weight: reused while it
+    stands, made again after an in-place change; a ``.data`` write needs clear_fp8_cache."""
+    from fused_linear import _FP8_CACHE, clear_fp8_cache
+
+    torch.manual_seed(3)
+    block = FusedLinear(128, 64, "swish", precision="fp8").cuda()
+    x = torch.randn(32, 128, device="cuda")
+    w = block.lin.weight
+
+    def fresh():  # the same weight's value, quantised per call (a new tensor: no cache entry)
+        return fused_linear.fused_linear(x, w.detach().clone(), block.lin.bias, "swish", [], precision="fp8")
+
+    with torch.no_grad():
+        y = block(x)
+        cached = _FP8_CACHE[id(w)][1]
+        assert torch.equal(y, fresh())
+        assert block(x) is not None and _FP8_CACHE[id(w)][1] is cached, "the cache was made again"
+        w.mul_(-2.0)
+        y2 = block(x)
+        assert _FP8_CACHE[id(w)][1] is not cached and torch.equal(y2, fresh())
+        w.data.mul_(0.5)  # unseen by the version counter
+        clear_fp8_cache()
+        assert torch.equal(block(x), fresh())
+    # A training step: the backward uses the forward's copies.
+    xg = x.clone().requires_grad_(True)
+    block(xg).sum().backward()
+    assert xg.grad is not None and torch.isfinite(xg.grad).all()
+
+
+@pytest.mark.gpu
+def test_fp8_on_cuda_refuses_features_not_multiples_of_16():
+    x = torch.randn(4, 40, device="cuda")
+    w, b = torch.randn(16, 40, device="cuda"), torch.randn(16, device="cuda")
+    with pytest.raises(RuntimeError, match="multiples of 16"):
+        fused_linear.fused_linear(x, w, b, "swish", [], precision="fp8")
