@@ -20,8 +20,11 @@ eps)``, ``q = bias - running_mean * p``; elsewhere an eval-mode one is that affi
 computed in the graph, and the fused model refuses training mode; a training-mode one there,
 or in a bf16 model on CUDA, stays PyTorch's), addition, subtraction, multiplication and
 division by a number or by a parameter of the features' length or of one element (expanded;
-subtracted and divided ones computed in the graph: ``-p``, ``1 / p``),
-``x + x``, ``nn.Dropout(p=0)``, AvgPool1d over features
+subtracted and divided ones computed in the graph: ``-p``, ``1 / p``; a 0-d one likewise),
+the elementwise minimum or maximum with such a parameter or a number (``torch.min(x, p)``,
+``torch.minimum``, the ``max`` forms, ``clamp`` with one bound: ``p + min(x - p, 0)`` and
+``p + relu(x - p)`` as ``bias`` and ``leakyrelu(0)`` ops; a tie gives ``p`` the whole
+gradient, PyTorch half), ``x + x``, ``nn.Dropout(p=0)``, AvgPool1d over features
 (``pool(x.unsqueeze(1)).squeeze(1)``) and MaxPool1d the same way (kernel and stride
 equal, no padding), ``nn.LayerNorm`` over the features (with or without weight and bias),
 ``nn.RMSNorm`` (``eps=None``: the dtype's machine epsilon), softmax over the features
@@ -219,6 +222,28 @@ def _is_sigmoid(gm: fx.GraphModule, node: fx.Node) -> bool:
     )
 
 
+def _elementwise_extreme(u: fx.Node, cur: fx.Node) -> Optional[Tuple[str, Any]]:
+    """``("min" | "max", other)`` where ``u`` is an elementwise minimum or maximum of
+    ``cur`` with ``other`` (``torch.min(cur, other)``, ``torch.minimum``, ``cur.min(other)``,
+    the max forms, ``clamp`` with only ``max=`` or only ``min=``), else None. A row
+    reduction (``torch.min(x, 1)``) is not one: its second argument is a dimension."""
+    if u.kwargs.keys() - {"min", "max", "other"}:
+        return None
+    for kind, fns, methods in (
+        ("min", (torch.min, torch.minimum), ("min", "minimum")),
+        ("max", (torch.max, torch.maximum), ("max", "maximum")),
+    ):
+        if _is_fn(u, *fns) or _is_method(u, *methods):
+            other = _arg(u, 1, "other")
+            if len(u.args) + len(u.kwargs) == 2 and u.args[0] is cur and isinstance(other, fx.Node):
+                return kind, other
+    if _is_fn(u, torch.clamp) or _is_method(u, "clamp", "clip"):
+        lo, hi = _arg(u, 1, "min"), _arg(u, 2, "max")
+        if u.args[0] is cur and (lo is None) != (hi is None):
+            return ("min", hi) if lo is None else ("max", lo)
+    return None
+
+
 def _only_user(node: fx.Node) -> Optional[fx.Node]:
     users = list(node.users)
     return users[0] if len(users) == 1 else None
@@ -348,14 +373,39 @@ def _step(gm: fx.GraphModule, chain: _Chain, cur: fx.Node) -> Optional[fx.Node]:
         lo, hi = _arg(u, 1, "min"), _arg(u, 2, "max")
         if _number(lo) and _number(hi) and lo <= hi:
             return take(f"hardtanh({float(lo)!r},{float(hi)!r})")
-        chain.stopped = f"`{u.name}`: a clamp without both bounds"
-        return None
+        if (lo is None) == (hi is None):
+            chain.stopped = f"`{u.name}`: a clamp with two bounds that are not numbers, or none"
+            return None
+        # One bound: an elementwise max or min (below).
     if isinstance(module, nn.Dropout) and module.p == 0:
         chain.nodes.append(u)
         return u
     if isinstance(module, nn.Identity):
         chain.nodes.append(u)
         return u
+    # min(x, p) / max(x, p) with a parameter or a number p (elementwise: torch.min(x, p),
+    # torch.minimum, their max twins, clamp with one bound): p + min(x - p, 0) and
+    # p + relu(x - p), ops the chain has. (At a tie, x == p exactly, the gradient goes
+    # all to p where PyTorch splits it in halves.)
+    extreme = _elementwise_extreme(u, cur)
+    if extreme is not None:
+        kind, other = extreme
+        t = _attr(gm, other)
+        if chain.reduced:
+            chain.stopped = f"`{u.name}`: an elementwise {kind} after a row reduction"
+            return None
+        if not _number(other) and not (t is not None and (t.dim() == 0 or tuple(t.shape) in ((1,), (f,)))):
+            chain.stopped = f"`{u.name}`: an elementwise {kind} with neither a number nor a parameter"
+            return None
+        if _number(other):
+            down, up = ("const", -float(other), f), ("const", float(other), f)
+        else:
+            vector = other if t.dim() == 1 and t.shape[0] == f else ("expand", other, f)
+            down, up = ("neg", vector), vector
+        chain.ops.append("bias")
+        chain.params.append(down)
+        chain.ops += ["scale(-1.0)", "leakyrelu(0.0)", "scale(-1.0)"] if kind == "min" else ["leakyrelu(0.0)"]
+        return take("bias", up)
     binary = _is_fn(
         u,
         operator.mul,
@@ -376,9 +426,11 @@ def _step(gm: fx.GraphModule, chain: _Chain, cur: fx.Node) -> Optional[fx.Node]:
         cur_first = a is cur
         t = _attr(gm, other)
         vector = t is not None and t.dim() == 1 and t.shape[0] == f and not chain.reduced
-        if t is not None and t.dim() == 1 and t.shape[0] == 1 and f > 1 and not chain.reduced:
-            # A (1,) parameter broadcast over the features (KernelBench 97's bias): the
-            # op's (F,) parameter is its expansion, whose gradient autograd sums back.
+        one = t is not None and (t.dim() == 0 or (t.dim() == 1 and t.shape[0] == 1 and f > 1))
+        if one and not chain.reduced:
+            # A (1,) or 0-d parameter broadcast over the features (KernelBench 97's bias,
+            # 68's constant): the op's (F,) parameter is its expansion, whose gradient
+            # autograd sums back.
             vector, other = True, ("expand", other, f)
         if (
             chain.reduced

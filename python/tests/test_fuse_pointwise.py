@@ -255,3 +255,31 @@ def test_a_detached_residual_that_cancels_stays_pytorchs(capsys):
     fused, said = fused_chains(model, capsys)
     assert "a: left in PyTorch" in said and "no scale gives both" in said, said
     check_same(model, fused, torch.randn(5, 6))
+
+
+class Extremes(nn.Module):
+    """Elementwise min and max of the Linear's output with a parameter (0-d, (1,), (F,)) or a
+    number, in each spelling, and a subtraction of a 0-d parameter (KernelBench 68)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(6, 8) for _ in range(4))
+        self.c0 = nn.Parameter(torch.tensor(0.3))
+        self.c1 = nn.Parameter(torch.tensor([-0.2]))
+        self.cf = nn.Parameter(torch.linspace(-0.5, 0.5, 8))
+
+    def forward(self, x):
+        h = torch.min(self.a(x), self.c0) - self.c0
+        h = h + torch.maximum(self.b(x), self.cf)
+        h = h + self.c(x).clamp(max=self.c1) + self.d(x).clamp(min=0.1)
+        return h
+
+
+def test_elementwise_min_and_max_with_parameters_fuse(capsys):
+    torch.manual_seed(5)
+    model = Extremes()
+    fused, said = fused_chains(model, capsys)
+    assert said.count("fused") >= 4 and "left in PyTorch" not in said, said
+    check_same(model, fused, torch.randn(64, 6))
+    compiled = torch.compile(fused, fullgraph=True)
+    check_same(model, compiled, torch.randn(64, 6))
