@@ -369,23 +369,17 @@ def _half_block(
     """A 16-bit model's block (bf16 or fp16): x and weight as they are; the bias and the
     chain's parameters (of ``dtype`` or float32) passed as stored: the op widens 16-bit
     ones into its FP32 epilogue and returns their gradients in their own dtype, so the
-    autograd graph holds one node per block. On the CPU (no 16-bit kernels there), and
-    for a chain with a BatchNorm, the float32 path on copies, the output rounded to
-    ``dtype`` once."""
+    autograd graph holds one node per block (a BatchNorm on batch statistics included).
+    On the CPU (no 16-bit kernels there) the float32 path on copies, the output rounded
+    to ``dtype`` once."""
     convert = ".half()" if dtype == torch.float16 else ".to(torch.bfloat16)"
     own = _HALF[dtype]
     _check_half_dtypes(x, weight, [bias, *params], dtype, f"a {own} block", convert)
     precision = _resolve_precision(x, precision)
-    # A BatchNorm on batch statistics: the 16-bit kernels have none; float32 copies in
-    # the model's own precision (operands rounded to its type as loaded), or fp8.
-    shape = tuple(weight.shape)
-    batch_norm = x.is_cuda and len(shape) == 2 and _batch_norm_in(_describe(shape[1], shape[0], ops)[3])
-    if not x.is_cuda or batch_norm:
+    if not x.is_cuda:
         wide = [t.float() if isinstance(t, Tensor) else t for t in (bias, *params)]
         fp8 = precision.startswith("fp8")
-        y = fused_linear(
-            x.float(), weight.float(), wide[0], ops, wide[1:], precision if fp8 or batch_norm else "fp32"
-        )
+        y = fused_linear(x.float(), weight.float(), wide[0], ops, wide[1:], precision if fp8 else "fp32")
         return y.to(dtype)
     if x.dim() == 2:
         return _apply(x, weight, bias, params, ops, precision)
@@ -497,15 +491,18 @@ def _with_batch_stats(
         raise ValueError(
             f"x: a chain with a BatchNorm takes 2-D (batch, features) inputs, got {tuple(x.shape)}"
         )
-    # 16-bit models on float32 copies in their own precision (operands rounded to the
-    # 16-bit type as the kernels load them), output rounded once: the 16-bit models'
-    # own kernels have no BatchNorm on batch statistics.
-    if x.dtype in _HALF:
+    # 16-bit models on the CPU: float32 copies in their own precision (there are no 16-bit
+    # kernels there), the output rounded once. On CUDA their own kernels run it.
+    if x.dtype in _HALF and not x.is_cuda:
         wide = [t.float() if isinstance(t, Tensor) else t for t in (bias, *params)]
         if precision is None:
             precision = "bf16" if x.dtype == torch.bfloat16 else "fp16"
         y, stats = _with_batch_stats(x.float(), weight.float(), wide[0], ops, wide[1:], precision)
         return y.to(x.dtype), stats
+    if x.dtype in _HALF:
+        own = _HALF[x.dtype]
+        convert = ".half()" if x.dtype == torch.float16 else ".to(torch.bfloat16)"
+        _check_half_dtypes(x, weight, [bias, *params], x.dtype, f"a {own} block", convert)
     precision = _resolve_precision(x, precision)
     wants_grad = torch.is_grad_enabled() and any(
         getattr(t, "requires_grad", False) for t in (x, weight, bias, *params)

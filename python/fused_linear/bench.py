@@ -47,7 +47,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import datetime
+import functools
 import gc
 import importlib.util
 import json
@@ -78,7 +80,10 @@ from .fuse import _fused_call, fuse
 CONFIGS = ("fp32", "tf32x3", "tf32", "bf16", "fp16", "fp8")
 MODES = ("fwd", "fwdbwd")
 PROTOCOLS = ("flushed", "stream", "graph", "host")
-IMPLS = ("eager", "compile", "ours")
+IMPLS = ("eager", "compile", "ao_tensorwise", "ao_rowwise", "ours")
+#: torchao's float8 training recipes under torch.compile: the fp8 configuration's peers
+#: beside compile bf16, where torchao is installed.
+TORCHAO_IMPLS = {"ao_tensorwise": "tensorwise", "ao_rowwise": "rowwise"}
 SHAPE_SETS = ("all", "seed", "sweep", "tiny", "none")
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 CPU_PROTOCOLS = ("stream", "host")  # CUDA events, L2 flushes and CUDA graphs mean nothing on the CPU
@@ -126,7 +131,9 @@ CONFIG_DEFS = {
     "fp16": "an fp16 model: parameters and input in float16, ours with its default precision (fp16 "
     "operands as stored), the peers on fp16 tensor cores",
     "fp8": "a bf16 model, ours with precision fp8 (e4m3 GEMMs; x and dZ quantised per call, the weight "
-    "once per version of it), the peers the bf16 model as in bf16",
+    "once per version of it), the peers the bf16 model as in bf16 and, where torchao is installed, "
+    "torchao's float8 training recipes (convert_to_float8_training, tensorwise and rowwise: x, W and dY "
+    "quantised per call) under torch.compile",
 }
 
 
@@ -718,7 +725,10 @@ class Bench:
         self.rows: List[Dict[str, Any]] = []
         self.correctness: List[Dict[str, Any]] = []
         self.skipped: List[Dict[str, Any]] = []
-        self.impls = [i for i in IMPLS if i != "compile" or not args.no_compile]
+        ao = "fp8" in args.configs and not args.no_compile and self.cuda and _torchao() is not None
+        self.impls = [
+            i for i in IMPLS if (i != "compile" or not args.no_compile) and (i not in TORCHAO_IMPLS or ao)
+        ]
         # What is already recorded, so that a case failing half-way gets each missing cell once.
         self._cells: set = set()
         self._modes_done: set = set()
@@ -756,9 +766,13 @@ class Bench:
         row["error"] = error
         self.rows.append(row)
 
+    def _impls_for(self, config: str) -> List[str]:
+        """The implementations a configuration times (torchao's only in fp8)."""
+        return [i for i in self.impls if i not in TORCHAO_IMPLS or config == "fp8"]
+
     def _record_all(self, shape: Shape, config: str, mode: str, error: str) -> None:
         for protocol in self.args.protocols:
-            for impl in self.impls:
+            for impl in self._impls_for(config):
                 if (shape, config, mode, impl, protocol) not in self._cells:
                     self._record(shape, config, mode, impl, protocol, None, error)
 
@@ -793,6 +807,19 @@ class Bench:
         mode = None if self.args.compile_mode == "default" else self.args.compile_mode
         return torch.compile(plain, mode=mode, dynamic=None if self.args.compile_dynamic else False)
 
+    def _torchao_peers(self, plain: nn.Module) -> Dict[str, nn.Module]:
+        """torchao's float8 recipes on copies of the bf16 peer, each compiled (static shapes)."""
+        ao = _torchao()
+        peers = {}
+        for impl, recipe in TORCHAO_IMPLS.items():
+            if impl in self.impls:
+                model = copy.deepcopy(plain)
+                config = ao.Float8LinearConfig.from_recipe_name(recipe)
+                ao.convert_to_float8_training(model, config=config)
+                mode = None if self.args.compile_mode == "default" else self.args.compile_mode
+                peers[impl] = torch.compile(model, mode=mode, dynamic=False)
+        return peers
+
     def _mark(self, t: Tensor) -> Tensor:
         # A batch of one is specialised by Dynamo (marking it dynamic is an error): compiled apart.
         if self.args.compile_dynamic and not self.args.no_compile and t.shape[0] > 1:
@@ -814,6 +841,7 @@ class Bench:
         for the group with --compile-dynamic, else once per shape."""
         pair: Optional[Pair] = None
         compiled: Optional[nn.Module] = None
+        ao: Dict[str, nn.Module] = {}
         n_modes = len(self.args.modes)
         try:
             for shape in shapes:
@@ -830,7 +858,9 @@ class Bench:
                         pair = build_pair(shape, config, self.device, self.args.seed)
                     if "compile" in self.impls and (compiled is None or not self.args.compile_dynamic):
                         compiled = self._compile(pair.plain)
-                    self._run_shape(shape, config, pair, compiled)
+                        if config == "fp8":
+                            ao = self._torchao_peers(pair.plain)
+                    self._run_shape(shape, config, pair, compiled, ao)
                 except Exception as e:  # noqa: BLE001 -- a failed case is a result; the next one runs
                     error = _short(e)
                     left = [m for m in self.args.modes if (shape, config, m) not in self._modes_done]
@@ -841,17 +871,25 @@ class Bench:
                     self.progress.advance(len(left), f"failed: {error[:80]}")
                     self._cleanup()
         finally:
-            del pair, compiled
+            del pair, compiled, ao
             if "compile" in self.impls:
                 torch._dynamo.reset()
             self._cleanup()
 
-    def _run_shape(self, shape: Shape, config: str, pair: Pair, compiled: Optional[nn.Module]) -> None:
+    def _run_shape(
+        self,
+        shape: Shape,
+        config: str,
+        pair: Pair,
+        compiled: Optional[nn.Module],
+        ao: Optional[Dict[str, nn.Module]] = None,
+    ) -> None:
         seed = self.args.seed
         x = self._mark(make_input(shape, config, self.device, seed))
         blocks: Dict[str, nn.Module] = {"eager": pair.plain, "ours": pair.ours}
         if compiled is not None:
             blocks["compile"] = compiled
+        blocks.update(ao or {})
         with torch.no_grad(), self._flags("eager", config):
             dy = fixed_grad(pair.plain(x), seed)
         check = self._check(shape, config, pair, x, dy)
@@ -937,9 +975,10 @@ class Bench:
             impl: self._calls(block, mode, x, xg, dy, config == "fp8" and impl == "ours")
             for impl, block in blocks.items()
         }
+        impls = [i for i in self.impls if i in blocks]
         failed: Dict[str, str] = {}
         # First calls (compilation, autotuning, lazy initialisation) are never timed.
-        for impl in self.impls:
+        for impl in impls:
             self.progress.status(f"{mode} {impl} first call")
             try:
                 t0 = time.perf_counter()
@@ -952,7 +991,7 @@ class Bench:
                 failed[impl] = _short(e)
                 self._cleanup()
         for protocol in args.protocols:
-            for impl in self.impls:
+            for impl in impls:
                 if impl in failed:
                     self._record(shape, config, mode, impl, protocol, None, failed[impl])
                     continue
@@ -1023,6 +1062,16 @@ def _fmt(v: Optional[float]) -> str:
     return f"{v:.3f}" if v >= 1 else f"{v:.4f}"
 
 
+@functools.lru_cache(maxsize=1)
+def _torchao() -> Optional[ModuleType]:
+    """``torchao.float8`` where torchao is installed, else None (its peers are then left out)."""
+    try:
+        import torchao.float8 as float8
+    except ImportError:
+        return None
+    return float8
+
+
 def _ratio(row: Dict[str, Optional[float]]) -> Optional[float]:
     """min(eager, compile) / ours: above 1, ours is faster than the faster peer."""
     peers = [row[k] for k in ("eager", "compile") if row.get(k)]
@@ -1048,10 +1097,19 @@ def _tables(result: Dict[str, Any]) -> Tuple[List[str], List[Tuple[str, str, str
                 if not cell:
                     continue
                 unit = PROTOCOL_UNITS[protocol]
+                cell_impls = [i for i in impls if any(r["impl"] == i for r in cell)]
                 err_key, err_name = (
                     ("rel_err_y", "rel err y") if mode == "fwd" else ("rel_err_dx", "rel err dx")
                 )
-                head = ["model", "rows", "in", "out", *(f"{i} {unit}" for i in impls), "x best", err_name]
+                head = [
+                    "model",
+                    "rows",
+                    "in",
+                    "out",
+                    *(f"{i} {unit}" for i in cell_impls),
+                    "x best",
+                    err_name,
+                ]
                 out += [
                     f"### {protocol}, {config}, {mode} ({unit}; lower is better, x best = "
                     "min(eager, compile) / ours)",
@@ -1072,7 +1130,7 @@ def _tables(result: Dict[str, Any]) -> Tuple[List[str], List[Tuple[str, str, str
                 ratios = []
                 for key, line in lines.items():
                     cells = []
-                    for impl in impls:
+                    for impl in cell_impls:
                         error = line.get(impl + "!")
                         if error is None:
                             cells.append(_fmt(line.get(impl)))

@@ -17,8 +17,8 @@ per-element ops only, once (the op ``batchnorm``, its module's mode read at each
 statistics and the running statistics' update in training mode, the per-channel affine
 ``mul(p),bias(q)`` of the running statistics in eval mode, ``p = weight / sqrt(running_var +
 eps)``, ``q = bias - running_mean * p``; elsewhere an eval-mode one is that affine alone,
-computed in the graph, and the fused model refuses training mode; a training-mode one there,
-or in a bf16 model on CUDA, stays PyTorch's), addition, subtraction, multiplication and
+computed in the graph, and the fused model refuses training mode; a training-mode one there
+stays PyTorch's), addition, subtraction, multiplication and
 division by a number or by a parameter of the features' length or of one element (expanded;
 subtracted and divided ones computed in the graph: ``-p``, ``1 / p``; a 0-d one likewise),
 the elementwise minimum or maximum with such a parameter or a number (``torch.min(x, p)``,

@@ -303,8 +303,8 @@ def test_fuse_on_the_gpu(name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_16_bit_model_on_the_gpu_fuses_it(dtype):
-    """A bf16 or fp16 model's BatchNorm in training mode is fused (on float32 copies in the
-    model's own precision): output and gradients nearer float64 than PyTorch's own 16-bit
+    """A bf16 or fp16 model's BatchNorm in training mode is fused (its own 16-bit kernels,
+    the statistics in FP32): output and gradients nearer float64 than PyTorch's own 16-bit
     model by the 16-bit tolerance, running statistics as PyTorch's."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.GELU()).cuda().to(dtype)

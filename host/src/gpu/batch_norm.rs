@@ -23,7 +23,7 @@ use super::block::{GpuBlock, Workspace};
 use super::elementwise::{Convert, Vector, convert_vectors};
 use super::epilogue::DeviceChain;
 use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
-use super::{DeviceTensor, Gpu, launched};
+use super::{DeviceElement, DeviceTensor, Gpu, launched};
 use crate::chain::{Op, Pointwise};
 use crate::error::{Error, Result};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -59,10 +59,10 @@ pub fn batch_norm_stats(gpu: &Gpu, u: &DeviceTensor, eps: f32) -> Result<DeviceT
     Ok(stats)
 }
 
-impl GpuBlock {
+impl<W: DeviceElement> GpuBlock<W> {
     /// The BatchNorm `k` and the ops after it as the row-wise epilogue runs them, over
     /// the statistics `stats` (`[mean; var; -mean; rstd]`).
-    fn batch_norm_post(&self, gpu: &Gpu, k: usize, stats: &DeviceTensor) -> Result<DeviceChain> {
+    pub(super) fn batch_norm_post(&self, gpu: &Gpu, k: usize, stats: &DeviceTensor) -> Result<DeviceChain> {
         let n = stats.shape[1];
         let row = |r: usize| stats.buf.device_address() + (r * n * 4) as u64;
         let (bias, mul) = (Op::of(Pointwise::Bias), Op::of(Pointwise::Mul));
@@ -81,22 +81,19 @@ impl GpuBlock {
         DeviceChain::from_ptrs(gpu, &ops, &ptrs)
     }
 
-    /// The forward of a chain with a BatchNorm (op `k`, `eps`) into `ws.y`, `z` into
-    /// `save` if given; returns the statistics.
-    pub(super) fn forward_batch_norm(
+    /// The rest of a forward with a BatchNorm (op `k`, `eps`) once the GEMM, its bias and
+    /// the ops before the BatchNorm have written its input `u` (FP32): the statistics,
+    /// then the normalisation and the later ops into `y`. Returns the statistics.
+    pub(super) fn finish_batch_norm(
         &self,
         gpu: &Gpu,
-        x: &DeviceTensor,
-        ws: &mut Workspace,
-        save: Option<&mut DeviceTensor>,
+        u: &DeviceTensor,
+        y: &mut DeviceTensor<W>,
         (k, eps): (usize, f32),
     ) -> Result<DeviceTensor> {
-        let mut u = gpu.alloc(&[x.shape[0], self.gemm_width()])?;
-        let (w, b) = (&self.params.linear_weight, &self.params.linear_bias);
-        self.forward_f32(gpu, self.precision, x, (w, b), (&ws.plan, ws.z.as_mut()), &mut u, save)?;
-        let stats = batch_norm_stats(gpu, &u, eps)?;
+        let stats = batch_norm_stats(gpu, u, eps)?;
         let post = self.batch_norm_post(gpu, k, &stats)?;
-        epilogue_rows(gpu, &post, &u, None, &mut ws.y, None)?;
+        epilogue_rows(gpu, &post, u, None, y, None)?;
         Ok(stats)
     }
 
@@ -160,5 +157,23 @@ impl GpuBlock {
         // `out`, which holds (pre + post_n) n; all outlive the launch (stream order).
         unsafe { convert_vectors(gpu, gpu.stream(), &copies)? };
         Ok((dz, out))
+    }
+}
+
+impl GpuBlock {
+    /// The forward of a chain with a BatchNorm (op `k`, `eps`) into `ws.y`, `z` into
+    /// `save` if given; returns the statistics.
+    pub(super) fn forward_batch_norm(
+        &self,
+        gpu: &Gpu,
+        x: &DeviceTensor,
+        ws: &mut Workspace,
+        save: Option<&mut DeviceTensor>,
+        bn: (usize, f32),
+    ) -> Result<DeviceTensor> {
+        let mut u = gpu.alloc(&[x.shape[0], self.gemm_width()])?;
+        let (w, b) = (&self.params.linear_weight, &self.params.linear_bias);
+        self.forward_f32(gpu, self.precision, x, (w, b), (&ws.plan, ws.z.as_mut()), &mut u, save)?;
+        self.finish_batch_norm(gpu, &u, &mut ws.y, bn)
     }
 }

@@ -186,13 +186,6 @@ impl<W: DeviceElement> GpuBlock<W> {
         }
         let first_op = usize::from(matches!(spec.chain.0.first(), Some(Op::AvgPool(_))));
         let batch_norm = spec.chain.batch_norm();
-        if batch_norm.is_some() && W::DTYPE != Dtype::F32 {
-            return Err(Error::Unsupported(
-                "a 16-bit model's block with a BatchNorm: not on the GPU yet (a float32 model's block runs it, \
-                 in any precision)"
-                    .into(),
-            ));
-        }
         let end = batch_norm.map_or(spec.chain.0.len(), |(k, _)| k);
         let ops = &spec.chain.0[first_op..end];
         let chain = DeviceChain::new(gpu, ops, &params.ops[first_op..end])?;

@@ -75,6 +75,11 @@ impl<H: HalfElement> GpuBlock<H> {
             [m, xk] if xk == k && Some(&m) == ws.y.shape.first() => m,
             _ => return Err(Error::tensor("x", format!("shape {:?} does not fit this workspace", x.shape))),
         };
+        if let Some(bn) = self.batch_norm {
+            self.spec.check_batch(m)?;
+            ws.stats = Some(self.forward_batch_norm_half(gpu, x, ws, save, bn)?);
+            return Ok(());
+        }
         if self.precision.is_fp8() {
             return self.forward_fp8(gpu, x, ws, save);
         }
@@ -124,6 +129,51 @@ impl<H: HalfElement> GpuBlock<H> {
                 Ok(())
             }
         }
+    }
+
+    /// The forward of a chain with a BatchNorm on 16-bit `x`: its input `u` (the GEMM on
+    /// `x` and `W` as stored, or in FP8, with the bias and the ops before the BatchNorm
+    /// fused) in FP32, then the statistics and the rest of the chain into 16-bit `y`, as
+    /// the float32 block does (`gpu/batch_norm.rs`). Returns the statistics.
+    fn forward_batch_norm_half(
+        &self,
+        gpu: &Gpu,
+        x: &DeviceTensor<H>,
+        ws: &mut Workspace<H>,
+        save: Option<&mut DeviceTensor>,
+        bn: (usize, f32),
+    ) -> Result<DeviceTensor> {
+        let (m, n, k) = (x.shape[0], self.gemm_width(), self.spec.in_features);
+        let (w, b) = (&self.params.linear_weight, &self.params.linear_bias);
+        let mut u = gpu.alloc(&[m, n])?;
+        let stream = gpu.stream();
+        if self.precision.is_fp8() {
+            if let Some(why) = fp8::unsupported(k, n) {
+                return Err(Error::Unsupported(why));
+            }
+            let xq = fp8::quantise_rows(gpu, stream, x, "x")?;
+            let quantised;
+            let wq = match self.fp8_weight(w) {
+                Some(c) => &c.rows,
+                None => {
+                    quantised = fp8::quantise_rows(gpu, stream, w, "lin.weight")?;
+                    &quantised
+                }
+            };
+            fp8::gemm(gpu, stream, &xq, wq, Some(&b.buf), Some(&self.chain), &mut u, save)?;
+        } else {
+            let storage = Storage::half(H::DTYPE, Dtype::F32, aligned(&[x, w]));
+            let route =
+                dispatch::route(self.precision, Role::Forward { splits: 1 }, (m, n, k), storage, gpu.tuning().tma);
+            if route.widened {
+                let (x32, w32) = (widen(gpu, x)?, widen(gpu, w)?);
+                self.forward_f32(gpu, self.precision, &x32, (&w32, b), (&Plan::Fused, None), &mut u, save)?;
+            } else {
+                let (ab, dims, lds) = ((&*x.buf, &*w.buf), (m, n, k), (k, k));
+                launch_half(gpu, stream, &route, ab, dims, lds, (Some(&b.buf), Some(&self.chain)), &mut u, save)?;
+            }
+        }
+        self.finish_batch_norm(gpu, &u, &mut ws.y, bn)
     }
 
     /// The FP8 forward of 16-bit `x`: `x` quantised by rows, the weight (a folded
@@ -186,15 +236,19 @@ impl<H: HalfElement> GpuBlock<H> {
         Ok((ws.y, Saved { z, refined: true, own: true }))
     }
 
-    /// [`GpuBlock::forward_train`] with the statistics of a BatchNorm: none (a 16-bit
-    /// model's block refuses chains with one).
+    /// [`GpuBlock::forward_train`] and a BatchNorm's batch statistics ([`Workspace::stats`]).
     pub fn forward_train_stats(
         &self,
         gpu: &Gpu,
         x: &DeviceTensor<H>,
         poison: bool,
     ) -> Result<(DeviceTensor<H>, Saved, Option<DeviceTensor>)> {
-        self.forward_train(gpu, x, poison).map(|(y, saved)| (y, saved, None))
+        let batch = x.shape.first().copied().unwrap_or(0);
+        let mut ws = self.workspace_with(gpu, batch, poison)?;
+        let shape = [batch, self.gemm_width()];
+        let mut z = if poison { gpu.poisoned(&shape)? } else { gpu.alloc(&shape)? };
+        self.forward_into(gpu, x, &mut ws, Some(&mut z))?;
+        Ok((ws.y, Saved { z, refined: true, own: true }, ws.stats))
     }
 
     /// Gradients of a 16-bit block: `dX` and `dW` in its type, the bias's and the chain
@@ -240,7 +294,11 @@ impl<H: HalfElement> GpuBlock<H> {
         // dz in the 16-bit type: the row-wise backward reads and writes it; the tile-wise
         // one too where rows are 8-byte aligned, otherwise the FP32 one on a widened dy,
         // rounded.
-        let (dz, slots) = if !self.tile_backward() {
+        let (dz, slots) = if let Some(bn) = self.batch_norm {
+            // In FP32 through the statistics (`gpu/batch_norm.rs`), `dz` rounded once.
+            let (dz, slots) = self.backward_batch_norm(gpu, &saved.z, &widen(gpu, dy)?, bn)?;
+            (to_half(gpu, &dz)?, slots)
+        } else if !self.tile_backward() {
             epilogue_rows_backward(gpu, &self.chain, &saved.z, dy, self.out_width())?
         } else if n % 4 == 0 && dy.buf.device_address().is_multiple_of(8) {
             epilogue_tiles_backward(gpu, &self.chain, &saved.z, dy)?
