@@ -19,8 +19,11 @@ Tolerance on |loss_fused - loss_plain| / loss_plain, every step (`--tol` overrid
         that the two runs drift apart slowly (AdamW divides each update by the gradient's own
         size, so rounding differences in small gradients become differences of about lr in the
         weights), and over tens of steps the loss gap stays well under 1e-4.
-    tf32: 2e-2, bf16: 5e-2. The reference is strict FP32, so these carry their operands'
-        rounding (2^-11 and 2^-8 relative) in every forward and gradient.
+    tf32: 2e-2, fp16: 2e-2, bf16: 5e-2. The reference is strict FP32, so these carry their
+        operands' rounding (2^-11 and 2^-8 relative) in every forward and gradient.
+    fp8, fp8_gw_bf16: 0.15, FP8's tolerance (e4m3 keeps 4 significant bits). Their real bar
+        is the other one: the same MLP fused in bf16 is trained beside them on the same
+        batches, and the fp8 run's last loss must be within 2% of the bf16 run's (`--fp8-tol`).
 The final parameters are compared too (max over tensors of ||p_fused - p_plain|| / ||p_plain||);
 `--check-params` makes that a bar at 10x the loss tolerance, else it is only reported.
 
@@ -43,7 +46,15 @@ from torch import nn
 
 import fused_linear
 
-DEFAULT_TOL = {"fp32": 1e-4, "tf32x3": 1e-4, "tf32": 2e-2, "bf16": 5e-2}
+DEFAULT_TOL = {
+    "fp32": 1e-4,
+    "tf32x3": 1e-4,
+    "tf32": 2e-2,
+    "fp16": 2e-2,
+    "bf16": 5e-2,
+    "fp8": 0.15,
+    "fp8_gw_bf16": 0.15,
+}
 
 
 # ---------------------------------------------------------------- the two MLPs
@@ -195,6 +206,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--min-drop", type=float, default=0.5, help="the last loss must be < (1 - this) x the first"
     )
+    p.add_argument(
+        "--fp8-tol",
+        type=float,
+        default=0.02,
+        help="fp8: the last loss within this of a bf16 twin's, relative (0.02)",
+    )
     args = p.parse_args(argv)
     args.device = torch.device(args.device)
     if args.tol is None:
@@ -213,6 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     fused.load_state_dict(plain.state_dict())  # strict: the parameter names must match too
     opt_plain = torch.optim.AdamW(plain.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     opt_fused = torch.optim.AdamW(fused.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    # fp8: a bf16 twin of the fused MLP, trained on the same batches (its last loss is fp8's bar).
+    twins = []
+    if args.precision.startswith("fp8"):
+        bf16 = fused_mlp(args.in_features, args.hidden, args.out_features, args.groups, "bf16", args.device)
+        bf16.load_state_dict(plain.state_dict())
+        opt = torch.optim.AdamW(bf16.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        twins.append((bf16, opt, []))
     print(
         f"MLP {args.in_features} -> {args.hidden} -> {args.hidden} -> {args.out_features}, "
         f"batch {args.batch}, {args.device}, precision {args.precision}, loss tolerance {args.tol:g}"
@@ -223,7 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     bar = progress(args.steps)
     for step in bar:
         x, y = next(data)
-        for model, opt, losses in ((fused, opt_fused, losses_fused), (plain, opt_plain, losses_plain)):
+        for model, opt, losses in (
+            (fused, opt_fused, losses_fused),
+            (plain, opt_plain, losses_plain),
+            *twins,
+        ):
             opt.zero_grad(set_to_none=True)
             loss = F.mse_loss(model(x), y)
             loss.backward()
@@ -251,6 +279,16 @@ def main(argv: list[str] | None = None) -> int:
         if not losses[-1] < (1 - args.min_drop) * losses[0]:
             failures.append(
                 f"the {name} loss did not fall by {args.min_drop:.0%}: {losses[0]:.4g} -> {losses[-1]:.4g}"
+            )
+    for _, _, losses_bf16 in twins:
+        gap = rel_diff(losses_fused[-1], losses_bf16[-1])
+        print(
+            f"bf16 twin loss {losses_bf16[0]:.6f} -> {losses_bf16[-1]:.6f} | {args.precision} last loss "
+            f"{gap:.2%} from it (tol {args.fp8_tol:.0%})"
+        )
+        if not gap <= args.fp8_tol:
+            failures.append(
+                f"the {args.precision} loss is {gap:.2%} from the bf16 twin's (> {args.fp8_tol:.0%})"
             )
     if args.check_params and not pdiff <= 10 * args.tol:
         failures.append(f"the final parameters differ: {pdiff:.2e} > {10 * args.tol:g} ({pname})")
