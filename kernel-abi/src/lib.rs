@@ -182,6 +182,9 @@ pub mod batch_norm {
     pub const COLUMNS: usize = 32;
     /// Rows taken apart by each block's warps (row `r` by warp `r % ROW_GROUPS`).
     pub const ROW_GROUPS: usize = 8;
+    /// Rows of one block's chunk: each thread steps `CHUNK_ROWS / ROW_GROUPS` times, and
+    /// `rows / CHUNK_ROWS` chunks per column fill the GPU.
+    pub const CHUNK_ROWS: usize = 256;
     /// Shared memory of a block: a count, a mean and a sum of squares per thread.
     pub const SMEM_BYTES: usize = 3 * COLUMNS * ROW_GROUPS * 4;
 }

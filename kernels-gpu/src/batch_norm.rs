@@ -7,27 +7,32 @@
 use crate::elementwise::global_index;
 use crate::prelude::math::sqrt;
 use crate::prelude::*;
-use kernel_abi::batch_norm::{COLUMNS, ROW_GROUPS};
+use kernel_abi::batch_norm::{CHUNK_ROWS, COLUMNS, ROW_GROUPS};
 
-/// Each feature's mean and biased variance over the `rows` rows of `u` `(rows, n)`:
-/// `out[c]` the mean, `out[n + c]` the variance. Each thread runs Welford's update over
-/// every `ROW_GROUPS`-th row of one column; the partial counts, means and sums of
-/// squared deviations are merged pairwise (Chan et al.), so no `E[x^2] - E[x]^2`
-/// cancels.
+/// Each feature's count, mean and sum of squared deviations over one chunk of
+/// `CHUNK_ROWS` rows of `u` `(rows, n)` (chunk `blockIdx.y`), at
+/// `partials[(3 chunk + j) n + c]` for `j` = count, mean, M2. Each thread runs Welford's update over every
+/// `ROW_GROUPS`-th row of its chunk in one column; the block's partials are merged
+/// pairwise (Chan et al.), so no `E[x^2] - E[x]^2` cancels. (One chunk per block: with the
+/// whole batch per block, 16384 rows were 2048 dependent steps per thread, and the
+/// statistics took four times the GEMM.)
 ///
 /// # Safety
-/// `u` holds `rows * n` floats, `out` `2 n`. Launch: `ceil(n / COLUMNS)` blocks of
-/// `COLUMNS * ROW_GROUPS` threads, `3 * COLUMNS * ROW_GROUPS` floats of shared memory.
+/// `u` holds `rows * n` floats, `partials` `3 n ceil(rows / CHUNK_ROWS)`. Launch: grid
+/// `(ceil(n / COLUMNS), ceil(rows / CHUNK_ROWS))` of `COLUMNS * ROW_GROUPS` threads,
+/// `3 * COLUMNS * ROW_GROUPS` floats of shared memory.
 #[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn batch_norm_stats(u: *const f32, rows: u32, n: u32, out: *mut f32) {
+pub unsafe extern "ptx-kernel" fn batch_norm_stats(u: *const f32, rows: u32, n: u32, partials: *mut f32) {
     let t = thread_idx_x() as usize;
     let (lane, group) = (t % COLUMNS, t / COLUMNS);
     let (rows, n) = (rows as usize, n as usize);
     let c = block_idx_x() as usize * COLUMNS + lane;
+    let chunk = block_idx_y() as usize;
+    let end = if (chunk + 1) * CHUNK_ROWS < rows { (chunk + 1) * CHUNK_ROWS } else { rows };
     let (mut count, mut mean, mut m2) = (0.0f32, 0.0f32, 0.0f32);
     if c < n {
-        let mut r = group;
-        while r < rows {
+        let mut r = chunk * CHUNK_ROWS + group;
+        while r < end {
             // SAFETY: r < rows, c < n.
             let v = unsafe { *u.add(r * n + c) };
             count += 1.0;
@@ -53,39 +58,52 @@ pub unsafe extern "ptx-kernel" fn batch_norm_stats(u: *const f32, rows: u32, n: 
         let i = g * COLUMNS + lane;
         // SAFETY: i < slots, written before the barrier.
         let (nb, mb, m2b) = unsafe { (*base.add(i), *base.add(slots + i), *base.add(2 * slots + i)) };
-        if nb == 0.0 {
-            continue;
-        }
-        let total = count + nb;
-        let delta = mb - mean;
-        mean += delta * (nb / total);
-        m2 += m2b + delta * delta * (count * nb / total);
-        count = total;
+        (count, mean, m2) = merge((count, mean, m2), (nb, mb, m2b));
     }
-    // SAFETY: c < n; out holds 2 n.
+    // SAFETY: c < n, chunk < the grid's chunks; partials holds 3 n of them.
     unsafe {
-        *out.add(c) = mean;
-        *out.add(n + c) = m2 / rows as f32;
+        *partials.add(3 * chunk * n + c) = count;
+        *partials.add((3 * chunk + 1) * n + c) = mean;
+        *partials.add((3 * chunk + 2) * n + c) = m2;
     }
 }
 
-/// From `mean_var` (`[mean; var]`, `2 n`), the four rows the epilogue reads:
-/// `out = [mean; var; -mean; 1 / sqrt(var + eps)]`.
+/// Chan et al.'s merge of two (count, mean, M2) partials.
+#[inline(always)]
+fn merge((count, mean, m2): (f32, f32, f32), (nb, mb, m2b): (f32, f32, f32)) -> (f32, f32, f32) {
+    if nb == 0.0 {
+        return (count, mean, m2);
+    }
+    let total = count + nb;
+    let delta = mb - mean;
+    (total, mean + delta * (nb / total), m2 + m2b + delta * delta * (count * nb / total))
+}
+
+/// From the `chunks` partials of [`batch_norm_stats`], the four rows the epilogue reads:
+/// `out = [mean; var; -mean; 1 / sqrt(var + eps)]` (`var` biased: M2 over all rows).
 ///
 /// # Safety
-/// `mean_var` holds `2 n` floats, `out` `4 n`. Launch: 1-D over `n`.
+/// `partials` holds `3 n chunks` floats, `out` `4 n`. Launch: 1-D over `n`.
 #[unsafe(no_mangle)]
-pub unsafe extern "ptx-kernel" fn batch_norm_finish(mean_var: *const f32, n: u32, eps: f32, out: *mut f32) {
+pub unsafe extern "ptx-kernel" fn batch_norm_finish(partials: *const f32, chunks: u32, n: u32, eps: f32, out: *mut f32) {
     let (c, n) = (global_index(), n as usize);
-    if c < n {
-        // SAFETY: c < n; the sizes above.
-        unsafe {
-            let (mean, var) = (*mean_var.add(c), *mean_var.add(n + c));
-            *out.add(c) = mean;
-            *out.add(n + c) = var;
-            *out.add(2 * n + c) = -mean;
-            *out.add(3 * n + c) = 1.0 / sqrt(var + eps);
-        }
+    if c >= n {
+        return;
+    }
+    let mut acc = (0.0f32, 0.0f32, 0.0f32);
+    for k in 0..chunks as usize {
+        // SAFETY: k < chunks, c < n; the sizes above.
+        let part = unsafe { (*partials.add(3 * k * n + c), *partials.add((3 * k + 1) * n + c), *partials.add((3 * k + 2) * n + c)) };
+        acc = merge(acc, part);
+    }
+    let (count, mean, m2) = acc;
+    let var = m2 / count;
+    // SAFETY: c < n; out holds 4 n.
+    unsafe {
+        *out.add(c) = mean;
+        *out.add(n + c) = var;
+        *out.add(2 * n + c) = -mean;
+        *out.add(3 * n + c) = 1.0 / sqrt(var + eps);
     }
 }
 

@@ -5,9 +5,10 @@
 //! With `u` the BatchNorm's input (the GEMM, its bias and the per-element ops before
 //! the BatchNorm, which the block's `chain` holds):
 //! * forward: the GEMM plan of that shorter chain writes `u` (and saves `z`);
-//!   `batch_norm_stats` reduces each column of `u` to its mean and biased variance
-//!   (Welford per thread, Chan's merges across a block's warps: no `E[x^2] - E[x]^2`),
-//!   `batch_norm_finish` adds `-mean` and `rstd = 1 / sqrt(var + eps)`; then
+//!   `batch_norm_stats` reduces each chunk of 256 rows of each column of `u` to its count,
+//!   mean and sum of squared deviations (Welford per thread, Chan's merges across a
+//!   block's warps: no `E[x^2] - E[x]^2`), `batch_norm_finish` merges the chunks and adds
+//!   `-mean` and `rstd = 1 / sqrt(var + eps)`; then
 //!   `epilogue_rows` runs `bias(-mean), mul(rstd), mul(gamma), bias(beta)` and the ops
 //!   after the BatchNorm on `u`: the normalisation is four per-element ops on device
 //!   vectors, `xhat` formed as `(u - mean) rstd` before the affine.
@@ -28,7 +29,7 @@ use crate::chain::{Op, Pointwise};
 use crate::error::{Error, Result};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use kernel_abi::Kernel;
-use kernel_abi::batch_norm::{COLUMNS, ROW_GROUPS, SMEM_BYTES};
+use kernel_abi::batch_norm::{CHUNK_ROWS, COLUMNS, ROW_GROUPS, SMEM_BYTES};
 
 /// `[mean; var; -mean; rstd]` `(4, n)` of the columns of `u` `(rows, n)`.
 pub fn batch_norm_stats(gpu: &Gpu, u: &DeviceTensor, eps: f32) -> Result<DeviceTensor> {
@@ -38,23 +39,28 @@ pub fn batch_norm_stats(gpu: &Gpu, u: &DeviceTensor, eps: f32) -> Result<DeviceT
     if rows < 2 || rows > u32::MAX as usize || n > u32::MAX as usize {
         return Err(Error::Shape(format!("a BatchNorm over {rows} rows of {n} features")));
     }
-    let (rows32, n32) = (rows as u32, n as u32);
-    let mut mean_var = gpu.alloc(&[2, n])?;
+    let chunks = rows.div_ceil(CHUNK_ROWS);
+    if chunks > 65535 {
+        return Err(Error::Shape(format!("a BatchNorm over {rows} rows: at most {} rows", 65535 * CHUNK_ROWS)));
+    }
+    let (rows32, n32, chunks32) = (rows as u32, n as u32, chunks as u32);
+    let mut partials = gpu.alloc(&[chunks, 3, n])?;
     let func = gpu.function(Kernel::BatchNormStats)?;
     let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(COLUMNS) as u32, 1, 1),
+        grid_dim: (n.div_ceil(COLUMNS) as u32, chunks32, 1),
         block_dim: ((COLUMNS * ROW_GROUPS) as u32, 1, 1),
         shared_mem_bytes: SMEM_BYTES as u32,
     };
     let mut l = gpu.stream().launch_builder(&func);
-    l.arg(&u.buf).arg(&rows32).arg(&n32).arg(&mut mean_var.buf);
-    // SAFETY: (u, rows, n, out) as the kernel takes them: u holds rows * n, out 2 n.
+    l.arg(&u.buf).arg(&rows32).arg(&n32).arg(&mut partials.buf);
+    // SAFETY: (u, rows, n, partials) as the kernel takes them: u holds rows * n,
+    // partials 3 n per chunk of the grid.
     launched(Kernel::BatchNormStats, unsafe { l.launch(cfg) })?;
     let mut stats = gpu.alloc(&[4, n])?;
     let (func, cfg) = gpu.kernel_1d(Kernel::BatchNormFinish, n, 0)?;
     let mut l = gpu.stream().launch_builder(&func);
-    l.arg(&mean_var.buf).arg(&n32).arg(&eps).arg(&mut stats.buf);
-    // SAFETY: mean_var holds 2 n, stats 4 n.
+    l.arg(&partials.buf).arg(&chunks32).arg(&n32).arg(&eps).arg(&mut stats.buf);
+    // SAFETY: partials holds 3 n chunks, stats 4 n.
     launched(Kernel::BatchNormFinish, unsafe { l.launch(cfg) })?;
     Ok(stats)
 }
