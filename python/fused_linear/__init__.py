@@ -144,15 +144,18 @@ def _forget_fp8(key: int) -> None:
     _FP8_WATCHED.discard(key)
 
 
-def _fp8_weight(weight: Tensor, precision: str) -> Optional[List[Tensor]]:
+def _fp8_weight(weight: Tensor, precision: str, ops: str) -> Optional[List[Tensor]]:
     """A CUDA weight quantised for the fp8 GEMMs, once per version of it: the forward's
     copy (by rows) and ``dX``'s (by columns, transposed), with their scales. The cache
     entry is keyed by the weight's storage address, dtype, shape and version counter, which
     every in-place write through the weight or its views bumps (optimizer steps,
     ``copy_``, ``load_state_dict``): a changed weight is quantised again before use. Writes
     through ``weight.data`` bypass the counter; :func:`clear_fp8_cache` after them. None
-    where the kernels quantise per call instead (not fp8, not CUDA, a shape they refuse)."""
+    where the kernels quantise per call instead (not fp8, not CUDA, a shape they refuse,
+    a leading AvgPool, which the block folds into the weight before quantising)."""
     if not precision.startswith("fp8") or not weight.is_cuda or weight.dim() != 2:
+        return None
+    if ops.lstrip().startswith("avgpool"):
         return None
     n, k = weight.shape
     if n % 16 or k % 16 or weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -259,7 +262,7 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, ops, precision, *params):
-        fp8 = _fp8_weight(weight, precision)
+        fp8 = _fp8_weight(weight, precision, ops)
         y, z = _run_forward(x, weight, bias, list(params), ops, precision, True, fp8)
         ctx.save_for_backward(x, weight, bias, z, *params)
         ctx.ops, ctx.precision, ctx.fp8 = ops, precision, fp8
@@ -473,7 +476,9 @@ def _apply(x: Tensor, weight: Tensor, bias: Tensor, params: List[Tensor], ops: s
     if _plain_eager(x, weight, bias, params):
         if wants_grad:
             return _Eager.apply(x, weight, bias, ops, precision, *params)[0]
-        return _run_forward(x, weight, bias, params, ops, precision, False, _fp8_weight(weight, precision))[0]
+        return _run_forward(
+            x, weight, bias, params, ops, precision, False, _fp8_weight(weight, precision, ops)
+        )[0]
     if wants_grad:
         return torch.ops.fused_linear.forward(x, weight, bias, params, ops, precision)[0]
     return torch.ops.fused_linear.inference(x, weight, bias, params, ops, precision)

@@ -573,7 +573,9 @@ fn gpu_call<W: DeviceElement>(
     let params = DeviceParams { linear_weight: borrow_w(&call.weight)?, linear_bias, ops };
     let mut block =
         GpuBlock::from_device(&gpu, &call.block.spec, params).map_err(to_py)?.with_precision(call.precision);
-    if let Some(quantised) = fp8_weight {
+    // (A leading AvgPool is folded into the weight: the block quantises the folded one.)
+    let folds = matches!(call.block.spec.chain.0.first(), Some(host::chain::Op::AvgPool(_)));
+    if let Some(quantised) = fp8_weight.filter(|_| !folds) {
         let (n, k) = (call.block.spec.out_features, call.block.spec.in_features);
         let [rows, rows_s, cols, cols_s] = quantised else {
             return Err(PyValueError::new_err("fp8_weight: expected [rows, rows_scales, columns_t, columns_t_scales]"));
@@ -693,22 +695,19 @@ macro_rules! gpu_entry_points {
 
 /// `z` `(batch, n)` followed by the BatchNorm's batch mean and biased variance (the first
 /// two rows of `stats`): the saved state a chain with a BatchNorm hands the package.
+///
+/// Two device-to-device copies (the copy engine): through `convert_vectors`, the
+/// element-wise conversion kernel, `z`'s 32 MB took 0.23 ms of KernelBench 33's 0.58 ms
+/// forward in bf16 (H100, build `9507446`), more than the GEMM.
 fn with_batch_stats(gpu: &Gpu, z: &DeviceTensor, stats: &DeviceTensor) -> host::Result<DeviceTensor> {
     let (len, n) = (z.len(), stats.shape[1]);
-    let out = gpu.alloc(&[z.shape[0] + BATCH_STATS_ROWS, n])?;
-    let at = out.buf.device_address();
-    let copies = [
-        Vector { src: z.buf.device_address(), dst: at, len, mode: Convert::F32 },
-        Vector {
-            src: stats.buf.device_address(),
-            dst: at + (len * 4) as u64,
-            len: BATCH_STATS_ROWS * n,
-            mode: Convert::F32,
-        },
-    ];
-    // SAFETY: the sources hold `len` and `2 n` values, `out` both after one another; all
-    // live until the launch is queued, their frees stream-ordered after it.
-    unsafe { convert_vectors(gpu, gpu.stream(), &copies)? };
+    let mut out = gpu.alloc(&[z.shape[0] + BATCH_STATS_ROWS, n])?;
+    let stats_len = BATCH_STATS_ROWS * n;
+    let copy = |e| host::Error::cuda("copying the saved state on the device", e);
+    gpu.stream().memcpy_dtod(&*z.buf, &mut out.buf.slice_mut(0..len)).map_err(copy)?;
+    gpu.stream()
+        .memcpy_dtod(&stats.buf.slice(0..stats_len), &mut out.buf.slice_mut(len..len + stats_len))
+        .map_err(copy)?;
     Ok(out)
 }
 

@@ -136,3 +136,18 @@ def test_fp8_on_cuda_refuses_features_not_multiples_of_16():
     w, b = torch.randn(16, 40, device="cuda"), torch.randn(16, device="cuda")
     with pytest.raises(RuntimeError, match="multiples of 16"):
         fused_linear.fused_linear(x, w, b, "swish", [], precision="fp8")
+
+
+@pytest.mark.gpu
+def test_fp8_with_a_leading_avgpool_quantises_the_folded_weight():
+    """A chain that starts with an AvgPool folds it into the weight: the block quantises the
+    folded weight itself (the cache of the unfolded one is not offered to it)."""
+    torch.manual_seed(4)
+    cpu = FusedLinear(64, 256, "avgpool(4),gelu,sum", precision="fp8")
+    gpu = FusedLinear(64, 256, "avgpool(4),gelu,sum", precision="fp8").cuda()
+    gpu.load_state_dict(cpu.state_dict())
+    x = torch.randn(32, 64)
+    y64, _ = reference_grads(x, cpu.lin.weight, cpu.lin.bias, cpu.ops, [], torch.ones(32))
+    with torch.no_grad():
+        y = gpu(x.cuda())
+    assert rel_err(y, y64) < FP8_REL
