@@ -29,7 +29,7 @@ use super::epilogue::DeviceChain;
 use super::epilogue::kinks::{Refined, Scan, refine_near_kinks, scanned_prefix};
 use super::epilogue::lanes::{epilogue_tiles_backward, fits as tiles_fit};
 use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
-use super::gemm::fp8::{self, Fp8Matrix};
+use super::gemm::fp8::{self, Fp8Matrix, WeightCopy};
 use super::gemm::gemv::launch_gemv;
 use super::gemm::linear::grad_input_fp8;
 use super::gemm::{forward_gemm, grad_input, grad_weight};
@@ -432,6 +432,19 @@ impl<W: DeviceElement> GpuBlock<W> {
         let source = self.params.linear_weight.buf.device_address();
         self.fp8 = Some(Fp8Weight { source, rows, columns_t });
         Ok(self)
+    }
+
+    /// The FP8 `copy` of the GEMM's weight `w`: the block's cache where it was made from
+    /// `w`, else quantised now and kept in `made`.
+    pub(super) fn fp8_copy<'a, T: DeviceElement>(
+        &'a self,
+        gpu: &Gpu,
+        w: &DeviceTensor<T>,
+        copy: WeightCopy,
+        made: &'a mut Option<Fp8Matrix>,
+    ) -> Result<&'a Fp8Matrix> {
+        let cached = self.fp8_weight(w).map(|c| if copy == WeightCopy::Rows { &c.rows } else { &c.columns_t });
+        fp8::cached_or_quantised(gpu, gpu.stream(), cached, w, copy, made)
     }
 
     /// The cached FP8 weight, if it was quantised from `w` (the GEMM's weight).

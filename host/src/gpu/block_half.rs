@@ -18,7 +18,7 @@ use super::dispatch::{self, Role, Route, Storage};
 use super::elementwise::{to_half, unfold_rows_mean_grad, widen, widen_on};
 use super::epilogue::lanes::epilogue_tiles_backward;
 use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
-use super::gemm::fp8;
+use super::gemm::fp8::{self, WeightCopy};
 use super::gemm::gemv::launch_gemv;
 use super::gemm::tma::launch_half;
 use super::gemm::{grad_input, grad_weight};
@@ -152,14 +152,8 @@ impl<H: HalfElement> GpuBlock<H> {
                 return Err(Error::Unsupported(why));
             }
             let xq = fp8::quantise_rows(gpu, stream, x, "x")?;
-            let quantised;
-            let wq = match self.fp8_weight(w) {
-                Some(c) => &c.rows,
-                None => {
-                    quantised = fp8::quantise_rows(gpu, stream, w, "lin.weight")?;
-                    &quantised
-                }
-            };
+            let mut made = None;
+            let wq = self.fp8_copy(gpu, w, WeightCopy::Rows, &mut made)?;
             fp8::gemm(gpu, stream, &xq, wq, Some(&b.buf), Some(&self.chain), &mut u, save)?;
         } else {
             let storage = Storage::half(H::DTYPE, Dtype::F32, aligned(&[x, w]));
@@ -193,26 +187,12 @@ impl<H: HalfElement> GpuBlock<H> {
         }
         let stream = gpu.stream();
         let xq = fp8::quantise_rows(gpu, stream, x, "x")?;
-        let (quantised, b);
-        let wq = match &self.folded {
-            Some((_, w, fb)) => {
-                b = fb;
-                self.fp8_weight(w).map(|c| &c.rows)
-            }
+        let mut made = None;
+        let (wq, b) = match &self.folded {
+            Some((_, w, fb)) => (self.fp8_copy(gpu, w, WeightCopy::Rows, &mut made)?, fb),
             None => {
-                b = &self.params.linear_bias;
-                self.fp8_weight(&self.params.linear_weight).map(|c| &c.rows)
-            }
-        };
-        let wq = match (wq, &self.folded) {
-            (Some(w), _) => w,
-            (None, Some((_, w, _))) => {
-                quantised = fp8::quantise_rows(gpu, stream, w, "lin.weight")?;
-                &quantised
-            }
-            (None, None) => {
-                quantised = fp8::quantise_rows(gpu, stream, &self.params.linear_weight, "lin.weight")?;
-                &quantised
+                let w = &self.params.linear_weight;
+                (self.fp8_copy(gpu, w, WeightCopy::Rows, &mut made)?, &self.params.linear_bias)
             }
         };
         match (&ws.plan, ws.z.as_mut()) {
@@ -418,28 +398,18 @@ impl<H: HalfElement> GpuBlock<H> {
                 (false, false) => WeightGrad::F32(grad_weight_native(gpu, &route, dz, x, (n, k, m))?),
                 (true, _) => {
                     return Err(Error::Unsupported(format!(
-                        "fp8_gw_bf16's dW of a {m}-row batch: the 16-bit kernel takes a multiple of 8 rows,                          16-byte aligned"
+                        "fp8_gw_bf16's dW of a {m}-row batch: the 16-bit kernel takes a multiple of 8 rows, \
+                         16-byte aligned"
                     )));
                 }
             }
         };
         let stream = gpu.stream();
         let dzq = fp8::quantise_rows(gpu, stream, dz, "dz")?;
-        let quantised;
-        let cached = match &self.folded {
-            Some((_, w, _)) => self.fp8_weight(w),
-            None => self.fp8_weight(&self.params.linear_weight),
-        };
-        let wt = match (cached, &self.folded) {
-            (Some(c), _) => &c.columns_t,
-            (None, Some((_, w, _))) => {
-                quantised = fp8::quantise_columns_t(gpu, stream, w, "lin.weight")?;
-                &quantised
-            }
-            (None, None) => {
-                quantised = fp8::quantise_columns_t(gpu, stream, &self.params.linear_weight, "lin.weight")?;
-                &quantised
-            }
+        let mut made = None;
+        let wt = match &self.folded {
+            Some((_, w, _)) => self.fp8_copy(gpu, w, WeightCopy::ColumnsT, &mut made)?,
+            None => self.fp8_copy(gpu, &self.params.linear_weight, WeightCopy::ColumnsT, &mut made)?,
         };
         let mut dx = gpu.alloc_as::<H>(&[m, k])?;
         fp8::gemm(gpu, stream, &dzq, wt, None, None, &mut dx, None)?;

@@ -135,6 +135,33 @@ pub fn quantise_columns_t<T: DeviceElement>(
     Ok(Fp8Matrix { values, inv_scales, rows: cols, cols: rows, pitch })
 }
 
+/// Which copy of a Linear weight a GEMM reads: by rows (the forward's, one scale per
+/// output channel) or by columns, transposed (`dX`'s, one scale per input feature).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightCopy {
+    Rows,
+    ColumnsT,
+}
+
+/// `cached` where there is one, else `w`'s `copy` quantised now and kept in `made`.
+pub fn cached_or_quantised<'a, T: DeviceElement>(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    cached: Option<&'a Fp8Matrix>,
+    w: &DeviceTensor<T>,
+    copy: WeightCopy,
+    made: &'a mut Option<Fp8Matrix>,
+) -> Result<&'a Fp8Matrix> {
+    if let Some(c) = cached {
+        return Ok(c);
+    }
+    let m = match copy {
+        WeightCopy::Rows => quantise_rows(gpu, stream, w, "lin.weight")?,
+        WeightCopy::ColumnsT => quantise_columns_t(gpu, stream, w, "lin.weight")?,
+    };
+    Ok(made.insert(m))
+}
+
 /// `y (m, n) = chain(unscale(A B^T) + bias)` for `A (m, k)` and `B (n, k)` quantised by
 /// rows (their pitches equal: the GEMM's depth), `y` FP32, bf16 or fp16; `save_z` gets the
 /// values before the chain.

@@ -8,7 +8,7 @@ use super::super::elementwise::{slice_to_half, transpose_on, transpose_to_half_o
 use super::super::epilogue::DeviceChain;
 use super::super::{DeviceTensor, Gpu, HalfElement, Tuning};
 use super::args::Operands;
-use super::fp8::{self, Fp8Matrix};
+use super::fp8::{self, Fp8Matrix, WeightCopy};
 use crate::error::{Error, Result};
 use crate::precision::Precision;
 use crate::tensor::{Bf16, F16};
@@ -95,18 +95,12 @@ impl Gemm<'_> {
         if let Some(why) = fp8::unsupported(k, n) {
             return Err(Error::Unsupported(why));
         }
+        if let Some(w) = self.w_fp8.filter(|w| (w.rows, w.cols) != (n, k)) {
+            return Err(Error::Shape(format!("cached fp8 weight is {}x{}, the GEMM's {n}x{k}", w.rows, w.cols)));
+        }
         let x = fp8::quantise_rows::<f32>(gpu, stream, self.x, "x")?;
-        let quantised;
-        let w = match self.w_fp8 {
-            Some(w) if (w.rows, w.cols) == (n, k) => w,
-            Some(w) => {
-                return Err(Error::Shape(format!("cached fp8 weight is {}x{}, the GEMM's {n}x{k}", w.rows, w.cols)));
-            }
-            None => {
-                quantised = fp8::quantise_rows::<f32>(gpu, stream, self.w, "lin.weight")?;
-                &quantised
-            }
-        };
+        let mut made = None;
+        let w = fp8::cached_or_quantised(gpu, stream, self.w_fp8, self.w, WeightCopy::Rows, &mut made)?;
         fp8::gemm(gpu, stream, &x, w, self.bias, self.chain, y, save_z)
     }
 }
@@ -125,14 +119,8 @@ pub fn grad_input_fp8(gpu: &Gpu, dz: &DeviceTensor, w: &DeviceTensor, w_t: Optio
     }
     let stream = gpu.stream();
     let dz_q = fp8::quantise_rows::<f32>(gpu, stream, dz, "dz")?;
-    let quantised;
-    let w_t = match w_t {
-        Some(t) => t,
-        None => {
-            quantised = fp8::quantise_columns_t::<f32>(gpu, stream, w, "lin.weight")?;
-            &quantised
-        }
-    };
+    let mut made = None;
+    let w_t = fp8::cached_or_quantised(gpu, stream, w_t, w, WeightCopy::ColumnsT, &mut made)?;
     let mut dx = gpu.alloc(&[m, k])?;
     fp8::gemm(gpu, stream, &dz_q, w_t, None, None, &mut dx, None)?;
     Ok(dx)
