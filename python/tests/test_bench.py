@@ -233,6 +233,27 @@ def test_gpu_every_protocol_with_compile(tmp_path):
         assert c["rel_err_y"] < limit and c["rel_err_dx"] < limit, c
 
 
+def test_torchao_peers_belong_to_the_fp8_config_only():
+    runner = bench.Bench.__new__(bench.Bench)  # (only its implementation list is needed)
+    runner.impls = list(bench.IMPLS)
+    assert set(bench.TORCHAO_IMPLS) <= set(bench.IMPLS)
+    assert [i for i in runner._impls_for("bf16") if i in bench.TORCHAO_IMPLS] == []
+    assert runner._impls_for("fp8") == list(bench.IMPLS)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_config_runs_with_its_peers(tmp_path):
+    js = tmp_path / "bench.json"
+    argv = ["--shapes", "sweep", "--rows", "64", "--features", "1024x1024", "--configs", "fp8"]
+    argv += ["--protocols", "graph", "--iters", "3", "--warmup", "1", "--no-progress", "--json", str(js)]
+    assert bench.main(argv + ["--markdown", ""]) == 0
+    rows = json.loads(js.read_text())["rows"]
+    impls = {r["impl"] for r in rows}
+    assert {"eager", "compile", "ours"} <= impls
+    assert (bench._torchao() is not None) == bool(impls & set(bench.TORCHAO_IMPLS))
+    assert [r for r in rows if r["error"] is not None] == []
+
+
 KERNELBENCH = Path(__file__).resolve().parents[2] / "examples" / "kernelbench"
 #: The five with a hand-written ModelNew and five that only fuse() runs: a bare matmul weight
 #: (#14), a training-mode BatchNorm (#33), two Linears (#45), a Dropout (#66), a zero output
