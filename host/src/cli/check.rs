@@ -135,11 +135,15 @@ pub fn run(a: &CheckArgs) -> Result<(), Failure> {
         );
     }
     let mut rng = StdRng::seed_from_u64(a.seed);
+    // FP8 on the GPU takes features that are multiples of 16 (whole 16-byte rows of e4m3
+    // values): the cases' features are rounded up to them there.
+    let fp8_gpu = precision.is_fp8() && matches!(backend, Backend::Gpu(_));
+    let features = |f: usize| if fp8_gpu { f.next_multiple_of(16) } else { f };
     let mut cases: Vec<(String, Chain, (usize, usize, usize))> = Vec::new();
     for p in Preset::ALL {
         let (g_small, shape) = match p {
-            Preset::M4 => (None, (33, 77, 96)),
-            _ => (Some(4), (33, 77, 96)), // groups of 24 channels: an odd shape
+            Preset::M4 => (None, (33, features(77), 96)),
+            _ => (Some(4), (33, features(77), 96)), // groups of 24 channels: an odd shape
         };
         let chain = g_small.map_or(p.chain(), |g| p.chain().with_groups(g));
         cases.push((format!("{p} small"), chain, shape));
@@ -152,12 +156,12 @@ pub fn run(a: &CheckArgs) -> Result<(), Failure> {
     }
     // The BatchNorm on batch statistics (KernelBench 84's ops after a nonlinear one, so that
     // the Linear bias has a gradient: straight after the Linear the BatchNorm removes it).
-    cases.push(("batchnorm".into(), "swish,batchnorm,scale(1.5),softmax".parse()?, (130, 300, 256)));
+    cases.push(("batchnorm".into(), "swish,batchnorm,scale(1.5),softmax".parse()?, (130, features(300), 256)));
     for i in 0..a.random {
         let shape = (
             [1, 3, 17, 33, 130, 257][rng.random_range(0..6)],
-            [5, 16, 77, 300, 1030][rng.random_range(0..5)],
-            [24, 48, 96, 100, 256, 384, 130][rng.random_range(0..7)],
+            features([5, 16, 77, 300, 1030][rng.random_range(0..5)]),
+            features([24, 48, 96, 100, 256, 384, 130][rng.random_range(0..7)]),
         );
         cases.push((format!("random {i}"), random_chain(&mut rng, shape.2), shape));
     }
