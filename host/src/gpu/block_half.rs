@@ -370,19 +370,22 @@ impl<H: HalfElement> GpuBlock<H> {
     ) -> Result<(DeviceTensor<H>, DeviceTensor<H>)> {
         let (m, n, k) = (x.shape[0], self.gemm_width(), self.spec.in_features);
         let side = gpu.side_stream();
-        gpu.order(gpu.stream(), side)?;
         let dw = if self.precision == Precision::Fp8 {
+            // `dW` allocated on the GPU's stream first, then the side stream ordered after
+            // everything there (as `grad_weight_native` does).
+            let mut dw = if self.folded.is_some() {
+                WeightGrad::F32(gpu.alloc(&[n, k])?)
+            } else {
+                WeightGrad::Half(gpu.alloc_as::<H>(&[n, k])?)
+            };
+            gpu.order(gpu.stream(), side)?;
             let (dzt, xt) =
                 (fp8::quantise_columns_t(gpu, side, dz, "dz")?, fp8::quantise_columns_t(gpu, side, x, "x")?);
-            if self.folded.is_some() {
-                let mut dw = gpu.alloc(&[n, k])?;
-                fp8::gemm(gpu, side, &dzt, &xt, None, None, &mut dw, None)?;
-                WeightGrad::F32(dw)
-            } else {
-                let mut dw = gpu.alloc_as::<H>(&[n, k])?;
-                fp8::gemm(gpu, side, &dzt, &xt, None, None, &mut dw, None)?;
-                WeightGrad::Half(dw)
+            match &mut dw {
+                WeightGrad::F32(dw) => fp8::gemm(gpu, side, &dzt, &xt, None, None, dw, None)?,
+                WeightGrad::Half(dw) => fp8::gemm(gpu, side, &dzt, &xt, None, None, dw, None)?,
             }
+            dw
         } else {
             // `Fp8GwBf16`: the model's 16-bit dZ and X as stored (bf16 or fp16 operands).
             let out = if self.folded.is_some() { Dtype::F32 } else { H::DTYPE };
