@@ -29,6 +29,13 @@ PY=${PYTHON:-python3}
 "$PY" -m maturin build --release -m python/Cargo.toml -i "$PY" --out device-carry/wheels >/dev/null
 "$PY" -m pip download --quiet --only-binary :all: -d device-carry/wheels pytest
 ls device-carry/wheels
+# torchao, the fp8 configuration's peers (STEPS=fp8), kept apart from the wheels installed
+# by default. TORCHAO= picks the version (empty: none).
+TORCHAO=${TORCHAO-0.18.0}
+if [ -n "$TORCHAO" ]; then
+  "$PY" -m pip download --quiet --no-deps --only-binary :all: --python-version 3.12 -d device-carry/torchao \
+    "torchao==$TORCHAO"
+fi
 # Symbols are not needed there; stripped, everything fits the device tool's 64 MiB.
 for f in device-carry/*; do [ -x "$f" ] && [ -f "$f" ] && strip "$f"; done
 ls -la device-carry

@@ -15,6 +15,9 @@
 #   STEPS=bf16ab: the bf16 model's dev timing (and M2's phases), this build against
 #   device-carry/bf16_timing-old
 #   STEPS=bf16: a bf16 model's blocks, ours and PyTorch's bf16 model (eager, compiled)
+#   STEPS=fp8: the FP8 GPU tests, examples/train.py in fp8, scripts/fp8-errors.py and the
+#   benchmark's fp8 configuration at the seed sizes (torchao's recipes as peers where
+#   device-carry/torchao holds its wheel) (not in the default)
 #   STEPS=parallel: several ranks (NCCL over every GPU present, ranks sharing GPU 0), tensor
 #   and data parallel through the CLI, the DDP example (not in the default)
 set -uo pipefail
@@ -217,6 +220,17 @@ if has compile; then
   PYTHONUNBUFFERED=1 run "benchmark, max-autotune" 560 python3 -m fused_linear.bench --shapes seed \
     --configs ${BENCH_CONFIGS:-tf32,bf16} --compile-mode max-autotune-no-cudagraphs --no-progress \
     --json "$OUT/bench-seed-autotune.json" --markdown "$OUT/bench-seed-autotune.md"
+fi
+if has fp8; then
+  if [ -d "$C/torchao" ]; then
+    python3 -m pip install --quiet --no-index --no-deps --target /tmp/aolib "$C"/torchao/*.whl 2>&1 | tail -2
+  fi
+  run "FP8 GPU tests" 200 "$C/test-gpu" --ignored --nocapture --test-threads 1 fp8
+  PYTHONUNBUFFERED=1 run "train.py fp8" 200 python3 examples/train.py --steps 50 --device cuda --precision fp8
+  PYTHONPATH="/tmp/pylib:/tmp/aolib" PYTHONUNBUFFERED=1 run "fp8 errors" 300 python3 scripts/fp8-errors.py
+  PYTHONPATH="/tmp/pylib:/tmp/aolib" PYTHONUNBUFFERED=1 run "benchmark fp8" 560 python3 -m fused_linear.bench \
+    --shapes seed --models M1,M3,M5 --configs fp8 --protocols graph,flushed,stream --no-progress \
+    --json "$OUT/bench-seed-fp8.json" --markdown "$OUT/bench-seed-fp8.md"
 fi
 if has sweep; then
   for cfg in ${BENCH_CONFIGS:-bf16 tf32}; do
