@@ -1063,26 +1063,23 @@ fn fp8_weight<'py>(
         let allocator = Arc::new(TorchAllocator { allocate: allocate.clone().unbind() });
         // SAFETY: as in `gpu_call`: PyTorch's current stream of the weight's device.
         let gpu = unsafe { opened.on_stream(stream, Some(allocator)) };
-        use host::gpu::gemm::fp8::{quantise_columns_t, quantise_rows};
-        // SAFETY (each): a checked contiguous tensor of this shape and dtype on this device.
-        let (rows, cols) = match w.dtype {
-            DType::Bf16 => {
-                let t = unsafe { gpu.borrow_tensor::<Bf16>(w.ptr, &w.shape) }.map_err(to_py)?;
-                (quantise_rows(&gpu, gpu.stream(), &t, "weight"), quantise_columns_t(&gpu, gpu.stream(), &t, "weight"))
-            }
-            DType::F16 => {
-                let t = unsafe { gpu.borrow_tensor::<F16>(w.ptr, &w.shape) }.map_err(to_py)?;
-                (quantise_rows(&gpu, gpu.stream(), &t, "weight"), quantise_columns_t(&gpu, gpu.stream(), &t, "weight"))
-            }
-            DType::F32 => {
-                let t = unsafe { gpu.borrow_tensor::<f32>(w.ptr, &w.shape) }.map_err(to_py)?;
-                (quantise_rows(&gpu, gpu.stream(), &t, "weight"), quantise_columns_t(&gpu, gpu.stream(), &t, "weight"))
-            }
+        use host::gpu::gemm::fp8::{Fp8Matrix, quantise_columns_t, quantise_rows};
+        // Both copies of the weight, read as `T` (its dtype, matched below).
+        fn both<T: DeviceElement>(gpu: &Gpu, w: &Arg<'_>) -> host::Result<(Fp8Matrix, Fp8Matrix)> {
+            // SAFETY: `w` was checked to be a contiguous, aligned tensor of this shape on
+            // this device, of `T` (the caller's match on its dtype), held for the call.
+            let t = unsafe { gpu.borrow_tensor::<T>(w.ptr, &w.shape) }?;
+            Ok((quantise_rows(gpu, gpu.stream(), &t, "weight")?, quantise_columns_t(gpu, gpu.stream(), &t, "weight")?))
+        }
+        let quantised = match w.dtype {
+            DType::Bf16 => both::<Bf16>(&gpu, &w),
+            DType::F16 => both::<F16>(&gpu, &w),
+            DType::F32 => both::<f32>(&gpu, &w),
             DType::F64 => {
                 return Err(PyTypeError::new_err("fp8_weight: a float64 weight (fp8 takes float32, bf16, fp16)"));
             }
         };
-        let (rows, cols) = (rows.map_err(to_py)?, cols.map_err(to_py)?);
+        let (rows, cols) = quantised.map_err(to_py)?;
         let py = weight.py();
         let torch_of = |buf: host::gpu::DeviceBuf<u8>| -> PyResult<Bound<'py, PyAny>> {
             let len = buf.len();

@@ -208,12 +208,7 @@ impl<H: HalfElement> GpuBlock<H> {
     /// The forward of a training step on 16-bit `x`: `y` in that type and the FP32 `z` the
     /// backward needs. `poison` NaN-fills the buffers first (for checks).
     pub fn forward_train(&self, gpu: &Gpu, x: &DeviceTensor<H>, poison: bool) -> Result<(DeviceTensor<H>, Saved)> {
-        let batch = x.shape.first().copied().unwrap_or(0);
-        let mut ws = self.workspace_with(gpu, batch, poison)?;
-        let shape = [batch, self.gemm_width()];
-        let mut z = if poison { gpu.poisoned(&shape)? } else { gpu.alloc(&shape)? };
-        self.forward_into(gpu, x, &mut ws, Some(&mut z))?;
-        Ok((ws.y, Saved { z, refined: true, own: true }))
+        self.forward_train_stats(gpu, x, poison).map(|(y, saved, _)| (y, saved))
     }
 
     /// [`GpuBlock::forward_train`] and a BatchNorm's batch statistics ([`Workspace::stats`]).
