@@ -155,10 +155,10 @@ def _fp8_weight(weight: Tensor, precision: str, ops: str) -> Optional[List[Tenso
     a leading AvgPool, which the block folds into the weight before quantising)."""
     if not precision.startswith("fp8") or not weight.is_cuda or weight.dim() != 2:
         return None
-    if ops.lstrip().startswith("avgpool"):
-        return None
     n, k = weight.shape
     if n % 16 or k % 16 or weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None
+    if _describe(int(k), int(n), ops)[1] != n:  # the GPU's GEMM is narrower: a folded AvgPool
         return None
     key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape))
     hit = _FP8_CACHE.get(id(weight))
@@ -375,9 +375,7 @@ def _half_block(
     autograd graph holds one node per block (a BatchNorm on batch statistics included).
     On the CPU (no 16-bit kernels there) the float32 path on copies, the output rounded
     to ``dtype`` once."""
-    convert = ".half()" if dtype == torch.float16 else ".to(torch.bfloat16)"
-    own = _HALF[dtype]
-    _check_half_dtypes(x, weight, [bias, *params], dtype, f"a {own} block", convert)
+    _check_half_dtypes(x, weight, [bias, *params], dtype)
     precision = _resolve_precision(x, precision)
     if not x.is_cuda:
         wide = [t.float() if isinstance(t, Tensor) else t for t in (bias, *params)]
@@ -395,11 +393,11 @@ def _half_block(
     return y.view(tuple(lead) + tuple(y.shape[1:]))
 
 
-def _check_half_dtypes(
-    x: Tensor, weight: Tensor, rest: List[Tensor], dtype: torch.dtype, block: str, convert: str
-) -> None:
+def _check_half_dtypes(x: Tensor, weight: Tensor, rest: List[Tensor], dtype: torch.dtype) -> None:
     """A 16-bit model's tensors: ``x`` and ``weight`` both in ``dtype``, the bias and the
     chain's parameters in ``dtype`` or float32; a ``TypeError`` naming the first that is not."""
+    block = f"a {_HALF[dtype]} block"
+    convert = ".half()" if dtype == torch.float16 else ".to(torch.bfloat16)"
     for name, t in (("x", x), ("weight", weight)):
         if not isinstance(t, Tensor) or t.dtype != dtype:
             got = t.dtype if isinstance(t, Tensor) else type(t).__name__
@@ -500,14 +498,12 @@ def _with_batch_stats(
     # kernels there), the output rounded once. On CUDA their own kernels run it.
     if x.dtype in _HALF and not x.is_cuda:
         wide = [t.float() if isinstance(t, Tensor) else t for t in (bias, *params)]
-        if precision is None:
-            precision = "bf16" if x.dtype == torch.bfloat16 else "fp16"
-        y, stats = _with_batch_stats(x.float(), weight.float(), wide[0], ops, wide[1:], precision)
+        y, stats = _with_batch_stats(
+            x.float(), weight.float(), wide[0], ops, wide[1:], precision or _HALF[x.dtype]
+        )
         return y.to(x.dtype), stats
     if x.dtype in _HALF:
-        own = _HALF[x.dtype]
-        convert = ".half()" if x.dtype == torch.float16 else ".to(torch.bfloat16)"
-        _check_half_dtypes(x, weight, [bias, *params], x.dtype, f"a {own} block", convert)
+        _check_half_dtypes(x, weight, [bias, *params], x.dtype)
     precision = _resolve_precision(x, precision)
     wants_grad = torch.is_grad_enabled() and any(
         getattr(t, "requires_grad", False) for t in (x, weight, bias, *params)
