@@ -963,12 +963,13 @@ fn batch_norm_in_16_bit_models_matches_reference() {
 /// The GPU's FP8 quantisation (kernels-gpu/src/fp8.rs) gives the CPU emulation's
 /// bytes and scales exactly (`host::fp8::quantise`), by rows and by columns transposed
 /// (the batch padded with zeros), from FP32 and bf16 sources, over rows spanning 60
-/// binades, a row of zeros, saturating values and a NaN.
+/// binades, a row of zeros, saturating values and a NaN; and a weight's copies for `dX`
+/// (its rows' bytes transposed, the scales moved onto `dZ`).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn fp8_quantisation_matches_the_emulation_bit_for_bit() {
-    use host::fp8::{Axis, E4M3, quantise};
-    use host::gpu::gemm::fp8::{Fp8Matrix, quantise_columns_t, quantise_rows};
+    use host::fp8::{Axis, E4M3, moved_scales, quantise};
+    use host::gpu::gemm::fp8::{Fp8Matrix, quantise_columns_t, quantise_grad, quantise_rows, quantise_weight};
     use host::tensor::Bf16;
     let gpu = gpu();
     let (rows, cols) = (70, 272);
@@ -1024,6 +1025,32 @@ fn fp8_quantisation_matches_the_emulation_bit_for_bit() {
         }
         assert!(inv[11].is_nan() && scales(&by_rows)[9].is_nan(), "{source}: a NaN gives NaN scales");
     }
+    // A weight's copies for dX (`quantise_weight`): its rows' bytes transposed, the
+    // scales moved onto dZ's columns, and dZ quantised with them, as the emulation's recipe.
+    let (n, k, m) = (48, cols, 20);
+    let w: Vec<f32> = data[10 * cols..(10 + n) * cols].to_vec(); // rows of 2^-20..2^27, no NaN
+    let wq = quantise_weight(&gpu, gpu.stream(), &gpu.upload(&Tensor::new(&[n, k], w.clone()).unwrap()).unwrap(), "w")
+        .unwrap();
+    let want = quantise(&w, n, k, Axis::Rows, E4M3);
+    let (t, inv_t) = (bytes(&wq.rows_t), scales(&wq.rows_t));
+    assert_eq!((wq.rows_t.rows, wq.rows_t.cols, wq.rows_t.pitch), (k, n, n));
+    for c in 0..k {
+        for r in 0..n {
+            let (g, w) = (E4M3.decode(t[c * n + r]), want.values[r * k + c]);
+            assert!(same(g, w), "weight transposed, ({r}, {c}): {g} against {w}");
+        }
+    }
+    let (mult, col) = moved_scales(&want.scales);
+    assert!(inv_t.iter().all(|&v| same(v, 1.0 / col)), "dX's column factors: {inv_t:?} against 1/{col}");
+    let got_mult = gpu.stream().clone_dtoh(&*wq.dz_scales).unwrap();
+    assert!(got_mult.iter().zip(&mult).all(|(&g, &w)| same(g, w)), "dZ's multipliers: {got_mult:?} against {mult:?}");
+    let dz = random_input(m, n, &mut rng).unwrap();
+    let dzq = quantise_grad(&gpu, gpu.stream(), &gpu.upload(&dz).unwrap(), &wq).unwrap();
+    let moved: Vec<f32> = dz.data().chunks(n).flat_map(|r| r.iter().zip(&mult).map(|(v, m)| v * m)).collect();
+    let want = quantise(&moved, m, n, Axis::Rows, E4M3);
+    let (got, inv) = (bytes(&dzq), scales(&dzq));
+    assert!(got.iter().zip(&want.values).all(|(&b, &w)| same(E4M3.decode(b), w)), "dZ's bytes");
+    assert!(inv.iter().zip(&want.scales).all(|(&g, &s)| same(g, 1.0 / s)), "dZ's inverse scales");
 }
 
 /// FP8 blocks on the GPU (`gemm_tma_e4m3_nt` for all three GEMMs, the weight quantised

@@ -161,6 +161,19 @@ pub fn quantise(data: &[f32], rows: usize, cols: usize, axis: Axis, format: Fp8F
     Quantised { values, scales }
 }
 
+/// `dX = dZ W`'s scales under the forward's weight copy (quantised by rows, `w_scales`
+/// one per output channel), as the GPU makes them (`fp8_transpose_weight`): `W` is about
+/// `diag(1 / s) Wq`, so `dZ`'s columns take the inverse scales `1 / s_n` before `dZ` is
+/// quantised by rows; dividing them by their largest, `m`, keeps those products from
+/// overflowing, and `dX`'s columns take `m` back. Returns the multipliers `(1 / s_n) / m`
+/// (powers of two, at most 1) and the scale of `dX`'s columns, `1 / m`. A NaN scale (a
+/// non-finite weight) makes every multiplier NaN.
+pub fn moved_scales(w_scales: &[f32]) -> (Vec<f32>, f32) {
+    let inv: Vec<f32> = w_scales.iter().map(|s| 1.0 / s).collect();
+    let m = inv.iter().fold(0.0f32, |m, &v| if m.is_nan() || v.is_nan() { f32::NAN } else { m.max(v) });
+    (inv.iter().map(|v| v / m).collect(), 1.0 / m)
+}
+
 /// Undoes the scales of a product: `dst[r][c] /= row_scales[r] * col_scales[c]` for the
 /// row-major `dst` (`row_scales.len() x col_scales.len()`), as two exact multiplications
 /// by the reciprocals (powers of two) rather than a rounded division.
@@ -317,6 +330,10 @@ mod tests {
         let q = quantise(&[1.0, f32::NAN, 2.0, 3.0], 2, 2, Axis::Rows, E4M3);
         assert!(q.scales[0].is_nan() && q.values[..2].iter().all(|v| v.is_nan()));
         assert_eq!(q.scales[1], 128.0);
+        // dX's scales under the forward's copy: multipliers over the largest inverse.
+        let (mult, col) = moved_scales(&[256.0, 1024.0, 64.0]);
+        assert_eq!((mult, col), (vec![0.25, 0.0625, 1.0], 64.0));
+        assert!(moved_scales(&[2.0, f32::NAN]).0.iter().all(|v| v.is_nan()));
         // Undoing the scales.
         let mut z = vec![256.0, 512.0, 1024.0, 2048.0];
         unscale(&mut z, &[2.0, 4.0], &[8.0, 16.0]);

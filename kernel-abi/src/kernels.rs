@@ -193,6 +193,7 @@ kernels! {
     Fp8QuantiseColumnsTF32 = "fp8_quantise_columns_t_f32", bounds(256, 1);
     Fp8QuantiseColumnsTBf16 = "fp8_quantise_columns_t_bf16", bounds(256, 1);
     Fp8QuantiseColumnsTF16 = "fp8_quantise_columns_t_f16", bounds(256, 1);
+    Fp8TransposeWeight = "fp8_transpose_weight", bounds(256, 1);
     // BatchNorm on batch statistics (`batch_norm.rs`).
     BatchNormStats = "batch_norm_stats", bounds(crate::batch_norm::COLUMNS * crate::batch_norm::ROW_GROUPS, 1);
     BatchNormFinish = "batch_norm_finish";

@@ -197,7 +197,8 @@ pub mod fp8 {
     pub const ROW_SMEM_BYTES: usize = ROW_THREADS / 8;
     /// Rows of a column-amax block's panel.
     pub const COLUMN_BLOCK_ROWS: usize = 64;
-    /// The transposing quantisation's tiles: `TILE x TILE` values.
+    /// The transposing kernels' tiles (the quantisation by columns, the weight's
+    /// transpose): `TILE x TILE` values.
     pub const TILE: usize = 64;
     /// Bytes between its transposed tile's rows in shared memory (4 more than a row:
     /// fewer bank conflicts on the byte writes).

@@ -17,7 +17,7 @@
 use crate::prelude::element::{Bf16, Element, F16};
 use crate::prelude::warp::shfl_xor;
 use crate::prelude::*;
-use crate::prelude::global::store_v4;
+use crate::prelude::global::{load_v4_nc, store_v4};
 use kernel_abi::fp8::{COLUMN_BLOCK_ROWS, ROW_THREADS, TILE, TILE_PITCH};
 
 /// The scale's exponent for a slice of largest magnitude `amax_bits` (`|v|`'s bits),
@@ -115,14 +115,19 @@ macro_rules! fp8_entries {
 }
 
 fp8_entries! {
-    quantise_rows(rows: u32, cols: u32, dst: *mut u8, inv_scales: *mut f32);
+    quantise_rows(rows: u32, cols: u32, col_mult: *const f32, inv_max_bits: *mut u32, dst: *mut u8, inv_scales: *mut f32);
     /// Quantises the row-major `(rows, cols)` FP32 matrix `src` to e4m3 with one scale
-    /// per row: `dst[r][c] = e4m3(src[r][c] * s_r)`, `inv_scales[r] = 1 / s_r`.
+    /// per row: `dst[r][c] = e4m3(v * s_r)`, `inv_scales[r] = 1 / s_r`, where `v` is
+    /// `src[r][c]`, times `col_mult[c]` unless `col_mult` is null (`dZ` for `dX`: the
+    /// weight's scales moved onto its columns, [`fp8_transpose_weight`]). Unless
+    /// `inv_max_bits` is null, raises it to the largest `1 / s_r`'s bits (a weight's
+    /// normaliser for [`fp8_transpose_weight`]; it starts at zero).
     ///
     /// # Safety
-    /// `src` holds `rows * cols` values, 16-byte aligned; `dst` `rows * cols` bytes and
-    /// `inv_scales` `rows` floats, 4-byte aligned; `cols` a multiple of 4. Launch: one
-    /// block of `ROW_THREADS` threads per row, `ROW_THREADS / 8` bytes of shared memory.
+    /// `src` holds `rows * cols` values, 16-byte aligned; `col_mult` null or `cols`
+    /// floats, 16-byte aligned; `dst` `rows * cols` bytes and `inv_scales` `rows` floats,
+    /// 4-byte aligned; `cols` a multiple of 4. Launch: one block of `ROW_THREADS` threads
+    /// per row, `ROW_THREADS / 8` bytes of shared memory.
     fp8_quantise_rows_f32 = <f32>;
     /// [`fp8_quantise_rows_f32`] of a bf16 matrix.
     ///
@@ -139,11 +144,28 @@ fp8_entries! {
 /// The body of the `fp8_quantise_rows_*` kernels: the row's amax, then its values
 /// scaled and rounded, four per thread and step (read twice: the second pass hits L1/L2).
 #[inline(always)]
-unsafe fn quantise_rows<T: Element>(src: *const T, _rows: u32, cols: u32, dst: *mut u8, inv_scales: *mut f32) {
+unsafe fn quantise_rows<T: Element>(
+    src: *const T,
+    _rows: u32,
+    cols: u32,
+    col_mult: *const f32,
+    inv_max_bits: *mut u32,
+    dst: *mut u8,
+    inv_scales: *mut f32,
+) {
     let (row, t) = (block_idx_x() as usize, thread_idx_x() as usize);
     let cols = cols as usize;
-    // SAFETY: the row's `cols` values, 4 at a time (`cols % 4 == 0`, aligned).
-    let load = |c: usize| unsafe { T::load4_nc(src.add(row * cols + c)) };
+    // SAFETY: the row's `cols` values, 4 at a time (`cols % 4 == 0`, aligned), and as
+    // many multipliers.
+    let load = |c: usize| unsafe {
+        let v = T::load4_nc(src.add(row * cols + c));
+        if col_mult.is_null() {
+            v
+        } else {
+            let m = f32::load4_nc(col_mult.add(c));
+            [v[0] * m[0], v[1] * m[1], v[2] * m[2], v[3] * m[3]]
+        }
+    };
     let mut amax = 0u32;
     let mut c = 4 * t;
     while c < cols {
@@ -164,8 +186,13 @@ unsafe fn quantise_rows<T: Element>(src: *const T, _rows: u32, cols: u32, dst: *
         c += 4 * ROW_THREADS;
     }
     if t == 0 {
-        // SAFETY: `row < rows`.
-        unsafe { *inv_scales.add(row) = inv };
+        // SAFETY: `row < rows`; `inv_max_bits` a global word where not null.
+        unsafe {
+            *inv_scales.add(row) = inv;
+            if !inv_max_bits.is_null() {
+                atomic_max_u32(inv_max_bits, inv.to_bits());
+            }
+        }
     }
 }
 
@@ -308,5 +335,76 @@ unsafe fn quantise_columns_t<T: Element>(
             }
         }
         i += 256;
+    }
+}
+
+/// Transposes a weight `(rows, cols)` quantised by [`fp8_quantise_rows_f32`] (one scale per
+/// row, an output channel) into `dst_t (cols, rows)`, the `k`-major operand of
+/// `dX = dZ W`: the same bytes, so `dX` sees the forward's quantised weight. Its scales
+/// move to `dZ`'s columns: `dz_scales[r] = inv_scales[r] / m` (at most 1), and the GEMM
+/// multiplies every column of `dX` by `inv_t[c] = m`, where `m` is the largest inverse
+/// scale (`inv_max_bits`), so that `dZ`'s multiplied values cannot overflow. Powers of
+/// two throughout: exact. `64 x 64`-byte tiles pass through shared memory.
+///
+/// # Safety
+/// `src` holds `rows * cols` bytes and `dst_t` as many, both 16-byte aligned, `rows`
+/// and `cols` multiples of 16; `inv_scales` and `dz_scales` `rows` floats, `inv_t`
+/// `cols`; `inv_max_bits` the finished maximum. Launch: grid `(ceil(cols / TILE),
+/// ceil(rows / TILE))` of 256 threads, `TILE * TILE_PITCH` bytes of shared memory.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn fp8_transpose_weight(
+    src: *const u8,
+    rows: u32,
+    cols: u32,
+    inv_scales: *const f32,
+    inv_max_bits: *const u32,
+    dst_t: *mut u8,
+    inv_t: *mut f32,
+    dz_scales: *mut f32,
+) {
+    const PITCH: usize = TILE_PITCH;
+    let tile = dynamic_shared::<u8>();
+    let t = thread_idx_x() as usize;
+    let (rows, cols) = (rows as usize, cols as usize);
+    let (c0, r0) = (block_idx_x() as usize * TILE, block_idx_y() as usize * TILE);
+    // SAFETY: the finished maximum (a kernel before this one wrote it).
+    let m = f32::from_bits(unsafe { *inv_max_bits });
+    if block_idx_y() == 0 && t < TILE && c0 + t < cols {
+        // SAFETY: c0 + t < cols.
+        unsafe { *inv_t.add(c0 + t) = m };
+    }
+    if block_idx_x() == 0 && t < TILE && r0 + t < rows {
+        // SAFETY: r0 + t < rows.
+        unsafe { *dz_scales.add(r0 + t) = *inv_scales.add(r0 + t) / m };
+    }
+    // Reads: 16 bytes per thread, `TILE / 16` threads per row of `src`.
+    let per_row = TILE / 16;
+    let (r, chunk) = (t / per_row, t % per_row);
+    if r0 + r < rows && c0 + 16 * chunk < cols {
+        // SAFETY: 16 bytes of row `r0 + r` (`cols` a multiple of 16; aligned), into the
+        // tile's row `r` (4-byte aligned: PITCH and 16 * chunk are multiples of 4).
+        unsafe {
+            let w = load_v4_nc(src.add((r0 + r) * cols + c0 + 16 * chunk) as *const f32);
+            let at = tile.add(r * PITCH + 16 * chunk) as *mut u32;
+            for (i, v) in w.iter().enumerate() {
+                *at.add(i) = v.to_bits();
+            }
+        }
+    }
+    // SAFETY: uniform.
+    unsafe { sync_threads() };
+    // Writes: thread `t` gathers 16 rows of column `c0 + t / per_row` into 16 bytes.
+    let (oc, chunk) = (t / per_row, t % per_row);
+    if c0 + oc < cols && r0 + 16 * chunk < rows {
+        let mut w = [0u32; 4];
+        for (i, word) in w.iter_mut().enumerate() {
+            for j in 0..4 {
+                // SAFETY: inside the tile.
+                let b = unsafe { *tile.add((16 * chunk + 4 * i + j) * PITCH + oc) };
+                *word |= (b as u32) << (8 * j);
+            }
+        }
+        // SAFETY: `dst_t`'s row `c0 + oc` holds `rows` bytes, `r0 + 16 * chunk + 16 <= rows`, 16-byte aligned.
+        unsafe { store_v4(dst_t.add((c0 + oc) * rows + r0 + 16 * chunk) as *mut f32, w.map(f32::from_bits)) };
     }
 }

@@ -146,7 +146,8 @@ def _forget_fp8(key: int) -> None:
 
 def _fp8_weight(weight: Tensor, precision: str, ops: str) -> Optional[List[Tensor]]:
     """A CUDA weight quantised for the fp8 GEMMs, once per version of it: the forward's
-    copy (by rows) and ``dX``'s (by columns, transposed), with their scales. The cache
+    copy (by rows, with its scales), the same bytes transposed for ``dX``, and the factors
+    that move its scales onto ``dZ``'s columns there. The cache
     entry is keyed by the weight's storage address, dtype, shape and version counter, which
     every in-place write through the weight or its views bumps (optimizer steps,
     ``copy_``, ``load_state_dict``): a changed weight is quantised again before use. Writes

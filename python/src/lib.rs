@@ -577,12 +577,18 @@ fn gpu_call<W: DeviceElement>(
     let folds = matches!(call.block.spec.chain.0.first(), Some(host::chain::Op::AvgPool(_)));
     if let Some(quantised) = fp8_weight.filter(|_| !folds) {
         let (n, k) = (call.block.spec.out_features, call.block.spec.in_features);
-        let [rows, rows_s, cols, cols_s] = quantised else {
-            return Err(PyValueError::new_err("fp8_weight: expected [rows, rows_scales, columns_t, columns_t_scales]"));
+        let [rows, rows_s, rows_t, rows_t_s, dz_scales] = quantised else {
+            return Err(PyValueError::new_err(
+                "fp8_weight: expected [rows, rows_scales, rows_t, rows_t_scales, dz_scales] (made by fp8_weight())",
+            ));
         };
-        let rows = fp8_matrix(&gpu, (rows, rows_s), (n, k, k), call.device.clone())?;
-        let cols = fp8_matrix(&gpu, (cols, cols_s), (k, n, n.next_multiple_of(16)), call.device.clone())?;
-        block = block.with_fp8_weight(rows, cols).map_err(to_py)?;
+        let rows = fp8_matrix(&gpu, (rows, rows_s), (n, k, k), &call.device)?;
+        let rows_t = fp8_matrix(&gpu, (rows_t, rows_t_s), (k, n, n), &call.device)?;
+        let dz_scales = fp8_part(dz_scales, "float32", n, &call.device)?;
+        // SAFETY: checked by `fp8_part`; the caller holds the tensor for the call.
+        let dz_scales = unsafe { gpu.borrow_buf::<f32>(dz_scales, n) };
+        let weight = host::gpu::gemm::fp8::Fp8Weight { rows, rows_t, dz_scales };
+        block = block.with_fp8_weight(weight).map_err(to_py)?;
     }
     let x = borrow_w(&call.x)?;
     Ok(GpuCall { gpu, block, x, _widened: widened })
@@ -594,35 +600,33 @@ fn fp8_matrix(
     gpu: &Gpu,
     (values, scales): (&Bound<'_, PyAny>, &Bound<'_, PyAny>),
     (rows, cols, pitch): (usize, usize, usize),
-    device: Device,
+    device: &Device,
 ) -> PyResult<host::gpu::gemm::fp8::Fp8Matrix> {
-    let py = values.py();
-    let torch = py.import("torch")?;
-    let mut ptrs = [0u64; 2];
-    for (i, (t, dtype, len)) in
-        [(values, torch.getattr("uint8")?, rows * pitch), (scales, torch.getattr("float32")?, rows)]
-            .into_iter()
-            .enumerate()
-    {
-        let a = (
-            t.getattr("dtype")?.eq(&dtype)?,
-            t.call_method0("numel")?.extract::<usize>()? == len,
-            t.call_method0("is_contiguous")?.extract::<bool>()?,
-            t.getattr("device")?.str()?.to_string() == device.to_string(),
-        );
-        if a != (true, true, true, true) {
-            return Err(PyValueError::new_err(format!(
-                "fp8_weight: expected {len} contiguous {} values on {device} (made by fp8_weight() for this weight)",
-                dtype.str()?
-            )));
-        }
-        ptrs[i] = t.call_method0("data_ptr")?.extract()?;
-    }
-    // SAFETY: checked above: contiguous tensors of these lengths on the block's device,
-    // which the caller holds for the call.
+    let values = fp8_part(values, "uint8", rows * pitch, device)?;
+    let inv_scales = fp8_part(scales, "float32", rows, device)?;
+    // SAFETY: `fp8_part` checked both: contiguous tensors of these lengths and types on
+    // the block's device, which the caller holds for the call.
     let (values, inv_scales) =
-        unsafe { (gpu.borrow_buf::<u8>(ptrs[0], rows * pitch), gpu.borrow_buf::<f32>(ptrs[1], rows)) };
+        unsafe { (gpu.borrow_buf::<u8>(values, rows * pitch), gpu.borrow_buf::<f32>(inv_scales, rows)) };
     Ok(host::gpu::gemm::fp8::Fp8Matrix { values, inv_scales, rows, cols, pitch })
+}
+
+/// The address of one tensor of [`fp8_weight`]'s list, once it is checked to hold `len`
+/// contiguous `dtype` values on the block's device.
+fn fp8_part(t: &Bound<'_, PyAny>, dtype: &str, len: usize, device: &Device) -> PyResult<u64> {
+    let torch = t.py().import("torch")?;
+    let ok = (
+        t.getattr("dtype")?.eq(torch.getattr(dtype)?)?,
+        t.call_method0("numel")?.extract::<usize>()? == len,
+        t.call_method0("is_contiguous")?.extract::<bool>()?,
+        t.getattr("device")?.str()?.to_string() == device.to_string(),
+    );
+    if ok != (true, true, true, true) {
+        return Err(PyValueError::new_err(format!(
+            "fp8_weight: expected {len} contiguous {dtype} values on {device} (made by fp8_weight() for this weight)"
+        )));
+    }
+    t.call_method0("data_ptr")?.extract()
 }
 
 /// The GPU forward and backward of [`forward`] and [`backward`], for a block over
@@ -1038,8 +1042,9 @@ fn backward<'py>(
 
 /// A Linear weight `(out, in)` on a GPU (float32, bf16 or fp16) quantised for the fp8
 /// GEMMs, once, for the package's cache: `[rows (out, in) uint8, their inverse scales
-/// (out,), columns_t (in, out padded to 16) uint8, their inverse scales (in,)]`, the
-/// forward's copy and `dX`'s. Passed back as `fp8_weight` to `forward` and `backward`.
+/// (out,), rows_t (in, out) uint8 (the same bytes transposed, for dX), its column factors
+/// (in,), dZ's column multipliers (out,)]`. Passed back as `fp8_weight` to `forward`
+/// and `backward`.
 #[pyfunction]
 fn fp8_weight<'py>(
     weight: &Bound<'py, PyAny>,
@@ -1063,23 +1068,23 @@ fn fp8_weight<'py>(
         let allocator = Arc::new(TorchAllocator { allocate: allocate.clone().unbind() });
         // SAFETY: as in `gpu_call`: PyTorch's current stream of the weight's device.
         let gpu = unsafe { opened.on_stream(stream, Some(allocator)) };
-        use host::gpu::gemm::fp8::{Fp8Matrix, quantise_columns_t, quantise_rows};
-        // Both copies of the weight, read as `T` (its dtype, matched below).
-        fn both<T: DeviceElement>(gpu: &Gpu, w: &Arg<'_>) -> host::Result<(Fp8Matrix, Fp8Matrix)> {
+        use host::gpu::gemm::fp8::{Fp8Weight, quantise_weight};
+        // The weight's copies, read as `T` (its dtype, matched below).
+        fn quantised<T: DeviceElement>(gpu: &Gpu, w: &Arg<'_>) -> host::Result<Fp8Weight> {
             // SAFETY: `w` was checked to be a contiguous, aligned tensor of this shape on
             // this device, of `T` (the caller's match on its dtype), held for the call.
             let t = unsafe { gpu.borrow_tensor::<T>(w.ptr, &w.shape) }?;
-            Ok((quantise_rows(gpu, gpu.stream(), &t, "weight")?, quantise_columns_t(gpu, gpu.stream(), &t, "weight")?))
+            quantise_weight(gpu, gpu.stream(), &t, "weight")
         }
         let quantised = match w.dtype {
-            DType::Bf16 => both::<Bf16>(&gpu, &w),
-            DType::F16 => both::<F16>(&gpu, &w),
-            DType::F32 => both::<f32>(&gpu, &w),
+            DType::Bf16 => quantised::<Bf16>(&gpu, &w),
+            DType::F16 => quantised::<F16>(&gpu, &w),
+            DType::F32 => quantised::<f32>(&gpu, &w),
             DType::F64 => {
                 return Err(PyTypeError::new_err("fp8_weight: a float64 weight (fp8 takes float32, bf16, fp16)"));
             }
         };
-        let (rows, cols) = quantised.map_err(to_py)?;
+        let Fp8Weight { rows, rows_t, dz_scales } = quantised.map_err(to_py)?;
         let py = weight.py();
         let torch_of = |buf: host::gpu::DeviceBuf<u8>| -> PyResult<Bound<'py, PyAny>> {
             let len = buf.len();
@@ -1092,8 +1097,9 @@ fn fp8_weight<'py>(
         Ok(vec![
             torch_of(rows.values)?,
             scales_of(rows.inv_scales)?,
-            torch_of(cols.values)?,
-            scales_of(cols.inv_scales)?,
+            torch_of(rows_t.values)?,
+            scales_of(rows_t.inv_scales)?,
+            scales_of(dz_scales)?,
         ])
     })
 }

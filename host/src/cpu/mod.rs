@@ -20,8 +20,9 @@
 //!   off by 1.6e-2 (tolerance 2e-3). The epilogue is always f32.
 //! * [`Precision::Fp8`] emulates Hopper's row-wise FP8 recipe: each GEMM's operands
 //!   scaled along the dimensions the product keeps (the forward's `x` per row and `W`
-//!   per output channel; `dX = dz W`: `dz` per row, `W` per input feature; `dW = dz^T
-//!   x`: `dz` per output feature, `x` per input feature) by a power of two that puts the
+//!   per output channel; `dX = dz W`: the forward's `W`, its scales moved onto `dz`'s
+//!   columns, then `dz` per row (`fp8::moved_scales`); `dW = dz^T x`: `dz` per output
+//!   feature, `x` per input feature) by a power of two that puts the
 //!   largest magnitude in `(224, 448]`, rounded to e4m3, multiplied with f32 sums (a
 //!   product of two e4m3 values is exact in f32), the scales then undone (exactly: they
 //!   are powers of two) before the bias and the chain. [`Precision::Fp8GwBf16`] takes
@@ -606,10 +607,20 @@ fn finish_backward(
     let batch = x.rows();
     let (in_f, out_f) = (spec.in_features, spec.out_features);
     // dx = dz W (batch x in), dW = dz^T x (out x in). FP8 scales each operand along the
-    // dimension its product keeps: dx's dz per row and W per column (input feature), dW's
-    // dz per column (output feature) and x per column (input feature).
-    let dz_rows = Operand::new(dz.data(), (batch, out_f), Axis::Rows, precision);
-    let w_op = Operand::new(params.linear_weight.data(), (out_f, in_f), Axis::Cols, precision);
+    // dimension its product keeps: dx takes the forward's W (per row, output channel)
+    // with its inverse scales moved onto dz's columns (`fp8::moved_scales`), then dz per
+    // row; dW takes dz per column (output feature) and x per column (input feature).
+    let mut w_op = Operand::new(params.linear_weight.data(), (out_f, in_f), Axis::Rows, precision);
+    let moved: Vec<f32>;
+    let dz_rows = match &mut w_op.scales {
+        Some(scales) => {
+            let (mult, col) = fp8::moved_scales(scales);
+            *scales = vec![col; in_f];
+            moved = dz.data().chunks_exact(out_f).flat_map(|r| r.iter().zip(&mult).map(|(v, m)| v * m)).collect();
+            Operand::new(&moved, (batch, out_f), Axis::Rows, precision)
+        }
+        None => Operand::new(dz.data(), (batch, out_f), Axis::Rows, precision),
+    };
     let mut dx = Tensor::full(&[batch, in_f], 0.0f32)?;
     let (dz_mat, w_mat) =
         (MatRef::row_major(&dz_rows.values, batch, out_f), MatRef::row_major(&w_op.values, out_f, in_f));

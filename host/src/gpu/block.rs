@@ -29,7 +29,7 @@ use super::epilogue::DeviceChain;
 use super::epilogue::kinks::{Refined, Scan, refine_near_kinks, scanned_prefix};
 use super::epilogue::lanes::{epilogue_tiles_backward, fits as tiles_fit};
 use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
-use super::gemm::fp8::{self, Fp8Matrix, WeightCopy};
+use super::gemm::fp8::{self, Fp8Matrix, Fp8Weight};
 use super::gemm::gemv::launch_gemv;
 use super::gemm::linear::grad_input_fp8;
 use super::gemm::{forward_gemm, grad_input, grad_weight};
@@ -109,25 +109,21 @@ pub struct GpuBlock<W = f32> {
     pub(super) batch_norm: Option<(usize, f32)>,
     /// Arithmetic of the three GEMMs.
     pub precision: Precision,
-    /// FP8: the GEMM's weight quantised for the forward (by rows) and for `dX` (by
-    /// columns, transposed), made by [`GpuBlock::refold`]; `None`: quantised per call.
-    pub(super) fp8: Option<Fp8Weight>,
+    /// FP8: the GEMM's weight quantised for the forward and for `dX`, made by
+    /// [`GpuBlock::refold`]; `None`: quantised per call.
+    pub(super) fp8: Option<Fp8Cache>,
 }
 
 /// A block's weight quantised for its FP8 GEMMs, and the address it was quantised from.
-pub(super) struct Fp8Weight {
+pub(super) struct Fp8Cache {
     source: u64,
-    pub(super) rows: Fp8Matrix,
-    pub(super) columns_t: Fp8Matrix,
+    pub(super) weight: Fp8Weight,
 }
 
-impl Fp8Weight {
-    /// `w (n, k)` quantised for the forward (by rows) and for `dX` (by columns, transposed).
-    fn of<T: DeviceElement>(gpu: &Gpu, w: &DeviceTensor<T>) -> Result<Fp8Weight> {
-        let stream = gpu.stream();
-        let rows = fp8::quantise_rows(gpu, stream, w, "lin.weight")?;
-        let columns_t = fp8::quantise_columns_t(gpu, stream, w, "lin.weight")?;
-        Ok(Fp8Weight { source: w.buf.device_address(), rows, columns_t })
+impl Fp8Cache {
+    fn of<T: DeviceElement>(gpu: &Gpu, w: &DeviceTensor<T>) -> Result<Fp8Cache> {
+        let weight = fp8::quantise_weight(gpu, gpu.stream(), w, "lin.weight")?;
+        Ok(Fp8Cache { source: w.buf.device_address(), weight })
     }
 }
 
@@ -230,8 +226,8 @@ impl<W: DeviceElement> GpuBlock<W> {
         let (n, k) = (self.gemm_width(), self.spec.in_features);
         if self.precision.is_fp8() && fp8::unsupported(k, n).is_none() {
             self.fp8 = Some(match &self.folded {
-                Some((_, w, _)) => Fp8Weight::of(gpu, w)?,
-                None => Fp8Weight::of(gpu, &self.params.linear_weight)?,
+                Some((_, w, _)) => Fp8Cache::of(gpu, w)?,
+                None => Fp8Cache::of(gpu, &self.params.linear_weight)?,
             });
         }
         Ok(())
@@ -406,10 +402,9 @@ impl<W: DeviceElement> GpuBlock<W> {
     }
 
     /// The same FP8 block with its weight already quantised by the caller (a framework's
-    /// cache of [`fp8::quantise_rows`] and [`fp8::quantise_columns_t`] of this weight):
-    /// `rows (n, k)` for the forward, `columns_t (k, n)` for `dX`. Not for a folded
-    /// AvgPool's weight, which the block derives itself.
-    pub fn with_fp8_weight(mut self, rows: Fp8Matrix, columns_t: Fp8Matrix) -> Result<GpuBlock<W>> {
+    /// cache of [`fp8::quantise_weight`] of this weight). Not for a folded AvgPool's
+    /// weight, which the block derives itself.
+    pub fn with_fp8_weight(mut self, weight: Fp8Weight) -> Result<GpuBlock<W>> {
         let (n, k) = (self.spec.out_features, self.spec.in_features);
         if !self.precision.is_fp8() || self.folded.is_some() {
             return Err(Error::Unsupported(format!(
@@ -418,38 +413,52 @@ impl<W: DeviceElement> GpuBlock<W> {
                 if self.folded.is_some() { "with a folded AvgPool" } else { "(not fp8)" }
             )));
         }
-        if (rows.rows, rows.cols, rows.pitch) != (n, k, k)
-            || (columns_t.rows, columns_t.cols, columns_t.pitch) != (k, n, n.next_multiple_of(16))
+        let (r, t) = (&weight.rows, &weight.rows_t);
+        if (r.rows, r.cols, r.pitch) != (n, k, k)
+            || (t.rows, t.cols, t.pitch) != (k, n, n)
+            || weight.dz_scales.len() != n
         {
             return Err(Error::tensor(
                 "fp8 weight",
-                format!(
-                    "quantised copies of {}x{} and {}x{} for a weight of {n}x{k}",
-                    rows.rows, rows.cols, columns_t.rows, columns_t.cols
-                ),
+                format!("quantised copies of {}x{} and {}x{} for a weight of {n}x{k}", r.rows, r.cols, t.rows, t.cols),
             ));
         }
         let source = self.params.linear_weight.buf.device_address();
-        self.fp8 = Some(Fp8Weight { source, rows, columns_t });
+        self.fp8 = Some(Fp8Cache { source, weight });
         Ok(self)
     }
 
-    /// The FP8 `copy` of the GEMM's weight `w`: the block's cache where it was made from
-    /// `w`, else quantised now and kept in `made`.
-    pub(super) fn fp8_copy<'a, T: DeviceElement>(
+    /// The forward's FP8 copy of the GEMM's weight `w`: the block's cache where it was
+    /// made from `w`, else quantised now and kept in `made`.
+    pub(super) fn fp8_rows<'a, T: DeviceElement>(
         &'a self,
         gpu: &Gpu,
         w: &DeviceTensor<T>,
-        copy: WeightCopy,
         made: &'a mut Option<Fp8Matrix>,
     ) -> Result<&'a Fp8Matrix> {
-        let cached = self.fp8_weight(w).map(|c| if copy == WeightCopy::Rows { &c.rows } else { &c.columns_t });
-        fp8::cached_or_quantised(gpu, gpu.stream(), cached, w, copy, made)
+        match self.fp8_weight(w) {
+            Some(c) => Ok(&c.rows),
+            None => Ok(made.insert(fp8::quantise_rows(gpu, gpu.stream(), w, "lin.weight")?)),
+        }
+    }
+
+    /// Every FP8 copy of the GEMM's weight `w` (`dX` needs them): the block's cache where
+    /// it was made from `w`, else quantised now and kept in `made`.
+    pub(super) fn fp8_whole<'a, T: DeviceElement>(
+        &'a self,
+        gpu: &Gpu,
+        w: &DeviceTensor<T>,
+        made: &'a mut Option<Fp8Weight>,
+    ) -> Result<&'a Fp8Weight> {
+        match self.fp8_weight(w) {
+            Some(c) => Ok(c),
+            None => Ok(made.insert(fp8::quantise_weight(gpu, gpu.stream(), w, "lin.weight")?)),
+        }
     }
 
     /// The cached FP8 weight, if it was quantised from `w` (the GEMM's weight).
     pub(super) fn fp8_weight<T>(&self, w: &DeviceTensor<T>) -> Option<&Fp8Weight> {
-        self.fp8.as_ref().filter(|c| c.source == w.buf.device_address())
+        self.fp8.as_ref().filter(|c| c.source == w.buf.device_address()).map(|c| &c.weight)
     }
 
     /// Where the small gradients lie in the chain backward's `slots`, as `(offset, len)`
@@ -644,7 +653,7 @@ impl GpuBlock {
         let side = gpu.side_stream();
         let (dw, dw_scratch) = grad_weight(gpu, self.precision, side, &dz, x)?;
         let dx = match self.fp8_weight(w) {
-            Some(c) if self.precision.is_fp8() => grad_input_fp8(gpu, &dz, w, Some(&c.columns_t))?,
+            Some(c) if self.precision.is_fp8() => grad_input_fp8(gpu, &dz, w, Some(c))?,
             _ => grad_input(gpu, self.precision, &dz, w)?,
         };
         gpu.order(side, gpu.stream())?;

@@ -18,7 +18,7 @@ use super::dispatch::{self, Role, Route, Storage};
 use super::elementwise::{to_half, unfold_rows_mean_grad, widen, widen_on};
 use super::epilogue::lanes::epilogue_tiles_backward;
 use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
-use super::gemm::fp8::{self, WeightCopy};
+use super::gemm::fp8;
 use super::gemm::gemv::launch_gemv;
 use super::gemm::tma::launch_half;
 use super::gemm::{grad_input, grad_weight};
@@ -153,7 +153,7 @@ impl<H: HalfElement> GpuBlock<H> {
             }
             let xq = fp8::quantise_rows(gpu, stream, x, "x")?;
             let mut made = None;
-            let wq = self.fp8_copy(gpu, w, WeightCopy::Rows, &mut made)?;
+            let wq = self.fp8_rows(gpu, w, &mut made)?;
             fp8::gemm(gpu, stream, &xq, wq, Some(&b.buf), Some(&self.chain), &mut u, save)?;
         } else {
             let storage = Storage::half(H::DTYPE, Dtype::F32, aligned(&[x, w]));
@@ -189,10 +189,10 @@ impl<H: HalfElement> GpuBlock<H> {
         let xq = fp8::quantise_rows(gpu, stream, x, "x")?;
         let mut made = None;
         let (wq, b) = match &self.folded {
-            Some((_, w, fb)) => (self.fp8_copy(gpu, w, WeightCopy::Rows, &mut made)?, fb),
+            Some((_, w, fb)) => (self.fp8_rows(gpu, w, &mut made)?, fb),
             None => {
                 let w = &self.params.linear_weight;
-                (self.fp8_copy(gpu, w, WeightCopy::Rows, &mut made)?, &self.params.linear_bias)
+                (self.fp8_rows(gpu, w, &mut made)?, &self.params.linear_bias)
             }
         };
         match (&ws.plan, ws.z.as_mut()) {
@@ -403,14 +403,13 @@ impl<H: HalfElement> GpuBlock<H> {
             }
         };
         let stream = gpu.stream();
-        let dzq = fp8::quantise_rows(gpu, stream, dz, "dz")?;
         let mut made = None;
-        let wt = match &self.folded {
-            Some((_, w, _)) => self.fp8_copy(gpu, w, WeightCopy::ColumnsT, &mut made)?,
-            None => self.fp8_copy(gpu, &self.params.linear_weight, WeightCopy::ColumnsT, &mut made)?,
+        let wq = match &self.folded {
+            Some((_, w, _)) => self.fp8_whole(gpu, w, &mut made)?,
+            None => self.fp8_whole(gpu, &self.params.linear_weight, &mut made)?,
         };
         let mut dx = gpu.alloc_as::<H>(&[m, k])?;
-        fp8::gemm(gpu, stream, &dzq, wt, None, None, &mut dx, None)?;
+        fp8::grad_input(gpu, stream, dz, wq, &mut dx)?;
         gpu.order(side, gpu.stream())?;
         let dw = match (dw, &self.folded) {
             (WeightGrad::Half(dw), _) => dw,

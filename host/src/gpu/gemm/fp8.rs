@@ -5,9 +5,10 @@
 //!
 //! FP8 `wgmma` reads `k`-major operands only, so every operand is quantised into a
 //! `k`-contiguous copy: the forward's `x` and `W` by rows as stored; `dX = dZ W` takes
-//! `dZ` by rows and `W^T` (scaled per input feature, written transposed); `dW = dZ^T X`
-//! takes `dZ^T` and `X^T` (scaled per output and input feature), both transposed, their
-//! depth (the batch) padded with zeros to a multiple of 16.
+//! the forward's quantised `W` transposed (the same bytes), its per-output-channel scales
+//! moved onto `dZ`'s columns before `dZ` is quantised by rows ([`Fp8Weight`]); `dW =
+//! dZ^T X` takes `dZ^T` and `X^T` (scaled per output and input feature), both
+//! transposed, their depth (the batch) padded with zeros to a multiple of 16.
 
 use super::super::epilogue::DeviceChain;
 use super::super::{DeviceBuf, DeviceElement, DeviceTensor, Dtype, Gpu, launched};
@@ -61,7 +62,25 @@ pub fn quantise_rows<T: DeviceElement>(
     src: &DeviceTensor<T>,
     what: &str,
 ) -> Result<Fp8Matrix> {
+    quantise_rows_with(gpu, stream, src, (None, None), what)
+}
+
+/// [`quantise_rows`] of `src` with its columns multiplied by `col_mult` first, and the
+/// largest inverse scale's bits raised into `inv_max` (both where given).
+fn quantise_rows_with<T: DeviceElement>(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    src: &DeviceTensor<T>,
+    (col_mult, inv_max): (Option<&DeviceBuf<f32>>, Option<&DeviceBuf<u32>>),
+    what: &str,
+) -> Result<Fp8Matrix> {
     let (rows, cols) = check_2d(src, what)?;
+    if col_mult.is_some_and(|m| m.len() != cols) {
+        return Err(Error::tensor(
+            what,
+            format!("{cols} columns against {} multipliers", col_mult.map_or(0, |m| m.len())),
+        ));
+    }
     if !cols.is_multiple_of(16) || !src.buf.device_address().is_multiple_of(16) {
         return Err(Error::tensor(
             what,
@@ -82,9 +101,12 @@ pub fn quantise_rows<T: DeviceElement>(
         shared_mem_bytes: ROW_SMEM_BYTES as u32,
     };
     let (r, c) = (rows as u32, cols as u32);
+    let (mult, max) = (col_mult.map_or(0, |m| m.device_address()), inv_max.map_or(0, |m| m.device_address()));
     let mut l = stream.launch_builder(&func);
-    l.arg(&src.buf).arg(&r).arg(&c).arg(&mut values).arg(&mut inv_scales);
-    // SAFETY: (src, rows, cols, dst, inv_scales) as the kernel takes, sized above.
+    l.arg(&src.buf).arg(&r).arg(&c).arg(&mult).arg(&max).arg(&mut values).arg(&mut inv_scales);
+    // SAFETY: (src, rows, cols, col_mult, inv_max_bits, dst, inv_scales) as the kernel
+    // takes, sized above (null pointers where not given; cudarc's buffers are 256-byte
+    // aligned); `col_mult` and `inv_max` are read and written in stream order.
     launched(kernel, unsafe { l.launch(cfg) })?;
     Ok(Fp8Matrix { values, inv_scales, rows, cols, pitch: cols })
 }
@@ -135,31 +157,87 @@ pub fn quantise_columns_t<T: DeviceElement>(
     Ok(Fp8Matrix { values, inv_scales, rows: cols, cols: rows, pitch })
 }
 
-/// Which copy of a Linear weight a GEMM reads: by rows (the forward's, one scale per
-/// output channel) or by columns, transposed (`dX`'s, one scale per input feature).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum WeightCopy {
-    Rows,
-    ColumnsT,
+/// A Linear weight `(n, k)` quantised once for the three FP8 GEMMs.
+///
+/// `dX = dZ W` reads the forward's quantised bytes, transposed: `W ~ diag(1 / s) Wq`
+/// (`s` its per-output-channel scales), so `dZ W ~ (dZ diag(1 / s)) Wq`, and `dZ`'s
+/// columns take the inverse scales before `dZ` is quantised by rows. Dividing them by
+/// their largest, `m`, keeps `dZ`'s products from overflowing; `dX`'s columns take `m`
+/// back in the GEMM's epilogue. Against a copy scaled per input feature this makes one
+/// quantisation of the weight instead of two (a column-amax pass and a quantising pass
+/// fewer per optimizer step), and `dX` is the gradient of the forward's own quantised
+/// weight. The CPU emulation's recipe is the same (`crate::fp8::moved_scales`).
+pub struct Fp8Weight {
+    /// By rows, one scale per output channel: the forward's `B`.
+    pub rows: Fp8Matrix,
+    /// `rows`' bytes transposed, `(k, n)`: `dX`'s `B`; its inverse scales are all `m`.
+    pub rows_t: Fp8Matrix,
+    /// `dZ`'s column multipliers: `rows`' inverse scales over `m` (powers of two, at most 1).
+    pub dz_scales: DeviceBuf<f32>,
 }
 
-/// `cached` where there is one, else `w`'s `copy` quantised now and kept in `made`.
-pub fn cached_or_quantised<'a, T: DeviceElement>(
+/// `w (n, k)` quantised by rows, and transposed for `dX` ([`Fp8Weight`]).
+pub fn quantise_weight<T: DeviceElement>(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
-    cached: Option<&'a Fp8Matrix>,
     w: &DeviceTensor<T>,
-    copy: WeightCopy,
-    made: &'a mut Option<Fp8Matrix>,
-) -> Result<&'a Fp8Matrix> {
-    if let Some(c) = cached {
-        return Ok(c);
+    what: &str,
+) -> Result<Fp8Weight> {
+    let (n, k) = check_2d(w, what)?;
+    if let Some(why) = unsupported(k, n) {
+        return Err(Error::tensor(what, why));
     }
-    let m = match copy {
-        WeightCopy::Rows => quantise_rows(gpu, stream, w, "lin.weight")?,
-        WeightCopy::ColumnsT => quantise_columns_t(gpu, stream, w, "lin.weight")?,
+    let inv_max = gpu.zeroed_buf::<u32>(stream, 1)?;
+    let rows = quantise_rows_with(gpu, stream, w, (None, Some(&inv_max)), what)?;
+    // SAFETY: the kernel writes every byte and every scale.
+    let (mut values, mut inv_t, mut dz_scales) = unsafe {
+        (gpu.alloc_buf::<u8>(stream, n * k)?, gpu.alloc_buf::<f32>(stream, k)?, gpu.alloc_buf::<f32>(stream, n)?)
     };
-    Ok(made.insert(m))
+    let kernel = Kernel::Fp8TransposeWeight;
+    let func = gpu.function(kernel)?;
+    let cfg = LaunchConfig {
+        grid_dim: (k.div_ceil(TILE) as u32, n.div_ceil(TILE) as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: TILE_SMEM_BYTES as u32,
+    };
+    let (r, c) = (n as u32, k as u32);
+    let mut l = stream.launch_builder(&func);
+    l.arg(&rows.values)
+        .arg(&r)
+        .arg(&c)
+        .arg(&rows.inv_scales)
+        .arg(&inv_max)
+        .arg(&mut values)
+        .arg(&mut inv_t)
+        .arg(&mut dz_scales);
+    // SAFETY: (src, rows, cols, inv_scales, inv_max_bits, dst_t, inv_t, dz_scales) as the
+    // kernel takes, sized above; `n` and `k` multiples of 16 (`unsupported`).
+    launched(kernel, unsafe { l.launch(cfg) })?;
+    let rows_t = Fp8Matrix { values, inv_scales: inv_t, rows: k, cols: n, pitch: n };
+    Ok(Fp8Weight { rows, rows_t, dz_scales })
+}
+
+/// `dz (m, n)` quantised for `dX = dz W` against `w` ([`quantise_weight`]'s): its
+/// columns multiplied by `w.dz_scales`, then by rows.
+pub fn quantise_grad<D: DeviceElement>(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    dz: &DeviceTensor<D>,
+    w: &Fp8Weight,
+) -> Result<Fp8Matrix> {
+    quantise_rows_with(gpu, stream, dz, (Some(&w.dz_scales), None), "dz")
+}
+
+/// `dx (m, k) = dz (m, n) W (n, k)` for `W` quantised by [`quantise_weight`].
+pub fn grad_input<D: DeviceElement, O: DeviceElement>(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    dz: &DeviceTensor<D>,
+    w: &Fp8Weight,
+    dx: &mut DeviceTensor<O>,
+) -> Result<()> {
+    let dzq = quantise_grad(gpu, stream, dz, w)?;
+    gemm(gpu, stream, &dzq, &w.rows_t, None, None, dx, None)
 }
 
 /// `y (m, n) = chain(unscale(A B^T) + bias)` for `A (m, k)` and `B (n, k)` quantised by

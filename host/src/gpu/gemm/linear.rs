@@ -8,7 +8,7 @@ use super::super::elementwise::{slice_to_half, transpose_on, transpose_to_half_o
 use super::super::epilogue::DeviceChain;
 use super::super::{DeviceTensor, Gpu, HalfElement, Tuning};
 use super::args::Operands;
-use super::fp8::{self, Fp8Matrix, WeightCopy};
+use super::fp8::{self, Fp8Matrix, Fp8Weight};
 use crate::error::{Error, Result};
 use crate::precision::Precision;
 use crate::tensor::{Bf16, F16};
@@ -99,15 +99,21 @@ impl Gemm<'_> {
             return Err(Error::Shape(format!("cached fp8 weight is {}x{}, the GEMM's {n}x{k}", w.rows, w.cols)));
         }
         let x = fp8::quantise_rows::<f32>(gpu, stream, self.x, "x")?;
-        let mut made = None;
-        let w = fp8::cached_or_quantised(gpu, stream, self.w_fp8, self.w, WeightCopy::Rows, &mut made)?;
+        let made;
+        let w = match self.w_fp8 {
+            Some(w) => w,
+            None => {
+                made = fp8::quantise_rows(gpu, stream, self.w, "lin.weight")?;
+                &made
+            }
+        };
         fp8::gemm(gpu, stream, &x, w, self.bias, self.chain, y, save_z)
     }
 }
 
-/// `dX (m, k) = dZ (m, n) W (n, k)` in FP8: `dZ` quantised by rows, `W^T` by rows of
-/// `W^T` (input features; `w_t`, a block's cached copy, or quantised here).
-pub fn grad_input_fp8(gpu: &Gpu, dz: &DeviceTensor, w: &DeviceTensor, w_t: Option<&Fp8Matrix>) -> Result<DeviceTensor> {
+/// `dX (m, k) = dZ (m, n) W (n, k)` in FP8 ([`Fp8Weight`]: `w_q`, a block's cached
+/// copy, or `w` quantised here).
+pub fn grad_input_fp8(gpu: &Gpu, dz: &DeviceTensor, w: &DeviceTensor, w_q: Option<&Fp8Weight>) -> Result<DeviceTensor> {
     let (&[m, n], &[wn, k]) = (&dz.shape[..], &w.shape[..]) else {
         return Err(Error::Shape(format!("dX = dZ W: dZ {:?}, W {:?}", dz.shape, w.shape)));
     };
@@ -118,11 +124,16 @@ pub fn grad_input_fp8(gpu: &Gpu, dz: &DeviceTensor, w: &DeviceTensor, w_t: Optio
         return Err(Error::Unsupported(why));
     }
     let stream = gpu.stream();
-    let dz_q = fp8::quantise_rows::<f32>(gpu, stream, dz, "dz")?;
-    let mut made = None;
-    let w_t = fp8::cached_or_quantised(gpu, stream, w_t, w, WeightCopy::ColumnsT, &mut made)?;
+    let made;
+    let w_q = match w_q {
+        Some(w_q) => w_q,
+        None => {
+            made = fp8::quantise_weight(gpu, stream, w, "lin.weight")?;
+            &made
+        }
+    };
     let mut dx = gpu.alloc(&[m, k])?;
-    fp8::gemm(gpu, stream, &dz_q, w_t, None, None, &mut dx, None)?;
+    fp8::grad_input(gpu, stream, dz, w_q, &mut dx)?;
     Ok(dx)
 }
 
