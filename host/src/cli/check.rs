@@ -175,7 +175,8 @@ pub fn run(a: &CheckArgs) -> Result<(), Failure> {
     }
 
     let tol = precision.tolerance();
-    println!("precision {precision}: tolerance {tol:e} relative to the f64 reference");
+    let at_own_z = if fp8_gpu && a.backward { " (gradients: the exact ones at the device's own z)" } else { "" };
+    println!("precision {precision}: tolerance {tol:e} relative to the f64 reference{at_own_z}");
     let what = if a.backward { "worst grad" } else { "rel err" };
     println!("{:<14} {:<16} {:>10} {:>9}  {:<6} chain / path", "case", "shape", what, "max abs", "result");
     let mut failed = 0;
@@ -207,9 +208,18 @@ pub fn run(a: &CheckArgs) -> Result<(), Failure> {
                 let block = GpuBlock::new(gpu, &spec, &params)?.with_precision(precision);
                 let got = block.forward_backward(gpu, &x, dy)?;
                 let dy64 = dy.to_f64();
-                let (_, want) = reference::block_backward(&spec, &x64, &p64, &dy64)?;
+                // FP8 against the exact gradients at the device's own `z`, as the CPU
+                // backend's emulation below: FP8 refines no `z` near kinks (its gradients
+                // are the quantised forward's), and a `z` 4% off crosses a kink or moves a
+                // GroupNorm over a few channels now and then (docs/NUMERICS.md, "FP8").
+                let own_z = precision.is_fp8() && got.z.shape() == [b, o];
+                let (_, want) = if own_z {
+                    reference::block_backward_at(&spec, &x64, &p64, &dy64, &got.z.to_f64())?
+                } else {
+                    reference::block_backward(&spec, &x64, &p64, &dy64)?
+                };
                 let c = got.compare(&spec, &want);
-                if !c.iter().all(|(_, c)| c.passes(tol) && c.allclose()) && got.z.shape() == [b, o] {
+                if !own_z && !c.iter().all(|(_, c)| c.passes(tol) && c.allclose()) && got.z.shape() == [b, o] {
                     let (_, want_z) = reference::block_backward_at(&spec, &x64, &p64, &dy64, &got.z.to_f64())?;
                     at_z = Some(got.compare(&spec, &want_z));
                 }
