@@ -166,6 +166,77 @@ unsafe fn rms_rstd(x: *const f32, f: usize, eps: f32, red: *mut f32) -> f32 {
     unsafe { rsqrt(row_sum(x, f, red, |_, v| v * v) / f as f32 + eps) }
 }
 
+/// A per-element op `P` over a row of `f` values in shared memory, four columns per
+/// thread and step with their parameters read first: four reads of the parameter
+/// vector (from L2) in flight at a time rather than one.
+///
+/// # Safety
+/// `x` holds `f` values; `p0` holds `f` values where `P` has a parameter.
+#[inline(always)]
+unsafe fn pointwise_row<P: PointwiseMath>(x: *mut f32, p0: *const f32, f: usize, a: f32, b: f32) {
+    let mut j = thread_idx_x() as usize;
+    // SAFETY (whole body): every index is below `f`.
+    unsafe {
+        while j + 3 * ROW_THREADS < f {
+            let at = [j, j + ROW_THREADS, j + 2 * ROW_THREADS, j + 3 * ROW_THREADS];
+            let p = if P::HAS_PARAM { at.map(|i| *p0.add(i)) } else { [0.0; 4] };
+            let v = at.map(|i| *x.add(i));
+            for e in 0..4 {
+                *x.add(at[e]) = P::forward(v[e], p[e], a, b);
+            }
+            j += 4 * ROW_THREADS;
+        }
+        while j < f {
+            let p = if P::HAS_PARAM { *p0.add(j) } else { 0.0 };
+            *x.add(j) = P::forward(*x.add(j), p, a, b);
+            j += ROW_THREADS;
+        }
+    }
+}
+
+/// The backward of a per-element op `P` over a row: `g` (the gradient of its output)
+/// becomes that of its input `x`, and `ps` (its parameter's gradient sums) gains
+/// `g df/dp`; four columns per thread and step, as [`pointwise_row`].
+///
+/// # Safety
+/// `x`, `g` and `ps` (where `P` has a parameter: `p0` too) hold `f` values.
+#[inline(always)]
+unsafe fn pointwise_row_backward<P: PointwiseMath>(
+    x: *const f32,
+    g: *mut f32,
+    ps: *mut f32,
+    p0: *const f32,
+    f: usize,
+    a: f32,
+    b: f32,
+) {
+    let mut j = thread_idx_x() as usize;
+    // SAFETY (whole body): every index is below `f`.
+    unsafe {
+        while j + 3 * ROW_THREADS < f {
+            let at = [j, j + ROW_THREADS, j + 2 * ROW_THREADS, j + 3 * ROW_THREADS];
+            let p = if P::HAS_PARAM { at.map(|i| *p0.add(i)) } else { [0.0; 4] };
+            let (v, d) = (at.map(|i| *x.add(i)), at.map(|i| *g.add(i)));
+            for e in 0..4 {
+                if P::HAS_PARAM {
+                    *ps.add(at[e]) += d[e] * P::param_grad(v[e]);
+                }
+                *g.add(at[e]) = d[e] * P::grad(v[e], p[e], a, b);
+            }
+            j += 4 * ROW_THREADS;
+        }
+        while j < f {
+            let (v, d) = (*x.add(j), *g.add(j));
+            let p = if P::HAS_PARAM { *p0.add(j) } else { 0.0 };
+            if P::HAS_PARAM {
+                *ps.add(j) += d * P::param_grad(v);
+            }
+            *g.add(j) = d * P::grad(v, p, a, b);
+            j += ROW_THREADS;
+        }
+    }
+}
+
 /// Applies `op` forward to the row in `*cur` (`f` features); ops that shrink the row
 /// write into `*alt` and swap the two. `red` is scratch for one value per warp.
 /// Returns the features after the op. Every thread of the block calls it; it ends
@@ -234,16 +305,14 @@ pub(crate) unsafe fn op_forward(op: &OpDesc, cur: &mut *mut f32, alt: &mut *mut 
                     j += ROW_THREADS;
                 }
             }
-            code => {
+            code => match_pointwise!(code, P => pointwise_row::<P>(x, p0, f, op.a, op.b), _ => {
+                // An unknown code: poison rather than pass through.
                 let mut j = t;
                 while j < f {
-                    let v = *x.add(j);
-                    *x.add(j) = match_pointwise!(code, P => {
-                        P::forward(v, if P::HAS_PARAM { *p0.add(j) } else { 0.0 }, op.a, op.b)
-                    }, _ => f32::NAN); // unknown code: poison rather than pass through
+                    *x.add(j) = f32::NAN;
                     j += ROW_THREADS;
                 }
-            }
+            }),
         }
         // Makes this op's writes visible to the next op's readers (and frees `red`).
         sync_threads();
@@ -761,21 +830,13 @@ unsafe fn rows_backward<E: Element>(
                         }
                         core::mem::swap(&mut g, &mut g_alt);
                     }
-                    code => {
+                    code => match_pointwise!(code, P => pointwise_row_backward::<P>(x, g, ps, p0, f, op.a, op.b), _ => {
                         let mut j = t;
                         while j < f {
-                            let (v, d) = (*x.add(j), *g.add(j));
-                            *g.add(j) = match_pointwise!(code, P => {
-                                if P::HAS_PARAM {
-                                    *ps.add(j) += d * P::param_grad(v);
-                                    d * P::grad(v, *p0.add(j), op.a, op.b)
-                                } else {
-                                    d * P::grad(v, 0.0, op.a, op.b)
-                                }
-                            }, _ => f32::NAN);
+                            *g.add(j) = f32::NAN;
                             j += ROW_THREADS;
                         }
-                    }
+                    }),
                 }
                 sync_threads();
             }
