@@ -37,14 +37,16 @@ chain goes on with ops on one value per row: per-element ops, and (after one wit
 it; ``x - x.mean(1, keepdim=True)`` there is ``0 * x``. A value used twice otherwise (a
 residual, a ``.detach()``) ends the chain there, but for ``h * s + h.detach()`` (``s`` a
 number, KernelBench 40's form), taken as ``scale(1 + s)`` whose output gradient is scaled
-by ``s / (1 + s)`` on the way back, which ends the chain after it.
+by ``s / (1 + s)`` on the way back, which ends the chain after it. Where the chain cannot
+run whole on the GPU (an op that needs whole rows, over rows wider than the row-wise
+kernels hold), the ops before that op are fused and the rest stays PyTorch's.
 """
 
 from __future__ import annotations
 
 import functools
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -653,6 +655,24 @@ def _fused_call(
     return y
 
 
+def _snapshot(chain: _Chain) -> _Chain:
+    """A copy of ``chain`` as it stands (its lists copied), which later steps leave alone."""
+    copy = replace(chain, ops=list(chain.ops), params=list(chain.params), nodes=list(chain.nodes))
+    copy.out_features = chain.out_features  # (`replace` runs __post_init__, which resets it)
+    return copy
+
+
+def _gpu_takes(in_features: int, out_features: int, ops: str) -> bool:
+    """Whether ``ops`` after a Linear of these features parses and runs on the GPU."""
+    from . import _describe, _native
+
+    try:
+        _describe(in_features, out_features, ops)
+    except ValueError:
+        return False
+    return _native.gpu_limit(in_features, out_features, ops) is None
+
+
 def _split_ops(ops: str) -> List[str]:
     """``ops`` split at the commas outside parentheses."""
     out, depth, start = [], 0, 0
@@ -695,11 +715,14 @@ def fuse(model: nn.Module, precision: Optional[str] = None, verbose: bool = Fals
         if chain is None:
             continue
         cur = node
+        # The chain after each step, for falling back to a prefix the GPU takes.
+        steps = [(cur, _snapshot(chain))]
         while chain.gradient_factor is None:
             nxt = _step(gm, chain, cur)
             if nxt is None:
                 break
             cur = nxt
+            steps.append((cur, _snapshot(chain)))
         # Trailing ops the op cannot take after the chain's end (none today) and empty chains.
         if not chain.ops:
             report.append((node.name, f"left in PyTorch: no chain after it ({chain.stopped})"))
@@ -712,8 +735,22 @@ def fuse(model: nn.Module, precision: Optional[str] = None, verbose: bool = Fals
             continue
         too_wide = _native.gpu_limit(chain.in_features, chain.out_features, ops)
         if too_wide is not None:
-            report.append((node.name, f"left in PyTorch: `{ops}` cannot run on the GPU: {too_wide}"))
-            continue
+            # The longest prefix of whole steps the GPU takes (the ops before the first
+            # that needs whole rows); the rest stays PyTorch's, reading its output.
+            prefix = next(
+                (
+                    (at, snap)
+                    for at, snap in reversed(steps[:-1])
+                    if snap.ops and _gpu_takes(snap.in_features, snap.out_features, ",".join(snap.ops))
+                ),
+                None,
+            )
+            if prefix is None:
+                report.append((node.name, f"left in PyTorch: `{ops}` cannot run on the GPU: {too_wide}"))
+                continue
+            cur, chain = prefix
+            chain.stopped = f"`{ops}` cannot run whole on the GPU ({too_wide}); the rest stays PyTorch's"
+            ops = ",".join(chain.ops)
         graph = gm.graph
         with graph.inserting_before(cur):
             weight = graph.get_attr(chain.weight)

@@ -230,13 +230,26 @@ def test_the_registry_lists_the_whole_row_ops():
 
 def test_rows_too_wide_for_the_gpu_stay_pytorchs(capsys):
     # 20000 features: more than the row-wise kernels hold in shared memory on sm_90
-    # (forward and backward), so a whole-row op there stays PyTorch's; a per-element
-    # chain does not need whole rows and is fused.
-    wide = Lin(lambda m, h: torch.sigmoid(h).sum(1), n_in=8, n_out=20000)
+    # (forward and backward), so a whole-row op there and what follows stay PyTorch's;
+    # the per-element ops before it do not need whole rows and are fused (KernelBench 55
+    # and 56 at 32768 features).
+    wide = Lin(lambda m, h: torch.sigmoid(h * 2.0).sum(1) * 0.5, n_in=8, n_out=20000)
     fused = fused_linear.fuse(wide, verbose=True)
-    assert fused_chains(fused) == [] and "cannot run on the GPU" in capsys.readouterr().out
-    x = torch.randn(3, 8)
+    out = capsys.readouterr().out
+    assert fused_chains(fused) == ["scale(2.0),sigmoid"] and "cannot run whole on the GPU" in out, out
+    x = torch.randn(3, 8, requires_grad=True)
     torch.testing.assert_close(fused(x), wide(x))
+    # dX sums 20000 products, in another order than PyTorch's.
+    grads = [torch.autograd.grad(m(x).sum(), x)[0] for m in (fused, wide)]
+    torch.testing.assert_close(*grads, atol=1e-4, rtol=1e-4)
+    # A first op that needs whole rows (MaxPool too, in the GPU's tiles) leaves it all.
+    softmax = lambda m, h: torch.softmax(h, 1)  # noqa: E731
+    pool_sum = lambda m, h: F.max_pool1d(h.unsqueeze(1), 2).squeeze(1).sum(1)  # noqa: E731
+    for first in (softmax, pool_sum):
+        model = Lin(first, n_in=8, n_out=20000)
+        fused = fused_linear.fuse(model, verbose=True)
+        assert fused_chains(fused) == [] and "cannot run on the GPU" in capsys.readouterr().out
+        torch.testing.assert_close(fused(x), model(x))
     narrow = Lin(lambda m, h: torch.sigmoid(h), n_in=8, n_out=20000)
     assert fused_chains(fused_linear.fuse(narrow)) == ["sigmoid"]
 
