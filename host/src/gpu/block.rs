@@ -436,10 +436,7 @@ impl<W: DeviceElement> GpuBlock<W> {
         w: &DeviceTensor<T>,
         made: &'a mut Option<Fp8Matrix>,
     ) -> Result<&'a Fp8Matrix> {
-        match self.fp8_weight(w) {
-            Some(c) => Ok(&c.rows),
-            None => Ok(made.insert(fp8::quantise_rows(gpu, gpu.stream(), w, "lin.weight")?)),
-        }
+        self.fp8_cached(w, made, |c| &c.rows, || fp8::quantise_rows(gpu, gpu.stream(), w, "lin.weight"))
     }
 
     /// Every FP8 copy of the GEMM's weight `w` (`dX` needs them): the block's cache where
@@ -450,9 +447,20 @@ impl<W: DeviceElement> GpuBlock<W> {
         w: &DeviceTensor<T>,
         made: &'a mut Option<Fp8Weight>,
     ) -> Result<&'a Fp8Weight> {
+        self.fp8_cached(w, made, |c| c, || fp8::quantise_weight(gpu, gpu.stream(), w, "lin.weight"))
+    }
+
+    /// `pick` of the cached FP8 weight where it was made from `w`, else `make()`'s, kept in `made`.
+    fn fp8_cached<'a, T, M>(
+        &'a self,
+        w: &DeviceTensor<T>,
+        made: &'a mut Option<M>,
+        pick: fn(&Fp8Weight) -> &M,
+        make: impl FnOnce() -> Result<M>,
+    ) -> Result<&'a M> {
         match self.fp8_weight(w) {
-            Some(c) => Ok(c),
-            None => Ok(made.insert(fp8::quantise_weight(gpu, gpu.stream(), w, "lin.weight")?)),
+            Some(c) => Ok(pick(c)),
+            None => Ok(made.insert(make()?)),
         }
     }
 
