@@ -349,6 +349,63 @@ fn sigmoid_and_gelu_tanh_match_reference_on_every_path() {
     }
 }
 
+/// The `residual` op (the Linear's output added back: KernelBench 70) on the row-wise
+/// kernels' paths: after the tile GEMMs (FP32, TF32, 3xTF32, bf16 operands), split-K
+/// parts summed with the bias, the small-batch kernels, a 16-bit model; forward and
+/// every gradient against the f64 reference.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn residual_chains_match_reference_on_every_path() {
+    use host::Precision::{self, Bf16, Fp32, Tf32, Tf32x3};
+    let gpu = gpu();
+    let mut rng = StdRng::seed_from_u64(70);
+    let cases: [(&str, (usize, usize, usize), Precision); 7] = [
+        ("sigmoid,scale(2),residual", (33, 77, 96), Fp32),
+        ("mul,softmax,groupnorm(4),residual", (65, 130, 64), Fp32),
+        ("sigmoid,scale(2),residual", (300, 1032, 520), Tf32x3),
+        ("sigmoid,scale(2),residual", (300, 1032, 520), Bf16),
+        // Few rows and a deep `k`: split-K parts, summed with the bias by the row-wise epilogue.
+        ("gelu,residual", (96, 8192, 256), Tf32),
+        // The small-batch kernels' `z`, then the row-wise epilogue.
+        ("tanh,bias,residual", (8, 1024, 1024), Tf32),
+        ("residual", (3, 256, 320), Fp32),
+    ];
+    for (text, (b, i, o), precision) in cases {
+        let spec = BlockSpec::new(i, o, text.parse().unwrap()).unwrap();
+        let (params, x, dy) = random_case(&spec, b, &mut rng);
+        let block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(precision);
+        let path = block.describe(&gpu, &block.plan(&gpu, b));
+        let y = block.forward(&gpu, &x).unwrap();
+        let got = block.forward_backward(&gpu, &x, &dy).unwrap();
+        let p64 = params.map(f64::from);
+        let want_y = reference::block_forward(&spec, &x.to_f64(), &p64).unwrap();
+        let (_, want) = reference::block_backward(&spec, &x.to_f64(), &p64, &dy.to_f64()).unwrap();
+        let mut report = vec![("y".to_string(), compare_f32(y.data(), want_y.data()))];
+        report.extend(got.compare(&spec, &want));
+        let worst = report.iter().map(|(_, c)| c.rel).fold(0.0, f64::max);
+        println!("{precision:<7} {text:<36} ({b}, {i}, {o}) worst rel {worst:.2e}  [{path}]");
+        for (what, c) in &report {
+            assert!(c.passes(precision.tolerance()), "{precision} {text}: {what}: {c:?}");
+        }
+    }
+    // A bf16 model's blocks: bf16 `y`, `dy` and `dz` on the row-wise kernels.
+    let spec = BlockSpec::new(1024, 520, "sigmoid,scale(2),residual".parse().unwrap()).unwrap();
+    let params = Params::init(&spec, &mut rng).map(host::tensor::Bf16::from_f32);
+    let x = random_input(300, 1024, &mut rng).unwrap().to_half::<host::tensor::Bf16>();
+    let dy = random_input(300, 520, &mut rng).unwrap().to_half::<host::tensor::Bf16>();
+    let block = GpuBlock::new_half(&gpu, &spec, &params).unwrap();
+    let got = block.forward_backward(&gpu, &x, &dy).unwrap();
+    let (x64, dy64) = (x.to_f32().to_f64(), dy.to_f32().to_f64());
+    let p64 = params.map(|v| f64::from(v.to_f32()));
+    let want_y = reference::block_forward(&spec, &x64, &p64).unwrap();
+    let (_, want) = reference::block_backward(&spec, &x64, &p64, &dy64).unwrap();
+    let mut report = vec![("y".to_string(), compare_f32(got.y.data(), want_y.data()))];
+    report.extend(got.compare(&spec, &want));
+    for (what, c) in &report {
+        assert!(c.passes(host::precision::BF16_STORED_REL), "bf16 model residual: {what}: {c:?}");
+    }
+}
+
 /// A row's lone doubtful values recomputed one by one (`refine_values`, for M5's chain:
 /// a Hardtanh before its GroupNorm; `k` divisible by 4 and not): every value rewritten
 /// is the exact `z` rounded once, every Hardtanh input is then on the exact function's

@@ -78,10 +78,12 @@ fn naive_block(x: &Rows, w: &Rows, b: &[f64], chain: &[Op], params: &[Vec<f64>])
         .iter()
         .map(|row| (0..w.len()).map(|n| (0..row.len()).map(|k| row[k] * w[n][k]).sum::<f64>() + b[n]).collect())
         .collect();
+    let z = h.clone();
     let mut next = params.iter();
     for op in chain {
         let elementwise = |h: &mut Rows, f: &dyn Fn(f64) -> f64| h.iter_mut().flatten().for_each(|v| *v = f(*v));
         match *op {
+            Op::Residual => h.iter_mut().zip(&z).for_each(|(row, z)| row.iter_mut().zip(z).for_each(|(v, z)| *v += z)),
             Op::Pointwise(Pointwise::Bias, _) => {
                 let p = next.next().unwrap();
                 h.iter_mut().for_each(|row| (0..row.len()).for_each(|c| row[c] += p[c]));
@@ -217,6 +219,7 @@ proptest! {
         in_features in 1usize..12,
         out_features in prop::sample::select(&OUTS[..]),
         picks in prop::collection::vec((any::<u8>(), any::<u32>()), 0..5),
+        residual in any::<bool>(),
         seed in any::<u64>(),
     ) {
         let mut f = out_features;
@@ -229,6 +232,10 @@ proptest! {
             }
             f = op.out_features(f).expect("picked ops are valid");
             ops.push(op);
+        }
+        // The Linear's output added back, where the width allows it.
+        if residual && f == out_features {
+            ops.push(Op::Residual);
         }
         let spec = BlockSpec::new(in_features, out_features, Chain(ops.clone())).unwrap();
         let mut rng = StdRng::seed_from_u64(seed);

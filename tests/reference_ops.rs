@@ -166,9 +166,11 @@ fn map_rows(x: &Rows, f: impl Fn(f64) -> f64) -> Rows {
 fn naive_block(spec: &BlockSpec, x: &Rows, p: &Params<f64>) -> Vec<f64> {
     let w = rows_of(&p.linear_weight);
     let mut h = naive_linear(x, &w, p.linear_bias.data());
+    let z = h.clone();
     for (op, params) in spec.chain.0.iter().zip(&p.ops) {
         let param = |i: usize| params[i].data();
         h = match *op {
+            Op::Residual => h.iter().zip(&z).map(|(row, z)| row.iter().zip(z).map(|(v, z)| v + z).collect()).collect(),
             Op::Pointwise(Pointwise::Bias, _) => {
                 h.iter().map(|row| row.iter().zip(param(0)).map(|(v, b)| v + b).collect()).collect()
             }
@@ -723,6 +725,8 @@ fn other_chains_match_a_naive_composition() {
         ("bn(1e-3),gelu,leakyrelu(0.0),bias,softmax", 24),
         ("bias,mish,bn,scale(-2),swish", 17),
         ("rmsnorm(1e-6),maxpool(4),softmax,max", 30),
+        ("sigmoid,scale(2),residual", 13),
+        ("softmax,groupnorm(5),residual", 30),
     ] {
         let spec = BlockSpec::new(7, n, chain.parse().unwrap()).unwrap();
         let params = random_params(&spec, &mut rng);

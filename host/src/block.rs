@@ -56,7 +56,16 @@ impl BlockSpec {
         // The BatchNorm's statistics are per feature over the rows: only ops that keep
         // each feature apart (per-element ones) may come before it.
         let mut across: Option<&Op> = None;
-        for op in &chain.0 {
+        for (i, op) in chain.0.iter().enumerate() {
+            if *op == Op::Residual {
+                let f = *features.last().unwrap();
+                if i + 1 != chain.0.len() || f != out_features || chain.batch_norm().is_some() {
+                    return Err(Error::Chain(format!(
+                        "`residual` adds the Linear's {out_features} outputs back: it must be the chain's last op, \
+                         after ops that keep the {out_features} features (here {f}), in a chain without a BatchNorm"
+                    )));
+                }
+            }
             if let (Op::BatchNorm { .. }, Some(before)) = (op, across) {
                 return Err(Error::Chain(format!(
                     "`{op}` after `{before}`: a BatchNorm may follow per-element ops only, and appear once \
@@ -293,5 +302,16 @@ mod tests {
         assert_eq!(spec.param_specs()[2].shape, [16]);
         assert_eq!(spec.output_shape(5), [5]);
         assert!(BlockSpec::new(32, 96, Preset::M1.chain()).unwrap_err().to_string().contains("256"));
+    }
+
+    #[test]
+    fn a_residual_comes_last_at_the_linear_width_without_a_batch_norm() {
+        for ok in ["residual", "sigmoid,scale(2),residual", "softmax,groupnorm(4),residual"] {
+            assert!(BlockSpec::new(8, 16, ok.parse().unwrap()).is_ok(), "{ok}");
+        }
+        for bad in ["residual,tanh", "avgpool(2),residual", "max,residual", "swish,batchnorm,residual"] {
+            let e = BlockSpec::new(8, 16, bad.parse().unwrap()).unwrap_err().to_string();
+            assert!(e.contains("`residual` adds the Linear's 16 outputs back"), "{bad}: {e}");
+        }
     }
 }

@@ -50,6 +50,10 @@ pub enum Op {
     BatchNorm {
         eps: f32,
     },
+    /// The chain's input added back, `y = v + z` (`z` the Linear's output): a residual
+    /// of the Linear around the ops before it (KernelBench 70's `x + original_x`). The
+    /// chain's last op, after ops that keep the features (`BlockSpec::new` checks).
+    Residual,
 }
 
 /// The row reductions besides the max: `(N, F) -> (N,)`.
@@ -136,7 +140,7 @@ impl Op {
                 Ok(f / k)
             }
             Op::RowMax | Op::Reduce(_) => Ok(1),
-            Op::Softmax => Ok(f),
+            Op::Softmax | Op::Residual => Ok(f),
             Op::LayerNorm { eps } | Op::RmsNorm { eps } | Op::BatchNorm { eps } => {
                 if !(eps > 0.0 && eps.is_finite()) {
                     return Err(Error::Chain(format!("{self}: eps must be positive and finite")));
@@ -210,6 +214,7 @@ impl fmt::Display for Op {
             Op::LayerNorm { eps } => write!(f, "layernorm({eps:e})"),
             Op::RmsNorm { eps } => write!(f, "rmsnorm({eps:e})"),
             Op::BatchNorm { eps } => write!(f, "batchnorm({eps:e})"),
+            Op::Residual => write!(f, "residual"),
         }
     }
 }
@@ -299,6 +304,14 @@ pub fn registry() -> Vec<OpEntry> {
         &["bn.weight", "bn.bias"],
         false,
         "BatchNorm1d in training mode: each feature over the batch's rows (once, after per-element ops only)",
+    ));
+    ops.push(across(
+        "residual",
+        &[],
+        vec![],
+        &[],
+        false,
+        "the Linear's output added back, `y + z` (last, after ops that keep the features; no BatchNorm)",
     ));
     ops
 }
@@ -483,6 +496,7 @@ fn parse_op(token: &str) -> Result<Op> {
             arity(0, 1)?;
             Op::BatchNorm { eps: if args.len() == 1 { num(0)? } else { 1e-5 } }
         }
+        "residual" => arity(0, 0).map(|_| Op::Residual)?,
         other => {
             return Err(Error::Chain(format!("unknown op `{other}`; known:\n{}", syntax_help())));
         }

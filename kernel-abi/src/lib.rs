@@ -212,8 +212,8 @@ pub mod fp8 {
 
 pub mod epilogue {
     pub use crate::ops::{
-        OP_AVG_POOL, OP_GROUP_NORM, OP_LOGSUMEXP, OP_MAX_POOL, OP_RMS_NORM, OP_ROW_MAX, OP_ROW_MEAN, OP_ROW_MIN,
-        OP_ROW_SUM, OP_SOFTMAX, Pointwise, code, reduces_row,
+        OP_AVG_POOL, OP_GROUP_NORM, OP_LOGSUMEXP, OP_MAX_POOL, OP_RESIDUAL, OP_RMS_NORM, OP_ROW_MAX, OP_ROW_MEAN,
+        OP_ROW_MIN, OP_ROW_SUM, OP_SOFTMAX, Pointwise, code, reduces_row,
     };
 
     /// One op of an epilogue chain. Fields unused by an op are zero.
@@ -225,7 +225,7 @@ pub mod epilogue {
     /// | `OP_AVG_POOL`   | k        |       |      |          |          |
     /// | `OP_MAX_POOL`   | k        |       |      |          |          |
     /// | `OP_RMS_NORM`   |          | eps   |      | weight   |          |
-    /// | reductions, `OP_SOFTMAX` | |       |      |          |          |
+    /// | reductions, `OP_SOFTMAX`, `OP_RESIDUAL` | | |  |          |          |
     ///
     /// (A per-element op's arguments and parameter: [`Pointwise::info`].)
     /// `param0`/`param1` are device addresses of f32 vectors with one entry per

@@ -11,7 +11,8 @@
 //! GroupNorm, AvgPool and the row max are not per-element: each kernel handles them
 //! by name ([`OP_GROUP_NORM`], [`OP_AVG_POOL`], [`OP_ROW_MAX`]); so do the other
 //! whole-row ops ([`ROW_OPS`]: the row reductions, softmax, MaxPool, RMSNorm), which
-//! only the row-wise epilogue runs (the GEMMs' fused epilogue sees a 128-column tile).
+//! only the row-wise epilogue runs (the GEMMs' fused epilogue sees a 128-column tile),
+//! as it alone runs [`OP_RESIDUAL`] (the chain's input added back).
 //! LayerNorm has no code of its own: over an `(N, F)` value it is a GroupNorm of one
 //! group (the same statistics, a per-feature affine), and the host describes it so.
 //!
@@ -95,6 +96,9 @@ pub const OP_SOFTMAX: u32 = 36;
 pub const OP_MAX_POOL: u32 = 37;
 /// RMSNorm over the features; `a` is eps, `param0` the weight.
 pub const OP_RMS_NORM: u32 = 38;
+/// The chain's input added back (`y = v + z`; the chain's last op): the row-wise kernels
+/// re-read `z`, so only they run it.
+pub const OP_RESIDUAL: u32 = 39;
 /// Every whole-row op but GroupNorm, AvgPool and the row max.
 pub const ROW_OPS: [u32; 7] = [OP_ROW_SUM, OP_ROW_MEAN, OP_ROW_MIN, OP_LOGSUMEXP, OP_SOFTMAX, OP_MAX_POOL, OP_RMS_NORM];
 

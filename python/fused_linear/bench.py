@@ -191,9 +191,11 @@ class PlainBlock(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         lead = x.shape[:-1]
-        h = self.lin(x if x.dim() == 2 else x.reshape(-1, self.in_features))
+        h = z = self.lin(x if x.dim() == 2 else x.reshape(-1, self.in_features))
         for kind, args, attr in self.steps:
-            if kind == "bias":
+            if kind == "residual":
+                h = h + z
+            elif kind == "bias":
                 h = h + getattr(self, attr)
             elif kind == "mul":
                 h = h * getattr(self, attr)

@@ -34,8 +34,11 @@ row reductions over ``dim`` 1 or -1: max (``torch.max(x, 1)``, ``x.max(dim=1)``,
 ``logsumexp`` (functions or methods), each with or without ``keepdim``. After a reduction the
 chain goes on with ops on one value per row: per-element ops, and (after one with
 ``keepdim=True``) more reductions and softmax; a parameter or a number added there ends
-it; ``x - x.mean(1, keepdim=True)`` there is ``0 * x``. A value used twice otherwise (a
-residual, a ``.detach()``) ends the chain there, but for ``h * s + h.detach()`` (``s`` a
+it; ``x - x.mean(1, keepdim=True)`` there is ``0 * x``. ``z + f(z)`` (either order,
+``torch.add`` too), ``z`` the Linear's output and ``f`` a chain that keeps its width, is
+``f`` then the ``residual`` op, which ends the chain (KernelBench 70). A value used twice
+otherwise (another residual, a ``.detach()``) ends the chain there, but for
+``h * s + h.detach()`` (``s`` a
 number, KernelBench 40's form), taken as ``scale(1 + s)`` whose output gradient is scaled
 by ``s / (1 + s)`` on the way back, which ends the chain after it. Where the chain cannot
 run whole on the GPU (an op that needs whole rows, over rows wider than the row-wise
@@ -79,6 +82,9 @@ class _Chain:
     out_features: int = 0  # the Linear's (``features`` moves with a pool)
     # A BatchNorm1d fused as `batchnorm`: (module, its index in `ops`, its weight's in `params`).
     batch_norm: Optional[Tuple[str, int, int]] = None
+    # `z + f(z)` with `z` the Linear's output (KernelBench 70): the sum's node, which the
+    # walk from the Linear leaves aside until its other operand is the chain's value.
+    residual: Optional[fx.Node] = None
 
     def __post_init__(self) -> None:
         self.out_features = self.features
@@ -254,7 +260,10 @@ def _only_user(node: fx.Node) -> Optional[fx.Node]:
 def _step(gm: fx.GraphModule, chain: _Chain, cur: fx.Node) -> Optional[fx.Node]:
     """Extends ``chain`` by the op consuming ``cur``; returns the node whose value the
     chain now ends in, or None (``chain.stopped`` says why)."""
-    users = list(cur.users)
+    if chain.ops and chain.ops[-1] == "residual":
+        chain.stopped = "`residual` is the chain's last op"
+        return None
+    users = [u for u in cur.users if not (cur is chain.linear and u is chain.residual)]
     # x * sigmoid(x): the value's two users are the sigmoid and the product.
     if len(users) == 2:
         sig = next((u for u in users if _is_sigmoid(gm, u)), None)
@@ -301,6 +310,13 @@ def _step(gm: fx.GraphModule, chain: _Chain, cur: fx.Node) -> Optional[fx.Node]:
     if u.op == "output":
         chain.stopped = "its value is the model's output"
         return None
+    if u is chain.residual:
+        if cur is chain.linear or set(u.args[:2]) != {cur, chain.linear}:
+            chain.stopped = f"`{u.name}` adds the Linear's output to another value"
+            return None
+        chain.ops.append("residual")
+        chain.nodes.append(u)
+        return u
     module = _target_module(gm, u)
     f = chain.features
     # After a reduction without keepdim the value is (N,): a `dim=-1` would be the batch's.
@@ -655,6 +671,19 @@ def _fused_call(
     return y
 
 
+def _residual_add(linear: fx.Node) -> Optional[fx.Node]:
+    """The ``add`` among the two users of ``linear``'s output that takes it and another
+    value (``z + f(z)``, either order): a candidate ``residual``, or None."""
+    users = list(linear.users)
+    if len(users) != 2:
+        return None
+    for u in users:
+        adds = _is_fn(u, operator.add, torch.add) or _is_method(u, "add")
+        if adds and not u.kwargs and len(u.args) == 2 and linear in u.args and u.args[0] is not u.args[1]:
+            return u
+    return None
+
+
 def _snapshot(chain: _Chain) -> _Chain:
     """A copy of ``chain`` as it stands (its lists copied), which later steps leave alone."""
     copy = replace(chain, ops=list(chain.ops), params=list(chain.params), nodes=list(chain.nodes))
@@ -714,6 +743,7 @@ def fuse(model: nn.Module, precision: Optional[str] = None, verbose: bool = Fals
         chain = _linear(gm, node)
         if chain is None:
             continue
+        chain.residual = _residual_add(node)
         cur = node
         # The chain after each step, for falling back to a prefix the GPU takes.
         steps = [(cur, _snapshot(chain))]
@@ -723,6 +753,10 @@ def fuse(model: nn.Module, precision: Optional[str] = None, verbose: bool = Fals
                 break
             cur = nxt
             steps.append((cur, _snapshot(chain)))
+        if chain.residual is not None and chain.residual not in chain.nodes:
+            why = f"its output also goes to `{chain.residual.name}`, which the chain does not reach"
+            report.append((node.name, f"left in PyTorch: {why} ({chain.stopped})"))
+            continue
         # Trailing ops the op cannot take after the chain's end (none today) and empty chains.
         if not chain.ops:
             report.append((node.name, f"left in PyTorch: no chain after it ({chain.stopped})"))
@@ -741,7 +775,9 @@ def fuse(model: nn.Module, precision: Optional[str] = None, verbose: bool = Fals
                 (
                     (at, snap)
                     for at, snap in reversed(steps[:-1])
-                    if snap.ops and _gpu_takes(snap.in_features, snap.out_features, ",".join(snap.ops))
+                    if snap.ops
+                    and chain.residual is None  # (the Linear's output is needed whole by the sum)
+                    and _gpu_takes(snap.in_features, snap.out_features, ",".join(snap.ops))
                 ),
                 None,
             )

@@ -1167,6 +1167,7 @@ fn parse_chain(ops: &str) -> PyResult<Vec<(String, Vec<f64>)>> {
                 host::chain::Op::LayerNorm { eps } => ("layernorm".into(), vec![decimal(eps)]),
                 host::chain::Op::RmsNorm { eps } => ("rmsnorm".into(), vec![decimal(eps)]),
                 host::chain::Op::BatchNorm { eps } => ("batchnorm".into(), vec![decimal(eps)]),
+                host::chain::Op::Residual => ("residual".into(), vec![]),
             })
             .collect())
     })

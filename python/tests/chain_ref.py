@@ -138,11 +138,14 @@ def apply_chain(h: torch.Tensor, ops, params, trace=None) -> torch.Tensor:
     reduced = h.dim() == 1
     if reduced:
         h = h.unsqueeze(1)
+    z = h
     for op in ops:
         if trace is not None and op.kind in KINKED:
             trace.append((op, h.detach()))
         k = op.kind
-        if k == "bias":
+        if k == "residual":
+            h = h + z
+        elif k == "bias":
             h = h + params.pop(0)
         elif k == "mul":
             h = h * params.pop(0)

@@ -210,7 +210,7 @@ def test_fuse_pointwise_ops_on_the_gpu():
 
 class Residuals(nn.Module):
     """The Linear's output used again after the chain. KernelBench 70: ``sigmoid(z) * s + z``
-    (no op adds the chain's input back: PyTorch's); 40: ``z * s + z.detach()``, value
+    (the ``residual`` op adds the chain's input back); 40: ``z * s + z.detach()``, value
     ``(1 + s) z`` with the gradient of ``z * s`` alone (fused, up to the sum)."""
 
     def __init__(self):
@@ -230,7 +230,7 @@ class Residuals(nn.Module):
 def test_a_residual_of_the_linear_output(capsys):
     model = Residuals()
     fused, said = fused_chains(model, capsys)
-    assert "a: left in PyTorch" in said and "used 2 times" in said, said
+    assert "a: fused with `sigmoid,scale(2.0),residual`" in said, said
     assert "b: fused with `scale(1.5)`; the chain ends" in said and "s times" in said, said
     # Parameters before the sum get the gradient of `3 g` alone; the tanh after it is PyTorch's.
     assert "c: fused with `bias,gelu,scale(4.0)`; the chain ends" in said, said
@@ -238,6 +238,39 @@ def test_a_residual_of_the_linear_output(capsys):
     check_same(model, fused, torch.randn(5, 6))
     compiled = torch.compile(fused, backend="aot_eager", fullgraph=True)
     check_same(model, compiled, torch.randn(5, 6))
+
+
+class ResidualForms(nn.Module):
+    """``z + f(z)`` in the other order and through ``torch.add``, and sums the
+    ``residual`` op cannot take: after a pool (another width), of another Linear's
+    output, and a second use of ``z`` besides the sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(6, 8) for _ in range(4))
+        self.e = nn.Linear(8, 8)
+
+    def forward(self, x):
+        za = self.a(x)
+        ha = torch.add(za, F.gelu(za * 0.5 - 1.0))
+        zb = self.b(x)
+        hb = F.max_pool1d(zb.unsqueeze(1), 2).squeeze(1).repeat(1, 2) + zb
+        zc, zd = self.c(x), self.d(x)
+        hc = zd + torch.tanh(zc)
+        ze = self.e(ha)
+        he = torch.sigmoid(ze) + ze + ze.sum(1, keepdim=True)
+        return ha.sum(1) + hb.sum(1) + hc.sum(1) + he.sum(1)
+
+
+def test_the_residual_op_takes_the_linear_output_back(capsys):
+    model = ResidualForms()
+    fused, said = fused_chains(model, capsys)
+    assert "a: fused with `scale(0.5),bias,gelu,residual`" in said, said
+    assert "b: left in PyTorch" in said, said  # the pool leaves another width: repeat() is PyTorch's
+    assert "c: fused with `tanh`" in said, said  # the sum adds d's output, not c's
+    assert "e: left in PyTorch" in said, said  # z has three users
+    assert list(fused.state_dict()) == list(model.state_dict())
+    check_same(model, fused, torch.randn(7, 6))
 
 
 class NegatedResidual(nn.Module):

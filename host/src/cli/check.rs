@@ -165,12 +165,18 @@ pub fn run(a: &CheckArgs) -> Result<(), Failure> {
             features([5, 16, 77, 300, 1030][rng.random_range(0..5)]),
             features([24, 48, 96, 100, 256, 384, 130][rng.random_range(0..7)]),
         );
-        let chain = loop {
+        let mut chain = loop {
             let chain = random_chain(&mut rng, shape.2);
             if !(fp8_gpu && matches!(chain.0.first(), Some(Op::AvgPool(_)))) {
                 break chain;
             }
         };
+        // Every other chain that keeps the width: the Linear's output added back.
+        let keeps =
+            BlockSpec::new(shape.1, shape.2, chain.clone()).is_ok_and(|s| s.features_at(chain.0.len()) == shape.2);
+        if keeps && i % 2 == 1 {
+            chain.0.push(Op::Residual);
+        }
         cases.push((format!("random {i}"), chain, shape));
     }
 

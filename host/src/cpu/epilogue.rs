@@ -48,6 +48,9 @@ pub(crate) fn forward_row(op: &Op, p: &[&[f32]], v: &mut [f32]) -> usize {
             return 1;
         }
         Op::Softmax => softmax(v),
+        // The chain's input is added by `ChainRows::forward` (one op sees its row's
+        // current values only); here the identity.
+        Op::Residual => {}
         Op::MaxPool(k) => {
             // As AvgPool: window j reads at or after v[j].
             for j in 0..n / k {
@@ -175,6 +178,8 @@ pub(crate) fn backward_row(op: &Op, p: &[&[f32]], x: &[f32], dy: &[f32], dx: &mu
             let y = reduce(Reduce::LogSumExp, x);
             dx.iter_mut().zip(x).for_each(|(d, &v)| *d = dy[0] * (v - y).exp());
         }
+        // The value's path; `ChainRows::backward` adds `dy` to `dz` for the chain's input.
+        Op::Residual => dx.copy_from_slice(dy),
         // dx = s (dy - sum(dy s)).
         Op::Softmax => {
             dx.copy_from_slice(x);
@@ -295,10 +300,20 @@ impl<'a> ChainRows<'a> {
     /// Linear output; returns the output's length (`features[len]`).
     pub(crate) fn forward(&self, row: &mut [f32]) -> usize {
         let mut len = self.features[0];
+        // A `residual` (the last op: `BlockSpec::new`) adds the chain's input back.
+        let input = self.residual().then(|| row[..len].to_vec());
         for (op, p) in self.ops.iter().zip(&self.params) {
             len = forward_row(op, p, &mut row[..len]);
         }
+        if let Some(z) = input {
+            row[..len].iter_mut().zip(&z).for_each(|(v, z)| *v += z);
+        }
         len
+    }
+
+    /// Whether the chain ends with `residual`.
+    fn residual(&self) -> bool {
+        self.ops.last() == Some(&Op::Residual)
     }
 
     pub(crate) fn scratch(&self) -> Scratch {
@@ -352,6 +367,9 @@ impl<'a> ChainRows<'a> {
             std::mem::swap(&mut g, &mut g_next);
         }
         dz.copy_from_slice(&g[..self.features[0]]);
+        if self.residual() {
+            dz.iter_mut().zip(dy).for_each(|(d, g)| *d += g);
+        }
     }
 }
 

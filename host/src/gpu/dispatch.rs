@@ -638,6 +638,7 @@ pub fn not_fusable(op: &Op, features: usize) -> Option<String> {
     match *op {
         Op::AvgPool(_) | Op::RowMax | Op::Reduce(_) | Op::MaxPool(_) => Some(format!("`{op}` reduces across tiles")),
         Op::Softmax | Op::RmsNorm { .. } => Some(format!("`{op}` needs the whole row")),
+        Op::Residual => Some(format!("`{op}` re-reads the chain's input (the row-wise kernels do)")),
         Op::BatchNorm { .. } => Some(format!("`{op}` needs the statistics of every row")),
         // LayerNorm runs as a GroupNorm of one group: fused where the row is such a group.
         Op::GroupNorm { .. } | Op::LayerNorm { .. } => {

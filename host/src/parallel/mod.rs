@@ -118,7 +118,8 @@ impl TensorSplit {
                         "`{op}`: the parallel blocks do not run a BatchNorm (its statistics span the batch)"
                     )));
                 }
-                Op::RowMax | Op::Pointwise(..) => {}
+                // `residual` adds each channel's own `z` back.
+                Op::RowMax | Op::Pointwise(..) | Op::Residual => {}
             }
         }
         Ok(q)

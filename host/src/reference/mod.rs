@@ -23,6 +23,7 @@ pub mod rows;
 pub use op::{Saved, op_backward, op_forward};
 
 use crate::block::{BlockSpec, Params};
+use crate::chain::Op;
 use crate::error::{Error, Result};
 use crate::tape::{Tape, VarId};
 use crate::tensor::Tensor;
@@ -159,9 +160,18 @@ pub fn block_forward_saving<T: Real>(
     let z = linear::linear_forward(x, &params.linear_weight, &params.linear_bias)?;
     let mut h = z.clone();
     for (op, op_params) in spec.chain.0.iter().zip(&params.ops) {
-        h = op_forward(op, &h, op_params)?.0;
+        h = if *op == Op::Residual { residual(&h, &z)? } else { op_forward(op, &h, op_params)?.0 };
     }
     Ok((h.reshape(&spec.output_shape(batch))?, z))
+}
+
+/// The `residual` op: `h + z`, `z` the chain's input (the Linear's output), same shape.
+/// Its backward hands `dy` to both.
+fn residual<T: Real>(h: &Tensor<T>, z: &Tensor<T>) -> Result<Tensor<T>> {
+    if h.shape() != z.shape() {
+        return Err(Error::Shape(format!("residual: the value {:?} and the chain's input {:?}", h.shape(), z.shape())));
+    }
+    Tensor::new(h.shape(), h.data().iter().zip(z.data()).map(|(&a, &b)| a + b).collect())
 }
 
 /// The batch statistics of the chain's BatchNorm at the Linear output `z`: each
@@ -244,9 +254,15 @@ fn forward_taped_from<T: Real>(
         let (dx, dw, db) = linear::linear_backward(&saved_x, &saved_w, &dy)?;
         Ok(vec![Some(dx), Some(dw), Some(db)])
     });
+    let (z, z_var) = (h.clone(), h_var);
 
     let mut next_param = 2;
     for (op, op_params) in spec.chain.0.iter().zip(&params.ops) {
+        if *op == Op::Residual {
+            h = residual(&h, &z)?;
+            h_var = tape.record(&[h_var, z_var], |dy: Tensor<T>| Ok(vec![Some(dy.clone()), Some(dy)]));
+            continue;
+        }
         let vars = &param_vars[next_param..next_param + op_params.len()];
         next_param += op_params.len();
         let (y, saved) = op_forward(op, &h, op_params)?;

@@ -87,6 +87,13 @@ pub fn op_forward<T: Real>(op: &Op, x: &Tensor<T>, params: &[Tensor<T>]) -> Resu
             let (y, stats) = batch_norm_forward(x, c(eps), &params[0], &params[1])?;
             (y, Saved::BatchNorm { x: x.clone(), stats })
         }
+        Op::Residual => {
+            return Err(Error::Argument(
+                "`residual` adds the chain's input, which one op does not see: the chain's forward \
+                 (`super::residual`) does it"
+                    .into(),
+            ));
+        }
     })
 }
 

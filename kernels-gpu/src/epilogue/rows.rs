@@ -521,12 +521,62 @@ unsafe fn rows_forward<E: Element>(
         sync_threads();
     }
     let mut f = n;
-    for i in 0..n_ops as usize {
+    // SAFETY: the descriptors hold n_ops ops.
+    let residual = n_ops > 0 && unsafe { (*ops.add(n_ops as usize - 1)).code } == OP_RESIDUAL;
+    for i in 0..n_ops as usize - usize::from(residual) {
         // SAFETY: i < n_ops; buffers as above.
         f = unsafe { op_forward(&*ops.add(i), &mut cur, &mut alt, red, f) };
     }
+    if residual {
+        // SAFETY: the last op, the row `n` wide (`BlockSpec::new`); z and bias as loaded.
+        unsafe { add_chain_input(cur, z.add(row * n), splits as usize, rows * n, bias, n) };
+    }
     // SAFETY: the row's output, f wide.
     unsafe { store_row(y.add(row * f), cur, f) };
+}
+
+/// `g[j] += dy[j]` for this thread's columns `j` (those it reads next): the `residual`
+/// op's path to `dz`.
+///
+/// # Safety
+/// `g` holds `n` floats, `dy` `n` values.
+#[inline(never)]
+unsafe fn add_row<E: Element>(g: *mut f32, dy: *const E, n: usize) {
+    let mut j = thread_idx_x() as usize;
+    // SAFETY: j < n.
+    unsafe {
+        while j < n {
+            *g.add(j) += E::load1(dy.add(j));
+            j += ROW_THREADS;
+        }
+    }
+}
+
+/// `cur[..n] +=` the chain's input, re-read as [`load_row`] summed it (the split-K
+/// parts in order, then the bias): the `residual` op. `z`'s row was just read, so
+/// this mostly hits L2. Ends with a barrier.
+///
+/// # Safety
+/// As `load_row`'s `src`, `parts`, `stride` and `bias`; `cur` the block's row of `n`.
+/// Called by the whole block.
+#[inline(never)]
+unsafe fn add_chain_input(cur: *mut f32, z: *const f32, parts: usize, stride: usize, bias: *const f32, n: usize) {
+    let mut j = thread_idx_x() as usize;
+    // SAFETY: every index is below n, the parts below `parts`.
+    unsafe {
+        while j < n {
+            let mut v = 0.0f32;
+            for p in 0..parts {
+                v += *z.add(p * stride + j);
+            }
+            if !bias.is_null() {
+                v += *bias.add(j);
+            }
+            *cur.add(j) += v;
+            j += ROW_THREADS;
+        }
+        sync_threads();
+    }
 }
 
 /// The row-wise forward's entry points, one per type of `y`: FP32, and bf16 or fp16 (a
@@ -694,6 +744,10 @@ unsafe fn rows_backward<E: Element>(
             let mut slot_end = slots;
             for i in (0..n_ops).rev() {
                 let op = op_at(i);
+                if op.code == OP_RESIDUAL {
+                    // (The last op.) `g` passes on to the ops before it; `dy` joins `dz` below.
+                    continue;
+                }
                 // Rebuild op i's input in x (ops 0..i forward from z); shrinking ops
                 // write into the buffer the gradient is not using.
                 let (mut x, mut x_alt) = (x_buf, g_alt);
@@ -840,7 +894,10 @@ unsafe fn rows_backward<E: Element>(
                 }
                 sync_threads();
             }
-            // g now holds dz for the row.
+            // g now holds dz for the row (but for a `residual`'s path: `dy` itself).
+            if n_ops > 0 && op_at(n_ops - 1).code == OP_RESIDUAL {
+                add_row(g, dy.add(row * n), n);
+            }
             let mut j = t;
             while j < n {
                 let d = *g.add(j);

@@ -65,6 +65,7 @@ impl DeviceChain {
                 Op::MaxPool(k) => (d.code, d.count) = (OP_MAX_POOL, count_u32(op, k)?),
                 // The same math as a GroupNorm of one group (kernel_abi::ops).
                 Op::LayerNorm { eps } => (d.code, d.count, d.a) = (OP_GROUP_NORM, 1, eps),
+                Op::Residual => d.code = OP_RESIDUAL,
                 Op::RmsNorm { eps } => (d.code, d.a) = (OP_RMS_NORM, eps),
                 // The block runs the ops around it (`gpu/batch_norm.rs`), never a kernel.
                 Op::BatchNorm { .. } => {
