@@ -285,6 +285,33 @@ fn kink_refinement_gives_the_exact_functions_gradients() {
     }
 }
 
+/// A block of `text` at `(batch, in, out)` in `precision` on random inputs: its forward
+/// and every gradient against the f64 reference, at the precision's tolerance.
+fn assert_block_matches_reference(
+    gpu: &Gpu,
+    text: &str,
+    (b, i, o): (usize, usize, usize),
+    precision: host::Precision,
+    rng: &mut StdRng,
+) {
+    let spec = BlockSpec::new(i, o, text.parse().unwrap()).unwrap();
+    let (params, x, dy) = random_case(&spec, b, rng);
+    let block = GpuBlock::new(gpu, &spec, &params).unwrap().with_precision(precision);
+    let path = block.describe(gpu, &block.plan(gpu, b));
+    let y = block.forward(gpu, &x).unwrap();
+    let got = block.forward_backward(gpu, &x, &dy).unwrap();
+    let p64 = params.map(f64::from);
+    let want_y = reference::block_forward(&spec, &x.to_f64(), &p64).unwrap();
+    let (_, want) = reference::block_backward(&spec, &x.to_f64(), &p64, &dy.to_f64()).unwrap();
+    let mut report = vec![("y".to_string(), compare_f32(y.data(), want_y.data()))];
+    report.extend(got.compare(&spec, &want));
+    let worst = report.iter().map(|(_, c)| c.rel).fold(0.0, f64::max);
+    println!("{precision:<7} {text:<66} ({b}, {i}, {o}) worst rel {worst:.2e}  [{path}]");
+    for (what, c) in &report {
+        assert!(c.passes(precision.tolerance()), "{precision} {text}: {what}: {c:?}");
+    }
+}
+
 /// Sigmoid and GELU's tanh form on every path, forward and backward against the f64
 /// reference: the row-wise epilogue and the fused FP32 kernel, both kink scans carrying
 /// their radius to a kink after them (with TF32's refinement), the tensor-core
@@ -309,23 +336,8 @@ fn sigmoid_and_gelu_tanh_match_reference_on_every_path() {
         ("avgpool(16),gelu_tanh,scale(2),max", (1024, 2048, 2048), Tf32),
         ("sigmoid,mul,gelu_tanh", (300, 1032, 520), Bf16),
     ];
-    for (text, (b, i, o), precision) in cases {
-        let spec = BlockSpec::new(i, o, text.parse().unwrap()).unwrap();
-        let (params, x, dy) = random_case(&spec, b, &mut rng);
-        let block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(precision);
-        let path = block.describe(&gpu, &block.plan(&gpu, b));
-        let y = block.forward(&gpu, &x).unwrap();
-        let got = block.forward_backward(&gpu, &x, &dy).unwrap();
-        let p64 = params.map(f64::from);
-        let want_y = reference::block_forward(&spec, &x.to_f64(), &p64).unwrap();
-        let (_, want) = reference::block_backward(&spec, &x.to_f64(), &p64, &dy.to_f64()).unwrap();
-        let mut report = vec![("y".to_string(), compare_f32(y.data(), want_y.data()))];
-        report.extend(got.compare(&spec, &want));
-        let worst = report.iter().map(|(_, c)| c.rel).fold(0.0, f64::max);
-        println!("{precision:<7} {text:<66} ({b}, {i}, {o}) worst rel {worst:.2e}  [{path}]");
-        for (what, c) in &report {
-            assert!(c.passes(precision.tolerance()), "{precision} {text}: {what}: {c:?}");
-        }
+    for (text, shape, precision) in cases {
+        assert_block_matches_reference(&gpu, text, shape, precision, &mut rng);
     }
     // The persistent TF32 kernel (its epilogue on the wgmma fragments), on sampled rows.
     for chain in ["sigmoid,bias,gelu_tanh", "gelu_tanh,mul,sigmoid"] {
@@ -370,23 +382,8 @@ fn residual_chains_match_reference_on_every_path() {
         ("tanh,bias,residual", (8, 1024, 1024), Tf32),
         ("residual", (3, 256, 320), Fp32),
     ];
-    for (text, (b, i, o), precision) in cases {
-        let spec = BlockSpec::new(i, o, text.parse().unwrap()).unwrap();
-        let (params, x, dy) = random_case(&spec, b, &mut rng);
-        let block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(precision);
-        let path = block.describe(&gpu, &block.plan(&gpu, b));
-        let y = block.forward(&gpu, &x).unwrap();
-        let got = block.forward_backward(&gpu, &x, &dy).unwrap();
-        let p64 = params.map(f64::from);
-        let want_y = reference::block_forward(&spec, &x.to_f64(), &p64).unwrap();
-        let (_, want) = reference::block_backward(&spec, &x.to_f64(), &p64, &dy.to_f64()).unwrap();
-        let mut report = vec![("y".to_string(), compare_f32(y.data(), want_y.data()))];
-        report.extend(got.compare(&spec, &want));
-        let worst = report.iter().map(|(_, c)| c.rel).fold(0.0, f64::max);
-        println!("{precision:<7} {text:<36} ({b}, {i}, {o}) worst rel {worst:.2e}  [{path}]");
-        for (what, c) in &report {
-            assert!(c.passes(precision.tolerance()), "{precision} {text}: {what}: {c:?}");
-        }
+    for (text, shape, precision) in cases {
+        assert_block_matches_reference(&gpu, text, shape, precision, &mut rng);
     }
     // A bf16 model's blocks: bf16 `y`, `dy` and `dz` on the row-wise kernels.
     let spec = BlockSpec::new(1024, 520, "sigmoid,scale(2),residual".parse().unwrap()).unwrap();
