@@ -151,6 +151,30 @@ def parse_op(text: str) -> Tuple[str, Tuple[float, ...]]:
     return kind, tuple(args)
 
 
+#: The norms' PyTorch modules, from their width, parsed arguments and factory kwargs (named
+#: as FusedLinear names their parameters: ``gn``, ``ln``, ``rms``, ``bn``, numbered after the first).
+_PLAIN_NORMS: Dict[str, Callable[[int, Tuple[float, ...], Dict[str, Any]], nn.Module]] = {
+    "groupnorm": lambda f, a, k: nn.GroupNorm(int(a[0]), f, eps=a[1], **k),
+    "layernorm": lambda f, a, k: nn.LayerNorm(f, eps=a[0], **k),
+    "rmsnorm": lambda f, a, k: nn.RMSNorm(f, eps=a[0], **k),
+    "batchnorm": lambda f, a, k: nn.BatchNorm1d(f, eps=a[0], **k),
+}
+#: The row reductions, keeping the dimension (the block squeezes it at the end).
+_PLAIN_REDUCTIONS: Dict[str, Callable[[Tensor], Tensor]] = {
+    "max": lambda h: torch.max(h, 1, keepdim=True).values,
+    "min": lambda h: torch.min(h, 1, keepdim=True).values,
+    "sum": lambda h: h.sum(1, keepdim=True),
+    "mean": lambda h: h.mean(1, keepdim=True),
+    "logsumexp": lambda h: torch.logsumexp(h, 1, keepdim=True),
+}
+_PLAIN_OPS = {
+    *_PLAIN_NORMS,
+    *_PLAIN_REDUCTIONS,
+    *("bias", "mul", "scale", "swish", "mish", "gelu", "gelu_tanh", "tanh", "sigmoid", "leakyrelu", "hardtanh"),
+    *("softmax", "avgpool", "maxpool", "residual"),
+}
+
+
 class PlainBlock(nn.Module):
     """The block ``FusedLinear`` fuses, written with ordinary torch ops: the peer to beat.
 
@@ -179,10 +203,12 @@ class PlainBlock(nn.Module):
         for index, text in enumerate(canonical):
             kind, args = parse_op(text)
             attr = ""
-            if kind == "groupnorm":
-                (name, shape), _ = by_op[index]  # "gn.weight", then "gn.bias"
+            if kind not in _PLAIN_OPS:
+                raise ValueError(f"PlainBlock has no PyTorch form of `{text}`")
+            if kind in _PLAIN_NORMS:
+                (name, shape), *_ = by_op[index]  # "gn.weight" (then "gn.bias"), "rms.weight", ...
                 attr = name.partition(".")[0]
-                self.add_module(attr, nn.GroupNorm(int(args[0]), shape[0], eps=args[1], **factory))
+                self.add_module(attr, _PLAIN_NORMS[kind](shape[0], args, factory))
             elif kind in ("bias", "mul"):
                 ((attr, shape),) = by_op[index]
                 # FusedLinear draws these from randn in chain order: the same seed, the same values.
@@ -192,9 +218,18 @@ class PlainBlock(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         lead = x.shape[:-1]
         h = z = self.lin(x if x.dim() == 2 else x.reshape(-1, self.in_features))
+        reduced = False  # a reduction leaves (N, 1) here, (N,) at the end
         for kind, args, attr in self.steps:
             if kind == "residual":
                 h = h + z
+            elif kind in _PLAIN_NORMS:
+                h = getattr(self, attr)(h)
+            elif kind in _PLAIN_REDUCTIONS:
+                h, reduced = _PLAIN_REDUCTIONS[kind](h), True
+            elif kind == "softmax":
+                h = torch.softmax(h, 1)
+            elif kind == "maxpool":
+                h = F.max_pool1d(h.unsqueeze(1), int(args[0])).squeeze(1)
             elif kind == "bias":
                 h = h + getattr(self, attr)
             elif kind == "mul":
@@ -217,12 +252,10 @@ class PlainBlock(nn.Module):
                 h = F.leaky_relu(h, args[0])
             elif kind == "hardtanh":
                 h = F.hardtanh(h, args[0], args[1])
-            elif kind == "groupnorm":
-                h = getattr(self, attr)(h)
-            elif kind == "avgpool":
+            else:  # avgpool (the constructor refused anything else)
                 h = F.avg_pool1d(h.unsqueeze(1), int(args[0])).squeeze(1)
-            else:  # max over the features: (N, F) -> (N,)
-                h = torch.max(h, dim=1).values
+        if reduced:
+            h = h.squeeze(1)
         return h if x.dim() == 2 else h.reshape(*lead, *h.shape[1:])
 
     def extra_repr(self) -> str:

@@ -126,6 +126,40 @@ def test_plain_peer_every_op_and_repeated_names():
     assert plain(x.view(2, 4, 32)).shape == (2, 4)
 
 
+@pytest.mark.parametrize(
+    "ops",
+    [
+        "swish,batchnorm,layernorm,rmsnorm,softmax,gelu",
+        "sigmoid,scale(2),residual",
+        "mish,maxpool(2),mean,tanh",
+        "sum,max,logsumexp,gelu",
+        "bias,min,swish",
+        "layernorm(1e-3),mul,logsumexp",
+    ],
+)
+def test_plain_peer_takes_every_registry_op(ops):
+    """The norms, reductions, softmax, MaxPool and the residual, forward and gradients:
+    a peer of another function would make every ratio and error of the benchmark wrong."""
+    fused = bench.randomize_affine(FusedLinear(16, 32, ops))
+    plain = bench.PlainBlock(16, 32, ops)
+    plain.load_state_dict(fused.state_dict())  # the same names and buffers, strictly
+    x = torch.randn(9, 16)
+    x_ours, x_plain = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y_ours, y_plain = fused(x_ours), plain(x_plain)
+    assert y_plain.shape == y_ours.shape
+    assert rel_err(y_plain, y_ours) < 1e-5
+    dy = torch.randn_like(y_ours)
+    y_ours.backward(dy)
+    y_plain.backward(dy)
+    assert rel_err(x_plain.grad, x_ours.grad) < 1e-4
+    assert rel_err(plain.lin.weight.grad, fused.lin.weight.grad) < 1e-4
+
+
+def test_plain_peer_covers_the_registry():
+    names = {op["name"] for op in fused_linear._native.ops()}
+    assert names <= bench._PLAIN_OPS, names - bench._PLAIN_OPS
+
+
 def test_scale_chain_keeps_groups_and_pool_valid():
     for model, ops in fused_linear.PRESETS.items():
         seed_rows, seed_in, seed_out = bench.SEED_SIZES[model]
