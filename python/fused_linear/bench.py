@@ -170,8 +170,8 @@ _PLAIN_REDUCTIONS: Dict[str, Callable[[Tensor], Tensor]] = {
 _PLAIN_OPS = {
     *_PLAIN_NORMS,
     *_PLAIN_REDUCTIONS,
-    *("bias", "mul", "scale", "swish", "mish", "gelu", "gelu_tanh", "tanh", "sigmoid", "leakyrelu", "hardtanh"),
-    *("softmax", "avgpool", "maxpool", "residual"),
+    *("bias", "mul", "scale", "swish", "mish", "gelu", "gelu_tanh", "tanh", "sigmoid"),
+    *("leakyrelu", "hardtanh", "softmax", "avgpool", "maxpool", "residual"),
 }
 
 
