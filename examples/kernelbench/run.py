@@ -143,6 +143,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="time eager/compile with TF32 matmuls allowed (the correctness reference stays strict FP32)",
     )
+    p.add_argument(
+        "--f64",
+        action="store_true",
+        help="also set ours and PyTorch's FP32 Model against Model in float64 (gradients with --backward)",
+    )
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
 
@@ -420,6 +425,48 @@ def check_gradients(
     return {"grad_max_abs": worst_abs, "grad_rel_err": worst_rel, "grad_worst": worst_name}
 
 
+def errors_vs_float64(
+    mod: ModuleType, ref: nn.Module, new: nn.Module, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Ours (`new`) and PyTorch's FP32 Model (`ref`) against a float64 copy of Model, on the
+    first trial's input: the output's relative error and, with --backward, the worst
+    gradient's (x and every parameter; the float64 copy starts from Model's state, running
+    statistics included; a gradient the float64 Model gives as nothing, 1e-8 of the largest
+    or less, as a bias's before a training-mode BatchNorm, is left out: its relative error
+    is rounding noise over nothing for any implementation). A Model whose Dropout draws
+    (p > 0, training) is left out: the float64 copy would draw another mask."""
+    if any(isinstance(m, nn.Dropout) and m.p > 0 and m.training for m in ref.modules()):
+        return {"f64_note": "a Dropout draws: no float64 comparison"}
+    ref64 = copy.deepcopy(ref).double()
+    seed = trial_seeds(args.seed, 1)[0]
+    (x,) = inputs_for(mod, seed, args.device)
+    runs = {}
+    for key, model in (("f64", ref64), ("fp32", ref), ("ours", new)):
+        xg = (x.double() if key == "f64" else x).clone().requires_grad_(args.backward)
+        with torch.set_grad_enabled(args.backward):
+            y = seeded_forward(model, [xg], seed)
+        grads = {}
+        if args.backward:
+            names, params = zip(*model.named_parameters())
+            dy = fixed_grad(y.float()).to(y.dtype)
+            got = torch.autograd.grad(y, [xg, *params], dy, allow_unused=True)
+            grads = {name: g for name, g in zip(("x", *names), got) if g is not None}
+        runs[key] = (y.detach(), grads)
+    out: dict[str, Any] = {}
+    y64, g64 = runs["f64"]
+    largest = max((g.norm().item() for g in g64.values()), default=0.0)
+    kept = {n: g for n, g in g64.items() if g.norm().item() > 1e-8 * largest}
+    if len(kept) < len(g64):
+        out["f64_grads_left_out"] = sorted(set(g64) - set(kept))
+    for key in ("ours", "fp32"):
+        y, grads = runs[key]
+        out[f"f64_rel_err_{key}"] = compare(y, y64)[1]
+        errors = [(compare(grads[n], g)[1], n) for n, g in kept.items() if n in grads]
+        if errors:
+            out[f"f64_grad_rel_err_{key}"], out[f"f64_grad_worst_{key}"] = max(errors)
+    return out
+
+
 def fixed_grad(y: torch.Tensor) -> torch.Tensor:
     """A random output gradient that is the same for every model (its own generator)."""
     g = torch.Generator().manual_seed(1234)
@@ -623,13 +670,26 @@ def main(argv: list[str] | None = None) -> int:
                     res.update(check_gradients(mod, ref, new, args))
                 except Exception as e:  # noqa: BLE001 -- reported in the row
                     res["grad_error"] = f"{type(e).__name__}: {e}"
+            if args.f64 and res["error"] is None:
+                try:
+                    res.update(errors_vs_float64(mod, ref, new, args))
+                except Exception as e:  # noqa: BLE001 -- reported in the row
+                    res["f64_error"] = f"{type(e).__name__}: {e}"
             ok = res["error"] is None and res["passed"] == res["trials"]
             all_ok &= ok
             msg = f"  {prec:7s} {res['passed']}/{res['trials']} allclose({atol:g}, {rtol:g})"
             msg += f"  max_abs {res['max_abs']:.3e}  rel_err {res['rel_err']:.3e}"
             if "grad_rel_err" in res:
                 msg += f"  grad rel_err {res['grad_rel_err']:.3e} ({res['grad_worst']})"
-            for key in ("error", "grad_error"):
+            if "f64_rel_err_ours" in res:
+                y_ours, y_fp32 = res["f64_rel_err_ours"], res["f64_rel_err_fp32"]
+                msg += f"  vs float64: y {y_ours:.2e} (PyTorch FP32 {y_fp32:.2e})"
+            if "f64_grad_rel_err_ours" in res:
+                msg += (
+                    f", grads {res['f64_grad_rel_err_ours']:.2e} ({res['f64_grad_worst_ours']}; "
+                    f"PyTorch FP32 {res['f64_grad_rel_err_fp32']:.2e})"
+                )
+            for key in ("error", "grad_error", "f64_error", "f64_note"):
                 if res.get(key):
                     msg += f"  {key.upper()}: {res[key]}"
             print(msg + f"  [{time.perf_counter() - t0:.1f} s]")

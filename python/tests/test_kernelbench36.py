@@ -18,6 +18,7 @@ own is noise that no other float32 summation order reproduces.
 import copy
 import importlib
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -149,6 +150,24 @@ def test_run_py_on_the_cpu(capsys):
     assert sum(line.split()[0].isdigit() for line in table.splitlines() if line.strip()) == 36
     with pytest.raises(SystemExit):
         RUN.main(["--device", "cpu", "--problems", "7"])
+
+
+def test_run_py_sets_both_against_float64(tmp_path, capsys):
+    """--f64: ours and PyTorch's FP32 Model against the Model in float64, output and
+    gradients; a bias's gradient that a BatchNorm cancels is left out, a drawing Dropout
+    skipped."""
+    out = tmp_path / "r.json"
+    argv = ["--device", "cpu", "--trials", "1", "--problems", "70,33,66", "--fuse", "--backward", "--f64"]
+    assert RUN.main([*argv, "--json", str(out)]) == 0
+    rows = {(r["problem"], r["pass"]): r for r in json.loads(out.read_text())["results"]}
+    for pid in (70, 33):
+        row = rows[(pid, "fwd")]
+        # FP32 sums in both: within a few FP32 roundings of float64 (a few 1e-7 here).
+        assert row["f64_rel_err_ours"] < 1e-5 and row["f64_rel_err_fp32"] < 1e-5, row
+        assert row["f64_grad_rel_err_ours"] < 1e-5 and row["f64_grad_rel_err_fp32"] < 1e-5, row
+    assert rows[(33, "fwd")]["f64_grads_left_out"] == ["gemm.bias"]
+    assert "Dropout" in rows[(66, "fwd")]["f64_note"]
+    assert "vs float64" in capsys.readouterr().out
 
 
 @pytest.mark.gpu
