@@ -201,7 +201,8 @@ has python && PYTHONUNBUFFERED=1 run "pytest (CPU and GPU)" 500 python3 -m pytes
 has kernelbench && PYTHONUNBUFFERED=1 run "KernelBench ModelNew" 560 python3 examples/kernelbench/run.py \
   --problems hand --precision fp32,tf32x3 --trials 5 --backward --json "$OUT/kernelbench.json"
 has kbfuse && PYTHONUNBUFFERED=1 run "KernelBench fuse(Model), 36 problems" 560 python3 \
-  examples/kernelbench/run.py --fuse --precision fp32 --trials 5 --no-compile --json "$OUT/kernelbench-fuse.json"
+  examples/kernelbench/run.py --fuse --precision fp32,tf32x3 --trials 5 --backward --f64 --no-compile \
+  --json "$OUT/kernelbench-fuse.json"
 has pybench && PYTHONUNBUFFERED=1 run "op vs host bench" 560 python3 scripts/py-bench.py --host "$C/host" \
   --json "$OUT/py-bench.json"
 has pytrain && PYTHONUNBUFFERED=1 run "train.py" 200 python3 examples/train.py --steps 50 --device cuda --precision fp32
