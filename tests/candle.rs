@@ -2,7 +2,8 @@
 //! gradient (x and each parameter) through candle's autograd, against the same block
 //! written with candle's own ops and against the f64 reference; and its errors.
 //!
-//! `cargo test --release -p host --features candle --test candle`
+//! `cargo test --release -p host --features candle --test candle`; with
+//! `--no-default-features --features candle-cuda` (docs/RUST.md) the CUDA test builds too.
 
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
@@ -50,7 +51,21 @@ fn candle_ops(chain: &str, x: &Tensor, p: &[Tensor]) -> Tensor {
 
 #[test]
 fn forward_and_gradients_match_candle_and_the_reference() {
-    let dev = Device::Cpu;
+    check_against_candle_and_the_reference(&Device::Cpu);
+}
+
+/// The same on candle's CUDA device: the GPU kernels on candle's stream and buffers.
+#[cfg(feature = "candle-cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn on_cuda_forward_and_gradients_match_candle_and_the_reference() {
+    check_against_candle_and_the_reference(&Device::new_cuda(0).unwrap());
+}
+
+/// Every chain's block on `dev`: forward and every gradient through candle's autograd
+/// against candle's own ops and against the f64 reference.
+fn check_against_candle_and_the_reference(dev: &Device) {
+    let dev = dev.clone();
     let (batch, inf, outf) = (8, 32, 16);
     for chain in ["groupnorm(4),swish", "gelu", "bias,mul,tanh", "layernorm,swish", "tanh,sum"] {
         let varmap = VarMap::new();

@@ -2,9 +2,10 @@
 //! Linear+GroupNorm+swish, then Linear+gelu) and a plain `candle_nn::Linear` head, beside the
 //! same MLP written with `candle_nn::linear` and candle's own ops, from the same initial
 //! weights. Both train with AdamW for 50 steps; their losses must agree to 1e-4 (relative)
-//! at every step. CPU only.
+//! at every step. On the CPU, or with `--cuda` on candle's CUDA device 0 (a build with the
+//! feature `candle-cuda`, docs/RUST.md).
 //!
-//! `cargo run --release -p host --features candle --example candle_mlp`
+//! `cargo run --release -p host --features candle --example candle_mlp [-- --cuda]`
 
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
@@ -65,7 +66,7 @@ impl Plain {
 }
 
 fn main() -> Result<()> {
-    let dev = Device::Cpu;
+    let dev = if std::env::args().any(|a| a == "--cuda") { Device::new_cuda(0)? } else { Device::Cpu };
     let fused_vars = VarMap::new();
     let fused = Fused::new(VarBuilder::from_varmap(&fused_vars, DType::F32, &dev))?;
     let plain_vars = VarMap::new();

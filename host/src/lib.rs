@@ -2,6 +2,10 @@
 //! the CPU backend, the autograd tape, the CUDA runtime and the launchers of the
 //! kernels in `kernels-gpu`.
 
+// cudarc either loads CUDA at run time (the default) or, for candle's CUDA tensors, links it.
+#[cfg(not(any(feature = "cuda-loading", feature = "candle-cuda")))]
+compile_error!("host takes cudarc's loading mode (feature `cuda-loading`, the default) or `candle-cuda`");
+
 pub mod block;
 #[cfg(feature = "candle")]
 pub mod candle;

@@ -28,8 +28,7 @@ pub struct Collective {
 
 /// Why NCCL cannot be used here, if it cannot.
 pub fn nccl_present() -> Result<()> {
-    // SAFETY: only tries to dlopen the library under its usual names.
-    if unsafe { cudarc::nccl::sys::is_culib_present() } {
+    if super::cuda_library_present(super::presence_probe!(nccl)) {
         Ok(())
     } else {
         Err(Error::NoGpu(

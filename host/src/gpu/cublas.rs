@@ -21,8 +21,7 @@ pub struct Cublas {
 
 impl Cublas {
     pub fn new(gpu: &Gpu, tf32: bool) -> Result<Cublas> {
-        // SAFETY: only tries to dlopen libcublas under its usual names.
-        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+        if !super::cuda_library_present(super::presence_probe!(cublas)) {
             return Err(Error::NoGpu("libcublas was not found (add its folder to LD_LIBRARY_PATH)".into()));
         }
         let stream = gpu.stream().clone();

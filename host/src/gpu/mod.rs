@@ -79,10 +79,36 @@ pub struct Gpu {
     tuning: Tuning,
 }
 
+/// Whether cudarc can reach a CUDA library: loaded at run time (`cuda-loading`), it tries
+/// `present`, which dlopens it under its usual names; linked at build time (`candle-cuda`),
+/// the program would not have started without it.
+pub(crate) fn cuda_library_present(present: unsafe fn() -> bool) -> bool {
+    // SAFETY: the presence probes only try to dlopen their library.
+    cfg!(not(feature = "cuda-loading")) || unsafe { present() }
+}
+
+/// The presence probe of one of cudarc's library modules (`driver`, `cublas`, `nccl`), or
+/// a constant where cudarc links CUDA (it has no probe then).
+#[cfg(feature = "cuda-loading")]
+macro_rules! presence_probe {
+    ($module:ident) => {
+        cudarc::$module::sys::is_culib_present
+    };
+}
+#[cfg(not(feature = "cuda-loading"))]
+macro_rules! presence_probe {
+    ($module:ident) => {{
+        unsafe fn linked() -> bool {
+            true
+        }
+        linked
+    }};
+}
+pub(crate) use presence_probe;
+
 /// Why there is no usable GPU, or `Ok` if the driver library is present.
 pub fn driver_present() -> Result<()> {
-    // SAFETY: only tries to dlopen the driver library under its usual names.
-    if unsafe { cudarc::driver::sys::is_culib_present() } {
+    if cuda_library_present(presence_probe!(driver)) {
         Ok(())
     } else {
         Err(Error::NoGpu("the CUDA driver library (libcuda.so) was not found".into()))

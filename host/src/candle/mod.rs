@@ -1,19 +1,25 @@
 //! A candle adapter: [`FusedLinear`], one block (`Linear` + epilogue chain) as a
-//! `candle_nn::Module` whose forward and backward run on the CPU backend ([`crate::cpu`]).
+//! `candle_nn::Module` whose forward and backward run on the CPU backend ([`crate::cpu`])
+//! for CPU tensors, and with the feature `candle-cuda` on the GPU kernels for candle's
+//! CUDA tensors (`cuda`: on candle's device, stream and buffers).
 //!
 //! The forward is a `CustomOp3` over `(x, lin.weight, packed)`, `packed` being every other
 //! parameter concatenated into one 1-D tensor (candle's custom ops take at most three
-//! tensors); its `bwd` returns the fused backward's gradients, and candle's autograd splits
-//! the packed gradient back onto each parameter through the concatenation.
+//! tensors), each padded with zeros to a multiple of 4 values so that every one starts at
+//! a 16-byte boundary (the GPU kernels' vector loads); its `bwd` returns the fused
+//! backward's gradients, and candle's autograd splits the packed gradient back onto each
+//! parameter through the concatenation.
 //!
-//! CPU tensors only (see docs/RUST.md for why candle's CUDA feature cannot be enabled
-//! beside this crate's cudarc). f32 runs as is; bf16 and f16 are converted to f32 and the
-//! output back; other dtypes are an error.
+//! f32 runs as is; bf16 and f16 are converted to f32 and the output back; other dtypes are
+//! an error. docs/RUST.md says how to build `candle-cuda` (candle links CUDA at build time).
+
+#[cfg(feature = "candle-cuda")]
+mod cuda;
 
 use crate::block::Init as ParamInit;
 use crate::{BlockSpec, Params, cpu};
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp3, DType, Error, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp3, DType, Device, Error, Layout, Result, Shape, Tensor};
 use candle_nn::{Init, VarBuilder};
 
 /// One fused block with candle parameters named as PyTorch names them (`lin.weight`,
@@ -73,14 +79,42 @@ impl FusedLinear {
     }
 }
 
-fn check_cpu(name: &str, t: &Tensor) -> Result<()> {
-    if !t.device().is_cpu() {
+/// Whether the block runs on `device`: the CPU, and CUDA devices where the crate was built
+/// with `candle-cuda`.
+fn check_device(name: &str, t: &Tensor, device: &Device) -> Result<()> {
+    if !t.device().same_device(device) {
         return Err(Error::Msg(format!(
-            "FusedLinear: {name} is on {:?}; only CPU tensors are supported (candle's CUDA path is not wired up)",
-            t.device().location()
+            "FusedLinear: {name} is on {:?}, x on {:?}",
+            t.device().location(),
+            device.location()
         )));
     }
+    if device.is_cuda() && cfg!(not(feature = "candle-cuda")) {
+        return Err(Error::Msg(format!(
+            "FusedLinear: {name} is on {:?}; this build takes CPU tensors (CUDA ones need the feature \
+             `candle-cuda`, docs/RUST.md)",
+            device.location()
+        )));
+    }
+    if !(device.is_cpu() || device.is_cuda()) {
+        return Err(Error::Msg(format!("FusedLinear: {name} is on {:?} (CPU or CUDA)", device.location())));
+    }
     Ok(())
+}
+
+/// The packed layout: where each parameter after `lin.weight` starts in `packed`, and
+/// `packed`'s length (each padded to a multiple of 4 values: 16-byte boundaries).
+fn packed_offsets(spec: &BlockSpec) -> (Vec<usize>, usize) {
+    let mut at = 0;
+    let starts = spec.param_specs()[1..]
+        .iter()
+        .map(|p| {
+            let start = at;
+            at += p.shape.iter().product::<usize>().next_multiple_of(4);
+            start
+        })
+        .collect();
+    (starts, at)
 }
 
 impl candle_nn::Module for FusedLinear {
@@ -91,10 +125,11 @@ impl candle_nn::Module for FusedLinear {
                 "FusedLinear: x has dtype {dtype:?}; supported: f32 (bf16 and f16 through f32)"
             )));
         }
-        check_cpu("x", x)?;
+        let device = x.device();
+        check_device("x", x, device)?;
         let names = self.spec.param_specs();
         for (t, p) in std::iter::once(&self.weight).chain(&self.others).zip(&names) {
-            check_cpu(&p.name, t)?;
+            check_device(&p.name, t, device)?;
             if t.dtype() != dtype {
                 return Err(Error::Msg(format!(
                     "FusedLinear: {} has dtype {:?} but x has {dtype:?}",
@@ -113,8 +148,16 @@ impl candle_nn::Module for FusedLinear {
             }
         }
         let f32 = |t: &Tensor| t.to_dtype(DType::F32)?.contiguous();
-        let others = self.others.iter().map(f32).collect::<Result<Vec<_>>>()?;
-        let packed = Tensor::cat(&others, 0)?;
+        let mut parts = Vec::new();
+        for t in &self.others {
+            let t = f32(t)?.flatten_all()?;
+            let pad = t.elem_count().next_multiple_of(4) - t.elem_count();
+            parts.push(t);
+            if pad > 0 {
+                parts.push(Tensor::zeros(pad, DType::F32, device)?);
+            }
+        }
+        let packed = Tensor::cat(&parts, 0)?;
         let op = BlockOp { spec: self.spec.clone() };
         let y = f32(x)?.apply_op3(&f32(&self.weight)?, &packed, op)?;
         y.to_dtype(dtype)
@@ -151,7 +194,7 @@ impl BlockOp {
     ) -> Result<(crate::Tensor<f32>, Params<f32>)> {
         let x = crate::Tensor::new(x_dims, x.to_vec()).map_err(|e| host_err("x", e))?;
         let specs = self.spec.param_specs();
-        let want: usize = specs[1..].iter().map(|p| p.shape.iter().product::<usize>()).sum();
+        let (starts, want) = packed_offsets(&self.spec);
         if packed.len() != want {
             return Err(Error::Msg(format!(
                 "FusedLinear: the packed parameters have {} values, the block needs {want}",
@@ -159,11 +202,9 @@ impl BlockOp {
             )));
         }
         let mut flat = vec![crate::Tensor::new(&specs[0].shape, w.to_vec()).map_err(|e| host_err("lin.weight", e))?];
-        let mut at = 0;
-        for p in &specs[1..] {
+        for (p, &at) in specs[1..].iter().zip(&starts) {
             let n: usize = p.shape.iter().product();
             flat.push(crate::Tensor::new(&p.shape, packed[at..at + n].to_vec()).map_err(|e| host_err(&p.name, e))?);
-            at += n;
         }
         let params = Params::from_flat(&self.spec, flat).map_err(|e| host_err("parameters", e))?;
         Ok((x, params))
@@ -195,6 +236,19 @@ impl CustomOp3 for BlockOp {
         Ok((CpuStorage::F32(y.into_data()), shape))
     }
 
+    #[cfg(feature = "candle-cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        cuda::forward(self, (s1, l1), (s2, l2), (s3, l3))
+    }
+
     fn bwd(
         &self,
         x: &Tensor,
@@ -203,6 +257,11 @@ impl CustomOp3 for BlockOp {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        #[cfg(feature = "candle-cuda")]
+        if x.device().is_cuda() {
+            let (dx, dw, dp) = cuda::backward(self, x, w, packed, &dy.contiguous()?)?;
+            return Ok((Some(dx), Some(dw), Some(dp)));
+        }
         let vec = |t: &Tensor| t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>();
         let (xh, params) = self.unpack(&vec(x)?, x.dims(), &vec(w)?, &vec(packed)?)?;
         let dyh = crate::Tensor::new(dy.dims(), vec(dy)?).map_err(|e| host_err("dy", e))?;
@@ -214,7 +273,11 @@ impl CustomOp3 for BlockOp {
         let dx = Tensor::from_vec(g.x.into_data(), x.dims(), dev)?;
         let flat = g.params.flat();
         let dw = Tensor::from_vec(flat[0].data().to_vec(), w.dims(), dev)?;
-        let rest: Vec<f32> = flat[1..].iter().flat_map(|t| t.data().iter().copied()).collect();
+        let (starts, len) = packed_offsets(&self.spec);
+        let mut rest = vec![0.0f32; len];
+        for (t, &at) in flat[1..].iter().zip(&starts) {
+            rest[at..at + t.data().len()].copy_from_slice(t.data());
+        }
         let dp = Tensor::from_vec(rest, packed.dims(), dev)?;
         Ok((Some(dx), Some(dw), Some(dp)))
     }

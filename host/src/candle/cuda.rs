@@ -1,0 +1,212 @@
+//! candle's CUDA tensors (feature `candle-cuda`): the block's GPU kernels on candle's
+//! device and stream, reading candle's buffers where they lie and allocating every output
+//! and workspace through candle's device, so that the outputs become candle storage as
+//! they are (no copies; only the packed parameter gradient is assembled from the small
+//! gradients, a few vectors).
+//!
+//! Both sides' cudarc contexts are the device's primary context, so addresses pass from
+//! one to the other; the host's `Gpu` is opened once per device (its kernels' module
+//! loaded once) and runs each call on candle's stream (`Gpu::on_stream`).
+
+use super::{BlockOp, host_err, packed_offsets};
+use crate::BlockSpec;
+use crate::gpu::block::{DeviceParams, GpuBlock};
+use crate::gpu::{DeviceAllocator, DeviceTensor, ElementKind, Gpu};
+use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::op::BackpropOp;
+use candle_core::{CudaDevice, CudaStorage, DeviceLocation, Error, Layout, Result, Shape, Storage, Tensor};
+use cudarc::driver::{CudaSlice, DevicePtr};
+use std::any::Any;
+use std::sync::{Arc, Mutex};
+
+/// The host's `Gpu` of each device, opened on first use.
+static GPUS: Mutex<Vec<Option<Gpu>>> = Mutex::new(Vec::new());
+
+fn opened(ordinal: usize) -> Result<Gpu> {
+    let mut gpus = GPUS.lock().unwrap_or_else(|p| p.into_inner());
+    if gpus.len() <= ordinal {
+        gpus.resize(ordinal + 1, None);
+    }
+    if let Some(g) = &gpus[ordinal] {
+        return Ok(g.clone());
+    }
+    let g = Gpu::open(ordinal).map_err(|e| host_err("opening the GPU", e))?;
+    gpus[ordinal] = Some(g.clone());
+    Ok(g)
+}
+
+/// The host's `Gpu` on `dev`'s stream, allocating through `dev`.
+fn gpu_on(dev: &CudaDevice) -> Result<Gpu> {
+    let DeviceLocation::Cuda { gpu_id } = dev.location() else {
+        return Err(Error::Msg("FusedLinear: not a CUDA device".into()));
+    };
+    let gpu = opened(gpu_id)?;
+    let stream = dev.cuda_stream();
+    let allocator: Arc<dyn DeviceAllocator> = Arc::new(CandleAllocator { dev: dev.clone() });
+    // SAFETY: candle's stream of this device, which candle keeps alive beyond the call.
+    Ok(unsafe { gpu.on_stream(stream.cu_stream() as u64, Some(allocator)) })
+}
+
+/// Device memory from candle's device: a `CudaSlice` the returned handle owns, which
+/// becomes candle storage as it is.
+struct CandleAllocator {
+    dev: CudaDevice,
+}
+
+impl DeviceAllocator for CandleAllocator {
+    fn allocate(&self, shape: &[usize], element: ElementKind) -> crate::Result<(u64, Box<dyn Any + Send + Sync>)> {
+        let n: usize = shape.iter().product::<usize>().max(1);
+        let stream = self.dev.cuda_stream();
+        let failed = |e: Error| crate::Error::cuda("allocating through candle's device", e);
+        // SAFETY (each arm): the caller writes the memory before reading it.
+        Ok(match element {
+            ElementKind::F32 => {
+                let s = unsafe { self.dev.alloc::<f32>(n) }.map_err(failed)?;
+                let ptr = s.device_ptr(&stream).0;
+                (ptr, Box::new(s))
+            }
+            ElementKind::Bf16 | ElementKind::F16 => {
+                let s = unsafe { self.dev.alloc::<u16>(n) }.map_err(failed)?;
+                let ptr = s.device_ptr(&stream).0;
+                (ptr, Box::new(s))
+            }
+            ElementKind::Bytes => {
+                let s = unsafe { self.dev.alloc::<u8>(n) }.map_err(failed)?;
+                let ptr = s.device_ptr(&stream).0;
+                (ptr, Box::new(s))
+            }
+        })
+    }
+}
+
+/// The contiguous f32 tensor `s` as laid out by `l`, borrowed (16-byte aligned, as the
+/// kernels read rows).
+fn borrowed(gpu: &Gpu, name: &str, s: &CudaStorage, l: &Layout) -> Result<DeviceTensor> {
+    let slice = s.as_cuda_slice::<f32>().map_err(|_| Error::Msg(format!("FusedLinear: {name} is not f32")))?;
+    let Some((start, end)) = l.contiguous_offsets() else {
+        return Err(Error::Msg(format!("FusedLinear: {name} is not contiguous")));
+    };
+    let stream = s.device().cuda_stream();
+    let ptr = slice.device_ptr(&stream).0 + (start * 4) as u64;
+    if !ptr.is_multiple_of(16) || end - start != l.shape().elem_count() {
+        return Err(Error::Msg(format!("FusedLinear: {name} does not start at a 16-byte boundary (a narrowed view?)")));
+    }
+    // SAFETY: `end - start` f32 values of candle's buffer on this device, held by the
+    // caller's tensor for the call.
+    unsafe { gpu.borrow_tensor::<f32>(ptr, l.dims()) }.map_err(|e| host_err(name, e))
+}
+
+/// The block's parameters on the GPU: `w`, and the others inside `packed` (as
+/// [`packed_offsets`] lays them out), borrowed.
+fn device_params(gpu: &Gpu, spec: &BlockSpec, w: DeviceTensor, packed: &DeviceTensor) -> Result<DeviceParams> {
+    let (starts, len) = packed_offsets(spec);
+    if packed.len() != len {
+        return Err(Error::Msg(format!("FusedLinear: {} packed values, the block needs {len}", packed.len())));
+    }
+    let base = packed.buf.device_address();
+    let mut flat = Vec::new();
+    for (p, &at) in spec.param_specs()[1..].iter().zip(&starts) {
+        // SAFETY: inside `packed` (its length checked), 16-byte aligned (`at` is a
+        // multiple of 4 values), held by the caller for the call.
+        flat.push(
+            unsafe { gpu.borrow_tensor::<f32>(base + (at * 4) as u64, &p.shape) }.map_err(|e| host_err(&p.name, e))?,
+        );
+    }
+    let mut flat = flat.into_iter();
+    let linear_bias = flat.next().expect("a block has a Linear bias");
+    let ops = spec
+        .chain
+        .0
+        .iter()
+        .map(|op| op.param_bases().iter().map(|_| flat.next().expect("one per parameter")).collect())
+        .collect();
+    Ok(DeviceParams { linear_weight: w, linear_bias, ops })
+}
+
+/// A tensor the allocator made, as candle storage.
+fn into_storage(t: DeviceTensor, dev: &CudaDevice) -> Result<CudaStorage> {
+    let keep =
+        t.buf.into_external().ok_or_else(|| Error::Msg("FusedLinear: an output not from candle's device".into()))?;
+    let slice = keep
+        .downcast::<CudaSlice<f32>>()
+        .map_err(|_| Error::Msg("FusedLinear: an output of another type than f32".into()))?;
+    Ok(CudaStorage::wrap_cuda_slice(*slice, dev.clone()))
+}
+
+fn into_tensor(t: DeviceTensor, dims: &[usize], dev: &CudaDevice) -> Result<Tensor> {
+    let storage = into_storage(t, dev)?;
+    Ok(Tensor::from_storage(Storage::Cuda(storage), dims.to_vec(), BackpropOp::none(), false))
+}
+
+/// The op's forward on candle's CUDA storage: `(x, lin.weight, packed) -> y`.
+pub(super) fn forward(
+    op: &BlockOp,
+    (s1, l1): (&CudaStorage, &Layout),
+    (s2, l2): (&CudaStorage, &Layout),
+    (s3, l3): (&CudaStorage, &Layout),
+) -> Result<(CudaStorage, Shape)> {
+    let dev = s1.device().clone();
+    let gpu = gpu_on(&dev)?;
+    let x = borrowed(&gpu, "x", s1, l1)?;
+    let w = borrowed(&gpu, "lin.weight", s2, l2)?;
+    let packed = borrowed(&gpu, "the packed parameters", s3, l3)?;
+    let block = GpuBlock::from_device(&gpu, &op.spec, device_params(&gpu, &op.spec, w, &packed)?)
+        .map_err(|e| host_err("block", e))?;
+    let batch = x.shape[0];
+    let mut ws = block.workspace_with(&gpu, batch, false).map_err(|e| host_err("workspace", e))?;
+    block.forward_into(&gpu, &x, &mut ws, None).map_err(|e| host_err("forward", e))?;
+    let shape = Shape::from(op.spec.output_shape(batch));
+    Ok((into_storage(ws.y, &dev)?, shape))
+}
+
+/// The op's backward on candle's CUDA tensors (all f32, contiguous): the forward again
+/// for its saved state, then the fused backward; `(dx, dW, packed gradient)`.
+pub(super) fn backward(
+    op: &BlockOp,
+    x: &Tensor,
+    w: &Tensor,
+    packed: &Tensor,
+    dy: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (xs, xl) = x.storage_and_layout();
+    let (ws_, wl) = w.storage_and_layout();
+    let (ps, pl) = packed.storage_and_layout();
+    let (ds, dl) = dy.storage_and_layout();
+    let (Storage::Cuda(xs), Storage::Cuda(ws_), Storage::Cuda(ps), Storage::Cuda(ds)) = (&*xs, &*ws_, &*ps, &*ds)
+    else {
+        return Err(Error::Msg("FusedLinear: the backward's tensors are not all on the CUDA device".into()));
+    };
+    let dev = xs.device().clone();
+    let gpu = gpu_on(&dev)?;
+    let xd = borrowed(&gpu, "x", xs, xl)?;
+    let wd = borrowed(&gpu, "lin.weight", ws_, wl)?;
+    let pd = borrowed(&gpu, "the packed parameters", ps, pl)?;
+    let dyd = borrowed(&gpu, "dy", ds, dl)?;
+    let block = GpuBlock::from_device(&gpu, &op.spec, device_params(&gpu, &op.spec, wd, &pd)?)
+        .map_err(|e| host_err("block", e))?;
+    let (_, saved) = block.forward_train(&gpu, &xd, false).map_err(|e| host_err("forward", e))?;
+    let grads = block.backward(&gpu, &xd, saved, &dyd);
+    // A backward that failed half way may leave side-stream buffers held.
+    gpu.join_side().map_err(|e| host_err("backward", e))?;
+    let grads = grads.map_err(|e| host_err("backward", e))?;
+    // The packed gradient: the bias's and the chain parameters' gradients at their places,
+    // zeros in the padding.
+    let (starts, len) = packed_offsets(&op.spec);
+    let mut dp = dev.alloc_zeros::<f32>(len)?;
+    let small = std::iter::once(&grads.params.linear_bias).chain(grads.params.ops.iter().flatten());
+    for (g, &at) in small.zip(&starts) {
+        let n = g.len();
+        gpu.stream()
+            .memcpy_dtod(&*g.buf, &mut dp.slice_mut(at..at + n))
+            .map_err(|e| host_err("packing the gradients", crate::Error::cuda("a device copy", e)))?;
+    }
+    let dp = Tensor::from_storage(
+        Storage::Cuda(CudaStorage::wrap_cuda_slice(dp, dev.clone())),
+        packed.dims().to_vec(),
+        BackpropOp::none(),
+        false,
+    );
+    let dx = into_tensor(grads.x, x.dims(), &dev)?;
+    let dw = into_tensor(grads.params.linear_weight, w.dims(), &dev)?;
+    Ok((dx, dw, dp))
+}
