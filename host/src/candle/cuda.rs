@@ -192,13 +192,23 @@ pub(super) fn backward(
     // The packed gradient: the bias's and the chain parameters' gradients at their places,
     // zeros in the padding.
     let (starts, len) = packed_offsets(&op.spec);
-    let mut dp = dev.alloc_zeros::<f32>(len)?;
+    let dp = dev.alloc_zeros::<f32>(len)?;
+    let base = dp.device_ptr(&dev.cuda_stream()).0;
     let small = std::iter::once(&grads.params.linear_bias).chain(grads.params.ops.iter().flatten());
     for (g, &at) in small.zip(&starts) {
-        let n = g.len();
-        gpu.stream()
-            .memcpy_dtod(&*g.buf, &mut dp.slice_mut(at..at + n))
-            .map_err(|e| host_err("packing the gradients", crate::Error::cuda("a device copy", e)))?;
+        // (Raw addresses: the two buffers belong to different cudarc context objects of the
+        // one primary context.)
+        // SAFETY: `g.len()` floats from a gradient into `dp`'s range at `at` (`packed_offsets`
+        // sized `dp` for every parameter), queued on the stream that made both.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(
+                base + (at * 4) as u64,
+                g.buf.device_address(),
+                g.len() * 4,
+                gpu.stream().cu_stream(),
+            )
+        }
+        .map_err(|e| host_err("packing the gradients", crate::Error::cuda("a device copy", e)))?;
     }
     let dp = Tensor::from_storage(
         Storage::Cuda(CudaStorage::wrap_cuda_slice(dp, dev.clone())),
