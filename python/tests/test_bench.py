@@ -84,29 +84,37 @@ def test_cpu_notes_unsupported_configs_and_protocols(tmp_path):
     assert "Note:" in md
 
 
-@pytest.mark.parametrize("model", sorted(fused_linear.PRESETS))
-def test_plain_peer_matches_fused_linear(model):
-    """The peer computes the block FusedLinear computes (its own ops, the same weights)."""
-    ops = bench.scale_chain(fused_linear.PRESETS[model], 8192 if model != "M2" else 4096, 256)
-    fused = bench.randomize_affine(FusedLinear(128, 256, ops))
-    plain = bench.PlainBlock(128, 256, ops)
-    plain.load_state_dict(fused.state_dict())  # the same names, strictly
-    x = torch.randn(16, 128)
+def peer_pair(ops: str, in_features: int, out_features: int, batch: int):
+    """FusedLinear and its peer with the same weights, each run forward and backward on
+    the same input and output gradient (checked to agree); returns both, their outputs and
+    the input."""
+    fused = bench.randomize_affine(FusedLinear(in_features, out_features, ops))
+    plain = bench.PlainBlock(in_features, out_features, ops)
+    plain.load_state_dict(fused.state_dict())  # the same names and buffers, strictly
+    x = torch.randn(batch, in_features)
     x_ours, x_plain = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     y_ours, y_plain = fused(x_ours), plain(x_plain)
     assert y_plain.shape == y_ours.shape
     assert rel_err(y_plain, y_ours) < 1e-5
-    # And both against the float64 reference of the tests (written apart from either).
-    params = [
-        dict(fused.named_parameters())[name] for name, _, _ in fused_linear._native.describe(128, 256, ops)[4]
-    ]
-    expected = reference(x, fused.lin.weight, fused.lin.bias, ops, params)
-    assert rel_err(y_plain, expected) < 1e-5
     dy = torch.randn_like(y_ours)
     y_ours.backward(dy)
     y_plain.backward(dy)
     assert rel_err(x_plain.grad, x_ours.grad) < 1e-4
     assert rel_err(plain.lin.weight.grad, fused.lin.weight.grad) < 1e-4
+    return fused, y_plain, x
+
+
+@pytest.mark.parametrize("model", sorted(fused_linear.PRESETS))
+def test_plain_peer_matches_fused_linear(model):
+    """The peer computes the block FusedLinear computes (its own ops, the same weights)."""
+    ops = bench.scale_chain(fused_linear.PRESETS[model], 8192 if model != "M2" else 4096, 256)
+    fused, y_plain, x = peer_pair(ops, 128, 256, 16)
+    # And against the float64 reference of the tests (written apart from either).
+    params = [
+        dict(fused.named_parameters())[name] for name, _, _ in fused_linear._native.describe(128, 256, ops)[4]
+    ]
+    expected = reference(x, fused.lin.weight, fused.lin.bias, ops, params)
+    assert rel_err(y_plain, expected) < 1e-5
 
 
 def test_plain_peer_every_op_and_repeated_names():
@@ -140,19 +148,7 @@ def test_plain_peer_every_op_and_repeated_names():
 def test_plain_peer_takes_every_registry_op(ops):
     """The norms, reductions, softmax, MaxPool and the residual, forward and gradients:
     a peer of another function would make every ratio and error of the benchmark wrong."""
-    fused = bench.randomize_affine(FusedLinear(16, 32, ops))
-    plain = bench.PlainBlock(16, 32, ops)
-    plain.load_state_dict(fused.state_dict())  # the same names and buffers, strictly
-    x = torch.randn(9, 16)
-    x_ours, x_plain = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-    y_ours, y_plain = fused(x_ours), plain(x_plain)
-    assert y_plain.shape == y_ours.shape
-    assert rel_err(y_plain, y_ours) < 1e-5
-    dy = torch.randn_like(y_ours)
-    y_ours.backward(dy)
-    y_plain.backward(dy)
-    assert rel_err(x_plain.grad, x_ours.grad) < 1e-4
-    assert rel_err(plain.lin.weight.grad, fused.lin.weight.grad) < 1e-4
+    peer_pair(ops, 16, 32, 9)
 
 
 def test_plain_peer_covers_the_registry():
