@@ -431,20 +431,9 @@ fn dtype_name(d: DType) -> &'static str {
 // ---------------------------------------------------------------------------------
 // CUDA
 
-/// The opened GPUs, by CUDA ordinal: module loaded once, before any graph capture.
-static GPUS: Mutex<Vec<Option<Gpu>>> = Mutex::new(Vec::new());
-
+/// The GPU of CUDA ordinal `index`, opened once ([`Gpu::shared`]).
 fn gpu(index: usize) -> PyResult<Gpu> {
-    let mut gpus = GPUS.lock().unwrap_or_else(|p| p.into_inner());
-    if gpus.len() <= index {
-        gpus.resize(index + 1, None);
-    }
-    if let Some(g) = &gpus[index] {
-        return Ok(g.clone());
-    }
-    let g = Gpu::open(index).map_err(to_py)?;
-    gpus[index] = Some(g.clone());
-    Ok(g)
+    Gpu::shared(index).map_err(to_py)
 }
 
 /// PyTorch's caching allocator, through the package's `allocate(numel, kind)`

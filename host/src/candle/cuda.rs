@@ -5,8 +5,8 @@
 //! gradients, a few vectors).
 //!
 //! Both sides' cudarc contexts are the device's primary context, so addresses pass from
-//! one to the other; the host's `Gpu` is opened once per device (its kernels' module
-//! loaded once) and runs each call on candle's stream (`Gpu::on_stream`).
+//! one to the other; the host's `Gpu` is opened once per device (`Gpu::shared`) and runs
+//! each call on candle's stream (`Gpu::on_stream`).
 
 use super::{BlockOp, host_err, packed_offsets};
 use crate::BlockSpec;
@@ -17,30 +17,14 @@ use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DeviceLocation, Error, Layout, Result, Shape, Storage, Tensor};
 use cudarc::driver::{CudaSlice, DevicePtr};
 use std::any::Any;
-use std::sync::{Arc, Mutex};
-
-/// The host's `Gpu` of each device, opened on first use.
-static GPUS: Mutex<Vec<Option<Gpu>>> = Mutex::new(Vec::new());
-
-fn opened(ordinal: usize) -> Result<Gpu> {
-    let mut gpus = GPUS.lock().unwrap_or_else(|p| p.into_inner());
-    if gpus.len() <= ordinal {
-        gpus.resize(ordinal + 1, None);
-    }
-    if let Some(g) = &gpus[ordinal] {
-        return Ok(g.clone());
-    }
-    let g = Gpu::open(ordinal).map_err(|e| host_err("opening the GPU", e))?;
-    gpus[ordinal] = Some(g.clone());
-    Ok(g)
-}
+use std::sync::Arc;
 
 /// The host's `Gpu` on `dev`'s stream, allocating through `dev`.
 fn gpu_on(dev: &CudaDevice) -> Result<Gpu> {
     let DeviceLocation::Cuda { gpu_id } = dev.location() else {
         return Err(Error::Msg("FusedLinear: not a CUDA device".into()));
     };
-    let gpu = opened(gpu_id)?;
+    let gpu = Gpu::shared(gpu_id).map_err(|e| host_err("opening the GPU", e))?;
     let stream = dev.cuda_stream();
     let allocator: Arc<dyn DeviceAllocator> = Arc::new(CandleAllocator { dev: dev.clone() });
     // SAFETY: candle's stream of this device, which candle keeps alive beyond the call.

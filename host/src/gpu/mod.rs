@@ -133,7 +133,27 @@ pub fn open_ranks(n: usize, tuning: Tuning) -> Result<Vec<Gpu>> {
     (0..n).map(|i| Ok(Gpu::open(i)?.with_tuning(tuning))).collect()
 }
 
+/// Each device's [`Gpu`] as [`Gpu::shared`] opened it, by ordinal.
+static SHARED: std::sync::Mutex<Vec<Option<Gpu>>> = std::sync::Mutex::new(Vec::new());
+
 impl Gpu {
+    /// Device `ordinal`'s `Gpu`, opened once per process (the kernels' module loaded once:
+    /// before any graph capture, for a framework that captures): what the framework
+    /// adapters share, each running its calls on the framework's stream
+    /// ([`Gpu::on_stream`]).
+    pub fn shared(ordinal: usize) -> Result<Gpu> {
+        let mut gpus = SHARED.lock().unwrap_or_else(|p| p.into_inner());
+        if gpus.len() <= ordinal {
+            gpus.resize(ordinal + 1, None);
+        }
+        if let Some(g) = &gpus[ordinal] {
+            return Ok(g.clone());
+        }
+        let g = Gpu::open(ordinal)?;
+        gpus[ordinal] = Some(g.clone());
+        Ok(g)
+    }
+
     /// Opens device `ordinal` and loads the kernels. Never panics: a missing driver,
     /// no device or a device older than Hopper are errors saying so.
     pub fn open(ordinal: usize) -> Result<Gpu> {
