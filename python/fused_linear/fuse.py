@@ -770,14 +770,14 @@ def fuse(model: nn.Module, precision: Optional[str] = None, verbose: bool = Fals
         too_wide = _native.gpu_limit(chain.in_features, chain.out_features, ops)
         if too_wide is not None:
             # The longest prefix of whole steps the GPU takes (the ops before the first
-            # that needs whole rows); the rest stays PyTorch's, reading its output.
+            # that needs whole rows); the rest stays PyTorch's, reading its output. None
+            # with a residual: the sum needs the Linear's output, which the call replaces.
+            candidates = [] if chain.residual is not None else reversed(steps[:-1])
             prefix = next(
                 (
                     (at, snap)
-                    for at, snap in reversed(steps[:-1])
-                    if snap.ops
-                    and chain.residual is None  # (the Linear's output is needed whole by the sum)
-                    and _gpu_takes(snap.in_features, snap.out_features, ",".join(snap.ops))
+                    for at, snap in candidates
+                    if snap.ops and _gpu_takes(snap.in_features, snap.out_features, ",".join(snap.ops))
                 ),
                 None,
             )

@@ -75,11 +75,8 @@ fn quantise_rows_with<T: DeviceElement>(
     what: &str,
 ) -> Result<Fp8Matrix> {
     let (rows, cols) = check_2d(src, what)?;
-    if col_mult.is_some_and(|m| m.len() != cols) {
-        return Err(Error::tensor(
-            what,
-            format!("{cols} columns against {} multipliers", col_mult.map_or(0, |m| m.len())),
-        ));
+    if let Some(m) = col_mult.filter(|m| m.len() != cols) {
+        return Err(Error::tensor(what, format!("{cols} columns against {} multipliers", m.len())));
     }
     if !cols.is_multiple_of(16) || !src.buf.device_address().is_multiple_of(16) {
         return Err(Error::tensor(
