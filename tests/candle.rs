@@ -8,7 +8,7 @@
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 use host::candle::FusedLinear;
-use host::{Params, reference};
+use host::{Params, Precision, reference};
 
 /// f32 results (CPU backend, candle) against candle's ops or the f64 reference: the
 /// difference may be up to `TOL * max(1, max|reference|)`. The blocks here are small
@@ -17,11 +17,16 @@ use host::{Params, reference};
 const TOL: f32 = 1e-4;
 
 fn close(what: &str, got: &Tensor, want: &[f32]) {
-    let got = got.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    close_within(what, got, want, TOL);
+}
+
+/// `got` (any float dtype) against `want`: at most `tol * max(1, max|want|)` apart.
+fn close_within(what: &str, got: &Tensor, want: &[f32], tol: f32) {
+    let got = got.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
     assert_eq!(got.len(), want.len(), "{what}: length");
     let scale = want.iter().fold(1.0f32, |m, v| m.max(v.abs()));
     let err = got.iter().zip(want).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-    assert!(err <= TOL * scale, "{what}: max |difference| {err:e} > {TOL:e} * {scale}");
+    assert!(err <= tol * scale, "{what}: max |difference| {err:e} > {tol:e} * {scale}");
 }
 
 /// The block written with candle's own ops, from the same parameters.
@@ -51,26 +56,32 @@ fn candle_ops(chain: &str, x: &Tensor, p: &[Tensor]) -> Tensor {
 
 #[test]
 fn forward_and_gradients_match_candle_and_the_reference() {
-    check_against_candle_and_the_reference(&Device::Cpu);
+    check_against_candle_and_the_reference(&Device::Cpu, Precision::Fp32);
 }
 
-/// The same on candle's CUDA device: the GPU kernels on candle's stream and buffers.
+/// The same on candle's CUDA device: the GPU kernels on candle's stream and buffers, in
+/// FP32 and in 3xTF32 (FP32's accuracy, so the same tolerance).
 #[cfg(feature = "candle-cuda")]
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn on_cuda_forward_and_gradients_match_candle_and_the_reference() {
-    check_against_candle_and_the_reference(&Device::new_cuda(0).unwrap());
+    for precision in [Precision::Fp32, Precision::Tf32x3] {
+        check_against_candle_and_the_reference(&Device::new_cuda(0).unwrap(), precision);
+    }
 }
 
 /// Every chain's block on `dev`: forward and every gradient through candle's autograd
 /// against candle's own ops and against the f64 reference.
-fn check_against_candle_and_the_reference(dev: &Device) {
+fn check_against_candle_and_the_reference(dev: &Device, precision: Precision) {
     let dev = dev.clone();
     let (batch, inf, outf) = (8, 32, 16);
     for chain in ["groupnorm(4),swish", "gelu", "bias,mul,tanh", "layernorm,swish", "tanh,sum"] {
         let varmap = VarMap::new();
         let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
-        let block = FusedLinear::from_chain(inf, outf, chain, vb).unwrap();
+        let block = FusedLinear::from_chain(inf, outf, chain, vb).unwrap().with_precision(precision);
+        let chain_name = chain;
+        let chain = &format!("{chain_name} ({precision:?})");
+        let chain = chain.as_str();
         // Parameters away from their initial ones/zeros so that every gradient matters.
         let names: Vec<String> = block.spec().param_specs().into_iter().map(|s| s.name).collect();
         {
@@ -91,7 +102,7 @@ fn check_against_candle_and_the_reference(dev: &Device) {
             names.iter().map(|n| data[n].as_tensor().clone()).collect()
         };
         // candle's own ops.
-        let y_c = candle_ops(chain, x.as_tensor(), &params);
+        let y_c = candle_ops(chain_name, x.as_tensor(), &params);
         let grads_c = (&y_c * &dy).unwrap().sum_all().unwrap().backward().unwrap();
         close(&format!("{chain}: y vs candle"), &y, &y_c.flatten_all().unwrap().to_vec1().unwrap());
         let dx_c = grads_c.get(x.as_tensor()).unwrap_or_else(|| panic!("{chain}: no dx from candle"));
@@ -196,4 +207,183 @@ fn weights_load_from_safetensors_by_pytorch_name() {
     names.sort();
     assert_eq!(names, ["gn.bias", "gn.weight", "lin.bias", "lin.weight"]);
     close("y from the safetensors file", &a, &b.flatten_all().unwrap().to_vec1().unwrap());
+}
+
+/// A 16-bit model on CUDA runs in its type: `y` and every gradient come out in it, and
+/// agree with the f64 reference computed from the same 16-bit values. The GEMMs' products
+/// of 16-bit operands are exact in their FP32 sums; what is left is the rounding of `y`
+/// (2^-9 relative in bf16) and of `dz` before the `dX` and `dW` GEMMs, each value off by
+/// at most 2^-9: 2e-2 of the largest magnitude leaves room for sums of such errors over
+/// 16 rows or 64 features (f16's are 8x finer).
+#[cfg(feature = "candle-cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn on_cuda_bf16_and_f16_tensors_run_in_their_type() {
+    let dev = Device::new_cuda(0).unwrap();
+    let (batch, inf, outf) = (16, 64, 32);
+    for dtype in [DType::BF16, DType::F16] {
+        for chain in ["groupnorm(4),swish", "gelu", "bias,mul,tanh", "tanh,sum"] {
+            let what = format!("{chain} ({dtype:?})");
+            let varmap = VarMap::new();
+            let block =
+                FusedLinear::from_chain(inf, outf, chain, VarBuilder::from_varmap(&varmap, dtype, &dev)).unwrap();
+            let names: Vec<String> = block.spec().param_specs().into_iter().map(|s| s.name).collect();
+            {
+                let data = varmap.data().lock().unwrap();
+                for (i, n) in names.iter().enumerate().skip(2) {
+                    let v = &data[n];
+                    let shift = Tensor::randn(0f32, 0.5, v.shape(), &dev).unwrap().to_dtype(dtype).unwrap();
+                    v.set(&(v.as_tensor() + shift).unwrap().affine(1.0, 0.1 * i as f64).unwrap()).unwrap();
+                }
+            }
+            let x = Tensor::randn(0f32, 1.0, (batch, inf), &dev).unwrap().to_dtype(dtype).unwrap();
+            let x = Var::from_tensor(&x).unwrap();
+            let y = block.forward(x.as_tensor()).unwrap();
+            assert_eq!(y.dtype(), dtype, "{what}: y's dtype");
+            let dy = Tensor::randn(0f32, 1.0, y.shape(), &dev).unwrap().to_dtype(dtype).unwrap();
+            let grads = (&y * &dy).unwrap().sum_all().unwrap().backward().unwrap();
+            let params: Vec<Tensor> = {
+                let data = varmap.data().lock().unwrap();
+                names.iter().map(|n| data[n].as_tensor().clone()).collect()
+            };
+            let host = |t: &Tensor| {
+                let v = t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                host::Tensor::new(t.dims(), v).unwrap()
+            };
+            let spec = block.spec();
+            let params_h = Params::from_flat(spec, params.iter().map(host).collect()).unwrap();
+            let (y_ref, g_ref) = reference::block_backward(
+                spec,
+                &host(x.as_tensor()).to_f64(),
+                &params_h.map(f64::from),
+                &host(&dy).to_f64(),
+            )
+            .unwrap();
+            let f32s = |t: &host::Tensor<f64>| t.to_f32().into_data();
+            close_within(&format!("{what}: y"), &y, &f32s(&y_ref), 2e-2);
+            let dx = grads.get(x.as_tensor()).unwrap();
+            assert_eq!(dx.dtype(), dtype, "{what}: dx's dtype");
+            close_within(&format!("{what}: dx"), dx, &f32s(&g_ref.x), 2e-2);
+            for ((n, p), g) in names.iter().zip(&params).zip(g_ref.params.flat()) {
+                let got = grads.get(p).expect("a gradient for every parameter");
+                assert_eq!(got.dtype(), dtype, "{what}: d{n}'s dtype");
+                close_within(&format!("{what}: d{n}"), got, &f32s(g), 2e-2);
+            }
+        }
+    }
+}
+
+/// On the GPU the block neither synchronises the host with the device nor copies its
+/// inputs or outputs: its forward and its backward (through candle's autograd) return
+/// while the stream is still busy with work queued before them, and the memory they take
+/// from the device's pool at their peak is what they must hold. The forward: `y` and its
+/// workspace (a few `y`-sized buffers, far less than a copy of `x` or `lin.weight`). The
+/// backward: `dx` and `dW`, and candle's accumulation of each gradient into its store (a
+/// `zeros_like` and the sum, two more buffers of the larger, `x`'s size); a copy of `x` or
+/// of `dx` would add another 8 MiB.
+#[cfg(feature = "candle-cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn on_cuda_no_synchronisation_and_no_copies() {
+    use cudarc::driver::sys;
+    let dev = Device::new_cuda(0).unwrap();
+    let cuda = dev.as_cuda_device().unwrap().clone();
+    let stream = cuda.cuda_stream();
+    // x (8 MiB) and lin.weight (2 MiB) much larger than y (64 KiB).
+    let (batch, inf, outf) = (256, 8192, 64);
+    let varmap = VarMap::new();
+    let block =
+        FusedLinear::from_chain(inf, outf, "groupnorm(8),swish", VarBuilder::from_varmap(&varmap, DType::F32, &dev))
+            .unwrap();
+    let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (batch, inf), &dev).unwrap()).unwrap();
+    let dy = Tensor::randn(0f32, 1.0, (batch, outf), &dev).unwrap();
+    let step = || {
+        let y = block.forward(x.as_tensor()).unwrap();
+        (&y * &dy).unwrap().sum_all().unwrap().backward().unwrap()
+    };
+    // Once for the modules, tables and the pool's first growth.
+    step();
+    dev.synchronize().unwrap();
+
+    // Synchronisation: ~tens of milliseconds of candle matmuls queued first.
+    let a = Tensor::randn(0f32, 1.0, (4096, 4096), &dev).unwrap();
+    dev.synchronize().unwrap();
+    let busy_start = std::time::Instant::now();
+    let busy: Vec<Tensor> = (0..16).map(|_| a.matmul(&a).unwrap()).collect();
+    let queued = std::time::Instant::now();
+    let grads = step();
+    let returned = queued.elapsed();
+    // SAFETY: candle's live stream; the query only reads its state.
+    let status = unsafe { sys::cuStreamQuery(stream.cu_stream()) };
+    dev.synchronize().unwrap();
+    let drained = busy_start.elapsed();
+    println!("forward + backward returned after {returned:?}; the stream drained after {drained:?} ({status:?})");
+    assert_eq!(
+        status,
+        sys::CUresult::CUDA_ERROR_NOT_READY,
+        "forward + backward returned after the stream drained: something synchronised the host"
+    );
+    assert!(grads.get(x.as_tensor()).is_some());
+    drop((busy, grads));
+
+    // Copies: the pool's high-water mark over each pass.
+    let mut pool = std::ptr::null_mut();
+    // SAFETY: device 0's current memory pool, written into `pool`.
+    unsafe { sys::cuDeviceGetMemPool(&mut pool, 0) }.result().unwrap();
+    let attr = |a: sys::CUmemPool_attribute| {
+        let mut v = 0u64;
+        // SAFETY: a 64-bit attribute of a live pool.
+        unsafe { sys::cuMemPoolGetAttribute(pool, a, (&raw mut v).cast()) }.result().unwrap();
+        v
+    };
+    let reset_high = || {
+        let mut zero = 0u64;
+        // SAFETY: resetting the high-water mark takes a 64-bit zero.
+        unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                (&raw mut zero).cast(),
+            )
+        }
+        .result()
+        .unwrap();
+    };
+    let used = || attr(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT);
+    let high = || attr(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH);
+    let (x_bytes, w_bytes, y_bytes) = ((batch * inf * 4) as u64, (outf * inf * 4) as u64, (batch * outf * 4) as u64);
+    const MIB: u64 = 1 << 20;
+
+    dev.synchronize().unwrap();
+    let before = used();
+    reset_high();
+    let y = block.forward(x.as_tensor()).unwrap();
+    dev.synchronize().unwrap();
+    let forward_peak = high() - before;
+    let loss = (&y * &dy).unwrap().sum_all().unwrap();
+    dev.synchronize().unwrap();
+    let before = used();
+    reset_high();
+    let grads = loss.backward().unwrap();
+    dev.synchronize().unwrap();
+    let backward_peak = high() - before;
+    println!(
+        "pool peak: forward {forward_peak} bytes, backward {backward_peak} bytes (x {x_bytes}, lin.weight {w_bytes}, \
+         y {y_bytes})"
+    );
+    assert!(
+        forward_peak >= y_bytes,
+        "the forward's output came from the pool ({forward_peak} bytes): the check sees it"
+    );
+    assert!(
+        forward_peak <= 4 * y_bytes + MIB,
+        "the forward took {forward_peak} bytes at its peak: more than y and its workspace"
+    );
+    let accumulation = 2 * x_bytes.max(w_bytes);
+    assert!(
+        backward_peak <= x_bytes + w_bytes + accumulation + 8 * y_bytes + 2 * MIB,
+        "the backward took {backward_peak} bytes at its peak: more than dx, dW, candle's accumulation of dx \
+         ({accumulation} bytes) and a few y-sized buffers"
+    );
+    drop(grads);
 }

@@ -2,7 +2,9 @@
 //! device and stream, reading candle's buffers where they lie and allocating every output
 //! and workspace through candle's device, so that the outputs become candle storage as
 //! they are (no copies; only the packed parameter gradient is assembled from the small
-//! gradients, a few vectors).
+//! gradients, a few vectors). f32, bf16 and f16 tensors: a 16-bit model's `x`,
+//! `lin.weight`, `y` and their gradients stay in its type (the bf16 blocks' kernels), the
+//! packed parameters are f32 (candle widens them, and narrows their gradients back).
 //!
 //! Both sides' cudarc contexts are the device's primary context, so addresses pass from
 //! one to the other; the host's `Gpu` is opened once per device (`Gpu::shared`) and runs
@@ -11,11 +13,13 @@
 use super::{BlockOp, host_err, packed_offsets};
 use crate::BlockSpec;
 use crate::gpu::block::{DeviceParams, GpuBlock};
-use crate::gpu::{DeviceAllocator, DeviceTensor, ElementKind, Gpu};
+use crate::gpu::{DeviceAllocator, DeviceElement, DeviceTensor, ElementKind, Gpu};
+use crate::tensor::{Bf16, F16};
 use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::cuda::CudaDType;
 use candle_core::op::BackpropOp;
-use candle_core::{CudaDevice, CudaStorage, DeviceLocation, Error, Layout, Result, Shape, Storage, Tensor};
-use cudarc::driver::{CudaSlice, DevicePtr};
+use candle_core::{CudaDevice, CudaStorage, DType, DeviceLocation, Error, Layout, Result, Shape, Storage, Tensor};
+use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 use std::any::Any;
 use std::sync::Arc;
 
@@ -49,8 +53,13 @@ impl DeviceAllocator for CandleAllocator {
                 let ptr = s.device_ptr(&stream).0;
                 (ptr, Box::new(s))
             }
-            ElementKind::Bf16 | ElementKind::F16 => {
-                let s = unsafe { self.dev.alloc::<u16>(n) }.map_err(failed)?;
+            ElementKind::Bf16 => {
+                let s = unsafe { self.dev.alloc::<half::bf16>(n) }.map_err(failed)?;
+                let ptr = s.device_ptr(&stream).0;
+                (ptr, Box::new(s))
+            }
+            ElementKind::F16 => {
+                let s = unsafe { self.dev.alloc::<half::f16>(n) }.map_err(failed)?;
                 let ptr = s.device_ptr(&stream).0;
                 (ptr, Box::new(s))
             }
@@ -63,26 +72,33 @@ impl DeviceAllocator for CandleAllocator {
     }
 }
 
-/// The contiguous f32 tensor `s` as laid out by `l`, borrowed (16-byte aligned, as the
-/// kernels read rows).
-fn borrowed(gpu: &Gpu, name: &str, s: &CudaStorage, l: &Layout) -> Result<DeviceTensor> {
-    let slice = s.as_cuda_slice::<f32>().map_err(|_| Error::Msg(format!("FusedLinear: {name} is not f32")))?;
+/// The contiguous tensor `s` as laid out by `l`, of candle's element `C` (the host's `T`),
+/// borrowed (16-byte aligned, as the kernels read rows).
+fn borrowed<T: DeviceElement, C: CudaDType + DeviceRepr>(
+    gpu: &Gpu,
+    name: &str,
+    s: &CudaStorage,
+    l: &Layout,
+) -> Result<DeviceTensor<T>> {
+    let slice = s
+        .as_cuda_slice::<C>()
+        .map_err(|_| Error::Msg(format!("FusedLinear: {name} has dtype {:?}, expected {:?}", s.dtype(), T::DTYPE)))?;
     let Some((start, end)) = l.contiguous_offsets() else {
         return Err(Error::Msg(format!("FusedLinear: {name} is not contiguous")));
     };
     let stream = s.device().cuda_stream();
-    let ptr = slice.device_ptr(&stream).0 + (start * 4) as u64;
+    let ptr = slice.device_ptr(&stream).0 + (start * std::mem::size_of::<C>()) as u64;
     if !ptr.is_multiple_of(16) || end - start != l.shape().elem_count() {
         return Err(Error::Msg(format!("FusedLinear: {name} does not start at a 16-byte boundary (a narrowed view?)")));
     }
-    // SAFETY: `end - start` f32 values of candle's buffer on this device, held by the
-    // caller's tensor for the call.
-    unsafe { gpu.borrow_tensor::<f32>(ptr, l.dims()) }.map_err(|e| host_err(name, e))
+    // SAFETY: `end - start` values of candle's buffer on this device, held by the caller's
+    // tensor for the call.
+    unsafe { gpu.borrow_tensor::<T>(ptr, l.dims()) }.map_err(|e| host_err(name, e))
 }
 
 /// The block's parameters on the GPU: `w`, and the others inside `packed` (as
 /// [`packed_offsets`] lays them out), borrowed.
-fn device_params(gpu: &Gpu, spec: &BlockSpec, w: DeviceTensor, packed: &DeviceTensor) -> Result<DeviceParams> {
+fn device_params<W>(gpu: &Gpu, spec: &BlockSpec, w: DeviceTensor<W>, packed: &DeviceTensor) -> Result<DeviceParams<W>> {
     let (starts, len) = packed_offsets(spec);
     if packed.len() != len {
         return Err(Error::Msg(format!("FusedLinear: {} packed values, the block needs {len}", packed.len())));
@@ -107,78 +123,34 @@ fn device_params(gpu: &Gpu, spec: &BlockSpec, w: DeviceTensor, packed: &DeviceTe
     Ok(DeviceParams { linear_weight: w, linear_bias, ops })
 }
 
-/// A tensor the allocator made, as candle storage.
-fn into_storage(t: DeviceTensor, dev: &CudaDevice) -> Result<CudaStorage> {
+/// A tensor the allocator made, as candle storage of its element `C`.
+fn into_storage<T, C: CudaDType + 'static>(t: DeviceTensor<T>, dev: &CudaDevice) -> Result<CudaStorage> {
     let keep =
         t.buf.into_external().ok_or_else(|| Error::Msg("FusedLinear: an output not from candle's device".into()))?;
     let slice = keep
-        .downcast::<CudaSlice<f32>>()
-        .map_err(|_| Error::Msg("FusedLinear: an output of another type than f32".into()))?;
+        .downcast::<CudaSlice<C>>()
+        .map_err(|_| Error::Msg("FusedLinear: an output of another element type than its tensor's".into()))?;
     Ok(CudaStorage::wrap_cuda_slice(*slice, dev.clone()))
 }
 
-fn into_tensor(t: DeviceTensor, dims: &[usize], dev: &CudaDevice) -> Result<Tensor> {
-    let storage = into_storage(t, dev)?;
+fn into_tensor<T, C: CudaDType + 'static>(t: DeviceTensor<T>, dims: &[usize], dev: &CudaDevice) -> Result<Tensor> {
+    let storage = into_storage::<T, C>(t, dev)?;
     Ok(Tensor::from_storage(Storage::Cuda(storage), dims.to_vec(), BackpropOp::none(), false))
 }
 
-/// The op's forward on candle's CUDA storage: `(x, lin.weight, packed) -> y`.
-pub(super) fn forward(
-    op: &BlockOp,
-    (s1, l1): (&CudaStorage, &Layout),
-    (s2, l2): (&CudaStorage, &Layout),
-    (s3, l3): (&CudaStorage, &Layout),
-) -> Result<(CudaStorage, Shape)> {
-    let dev = s1.device().clone();
-    let gpu = gpu_on(&dev)?;
-    let x = borrowed(&gpu, "x", s1, l1)?;
-    let w = borrowed(&gpu, "lin.weight", s2, l2)?;
-    let packed = borrowed(&gpu, "the packed parameters", s3, l3)?;
-    let block = GpuBlock::from_device(&gpu, &op.spec, device_params(&gpu, &op.spec, w, &packed)?)
-        .map_err(|e| host_err("block", e))?;
-    let batch = x.shape[0];
-    let mut ws = block.workspace_with(&gpu, batch, false).map_err(|e| host_err("workspace", e))?;
-    block.forward_into(&gpu, &x, &mut ws, None).map_err(|e| host_err("forward", e))?;
-    let shape = Shape::from(op.spec.output_shape(batch));
-    Ok((into_storage(ws.y, &dev)?, shape))
-}
-
-/// The op's backward on candle's CUDA tensors (all f32, contiguous): the forward again
-/// for its saved state, then the fused backward; `(dx, dW, packed gradient)`.
-pub(super) fn backward(
-    op: &BlockOp,
-    x: &Tensor,
-    w: &Tensor,
-    packed: &Tensor,
-    dy: &Tensor,
-) -> Result<(Tensor, Tensor, Tensor)> {
-    let (xs, xl) = x.storage_and_layout();
-    let (ws_, wl) = w.storage_and_layout();
-    let (ps, pl) = packed.storage_and_layout();
-    let (ds, dl) = dy.storage_and_layout();
-    let (Storage::Cuda(xs), Storage::Cuda(ws_), Storage::Cuda(ps), Storage::Cuda(ds)) = (&*xs, &*ws_, &*ps, &*ds)
-    else {
-        return Err(Error::Msg("FusedLinear: the backward's tensors are not all on the CUDA device".into()));
-    };
-    let dev = xs.device().clone();
-    let gpu = gpu_on(&dev)?;
-    let xd = borrowed(&gpu, "x", xs, xl)?;
-    let wd = borrowed(&gpu, "lin.weight", ws_, wl)?;
-    let pd = borrowed(&gpu, "the packed parameters", ps, pl)?;
-    let dyd = borrowed(&gpu, "dy", ds, dl)?;
-    let block = GpuBlock::from_device(&gpu, &op.spec, device_params(&gpu, &op.spec, wd, &pd)?)
-        .map_err(|e| host_err("block", e))?;
-    let (_, saved) = block.forward_train(&gpu, &xd, false).map_err(|e| host_err("forward", e))?;
-    let grads = block.backward(&gpu, &xd, saved, &dyd);
-    // A backward that failed half way may leave side-stream buffers held.
-    gpu.join_side().map_err(|e| host_err("backward", e))?;
-    let grads = grads.map_err(|e| host_err("backward", e))?;
-    // The packed gradient: the bias's and the chain parameters' gradients at their places,
-    // zeros in the padding.
-    let (starts, len) = packed_offsets(&op.spec);
+/// The packed parameters' gradient `(len)`: the bias's and the chain parameters' FP32
+/// gradients (`small`, in [`BlockSpec::param_specs`] order) at their places, zeros in the
+/// padding.
+fn packed_gradient<'a>(
+    gpu: &Gpu,
+    dev: &CudaDevice,
+    spec: &BlockSpec,
+    small: impl Iterator<Item = &'a DeviceTensor>,
+    dims: &[usize],
+) -> Result<Tensor> {
+    let (starts, len) = packed_offsets(spec);
     let dp = dev.alloc_zeros::<f32>(len)?;
     let base = dp.device_ptr(&dev.cuda_stream()).0;
-    let small = std::iter::once(&grads.params.linear_bias).chain(grads.params.ops.iter().flatten());
     for (g, &at) in small.zip(&starts) {
         // (Raw addresses: the two buffers belong to different cudarc context objects of the
         // one primary context.)
@@ -194,13 +166,126 @@ pub(super) fn backward(
         }
         .map_err(|e| host_err("packing the gradients", crate::Error::cuda("a device copy", e)))?;
     }
-    let dp = Tensor::from_storage(
+    Ok(Tensor::from_storage(
         Storage::Cuda(CudaStorage::wrap_cuda_slice(dp, dev.clone())),
-        packed.dims().to_vec(),
+        dims.to_vec(),
         BackpropOp::none(),
         false,
-    );
-    let dx = into_tensor(grads.x, x.dims(), &dev)?;
-    let dw = into_tensor(grads.params.linear_weight, w.dims(), &dev)?;
-    Ok((dx, dw, dp))
+    ))
+}
+
+/// The op's forward and backward for one element type: `$w` the host's (its block type
+/// `GpuBlock<$w>`), `$c` candle's. (A macro: the FP32 and the 16-bit blocks have the same
+/// calls in two impls.)
+macro_rules! typed {
+    ($forward:ident, $backward:ident, $w:ty, $c:ty) => {
+        /// The op's forward on candle's CUDA storage: `(x, lin.weight, packed) -> y`.
+        fn $forward(
+            op: &BlockOp,
+            (s1, l1): (&CudaStorage, &Layout),
+            (s2, l2): (&CudaStorage, &Layout),
+            (s3, l3): (&CudaStorage, &Layout),
+        ) -> Result<(CudaStorage, Shape)> {
+            let dev = s1.device().clone();
+            let gpu = gpu_on(&dev)?;
+            let x = borrowed::<$w, $c>(&gpu, "x", s1, l1)?;
+            let w = borrowed::<$w, $c>(&gpu, "lin.weight", s2, l2)?;
+            let packed = borrowed::<f32, f32>(&gpu, "the packed parameters", s3, l3)?;
+            let block = GpuBlock::<$w>::from_device(&gpu, &op.spec, device_params(&gpu, &op.spec, w, &packed)?)
+                .map_err(|e| host_err("block", e))?
+                .with_precision(op.precision);
+            let batch = x.shape[0];
+            let y = if op.train {
+                let (y, saved) = block.forward_train(&gpu, &x, false).map_err(|e| host_err("forward", e))?;
+                *op.saved.lock().unwrap_or_else(|p| p.into_inner()) = Some(saved);
+                y
+            } else {
+                let mut ws = block.workspace_with(&gpu, batch, false).map_err(|e| host_err("workspace", e))?;
+                block.forward_into(&gpu, &x, &mut ws, None).map_err(|e| host_err("forward", e))?;
+                ws.y
+            };
+            let shape = Shape::from(op.spec.output_shape(batch));
+            Ok((into_storage::<$w, $c>(y, &dev)?, shape))
+        }
+
+        /// The op's backward on candle's CUDA tensors (contiguous): the fused backward
+        /// from the state the forward kept (or, when it kept none, the forward again);
+        /// `(dx, dW, packed gradient)`.
+        fn $backward(
+            op: &BlockOp,
+            x: &Tensor,
+            w: &Tensor,
+            packed: &Tensor,
+            dy: &Tensor,
+        ) -> Result<(Tensor, Tensor, Tensor)> {
+            let (xs, xl) = x.storage_and_layout();
+            let (ws_, wl) = w.storage_and_layout();
+            let (ps, pl) = packed.storage_and_layout();
+            let (ds, dl) = dy.storage_and_layout();
+            let (Storage::Cuda(xs), Storage::Cuda(ws_), Storage::Cuda(ps), Storage::Cuda(ds)) =
+                (&*xs, &*ws_, &*ps, &*ds)
+            else {
+                return Err(Error::Msg("FusedLinear: the backward's tensors are not all on the CUDA device".into()));
+            };
+            let dev = xs.device().clone();
+            let gpu = gpu_on(&dev)?;
+            let xd = borrowed::<$w, $c>(&gpu, "x", xs, xl)?;
+            let wd = borrowed::<$w, $c>(&gpu, "lin.weight", ws_, wl)?;
+            let pd = borrowed::<f32, f32>(&gpu, "the packed parameters", ps, pl)?;
+            let dyd = borrowed::<$w, $c>(&gpu, "dy", ds, dl)?;
+            let block = GpuBlock::<$w>::from_device(&gpu, &op.spec, device_params(&gpu, &op.spec, wd, &pd)?)
+                .map_err(|e| host_err("block", e))?
+                .with_precision(op.precision);
+            let kept = op.saved.lock().unwrap_or_else(|p| p.into_inner()).take();
+            let saved = match kept {
+                Some(saved) => saved,
+                None => block.forward_train(&gpu, &xd, false).map_err(|e| host_err("forward", e))?.1,
+            };
+            let small = |b: &GpuBlock<$w>, g: &Gpu, slots: &DeviceTensor| b.small_grads(g, slots);
+            let grads = block.backward_parts(&gpu, &xd, saved, &dyd, None, small);
+            // A backward that failed half way may leave side-stream buffers held.
+            gpu.join_side().map_err(|e| host_err("backward", e))?;
+            let (dx, dw, (db, ops)) = grads.map_err(|e| host_err("backward", e))?;
+            let small = std::iter::once(&db).chain(ops.iter().flatten());
+            let dp = packed_gradient(&gpu, &dev, &op.spec, small, packed.dims())?;
+            let dx = into_tensor::<$w, $c>(dx, x.dims(), &dev)?;
+            let dw = into_tensor::<$w, $c>(dw, w.dims(), &dev)?;
+            Ok((dx, dw, dp))
+        }
+    };
+}
+
+typed!(forward_f32, backward_f32, f32, f32);
+typed!(forward_bf16, backward_bf16, Bf16, half::bf16);
+typed!(forward_f16, backward_f16, F16, half::f16);
+
+/// The op's forward on candle's CUDA storage, in `x`'s element type.
+pub(super) fn forward(
+    op: &BlockOp,
+    a1: (&CudaStorage, &Layout),
+    a2: (&CudaStorage, &Layout),
+    a3: (&CudaStorage, &Layout),
+) -> Result<(CudaStorage, Shape)> {
+    match a1.0.dtype() {
+        DType::F32 => forward_f32(op, a1, a2, a3),
+        DType::BF16 => forward_bf16(op, a1, a2, a3),
+        DType::F16 => forward_f16(op, a1, a2, a3),
+        other => Err(Error::Msg(format!("FusedLinear: x has dtype {other:?} (f32, bf16 or f16 on CUDA)"))),
+    }
+}
+
+/// The op's backward on candle's CUDA tensors, in `x`'s element type.
+pub(super) fn backward(
+    op: &BlockOp,
+    x: &Tensor,
+    w: &Tensor,
+    packed: &Tensor,
+    dy: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    match x.dtype() {
+        DType::F32 => backward_f32(op, x, w, packed, dy),
+        DType::BF16 => backward_bf16(op, x, w, packed, dy),
+        DType::F16 => backward_f16(op, x, w, packed, dy),
+        other => Err(Error::Msg(format!("FusedLinear: x has dtype {other:?} (f32, bf16 or f16 on CUDA)"))),
+    }
 }

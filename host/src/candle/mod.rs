@@ -10,13 +10,16 @@
 //! backward's gradients, and candle's autograd splits the packed gradient back onto each
 //! parameter through the concatenation.
 //!
-//! f32 runs as is; bf16 and f16 are converted to f32 and the output back; other dtypes are
-//! an error. docs/RUST.md says how to build `candle-cuda` (candle links CUDA at build time).
+//! f32 runs as is; bf16 and f16 run in their type on CUDA (the bf16 blocks' kernels) and
+//! through f32 copies on the CPU; other dtypes are an error. The GEMMs run in FP32 unless [`FusedLinear::with_precision`] picks another
+//! arithmetic (3xTF32 keeps FP32's accuracy at tensor-core speed). docs/RUST.md says how
+//! to build `candle-cuda` (candle links CUDA at build time).
 
 #[cfg(feature = "candle-cuda")]
 mod cuda;
 
 use crate::block::Init as ParamInit;
+use crate::precision::Precision;
 use crate::{BlockSpec, Params, cpu};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Error, Layout, Result, Shape, Tensor};
@@ -28,6 +31,7 @@ use candle_nn::{Init, VarBuilder};
 #[derive(Clone, Debug)]
 pub struct FusedLinear {
     spec: BlockSpec,
+    precision: Precision,
     weight: Tensor,
     /// The parameters after `lin.weight`, in [`BlockSpec::param_specs`] order.
     others: Vec<Tensor>,
@@ -53,7 +57,7 @@ impl FusedLinear {
         }
         let mut it = tensors.into_iter();
         let weight = it.next().expect("a block has a Linear weight");
-        Ok(FusedLinear { spec, weight, others: it.collect() })
+        Ok(FusedLinear { spec, precision: Precision::Fp32, weight, others: it.collect() })
     }
 
     /// `Linear(in_features, out_features)` followed by `chain` (the CLI's syntax, e.g.
@@ -66,6 +70,17 @@ impl FusedLinear {
 
     pub fn spec(&self) -> &BlockSpec {
         &self.spec
+    }
+
+    /// The same block with its GEMMs in `precision` on the GPU (FP32 by default). The CPU
+    /// backend runs FP8 by emulation and the others in FP32.
+    pub fn with_precision(mut self, precision: Precision) -> Self {
+        self.precision = precision;
+        self
+    }
+
+    pub fn precision(&self) -> Precision {
+        self.precision
     }
 
     /// The Linear weight `(out, in)`.
@@ -121,9 +136,7 @@ impl candle_nn::Module for FusedLinear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dtype = x.dtype();
         if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
-            return Err(Error::Msg(format!(
-                "FusedLinear: x has dtype {dtype:?}; supported: f32 (bf16 and f16 through f32)"
-            )));
+            return Err(Error::Msg(format!("FusedLinear: x has dtype {dtype:?}; supported: f32, bf16 and f16")));
         }
         let device = x.device();
         check_device("x", x, device)?;
@@ -158,15 +171,35 @@ impl candle_nn::Module for FusedLinear {
             }
         }
         let packed = Tensor::cat(&parts, 0)?;
-        let op = BlockOp { spec: self.spec.clone() };
-        let y = f32(x)?.apply_op3(&f32(&self.weight)?, &packed, op)?;
+        let op = BlockOp {
+            spec: self.spec.clone(),
+            precision: self.precision,
+            #[cfg(feature = "candle-cuda")]
+            train: x.track_op() || self.weight.track_op() || self.others.iter().any(Tensor::track_op),
+            #[cfg(feature = "candle-cuda")]
+            saved: Default::default(),
+        };
+        // On CUDA a 16-bit model's x and weight go in as stored (the kernels read them);
+        // the CPU backend takes f32.
+        let y = if device.is_cuda() {
+            x.contiguous()?.apply_op3(&self.weight.contiguous()?, &packed, op)?
+        } else {
+            f32(x)?.apply_op3(&f32(&self.weight)?, &packed, op)?
+        };
         y.to_dtype(dtype)
     }
 }
 
-/// The custom op: `(x, lin.weight, packed other parameters) -> y`.
+/// The custom op: `(x, lin.weight, packed other parameters) -> y`, one per forward call.
 struct BlockOp {
     spec: BlockSpec,
+    precision: Precision,
+    /// Whether a backward may follow (some input tracks gradients): the CUDA forward then
+    /// keeps the Linear output `z` for it, which the backward would otherwise recompute.
+    #[cfg(feature = "candle-cuda")]
+    train: bool,
+    #[cfg(feature = "candle-cuda")]
+    saved: std::sync::Mutex<Option<crate::gpu::block::Saved>>,
 }
 
 /// A contiguous f32 slice of `s` as laid out by `l`.
@@ -184,6 +217,11 @@ fn slice<'a>(name: &str, s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
 }
 
 impl BlockOp {
+    /// The CPU backend's options: FP8 emulated, the other precisions in FP32.
+    fn cpu_options(&self) -> cpu::Options {
+        cpu::Options { precision: cpu::Precision::emulating(self.precision).unwrap_or_default(), ..Default::default() }
+    }
+
     /// The host tensors of `x` and the parameters, shapes checked.
     fn unpack(
         &self,
@@ -231,7 +269,7 @@ impl CustomOp3 for BlockOp {
             slice("lin.weight", s2, l2)?,
             slice("packed parameters", s3, l3)?,
         )?;
-        let y = cpu::forward(&self.spec, &x, &params, &Default::default()).map_err(|e| host_err("forward", e))?;
+        let y = cpu::forward(&self.spec, &x, &params, &self.cpu_options()).map_err(|e| host_err("forward", e))?;
         let shape = Shape::from(y.shape().to_vec());
         Ok((CpuStorage::F32(y.into_data()), shape))
     }
@@ -268,7 +306,7 @@ impl CustomOp3 for BlockOp {
         // The backward recomputes the forward's Linear output rather than keeping it alive
         // between the two passes: one extra GEMM, no state in the op.
         let (_, g) =
-            cpu::backward(&self.spec, &xh, &params, &dyh, &Default::default()).map_err(|e| host_err("backward", e))?;
+            cpu::backward(&self.spec, &xh, &params, &dyh, &self.cpu_options()).map_err(|e| host_err("backward", e))?;
         let dev = x.device();
         let dx = Tensor::from_vec(g.x.into_data(), x.dims(), dev)?;
         let flat = g.params.flat();
