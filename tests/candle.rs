@@ -273,6 +273,43 @@ fn on_cuda_bf16_and_f16_tensors_run_in_their_type() {
     }
 }
 
+/// An input that tracks no gradient (a first layer's data) on CUDA: the backward skips
+/// `dx` (and its GEMM) and gives every parameter the gradient a tracked input gets.
+#[cfg(feature = "candle-cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn on_cuda_an_input_without_gradient_keeps_the_parameter_gradients() {
+    let dev = Device::new_cuda(0).unwrap();
+    for dtype in [DType::F32, DType::BF16] {
+        let varmap = VarMap::new();
+        let block =
+            FusedLinear::from_chain(64, 32, "groupnorm(4),swish", VarBuilder::from_varmap(&varmap, dtype, &dev))
+                .unwrap();
+        let x = Tensor::randn(0f32, 1.0, (16, 64), &dev).unwrap().to_dtype(dtype).unwrap();
+        let dy = Tensor::randn(0f32, 1.0, (16, 32), &dev).unwrap().to_dtype(dtype).unwrap();
+        let tracked = Var::from_tensor(&x).unwrap();
+        let g_tracked =
+            (block.forward(tracked.as_tensor()).unwrap() * &dy).unwrap().sum_all().unwrap().backward().unwrap();
+        let g_plain = (block.forward(&x).unwrap() * &dy).unwrap().sum_all().unwrap().backward().unwrap();
+        assert!(
+            g_tracked.get(tracked.as_tensor()).is_some() && g_plain.get(&x).is_none(),
+            "{dtype:?}: dx only where tracked"
+        );
+        for p in std::iter::once(block.weight()).chain(block.others()) {
+            let (a, b) = (g_tracked.get(p).unwrap(), g_plain.get(p).unwrap());
+            let d = (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap())
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert_eq!(d, 0.0, "{dtype:?}: a parameter's gradient changed without dx");
+        }
+    }
+}
+
 /// On the GPU the block neither synchronises the host with the device nor copies its
 /// inputs or outputs: its forward and its backward (through candle's autograd) return
 /// while the stream is still busy with work queued before them, and the memory they take

@@ -113,7 +113,9 @@ def _run_forward(
     )
 
 
-def _run_backward(x, weight, bias, params, z, dy, ops: str, precision: str, fp8_weight=None):
+def _run_backward(x, weight, bias, params, z, dy, ops: str, precision: str, fp8_weight=None, input_grad=True):
+    """`(dx, dweight, dbias, dparams)`; `dx` is None without `input_grad` on the GPU, which
+    then skips the dX GEMM (an input that needs no gradient: a model's first layer)."""
     if not dy.is_contiguous() or (dy.is_cuda and dy.data_ptr() % _ALIGNMENT):
         # Gradients arrive as autograd makes them (expanded, offset views): dense them.
         dy = dy.contiguous().clone()
@@ -129,6 +131,7 @@ def _run_backward(x, weight, bias, params, z, dy, ops: str, precision: str, fp8_
         _stream(x),
         _allocator(x.device, x.dtype),
         fp8_weight=fp8_weight,
+        input_grad=input_grad,
     )
 
 
@@ -277,7 +280,11 @@ class _Eager(torch.autograd.Function):
         if dy is None:  # y unused by the loss: every gradient is zero
             return (None,) * (5 + len(ctx.saved_tensors) - 4)
         x, weight, bias, z, *params = ctx.saved_tensors
-        dx, dw, db, dparams = _run_backward(x, weight, bias, params, z, dy, ctx.ops, ctx.precision, ctx.fp8)
+        # No dX where x needs no gradient (a first layer's data): the GPU skips its GEMM.
+        input_grad = ctx.needs_input_grad[0]
+        dx, dw, db, dparams = _run_backward(
+            x, weight, bias, params, z, dy, ctx.ops, ctx.precision, ctx.fp8, input_grad=input_grad
+        )
         return (dx, dw, db, None, None, *dparams)
 
 

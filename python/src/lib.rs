@@ -654,8 +654,10 @@ macro_rules! gpu_entry_points {
             stream: u64,
             allocate: &Bound<'py, PyAny>,
             fp8_weight: Option<&[Bound<'py, PyAny>]>,
+            input_grad: bool,
         ) -> PyResult<Grads<'py>> {
-            let g = gpu_call::<$w>(call, index, stream, allocate, fp8_weight)?;
+            let mut g = gpu_call::<$w>(call, index, stream, allocate, fp8_weight)?;
+            g.block = g.block.with_input_grad(input_grad);
             // SAFETY: z and dy were checked as the other arguments were (z float32, dy
             // of the block's type).
             // Without a BatchNorm's statistics rows (the backward recomputes them from z).
@@ -670,7 +672,7 @@ macro_rules! gpu_entry_points {
             let (dx, dw, small) = grads.map_err(to_py)?;
             let py = allocate.py();
             let specs = &call.block.params;
-            let dx = into_torch(py, dx, &call.x.shape)?;
+            let dx = dx.map(|dx| into_torch(py, dx, &call.x.shape)).transpose()?;
             let dw = into_torch(py, dw, &specs[0].shape)?;
             let mut small = small.into_iter().zip(&specs[1..]).map(|(t, s)| match t {
                 SmallGrad::F32(t) => into_torch(py, t, &s.shape),
@@ -917,7 +919,8 @@ fn cpu_forward<'py, T: Element>(
     Ok((write_cpu(allocate, &y, y.shape())?, z))
 }
 
-type Grads<'py> = (Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>, Vec<Bound<'py, PyAny>>);
+/// `(dx, dweight, dbias, [d params...])`; `dx` is `None` where the caller asked for none.
+type Grads<'py> = (Option<Bound<'py, PyAny>>, Bound<'py, PyAny>, Bound<'py, PyAny>, Vec<Bound<'py, PyAny>>);
 
 fn cpu_backward<'py, T: Element>(
     call: &Call<'py>,
@@ -937,7 +940,7 @@ fn cpu_backward<'py, T: Element>(
     let flat = grads.params.flat();
     let mut out = flat.iter().map(|g| write_cpu(allocate, g, g.shape())).collect::<PyResult<Vec<_>>>()?.into_iter();
     let (dw, db) = (out.next().unwrap(), out.next().unwrap());
-    Ok((write_cpu(allocate, &grads.x, grads.x.shape())?, dw, db, out.collect()))
+    Ok((Some(write_cpu(allocate, &grads.x, grads.x.shape())?), dw, db, out.collect()))
 }
 
 // ---------------------------------------------------------------------------------
@@ -975,9 +978,10 @@ fn forward<'py>(
 }
 
 /// The block's backward from the forward's `z` and the output's gradient `dy`:
-/// `(dx, dweight, dbias, [d params...])`.
+/// `(dx, dweight, dbias, [d params...])`. Without `input_grad` the GPU computes no `dx`
+/// (`None`; an input that needs no gradient saves the `dX` GEMM).
 #[pyfunction]
-#[pyo3(signature = (x, weight, bias, params, z, dy, ops, precision, stream, allocate, fp8_weight = None))]
+#[pyo3(signature = (x, weight, bias, params, z, dy, ops, precision, stream, allocate, fp8_weight = None, input_grad = true))]
 #[allow(clippy::too_many_arguments)]
 fn backward<'py>(
     x: &Bound<'py, PyAny>,
@@ -991,6 +995,7 @@ fn backward<'py>(
     stream: u64,
     allocate: &Bound<'py, PyAny>,
     fp8_weight: Option<Vec<Bound<'py, PyAny>>>,
+    input_grad: bool,
 ) -> PyResult<Grads<'py>> {
     guarded(|| {
         let call = Call::new(x, weight, bias, &params, ops, precision)?;
@@ -1020,9 +1025,9 @@ fn backward<'py>(
                 z.expect_aligned()?;
                 dy.expect_aligned()?;
                 match dtype {
-                    DType::Bf16 => gpu_backward_bf16(&call, (&z, &dy), index, stream, allocate, fp8),
-                    DType::F16 => gpu_backward_f16(&call, (&z, &dy), index, stream, allocate, fp8),
-                    _ => gpu_backward_f32(&call, (&z, &dy), index, stream, allocate, fp8),
+                    DType::Bf16 => gpu_backward_bf16(&call, (&z, &dy), index, stream, allocate, fp8, input_grad),
+                    DType::F16 => gpu_backward_f16(&call, (&z, &dy), index, stream, allocate, fp8, input_grad),
+                    _ => gpu_backward_f32(&call, (&z, &dy), index, stream, allocate, fp8, input_grad),
                 }
             }
         }

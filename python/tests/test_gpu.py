@@ -479,3 +479,24 @@ def test_no_host_synchronisation(ops, precision):
     )
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "precision,dtype", [("fp32", torch.float32), ("tf32x3", torch.float32), (None, torch.bfloat16)]
+)
+def test_input_without_grad_skips_dx_and_keeps_parameter_gradients(precision, dtype):
+    """An input that needs no gradient (a first layer's data): the GPU backward skips the
+    dX GEMM; every parameter's gradient is the one a gradient-tracking input gets."""
+    torch.manual_seed(5)
+    block = FusedLinear(256, 128, "groupnorm(8),swish", precision=precision).to(CUDA, dtype)
+    x = torch.randn(64, 256, device=CUDA, dtype=dtype)
+    dy = torch.randn(64, 128, device=CUDA, dtype=dtype)
+    grads = []
+    for needs in (True, False):
+        block.zero_grad()
+        xin = x.clone().requires_grad_(needs)
+        block(xin).backward(dy)
+        assert (xin.grad is not None) == needs
+        grads.append([p.grad.clone() for p in block.parameters()])
+    for (name, _), full, part in zip(block.named_parameters(), *grads):
+        assert torch.equal(full, part), f"{name}: the gradient changed without dx"

@@ -210,14 +210,15 @@ macro_rules! typed {
 
         /// The op's backward on candle's CUDA tensors (contiguous): the fused backward
         /// from the state the forward kept (or, when it kept none, the forward again);
-        /// `(dx, dW, packed gradient)`.
+        /// `(dx, dW, packed gradient)`, without `dx` (nor its GEMM) where `x` tracks no
+        /// gradient.
         fn $backward(
             op: &BlockOp,
             x: &Tensor,
             w: &Tensor,
             packed: &Tensor,
             dy: &Tensor,
-        ) -> Result<(Tensor, Tensor, Tensor)> {
+        ) -> Result<(Option<Tensor>, Tensor, Tensor)> {
             let (xs, xl) = x.storage_and_layout();
             let (ws_, wl) = w.storage_and_layout();
             let (ps, pl) = packed.storage_and_layout();
@@ -235,7 +236,8 @@ macro_rules! typed {
             let dyd = borrowed::<$w, $c>(&gpu, "dy", ds, dl)?;
             let block = GpuBlock::<$w>::from_device(&gpu, &op.spec, device_params(&gpu, &op.spec, wd, &pd)?)
                 .map_err(|e| host_err("block", e))?
-                .with_precision(op.precision);
+                .with_precision(op.precision)
+                .with_input_grad(x.track_op());
             let kept = op.saved.lock().unwrap_or_else(|p| p.into_inner()).take();
             let saved = match kept {
                 Some(saved) => saved,
@@ -248,7 +250,7 @@ macro_rules! typed {
             let (dx, dw, (db, ops)) = grads.map_err(|e| host_err("backward", e))?;
             let small = std::iter::once(&db).chain(ops.iter().flatten());
             let dp = packed_gradient(&gpu, &dev, &op.spec, small, packed.dims())?;
-            let dx = into_tensor::<$w, $c>(dx, x.dims(), &dev)?;
+            let dx = dx.map(|dx| into_tensor::<$w, $c>(dx, x.dims(), &dev)).transpose()?;
             let dw = into_tensor::<$w, $c>(dw, w.dims(), &dev)?;
             Ok((dx, dw, dp))
         }
@@ -281,7 +283,7 @@ pub(super) fn backward(
     w: &Tensor,
     packed: &Tensor,
     dy: &Tensor,
-) -> Result<(Tensor, Tensor, Tensor)> {
+) -> Result<(Option<Tensor>, Tensor, Tensor)> {
     match x.dtype() {
         DType::F32 => backward_f32(op, x, w, packed, dy),
         DType::BF16 => backward_bf16(op, x, w, packed, dy),

@@ -298,7 +298,7 @@ impl CustomOp3 for BlockOp {
         #[cfg(feature = "candle-cuda")]
         if x.device().is_cuda() {
             let (dx, dw, dp) = cuda::backward(self, x, w, packed, &dy.contiguous()?)?;
-            return Ok((Some(dx), Some(dw), Some(dp)));
+            return Ok((dx, Some(dw), Some(dp)));
         }
         let vec = |t: &Tensor| t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>();
         let (xh, params) = self.unpack(&vec(x)?, x.dims(), &vec(w)?, &vec(packed)?)?;

@@ -112,6 +112,8 @@ pub struct GpuBlock<W = f32> {
     /// FP8: the GEMM's weight quantised for the forward and for `dX`, made by
     /// [`GpuBlock::refold`]; `None`: quantised per call.
     pub(super) fp8: Option<Fp8Cache>,
+    /// Whether the backward computes `dX` ([`GpuBlock::with_input_grad`]).
+    pub(super) input_grad: bool,
 }
 
 /// A block's weight quantised for its FP8 GEMMs, and the address it was quantised from.
@@ -158,6 +160,13 @@ impl Saved {
     }
 }
 
+/// `dX` from [`GpuBlock::backward_parts`] where a caller needs it.
+pub(super) fn input_grad<W>(dx: Option<DeviceTensor<W>>) -> Result<DeviceTensor<W>> {
+    dx.ok_or_else(|| {
+        Error::Unsupported("the block computes no input gradient (with_input_grad(false)): use backward_parts".into())
+    })
+}
+
 /// Gradients of one block: of its input and of every parameter (the input's and the
 /// Linear weight's in their own type, `W`).
 pub struct DeviceGrads<W = f32> {
@@ -196,6 +205,7 @@ impl<W: DeviceElement> GpuBlock<W> {
             batch_norm,
             precision: Precision::Fp32,
             fp8: None,
+            input_grad: true,
         };
         block.refold(gpu)?;
         Ok(block)
@@ -210,6 +220,15 @@ impl<W: DeviceElement> GpuBlock<W> {
             own => own.unwrap_or(precision),
         };
         self.fp8 = None;
+        self
+    }
+
+    /// The same block with `dX` computed by its backward (`true`, the default) or not: an
+    /// input that needs no gradient (data entering a model's first layer) saves the `dX`
+    /// GEMM, a third of the backward's GEMM work. [`GpuBlock::backward_parts`] then gives
+    /// `None` for it, and [`GpuBlock::backward`] refuses to run.
+    pub fn with_input_grad(mut self, on: bool) -> GpuBlock<W> {
+        self.input_grad = on;
         self
     }
 
@@ -626,10 +645,11 @@ impl GpuBlock {
     ) -> Result<DeviceGrads> {
         let small = |block: &Self, gpu: &Gpu, slots: &DeviceTensor| block.small_grads(gpu, slots);
         let (dx, dw, (db, ops)) = self.backward_parts(gpu, x, saved, dy, phases, small)?;
-        Ok(DeviceGrads { x: dx, params: DeviceParams { linear_weight: dw, linear_bias: db, ops } })
+        Ok(DeviceGrads { x: input_grad(dx)?, params: DeviceParams { linear_weight: dw, linear_bias: db, ops } })
     }
 
-    /// The backward up to the small gradients: `dX`, `dW`, and what `small` makes of the
+    /// The backward up to the small gradients: `dX` (`None` where the block computes
+    /// none: [`GpuBlock::with_input_grad`]), `dW`, and what `small` makes of the
     /// chain backward's parameter-gradient slots (see [`GpuBlock::small_grad_slots`]):
     /// [`GpuBlock::small_grads`], or a framework's own tensors in its parameters' dtypes.
     pub fn backward_parts<S>(
@@ -640,7 +660,7 @@ impl GpuBlock {
         dy: &DeviceTensor,
         mut phases: Option<&mut Phases>,
         small: impl FnOnce(&Self, &Gpu, &DeviceTensor) -> Result<S>,
-    ) -> Result<(DeviceTensor, DeviceTensor, S)> {
+    ) -> Result<(Option<DeviceTensor>, DeviceTensor, S)> {
         let mut mark = |name| phases.as_deref_mut().map_or(Ok(()), |p| p.mark(gpu, name));
         if self.refine_saved(gpu, x, &mut saved)? == Refined::Done {
             mark("kink refinement")?;
@@ -661,8 +681,9 @@ impl GpuBlock {
         let side = gpu.side_stream();
         let (dw, dw_scratch) = grad_weight(gpu, self.precision, side, &dz, x)?;
         let dx = match self.fp8_weight(w) {
-            Some(c) if self.precision.is_fp8() => grad_input_fp8(gpu, &dz, w, Some(c))?,
-            _ => grad_input(gpu, self.precision, &dz, w)?,
+            _ if !self.input_grad => None,
+            Some(c) if self.precision.is_fp8() => Some(grad_input_fp8(gpu, &dz, w, Some(c))?),
+            _ => Some(grad_input(gpu, self.precision, &dz, w)?),
         };
         gpu.order(side, gpu.stream())?;
         mark("dX and dW GEMMs")?;

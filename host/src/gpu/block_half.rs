@@ -239,7 +239,10 @@ impl<H: HalfElement> GpuBlock<H> {
     ) -> Result<DeviceGrads<H>> {
         let small = |block: &Self, gpu: &Gpu, slots: &DeviceTensor| block.small_grads(gpu, slots);
         let (dx, dw, (db, ops)) = self.backward_parts(gpu, x, saved, dy, None, small)?;
-        Ok(DeviceGrads { x: dx, params: DeviceParams { linear_weight: dw, linear_bias: db, ops } })
+        Ok(DeviceGrads {
+            x: super::block::input_grad(dx)?,
+            params: DeviceParams { linear_weight: dw, linear_bias: db, ops },
+        })
     }
 
     /// [`GpuBlock::backward`] up to the small gradients, as the FP32 block's
@@ -252,7 +255,7 @@ impl<H: HalfElement> GpuBlock<H> {
         dy: &DeviceTensor<H>,
         _phases: Option<&mut super::Phases>,
         small: impl FnOnce(&Self, &Gpu, &DeviceTensor) -> Result<S>,
-    ) -> Result<(DeviceTensor<H>, DeviceTensor<H>, S)> {
+    ) -> Result<(Option<DeviceTensor<H>>, DeviceTensor<H>, S)> {
         let (n, k) = (self.gemm_width(), self.spec.in_features);
         let m = match x.shape[..] {
             [m, xk] if xk == k && saved.z.shape == [m, n] => m,
@@ -322,7 +325,9 @@ impl<H: HalfElement> GpuBlock<H> {
         // dX = dZ W on the main stream.
         let storage = Storage::half(H::DTYPE, H::DTYPE, aligned(&[&dz, w16]));
         let dx_route = dispatch::route(precision, Role::GradInput, (m, n, k), storage, tma);
-        let dx = if !dx_route.widened {
+        let dx = if !self.input_grad {
+            None
+        } else if !dx_route.widened {
             let mut dx = gpu.alloc_as::<H>(&[m, k])?;
             launch_half(
                 gpu,
@@ -335,10 +340,10 @@ impl<H: HalfElement> GpuBlock<H> {
                 &mut dx,
                 None,
             )?;
-            dx
+            Some(dx)
         } else {
             let (dz32, w32) = (widen(gpu, &dz)?, widen(gpu, w16)?);
-            to_half(gpu, &grad_input(gpu, precision, &dz32, &w32)?)?
+            Some(to_half(gpu, &grad_input(gpu, precision, &dz32, &w32)?)?)
         };
         gpu.order(side, gpu.stream())?;
         drop((dz, keep, folded16));
@@ -362,7 +367,7 @@ impl<H: HalfElement> GpuBlock<H> {
         gpu: &Gpu,
         x: &DeviceTensor<H>,
         dz: &DeviceTensor<H>,
-    ) -> Result<(DeviceTensor<H>, DeviceTensor<H>)> {
+    ) -> Result<(Option<DeviceTensor<H>>, DeviceTensor<H>)> {
         let (m, n, k) = (x.shape[0], self.gemm_width(), self.spec.in_features);
         let side = gpu.side_stream();
         let dw = if self.precision == Precision::Fp8 {
@@ -404,12 +409,17 @@ impl<H: HalfElement> GpuBlock<H> {
         };
         let stream = gpu.stream();
         let mut made = None;
-        let wq = match &self.folded {
-            Some((_, w, _)) => self.fp8_whole(gpu, w, &mut made)?,
-            None => self.fp8_whole(gpu, &self.params.linear_weight, &mut made)?,
+        let dx = if self.input_grad {
+            let wq = match &self.folded {
+                Some((_, w, _)) => self.fp8_whole(gpu, w, &mut made)?,
+                None => self.fp8_whole(gpu, &self.params.linear_weight, &mut made)?,
+            };
+            let mut dx = gpu.alloc_as::<H>(&[m, k])?;
+            fp8::grad_input(gpu, stream, dz, wq, &mut dx)?;
+            Some(dx)
+        } else {
+            None
         };
-        let mut dx = gpu.alloc_as::<H>(&[m, k])?;
-        fp8::grad_input(gpu, stream, dz, wq, &mut dx)?;
         gpu.order(side, gpu.stream())?;
         let dw = match (dw, &self.folded) {
             (WeightGrad::Half(dw), _) => dw,
