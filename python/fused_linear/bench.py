@@ -4,8 +4,10 @@ For every shape and configuration the same process builds three implementations 
 block, ``chain(x @ lin.weight.T + lin.bias)``, with the same weights: ``ours``
 (:class:`fused_linear.FusedLinear`), ``eager`` (:class:`PlainBlock`, the block written with
 ordinary torch ops) and ``compile`` (``torch.compile`` of that same ``PlainBlock``). Each is
-timed forward under ``torch.no_grad()`` (``fwd``) and as a training step (``fwdbwd``) through
-up to four protocols, because no single number says how fast a block is:
+timed forward under ``torch.no_grad()`` (``fwd``) and as a training step (``fwdbwd``; with
+``--modes fwdbwd_nodx`` also one whose input needs no gradient, as a model's first layer's
+data: nobody computes ``dX``) through up to four protocols, because no single number says
+how fast a block is:
 
 - ``flushed``: KernelBench's protocol (L2 flushed before every timed call; one call between
   CUDA events), the number papers and leaderboards quote.
@@ -78,7 +80,9 @@ from .fuse import _fused_call, fuse
 # ---------------------------------------------------------------- what can be measured
 
 CONFIGS = ("fp32", "tf32x3", "tf32", "bf16", "fp16", "fp8")
-MODES = ("fwd", "fwdbwd")
+MODES = ("fwd", "fwdbwd", "fwdbwd_nodx")
+#: The modes run unless ``--modes`` says otherwise.
+DEFAULT_MODES = ("fwd", "fwdbwd")
 PROTOCOLS = ("flushed", "stream", "graph", "host")
 IMPLS = ("eager", "compile", "ao_tensorwise", "ao_rowwise", "ours")
 #: torchao's float8 training recipes under torch.compile: the fp8 configuration's peers
@@ -501,7 +505,7 @@ def estimate_bytes(shape: Shape, config: str, modes: Sequence[str], protocols: S
     (about 4 (rows, out) float32 tensors alive in a forward, 12 in a training step), twice over
     when a CUDA graph's private pool holds a captured step beside the live tensors."""
     e = 2 if config in ("bf16", "fp16") else 4
-    train = "fwdbwd" in modes
+    train = any(m != "fwd" for m in modes)
     graph = "graph" in protocols
     weights = shape.in_features * shape.out_features * e * (2 + (1 + graph if train else 0))
     inputs = shape.rows * shape.in_features * e * (3 if train else 1)
@@ -983,7 +987,7 @@ class Bench:
                 clear_fp8_cache()
             block(xg).backward(dy)
 
-        inputs = [xg, *params]
+        inputs = [xg, *params] if xg.requires_grad else params
 
         def captured_step() -> Any:
             if requantise:
@@ -1005,7 +1009,7 @@ class Bench:
         """One mode of one case: every implementation's first call (untimed; compile's is
         reported as its compile time), then each protocol for each implementation."""
         args = self.args
-        xg = self._mark(x.detach().clone().requires_grad_(True)) if mode == "fwdbwd" else None
+        xg = self._mark(x.detach().clone().requires_grad_(mode == "fwdbwd")) if mode != "fwd" else None
         calls = {
             impl: self._calls(block, mode, x, xg, dy, config == "fp8" and impl == "ours")
             for impl, block in blocks.items()
@@ -1069,7 +1073,7 @@ class Bench:
                     y_ref = pair.plain(x)
             result["rel_err_y"] = rel_err(y_ours, y_ref)
             del y_ours, y_ref
-            if "fwdbwd" in self.args.modes:
+            if any(m != "fwd" for m in self.args.modes):
                 grads = []
                 for impl, block in (("ours", pair.ours), ("eager", pair.plain)):
                     xg = x.detach().clone().requires_grad_(True)
@@ -1081,6 +1085,16 @@ class Bench:
                 (dx, dw), (dx_ref, dw_ref) = grads
                 result["rel_err_dx"] = rel_err(dx, dx_ref)
                 result["rel_err_dw"] = rel_err(dw, dw_ref)
+            if "fwdbwd_nodx" in self.args.modes:
+                # The weight's gradient where the input needs none (ours skips dX then).
+                dws = []
+                for impl, block in (("ours", pair.ours), ("eager", pair.plain)):
+                    with self._flags(impl, config), _same_rng(x.device):
+                        block(x.detach()).backward(dy)
+                    dws.append(_first_linear_weight(block).grad)
+                    for p in block.parameters():
+                        p.grad = None
+                result["rel_err_dw_nodx"] = rel_err(*dws)
         except Exception as e:  # noqa: BLE001 -- reported in the correctness column
             result["error"] = _short(e)
         return result
@@ -1133,9 +1147,10 @@ def _tables(result: Dict[str, Any]) -> Tuple[List[str], List[Tuple[str, str, str
                     continue
                 unit = PROTOCOL_UNITS[protocol]
                 cell_impls = [i for i in impls if any(r["impl"] == i for r in cell)]
-                err_key, err_name = (
-                    ("rel_err_y", "rel err y") if mode == "fwd" else ("rel_err_dx", "rel err dx")
-                )
+                err_key, err_name = {
+                    "fwd": ("rel_err_y", "rel err y"),
+                    "fwdbwd": ("rel_err_dx", "rel err dx"),
+                }.get(mode, ("rel_err_dw_nodx", "rel err dW"))
                 head = [
                     "model",
                     "rows",
@@ -1329,7 +1344,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma list of {', '.join(CONFIGS)} (default: all on cuda, fp32 on cpu)",
     )
     p.add_argument(
-        "--modes", type=_comma_list(MODES, "mode"), default=MODES, help="fwd,fwdbwd (default both)"
+        "--modes",
+        type=_comma_list(MODES, "mode"),
+        default=DEFAULT_MODES,
+        help="fwd,fwdbwd (default both); fwdbwd_nodx: a training step whose input needs no gradient",
     )
     p.add_argument(
         "--protocols",
