@@ -310,6 +310,54 @@ fn on_cuda_an_input_without_gradient_keeps_the_parameter_gradients() {
     }
 }
 
+/// FP8 through candle (`with_precision(Precision::Fp8)`, the weight quantised per call):
+/// f32 and bf16 blocks on CUDA, `y` and every gradient against the f64 reference within
+/// FP8's norm-wise tolerance (`host::precision::FP8_REL`, docs/NUMERICS.md), and visibly
+/// rounded (further from it than 3xTF32).
+#[cfg(feature = "candle-cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn on_cuda_fp8_precision_stays_within_its_tolerance() {
+    use host::check::compare_f32;
+    let dev = Device::new_cuda(0).unwrap();
+    for dtype in [DType::F32, DType::BF16] {
+        let varmap = VarMap::new();
+        let block = FusedLinear::from_chain(64, 32, "gelu", VarBuilder::from_varmap(&varmap, dtype, &dev))
+            .unwrap()
+            .with_precision(Precision::Fp8);
+        let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (32, 64), &dev).unwrap().to_dtype(dtype).unwrap()).unwrap();
+        let y = block.forward(x.as_tensor()).unwrap();
+        let dy = Tensor::randn(0f32, 1.0, y.shape(), &dev).unwrap().to_dtype(dtype).unwrap();
+        let grads = (&y * &dy).unwrap().sum_all().unwrap().backward().unwrap();
+        let host = |t: &Tensor| {
+            let v = t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            host::Tensor::new(t.dims(), v).unwrap()
+        };
+        let params: Vec<Tensor> = std::iter::once(block.weight()).chain(block.others()).cloned().collect();
+        let spec = block.spec();
+        let params_h = Params::from_flat(spec, params.iter().map(host).collect()).unwrap();
+        let (y_ref, g_ref) = reference::block_backward(
+            spec,
+            &host(x.as_tensor()).to_f64(),
+            &params_h.map(f64::from),
+            &host(&dy).to_f64(),
+        )
+        .unwrap();
+        let check = |what: &str, got: &Tensor, want: &host::Tensor<f64>| {
+            let c = compare_f32(host(got).data(), want.data());
+            println!("fp8 {dtype:?} {what}: rel {:.2e}", c.rel);
+            assert!(c.passes(host::precision::FP8_REL), "fp8 {dtype:?} {what}: {c:?}");
+            c.rel
+        };
+        let rel_y = check("y", &y, &y_ref);
+        assert!(rel_y > 1e-3, "fp8 {dtype:?}: y {rel_y:e} from f64, not rounded to e4m3?");
+        check("dx", grads.get(x.as_tensor()).unwrap(), &g_ref.x);
+        for (p, g) in params.iter().zip(g_ref.params.flat()) {
+            check("a parameter's gradient", grads.get(p).unwrap(), g);
+        }
+    }
+}
+
 /// On the GPU the block neither synchronises the host with the device nor copies its
 /// inputs or outputs: its forward and its backward (through candle's autograd) return
 /// while the stream is still busy with work queued before them, and the memory they take
