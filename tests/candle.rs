@@ -29,6 +29,25 @@ fn close_within(what: &str, got: &Tensor, want: &[f32], tol: f32) {
     assert!(err <= tol * scale, "{what}: max |difference| {err:e} > {tol:e} * {scale}");
 }
 
+/// A candle tensor (any float dtype) as a host f32 tensor of the same shape.
+fn host_tensor(t: &Tensor) -> host::Tensor<f32> {
+    let v = t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    host::Tensor::new(t.dims(), v).unwrap()
+}
+
+/// The f64 reference's `y` and gradients of `block` at the values of `x`, its parameters
+/// (`params`, in `param_specs` order) and `dy`, each in f32 for [`close_within`].
+fn reference_of(block: &FusedLinear, x: &Tensor, params: &[Tensor], dy: &Tensor) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let spec = block.spec();
+    let params_h = Params::from_flat(spec, params.iter().map(host_tensor).collect()).unwrap();
+    let (y, g) =
+        reference::block_backward(spec, &host_tensor(x).to_f64(), &params_h.map(f64::from), &host_tensor(dy).to_f64())
+            .unwrap();
+    let f32s = |t: &host::Tensor<f64>| t.to_f32().into_data();
+    let grads = std::iter::once(f32s(&g.x)).chain(g.params.flat().into_iter().map(f32s)).collect();
+    (f32s(&y), grads)
+}
+
 /// The block written with candle's own ops, from the same parameters.
 fn candle_ops(chain: &str, x: &Tensor, p: &[Tensor]) -> Tensor {
     let z = x.matmul(&p[0].t().unwrap()).unwrap().broadcast_add(&p[1]).unwrap();
@@ -117,22 +136,11 @@ fn check_against_candle_and_the_reference(dev: &Device, precision: Precision) {
         }
 
         // The f64 reference.
-        let host =
-            |t: &Tensor| host::Tensor::new(t.dims(), t.flatten_all().unwrap().to_vec1::<f32>().unwrap()).unwrap();
-        let spec = block.spec();
-        let params_h = Params::from_flat(spec, params.iter().map(host).collect()).unwrap();
-        let (y_ref, g_ref) = reference::block_backward(
-            spec,
-            &host(x.as_tensor()).to_f64(),
-            &params_h.map(f64::from),
-            &host(&dy).to_f64(),
-        )
-        .unwrap();
-        let f32s = |t: &host::Tensor<f64>| t.to_f32().into_data();
-        close(&format!("{chain}: y vs reference"), &y, &f32s(&y_ref));
-        close(&format!("{chain}: dx vs reference"), grads.get(x.as_tensor()).unwrap(), &f32s(&g_ref.x));
-        for ((n, p), g) in names.iter().zip(&params).zip(g_ref.params.flat()) {
-            close(&format!("{chain}: d{n} vs reference"), grads.get(p).unwrap(), &f32s(g));
+        let (y_ref, g_ref) = reference_of(&block, x.as_tensor(), &params, &dy);
+        close(&format!("{chain}: y vs reference"), &y, &y_ref);
+        close(&format!("{chain}: dx vs reference"), grads.get(x.as_tensor()).unwrap(), &g_ref[0]);
+        for ((n, p), g) in names.iter().zip(&params).zip(&g_ref[1..]) {
+            close(&format!("{chain}: d{n} vs reference"), grads.get(p).unwrap(), g);
         }
     }
 }
@@ -246,28 +254,15 @@ fn on_cuda_bf16_and_f16_tensors_run_in_their_type() {
                 let data = varmap.data().lock().unwrap();
                 names.iter().map(|n| data[n].as_tensor().clone()).collect()
             };
-            let host = |t: &Tensor| {
-                let v = t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-                host::Tensor::new(t.dims(), v).unwrap()
-            };
-            let spec = block.spec();
-            let params_h = Params::from_flat(spec, params.iter().map(host).collect()).unwrap();
-            let (y_ref, g_ref) = reference::block_backward(
-                spec,
-                &host(x.as_tensor()).to_f64(),
-                &params_h.map(f64::from),
-                &host(&dy).to_f64(),
-            )
-            .unwrap();
-            let f32s = |t: &host::Tensor<f64>| t.to_f32().into_data();
-            close_within(&format!("{what}: y"), &y, &f32s(&y_ref), 2e-2);
+            let (y_ref, g_ref) = reference_of(&block, x.as_tensor(), &params, &dy);
+            close_within(&format!("{what}: y"), &y, &y_ref, 2e-2);
             let dx = grads.get(x.as_tensor()).unwrap();
             assert_eq!(dx.dtype(), dtype, "{what}: dx's dtype");
-            close_within(&format!("{what}: dx"), dx, &f32s(&g_ref.x), 2e-2);
-            for ((n, p), g) in names.iter().zip(&params).zip(g_ref.params.flat()) {
+            close_within(&format!("{what}: dx"), dx, &g_ref[0], 2e-2);
+            for ((n, p), g) in names.iter().zip(&params).zip(&g_ref[1..]) {
                 let got = grads.get(p).expect("a gradient for every parameter");
                 assert_eq!(got.dtype(), dtype, "{what}: d{n}'s dtype");
-                close_within(&format!("{what}: d{n}"), got, &f32s(g), 2e-2);
+                close_within(&format!("{what}: d{n}"), got, g, 2e-2);
             }
         }
     }
@@ -329,30 +324,19 @@ fn on_cuda_fp8_precision_stays_within_its_tolerance() {
         let y = block.forward(x.as_tensor()).unwrap();
         let dy = Tensor::randn(0f32, 1.0, y.shape(), &dev).unwrap().to_dtype(dtype).unwrap();
         let grads = (&y * &dy).unwrap().sum_all().unwrap().backward().unwrap();
-        let host = |t: &Tensor| {
-            let v = t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            host::Tensor::new(t.dims(), v).unwrap()
-        };
         let params: Vec<Tensor> = std::iter::once(block.weight()).chain(block.others()).cloned().collect();
-        let spec = block.spec();
-        let params_h = Params::from_flat(spec, params.iter().map(host).collect()).unwrap();
-        let (y_ref, g_ref) = reference::block_backward(
-            spec,
-            &host(x.as_tensor()).to_f64(),
-            &params_h.map(f64::from),
-            &host(&dy).to_f64(),
-        )
-        .unwrap();
-        let check = |what: &str, got: &Tensor, want: &host::Tensor<f64>| {
-            let c = compare_f32(host(got).data(), want.data());
+        let (y_ref, g_ref) = reference_of(&block, x.as_tensor(), &params, &dy);
+        let check = |what: &str, got: &Tensor, want: &[f32]| {
+            let want: Vec<f64> = want.iter().map(|&v| f64::from(v)).collect();
+            let c = compare_f32(host_tensor(got).data(), &want);
             println!("fp8 {dtype:?} {what}: rel {:.2e}", c.rel);
             assert!(c.passes(host::precision::FP8_REL), "fp8 {dtype:?} {what}: {c:?}");
             c.rel
         };
         let rel_y = check("y", &y, &y_ref);
         assert!(rel_y > 1e-3, "fp8 {dtype:?}: y {rel_y:e} from f64, not rounded to e4m3?");
-        check("dx", grads.get(x.as_tensor()).unwrap(), &g_ref.x);
-        for (p, g) in params.iter().zip(g_ref.params.flat()) {
+        check("dx", grads.get(x.as_tensor()).unwrap(), &g_ref[0]);
+        for (p, g) in params.iter().zip(&g_ref[1..]) {
             check("a parameter's gradient", grads.get(p).unwrap(), g);
         }
     }
