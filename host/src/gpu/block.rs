@@ -283,6 +283,7 @@ impl<W: DeviceElement> GpuBlock<W> {
             gemv: gpu.tuning().gemv,
             gemv_tc: gpu.tuning().gemv_tensor_cores && dispatch::gemv_tc_serves(W::DTYPE, self.precision),
             fp8: self.precision.is_fp8(),
+            precision: self.precision,
         }
     }
 

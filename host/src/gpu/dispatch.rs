@@ -24,7 +24,7 @@ use crate::precision::Precision;
 use kernel_abi::Kernel;
 use kernel_abi::epilogue::{OP_GROUP_NORM, OpDesc};
 use kernel_abi::gemm_fma::{BLOCK_K, BLOCK_M, BLOCK_N, MAX_FUSED_GROUP, MIN_FUSED_GROUP};
-use kernel_abi::gemm_tma::MIN_K;
+use kernel_abi::gemm_tma::{self, MIN_K};
 use kernel_abi::gemv::{ROWS as GEMV_ROWS, SLAB as GEMV_SLAB};
 
 /// Most rows the tensor-core small-batch kernel (`gemv_tc_*`) takes before the tile
@@ -547,6 +547,8 @@ pub struct Forward {
     pub gemv_tc: bool,
     /// The GEMM is FP8 (`gemm_tma_e4m3_*`): no small-batch kernel or split-K takes it.
     pub fp8: bool,
+    /// The GEMMs' arithmetic for FP32 tensors (a 16-bit model's is its type's).
+    pub precision: Precision,
 }
 
 /// Whether the row-wise epilogue's forward takes rows of `n` features with `smem_optin`
@@ -598,8 +600,18 @@ pub fn plan(f: Forward, sms: usize, tma: bool) -> Plan {
     let tiles = f.batch.div_ceil(BLOCK_M) * f.n.div_ceil(BLOCK_N);
     let unsplit = Plan::GemmThenRows { splits: 1 };
     let as_stored = f.dtype == Dtype::Bf16 && !forward_route(f, Precision::Bf16, &unsplit, true, tma).1.widened;
+    // The tiles the unsplit forward would run. The TMA kernels' are twice as wide, so
+    // where they take a 3xTF32 forward, half as many SMs work: KernelBench 68 (128 x
+    // 16384 x 16384) ran 64 tiles on 132 SMs in 1.00-1.03 ms, split 3 ways on
+    // `gemm_wgmma` in 0.74 (256 x 8192 x 8192: 0.51 to 0.41). Not TF32: its TMA kernel
+    // on half the SMs beat the split `gemm_wgmma` (KB68 0.39 against 0.49 ms; H100).
+    let tma_3xtf32 = f.precision == Precision::Tf32x3
+        && f.dtype == Dtype::F32
+        && forward_route(f, f.precision, &Plan::Fused, true, tma).1.family == Family::Tma;
+    let unsplit_tiles =
+        if tma_3xtf32 { f.batch.div_ceil(gemm_tma::BLOCK_M) * f.n.div_ceil(gemm_tma::BLOCK_N) } else { tiles };
     // (Split-K hands the sums to the row-wise epilogue: only where it takes the rows.)
-    let splits = if !as_stored && f.rows_fit && tiles * 2 < sms && f.k >= 64 * BLOCK_K {
+    let splits = if !as_stored && f.rows_fit && unsplit_tiles * 2 < sms && f.k >= 64 * BLOCK_K {
         (2 * sms).div_ceil(tiles).min(f.k / (32 * BLOCK_K)).clamp(1, 16)
     } else {
         1
@@ -911,6 +923,7 @@ mod tests {
             gemv: true,
             gemv_tc: false,
             fp8: false,
+            precision: Precision::Fp32,
         };
         assert_eq!(plan(f(Dtype::Bf16, false), 132, true), Plan::Fused);
         assert!(matches!(plan(f(Dtype::F32, false), 132, true), Plan::GemmThenRows { splits } if splits > 1));
@@ -920,6 +933,12 @@ mod tests {
         assert_eq!(plan(Forward { fusable: false, ..big }, 132, true), Plan::GemmThenRows { splits: 1 });
         // Rows too wide for the row-wise epilogue: no split-K, the fused kernel.
         assert_eq!(plan(Forward { rows_fit: false, ..f(Dtype::F32, false) }, 132, true), Plan::Fused);
+        // 3xTF32 on the TMA kernel's 128 x 256 tiles: 128 x 16384 x 16384 is 64 of them on
+        // 132 SMs, so `k` is split (on the `gemm_wgmma` kernel); 4096 rows fill the GPU.
+        let deep = Forward { batch: 128, n: 16384, k: 16384, precision: Precision::Tf32x3, ..f(Dtype::F32, false) };
+        assert!(matches!(plan(deep, 132, true), Plan::GemmThenRows { splits } if splits > 1));
+        assert_eq!(plan(Forward { batch: 4096, ..deep }, 132, true), Plan::Fused);
+        assert_eq!(plan(Forward { precision: Precision::Tf32, ..deep }, 132, true), Plan::Fused);
 
         let small = Forward { batch: 8, ..f(Dtype::Bf16, false) };
         let fma = |chain| Plan::Gemv { chain, tensor_cores: false };
