@@ -611,8 +611,15 @@ pub fn plan(f: Forward, sms: usize, tma: bool) -> Plan {
     let unsplit_tiles =
         if tma_3xtf32 { f.batch.div_ceil(gemm_tma::BLOCK_M) * f.n.div_ceil(gemm_tma::BLOCK_N) } else { tiles };
     // (Split-K hands the sums to the row-wise epilogue: only where it takes the rows.)
+    // TF32 and 3xTF32 (`gemm_wgmma`) split into at most two blocks per SM: one more
+    // split past that, a partial second wave, cost 14-18% (H100, `host forward` at 64-256
+    // rows x 4096² and 8192²: 256 x 4096 x 4096 TF32 0.087 ms in 5 splits, 0.075 in 4;
+    // 128 x 8192 x 8192 3xTF32 0.270 in 5, 0.233 in 4; KernelBench 68 0.733 in 3, 0.720
+    // in 2). The other precisions' kernels keep the rounded-up count (not measured).
+    let tensor_cores = f.dtype == Dtype::F32 && matches!(f.precision, Precision::Tf32 | Precision::Tf32x3);
     let splits = if !as_stored && f.rows_fit && unsplit_tiles * 2 < sms && f.k >= 64 * BLOCK_K {
-        (2 * sms).div_ceil(tiles).min(f.k / (32 * BLOCK_K)).clamp(1, 16)
+        let per_wave = if tensor_cores { 2 * sms / tiles } else { (2 * sms).div_ceil(tiles) };
+        per_wave.min(f.k / (32 * BLOCK_K)).clamp(1, 16)
     } else {
         1
     };
@@ -939,6 +946,14 @@ mod tests {
         assert!(matches!(plan(deep, 132, true), Plan::GemmThenRows { splits } if splits > 1));
         assert_eq!(plan(Forward { batch: 4096, ..deep }, 132, true), Plan::Fused);
         assert_eq!(plan(Forward { precision: Precision::Tf32, ..deep }, 132, true), Plan::Fused);
+        // At most two split blocks per SM on the tensor cores: 128 x 8192 x 8192 is 64
+        // tiles of 128 x 128, so 4 splits (264 / 64); KB68's 128 tiles, 2.
+        let mid = Forward { batch: 128, n: 8192, k: 8192, precision: Precision::Tf32x3, ..f(Dtype::F32, false) };
+        assert_eq!(plan(mid, 132, true), Plan::GemmThenRows { splits: 4 });
+        assert_eq!(plan(Forward { precision: Precision::Tf32, ..mid }, 132, true), Plan::GemmThenRows { splits: 4 });
+        assert_eq!(plan(deep, 132, true), Plan::GemmThenRows { splits: 2 });
+        // FP32's FMA kernel keeps the rounded-up count: 264 / 64 -> 5.
+        assert_eq!(plan(Forward { precision: Precision::Fp32, ..mid }, 132, true), Plan::GemmThenRows { splits: 5 });
 
         let small = Forward { batch: 8, ..f(Dtype::Bf16, false) };
         let fma = |chain| Plan::Gemv { chain, tensor_cores: false };
