@@ -41,34 +41,29 @@ struct CandleAllocator {
     dev: CudaDevice,
 }
 
+impl CandleAllocator {
+    /// `n` values of `T` from candle's device: their address and the slice that owns them.
+    fn alloc<T: DeviceRepr + Send + Sync + 'static>(
+        &self,
+        n: usize,
+    ) -> crate::Result<(u64, Box<dyn Any + Send + Sync>)> {
+        // SAFETY: the caller writes the memory before reading it.
+        let s = unsafe { self.dev.alloc::<T>(n) }
+            .map_err(|e| crate::Error::cuda("allocating through candle's device", e))?;
+        let ptr = s.device_ptr(&self.dev.cuda_stream()).0;
+        Ok((ptr, Box::new(s)))
+    }
+}
+
 impl DeviceAllocator for CandleAllocator {
     fn allocate(&self, shape: &[usize], element: ElementKind) -> crate::Result<(u64, Box<dyn Any + Send + Sync>)> {
         let n: usize = shape.iter().product::<usize>().max(1);
-        let stream = self.dev.cuda_stream();
-        let failed = |e: Error| crate::Error::cuda("allocating through candle's device", e);
-        // SAFETY (each arm): the caller writes the memory before reading it.
-        Ok(match element {
-            ElementKind::F32 => {
-                let s = unsafe { self.dev.alloc::<f32>(n) }.map_err(failed)?;
-                let ptr = s.device_ptr(&stream).0;
-                (ptr, Box::new(s))
-            }
-            ElementKind::Bf16 => {
-                let s = unsafe { self.dev.alloc::<half::bf16>(n) }.map_err(failed)?;
-                let ptr = s.device_ptr(&stream).0;
-                (ptr, Box::new(s))
-            }
-            ElementKind::F16 => {
-                let s = unsafe { self.dev.alloc::<half::f16>(n) }.map_err(failed)?;
-                let ptr = s.device_ptr(&stream).0;
-                (ptr, Box::new(s))
-            }
-            ElementKind::Bytes => {
-                let s = unsafe { self.dev.alloc::<u8>(n) }.map_err(failed)?;
-                let ptr = s.device_ptr(&stream).0;
-                (ptr, Box::new(s))
-            }
-        })
+        match element {
+            ElementKind::F32 => self.alloc::<f32>(n),
+            ElementKind::Bf16 => self.alloc::<half::bf16>(n),
+            ElementKind::F16 => self.alloc::<half::f16>(n),
+            ElementKind::Bytes => self.alloc::<u8>(n),
+        }
     }
 }
 
