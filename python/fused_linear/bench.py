@@ -1073,7 +1073,7 @@ class Bench:
                     y_ref = pair.plain(x)
             result["rel_err_y"] = rel_err(y_ours, y_ref)
             del y_ours, y_ref
-            if any(m != "fwd" for m in self.args.modes):
+            if "fwdbwd" in self.args.modes:
                 grads = []
                 for impl, block in (("ours", pair.ours), ("eager", pair.plain)):
                     xg = x.detach().clone().requires_grad_(True)
