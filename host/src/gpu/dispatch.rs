@@ -605,8 +605,9 @@ pub fn plan(f: Forward, sms: usize, tma: bool) -> Plan {
     // 16384 x 16384) ran 64 tiles on 132 SMs in 1.00-1.03 ms, split 3 ways on
     // `gemm_wgmma` in 0.74 (256 x 8192 x 8192: 0.51 to 0.41). Not TF32: its TMA kernel
     // on half the SMs beat the split `gemm_wgmma` (KB68 0.39 against 0.49 ms; H100).
-    let tma_3xtf32 = f.precision == Precision::Tf32x3
-        && f.dtype == Dtype::F32
+    let tensor_cores = f.dtype == Dtype::F32 && matches!(f.precision, Precision::Tf32 | Precision::Tf32x3);
+    let tma_3xtf32 = tensor_cores
+        && f.precision == Precision::Tf32x3
         && forward_route(f, f.precision, &Plan::Fused, true, tma).1.family == Family::Tma;
     let unsplit_tiles =
         if tma_3xtf32 { f.batch.div_ceil(gemm_tma::BLOCK_M) * f.n.div_ceil(gemm_tma::BLOCK_N) } else { tiles };
@@ -616,7 +617,6 @@ pub fn plan(f: Forward, sms: usize, tma: bool) -> Plan {
     // rows x 4096² and 8192²: 256 x 4096 x 4096 TF32 0.087 ms in 5 splits, 0.075 in 4;
     // 128 x 8192 x 8192 3xTF32 0.270 in 5, 0.233 in 4; KernelBench 68 0.733 in 3, 0.720
     // in 2). The other precisions' kernels keep the rounded-up count (not measured).
-    let tensor_cores = f.dtype == Dtype::F32 && matches!(f.precision, Precision::Tf32 | Precision::Tf32x3);
     let splits = if !as_stored && f.rows_fit && unsplit_tiles * 2 < sms && f.k >= 64 * BLOCK_K {
         let per_wave = if tensor_cores { 2 * sms / tiles } else { (2 * sms).div_ceil(tiles) };
         per_wave.min(f.k / (32 * BLOCK_K)).clamp(1, 16)
