@@ -511,6 +511,76 @@ fn tf32_persistent_forward_matches_reference_rows() {
     }
 }
 
+/// Split-K on the persistent TMA kernels: few tiles of `128 x 256` and a deep `k`, each
+/// tile's `k` in ranges, finished in the kernel (the tile's last range adds the ranges'
+/// sums and runs the epilogue) or, where the chain needs whole rows or the tiles are very
+/// few, summed by the row-wise epilogue. 3xTF32 in 8 ranges of 65 16-deep k-tiles, and
+/// forced into 4 of up to 129, so that each flushes once within its range, both ways;
+/// TF32 over 65 k-tiles (the last ragged) forced into 4, in the kernel, and TF32's
+/// `gemm_wgmma` split for the row-wise epilogue; a bf16 and an fp16 model reading their
+/// tensors as stored, both ways (in the kernel: 2 ranges of 4096). Forward and every
+/// gradient (the training forward's saved `z` comes from the split sums) against the
+/// f64 reference.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn tma_split_k_matches_reference() {
+    use host::Precision;
+    let gpu = gpu();
+    let four = gpu.clone().with_tuning(Tuning { split_k: Some(4), ..Tuning::default() });
+    let mut rng = StdRng::seed_from_u64(31);
+    let m1 = |groups: usize| format!("groupnorm({groups}),swish,mul,swish");
+    for (gpu, precision, dims, chain, path_has) in [
+        (&gpu, Precision::Tf32x3, (100, 8200, 1024), m1(32), "fused: gemm_tma_tf32x3_nt split-K x8"),
+        (&four, Precision::Tf32x3, (100, 8200, 1024), m1(32), "fused: gemm_tma_tf32x3_nt split-K x4"),
+        (&four, Precision::Tf32x3, (100, 8200, 768), m1(32), "gemm_tma_tf32x3_nt split-K x4 + epilogue_rows"),
+        (&four, Precision::Tf32, (200, 2056, 2304), m1(72), "fused: gemm_tma_tf32_nt split-K x4"),
+        (&gpu, Precision::Tf32, (200, 2056, 768), m1(32), "gemm_wgmma_tf32_nt_vec4 split-K x4 + epilogue_rows"),
+    ] {
+        let spec = BlockSpec::new(dims.1, dims.2, chain.parse().unwrap()).unwrap();
+        let block = GpuBlock::new(gpu, &spec, &Params::init(&spec, &mut rng)).unwrap().with_precision(precision);
+        let path = block.describe(gpu, &block.plan(gpu, dims.0));
+        assert!(path.contains(path_has), "{path}");
+        assert_block_matches_reference(gpu, &chain, dims, precision, &mut rng);
+    }
+    for (dims, chain, path_has) in
+        [((100, 2048, 1024), m1(32), "split-K x8 + epilogue_rows"), ((65, 8192, 4352), m1(136), "split-K x2 with")]
+    {
+        let (bf16, f16) = (host::precision::BF16_STORED_REL, host::precision::FP16_STORED_REL);
+        split_k_half_model::<host::tensor::Bf16>(&gpu, dims, &chain, path_has, bf16, &mut rng);
+        split_k_half_model::<host::tensor::F16>(&gpu, dims, &chain, path_has, f16, &mut rng);
+    }
+}
+
+/// [`tma_split_k_matches_reference`] for a 16-bit model of `H` at `(b, i, o)` with
+/// `chain`, its path described with `path_has`.
+fn split_k_half_model<H: host::gpu::HalfElement>(
+    gpu: &Gpu,
+    (b, i, o): (usize, usize, usize),
+    chain: &str,
+    path_has: &str,
+    tol: f64,
+    rng: &mut StdRng,
+) {
+    let spec = BlockSpec::new(i, o, chain.parse().unwrap()).unwrap();
+    let params = Params::init(&spec, rng).map(H::from_f32);
+    let x = random_input(b, i, rng).unwrap().to_half::<H>();
+    let dy = random_input(b, o, rng).unwrap().to_half::<H>();
+    let block = GpuBlock::new_half(gpu, &spec, &params).unwrap();
+    let path = block.describe(gpu, &block.plan(gpu, b));
+    assert!(path.contains(path_has) && path.contains("as stored"), "{}: {path}", H::NAME);
+    let got = block.forward_backward(gpu, &x, &dy).unwrap();
+    let (x64, dy64) = (x.to_f32().to_f64(), dy.to_f32().to_f64());
+    let p64 = params.map(|v| f64::from(v.to_f32()));
+    let want_y = reference::block_forward(&spec, &x64, &p64).unwrap();
+    let (_, want) = reference::block_backward(&spec, &x64, &p64, &dy64).unwrap();
+    let mut report = vec![("y".to_string(), compare_f32(got.y.data(), want_y.data()))];
+    report.extend(got.compare(&spec, &want));
+    for (what, c) in &report {
+        println!("{} model split-K ({b}, {i}, {o}) {what}: rel {:.2e}  [{path}]", H::NAME, c.rel);
+        assert!(c.passes(tol), "{} model split-K: {what}: {c:?}", H::NAME);
+    }
+}
+
 /// The linear gradients on the TMA kernels, TF32 and 3xTF32: `dW = dZ^T X` (`dZ` as
 /// stored, through `gemm_tma_*_tk`; a batch of at least `MIN_K` rows) and `dX = dZ W`
 /// (`W` as stored, `gemm_tma_*_tk_t`; `n` of at least `MIN_K`),

@@ -115,11 +115,11 @@ fn main() -> host::Result<()> {
             let (dx_route, dw_route) = (as_stored(Role::GradInput), as_stored(Role::GradWeight));
             let t_dx = median(&gpu, || {
                 let ab = (&*dz.buf, &*w.buf);
-                launch_half(&gpu, s, &dx_route, ab, (m, k, n), (n, k), none, &mut dx, None)
+                launch_half(&gpu, s, &dx_route, ab, (m, k, n), (n, k), none, &mut dx, None, 1)
             })?;
             let t_dw = median(&gpu, || {
                 let ab = (&*dz.buf, &*x.buf);
-                launch_half(&gpu, s, &dw_route, ab, (n, k, m), (n, k), none, &mut dw, None)
+                launch_half(&gpu, s, &dw_route, ab, (n, k, m), (n, k), none, &mut dw, None, 1)
             })?;
             let (c_dx, c_dw) = (
                 median(&gpu, || cublas.grad_input(&dz, &w, &mut dx))?,

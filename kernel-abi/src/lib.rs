@@ -128,23 +128,31 @@ pub mod gemm_tma {
     pub const MIN_K: usize = 1024;
     /// The bf16 forward's k-tile: 64 values, the same 128-byte rows (and stage bytes).
     pub const BF16_BLOCK_K: usize = 64;
+    /// 3xTF32 adds its accumulators into `y` every this much `k` (the tensor cores'
+    /// truncation otherwise shrinks long sums: kernels-gpu/src/gemm/tma/flush.rs); a
+    /// split-K range runs its own flushes from its start.
+    pub const FLUSH_K: usize = 2048;
+    /// The least `k` of one split-K range: below it a unit's pipeline ramp and its FP32
+    /// partial product cost more than its MMAs.
+    pub const MIN_SPLIT_K: usize = 256;
+    const _: () = assert!(FLUSH_K.is_multiple_of(SPLIT_BLOCK_K) && MIN_SPLIT_K.is_multiple_of(BF16_BLOCK_K));
     pub const A_BYTES: usize = BLOCK_M * BLOCK_K * 4;
     const _: () = assert!(BF16_BLOCK_K * 2 == BLOCK_K * 4);
     pub const B_BYTES: usize = BLOCK_N * BLOCK_K * 4;
     pub const STAGE_BYTES: usize = A_BYTES + B_BYTES;
     /// Dynamic shared memory: 1024 bytes of slack (the swizzle wants 1024-byte aligned
-    /// tiles), the stages, a "full" and an "empty" barrier per stage. (The epilogue
-    /// works in registers.)
-    pub const SMEM_BYTES: usize = 1024 + STAGES * STAGE_BYTES + 2 * STAGES * 8;
+    /// tiles), the stages, a "full" and an "empty" barrier per stage, and 8 bytes for
+    /// split-K's arrival count. (The epilogue works in registers.)
+    pub const SMEM_BYTES: usize = 1024 + STAGES * STAGE_BYTES + 2 * STAGES * 8 + 8;
     /// The same for the 3xTF32 kernel: stages of `A`, `B` and their residuals.
-    pub const SPLIT_SMEM_BYTES: usize = 1024 + SPLIT_STAGES * 2 * SPLIT_STAGE_BYTES + 2 * SPLIT_STAGES * 8;
+    pub const SPLIT_SMEM_BYTES: usize = 1024 + SPLIT_STAGES * 2 * SPLIT_STAGE_BYTES + 2 * SPLIT_STAGES * 8 + 8;
     /// The bf16-output kernels (`*_to_bf16`) stage half a tile (`128 x 128` bf16 values)
     /// for a TMA store, so the store drains while the next tile's MMAs run.
     pub const STORE_STAGING_BYTES: usize = BLOCK_M * 128 * 2;
     /// Their dynamic shared memory: the stages and barriers as [`SMEM_BYTES`], then,
     /// 1024-byte aligned (the swizzle), the staged half tile.
     pub const BF16_OUT_SMEM_BYTES: usize = 1024 + STAGES * STAGE_BYTES + 1024 + STORE_STAGING_BYTES;
-    const _: () = assert!(2 * STAGES * 8 <= 1024);
+    const _: () = assert!(2 * STAGES * 8 + 8 <= 1024);
     const _: () = assert!(
         SMEM_BYTES <= 227 * 1024
             && SPLIT_SMEM_BYTES <= 227 * 1024

@@ -170,12 +170,13 @@ def test_bf16_no_float32_copy_of_x_or_weight():
     """Forward and backward of a bf16 block allocate less than a float32 copy of ``x`` or of
     the weight would: nothing is widened per call on the bf16-native path.
 
-    The shape keeps the forward off split-K (which takes widened copies by design), with
-    ``x`` (2048 x 8192) the largest tensor and the weight next: each bound allows every
-    buffer the bf16 paths allocate (the output, the saved float32 ``z``, the backward's
-    bf16 ``dz``, ``dx``, ``dW``), and a float32 ``x`` (64 MiB) or weight (32 MiB) exceeds it."""
+    The shape keeps the forward off split-K (whose float32 partial sums are a workspace of
+    their own), with ``x`` (4096 x 8192) the largest tensor and the weight next: each bound
+    allows every buffer the bf16 paths allocate (the output, the saved float32 ``z``, the
+    backward's bf16 ``dz``, ``dx``, ``dW``), and a float32 ``x`` (128 MiB) or weight (32 MiB)
+    exceeds it."""
     torch.manual_seed(0)
-    batch, k, n = 2048, 8192, 1024
+    batch, k, n = 4096, 8192, 1024
     ops = PRESETS["M1"]
     block = FusedLinear(k, n, ops, device="cuda", dtype=BF16)
     x = torch.rand(batch, k, device="cuda").to(BF16).requires_grad_(True)

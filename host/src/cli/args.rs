@@ -93,6 +93,10 @@ pub struct TuningArgs {
     /// tensor-core `gemv_tc_*`.
     #[arg(long)]
     pub(super) no_gemv_tensor_cores: bool,
+    /// Forward: split `k` into N ranges wherever the dispatch would split it at all
+    /// (1: never), instead of the dispatch's count.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub(super) split_k: Option<u16>,
 }
 
 impl TuningArgs {
@@ -105,6 +109,7 @@ impl TuningArgs {
             kink_stats: self.kink_stats,
             gemv: !self.no_gemv,
             gemv_tensor_cores: !self.no_gemv_tensor_cores,
+            split_k: self.split_k.map(usize::from),
         }
     }
 }

@@ -91,6 +91,8 @@ mod tests {
         assert_eq!(tuning(&["--kink-stats"]), Tuning { kink_stats: true, ..production });
         assert_eq!(tuning(&["--no-gemv"]), Tuning { gemv: false, ..production });
         assert_eq!(tuning(&["--no-gemv-tensor-cores"]), Tuning { gemv_tensor_cores: false, ..production });
+        assert_eq!(tuning(&["--split-k", "3"]), Tuning { split_k: Some(3), ..production });
+        assert!(Flags::try_parse_from(["t", "--split-k", "0"]).is_err());
     }
 
     /// Every command that runs on the GPU takes the tuning flags.
@@ -106,6 +108,8 @@ mod tests {
                 "--kink-stats",
                 "--no-gemv",
                 "--no-gemv-tensor-cores",
+                "--split-k",
+                "2",
             ];
             assert!(Cli::try_parse_from(args).is_ok(), "{command}");
         }

@@ -284,6 +284,7 @@ impl<W: DeviceElement> GpuBlock<W> {
             gemv_tc: gpu.tuning().gemv_tensor_cores && dispatch::gemv_tc_serves(W::DTYPE, self.precision),
             fp8: self.precision.is_fp8(),
             precision: self.precision,
+            split_k: gpu.tuning().split_k,
         }
     }
 
@@ -301,7 +302,7 @@ impl<W: DeviceElement> GpuBlock<W> {
         let t = Precision::of_storage(W::DTYPE).map_or(String::new(), |p| p.to_string());
         let gemm = match (W::DTYPE, route.widened, plan, &self.folded) {
             (Dtype::F32, ..) => route.kernel.to_string(),
-            (_, false, Plan::Fused, _) => format!("{} ({t} x, W, y as stored)", route.kernel),
+            (_, false, Plan::Fused { .. }, _) => format!("{} ({t} x, W, y as stored)", route.kernel),
             (_, false, ..) => format!("{} ({t} x, W as stored)", route.kernel),
             (_, true, _, Some(_)) => {
                 format!("{} (FP32 copy of {t} x, the FP32 folded weight; y rounded)", route.kernel)
@@ -331,7 +332,10 @@ impl<W: DeviceElement> GpuBlock<W> {
                     gemv(false, tensor_cores)
                 )
             }
-            Plan::Fused => format!("fused: {gemm} with bias and chain in the epilogue (1 kernel{fold})"),
+            Plan::Fused { splits } => {
+                let split = if splits > 1 { format!(" split-K x{splits}") } else { String::new() };
+                format!("fused: {gemm}{split} with bias and chain in the epilogue (1 kernel{fold})")
+            }
             Plan::GemmThenRows { splits } => {
                 let why = match (&self.not_fusable, &splits) {
                     (Some(reason), _) => reason.clone(),
@@ -358,7 +362,7 @@ impl<W: DeviceElement> GpuBlock<W> {
         let n = self.gemm_width();
         let new = |shape: &[usize]| if poison { gpu.poisoned(shape) } else { gpu.alloc(shape) };
         let z = match plan {
-            Plan::Fused | Plan::Gemv { chain: true, .. } => None,
+            Plan::Fused { .. } | Plan::Gemv { chain: true, .. } => None,
             Plan::GemmThenRows { splits: 1 } | Plan::Gemv { chain: false, .. } => Some(new(&[batch, n])?),
             Plan::GemmThenRows { splits } => Some(new(&[splits, batch, n])?),
         };
@@ -401,9 +405,10 @@ impl<W: DeviceElement> GpuBlock<W> {
         let mut gemm = forward_gemm(precision, x, w)?;
         gemm.w_fp8 = self.fp8_weight(w).map(|c| &c.rows);
         match (plan, z) {
-            (Plan::Fused, _) => {
+            (Plan::Fused { splits }, _) => {
                 gemm.bias = Some(&b.buf);
                 gemm.chain = Some(&self.chain);
+                gemm.splits = *splits;
                 gemm.launch(gpu, y, save)
             }
             (Plan::GemmThenRows { splits: 1 }, Some(z)) => {

@@ -64,8 +64,8 @@ pub enum Family {
     /// (kernels-gpu/src/gemm/wgmma.rs; launcher [`super::gemm::grid`]).
     Wgmma,
     /// `gemm_tma_*`: persistent, TMA-fed, warp-specialised `wgmma`, TF32, 3xTF32 and
-    /// bf16 over 16-byte rows, `k >= MIN_K`, no split-K (kernels-gpu/src/gemm/tma/;
-    /// launcher [`super::gemm::tma`]).
+    /// bf16 over 16-byte rows, `k >= MIN_K`, split-K in the forward
+    /// (kernels-gpu/src/gemm/tma/; launcher [`super::gemm::tma`]).
     Tma,
 }
 
@@ -238,14 +238,14 @@ pub struct Route {
 ///
 /// A bf16 model's tensors (bf16 operands) are read as stored where the shapes give
 /// 16-byte rows (multiples of 8 values: `k` for the forward, `n` and `k` for `dX` and
-/// `dW`), every tensor is 16-byte aligned, there is no split-K, and a kernel writes the
-/// output's dtype (a bf16 output by TMA needs `n % 8 == 0` too; `dX` has no FP32-output
+/// `dW`), every tensor is 16-byte aligned, and a kernel writes the output's dtype (a
+/// bf16 output by TMA needs `n % 8 == 0` too and no split-K; `dX` has no FP32-output
 /// kernel):
 ///
 /// | role | operands | output | kernel | layout |
 /// |------|----------|--------|--------|--------|
 /// | forward | `x`, `W` | bf16 (the fused block) | `gemm_tma_bf16_nt_to_bf16` | `Nt` |
-/// | | | FP32 (`z` before the row-wise epilogue) | `gemm_tma_bf16_nt` | `Nt` |
+/// | | | FP32 (`z` before the row-wise epilogue, or split-K's partial products) | `gemm_tma_bf16_nt` | `Nt` |
 /// | `dX` | `dZ`, `W` | bf16 | `gemm_tma_bf16_nn_to_bf16` | `Nn` |
 /// | `dW` | `dZ`, `X` | bf16, or FP32 | `gemm_tma_bf16_tn_to_bf16`, `gemm_tma_bf16_tn` | `Tn` |
 ///
@@ -254,8 +254,8 @@ pub struct Route {
 ///
 /// | role | precision | when | family: kernel | operands |
 /// |------|-----------|------|----------------|----------|
-/// | forward | tf32, tf32x3 | `k % 4 == 0`, `k >= MIN_K`, no split-K | TMA: `gemm_tma_{p}_nt` | `x`, `W` as stored (`Nt`) |
-/// | | bf16 | `k % 8 == 0`, `k >= MIN_K`, no split-K | TMA: `gemm_tma_bf16_nt` | bf16 copies of `x`, `W` |
+/// | forward | tf32, tf32x3 | `k % 4 == 0`, `k >= MIN_K` | TMA: `gemm_tma_{p}_nt` | `x`, `W` as stored (`Nt`) |
+/// | | bf16 | `k % 8 == 0`, `k >= MIN_K` | TMA: `gemm_tma_bf16_nt` | bf16 copies of `x`, `W` |
 /// | | tf32, tf32x3 | `k % 4 == 0` | wgmma: `gemm_wgmma_{p}_nt_vec4` | as stored |
 /// | | fp32 | always | FMA: `gemm_fma_nt_{vec4,scalar}` | as stored |
 /// | | tf32, tf32x3, bf16 | otherwise | mma.sync: `gemm_mma_{p}_nt_{vec4,scalar}` | as stored |
@@ -300,8 +300,8 @@ fn half_as_stored(
     }
     let half_out = storage.output == storage.operands;
     match role {
-        Role::Forward { splits } if splits <= 1 && rows16(&[k]) => match half_out {
-            true if rows16(&[n]) => Some((kernels.tma_nt_to_half, Layout::Nt)),
+        Role::Forward { splits } if rows16(&[k]) => match half_out {
+            true if splits <= 1 && rows16(&[n]) => Some((kernels.tma_nt_to_half, Layout::Nt)),
             true => None,
             false => Some((kernels.tma_nt, Layout::Nt)),
         },
@@ -334,13 +334,14 @@ fn f32_route(precision: Precision, role: Role, (m, n, k): (usize, usize, usize),
     let split = precision == Tf32x3;
     let half = HalfKernels::of_precision(precision);
     let fits = |dims: &[usize], by: usize| dims.iter().all(|d| d.is_multiple_of(by));
-    // The TMA kernels: allowed, a deep enough reduction, no split-K.
-    let deep = |depth: usize, splits: usize| tma && depth >= MIN_K && splits <= 1;
+    // The TMA kernels: allowed, a deep enough reduction.
+    let deep = |depth: usize| tma && depth >= MIN_K;
     match (role, precision) {
-        (Role::Forward { splits }, Tf32 | Tf32x3) if fits(&[k], 4) && deep(k, splits) => {
+        // (TF32's split-K into partial products: `gemm_wgmma`, faster there; `tma_plan`.)
+        (Role::Forward { splits }, Tf32 | Tf32x3) if fits(&[k], 4) && deep(k) && (split || splits <= 1) => {
             Route::tma(Layout::Nt, if split { Kernel::GemmTmaTf32x3Nt } else { Kernel::GemmTmaTf32Nt })
         }
-        (Role::Forward { splits }, _) if half.is_some() && fits(&[k], 8) && deep(k, splits) => {
+        (Role::Forward { .. }, _) if half.is_some() && fits(&[k], 8) && deep(k) => {
             Route::tma(Layout::Nt, half.map_or(Kernel::GemmTmaBf16Nt, |h| h.tma_nt))
         }
         (Role::Forward { .. }, Tf32 | Tf32x3) if fits(&[k], 4) => {
@@ -348,7 +349,7 @@ fn f32_route(precision: Precision, role: Role, (m, n, k): (usize, usize, usize),
         }
         (Role::Forward { .. }, _) => Route::grid(precision, Stored::Nt, fits(&[k], 4)),
 
-        (Role::GradInput, Tf32 | Tf32x3) if fits(&[n, k], 4) && deep(n, 1) => Route {
+        (Role::GradInput, Tf32 | Tf32x3) if fits(&[n, k], 4) && deep(n) => Route {
             transpose_y: true,
             ..Route::tma(Layout::Tk, if split { Kernel::GemmTmaTf32x3TkT } else { Kernel::GemmTmaTf32TkT })
         },
@@ -356,13 +357,13 @@ fn f32_route(precision: Precision, role: Role, (m, n, k): (usize, usize, usize),
             transpose_y: true,
             ..Route::wgmma(Layout::Tk, if split { Kernel::GemmWgmmaTf32x3DxVec4 } else { Kernel::GemmWgmmaTf32DxVec4 })
         },
-        (Role::GradInput, _) if half.is_some() && fits(&[n], 8) && deep(n, 1) => Route {
+        (Role::GradInput, _) if half.is_some() && fits(&[n], 8) && deep(n) => Route {
             transposed: Transposed::B,
             ..Route::tma(Layout::Nt, half.map_or(Kernel::GemmTmaBf16Nt, |h| h.tma_nt))
         },
         (Role::GradInput, _) => Route::grid(precision, Stored::Nn, fits(&[n, k], 4)),
 
-        (Role::GradWeight, Tf32 | Tf32x3) if fits(&[m, n], 4) && deep(m, 1) => Route {
+        (Role::GradWeight, Tf32 | Tf32x3) if fits(&[m, n], 4) && deep(m) => Route {
             transposed: Transposed::B,
             ..Route::tma(Layout::Tk, if split { Kernel::GemmTmaTf32x3Tk } else { Kernel::GemmTmaTf32Tk })
         },
@@ -370,7 +371,7 @@ fn f32_route(precision: Precision, role: Role, (m, n, k): (usize, usize, usize),
             transposed: Transposed::B,
             ..Route::wgmma(Layout::Tk, if split { Kernel::GemmWgmmaTf32x3DwVec4 } else { Kernel::GemmWgmmaTf32DwVec4 })
         },
-        (Role::GradWeight, _) if half.is_some() && fits(&[m], 8) && deep(m, 1) => Route {
+        (Role::GradWeight, _) if half.is_some() && fits(&[m], 8) && deep(m) => Route {
             transposed: Transposed::Both,
             ..Route::tma(Layout::Nt, half.map_or(Kernel::GemmTmaBf16Nt, |h| h.tma_nt))
         },
@@ -456,8 +457,10 @@ impl Route {
 /// Which kernels run a block's forward for one batch size.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Plan {
-    /// One kernel: the GEMM with bias and chain in its store.
-    Fused,
+    /// One kernel: the GEMM with bias and chain in its store; with `splits > 1` (the
+    /// TMA kernels) each tile's `k` in that many ranges, whose sums the tile's last
+    /// range adds before the epilogue.
+    Fused { splits: usize },
     /// The GEMM into `z` (in `splits` partial products where `splits > 1`), then the
     /// row-wise epilogue.
     GemmThenRows { splits: usize },
@@ -549,6 +552,8 @@ pub struct Forward {
     pub fp8: bool,
     /// The GEMMs' arithmetic for FP32 tensors (a 16-bit model's is its type's).
     pub precision: Precision,
+    /// A split count forced by the tuning ([`Tuning::split_k`](crate::gpu::Tuning::split_k)).
+    pub split_k: Option<usize>,
 }
 
 /// Whether the row-wise epilogue's forward takes rows of `n` features with `smem_optin`
@@ -578,10 +583,9 @@ pub fn rows_too_wide(spec: &crate::BlockSpec) -> Option<String> {
 }
 
 /// The plan of a forward on a GPU of `sms` multiprocessors. Too few tiles to occupy
-/// the GPU, and enough `k` to share out: split `k`. Not where a bf16 model's kernel
-/// reads `x` and `W` as stored: it has no split-K, and the split FP32 kernels would
-/// take widened copies of both on every call (of the whole weight: 0.27 ms at 8 x
-/// 4096 x 4096, where the unsplit bf16 kernel streams `W` once).
+/// the GPU, and enough `k` to share out: split `k` ([`tma_splits`] where the GEMM runs
+/// on the TMA kernels, else [`grid_splits`]). The partial products go through memory
+/// to the row-wise epilogue, which adds them with the bias and runs the chain.
 ///
 /// A few rows, a depth of whole 16-byte chunks (`k % 8 == 0`) and an aligned `W` not
 /// folded from an AvgPool: a small-batch kernel, which streams `W` across every SM
@@ -590,43 +594,116 @@ pub fn rows_too_wide(spec: &crate::BlockSpec) -> Option<String> {
 /// `gemv::ROWS` on FP32 FMAs.
 pub fn plan(f: Forward, sms: usize, tma: bool) -> Plan {
     if f.fp8 {
-        return if f.fusable { Plan::Fused } else { Plan::GemmThenRows { splits: 1 } };
+        return if f.fusable { Plan::Fused { splits: 1 } } else { Plan::GemmThenRows { splits: 1 } };
     }
     let gemv_ok = f.gemv && (f.gemv_chain || f.rows_fit) && f.k.is_multiple_of(8) && f.w_aligned && !f.folded;
     let rows = if f.gemv_tc { GEMV_TC_ROWS } else { GEMV_ROWS };
     if gemv_ok && (1..=rows).contains(&f.batch) {
         return Plan::Gemv { chain: f.gemv_chain, tensor_cores: f.gemv_tc };
     }
-    let tiles = f.batch.div_ceil(BLOCK_M) * f.n.div_ceil(BLOCK_N);
     let unsplit = Plan::GemmThenRows { splits: 1 };
-    let as_stored = f.dtype == Dtype::Bf16 && !forward_route(f, Precision::Bf16, &unsplit, true, tma).1.widened;
-    // The tiles the unsplit forward would run. The TMA kernels' are twice as wide, so
-    // where they take a 3xTF32 forward, half as many SMs work: KernelBench 68 (128 x
-    // 16384 x 16384) ran 64 tiles on 132 SMs in 1.00-1.03 ms, split 3 ways on
-    // `gemm_wgmma` in 0.74 (256 x 8192 x 8192: 0.51 to 0.41). Not TF32: its TMA kernel
-    // on half the SMs beat the split `gemm_wgmma` (KB68 0.39 against 0.49 ms; H100).
-    let tensor_cores = f.dtype == Dtype::F32 && matches!(f.precision, Precision::Tf32 | Precision::Tf32x3);
-    let tma_3xtf32 = tensor_cores
-        && f.precision == Precision::Tf32x3
-        && forward_route(f, f.precision, &Plan::Fused, true, tma).1.family == Family::Tma;
-    let unsplit_tiles =
-        if tma_3xtf32 { f.batch.div_ceil(gemm_tma::BLOCK_M) * f.n.div_ceil(gemm_tma::BLOCK_N) } else { tiles };
+    let (precision, route) = forward_route(f, f.precision, &unsplit, true, tma);
+    if route.family == Family::Tma {
+        return tma_plan(f, precision, sms);
+    }
     // (Split-K hands the sums to the row-wise epilogue: only where it takes the rows.)
-    // TF32 and 3xTF32 (`gemm_wgmma`) split into at most two blocks per SM: one more
-    // split past that, a partial second wave, cost 14-18% (H100, `host forward` at 64-256
-    // rows x 4096² and 8192²: 256 x 4096 x 4096 TF32 0.087 ms in 5 splits, 0.075 in 4;
-    // 128 x 8192 x 8192 3xTF32 0.270 in 5, 0.233 in 4; KernelBench 68 0.733 in 3, 0.720
-    // in 2). The other precisions' kernels keep the rounded-up count (not measured).
-    let splits = if !as_stored && f.rows_fit && unsplit_tiles * 2 < sms && f.k >= 64 * BLOCK_K {
-        let per_wave = if tensor_cores { 2 * sms / tiles } else { (2 * sms).div_ceil(tiles) };
-        per_wave.min(f.k / (32 * BLOCK_K)).clamp(1, 16)
-    } else {
-        1
-    };
+    let grid = grid_splits(f, sms);
+    let splits = if !f.rows_fit || grid == 1 { 1 } else { f.split_k.unwrap_or(grid) };
     match (f.fusable, splits) {
-        (true, 1) => Plan::Fused,
+        (true, 1) => Plan::Fused { splits: 1 },
         _ => Plan::GemmThenRows { splits },
     }
+}
+
+/// The least `k` of a range that a fused split finishes in the kernel, by the speed of
+/// the precision's MMAs (bf16's take half TF32's time per `k`, 3xTF32's three times).
+/// The tile's last range reads every range's `128 x 256` FP32 sums back with one SM,
+/// ~6 us each, which the range's MMAs must outweigh (H100, through PyTorch, M1's chain,
+/// split against unsplit: bf16 128 x 4096 x 4096 in 8 ranges of 512, 0.073 ms against
+/// 0.054; 512 x 4096 x 4096 in 2 of 2048, 0.072 against 0.069; 128 x 8192 x 8192 in 4 of
+/// 2048, 0.104 against 0.106; TF32 in 4 of 2048 there, 0.142 against 0.159, and 512 x
+/// 4096 x 4096 in 2, 0.087 against 0.101; 3xTF32 256 x 4096 x 4096 in 4 of 1024, 0.115
+/// against 0.124).
+fn in_kernel_split_k(precision: Precision) -> usize {
+    match precision {
+        Precision::Tf32x3 => 1024,
+        Precision::Tf32 => 2048,
+        _ => 4096,
+    }
+}
+
+/// At most this many tiles, a fusable chain's ranges go to the row-wise epilogue
+/// rather than finish in the kernel (3xTF32 excepted): bf16, 16 tiles at 65-256 x 4096
+/// x 4096 took 0.050-0.061 ms that way, 0.054-0.062 in 2 ranges finished in the kernel,
+/// 0.065-0.069 unsplit; 4-8 tiles at 128-256 x 1024 x 1024, 0.024-0.026 against 0.036
+/// unsplit (H100, through PyTorch, M1's chain).
+const FEW_TILES: usize = 16;
+
+/// The plan of a forward on the TMA kernels ([`plan`]). TF32's ranges for the row-wise
+/// epilogue run on `gemm_wgmma` ([`route`]), by its count ([`grid_splits`]): at 65-256 x
+/// 4096 x 4096 that was 0.061-0.072 ms, the TMA kernel's 0.066-0.080.
+fn tma_plan(f: Forward, precision: Precision, sms: usize) -> Plan {
+    let ranges = tma_splits(f.batch, f.n, f.k, precision, sms, f.split_k);
+    let to_rows = match precision {
+        _ if !f.rows_fit => 1,
+        Precision::Tf32 => match grid_splits(f, sms) {
+            1 => 1,
+            grid => f.split_k.unwrap_or(grid),
+        },
+        _ => ranges,
+    };
+    let tiles = f.batch.div_ceil(gemm_tma::BLOCK_M) * f.n.div_ceil(gemm_tma::BLOCK_N);
+    if !f.fusable || (to_rows > 1 && tiles <= FEW_TILES && precision != Precision::Tf32x3) {
+        return Plan::GemmThenRows { splits: to_rows };
+    }
+    let deep = in_kernel_split_k(precision);
+    let in_kernel = match f.split_k {
+        Some(_) => ranges,
+        None => tma_splits(f.batch, f.n, f.k, precision, sms, Some(ranges.min(f.k / deep).max(1))),
+    };
+    Plan::Fused { splits: in_kernel }
+}
+
+/// Split-K on the TMA kernels (`gemm_tma_*_nt`): where the `128 x 256` tiles fill at most
+/// half the SMs, as many `k` ranges as give each SM a unit, each range at least
+/// `MIN_SPLIT_K` deep, none empty. At 128 x 4096 x 4096
+/// in bf16 the 16 tiles alone took 0.054 ms where cuBLAS's GEMM took 0.014 (H100, the
+/// profiler through PyTorch): a `128 x 256` tile's `k` loop is a fixed latency however
+/// few tiles run beside it.
+/// `forced`: the tuning's count instead of the rule's (still none empty).
+pub fn tma_splits(batch: usize, n: usize, k: usize, precision: Precision, sms: usize, forced: Option<usize>) -> usize {
+    let tiles = batch.div_ceil(gemm_tma::BLOCK_M) * n.div_ceil(gemm_tma::BLOCK_N);
+    if tiles == 0 || 2 * tiles > sms {
+        return 1;
+    }
+    // The kernels' range granularity: their k-tile, 3xTF32's flush run.
+    let (step, depth) = match precision {
+        Precision::Tf32x3 => (gemm_tma::SPLIT_BLOCK_K, gemm_tma::MIN_SPLIT_K),
+        Precision::Tf32 => (gemm_tma::BLOCK_K, gemm_tma::MIN_SPLIT_K),
+        _ => (gemm_tma::BF16_BLOCK_K, gemm_tma::MIN_SPLIT_K),
+    };
+    let wanted = forced.unwrap_or((sms / tiles).min(k / depth).min(16)).clamp(1, 64);
+    // The kernel gives each range `per` steps; fewer ranges than asked may cover `k`.
+    let steps = k.div_ceil(step);
+    steps.div_ceil(steps.div_ceil(wanted))
+}
+
+/// Split-K on the grid kernels (`gemm_fma`, `gemm_mma`, `gemm_wgmma`): where their
+/// `128 x 128` tiles fill fewer than half the SMs and `k` is deep. (A 16-bit model's
+/// GEMM gets here on widened copies only, which the unsplit GEMM takes too.)
+/// TF32 and 3xTF32 (`gemm_wgmma`) split into at most two blocks per SM: one more
+/// split past that, a partial second wave, cost 14-18% (H100, `host forward` at 64-256
+/// rows x 4096² and 8192²: 256 x 4096 x 4096 TF32 0.087 ms in 5 splits, 0.075 in 4;
+/// 128 x 8192 x 8192 3xTF32 0.270 in 5, 0.233 in 4). The other precisions' kernels keep
+/// the rounded-up count (not measured).
+fn grid_splits(f: Forward, sms: usize) -> usize {
+    let tiles = f.batch.div_ceil(BLOCK_M) * f.n.div_ceil(BLOCK_N);
+    if tiles * 2 >= sms || f.k < 64 * BLOCK_K {
+        return 1;
+    }
+    let tensor_cores = f.dtype == Dtype::F32 && matches!(f.precision, Precision::Tf32 | Precision::Tf32x3);
+    let per_wave = if tensor_cores { 2 * sms / tiles } else { (2 * sms).div_ceil(tiles) };
+    per_wave.min(f.k / (32 * BLOCK_K)).clamp(1, 16)
 }
 
 /// The forward GEMM's precision and route under `plan` (`aligned`: every tensor
@@ -637,7 +714,8 @@ pub fn plan(f: Forward, sms: usize, tma: bool) -> Plan {
 /// in the precision of the storage type ([`Precision::of_storage`]).
 pub fn forward_route(f: Forward, precision: Precision, plan: &Plan, aligned: bool, tma: bool) -> (Precision, Route) {
     let (splits, output) = match *plan {
-        Plan::Fused => (1, f.dtype),
+        // (A fused split runs the unsplit forward's kernel: its `y` is the output.)
+        Plan::Fused { .. } => (1, f.dtype),
         Plan::GemmThenRows { splits } => (splits, Dtype::F32),
         Plan::Gemv { .. } => (1, Dtype::F32),
     };
@@ -745,18 +823,22 @@ mod tests {
         let (deep, shallow) = (MIN_K, MIN_K / 2);
         let fwd = Role::Forward { splits: 1 };
         let split2 = Role::Forward { splits: 2 };
-        // Forward: TMA for deep, 16-byte aligned `k` without split-K; else wgmma (TF32,
-        // 3xTF32 with 16-byte rows) or mma.sync / FMA.
+        // Forward: TMA for deep, 16-byte aligned `k`, split or not (TF32's split-K into
+        // partial products: wgmma); else wgmma (TF32, 3xTF32 with 16-byte rows) or
+        // mma.sync / FMA.
         assert_eq!(kernel(Tf32, fwd, (7, 9, deep)), "gemm_tma_tf32_nt");
         assert_eq!(kernel(Tf32x3, fwd, (7, 9, deep)), "gemm_tma_tf32x3_nt");
+        assert_eq!(kernel(Tf32x3, split2, (7, 9, deep)), "gemm_tma_tf32x3_nt");
         assert_eq!(kernel(Tf32, split2, (7, 9, deep)), "gemm_wgmma_tf32_nt_vec4");
+        assert_eq!(kernel(Tf32, split2, (7, 9, shallow)), "gemm_wgmma_tf32_nt_vec4");
         assert_eq!(kernel(Tf32, fwd, (7, 9, shallow)), "gemm_wgmma_tf32_nt_vec4");
         assert_eq!(kernel(Tf32, fwd, (7, 9, deep + 1)), "gemm_mma_tf32_nt_scalar");
         assert_eq!(kernel(Bf16, fwd, (7, 9, deep)), "gemm_tma_bf16_nt");
-        // bf16 rows of 4 values (8 bytes), a shallow `k`, split-K: mma.sync.
+        // bf16 rows of 4 values (8 bytes), a shallow `k`: mma.sync.
         assert_eq!(kernel(Bf16, fwd, (7, 9, deep + 4)), "gemm_mma_bf16_nt_vec4");
         assert_eq!(kernel(Bf16, fwd, (7, 9, shallow)), "gemm_mma_bf16_nt_vec4");
-        assert_eq!(kernel(Bf16, split2, (7, 9, deep)), "gemm_mma_bf16_nt_vec4");
+        assert_eq!(kernel(Bf16, split2, (7, 9, deep)), "gemm_tma_bf16_nt");
+        assert_eq!(kernel(Bf16, split2, (7, 9, shallow)), "gemm_mma_bf16_nt_vec4");
         assert_eq!(kernel(Fp32, fwd, (7, 9, deep)), "gemm_fma_nt_vec4");
         assert_eq!(kernel(Fp32, fwd, (7, 9, deep + 1)), "gemm_fma_nt_scalar");
         // dX: `Tk` with `W` and `dZ` as stored where `n` and `k` allow 16-byte rows (TMA
@@ -837,7 +919,8 @@ mod tests {
     }
 
     /// Over many shapes: every route's kernel belongs to its family and precision, has
-    /// launch bounds, and only `wgmma` and TMA kernels read `Tk` or transpose `y`.
+    /// launch bounds, only `wgmma` and TMA kernels read `Tk` or transpose `y`, and a
+    /// split forward writes FP32.
     #[test]
     fn every_route_is_consistent() {
         let sizes = [1, 4, 8, 12, MIN_K - 8, MIN_K, MIN_K + 4, MIN_K + 8, 3 * MIN_K + 1];
@@ -876,7 +959,7 @@ mod tests {
                         assert!(tensor_cores || (r.layout != Layout::Tk && !r.transpose_y), "{name}");
                         assert!(!r.transpose_y || r.layout == Layout::Tk, "{name}");
                         if matches!(role, Role::Forward { splits: 3 }) {
-                            assert_ne!(r.family, Family::Tma, "split-K on {name}");
+                            assert!(!name.contains("_to_"), "split-K on {name}");
                         }
                     }
                 }
@@ -896,13 +979,16 @@ mod tests {
         assert_eq!(r(Role::GradInput, (3, 16, 8), Bf16, true).layout, Layout::Nn);
         assert_eq!(r(Role::GradWeight, (3, 16, 8), F32, true).kernel, Kernel::GemmTmaBf16Tn);
         assert_eq!(r(Role::GradWeight, (3, 16, 8), Bf16, true).layout, Layout::Tn);
+        // Split-K's FP32 partial products, as stored.
+        let split = r(Role::Forward { splits: 2 }, (3, 16, 8), F32, true);
+        assert!(split.kernel == Kernel::GemmTmaBf16Nt && !split.widened, "{split:?}");
         // No bf16 `y` by TMA over 12 columns, no FP32 `dX` kernel, misaligned tensors,
-        // split-K, 8-byte rows, TMA off: widened.
+        // a split bf16 `y`, 8-byte rows, TMA off: widened.
         for (role, dims, output, aligned) in [
             (fwd, (3, 12, 8), Bf16, true),
             (Role::GradInput, (3, 16, 8), F32, true),
             (fwd, (3, 16, 8), Bf16, false),
-            (Role::Forward { splits: 2 }, (3, 16, 8), F32, true),
+            (Role::Forward { splits: 2 }, (3, 16, 8), Bf16, true),
             (Role::GradWeight, (3, 16, 12), Bf16, true),
         ] {
             let route = r(role, dims, output, aligned);
@@ -911,12 +997,13 @@ mod tests {
         assert!(route(Precision::Bf16, fwd, (3, 16, 8), Storage::bf16(Bf16, true), false).widened);
     }
 
-    /// A bf16 model's forward never splits `k` where its kernel reads the tensors as
-    /// stored; an FP32 one does at few tiles and a deep `k`. At most 8 rows take the
-    /// small-batch kernel (`GEMV_TC_ROWS` on the tensor cores), unless `W` is
-    /// misaligned or folded, `k` not whole chunks, or the tuning says no.
+    /// Few tiles and a deep `k`: split-K, on the TMA kernels as they read the tensors
+    /// (a bf16 model's as stored) by their `128 x 256` tiles, on the others by `128 x
+    /// 128`. At most 8 rows take the small-batch kernel (`GEMV_TC_ROWS` on the tensor
+    /// cores), unless `W` is misaligned or folded, `k` not whole chunks, or the tuning
+    /// says no.
     #[test]
-    fn plans_split_only_widened_or_fp32_forwards() {
+    fn plans_split_k_where_tiles_are_few() {
         let f = |dtype, folded| Forward {
             batch: 32,
             n: 4096,
@@ -931,29 +1018,51 @@ mod tests {
             gemv_tc: false,
             fp8: false,
             precision: Precision::Fp32,
+            split_k: None,
         };
-        assert_eq!(plan(f(Dtype::Bf16, false), 132, true), Plan::Fused);
+        // A bf16 model as stored: 16 TMA tiles, 8 ranges of 512 for the row-wise
+        // epilogue, whatever the chain (FEW_TILES); 3xTF32 (a folded AvgPool's FP32
+        // means) finishes 4 ranges of 1024 in the kernel.
+        let rows = Forward { fusable: false, ..f(Dtype::Bf16, false) };
+        assert_eq!(plan(rows, 132, true), Plan::GemmThenRows { splits: 8 });
+        assert_eq!(plan(f(Dtype::Bf16, false), 132, true), Plan::GemmThenRows { splits: 8 });
+        assert_eq!(plan(f(Dtype::Bf16, true), 132, true), Plan::Fused { splits: 4 });
+        // More tiles, ranges too shallow to finish in the kernel: unsplit.
+        let square = Forward { batch: 1024, n: 1024, k: 1024, ..f(Dtype::Bf16, false) };
+        assert_eq!(plan(square, 132, true), Plan::Fused { splits: 1 });
+        // TF32 into the row-wise epilogue: `gemm_wgmma`'s count (32 tiles of 128 x 128: 8).
+        let tf32 = Forward { batch: 128, precision: Precision::Tf32, ..f(Dtype::F32, false) };
+        assert_eq!(plan(tf32, 132, true), Plan::GemmThenRows { splits: 8 });
         assert!(matches!(plan(f(Dtype::F32, false), 132, true), Plan::GemmThenRows { splits } if splits > 1));
-        assert!(matches!(plan(f(Dtype::Bf16, true), 132, true), Plan::GemmThenRows { splits } if splits > 1));
         let big = Forward { batch: 4096, ..f(Dtype::F32, false) };
-        assert_eq!(plan(big, 132, true), Plan::Fused);
+        assert_eq!(plan(big, 132, true), Plan::Fused { splits: 1 });
         assert_eq!(plan(Forward { fusable: false, ..big }, 132, true), Plan::GemmThenRows { splits: 1 });
         // Rows too wide for the row-wise epilogue: no split-K, the fused kernel.
-        assert_eq!(plan(Forward { rows_fit: false, ..f(Dtype::F32, false) }, 132, true), Plan::Fused);
-        // 3xTF32 on the TMA kernel's 128 x 256 tiles: 128 x 16384 x 16384 is 64 of them on
-        // 132 SMs, so `k` is split (on the `gemm_wgmma` kernel); 4096 rows fill the GPU.
+        assert_eq!(plan(Forward { rows_fit: false, ..f(Dtype::F32, false) }, 132, true), Plan::Fused { splits: 1 });
+        // 128 x 16384 x 16384 is 64 TMA tiles on 132 SMs: 2 ranges, TF32 or 3xTF32;
+        // 4096 rows fill the GPU.
         let deep = Forward { batch: 128, n: 16384, k: 16384, precision: Precision::Tf32x3, ..f(Dtype::F32, false) };
-        assert!(matches!(plan(deep, 132, true), Plan::GemmThenRows { splits } if splits > 1));
-        assert_eq!(plan(Forward { batch: 4096, ..deep }, 132, true), Plan::Fused);
-        assert_eq!(plan(Forward { precision: Precision::Tf32, ..deep }, 132, true), Plan::Fused);
-        // At most two split blocks per SM on the tensor cores: 128 x 8192 x 8192 is 64
-        // tiles of 128 x 128, so 4 splits (264 / 64); KB68's 128 tiles, 2.
+        assert_eq!(plan(deep, 132, true), Plan::Fused { splits: 2 });
+        assert_eq!(plan(Forward { precision: Precision::Tf32, ..deep }, 132, true), Plan::Fused { splits: 2 });
+        assert_eq!(plan(Forward { batch: 4096, ..deep }, 132, true), Plan::Fused { splits: 1 });
+        // 128 x 8192 x 8192: 32 TMA tiles, 4 ranges.
         let mid = Forward { batch: 128, n: 8192, k: 8192, precision: Precision::Tf32x3, ..f(Dtype::F32, false) };
-        assert_eq!(plan(mid, 132, true), Plan::GemmThenRows { splits: 4 });
-        assert_eq!(plan(Forward { precision: Precision::Tf32, ..mid }, 132, true), Plan::GemmThenRows { splits: 4 });
-        assert_eq!(plan(deep, 132, true), Plan::GemmThenRows { splits: 2 });
-        // FP32's FMA kernel keeps the rounded-up count: 264 / 64 -> 5.
+        assert_eq!(plan(mid, 132, true), Plan::Fused { splits: 4 });
+        assert_eq!(plan(Forward { precision: Precision::Tf32, ..mid }, 132, true), Plan::Fused { splits: 4 });
+        // FP32's FMA kernel: 64 tiles of 128 x 128, the rounded-up count 264 / 64 -> 5;
+        // without TMA, TF32's `gemm_wgmma` at most two blocks per SM: 4.
         assert_eq!(plan(Forward { precision: Precision::Fp32, ..mid }, 132, true), Plan::GemmThenRows { splits: 5 });
+        assert_eq!(plan(Forward { precision: Precision::Tf32, ..mid }, 132, false), Plan::GemmThenRows { splits: 4 });
+        // No range is empty: 65 bf16 k-tiles asked into 16 ranges run as 13 of 5; 5
+        // TF32 k-tiles into 4, as 3 of 2.
+        assert_eq!(tma_splits(128, 256, 65 * 64, Precision::Bf16, 132, None), 13);
+        assert_eq!(tma_splits(128, 33 * 256, 5 * 32, Precision::Tf32, 132, Some(4)), 3);
+        assert_eq!(tma_splits(128, 67 * 256, 8192, Precision::Bf16, 132, None), 1);
+        // The tuning's count where the rule would split at all; 1 is unsplit.
+        assert_eq!(tma_splits(128, 256, 8192, Precision::Bf16, 132, Some(5)), 5);
+        assert_eq!(tma_splits(128, 67 * 256, 8192, Precision::Bf16, 132, Some(5)), 1);
+        assert_eq!(plan(Forward { split_k: Some(1), ..f(Dtype::Bf16, false) }, 132, true), Plan::Fused { splits: 1 });
+        assert_eq!(plan(Forward { split_k: Some(3), ..mid }, 132, false), Plan::GemmThenRows { splits: 3 });
 
         let small = Forward { batch: 8, ..f(Dtype::Bf16, false) };
         let fma = |chain| Plan::Gemv { chain, tensor_cores: false };

@@ -35,6 +35,11 @@ pub struct Tuning {
     /// (`--no-gemv-tensor-cores`), the FP32-FMA `gemv_*` takes up to 8 rows and the
     /// tile GEMMs the rest. Default: on.
     pub gemv_tensor_cores: bool,
+    /// Run a forward that the dispatch would split into `k` ranges (few tiles, a deep
+    /// `k`: `gpu::dispatch::plan`) in this many instead (`--split-k N`; 1: unsplit;
+    /// on the TMA kernels, fewer where ranges would be empty). Default: the dispatch's
+    /// count.
+    pub split_k: Option<usize>,
 }
 
 impl Default for Tuning {
@@ -46,6 +51,7 @@ impl Default for Tuning {
             kink_stats: false,
             gemv: true,
             gemv_tensor_cores: true,
+            split_k: None,
         }
     }
 }

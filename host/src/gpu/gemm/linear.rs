@@ -28,8 +28,9 @@ pub fn linear_dims(x: &DeviceTensor, w: &DeviceTensor) -> Result<(usize, usize, 
 }
 
 /// The forward GEMM of a Linear layer, `y (m, n) = chain(x W^T + bias)` with `x (m, k)`
-/// and `w (n, k)`, or with `splits > 1` that many split-K partial products into
-/// `y (splits, m, n)` (no bias, no chain, no `save_z`).
+/// and `w (n, k)`. With `splits > 1`: without a bias or chain, that many split-K partial
+/// products into `y (splits, m, n)` (no `save_z`); with them, `k` split inside a TMA
+/// kernel that finishes the tiles itself (`dispatch::Plan::Fused`).
 pub struct Gemm<'a> {
     pub precision: Precision,
     x: &'a DeviceTensor,
@@ -49,9 +50,12 @@ pub fn forward_gemm<'a>(precision: Precision, x: &'a DeviceTensor, w: &'a Device
 }
 
 impl Gemm<'_> {
-    /// How it runs on a GPU of this `tuning` (see [`route`]).
+    /// How it runs on a GPU of this `tuning` (see [`route`]): a split finished in the
+    /// kernel runs the unsplit forward's kernel.
     pub fn route(&self, tuning: Tuning) -> Route {
-        route(self.precision, Role::Forward { splits: self.splits.max(1) }, self.dims, Storage::F32, tuning.tma)
+        let in_kernel = self.bias.is_some() || self.chain.is_some();
+        let splits = if in_kernel { 1 } else { self.splits.max(1) };
+        route(self.precision, Role::Forward { splits }, self.dims, Storage::F32, tuning.tma)
     }
 
     /// Queues the GEMM. `save_z`, if given, receives `x W^T + bias` before the chain.
@@ -163,7 +167,9 @@ fn launch(
 ) -> Result<()> {
     let (m, n, k, splits) = (op.m, op.n, op.k, op.splits.max(1));
     let (rows, cols) = if route.transpose_y { (n, m) } else { (m, n) };
-    let want: Vec<usize> = if splits > 1 { vec![splits, rows, cols] } else { vec![rows, cols] };
+    // Split-K on the TMA kernels may finish the tiles in the kernel: `y (m, n)`.
+    let in_kernel = route.family == Family::Tma && splits > 1 && y.shape == [rows, cols];
+    let want: Vec<usize> = if splits > 1 && !in_kernel { vec![splits, rows, cols] } else { vec![rows, cols] };
     let tk = route.layout == Layout::Tk;
     if route.transpose_y && (!tk || op.bias.is_some() || op.chain.is_some()) {
         return Err(Error::Shape("a transposed GEMM output takes layout Tk and no bias or chain".into()));
@@ -172,13 +178,16 @@ fn launch(
     if tk && (!tensor_cores || !(op.lda.is_multiple_of(4) && op.ldb.is_multiple_of(4))) {
         return Err(Error::Unsupported("layout Tk runs on tensor cores with 16-byte aligned rows only".into()));
     }
-    if route.family == Family::Tma && (splits > 1 || (tk && save_z.is_some())) {
-        return Err(Error::Unsupported(format!("`{}` takes no split-K, nor a saved output for Tk", route.kernel)));
+    if route.family == Family::Tma && tk && (save_z.is_some() || splits > 1) {
+        return Err(Error::Unsupported(format!("`{}` takes no split-K or saved output for Tk", route.kernel)));
+    }
+    if splits > 1 && !in_kernel && (op.bias.is_some() || op.chain.is_some()) {
+        return Err(Error::Unsupported("split-K into partial products takes no bias or chain".into()));
     }
     if y.shape != want {
         return Err(Error::Shape(format!("GEMM output must be {want:?}, got {:?}", y.shape)));
     }
-    if save_z.as_ref().is_some_and(|z| z.shape != [m, n]) || (splits > 1 && save_z.is_some()) {
+    if save_z.as_ref().is_some_and(|z| z.shape != [m, n]) || (splits > 1 && !in_kernel && save_z.is_some()) {
         return Err(Error::Shape(format!("saved GEMM output must be [{m}, {n}] and not split")));
     }
     let (a_len, b_len) = match route.layout {
@@ -364,7 +373,7 @@ fn grad_input_half<H: HalfElement>(
 ) -> Result<bool> {
     let Some(wt16) = transpose_to_half_on::<H>(gpu, stream, w)? else { return Ok(false) };
     let dz16 = slice_to_half::<H>(gpu, stream, &dz.buf)?;
-    super::tma::launch_half(gpu, stream, route, (&dz16, &wt16), (m, k, n), (n, n), (None, None), dx, None)?;
+    super::tma::launch_half(gpu, stream, route, (&dz16, &wt16), (m, k, n), (n, n), (None, None), dx, None, 1)?;
     Ok(true)
 }
 
@@ -384,6 +393,6 @@ fn grad_weight_half<H: HalfElement>(
     else {
         return Ok(false);
     };
-    super::tma::launch_half(gpu, stream, route, (&dzt16, &xt16), (n, k, m), (m, m), (None, None), dw, None)?;
+    super::tma::launch_half(gpu, stream, route, (&dzt16, &xt16), (n, k, m), (m, m), (None, None), dw, None, 1)?;
     Ok(true)
 }

@@ -164,7 +164,8 @@ fn stores_by_tma(kernel: Kernel) -> bool {
 
 /// What every launch of the persistent kernels needs: the tensor maps uploaded
 /// (freed in stream order after the kernel: cudarc frees asynchronously on `stream`),
-/// the function with its shared memory allowed, and `min(tiles, SMs)` blocks.
+/// the function with its shared memory allowed, and `min(units, SMs)` blocks (a unit:
+/// a tile, or with split-K one of its `k` ranges).
 struct Persistent {
     maps: Table,
     func: CudaFunction,
@@ -179,6 +180,7 @@ fn persistent(
     arith: Arith,
     maps: &[CUtensorMap],
     (m, n): (usize, usize),
+    splits: usize,
 ) -> Result<Persistent> {
     let words: Vec<u64> = maps.iter().flat_map(|map| map.opaque).collect();
     let maps = gpu.words(stream, &words)?;
@@ -189,9 +191,9 @@ fn persistent(
     };
     let func = gpu.function(kernel)?;
     gpu.allow_shared(&func, kernel, smem_bytes)?;
-    let tiles = m.div_ceil(BLOCK_M) * n.div_ceil(BLOCK_N);
+    let units = m.div_ceil(BLOCK_M) * n.div_ceil(BLOCK_N) * splits;
     let cfg = LaunchConfig {
-        grid_dim: (tiles.min(gpu.props.multiprocessors) as u32, 1, 1),
+        grid_dim: (units.min(gpu.props.multiprocessors) as u32, 1, 1),
         block_dim: (THREADS as u32, 1, 1),
         shared_mem_bytes: smem_bytes as u32,
     };
@@ -200,7 +202,8 @@ fn persistent(
 
 /// Queues `route`'s forward kernel (`gemm_tma_{tf32,tf32x3,bf16}_nt`): `y (m, n) = chain(x
 /// W^T + bias)` with `x (m, k)` in `op.a` and `W (n, k)` in `op.b`, both `k`-contiguous
-/// (row pitches `op.lda`, `op.ldb`). The bf16 kernel reads bf16 copies of both, rounded
+/// (row pitches `op.lda`, `op.ldb`), or with `op.splits > 1` the split-K partial products
+/// into `y (splits, m, n)`. The bf16 kernel reads bf16 copies of both, rounded
 /// here first (freed in stream order after the GEMM). The caller has checked shapes and
 /// extents, and that the pitches suit the kernel (16 bytes of its operands' elements).
 pub fn launch_forward(
@@ -216,21 +219,24 @@ pub fn launch_forward(
     if arith == Arith::Bf16 {
         let (a16, b16) = (slice_to_half::<Bf16>(gpu, stream, op.a)?, slice_to_half::<Bf16>(gpu, stream, op.b)?);
         let (ab, dims, lds) = ((&*a16, &*b16), (m, n, k), (lda, ldb));
-        return launch_half(gpu, stream, route, ab, dims, lds, (op.bias, op.chain), y, save_z);
+        return launch_half(gpu, stream, route, ab, dims, lds, (op.bias, op.chain), y, save_z, op.splits);
     }
     if arith == Arith::F16 {
         let (a16, b16) = (slice_to_half::<F16>(gpu, stream, op.a)?, slice_to_half::<F16>(gpu, stream, op.b)?);
         let (ab, dims, lds) = ((&*a16, &*b16), (m, n, k), (lda, ldb));
-        return launch_half(gpu, stream, route, ab, dims, lds, (op.bias, op.chain), y, save_z);
+        return launch_half(gpu, stream, route, ab, dims, lds, (op.bias, op.chain), y, save_z, op.splits);
     }
     let maps = [
         tensor_map(stream, op.a, (m, k, lda), BLOCK_M, arith)?,
         tensor_map(stream, op.b, (n, k, ldb), BLOCK_N, arith)?,
     ];
-    launch_with_maps(gpu, stream, kernel, arith, &maps, (m, n, k), op.bias, op.chain, y, save_z, None)
+    let splits = op.splits.max(1);
+    launch_with_maps(gpu, stream, kernel, arith, &maps, (m, n, k, splits), op.bias, op.chain, y, save_z, None)
 }
 
-/// Launches the forward-signature `kernel` (`y` of type `O`) over its tensor maps.
+/// Launches the forward-signature `kernel` (`y` of type `O`) over its tensor maps, its
+/// `k` in `splits` ranges: then `y` is FP32 `(splits, m, n)`, with no bias, chain or
+/// saved `z`.
 #[allow(clippy::too_many_arguments)]
 fn launch_with_maps<O: DeviceElement>(
     gpu: &Gpu,
@@ -238,18 +244,50 @@ fn launch_with_maps<O: DeviceElement>(
     kernel: Kernel,
     arith: Arith,
     maps: &[CUtensorMap],
-    (m, n, k): (usize, usize, usize),
+    (m, n, k, splits): (usize, usize, usize, usize),
     bias: Option<&CudaSlice<f32>>,
     chain: Option<&DeviceChain>,
     y: &mut DeviceTensor<O>,
     save_z: Option<&mut DeviceTensor>,
     scales: Option<(&CudaSlice<f32>, &CudaSlice<f32>)>,
 ) -> Result<()> {
-    let Persistent { maps, func, cfg } = persistent(gpu, stream, kernel, arith, maps, (m, n))?;
+    let raw = splits > 1 && y.shape == [splits, m, n];
+    if raw && (O::DTYPE != Dtype::F32 || bias.is_some() || chain.is_some() || save_z.is_some()) {
+        return Err(Error::Unsupported(format!(
+            "`{kernel}` split {splits} ways into raw FP32 partial products takes no bias, chain, saved `z` or {} output",
+            O::NAME
+        )));
+    }
+    if !(raw || y.shape == [m, n]) || splits * m * n > u32::MAX as usize {
+        return Err(Error::Shape(format!(
+            "`{kernel}`'s output must be [{m}, {n}] (or [{splits}, {m}, {n}] split; at most 2^32 values), got {:?}",
+            y.shape
+        )));
+    }
+    // In-kernel split-K: the ranges' sums and each tile's arrival count (zeroed).
+    let (partials, arrivals) = if splits > 1 && !raw {
+        let tiles = m.div_ceil(BLOCK_M) * n.div_ceil(BLOCK_N);
+        // SAFETY: every unit writes its slice before the tile's last unit reads it.
+        let partials = unsafe { gpu.alloc_buf::<f32>(stream, splits * m * n)? };
+        (Some(partials), Some(gpu.zeroed_buf::<u32>(stream, tiles)?))
+    } else {
+        (None, None)
+    };
+    let Persistent { maps, func, cfg } = persistent(gpu, stream, kernel, arith, maps, (m, n), splits)?;
     let tail = EpilogueArgs::new(&[m, n, k], chain);
+    let (splits32, null) = (splits as u32, 0u64);
     let mut launch = stream.launch_builder(&func);
     launch.arg(&maps);
     tail.push(&mut launch, bias, y, save_z, chain);
+    launch.arg(&splits32);
+    match &partials {
+        Some(p) => launch.arg(&*p.slice),
+        None => launch.arg(&null),
+    };
+    match &arrivals {
+        Some(a) => launch.arg(&*a.slice),
+        None => launch.arg(&null),
+    };
     if let Some((rows, cols)) = scales {
         launch.arg(rows).arg(cols);
     }
@@ -283,7 +321,7 @@ pub fn launch_tk(
         encode_map(stream, op.a, (k, m, op.lda), (block_k, 32), swizzle)?,
         tensor_map(stream, op.b, (n, k, op.ldb), BLOCK_N, arith)?,
     ];
-    let Persistent { maps, func, cfg } = persistent(gpu, stream, kernel, arith, &maps, (m, n))?;
+    let Persistent { maps, func, cfg } = persistent(gpu, stream, kernel, arith, &maps, (m, n), 1)?;
     let (m32, n32, k32) = (m as u32, n as u32, k as u32);
     let mut launch = stream.launch_builder(&func);
     launch.arg(&maps).arg(&mut y.buf).arg(&m32).arg(&n32).arg(&k32);
@@ -298,7 +336,7 @@ pub fn launch_tk(
 /// tensors of `H`: `y (m, n)` (`H` or FP32, as the kernel writes, in `O`) from `a` and `b`, in
 /// the route's layout (`Nt`: `A (m, k)`, `B (n, k)`; `Nn`: `B (k, n)`; `Tn`: `A (k, m)`
 /// too), with pitches `lda`, `ldb` (elements) and depth `k`; the forward (`Nt`) with
-/// its bias, chain and saved `z`.
+/// its bias, chain and saved `z`, or split `splits` ways into FP32 `y (splits, m, n)`.
 #[allow(clippy::too_many_arguments)]
 pub fn launch_half<H: HalfElement, O: DeviceElement>(
     gpu: &Gpu,
@@ -310,9 +348,11 @@ pub fn launch_half<H: HalfElement, O: DeviceElement>(
     (bias, chain): (Option<&CudaSlice<f32>>, Option<&DeviceChain>),
     y: &mut DeviceTensor<O>,
     save_z: Option<&mut DeviceTensor>,
+    splits: usize,
 ) -> Result<()> {
-    let kernel = route.kernel;
+    let (kernel, splits) = (route.kernel, splits.max(1));
     let half_out = O::DTYPE == H::DTYPE;
+    let out_shape_ok = y.shape == [m, n] || (splits > 1 && y.shape == [splits, m, n]);
     if half_layout::<H>(kernel) != Some(route.layout) || stores_by_tma(kernel) != half_out {
         return Err(Error::Unsupported(format!(
             "`{kernel}` is no {} {:?} kernel writing {}",
@@ -333,7 +373,7 @@ pub fn launch_half<H: HalfElement, O: DeviceElement>(
         || !ldb.is_multiple_of(8)
         || !fits(a.len(), a_rows, a_cols, lda)
         || !fits(b.len(), b_rows, b_cols, ldb)
-        || y.shape != [m, n]
+        || !out_shape_ok
         || save_z.as_ref().is_some_and(|z| z.shape != [m, n])
     {
         return Err(Error::Shape(format!(
@@ -343,8 +383,8 @@ pub fn launch_half<H: HalfElement, O: DeviceElement>(
             y.shape
         )));
     }
-    if route.layout != Layout::Nt && (bias.is_some() || chain.is_some() || save_z.is_some()) {
-        return Err(Error::Unsupported(format!("`{kernel}` takes no bias, chain or saved output")));
+    if route.layout != Layout::Nt && (bias.is_some() || chain.is_some() || save_z.is_some() || splits > 1) {
+        return Err(Error::Unsupported(format!("`{kernel}` takes no bias, chain, saved output or split-K")));
     }
     if [m, n, k, lda, ldb, a.len(), b.len()].iter().any(|&d| d > u32::MAX as usize) {
         return Err(Error::Shape(format!("16-bit GEMM ({m}, {n}, {k}) exceeds the kernel's 32-bit arguments")));
@@ -372,7 +412,7 @@ pub fn launch_half<H: HalfElement, O: DeviceElement>(
         }
         maps.push(encode_map_typed(py, H::DTYPE, (m, n, n), (64, 64), swizzle)?);
     }
-    launch_with_maps(gpu, stream, kernel, Arith::Bf16, &maps, (m, n, k), bias, chain, y, save_z, None)
+    launch_with_maps(gpu, stream, kernel, Arith::Bf16, &maps, (m, n, k, splits), bias, chain, y, save_z, None)
 }
 
 /// Queues `gemm_tma_e4m3_nt` (FP32 `y`) or `gemm_tma_e4m3_nt_to_{bf16,f16}` (16-bit `y`,
@@ -416,5 +456,5 @@ pub fn launch_e4m3<O: DeviceElement>(
         maps.push(encode_map_typed(py, O::DTYPE, (m, n, n), (64, 64), swizzle)?);
     }
     let scales = Some((&*a.inv_scales, &*b.inv_scales));
-    launch_with_maps(gpu, stream, kernel, Arith::E4m3, &maps, (m, n, k), bias, chain, y, save_z, scales)
+    launch_with_maps(gpu, stream, kernel, Arith::E4m3, &maps, (m, n, k, 1), bias, chain, y, save_z, scales)
 }

@@ -10,7 +10,8 @@ use crate::epilogue::fragments::{
 };
 use crate::prelude::bulk_copy::*;
 use crate::prelude::element::{Bf16, Element, F16, Half};
-use crate::prelude::mma::{fence_proxy_async_shared, ld_shared_v4, st_shared_v4, tf32_residual};
+use crate::prelude::mma::{fence_proxy_async_shared, ld_shared_b32, ld_shared_v4, st_shared_b32, st_shared_v4, tf32_residual};
+use crate::prelude::sync::{atomic_add_gpu, fence_acq_rel_gpu, store_gpu};
 use crate::prelude::wgmma::*;
 use crate::prelude::*;
 use crate::unroll;
@@ -24,7 +25,7 @@ const MN_BOX_BYTES: u32 = 64 * 64 * 2;
 /// 16-bit operand type (ignored without `HALF`), whether `A` and `B` are stored MN-major
 /// (`TRANS_A`, `TRANS_B`: 16-bit only), whether the epilogue runs a chain (`CHAIN`; else
 /// it only stores), and the output's element type (one signature: the two tensor maps,
-/// then as `fma::gemm_fma` with `y` of that type).
+/// then as `fma::gemm_fma` with `y` of that type, then the split-K arguments: [`Split`]).
 macro_rules! gemm_tma_entries {
     ($($(#[$doc:meta])* $name:ident = <$split:literal, $half:literal, $h:ty, $ta:literal, $tb:literal, $chain:literal, $out:ty>;)*) => {$(
         $(#[$doc])*
@@ -40,9 +41,13 @@ macro_rules! gemm_tma_entries {
             k: u32,
             ops: *const OpDesc,
             n_ops: u32,
+            splits: u32,
+            partials: *mut f32,
+            arrivals: *mut u32,
         ) {
             let no_scales = (core::ptr::null(), core::ptr::null());
-            unsafe { gemm_tma::<$split, $half, $h, $ta, $tb, $chain, $out, false>(maps, bias, y, save_z, (m, n, k), ops, n_ops, no_scales) }
+            let split = Split { splits, partials, arrivals };
+            unsafe { gemm_tma::<$split, $half, $h, $ta, $tb, $chain, $out, false>(maps, bias, y, save_z, (m, n, k), ops, n_ops, split, no_scales) }
         }
     )*};
 }
@@ -65,11 +70,15 @@ macro_rules! gemm_tma_e4m3_entries {
             k: u32,
             ops: *const OpDesc,
             n_ops: u32,
+            splits: u32,
+            partials: *mut f32,
+            arrivals: *mut u32,
             inv_row_scales: *const f32,
             inv_col_scales: *const f32,
         ) {
             let scales = (inv_row_scales, inv_col_scales);
-            unsafe { gemm_tma::<false, false, $h, false, false, true, $out, true>(maps, bias, y, save_z, (m, n, k), ops, n_ops, scales) }
+            let split = Split { splits, partials, arrivals };
+            unsafe { gemm_tma::<false, false, $h, false, false, true, $out, true>(maps, bias, y, save_z, (m, n, k), ops, n_ops, split, scales) }
         }
     )*};
 }
@@ -194,6 +203,25 @@ gemm_tma_entries! {
     gemm_tma_f16_tn = <false, true, F16, true, true, false, f32>;
 }
 
+/// Split-K: each tile's `k` in `splits` ranges of whole k-tiles, one work unit each. With
+/// few rows the tiles alone leave most SMs idle (128 x 4096 x 4096 is 16 tiles), and a
+/// tile's `k` loop is a latency however few run. Two ways to finish:
+/// - `partials` null: each range's sums are stored raw into its own `(m, n)` slice of
+///   an FP32 `y (splits, m, n)` (no bias, saved `z` or chain: null and 0), for the
+///   row-wise epilogue to add;
+/// - `partials` (`splits m n` floats) and `arrivals` (one zeroed word per tile): each
+///   unit stores its sums into its slice of `partials` and counts itself in; the
+///   tile's last unit adds the slices in order (the same bits whichever unit is last),
+///   runs the epilogue as an unsplit tile would, and zeroes the count again.
+///
+/// `splits` 1: neither (the pointers null).
+#[derive(Clone, Copy)]
+pub struct Split {
+    pub splits: u32,
+    pub partials: *mut f32,
+    pub arrivals: *mut u32,
+}
+
 /// A barrier over warpgroup `wg`'s 128 threads: named barrier `2 + wg`. (A register id,
 /// so ptxas reserves all sixteen barriers; it runs one block per SM. Choosing between two
 /// constant ids by a branch cost the chain's epilogue spills.)
@@ -232,6 +260,7 @@ unsafe fn gemm_tma<
     (m, n, k): (u32, u32, u32),
     ops: *const OpDesc,
     n_ops: u32,
+    Split { splits, partials, arrivals }: Split,
     scales: (*const f32, *const f32),
 ) {
     const { assert!(!E4M3 || !(HALF || SPLIT || TRANS_A || TRANS_B), "e4m3 operands are k-major bytes") };
@@ -240,8 +269,8 @@ unsafe fn gemm_tma<
     // SAFETY: the second of the two maps.
     let (map_a, map_b) = (maps, unsafe { maps.add(128) });
     // SAFETY: every thread, first; the launch's shared memory.
-    let pipe = unsafe { Pipeline::new::<SPLIT>(maps, (m, n, k), operand_bytes) };
-    let Pipeline { tile_bytes, block_k, a_bytes, k_tiles, .. } = pipe;
+    let pipe = unsafe { Pipeline::new::<SPLIT>(maps, (m, n, k), operand_bytes, splits) };
+    let Pipeline { tile_bytes, block_k, a_bytes, split_tiles, .. } = pipe;
 
     if t < 128 {
         // The producer: one thread; its warpgroup hands most of its registers to the
@@ -305,14 +334,14 @@ unsafe fn gemm_tma<
         }
     }
     let (mut s, mut phase) = (0u32, 0u32);
-    // Work items: each tile's `k` in `runs` runs (`k_runs`), taken in order by the block
-    // that owns the tile; every run but the last ends with its sums added into `y`
-    // (`FLUSH_K`), the last with the epilogue.
-    let runs = k_runs::<SPLIT>(k_tiles);
+    // Work items: each unit's (a tile's split's) `k` in `runs` runs (`k_runs`), taken in
+    // order by the block that owns the unit; every run but the last ends with its sums
+    // added into `y` (`FLUSH_K`), the last with the epilogue.
+    let runs = k_runs::<SPLIT>(split_tiles);
     let mut item = block_idx_x() * runs;
-    while item < pipe.tiles() * runs {
-        let (tile, run) = (item / runs, item % runs);
-        let (row0, col0) = pipe.origin(tile);
+    while item < pipe.units() * runs {
+        let (unit, run) = (item / runs, item % runs);
+        let (row0, col0, split, k_tiles) = pipe.unit(unit);
         let mut acc = [0u32; 128];
         let mut held = None;
         for _ in run_k_tiles::<SPLIT>(run, k_tiles) {
@@ -382,29 +411,74 @@ unsafe fn gemm_tma<
             unsafe { mbarrier_arrive(pipe.empty(prev)) };
         }
         // The thread's first row: 16 warp + lane / 4 of the warpgroup's 64 (and 8 below).
-        let row = (row0 + wg * 64 + warp * 16) as usize + gid;
-        let layout = Layout::Rows { row, col: (col0 + 2 * tig as u32) as usize, step: 8 };
+        let tile_row = (row0 + wg * 64 + warp * 16) as usize + gid;
+        // Its place in slice `j` of an `(splits m, n)` buffer, whose rows end at `m_end`.
+        let in_slice = |j: u32| {
+            let layout = Layout::Rows { row: tile_row + (j * m) as usize, col: (col0 + 2 * tig as u32) as usize, step: 8 };
+            (layout, ((j + 1) * m, n))
+        };
+        // Where the unit's sums go between runs and before the epilogue: its slice of
+        // `partials`, or of `y` (raw split-K), or `y` itself (split 0 of 1).
+        let sums = if partials.is_null() { y as *mut f32 } else { partials };
+        let (layout, sizes) = in_slice(split);
         // (3xTF32 alone flushes, and its `y` is FP32.)
         if SPLIT && run + 1 < runs {
-            // SAFETY: the MMAs are finished; `y` holds `m * n` floats, and only this
-            // thread reads or writes its accumulators' places until its epilogue
+            // SAFETY: the MMAs are finished; `sums` holds `splits m n` floats, and only
+            // this thread reads or writes its accumulators' places until its epilogue
             // overwrites them.
-            unsafe { flush_accumulators(&mut acc, y as *mut f32, run == 0, layout, (m, n)) };
+            unsafe { flush_accumulators(&mut acc, sums, run == 0, layout, sizes) };
             item += 1;
             continue;
         }
         if SPLIT && runs > 1 {
             // SAFETY: as for the flushes.
-            unsafe { add_flushed(&mut acc, y as *mut f32, layout, (m, n)) };
+            unsafe { add_flushed(&mut acc, sums, layout, sizes) };
         }
+        // Split-K into `partials`: the unit's sums out, then the tile's count; the last
+        // unit to arrive takes every slice back, in order, and finishes the tile.
+        let mut finish = true;
+        if splits > 1 && !partials.is_null() {
+            let tile = unit % pipe.tiles();
+            // SAFETY: `partials` holds `splits m n` floats, `arrivals` one word per tile;
+            // the arrivals' word is inside the shared memory; every consumer thread takes
+            // the barriers.
+            unsafe {
+                flush_accumulators(&mut acc, partials, true, layout, sizes);
+                fence_acq_rel_gpu();
+                named_barrier(1, CONSUMER_THREADS as u32);
+                if c == 0 {
+                    st_shared_b32(pipe.arrivals(), atomic_add_gpu(arrivals.add(tile as usize), 1));
+                }
+                named_barrier(1, CONSUMER_THREADS as u32);
+                finish = ld_shared_b32(pipe.arrivals()) + 1 == splits;
+                if finish {
+                    fence_acq_rel_gpu();
+                    let mut j = 0;
+                    while j < opaque(splits) {
+                        let (layout, sizes) = in_slice(j);
+                        add_flushed(&mut acc, partials, layout, sizes);
+                        j += 1;
+                    }
+                    if c == 0 {
+                        store_gpu(arrivals.add(tile as usize), 0);
+                    }
+                }
+            }
+        }
+        // The epilogue's rows: the tile's own, or raw split-K's slice of `y`.
+        let out_split = if partials.is_null() { split } else { 0 };
+        let row = tile_row + (out_split * m) as usize;
+        let m_end = (out_split + 1) * m;
         // The epilogue on the accumulators where they are (`epilogue::fragments`):
         // rows `row` (+ 8), columns 2 (lane % 4) + 8 j.
         // The thread's first column and the sizes, opaque to the compiler at each use:
         // otherwise it derives the 64 column bounds once and holds them beside the 128
         // values through the whole epilogue (and spills).
-        let fresh = |offset: u32| (opaque(col0 + 2 * tig as u32 + offset) as usize, opaque(m) as usize, opaque(n) as usize);
+        let fresh =
+            |offset: u32| (opaque(col0 + 2 * tig as u32 + offset) as usize, opaque(m_end) as usize, opaque(n) as usize);
         // SAFETY: `y` and `save_z` (if not null) hold `m * n` floats; `ops` holds `n_ops`.
-        unsafe {
+        if finish {
+            unsafe {
             // The halves in a loop, not unrolled (the opaque bound), so the chain's code
             // exists once (14 k instructions instead of 28 k): unrolled, M2's three ops
             // cost 0.6 ms more than its three one-op chains together; as a loop its
@@ -419,7 +493,8 @@ unsafe fn gemm_tma<
             // FP8: the inverse scales of the thread's two rows (1 past `m`: never stored).
             let row_inv = if E4M3 {
                 let (m, inv) = (opaque(m) as usize, scales.0);
-                [row, row + 8].map(|r| if r < m { *inv.add(r) } else { 1.0 })
+                let first = row - split as usize * m;
+                [first, first + 8].map(|r| if r < m { *inv.add(r) } else { 1.0 })
             } else {
                 [1.0; 2]
             };
@@ -463,13 +538,14 @@ unsafe fn gemm_tma<
                 h += 1;
             }
         }
-        // The block's next tile's first run.
+        }
+        // The block's next unit's first run.
         item += opaque(grid_dim_x()) * runs - run;
         if tma_y {
             // The stores' reads of shared memory and their writes are done before the
             // block exits. (Here rather than after the loop: there, it cost the chain
             // 5 KB of spills.)
-            bulk_wait_group_if(item >= pipe.tiles() * runs && leader());
+            bulk_wait_group_if(item >= pipe.units() * runs && leader());
         }
     }
 }

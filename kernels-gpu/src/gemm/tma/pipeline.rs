@@ -2,6 +2,7 @@
 //! consumers' registers, the stages with their "full" and "empty" barriers, and the
 //! walk over the output's tiles.
 
+use super::flush::split_k_tiles;
 use crate::prelude::async_copy::shared_address;
 use crate::prelude::bulk_copy::*;
 use crate::prelude::*;
@@ -38,8 +39,10 @@ fn grid_dim_x_in_place() -> u32 {
 }
 
 /// The stages of a persistent TMA kernel, their "full" and "empty" barriers and the
-/// tile walk, shared by the `nt` and `tk` bodies. A stage holds the `A` and `B` tiles
-/// (`tile_bytes`, `A` first), then with 3xTF32 their residuals in the same layout.
+/// walk over its work units, shared by the `nt` and `tk` bodies. A stage holds the `A`
+/// and `B` tiles (`tile_bytes`, `A` first), then with 3xTF32 their residuals in the
+/// same layout. A unit is a tile and one of `splits` ranges of `k` (split-K: each range
+/// its own partial product), units of one range first.
 #[derive(Clone, Copy)]
 pub(super) struct Pipeline {
     pub(super) base: u32,
@@ -51,12 +54,16 @@ pub(super) struct Pipeline {
     pub(super) tiles_m: u32,
     pub(super) tiles_n: u32,
     pub(super) k_tiles: u32,
+    pub(super) splits: u32,
+    /// The k-tiles of a split's range (the last one's may be fewer, or none).
+    pub(super) split_tiles: u32,
 }
 
 impl Pipeline {
     /// The layout for `SPLIT` (3xTF32: four 16-deep stages with the 64-byte swizzle,
     /// so that they fit beside their residuals) or operands of `operand_bytes` bytes,
-    /// and a `(m, n, k)` GEMM. Thread 0 sets
+    /// and a `(m, n, k)` GEMM whose `k` is split into `splits` ranges of whole k-tiles
+    /// (`flush::split_k_tiles`). Thread 0 sets
     /// up the barriers ("full": the producer's one arrival plus the stage's bytes;
     /// "empty": one arrival per consumer warp) and prefetches both tensor maps; then
     /// the block's only barrier.
@@ -65,7 +72,12 @@ impl Pipeline {
     /// Every thread of the block calls it once, first; `maps` holds two tensor maps;
     /// the dynamic shared memory is `SMEM_BYTES` (`SPLIT_SMEM_BYTES` with `SPLIT`).
     #[inline(always)]
-    pub(super) unsafe fn new<const SPLIT: bool>(maps: *const u8, (m, n, k): (u32, u32, u32), operand_bytes: u32) -> Pipeline {
+    pub(super) unsafe fn new<const SPLIT: bool>(
+        maps: *const u8,
+        (m, n, k): (u32, u32, u32),
+        operand_bytes: u32,
+        splits: u32,
+    ) -> Pipeline {
         // The hardware swizzle is a function of address bits 7-9: stages start
         // 1024-byte aligned.
         let base = (shared_address(dynamic_shared::<f32>()) + 1023) & !1023;
@@ -79,7 +91,9 @@ impl Pipeline {
         let (stages, tile_bytes, block_k, a_bytes) = (stages as u32, tile_bytes as u32, block_k as u32, a_bytes as u32);
         let stage_bytes = if SPLIT { 2 * tile_bytes } else { tile_bytes };
         let (tiles_m, tiles_n) = (m.div_ceil(BLOCK_M as u32), n.div_ceil(BLOCK_N as u32));
-        let p = Pipeline { base, stages, stage_bytes, tile_bytes, block_k, a_bytes, tiles_m, tiles_n, k_tiles: k.div_ceil(block_k) };
+        let (k_tiles, splits) = (k.div_ceil(block_k), if splits == 0 { 1 } else { splits });
+        let split_tiles = split_k_tiles(k_tiles, splits);
+        let p = Pipeline { base, stages, stage_bytes, tile_bytes, block_k, a_bytes, tiles_m, tiles_n, k_tiles, splits, split_tiles };
         if thread_idx_x() == 0 {
             // SAFETY: fresh barriers inside the dynamic shared memory; valid tensor maps.
             unsafe {
@@ -116,6 +130,13 @@ impl Pipeline {
         self.full(self.stages + s)
     }
 
+    /// Shared-memory address of split-K's arrival count, handed from the thread that
+    /// counted to the others (after the barriers).
+    #[inline(always)]
+    pub(super) fn arrivals(&self) -> u32 {
+        self.full(2 * self.stages)
+    }
+
     /// Shared-memory address of the bf16-output kernels' staged half tile
     /// (`STORE_STAGING_BYTES`, after the barriers, 1024-byte aligned).
     #[inline(always)]
@@ -133,13 +154,22 @@ impl Pipeline {
         self.tiles_m * self.tiles_n
     }
 
-    /// The origin of tile `tile`.
-    #[inline(always)]
-    pub(super) fn origin(&self, tile: u32) -> (u32, u32) {
-        tile_origin(tile, self.tiles_m, self.tiles_n)
+    /// Tiles times splits.
+    pub(super) fn units(&self) -> u32 {
+        self.tiles() * self.splits
     }
 
-    /// The producer (one thread): walks the same tiles as the consumers and fills each
+    /// Unit `unit`'s tile origin `(row0, col0)`, its split and that split's k-tiles.
+    #[inline(always)]
+    pub(super) fn unit(&self, unit: u32) -> (u32, u32, u32, core::ops::Range<u32>) {
+        let (split, tile) = (unit / self.tiles(), unit % self.tiles());
+        let (row0, col0) = tile_origin(tile, self.tiles_m, self.tiles_n);
+        let k0 = split * self.split_tiles;
+        let k1 = if k0 + self.split_tiles < self.k_tiles { k0 + self.split_tiles } else { self.k_tiles };
+        (row0, col0, split, k0..k1)
+    }
+
+    /// The producer (one thread): walks the same units as the consumers and fills each
     /// stage once the consumers have released it, `copy(stage, row0, col0, k0, full)`
     /// issuing its TMA copies (`tile_bytes` in all).
     ///
@@ -148,10 +178,10 @@ impl Pipeline {
     #[inline(always)]
     pub(super) unsafe fn produce(&self, copy: impl Fn(u32, u32, u32, u32, u32)) {
         let (mut s, mut phase) = (0u32, 0u32);
-        let mut tile = block_idx_x();
-        while tile < self.tiles() {
-            let (row0, col0) = self.origin(tile);
-            for kt in 0..self.k_tiles {
+        let mut unit = block_idx_x();
+        while unit < self.units() {
+            let (row0, col0, _, k_tiles) = self.unit(unit);
+            for kt in k_tiles {
                 // SAFETY: initialised barriers.
                 unsafe {
                     mbarrier_wait(self.empty(s), phase ^ 1);
@@ -160,7 +190,7 @@ impl Pipeline {
                 copy(self.stage(s), row0, col0, kt * self.block_k, self.full(s));
                 (s, phase) = self.next(s, phase);
             }
-            tile += grid_dim_x_in_place();
+            unit += grid_dim_x_in_place();
         }
     }
 }

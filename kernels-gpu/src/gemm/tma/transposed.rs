@@ -88,7 +88,7 @@ unsafe fn gemm_tma_tk<const SPLIT: bool, const TRANS: bool>(maps: *const u8, y: 
     // SAFETY: every thread, first; the launch's shared memory. A stage: `A`'s four
     // `block_k x 32` boxes, `B`; 3xTF32: then `B`'s residual at the same offset one
     // `tile_bytes` on (the `A` residual's place stays unused).
-    let pipe = unsafe { Pipeline::new::<SPLIT>(maps, (m, n, k), 4) };
+    let pipe = unsafe { Pipeline::new::<SPLIT>(maps, (m, n, k), 4, 1) };
     let Pipeline { tile_bytes, block_k, a_bytes, k_tiles, .. } = pipe;
     let sub_bytes = 32 * block_k * 4;
 
@@ -126,12 +126,12 @@ unsafe fn gemm_tma_tk<const SPLIT: bool, const TRANS: bool>(maps: *const u8, y: 
     // (M2's `dW` sums 32768 rows: 2.3e-4 of the f64 reference without, on the H100).
     let runs = k_runs::<SPLIT>(k_tiles);
     let mut item = block_idx_x() * runs;
-    while item < pipe.tiles() * runs {
-        let (tile, run) = (item / runs, item % runs);
-        let (row0, col0) = pipe.origin(tile);
+    while item < pipe.units() * runs {
+        let (unit, run) = (item / runs, item % runs);
+        let (row0, col0, _, _) = pipe.unit(unit);
         let mut acc = [0u32; 128];
         let mut held = None;
-        for _ in run_k_tiles::<SPLIT>(run, k_tiles) {
+        for _ in run_k_tiles::<SPLIT>(run, 0..k_tiles) {
             let sa = pipe.stage(s);
             // SAFETY: the stage is complete once its phase is; all 128 threads of the
             // warpgroup wait and issue the MMAs.
