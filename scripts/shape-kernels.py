@@ -1,0 +1,92 @@
+"""The kernels one forward runs at given shapes (GPU machine): ours (``FusedLinear``) and
+eager PyTorch (``bench.PlainBlock``) side by side, under ``no_grad``, each kernel's GPU time
+from the profiler averaged over ``--iters`` calls, and the `graph` protocol's time of both
+(a CUDA graph of one call, replayed back to back).
+
+    python3 scripts/shape-kernels.py [--shapes 64x4096x4096,256x8192x8192] [--configs bf16,tf32]
+
+A diagnostic for where a small shape's time goes, not a benchmark (no L2 flush, no compile).
+"""
+
+import argparse
+import functools
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from fused_linear.bench import (
+    DEFAULT_SWEEP_CHAIN,
+    Shape,
+    build_pair,
+    canonical,
+    make_input,
+    sweep_chain,
+    tf32_allowed,
+)
+
+
+def kernels(fn, iters: int) -> dict:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    times: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
+            times[e.name] = times.get(e.name, 0.0) + e.device_time / iters / 1e3
+    return times
+
+
+def graph_ms(fn, iters: int) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / iters)
+    return sorted(times)[1]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="64x4096x4096,256x4096x4096,256x8192x8192,1024x1024x1024")
+    p.add_argument("--configs", default="bf16,tf32")
+    p.add_argument("--chain", default=DEFAULT_SWEEP_CHAIN)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--top", type=int, default=6)
+    a = p.parse_args()
+    device = torch.device("cuda")
+    for config in a.configs.split(","):
+        for spec in a.shapes.split(","):
+            rows, fin, fout = (int(v) for v in spec.split("x"))
+            shape = Shape("sweep", canonical(fin, fout, sweep_chain(a.chain, fout)), rows, fin, fout)
+            pair = build_pair(shape, config, device, 0)
+            x = make_input(shape, config, device, 0)
+            with tf32_allowed(config == "tf32"), torch.no_grad():
+                for name, block in (("ours", pair.ours), ("eager", pair.plain)):
+                    call = functools.partial(block, x)
+                    ks = kernels(call, a.iters)
+                    g = graph_ms(call, a.iters)
+                    total = sum(ks.values())
+                    print(f"{config} {spec} {name}: graph {g:.4f} ms, kernels {total:.4f} ms")
+                    for k, v in sorted(ks.items(), key=lambda kv: -kv[1])[: a.top]:
+                        print(f"    {v:.4f}  {k[:110]}")
+
+
+if __name__ == "__main__":
+    main()
