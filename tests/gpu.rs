@@ -511,47 +511,48 @@ fn tf32_persistent_forward_matches_reference_rows() {
     }
 }
 
-/// Split-K on the persistent TMA kernels: few tiles of `128 x 256` and a deep `k`, each
-/// tile's `k` in ranges, finished in the kernel (the tile's last range adds the ranges'
-/// sums and runs the epilogue) or, where the chain needs whole rows or the tiles are very
-/// few, summed by the row-wise epilogue. 3xTF32 in 8 ranges of 65 16-deep k-tiles, and
-/// forced into 4 of up to 129, so that each flushes once within its range, both ways;
-/// TF32 over 65 k-tiles (the last ragged) forced into 4, in the kernel, and TF32's
-/// `gemm_wgmma` split for the row-wise epilogue; a bf16 and an fp16 model reading their
-/// tensors as stored, both ways (in the kernel: 2 ranges of 4096). Forward and every
-/// gradient (the training forward's saved `z` comes from the split sums) against the
-/// f64 reference.
+/// Split-K at few tiles and a deep `k`, each range's sums added by a second kernel with
+/// the bias before the chain: tile-wise (`epilogue_split_tiles`) for a chain the GEMM
+/// could fuse, row-wise for one that needs whole rows (groups of 24). On the TMA
+/// kernels: 3xTF32 in 16 ranges of 33 16-deep k-tiles, and forced into 4 ranges of up
+/// to 129 (each flushing once within its range); a bf16 and an fp16 model reading their
+/// tensors as stored (8 ranges). TF32's ranges on `gemm_wgmma`, a ragged width (1030:
+/// the tile kernel's 4-byte path) among them. Forward and every gradient (the training
+/// forward's saved `z` comes from the split sums) against the f64 reference.
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn tma_split_k_matches_reference() {
+fn split_k_sums_match_reference() {
     use host::Precision;
     let gpu = gpu();
     let four = gpu.clone().with_tuning(Tuning { split_k: Some(4), ..Tuning::default() });
     let mut rng = StdRng::seed_from_u64(31);
     let m1 = |groups: usize| format!("groupnorm({groups}),swish,mul,swish");
-    for (gpu, precision, dims, chain, path_has) in [
-        (&gpu, Precision::Tf32x3, (100, 8200, 1024), m1(32), "fused: gemm_tma_tf32x3_nt split-K x8"),
-        (&four, Precision::Tf32x3, (100, 8200, 1024), m1(32), "fused: gemm_tma_tf32x3_nt split-K x4"),
-        (&four, Precision::Tf32x3, (100, 8200, 768), m1(32), "gemm_tma_tf32x3_nt split-K x4 + epilogue_rows"),
-        (&four, Precision::Tf32, (200, 2056, 2304), m1(72), "fused: gemm_tma_tf32_nt split-K x4"),
-        (&gpu, Precision::Tf32, (200, 2056, 768), m1(32), "gemm_wgmma_tf32_nt_vec4 split-K x4 + epilogue_rows"),
+    let (tiles, rows) = ("+ epilogue_split_tiles", "+ epilogue_rows");
+    for (gpu, precision, dims, chain, kernel, splits, end) in [
+        (&gpu, Precision::Tf32x3, (100, 8200, 1024), m1(32), "gemm_tma_tf32x3_nt", 16, tiles),
+        (&four, Precision::Tf32x3, (100, 8200, 1024), m1(32), "gemm_tma_tf32x3_nt", 4, tiles),
+        (&four, Precision::Tf32x3, (100, 8200, 768), m1(32), "gemm_tma_tf32x3_nt", 4, rows),
+        (&gpu, Precision::Tf32, (200, 2056, 768), m1(32), "gemm_wgmma_tf32_nt_vec4", 4, rows),
+        (&gpu, Precision::Tf32, (200, 2056, 1024), m1(32), "gemm_wgmma_tf32_nt_vec4", 4, tiles),
+        (&gpu, Precision::Tf32, (200, 2056, 1030), "swish,bias".to_string(), "gemm_wgmma_tf32_nt_vec4", 4, tiles),
     ] {
         let spec = BlockSpec::new(dims.1, dims.2, chain.parse().unwrap()).unwrap();
         let block = GpuBlock::new(gpu, &spec, &Params::init(&spec, &mut rng)).unwrap().with_precision(precision);
         let path = block.describe(gpu, &block.plan(gpu, dims.0));
-        assert!(path.contains(path_has), "{path}");
+        assert!(path.contains(&format!("{kernel} split-K x{splits} {end}")), "{path}");
         assert_block_matches_reference(gpu, &chain, dims, precision, &mut rng);
     }
-    for (dims, chain, path_has) in
-        [((100, 2048, 1024), m1(32), "split-K x8 + epilogue_rows"), ((65, 8192, 4352), m1(136), "split-K x2 with")]
-    {
+    for (dims, chain, path_has) in [
+        ((100, 2048, 1024), m1(32), "split-K x8 + epilogue_split_tiles"),
+        ((100, 2048, 768), m1(32), "split-K x8 + epilogue_rows"),
+    ] {
         let (bf16, f16) = (host::precision::BF16_STORED_REL, host::precision::FP16_STORED_REL);
         split_k_half_model::<host::tensor::Bf16>(&gpu, dims, &chain, path_has, bf16, &mut rng);
         split_k_half_model::<host::tensor::F16>(&gpu, dims, &chain, path_has, f16, &mut rng);
     }
 }
 
-/// [`tma_split_k_matches_reference`] for a 16-bit model of `H` at `(b, i, o)` with
+/// [`split_k_sums_match_reference`] for a 16-bit model of `H` at `(b, i, o)` with
 /// `chain`, its path described with `path_has`.
 fn split_k_half_model<H: host::gpu::HalfElement>(
     gpu: &Gpu,

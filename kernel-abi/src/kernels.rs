@@ -154,6 +154,9 @@ kernels! {
         bounds(epilogue::TILE_THREADS, epilogue::TILES_BACKWARD_BLOCKS_PER_SM);
     EpilogueTilesBackwardF16 = "epilogue_tiles_backward_f16",
         bounds(epilogue::TILE_THREADS, epilogue::TILES_BACKWARD_BLOCKS_PER_SM);
+    EpilogueSplitTiles = "epilogue_split_tiles";
+    EpilogueSplitTilesBf16 = "epilogue_split_tiles_bf16";
+    EpilogueSplitTilesF16 = "epilogue_split_tiles_f16";
     SumPartials = "sum_partials";
     KinkScan = "kink_scan";
     KinkScanTiles = "kink_scan_tiles";

@@ -23,11 +23,11 @@
 //! (recomputing each op's input from `z`), `sum_partials` finishes those, and two
 //! GEMMs give `dX = dZ W` and `dW = dZ^T X`.
 
-use super::dispatch::{self, Forward, not_fusable};
+use super::dispatch::{self, Forward, SplitSums, not_fusable};
 use super::elementwise::{Convert, Vector, convert_vectors, fold_rows_mean, unfold_rows_mean_grad};
 use super::epilogue::DeviceChain;
 use super::epilogue::kinks::{Refined, Scan, refine_near_kinks, scanned_prefix};
-use super::epilogue::lanes::{epilogue_tiles_backward, fits as tiles_fit};
+use super::epilogue::lanes::{epilogue_split_tiles, epilogue_tiles_backward, fits as tiles_fit};
 use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
 use super::gemm::fp8::{self, Fp8Matrix, Fp8Weight};
 use super::gemm::gemv::launch_gemv;
@@ -302,7 +302,7 @@ impl<W: DeviceElement> GpuBlock<W> {
         let t = Precision::of_storage(W::DTYPE).map_or(String::new(), |p| p.to_string());
         let gemm = match (W::DTYPE, route.widened, plan, &self.folded) {
             (Dtype::F32, ..) => route.kernel.to_string(),
-            (_, false, Plan::Fused { .. }, _) => format!("{} ({t} x, W, y as stored)", route.kernel),
+            (_, false, Plan::Fused, _) => format!("{} ({t} x, W, y as stored)", route.kernel),
             (_, false, ..) => format!("{} ({t} x, W as stored)", route.kernel),
             (_, true, _, Some(_)) => {
                 format!("{} (FP32 copy of {t} x, the FP32 folded weight; y rounded)", route.kernel)
@@ -332,17 +332,16 @@ impl<W: DeviceElement> GpuBlock<W> {
                     gemv(false, tensor_cores)
                 )
             }
-            Plan::Fused { splits } => {
-                let split = if splits > 1 { format!(" split-K x{splits}") } else { String::new() };
-                format!("fused: {gemm}{split} with bias and chain in the epilogue (1 kernel{fold})")
-            }
+            Plan::Fused => format!("fused: {gemm} with bias and chain in the epilogue (1 kernel{fold})"),
             Plan::GemmThenRows { splits } => {
                 let why = match (&self.not_fusable, &splits) {
                     (Some(reason), _) => reason.clone(),
                     (None, s) => format!("{s}-way split-K to fill the GPU"),
                 };
                 let split = if splits > 1 { format!(" split-K x{splits}") } else { String::new() };
-                format!("{gemm}{split} + epilogue_rows (2 kernels: {why}{fold})")
+                let tiles = splits > 1 && dispatch::split_sums(self.not_fusable.is_none()) == SplitSums::Tiles;
+                let end = if tiles { "epilogue_split_tiles" } else { "epilogue_rows" };
+                format!("{gemm}{split} + {end} (2 kernels: {why}{fold})")
             }
         }
     }
@@ -362,13 +361,29 @@ impl<W: DeviceElement> GpuBlock<W> {
         let n = self.gemm_width();
         let new = |shape: &[usize]| if poison { gpu.poisoned(shape) } else { gpu.alloc(shape) };
         let z = match plan {
-            Plan::Fused { .. } | Plan::Gemv { chain: true, .. } => None,
+            Plan::Fused | Plan::Gemv { chain: true, .. } => None,
             Plan::GemmThenRows { splits: 1 } | Plan::Gemv { chain: false, .. } => Some(new(&[batch, n])?),
             Plan::GemmThenRows { splits } => Some(new(&[splits, batch, n])?),
         };
         let y_shape = [batch, self.out_width()];
         let y = if poison { gpu.poisoned_as::<W>(&y_shape)? } else { gpu.alloc_as::<W>(&y_shape)? };
         Ok(Workspace { plan, z, y, stats: None })
+    }
+
+    /// Split-K's partial products `z (splits, batch, n)` added with the bias `b`, then
+    /// the chain, into `y` ([`dispatch::split_sums`]).
+    pub(super) fn add_split_sums<T: DeviceElement>(
+        &self,
+        gpu: &Gpu,
+        z: &DeviceTensor,
+        b: &DeviceTensor,
+        y: &mut DeviceTensor<T>,
+        save: Option<&mut DeviceTensor>,
+    ) -> Result<()> {
+        match dispatch::split_sums(self.not_fusable.is_none()) {
+            SplitSums::Tiles => epilogue_split_tiles(gpu, &self.chain, z, &b.buf, y, save),
+            SplitSums::Rows => epilogue_rows(gpu, &self.chain, z, Some(&b.buf), y, save),
+        }
     }
 
     /// Whether the chain backward runs tile-wise ([`dispatch::tile_backward`]).
@@ -405,10 +420,9 @@ impl<W: DeviceElement> GpuBlock<W> {
         let mut gemm = forward_gemm(precision, x, w)?;
         gemm.w_fp8 = self.fp8_weight(w).map(|c| &c.rows);
         match (plan, z) {
-            (Plan::Fused { splits }, _) => {
+            (Plan::Fused, _) => {
                 gemm.bias = Some(&b.buf);
                 gemm.chain = Some(&self.chain);
-                gemm.splits = *splits;
                 gemm.launch(gpu, y, save)
             }
             (Plan::GemmThenRows { splits: 1 }, Some(z)) => {
@@ -419,7 +433,7 @@ impl<W: DeviceElement> GpuBlock<W> {
             (Plan::GemmThenRows { splits }, Some(z)) => {
                 gemm.splits = *splits;
                 gemm.launch(gpu, z, None)?;
-                epilogue_rows(gpu, &self.chain, z, Some(&b.buf), y, save)
+                self.add_split_sums(gpu, z, b, y, save)
             }
             (Plan::GemmThenRows { .. }, None) => unreachable!("workspace() allocates z for this plan"),
             (Plan::Gemv { .. }, _) => unreachable!("returned above"),

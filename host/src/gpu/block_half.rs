@@ -85,7 +85,7 @@ impl<H: HalfElement> GpuBlock<H> {
         }
         let w = &self.params.linear_weight;
         let b = &self.params.linear_bias;
-        let fused = matches!(ws.plan, Plan::Fused { .. });
+        let fused = matches!(ws.plan, Plan::Fused);
         let aligned = aligned(&[x, w]) && (!fused || ws.y.buf.device_address().is_multiple_of(16));
         let tma = gpu.tuning().tma;
         let (precision, route) =
@@ -104,18 +104,9 @@ impl<H: HalfElement> GpuBlock<H> {
                 epilogue_rows(gpu, &self.chain, z, None, &mut ws.y, save)
             }
             // One kernel: x and W as stored, 16-bit y.
-            (&Plan::Fused { splits }, _, false) => launch_half(
-                gpu,
-                stream,
-                &route,
-                ab,
-                dims,
-                lds,
-                (Some(&b.buf), Some(&self.chain)),
-                &mut ws.y,
-                save,
-                splits,
-            ),
+            (Plan::Fused, _, false) => {
+                launch_half(gpu, stream, &route, ab, dims, lds, (Some(&b.buf), Some(&self.chain)), &mut ws.y, save, 1)
+            }
             // The GEMM as stored into FP32 `z`, the row-wise epilogue into 16-bit `y`.
             (Plan::GemmThenRows { splits: 1 }, Some(z), false) => {
                 launch_half(gpu, stream, &route, ab, dims, lds, (Some(&b.buf), None), z, None, 1)?;
@@ -125,7 +116,7 @@ impl<H: HalfElement> GpuBlock<H> {
             // the row-wise epilogue adds with the bias before the chain.
             (&Plan::GemmThenRows { splits }, Some(z), false) => {
                 launch_half(gpu, stream, &route, ab, dims, lds, (None, None), z, None, splits)?;
-                epilogue_rows(gpu, &self.chain, z, Some(&b.buf), &mut ws.y, save)
+                self.add_split_sums(gpu, z, b, &mut ws.y, save)
             }
             (plan, z, _) => {
                 // On FP32 copies: `x` widened, and `W` (or a folded AvgPool's FP32 means).
@@ -176,15 +167,7 @@ impl<H: HalfElement> GpuBlock<H> {
                 dispatch::route(self.precision, Role::Forward { splits: 1 }, (m, n, k), storage, gpu.tuning().tma);
             if route.widened {
                 let (x32, w32) = (widen(gpu, x)?, widen(gpu, w)?);
-                self.forward_f32(
-                    gpu,
-                    self.precision,
-                    &x32,
-                    (&w32, b),
-                    (&Plan::Fused { splits: 1 }, None),
-                    &mut u,
-                    save,
-                )?;
+                self.forward_f32(gpu, self.precision, &x32, (&w32, b), (&Plan::Fused, None), &mut u, save)?;
             } else {
                 let (ab, dims, lds) = ((&*x.buf, &*w.buf), (m, n, k), (k, k));
                 launch_half(gpu, stream, &route, ab, dims, lds, (Some(&b.buf), Some(&self.chain)), &mut u, save, 1)?;
@@ -219,9 +202,7 @@ impl<H: HalfElement> GpuBlock<H> {
             }
         };
         match (&ws.plan, ws.z.as_mut()) {
-            (Plan::Fused { splits: 1 }, _) => {
-                fp8::gemm(gpu, stream, &xq, wq, Some(&b.buf), Some(&self.chain), &mut ws.y, save)
-            }
+            (Plan::Fused, _) => fp8::gemm(gpu, stream, &xq, wq, Some(&b.buf), Some(&self.chain), &mut ws.y, save),
             (Plan::GemmThenRows { splits: 1 }, Some(z)) => {
                 fp8::gemm(gpu, stream, &xq, wq, Some(&b.buf), None, z, None)?;
                 epilogue_rows(gpu, &self.chain, z, None, &mut ws.y, save)

@@ -3,7 +3,8 @@
 //!
 //! * [`plan`] — a block's forward: one kernel with the chain fused into the GEMM's
 //!   store, or the GEMM (split-K where the GPU would be idle) then the row-wise
-//!   epilogue; [`not_fusable`] says why an op cannot ride in the store;
+//!   epilogue; [`not_fusable`] says why an op cannot ride in the store; [`split_sums`]
+//!   which kernel adds split-K's ranges;
 //! * [`route`] — which GEMM family and kernel runs each GEMM of a Linear layer, for the
 //!   precision, the shape and how the tensors are stored ([`Storage`]);
 //! * [`gemv_chain_fits`], [`gemv_kernel`], [`GEMV_TC_ROWS`] — the small-batch forward's
@@ -139,6 +140,8 @@ pub struct HalfKernels {
     pub tiles_backward: Kernel,
     /// The row-wise epilogue into 16-bit `y`, and its backward with 16-bit `dy`, `dz`.
     pub rows: Kernel,
+    /// Split-K's partial products summed tile-wise into 16-bit `y`.
+    pub split_tiles: Kernel,
     pub rows_backward: Kernel,
     /// A leading AvgPool's fold of a 16-bit weight, and its gradient rounded back.
     pub fold: Kernel,
@@ -165,6 +168,7 @@ impl HalfKernels {
         gemv_to_half: Kernel::GemvBf16ToBf16,
         tiles_backward: Kernel::EpilogueTilesBackwardBf16,
         rows: Kernel::EpilogueRowsBf16,
+        split_tiles: Kernel::EpilogueSplitTilesBf16,
         rows_backward: Kernel::EpilogueRowsBackwardBf16,
         fold: Kernel::FoldRowsMeanBf16,
         unfold: Kernel::UnfoldRowsMeanGradToBf16,
@@ -188,6 +192,7 @@ impl HalfKernels {
         gemv_to_half: Kernel::GemvF16ToF16,
         tiles_backward: Kernel::EpilogueTilesBackwardF16,
         rows: Kernel::EpilogueRowsF16,
+        split_tiles: Kernel::EpilogueSplitTilesF16,
         rows_backward: Kernel::EpilogueRowsBackwardF16,
         fold: Kernel::FoldRowsMeanF16,
         unfold: Kernel::UnfoldRowsMeanGradToF16,
@@ -457,10 +462,8 @@ impl Route {
 /// Which kernels run a block's forward for one batch size.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Plan {
-    /// One kernel: the GEMM with bias and chain in its store; with `splits > 1` (the
-    /// TMA kernels) each tile's `k` in that many ranges, whose sums the tile's last
-    /// range adds before the epilogue.
-    Fused { splits: usize },
+    /// One kernel: the GEMM with bias and chain in its store.
+    Fused,
     /// The GEMM into `z` (in `splits` partial products where `splits > 1`), then the
     /// row-wise epilogue.
     GemmThenRows { splits: usize },
@@ -594,7 +597,7 @@ pub fn rows_too_wide(spec: &crate::BlockSpec) -> Option<String> {
 /// `gemv::ROWS` on FP32 FMAs.
 pub fn plan(f: Forward, sms: usize, tma: bool) -> Plan {
     if f.fp8 {
-        return if f.fusable { Plan::Fused { splits: 1 } } else { Plan::GemmThenRows { splits: 1 } };
+        return if f.fusable { Plan::Fused } else { Plan::GemmThenRows { splits: 1 } };
     }
     let gemv_ok = f.gemv && (f.gemv_chain || f.rows_fit) && f.k.is_multiple_of(8) && f.w_aligned && !f.folded;
     let rows = if f.gemv_tc { GEMV_TC_ROWS } else { GEMV_ROWS };
@@ -610,58 +613,29 @@ pub fn plan(f: Forward, sms: usize, tma: bool) -> Plan {
     let grid = grid_splits(f, sms);
     let splits = if !f.rows_fit || grid == 1 { 1 } else { f.split_k.unwrap_or(grid) };
     match (f.fusable, splits) {
-        (true, 1) => Plan::Fused { splits: 1 },
+        (true, 1) => Plan::Fused,
         _ => Plan::GemmThenRows { splits },
     }
 }
 
-/// The least `k` of a range that a fused split finishes in the kernel, by the speed of
-/// the precision's MMAs (bf16's take half TF32's time per `k`, 3xTF32's three times).
-/// The tile's last range reads every range's `128 x 256` FP32 sums back with one SM,
-/// ~6 us each, which the range's MMAs must outweigh (H100, through PyTorch, M1's chain,
-/// split against unsplit: bf16 128 x 4096 x 4096 in 8 ranges of 512, 0.073 ms against
-/// 0.054; 512 x 4096 x 4096 in 2 of 2048, 0.072 against 0.069; 128 x 8192 x 8192 in 4 of
-/// 2048, 0.104 against 0.106; TF32 in 4 of 2048 there, 0.142 against 0.159, and 512 x
-/// 4096 x 4096 in 2, 0.087 against 0.101; 3xTF32 256 x 4096 x 4096 in 4 of 1024, 0.115
-/// against 0.124).
-fn in_kernel_split_k(precision: Precision) -> usize {
-    match precision {
-        Precision::Tf32x3 => 1024,
-        Precision::Tf32 => 2048,
-        _ => 4096,
-    }
-}
-
-/// At most this many tiles, a fusable chain's ranges go to the row-wise epilogue
-/// rather than finish in the kernel (3xTF32 excepted): bf16, 16 tiles at 65-256 x 4096
-/// x 4096 took 0.050-0.061 ms that way, 0.054-0.062 in 2 ranges finished in the kernel,
-/// 0.065-0.069 unsplit; 4-8 tiles at 128-256 x 1024 x 1024, 0.024-0.026 against 0.036
-/// unsplit (H100, through PyTorch, M1's chain).
-const FEW_TILES: usize = 16;
-
-/// The plan of a forward on the TMA kernels ([`plan`]). TF32's ranges for the row-wise
-/// epilogue run on `gemm_wgmma` ([`route`]), by its count ([`grid_splits`]): at 65-256 x
-/// 4096 x 4096 that was 0.061-0.072 ms, the TMA kernel's 0.066-0.080.
+/// The plan of a forward on the TMA kernels ([`plan`]): its ranges into the second
+/// kernel, which adds them with the bias before the chain ([`split_sums`]). TF32's ranges
+/// run on `gemm_wgmma`, by its count ([`grid_splits`]): at 65-256 x 4096 x 4096 that was
+/// 0.061-0.072 ms, the TMA kernel's 0.066-0.080 (H100, through PyTorch, M1's chain, the
+/// row-wise epilogue after both).
 fn tma_plan(f: Forward, precision: Precision, sms: usize) -> Plan {
-    let ranges = tma_splits(f.batch, f.n, f.k, precision, sms, f.split_k);
-    let to_rows = match precision {
+    let splits = match precision {
         _ if !f.rows_fit => 1,
         Precision::Tf32 => match grid_splits(f, sms) {
             1 => 1,
             grid => f.split_k.unwrap_or(grid),
         },
-        _ => ranges,
+        _ => tma_splits(f.batch, f.n, f.k, precision, sms, f.split_k),
     };
-    let tiles = f.batch.div_ceil(gemm_tma::BLOCK_M) * f.n.div_ceil(gemm_tma::BLOCK_N);
-    if !f.fusable || (to_rows > 1 && tiles <= FEW_TILES && precision != Precision::Tf32x3) {
-        return Plan::GemmThenRows { splits: to_rows };
+    match (f.fusable, splits) {
+        (true, 1) => Plan::Fused,
+        _ => Plan::GemmThenRows { splits },
     }
-    let deep = in_kernel_split_k(precision);
-    let in_kernel = match f.split_k {
-        Some(_) => ranges,
-        None => tma_splits(f.batch, f.n, f.k, precision, sms, Some(ranges.min(f.k / deep).max(1))),
-    };
-    Plan::Fused { splits: in_kernel }
 }
 
 /// Split-K on the TMA kernels (`gemm_tma_*_nt`): where the `128 x 256` tiles fill at most
@@ -714,8 +688,7 @@ fn grid_splits(f: Forward, sms: usize) -> usize {
 /// in the precision of the storage type ([`Precision::of_storage`]).
 pub fn forward_route(f: Forward, precision: Precision, plan: &Plan, aligned: bool, tma: bool) -> (Precision, Route) {
     let (splits, output) = match *plan {
-        // (A fused split runs the unsplit forward's kernel: its `y` is the output.)
-        Plan::Fused { .. } => (1, f.dtype),
+        Plan::Fused => (1, f.dtype),
         Plan::GemmThenRows { splits } => (splits, Dtype::F32),
         Plan::Gemv { .. } => (1, Dtype::F32),
     };
@@ -769,6 +742,28 @@ pub fn tiles_backward_kernel(dtype: Dtype) -> Kernel {
 /// rounded as it is stored, not by a second pass.
 pub fn rows_kernel(dtype: Dtype) -> Kernel {
     HalfKernels::of(dtype).map_or(Kernel::EpilogueRows, |h| h.rows)
+}
+
+/// Split-K's partial products added, with the bias and the chain, for an output of
+/// `dtype`: tile-wise where the chain is one the GEMM could fuse (`fusable`), else by
+/// the row-wise epilogue. The row-wise kernel's block per row left 128 rows of 4096 to
+/// 128 blocks: 0.025 ms for 8 slices.
+pub fn split_sums(fusable: bool) -> SplitSums {
+    if fusable { SplitSums::Tiles } else { SplitSums::Rows }
+}
+
+/// Which kernel adds split-K's partial products ([`split_sums`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SplitSums {
+    /// `epilogue_split_tiles*` ([`split_tiles_kernel`]).
+    Tiles,
+    /// `epilogue_rows*` ([`rows_kernel`]).
+    Rows,
+}
+
+/// The tile-wise split-K sums into an output of `dtype`.
+pub fn split_tiles_kernel(dtype: Dtype) -> Kernel {
+    HalfKernels::of(dtype).map_or(Kernel::EpilogueSplitTiles, |h| h.split_tiles)
 }
 
 /// The row-wise chain backward for `dy` and `dz` of `dtype`.
@@ -909,7 +904,7 @@ mod tests {
             let all =
                 [h.tma_nt, h.tma_nt_to_half, h.tma_nn_to_half, h.tma_tn_to_half, h.tma_tn, h.gemv, h.gemv_to_half];
             let all = all.into_iter().chain(h.mma.into_iter().flatten());
-            let all = all.chain([h.tiles_backward, h.rows, h.rows_backward, h.fold, h.unfold]);
+            let all = all.chain([h.tiles_backward, h.rows, h.split_tiles, h.rows_backward, h.fold, h.unfold]);
             let all = all.chain([h.transpose_to_half, h.narrow, h.widen]);
             for k in all {
                 let other = if tag == "f16" { "bf16" } else { "_f16" };
@@ -1020,35 +1015,33 @@ mod tests {
             precision: Precision::Fp32,
             split_k: None,
         };
-        // A bf16 model as stored: 16 TMA tiles, 8 ranges of 512 for the row-wise
-        // epilogue, whatever the chain (FEW_TILES); 3xTF32 (a folded AvgPool's FP32
-        // means) finishes 4 ranges of 1024 in the kernel.
+        // A bf16 model as stored: 16 TMA tiles, 8 ranges of 512, whatever the chain
+        // (the second kernel adds them); 3xTF32 on a folded AvgPool's FP32 means too.
         let rows = Forward { fusable: false, ..f(Dtype::Bf16, false) };
         assert_eq!(plan(rows, 132, true), Plan::GemmThenRows { splits: 8 });
         assert_eq!(plan(f(Dtype::Bf16, false), 132, true), Plan::GemmThenRows { splits: 8 });
-        assert_eq!(plan(f(Dtype::Bf16, true), 132, true), Plan::Fused { splits: 4 });
-        // More tiles, ranges too shallow to finish in the kernel: unsplit.
+        assert_eq!(plan(f(Dtype::Bf16, true), 132, true), Plan::GemmThenRows { splits: 8 });
         let square = Forward { batch: 1024, n: 1024, k: 1024, ..f(Dtype::Bf16, false) };
-        assert_eq!(plan(square, 132, true), Plan::Fused { splits: 1 });
-        // TF32 into the row-wise epilogue: `gemm_wgmma`'s count (32 tiles of 128 x 128: 8).
+        assert_eq!(plan(square, 132, true), Plan::GemmThenRows { splits: 4 });
+        // TF32: `gemm_wgmma`'s count (32 tiles of 128 x 128: 8).
         let tf32 = Forward { batch: 128, precision: Precision::Tf32, ..f(Dtype::F32, false) };
         assert_eq!(plan(tf32, 132, true), Plan::GemmThenRows { splits: 8 });
         assert!(matches!(plan(f(Dtype::F32, false), 132, true), Plan::GemmThenRows { splits } if splits > 1));
         let big = Forward { batch: 4096, ..f(Dtype::F32, false) };
-        assert_eq!(plan(big, 132, true), Plan::Fused { splits: 1 });
+        assert_eq!(plan(big, 132, true), Plan::Fused);
         assert_eq!(plan(Forward { fusable: false, ..big }, 132, true), Plan::GemmThenRows { splits: 1 });
         // Rows too wide for the row-wise epilogue: no split-K, the fused kernel.
-        assert_eq!(plan(Forward { rows_fit: false, ..f(Dtype::F32, false) }, 132, true), Plan::Fused { splits: 1 });
-        // 128 x 16384 x 16384 is 64 TMA tiles on 132 SMs: 2 ranges, TF32 or 3xTF32;
-        // 4096 rows fill the GPU.
+        assert_eq!(plan(Forward { rows_fit: false, ..f(Dtype::F32, false) }, 132, true), Plan::Fused);
+        // 128 x 16384 x 16384 is 64 TMA tiles on 132 SMs: 3xTF32 in 2 ranges; TF32's
+        // 128 tiles of 128 x 128 fill the GPU; 4096 rows fill it in 3xTF32 too.
         let deep = Forward { batch: 128, n: 16384, k: 16384, precision: Precision::Tf32x3, ..f(Dtype::F32, false) };
-        assert_eq!(plan(deep, 132, true), Plan::Fused { splits: 2 });
-        assert_eq!(plan(Forward { precision: Precision::Tf32, ..deep }, 132, true), Plan::Fused { splits: 2 });
-        assert_eq!(plan(Forward { batch: 4096, ..deep }, 132, true), Plan::Fused { splits: 1 });
-        // 128 x 8192 x 8192: 32 TMA tiles, 4 ranges.
+        assert_eq!(plan(deep, 132, true), Plan::GemmThenRows { splits: 2 });
+        assert_eq!(plan(Forward { precision: Precision::Tf32, ..deep }, 132, true), Plan::Fused);
+        assert_eq!(plan(Forward { batch: 4096, ..deep }, 132, true), Plan::Fused);
+        // 128 x 8192 x 8192: 32 TMA tiles, 4 ranges; TF32 64 tiles, 264 / 64 -> 4.
         let mid = Forward { batch: 128, n: 8192, k: 8192, precision: Precision::Tf32x3, ..f(Dtype::F32, false) };
-        assert_eq!(plan(mid, 132, true), Plan::Fused { splits: 4 });
-        assert_eq!(plan(Forward { precision: Precision::Tf32, ..mid }, 132, true), Plan::Fused { splits: 4 });
+        assert_eq!(plan(mid, 132, true), Plan::GemmThenRows { splits: 4 });
+        assert_eq!(plan(Forward { precision: Precision::Tf32, ..mid }, 132, true), Plan::GemmThenRows { splits: 4 });
         // FP32's FMA kernel: 64 tiles of 128 x 128, the rounded-up count 264 / 64 -> 5;
         // without TMA, TF32's `gemm_wgmma` at most two blocks per SM: 4.
         assert_eq!(plan(Forward { precision: Precision::Fp32, ..mid }, 132, true), Plan::GemmThenRows { splits: 5 });
@@ -1061,7 +1054,7 @@ mod tests {
         // The tuning's count where the rule would split at all; 1 is unsplit.
         assert_eq!(tma_splits(128, 256, 8192, Precision::Bf16, 132, Some(5)), 5);
         assert_eq!(tma_splits(128, 67 * 256, 8192, Precision::Bf16, 132, Some(5)), 1);
-        assert_eq!(plan(Forward { split_k: Some(1), ..f(Dtype::Bf16, false) }, 132, true), Plan::Fused { splits: 1 });
+        assert_eq!(plan(Forward { split_k: Some(1), ..f(Dtype::Bf16, false) }, 132, true), Plan::Fused);
         assert_eq!(plan(Forward { split_k: Some(3), ..mid }, 132, false), Plan::GemmThenRows { splits: 3 });
 
         let small = Forward { batch: 8, ..f(Dtype::Bf16, false) };

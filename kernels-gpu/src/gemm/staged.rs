@@ -3,6 +3,8 @@
 //! by row — bias, the saved `z`, the epilogue chain, coalesced stores.
 
 use crate::epilogue::lanes::{F4, LaneGroup, column_params, lane_forward_rows, store_row4};
+use crate::prelude::element::{Bf16, Element, F16};
+use crate::prelude::global::load_v4_nc;
 use crate::prelude::*;
 use crate::unroll;
 use kernel_abi::epilogue::OpDesc;
@@ -125,4 +127,114 @@ pub fn epilogue_row(
     let mut rows = [*v];
     epilogue_rows(&mut rows, false, bias, save_z, row, ops, n_ops, n, c);
     *v = rows[0];
+}
+
+/// Declares the split-K ends of the tile epilogue, one per output type.
+macro_rules! split_tiles_entries {
+    ($($(#[$doc:meta])* $name:ident: $o:ty;)*) => {$(
+        $(#[$doc])*
+        #[unsafe(no_mangle)]
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe extern "ptx-kernel" fn $name(
+            partials: *const f32,
+            splits: u32,
+            bias: *const f32,
+            y: *mut $o,
+            save_z: *mut f32,
+            m: u32,
+            n: u32,
+            ops: *const OpDesc,
+            n_ops: u32,
+        ) {
+            unsafe { split_tiles(partials, splits, bias, y, save_z, (m as usize, n as usize), ops, n_ops) }
+        }
+    )*};
+}
+
+split_tiles_entries! {
+    /// The forward's end after split-K, for a chain the GEMM's tile epilogue runs
+    /// (per-column ops, GroupNorms of 4..128 channels): `y = chain(z)` with `z = sum_s
+    /// partials[s] + bias`, the slices added in order, `z` into `save_z` if not null. A
+    /// block takes 16 rows of 128 columns, a warp two rows (`r`, `r + 8`), a lane 4
+    /// columns, as the tile epilogue does: at few rows the row-wise epilogue's block per
+    /// row left most SMs to a few long rows (128 x 4096 in 8 slices: 0.025 ms).
+    ///
+    /// # Safety
+    /// `partials` holds `splits m n` floats; bias, `save_z`, `y` and `ops` as in the GEMM
+    /// kernels, the ops fusable. Launch: grid `(ceil(n / 128), ceil(m / 16))`, 256 threads.
+    epilogue_split_tiles: f32;
+    /// [`epilogue_split_tiles`] into a bf16 `y` (each value rounded once).
+    ///
+    /// # Safety
+    /// As [`epilogue_split_tiles`]; `y` holds `m n` 16-bit words.
+    epilogue_split_tiles_bf16: Bf16;
+    /// [`epilogue_split_tiles`] into an fp16 `y`.
+    ///
+    /// # Safety
+    /// As [`epilogue_split_tiles_bf16`].
+    epilogue_split_tiles_f16: F16;
+}
+
+/// Columns `c..c+4` of `row` of an `(.., n)` matrix, 0 past `n`: one 16-byte load when
+/// inside and aligned.
+///
+/// # Safety
+/// `row` and the columns below `n` are inside `src`.
+#[inline(always)]
+unsafe fn load_row4(src: *const f32, row: usize, n: usize, c: usize) -> [f32; 4] {
+    unsafe {
+        if n % 4 == 0 && c + 4 <= n {
+            load_v4_nc(src.add(row * n + c))
+        } else {
+            [0, 1, 2, 3].map(|e| if c + e < n { *src.add(row * n + c + e) } else { 0.0 })
+        }
+    }
+}
+
+/// The body of [`epilogue_split_tiles`].
+///
+/// # Safety
+/// See [`epilogue_split_tiles`].
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn split_tiles<O: Element>(
+    partials: *const f32,
+    splits: u32,
+    bias: *const f32,
+    y: *mut O,
+    save_z: *mut f32,
+    (m, n): (usize, usize),
+    ops: *const OpDesc,
+    n_ops: u32,
+) {
+    let t = thread_idx_x() as usize;
+    let (warp, lane) = (t / 32, t % 32);
+    let c = block_idx_x() as usize * TILE + lane * 4;
+    let row = block_idx_y() as usize * 2 * WARPS + warp;
+    if row >= m {
+        return;
+    }
+    let two = row + WARPS < m;
+    let mut rows = [[0.0f32; 4]; 2];
+    let mut s = 0;
+    while s < splits as usize {
+        // SAFETY: slice `s` of `partials`, rows below `m`, columns below `n`.
+        let (a, b) = unsafe {
+            let slice = partials.add(s * m * n);
+            (load_row4(slice, row, n, c), if two { load_row4(slice, row + WARPS, n, c) } else { [0.0; 4] })
+        };
+        unroll!(e in 0..4 => {
+            rows[0][e] += a[e];
+            rows[1][e] += b[e];
+        });
+        s += 1;
+    }
+    epilogue_rows(&mut rows, two, bias, save_z, row, ops, n_ops, n, c);
+    // SAFETY: rows below `m`, columns below `n`, inside `y`.
+    unsafe {
+        store_row4(y, rows[0], row, n, c);
+        if two {
+            store_row4(y, rows[1], row + WARPS, n, c);
+        }
+    }
 }

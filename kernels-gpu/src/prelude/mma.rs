@@ -79,17 +79,6 @@ pub unsafe fn st_shared_b32(addr: u32, v: u32) {
     unsafe { asm!("st.shared.b32 [{a}], {v};", a = in(reg32) addr, v = in(reg32) v, options(nostack, preserves_flags)) }
 }
 
-/// Loads one 32-bit word from shared memory.
-///
-/// # Safety
-/// `addr` is a 4-byte aligned shared address inside the block's allocation.
-#[inline(always)]
-pub unsafe fn ld_shared_b32(addr: u32) -> u32 {
-    let v: u32;
-    unsafe { asm!("ld.shared.b32 {v}, [{a}];", a = in(reg32) addr, v = out(reg32) v, options(nostack, preserves_flags)) };
-    v
-}
-
 /// Makes this thread's earlier shared-memory writes (plain stores and completed
 /// `cp.async`) visible to the async proxy, which `wgmma` reads operands through. A
 /// barrier must still follow before other threads' `wgmma`s use them.

@@ -1,13 +1,63 @@
-//! Launcher of `epilogue_tiles_backward` (kernels-gpu/src/epilogue/lanes.rs): the
-//! backward of a chain the GEMM's epilogue can fuse, tile by tile.
+//! Launchers of the tile-wise chain kernels: `epilogue_tiles_backward`
+//! (kernels-gpu/src/epilogue/lanes.rs), the backward of a chain the GEMM's epilogue can
+//! fuse, tile by tile, and `epilogue_split_tiles` (kernels-gpu/src/gemm/staged.rs), that
+//! chain forward on split-K's partial products.
 
-use super::super::dispatch::tiles_backward_kernel;
+use super::super::dispatch::{split_tiles_kernel, tiles_backward_kernel};
 use super::super::{DeviceElement, DeviceTensor, Dtype, Gpu, launched};
 use super::DeviceChain;
 use crate::error::{Error, Result};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use kernel_abi::epilogue::{TILE_THREADS, TILES_BACKWARD_BLOCKS_PER_SM, tiles_backward_smem_bytes};
 use kernel_abi::gemm_fma::{MAX_GRAD_SLOTS, MAX_TILE_OPS};
+
+/// `y = chain(sum_s z[s] + bias)` over split-K's partial products `z (splits, rows, n)`
+/// of a chain the GEMM's epilogue can fuse, the sum with the bias into `save_z` if
+/// given: 16 rows of 128 columns per block.
+pub fn epilogue_split_tiles<T: DeviceElement>(
+    gpu: &Gpu,
+    chain: &DeviceChain,
+    z: &DeviceTensor,
+    bias: &CudaSlice<f32>,
+    y: &mut DeviceTensor<T>,
+    save_z: Option<&mut DeviceTensor>,
+) -> Result<()> {
+    let [splits, rows, n] = z.shape[..] else {
+        return Err(Error::Shape(format!("split-K partial products must be 3-D, got {:?}", z.shape)));
+    };
+    if y.shape != [rows, n]
+        || bias.len() != n
+        || save_z.as_ref().is_some_and(|s| s.shape != [rows, n])
+        || rows == 0
+        || n == 0
+        || z.len() > u32::MAX as usize
+    {
+        return Err(Error::Shape(format!(
+            "split-K sums of {splits} x {rows} x {n} into {:?} with {} biases",
+            y.shape,
+            bias.len()
+        )));
+    }
+    let kernel = split_tiles_kernel(T::DTYPE);
+    let func = gpu.function(kernel)?;
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(128) as u32, rows.div_ceil(16) as u32, 1),
+        block_dim: (TILE_THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (splits, rows, n, n_ops, null) = (splits as u32, rows as u32, n as u32, chain.ops.len() as u32, 0u64);
+    let mut launch = gpu.stream().launch_builder(&func);
+    launch.arg(&z.buf).arg(&splits).arg(bias).arg(&mut y.buf);
+    match save_z {
+        Some(s) => launch.arg(&mut s.buf),
+        None => launch.arg(&null),
+    };
+    launch.arg(&rows).arg(&n).arg(&chain.descs).arg(&n_ops);
+    // SAFETY: matches the kernel's signature; z holds splits * rows * n values, y and
+    // save_z rows * n, the bias n; the chain is fusable (the caller's plan) and was
+    // validated against n.
+    launched(kernel, unsafe { launch.launch(cfg) })
+}
 
 /// Whether the tile-wise backward can take `chain` (its ops must also be fusable).
 pub fn fits(chain: &DeviceChain) -> bool {

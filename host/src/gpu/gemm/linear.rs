@@ -28,9 +28,8 @@ pub fn linear_dims(x: &DeviceTensor, w: &DeviceTensor) -> Result<(usize, usize, 
 }
 
 /// The forward GEMM of a Linear layer, `y (m, n) = chain(x W^T + bias)` with `x (m, k)`
-/// and `w (n, k)`. With `splits > 1`: without a bias or chain, that many split-K partial
-/// products into `y (splits, m, n)` (no `save_z`); with them, `k` split inside a TMA
-/// kernel that finishes the tiles itself (`dispatch::Plan::Fused`).
+/// and `w (n, k)`, or with `splits > 1` that many split-K partial products into
+/// `y (splits, m, n)` (no bias, no chain, no `save_z`).
 pub struct Gemm<'a> {
     pub precision: Precision,
     x: &'a DeviceTensor,
@@ -50,12 +49,9 @@ pub fn forward_gemm<'a>(precision: Precision, x: &'a DeviceTensor, w: &'a Device
 }
 
 impl Gemm<'_> {
-    /// How it runs on a GPU of this `tuning` (see [`route`]): a split finished in the
-    /// kernel runs the unsplit forward's kernel.
+    /// How it runs on a GPU of this `tuning` (see [`route`]).
     pub fn route(&self, tuning: Tuning) -> Route {
-        let in_kernel = self.bias.is_some() || self.chain.is_some();
-        let splits = if in_kernel { 1 } else { self.splits.max(1) };
-        route(self.precision, Role::Forward { splits }, self.dims, Storage::F32, tuning.tma)
+        route(self.precision, Role::Forward { splits: self.splits.max(1) }, self.dims, Storage::F32, tuning.tma)
     }
 
     /// Queues the GEMM. `save_z`, if given, receives `x W^T + bias` before the chain.
@@ -167,9 +163,7 @@ fn launch(
 ) -> Result<()> {
     let (m, n, k, splits) = (op.m, op.n, op.k, op.splits.max(1));
     let (rows, cols) = if route.transpose_y { (n, m) } else { (m, n) };
-    // Split-K on the TMA kernels may finish the tiles in the kernel: `y (m, n)`.
-    let in_kernel = route.family == Family::Tma && splits > 1 && y.shape == [rows, cols];
-    let want: Vec<usize> = if splits > 1 && !in_kernel { vec![splits, rows, cols] } else { vec![rows, cols] };
+    let want: Vec<usize> = if splits > 1 { vec![splits, rows, cols] } else { vec![rows, cols] };
     let tk = route.layout == Layout::Tk;
     if route.transpose_y && (!tk || op.bias.is_some() || op.chain.is_some()) {
         return Err(Error::Shape("a transposed GEMM output takes layout Tk and no bias or chain".into()));
@@ -181,13 +175,13 @@ fn launch(
     if route.family == Family::Tma && tk && (save_z.is_some() || splits > 1) {
         return Err(Error::Unsupported(format!("`{}` takes no split-K or saved output for Tk", route.kernel)));
     }
-    if splits > 1 && !in_kernel && (op.bias.is_some() || op.chain.is_some()) {
+    if splits > 1 && (op.bias.is_some() || op.chain.is_some()) {
         return Err(Error::Unsupported("split-K into partial products takes no bias or chain".into()));
     }
     if y.shape != want {
         return Err(Error::Shape(format!("GEMM output must be {want:?}, got {:?}", y.shape)));
     }
-    if save_z.as_ref().is_some_and(|z| z.shape != [m, n]) || (splits > 1 && !in_kernel && save_z.is_some()) {
+    if save_z.as_ref().is_some_and(|z| z.shape != [m, n]) || (splits > 1 && save_z.is_some()) {
         return Err(Error::Shape(format!("saved GEMM output must be [{m}, {n}] and not split")));
     }
     let (a_len, b_len) = match route.layout {

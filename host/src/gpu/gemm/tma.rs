@@ -235,8 +235,8 @@ pub fn launch_forward(
 }
 
 /// Launches the forward-signature `kernel` (`y` of type `O`) over its tensor maps, its
-/// `k` in `splits` ranges: then `y` is FP32 `(splits, m, n)`, with no bias, chain or
-/// saved `z`.
+/// `k` in `splits` ranges (kernels-gpu's `gemm::tma::forward`): then `y` is FP32
+/// `(splits, m, n)`, each range's raw sums in its slice, with no bias, chain or saved `z`.
 #[allow(clippy::too_many_arguments)]
 fn launch_with_maps<O: DeviceElement>(
     gpu: &Gpu,
@@ -251,43 +251,27 @@ fn launch_with_maps<O: DeviceElement>(
     save_z: Option<&mut DeviceTensor>,
     scales: Option<(&CudaSlice<f32>, &CudaSlice<f32>)>,
 ) -> Result<()> {
-    let raw = splits > 1 && y.shape == [splits, m, n];
-    if raw && (O::DTYPE != Dtype::F32 || bias.is_some() || chain.is_some() || save_z.is_some()) {
+    let split_k = [Kernel::GemmTmaBf16Nt, Kernel::GemmTmaF16Nt, Kernel::GemmTmaTf32x3Nt].contains(&kernel);
+    if splits > 1 && (!split_k || bias.is_some() || chain.is_some() || save_z.is_some()) {
         return Err(Error::Unsupported(format!(
-            "`{kernel}` split {splits} ways into raw FP32 partial products takes no bias, chain, saved `z` or {} output",
-            O::NAME
+            "`{kernel}` split {splits} ways: only the bf16, fp16 and 3xTF32 forwards split, into raw FP32 \
+             partial products (no bias, chain or saved `z`)"
         )));
     }
-    if !(raw || y.shape == [m, n]) || splits * m * n > u32::MAX as usize {
+    let want = if splits > 1 { vec![splits, m, n] } else { vec![m, n] };
+    if y.shape != want || splits * m * n > u32::MAX as usize {
         return Err(Error::Shape(format!(
-            "`{kernel}`'s output must be [{m}, {n}] (or [{splits}, {m}, {n}] split; at most 2^32 values), got {:?}",
+            "`{kernel}`'s output must be {want:?} (at most 2^32 values), got {:?}",
             y.shape
         )));
     }
-    // In-kernel split-K: the ranges' sums and each tile's arrival count (zeroed).
-    let (partials, arrivals) = if splits > 1 && !raw {
-        let tiles = m.div_ceil(BLOCK_M) * n.div_ceil(BLOCK_N);
-        // SAFETY: every unit writes its slice before the tile's last unit reads it.
-        let partials = unsafe { gpu.alloc_buf::<f32>(stream, splits * m * n)? };
-        (Some(partials), Some(gpu.zeroed_buf::<u32>(stream, tiles)?))
-    } else {
-        (None, None)
-    };
     let Persistent { maps, func, cfg } = persistent(gpu, stream, kernel, arith, maps, (m, n), splits)?;
     let tail = EpilogueArgs::new(&[m, n, k], chain);
-    let (splits32, null) = (splits as u32, 0u64);
+    let splits32 = splits as u32;
     let mut launch = stream.launch_builder(&func);
     launch.arg(&maps);
     tail.push(&mut launch, bias, y, save_z, chain);
     launch.arg(&splits32);
-    match &partials {
-        Some(p) => launch.arg(&*p.slice),
-        None => launch.arg(&null),
-    };
-    match &arrivals {
-        Some(a) => launch.arg(&*a.slice),
-        None => launch.arg(&null),
-    };
     if let Some((rows, cols)) = scales {
         launch.arg(rows).arg(cols);
     }
@@ -352,7 +336,7 @@ pub fn launch_half<H: HalfElement, O: DeviceElement>(
 ) -> Result<()> {
     let (kernel, splits) = (route.kernel, splits.max(1));
     let half_out = O::DTYPE == H::DTYPE;
-    let out_shape_ok = y.shape == [m, n] || (splits > 1 && y.shape == [splits, m, n]);
+    let out_shape_ok = if splits > 1 { y.shape == [splits, m, n] } else { y.shape == [m, n] };
     if half_layout::<H>(kernel) != Some(route.layout) || stores_by_tma(kernel) != half_out {
         return Err(Error::Unsupported(format!(
             "`{kernel}` is no {} {:?} kernel writing {}",

@@ -10,8 +10,7 @@ use crate::epilogue::fragments::{
 };
 use crate::prelude::bulk_copy::*;
 use crate::prelude::element::{Bf16, Element, F16, Half};
-use crate::prelude::mma::{fence_proxy_async_shared, ld_shared_b32, ld_shared_v4, st_shared_b32, st_shared_v4, tf32_residual};
-use crate::prelude::sync::{atomic_add_gpu, fence_acq_rel_gpu, store_gpu};
+use crate::prelude::mma::{fence_proxy_async_shared, ld_shared_v4, st_shared_v4, tf32_residual};
 use crate::prelude::wgmma::*;
 use crate::prelude::*;
 use crate::unroll;
@@ -25,9 +24,15 @@ const MN_BOX_BYTES: u32 = 64 * 64 * 2;
 /// 16-bit operand type (ignored without `HALF`), whether `A` and `B` are stored MN-major
 /// (`TRANS_A`, `TRANS_B`: 16-bit only), whether the epilogue runs a chain (`CHAIN`; else
 /// it only stores), and the output's element type (one signature: the two tensor maps,
-/// then as `fma::gemm_fma` with `y` of that type, then the split-K arguments: [`Split`]).
+/// then as `fma::gemm_fma` with `y` of that type, then the split count).
+///
+/// Split-K (`splits > 1`, an FP32 `y`, no bias, saved `z` or chain: null and 0): each
+/// tile's `k` in `splits` ranges of whole k-tiles, one work unit each, each range's
+/// sums stored raw into its own `(m, n)` slice of `y (splits, m, n)` for a second
+/// kernel to add. With few rows the tiles alone leave most SMs idle (128 x 4096 x 4096
+/// is 16 tiles), and a tile's `k` loop is a latency however few run.
 macro_rules! gemm_tma_entries {
-    ($($(#[$doc:meta])* $name:ident = <$split:literal, $half:literal, $h:ty, $ta:literal, $tb:literal, $chain:literal, $out:ty>;)*) => {$(
+    ($($(#[$doc:meta])* $name:ident = <$split:literal, $half:literal, $h:ty, $ta:literal, $tb:literal, $chain:literal, $out:ty, $split_k:literal>;)*) => {$(
         $(#[$doc])*
         #[unsafe(no_mangle)]
         #[allow(clippy::too_many_arguments)]
@@ -42,12 +47,9 @@ macro_rules! gemm_tma_entries {
             ops: *const OpDesc,
             n_ops: u32,
             splits: u32,
-            partials: *mut f32,
-            arrivals: *mut u32,
         ) {
             let no_scales = (core::ptr::null(), core::ptr::null());
-            let split = Split { splits, partials, arrivals };
-            unsafe { gemm_tma::<$split, $half, $h, $ta, $tb, $chain, $out, false>(maps, bias, y, save_z, (m, n, k), ops, n_ops, split, no_scales) }
+            unsafe { gemm_tma::<$split, $half, $h, $ta, $tb, $chain, $out, false, $split_k>(maps, bias, y, save_z, (m, n, k), ops, n_ops, splits, no_scales) }
         }
     )*};
 }
@@ -71,14 +73,11 @@ macro_rules! gemm_tma_e4m3_entries {
             ops: *const OpDesc,
             n_ops: u32,
             splits: u32,
-            partials: *mut f32,
-            arrivals: *mut u32,
             inv_row_scales: *const f32,
             inv_col_scales: *const f32,
         ) {
             let scales = (inv_row_scales, inv_col_scales);
-            let split = Split { splits, partials, arrivals };
-            unsafe { gemm_tma::<false, false, $h, false, false, true, $out, true>(maps, bias, y, save_z, (m, n, k), ops, n_ops, split, scales) }
+            unsafe { gemm_tma::<false, false, $h, false, false, true, $out, true, false>(maps, bias, y, save_z, (m, n, k), ops, n_ops, splits, scales) }
         }
     )*};
 }
@@ -119,7 +118,7 @@ gemm_tma_entries! {
     /// The maps describe readable `f32` tensors of `(m, k)` and `(n, k)` in global memory;
     /// `y` holds `m * n` floats; bias, `save_z` and `ops` as in `fma::gemm_fma`; `THREADS`
     /// threads, dynamic shared memory `SMEM_BYTES`, any grid; an sm_90a device.
-    gemm_tma_tf32_nt = <false, false, Bf16, false, false, true, f32>;
+    gemm_tma_tf32_nt = <false, false, Bf16, false, false, true, f32, false>;
 
     /// [`gemm_tma_tf32_nt`] in 3xTF32 (FP32-level accuracy): each stage also holds the
     /// FP32 residuals `x - tf32(x)` of its `A` and `B` tiles, which the consumers write
@@ -131,7 +130,7 @@ gemm_tma_entries! {
     ///
     /// # Safety
     /// As [`gemm_tma_tf32_nt`], with `SPLIT_SMEM_BYTES` of shared memory.
-    gemm_tma_tf32x3_nt = <true, false, Bf16, false, false, true, f32>;
+    gemm_tma_tf32x3_nt = <true, false, Bf16, false, false, true, f32, true>;
 
     /// [`gemm_tma_tf32_nt`] in bf16: `A` and `B` are bf16 copies of `x` and `W` (rounded to
     /// nearest), their tensor maps with `64 x 128` and `64 x 256` boxes (128-byte rows of
@@ -141,7 +140,7 @@ gemm_tma_entries! {
     ///
     /// # Safety
     /// As [`gemm_tma_tf32_nt`], the maps describing `u16` (bf16) tensors.
-    gemm_tma_bf16_nt = <false, true, Bf16, false, false, true, f32>;
+    gemm_tma_bf16_nt = <false, true, Bf16, false, false, true, f32, true>;
 
     /// [`gemm_tma_bf16_nt`] on bf16 tensors as a bf16 model keeps them: `x` and `W`
     /// read as stored (nothing rounded per call), `y` stored in bf16 (each value rounded
@@ -149,7 +148,7 @@ gemm_tma_entries! {
     ///
     /// # Safety
     /// As [`gemm_tma_bf16_nt`]; `y` holds `m * n` 16-bit words.
-    gemm_tma_bf16_nt_to_bf16 = <false, true, Bf16, false, false, true, Bf16>;
+    gemm_tma_bf16_nt_to_bf16 = <false, true, Bf16, false, false, true, Bf16, false>;
 
     /// `dX (m, n) = dZ (m, k) W (k, n)` on bf16 tensors as stored: `A` = `dZ`
     /// `k`-contiguous (its map as the forward's `A`), `B` = `W` `n`-contiguous
@@ -158,7 +157,7 @@ gemm_tma_entries! {
     ///
     /// # Safety
     /// As [`gemm_tma_bf16_nt_to_bf16`], `B`'s map describing a `(k, n)` tensor.
-    gemm_tma_bf16_nn_to_bf16 = <false, true, Bf16, false, true, false, Bf16>;
+    gemm_tma_bf16_nn_to_bf16 = <false, true, Bf16, false, true, false, Bf16, false>;
 
     /// `dW (m, n) = dZ^T X` on bf16 tensors as stored: `A` = `dZ (k, m)`, `B` =
     /// `X (k, n)`, both MN-major (boxes of 64 x 64, two per `A` tile and four per `B`
@@ -166,60 +165,41 @@ gemm_tma_entries! {
     ///
     /// # Safety
     /// As [`gemm_tma_bf16_nn_to_bf16`], `A`'s map describing a `(k, m)` tensor.
-    gemm_tma_bf16_tn_to_bf16 = <false, true, Bf16, true, true, false, Bf16>;
+    gemm_tma_bf16_tn_to_bf16 = <false, true, Bf16, true, true, false, Bf16, false>;
 
     /// [`gemm_tma_bf16_tn_to_bf16`] with an FP32 `y`: the folded weight's gradient of a
     /// leading AvgPool, spread over the whole weight (and rounded) afterwards.
     ///
     /// # Safety
     /// As [`gemm_tma_bf16_tn_to_bf16`], `y` holding `m * n` floats.
-    gemm_tma_bf16_tn = <false, true, Bf16, true, true, false, f32>;
+    gemm_tma_bf16_tn = <false, true, Bf16, true, true, false, f32, false>;
 
     /// [`gemm_tma_bf16_nt`] in fp16: fp16 copies of FP32 `x` and `W` (or an fp16
     /// model's as stored), each `k`-step one `wgmma.m64n256k16.f32.f16.f16`.
     ///
     /// # Safety
     /// As [`gemm_tma_bf16_nt`], the maps describing fp16 tensors.
-    gemm_tma_f16_nt = <false, true, F16, false, false, true, f32>;
+    gemm_tma_f16_nt = <false, true, F16, false, false, true, f32, true>;
     /// [`gemm_tma_bf16_nt_to_bf16`] in fp16: an fp16 model's forward, `y` in fp16.
     ///
     /// # Safety
     /// As [`gemm_tma_f16_nt`]; `y` holds `m * n` 16-bit words.
-    gemm_tma_f16_nt_to_f16 = <false, true, F16, false, false, true, F16>;
+    gemm_tma_f16_nt_to_f16 = <false, true, F16, false, false, true, F16, false>;
     /// [`gemm_tma_bf16_nn_to_bf16`] in fp16: an fp16 model's `dX`.
     ///
     /// # Safety
     /// As [`gemm_tma_f16_nt_to_f16`], `B`'s map describing a `(k, n)` tensor.
-    gemm_tma_f16_nn_to_f16 = <false, true, F16, false, true, false, F16>;
+    gemm_tma_f16_nn_to_f16 = <false, true, F16, false, true, false, F16, false>;
     /// [`gemm_tma_bf16_tn_to_bf16`] in fp16: an fp16 model's `dW`.
     ///
     /// # Safety
     /// As [`gemm_tma_f16_nn_to_f16`], `A`'s map describing a `(k, m)` tensor.
-    gemm_tma_f16_tn_to_f16 = <false, true, F16, true, true, false, F16>;
+    gemm_tma_f16_tn_to_f16 = <false, true, F16, true, true, false, F16, false>;
     /// [`gemm_tma_bf16_tn`] in fp16 (a folded AvgPool weight's gradient).
     ///
     /// # Safety
     /// As [`gemm_tma_f16_tn_to_f16`], `y` holding `m * n` floats.
-    gemm_tma_f16_tn = <false, true, F16, true, true, false, f32>;
-}
-
-/// Split-K: each tile's `k` in `splits` ranges of whole k-tiles, one work unit each. With
-/// few rows the tiles alone leave most SMs idle (128 x 4096 x 4096 is 16 tiles), and a
-/// tile's `k` loop is a latency however few run. Two ways to finish:
-/// - `partials` null: each range's sums are stored raw into its own `(m, n)` slice of
-///   an FP32 `y (splits, m, n)` (no bias, saved `z` or chain: null and 0), for the
-///   row-wise epilogue to add;
-/// - `partials` (`splits m n` floats) and `arrivals` (one zeroed word per tile): each
-///   unit stores its sums into its slice of `partials` and counts itself in; the
-///   tile's last unit adds the slices in order (the same bits whichever unit is last),
-///   runs the epilogue as an unsplit tile would, and zeroes the count again.
-///
-/// `splits` 1: neither (the pointers null).
-#[derive(Clone, Copy)]
-pub struct Split {
-    pub splits: u32,
-    pub partials: *mut f32,
-    pub arrivals: *mut u32,
+    gemm_tma_f16_tn = <false, true, F16, true, true, false, f32, false>;
 }
 
 /// A barrier over warpgroup `wg`'s 128 threads: named barrier `2 + wg`. (A register id,
@@ -237,7 +217,7 @@ unsafe fn staging_barrier(wg: u32) {
 /// The body of the entry points (`SPLIT`: 3xTF32; `HALF`: 16-bit operands of type `H`,
 /// `TRANS_A`, `TRANS_B` MN-major; `CHAIN`: bias, saved `z` and chain; `O`: the output's
 /// type, `H` where it is 16-bit; `E4M3`: e4m3 operands, `scales` their inverse row and
-/// column scales).
+/// column scales; `SPLIT_K`: `splits` is read, else taken as 1).
 ///
 /// # Safety
 /// See [`gemm_tma_tf32_nt`] and [`gemm_tma_e4m3_nt`].
@@ -252,6 +232,7 @@ unsafe fn gemm_tma<
     const CHAIN: bool,
     O: Element,
     const E4M3: bool,
+    const SPLIT_K: bool,
 >(
     maps: *const u8,
     bias: *const f32,
@@ -260,7 +241,7 @@ unsafe fn gemm_tma<
     (m, n, k): (u32, u32, u32),
     ops: *const OpDesc,
     n_ops: u32,
-    Split { splits, partials, arrivals }: Split,
+    splits: u32,
     scales: (*const f32, *const f32),
 ) {
     const { assert!(!E4M3 || !(HALF || SPLIT || TRANS_A || TRANS_B), "e4m3 operands are k-major bytes") };
@@ -269,7 +250,7 @@ unsafe fn gemm_tma<
     // SAFETY: the second of the two maps.
     let (map_a, map_b) = (maps, unsafe { maps.add(128) });
     // SAFETY: every thread, first; the launch's shared memory.
-    let pipe = unsafe { Pipeline::new::<SPLIT>(maps, (m, n, k), operand_bytes, splits) };
+    let pipe = unsafe { Pipeline::<SPLIT_K>::new::<SPLIT>(maps, (m, n, k), operand_bytes, splits) };
     let Pipeline { tile_bytes, block_k, a_bytes, split_tiles, .. } = pipe;
 
     if t < 128 {
@@ -410,65 +391,24 @@ unsafe fn gemm_tma<
             // SAFETY: as above.
             unsafe { mbarrier_arrive(pipe.empty(prev)) };
         }
-        // The thread's first row: 16 warp + lane / 4 of the warpgroup's 64 (and 8 below).
-        let tile_row = (row0 + wg * 64 + warp * 16) as usize + gid;
-        // Its place in slice `j` of an `(splits m, n)` buffer, whose rows end at `m_end`.
-        let in_slice = |j: u32| {
-            let layout = Layout::Rows { row: tile_row + (j * m) as usize, col: (col0 + 2 * tig as u32) as usize, step: 8 };
-            (layout, ((j + 1) * m, n))
-        };
-        // Where the unit's sums go between runs and before the epilogue: its slice of
-        // `partials`, or of `y` (raw split-K), or `y` itself (split 0 of 1).
-        let sums = if partials.is_null() { y as *mut f32 } else { partials };
-        let (layout, sizes) = in_slice(split);
+        // The thread's first row: 16 warp + lane / 4 of the warpgroup's 64 (and 8 below),
+        // in the split's slice of `y`, seen as `(splits m, n)`: its rows end at `m_end`.
+        let row = (row0 + wg * 64 + warp * 16) as usize + gid + (split * m) as usize;
+        let m_end = (split + 1) * m;
+        let layout = Layout::Rows { row, col: (col0 + 2 * tig as u32) as usize, step: 8 };
         // (3xTF32 alone flushes, and its `y` is FP32.)
         if SPLIT && run + 1 < runs {
-            // SAFETY: the MMAs are finished; `sums` holds `splits m n` floats, and only
-            // this thread reads or writes its accumulators' places until its epilogue
+            // SAFETY: the MMAs are finished; `y` holds `splits m n` floats, and only this
+            // thread reads or writes its accumulators' places until its epilogue
             // overwrites them.
-            unsafe { flush_accumulators(&mut acc, sums, run == 0, layout, sizes) };
+            unsafe { flush_accumulators(&mut acc, y as *mut f32, run == 0, layout, (m_end, n)) };
             item += 1;
             continue;
         }
         if SPLIT && runs > 1 {
             // SAFETY: as for the flushes.
-            unsafe { add_flushed(&mut acc, sums, layout, sizes) };
+            unsafe { add_flushed(&mut acc, y as *mut f32, layout, (m_end, n)) };
         }
-        // Split-K into `partials`: the unit's sums out, then the tile's count; the last
-        // unit to arrive takes every slice back, in order, and finishes the tile.
-        let mut finish = true;
-        if splits > 1 && !partials.is_null() {
-            let tile = unit % pipe.tiles();
-            // SAFETY: `partials` holds `splits m n` floats, `arrivals` one word per tile;
-            // the arrivals' word is inside the shared memory; every consumer thread takes
-            // the barriers.
-            unsafe {
-                flush_accumulators(&mut acc, partials, true, layout, sizes);
-                fence_acq_rel_gpu();
-                named_barrier(1, CONSUMER_THREADS as u32);
-                if c == 0 {
-                    st_shared_b32(pipe.arrivals(), atomic_add_gpu(arrivals.add(tile as usize), 1));
-                }
-                named_barrier(1, CONSUMER_THREADS as u32);
-                finish = ld_shared_b32(pipe.arrivals()) + 1 == splits;
-                if finish {
-                    fence_acq_rel_gpu();
-                    let mut j = 0;
-                    while j < opaque(splits) {
-                        let (layout, sizes) = in_slice(j);
-                        add_flushed(&mut acc, partials, layout, sizes);
-                        j += 1;
-                    }
-                    if c == 0 {
-                        store_gpu(arrivals.add(tile as usize), 0);
-                    }
-                }
-            }
-        }
-        // The epilogue's rows: the tile's own, or raw split-K's slice of `y`.
-        let out_split = if partials.is_null() { split } else { 0 };
-        let row = tile_row + (out_split * m) as usize;
-        let m_end = (out_split + 1) * m;
         // The epilogue on the accumulators where they are (`epilogue::fragments`):
         // rows `row` (+ 8), columns 2 (lane % 4) + 8 j.
         // The thread's first column and the sizes, opaque to the compiler at each use:
@@ -477,8 +417,7 @@ unsafe fn gemm_tma<
         let fresh =
             |offset: u32| (opaque(col0 + 2 * tig as u32 + offset) as usize, opaque(m_end) as usize, opaque(n) as usize);
         // SAFETY: `y` and `save_z` (if not null) hold `m * n` floats; `ops` holds `n_ops`.
-        if finish {
-            unsafe {
+        unsafe {
             // The halves in a loop, not unrolled (the opaque bound), so the chain's code
             // exists once (14 k instructions instead of 28 k): unrolled, M2's three ops
             // cost 0.6 ms more than its three one-op chains together; as a loop its
@@ -537,7 +476,6 @@ unsafe fn gemm_tma<
                 v = rest;
                 h += 1;
             }
-        }
         }
         // The block's next unit's first run.
         item += opaque(grid_dim_x()) * runs - run;

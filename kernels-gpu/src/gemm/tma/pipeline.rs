@@ -42,9 +42,11 @@ fn grid_dim_x_in_place() -> u32 {
 /// walk over its work units, shared by the `nt` and `tk` bodies. A stage holds the `A`
 /// and `B` tiles (`tile_bytes`, `A` first), then with 3xTF32 their residuals in the
 /// same layout. A unit is a tile and one of `splits` ranges of `k` (split-K: each range
-/// its own partial product), units of one range first.
+/// its own partial product), units of one range first. Without `SPLIT_K` a unit is a
+/// tile (the producer's 24 registers then hold no split state: with it, the kernels that
+/// never split spilled a few bytes).
 #[derive(Clone, Copy)]
-pub(super) struct Pipeline {
+pub(super) struct Pipeline<const SPLIT_K: bool> {
     pub(super) base: u32,
     pub(super) stages: u32,
     pub(super) stage_bytes: u32,
@@ -59,7 +61,7 @@ pub(super) struct Pipeline {
     pub(super) split_tiles: u32,
 }
 
-impl Pipeline {
+impl<const SPLIT_K: bool> Pipeline<SPLIT_K> {
     /// The layout for `SPLIT` (3xTF32: four 16-deep stages with the 64-byte swizzle,
     /// so that they fit beside their residuals) or operands of `operand_bytes` bytes,
     /// and a `(m, n, k)` GEMM whose `k` is split into `splits` ranges of whole k-tiles
@@ -77,7 +79,7 @@ impl Pipeline {
         (m, n, k): (u32, u32, u32),
         operand_bytes: u32,
         splits: u32,
-    ) -> Pipeline {
+    ) -> Pipeline<SPLIT_K> {
         // The hardware swizzle is a function of address bits 7-9: stages start
         // 1024-byte aligned.
         let base = (shared_address(dynamic_shared::<f32>()) + 1023) & !1023;
@@ -91,7 +93,7 @@ impl Pipeline {
         let (stages, tile_bytes, block_k, a_bytes) = (stages as u32, tile_bytes as u32, block_k as u32, a_bytes as u32);
         let stage_bytes = if SPLIT { 2 * tile_bytes } else { tile_bytes };
         let (tiles_m, tiles_n) = (m.div_ceil(BLOCK_M as u32), n.div_ceil(BLOCK_N as u32));
-        let (k_tiles, splits) = (k.div_ceil(block_k), if splits == 0 { 1 } else { splits });
+        let (k_tiles, splits) = (k.div_ceil(block_k), if splits == 0 || !SPLIT_K { 1 } else { splits });
         let split_tiles = split_k_tiles(k_tiles, splits);
         let p = Pipeline { base, stages, stage_bytes, tile_bytes, block_k, a_bytes, tiles_m, tiles_n, k_tiles, splits, split_tiles };
         if thread_idx_x() == 0 {
@@ -130,13 +132,6 @@ impl Pipeline {
         self.full(self.stages + s)
     }
 
-    /// Shared-memory address of split-K's arrival count, handed from the thread that
-    /// counted to the others (after the barriers).
-    #[inline(always)]
-    pub(super) fn arrivals(&self) -> u32 {
-        self.full(2 * self.stages)
-    }
-
     /// Shared-memory address of the bf16-output kernels' staged half tile
     /// (`STORE_STAGING_BYTES`, after the barriers, 1024-byte aligned).
     #[inline(always)]
@@ -156,12 +151,16 @@ impl Pipeline {
 
     /// Tiles times splits.
     pub(super) fn units(&self) -> u32 {
-        self.tiles() * self.splits
+        if SPLIT_K { self.tiles() * self.splits } else { self.tiles() }
     }
 
     /// Unit `unit`'s tile origin `(row0, col0)`, its split and that split's k-tiles.
     #[inline(always)]
     pub(super) fn unit(&self, unit: u32) -> (u32, u32, u32, core::ops::Range<u32>) {
+        if !SPLIT_K {
+            let (row0, col0) = tile_origin(unit, self.tiles_m, self.tiles_n);
+            return (row0, col0, 0, 0..self.k_tiles);
+        }
         let (split, tile) = (unit / self.tiles(), unit % self.tiles());
         let (row0, col0) = tile_origin(tile, self.tiles_m, self.tiles_n);
         let k0 = split * self.split_tiles;

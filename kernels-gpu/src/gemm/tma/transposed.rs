@@ -88,7 +88,7 @@ unsafe fn gemm_tma_tk<const SPLIT: bool, const TRANS: bool>(maps: *const u8, y: 
     // SAFETY: every thread, first; the launch's shared memory. A stage: `A`'s four
     // `block_k x 32` boxes, `B`; 3xTF32: then `B`'s residual at the same offset one
     // `tile_bytes` on (the `A` residual's place stays unused).
-    let pipe = unsafe { Pipeline::new::<SPLIT>(maps, (m, n, k), 4, 1) };
+    let pipe = unsafe { Pipeline::<false>::new::<SPLIT>(maps, (m, n, k), 4, 1) };
     let Pipeline { tile_bytes, block_k, a_bytes, k_tiles, .. } = pipe;
     let sub_bytes = 32 * block_k * 4;
 
