@@ -392,12 +392,7 @@ fn residual_chains_match_reference_on_every_path() {
     let dy = random_input(300, 520, &mut rng).unwrap().to_half::<host::tensor::Bf16>();
     let block = GpuBlock::new_half(&gpu, &spec, &params).unwrap();
     let got = block.forward_backward(&gpu, &x, &dy).unwrap();
-    let (x64, dy64) = (x.to_f32().to_f64(), dy.to_f32().to_f64());
-    let p64 = params.map(|v| f64::from(v.to_f32()));
-    let want_y = reference::block_forward(&spec, &x64, &p64).unwrap();
-    let (_, want) = reference::block_backward(&spec, &x64, &p64, &dy64).unwrap();
-    let mut report = vec![("y".to_string(), compare_f32(got.y.data(), want_y.data()))];
-    report.extend(got.compare(&spec, &want));
+    let report = half_report(&spec, &params, (&x, &dy), &got);
     for (what, c) in &report {
         assert!(c.passes(host::precision::BF16_STORED_REL), "bf16 model residual: {what}: {c:?}");
     }
@@ -552,6 +547,23 @@ fn split_k_sums_match_reference() {
     }
 }
 
+/// A 16-bit model's `y` and every gradient (`got`) against the f64 reference from the
+/// same 16-bit values.
+fn half_report<H: host::gpu::HalfElement>(
+    spec: &BlockSpec,
+    params: &Params<H>,
+    (x, dy): (&Tensor<H>, &Tensor<H>),
+    got: &host::gpu::block::HostGrads,
+) -> Vec<(String, host::check::Comparison)> {
+    let (x64, dy64) = (x.to_f32().to_f64(), dy.to_f32().to_f64());
+    let p64 = params.map(|v| f64::from(v.to_f32()));
+    let want_y = reference::block_forward(spec, &x64, &p64).unwrap();
+    let (_, want) = reference::block_backward(spec, &x64, &p64, &dy64).unwrap();
+    let mut report = vec![("y".to_string(), compare_f32(got.y.data(), want_y.data()))];
+    report.extend(got.compare(spec, &want));
+    report
+}
+
 /// [`split_k_sums_match_reference`] for a 16-bit model of `H` at `(b, i, o)` with
 /// `chain`, its path described with `path_has`.
 fn split_k_half_model<H: host::gpu::HalfElement>(
@@ -570,12 +582,7 @@ fn split_k_half_model<H: host::gpu::HalfElement>(
     let path = block.describe(gpu, &block.plan(gpu, b));
     assert!(path.contains(path_has) && path.contains("as stored"), "{}: {path}", H::NAME);
     let got = block.forward_backward(gpu, &x, &dy).unwrap();
-    let (x64, dy64) = (x.to_f32().to_f64(), dy.to_f32().to_f64());
-    let p64 = params.map(|v| f64::from(v.to_f32()));
-    let want_y = reference::block_forward(&spec, &x64, &p64).unwrap();
-    let (_, want) = reference::block_backward(&spec, &x64, &p64, &dy64).unwrap();
-    let mut report = vec![("y".to_string(), compare_f32(got.y.data(), want_y.data()))];
-    report.extend(got.compare(&spec, &want));
+    let report = half_report(&spec, &params, (&x, &dy), &got);
     for (what, c) in &report {
         println!("{} model split-K ({b}, {i}, {o}) {what}: rel {:.2e}  [{path}]", H::NAME, c.rel);
         assert!(c.passes(tol), "{} model split-K: {what}: {c:?}", H::NAME);
@@ -781,12 +788,7 @@ fn half_model_blocks_match_reference<H: host::gpu::HalfElement>(tol: f64, seed: 
         let dy = random_input(1, out.iter().product(), &mut rng).unwrap().reshape(&out).unwrap().to_half::<H>();
         let block = GpuBlock::new_half(&gpu, &spec, &params).unwrap();
         let got = block.forward_backward(&gpu, &x, &dy).unwrap();
-        let (x64, dy64) = (x.to_f32().to_f64(), dy.to_f32().to_f64());
-        let p64 = params.map(|v| f64::from(v.to_f32()));
-        let want_y = reference::block_forward(&spec, &x64, &p64).unwrap();
-        let (_, want) = reference::block_backward(&spec, &x64, &p64, &dy64).unwrap();
-        let mut report = vec![("y".to_string(), compare_f32(got.y.data(), want_y.data()))];
-        report.extend(got.compare(&spec, &want));
+        let report = half_report(&spec, &params, (&x, &dy), &got);
         let worst = report.iter().map(|(_, c)| c.rel).fold(0.0, f64::max);
         println!(
             "{name} model {text:<62} ({b}, {i}, {o}) worst rel {worst:.2e}: {}",
