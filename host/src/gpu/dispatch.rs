@@ -587,7 +587,7 @@ pub fn rows_too_wide(spec: &crate::BlockSpec) -> Option<String> {
 
 /// The plan of a forward on a GPU of `sms` multiprocessors. Too few tiles to occupy
 /// the GPU, and enough `k` to share out: split `k` ([`tma_splits`] where the GEMM runs
-/// on the TMA kernels, else [`grid_splits`]). The partial products go through memory
+/// on the TMA kernels, else `grid_splits`). The partial products go through memory
 /// to the row-wise epilogue, which adds them with the bias and runs the chain.
 ///
 /// A few rows, a depth of whole 16-byte chunks (`k % 8 == 0`) and an aligned `W` not
