@@ -128,14 +128,10 @@ pub mod gemm_tma {
     pub const MIN_K: usize = 1024;
     /// The bf16 forward's k-tile: 64 values, the same 128-byte rows (and stage bytes).
     pub const BF16_BLOCK_K: usize = 64;
-    /// 3xTF32 adds its accumulators into `y` every this much `k` (the tensor cores'
-    /// truncation otherwise shrinks long sums: kernels-gpu/src/gemm/tma/flush.rs); a
-    /// split-K range runs its own flushes from its start.
-    pub const FLUSH_K: usize = 2048;
     /// The least `k` of one split-K range: below it a unit's pipeline ramp and its FP32
     /// partial product cost more than its MMAs.
     pub const MIN_SPLIT_K: usize = 256;
-    const _: () = assert!(FLUSH_K.is_multiple_of(SPLIT_BLOCK_K) && MIN_SPLIT_K.is_multiple_of(BF16_BLOCK_K));
+    const _: () = assert!(MIN_SPLIT_K.is_multiple_of(BF16_BLOCK_K));
     pub const A_BYTES: usize = BLOCK_M * BLOCK_K * 4;
     const _: () = assert!(BF16_BLOCK_K * 2 == BLOCK_K * 4);
     pub const B_BYTES: usize = BLOCK_N * BLOCK_K * 4;

@@ -112,8 +112,8 @@ impl<H: HalfElement> GpuBlock<H> {
                 launch_half(gpu, stream, &route, ab, dims, lds, (Some(&b.buf), None), z, None, 1)?;
                 epilogue_rows(gpu, &self.chain, z, None, &mut ws.y, save)
             }
-            // Split-K as stored: the partial products into FP32 `z (splits, m, n)`, which
-            // the row-wise epilogue adds with the bias before the chain.
+            // Split-K as stored: the partial products into FP32 `z (splits, m, n)`, added
+            // with the bias before the chain by a second kernel.
             (&Plan::GemmThenRows { splits }, Some(z), false) => {
                 launch_half(gpu, stream, &route, ab, dims, lds, (None, None), z, None, splits)?;
                 self.add_split_sums(gpu, z, b, &mut ws.y, save)

@@ -465,7 +465,7 @@ pub enum Plan {
     /// One kernel: the GEMM with bias and chain in its store.
     Fused,
     /// The GEMM into `z` (in `splits` partial products where `splits > 1`), then the
-    /// row-wise epilogue.
+    /// row-wise epilogue (split-K's sums of a fusable chain: tile-wise, [`split_sums`]).
     GemmThenRows { splits: usize },
     /// A few rows: a small-batch kernel, with the chain on its slabs (`chain`), or
     /// storing `z` for the row-wise epilogue; on the tensor cores (`gemv_tc_*`,
@@ -587,8 +587,8 @@ pub fn rows_too_wide(spec: &crate::BlockSpec) -> Option<String> {
 
 /// The plan of a forward on a GPU of `sms` multiprocessors. Too few tiles to occupy
 /// the GPU, and enough `k` to share out: split `k` ([`tma_splits`] where the GEMM runs
-/// on the TMA kernels, else `grid_splits`). The partial products go through memory
-/// to the row-wise epilogue, which adds them with the bias and runs the chain.
+/// on the TMA kernels, else `grid_splits`). The partial products go through memory to a
+/// second kernel, which adds them with the bias and runs the chain ([`split_sums`]).
 ///
 /// A few rows, a depth of whole 16-byte chunks (`k % 8 == 0`) and an aligned `W` not
 /// folded from an AvgPool: a small-batch kernel, which streams `W` across every SM
@@ -606,31 +606,15 @@ pub fn plan(f: Forward, sms: usize, tma: bool) -> Plan {
     }
     let unsplit = Plan::GemmThenRows { splits: 1 };
     let (precision, route) = forward_route(f, f.precision, &unsplit, true, tma);
-    if route.family == Family::Tma {
-        return tma_plan(f, precision, sms);
-    }
-    // (Split-K hands the sums to the row-wise epilogue: only where it takes the rows.)
-    let grid = grid_splits(f, sms);
-    let splits = if !f.rows_fit || grid == 1 { 1 } else { f.split_k.unwrap_or(grid) };
-    match (f.fusable, splits) {
-        (true, 1) => Plan::Fused,
-        _ => Plan::GemmThenRows { splits },
-    }
-}
-
-/// The plan of a forward on the TMA kernels ([`plan`]): its ranges into the second
-/// kernel, which adds them with the bias before the chain ([`split_sums`]). TF32's ranges
-/// run on `gemm_wgmma`, by its count ([`grid_splits`]): at 65-256 x 4096 x 4096 that was
-/// 0.061-0.072 ms, the TMA kernel's 0.066-0.080 (H100, through PyTorch, M1's chain, the
-/// row-wise epilogue after both).
-fn tma_plan(f: Forward, precision: Precision, sms: usize) -> Plan {
-    let splits = match precision {
-        _ if !f.rows_fit => 1,
-        Precision::Tf32 => match grid_splits(f, sms) {
-            1 => 1,
-            grid => f.split_k.unwrap_or(grid),
-        },
-        _ => tma_splits(f.batch, f.n, f.k, precision, sms, f.split_k),
+    // (Split-K hands the sums to a second kernel: only where the row-wise one takes the
+    // rows.) On the TMA kernels by their tiles, except TF32's ranges, which run on
+    // `gemm_wgmma` ([`route`]), by its count: at 65-256 x 4096 x 4096 that was
+    // 0.061-0.072 ms, the TMA kernel's 0.066-0.080 (H100, through PyTorch, M1's chain,
+    // the row-wise epilogue after both).
+    let splits = match (f.rows_fit, route.family, precision) {
+        (false, ..) => 1,
+        (true, Family::Tma, p) if p != Precision::Tf32 => tma_splits(f.batch, f.n, f.k, p, sms, f.split_k),
+        (true, ..) => grid_splits(f, sms),
     };
     match (f.fusable, splits) {
         (true, 1) => Plan::Fused,
@@ -650,13 +634,13 @@ pub fn tma_splits(batch: usize, n: usize, k: usize, precision: Precision, sms: u
     if tiles == 0 || 2 * tiles > sms {
         return 1;
     }
-    // The kernels' range granularity: their k-tile, 3xTF32's flush run.
-    let (step, depth) = match precision {
-        Precision::Tf32x3 => (gemm_tma::SPLIT_BLOCK_K, gemm_tma::MIN_SPLIT_K),
-        Precision::Tf32 => (gemm_tma::BLOCK_K, gemm_tma::MIN_SPLIT_K),
-        _ => (gemm_tma::BF16_BLOCK_K, gemm_tma::MIN_SPLIT_K),
+    // The kernels' range granularity: their k-tile.
+    let step = match precision {
+        Precision::Tf32x3 => gemm_tma::SPLIT_BLOCK_K,
+        Precision::Tf32 => gemm_tma::BLOCK_K,
+        _ => gemm_tma::BF16_BLOCK_K,
     };
-    let wanted = forced.unwrap_or((sms / tiles).min(k / depth).min(16)).clamp(1, 64);
+    let wanted = forced.unwrap_or((sms / tiles).min(k / gemm_tma::MIN_SPLIT_K).min(16)).clamp(1, 64);
     // The kernel gives each range `per` steps; fewer ranges than asked may cover `k`.
     let steps = k.div_ceil(step);
     steps.div_ceil(steps.div_ceil(wanted))
@@ -669,11 +653,15 @@ pub fn tma_splits(batch: usize, n: usize, k: usize, precision: Precision, sms: u
 /// split past that, a partial second wave, cost 14-18% (H100, `host forward` at 64-256
 /// rows x 4096² and 8192²: 256 x 4096 x 4096 TF32 0.087 ms in 5 splits, 0.075 in 4;
 /// 128 x 8192 x 8192 3xTF32 0.270 in 5, 0.233 in 4). The other precisions' kernels keep
-/// the rounded-up count (not measured).
+/// the rounded-up count (not measured). The tuning's count (`f.split_k`) replaces the
+/// rule's wherever the rule splits.
 fn grid_splits(f: Forward, sms: usize) -> usize {
     let tiles = f.batch.div_ceil(BLOCK_M) * f.n.div_ceil(BLOCK_N);
     if tiles * 2 >= sms || f.k < 64 * BLOCK_K {
         return 1;
+    }
+    if let Some(forced) = f.split_k {
+        return forced;
     }
     let tensor_cores = f.dtype == Dtype::F32 && matches!(f.precision, Precision::Tf32 | Precision::Tf32x3);
     let per_wave = if tensor_cores { 2 * sms / tiles } else { (2 * sms).div_ceil(tiles) };

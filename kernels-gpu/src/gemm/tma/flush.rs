@@ -14,8 +14,10 @@ use kernel_abi::gemm_tma::*;
 /// values 2-3x outside `allclose(1e-4, 1e-4)`, and M2's weight gradient (`k` = 32768)
 /// at 2.3e-4. So the 3xTF32 forward, `dW` and `dX` add their accumulators into `y` (in
 /// IEEE FP32) and restart them from zero every `FLUSH_K` of `k` (about 3% of the
-/// forward's time, t71): every `FLUSH_TILES` of 3xTF32's k-tiles.
-const FLUSH_TILES: u32 = (FLUSH_K / SPLIT_BLOCK_K) as u32;
+/// forward's time, t71). A split-K range runs its own flushes from its start.
+const FLUSH_K: u32 = 2048;
+/// `FLUSH_K` in 3xTF32's k-tiles.
+const FLUSH_TILES: u32 = FLUSH_K / SPLIT_BLOCK_K as u32;
 
 /// The runs a tile's `k_tiles` are taken in: `FLUSH_TILES` each for 3xTF32 (`SPLIT`),
 /// one otherwise.
@@ -29,13 +31,6 @@ pub(super) fn k_runs<const SPLIT: bool>(k_tiles: u32) -> u32 {
 #[inline(always)]
 pub(super) fn run_k_tiles<const SPLIT: bool>(run: u32, k_tiles: core::ops::Range<u32>) -> core::ops::Range<u32> {
     if SPLIT { k_tiles.start + run * FLUSH_TILES..k_tiles.end.min(k_tiles.start + (run + 1) * FLUSH_TILES) } else { k_tiles }
-}
-
-/// The k-tiles of each of `splits` ranges of `k_tiles` (the last may have fewer). A
-/// 3xTF32 range flushes every `FLUSH_TILES` from its own start.
-#[inline(always)]
-pub(super) fn split_k_tiles(k_tiles: u32, splits: u32) -> u32 {
-    k_tiles.div_ceil(splits)
 }
 
 /// What [`flush_quarter`] does with a quarter of the accumulators and their places in `y`.

@@ -2,7 +2,6 @@
 //! consumers' registers, the stages with their "full" and "empty" barriers, and the
 //! walk over the output's tiles.
 
-use super::flush::split_k_tiles;
 use crate::prelude::async_copy::shared_address;
 use crate::prelude::bulk_copy::*;
 use crate::prelude::*;
@@ -65,7 +64,7 @@ impl<const SPLIT_K: bool> Pipeline<SPLIT_K> {
     /// The layout for `SPLIT` (3xTF32: four 16-deep stages with the 64-byte swizzle,
     /// so that they fit beside their residuals) or operands of `operand_bytes` bytes,
     /// and a `(m, n, k)` GEMM whose `k` is split into `splits` ranges of whole k-tiles
-    /// (`flush::split_k_tiles`). Thread 0 sets
+    /// (the last may have fewer). Thread 0 sets
     /// up the barriers ("full": the producer's one arrival plus the stage's bytes;
     /// "empty": one arrival per consumer warp) and prefetches both tensor maps; then
     /// the block's only barrier.
@@ -94,7 +93,7 @@ impl<const SPLIT_K: bool> Pipeline<SPLIT_K> {
         let stage_bytes = if SPLIT { 2 * tile_bytes } else { tile_bytes };
         let (tiles_m, tiles_n) = (m.div_ceil(BLOCK_M as u32), n.div_ceil(BLOCK_N as u32));
         let (k_tiles, splits) = (k.div_ceil(block_k), if splits == 0 || !SPLIT_K { 1 } else { splits });
-        let split_tiles = split_k_tiles(k_tiles, splits);
+        let split_tiles = k_tiles.div_ceil(splits);
         let p = Pipeline { base, stages, stage_bytes, tile_bytes, block_k, a_bytes, tiles_m, tiles_n, k_tiles, splits, split_tiles };
         if thread_idx_x() == 0 {
             // SAFETY: fresh barriers inside the dynamic shared memory; valid tensor maps.
