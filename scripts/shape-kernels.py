@@ -10,9 +10,10 @@ A diagnostic for where a small shape's time goes, not a benchmark (no L2 flush, 
 
 import argparse
 import functools
+import importlib.util
+from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from fused_linear.bench import (
     DEFAULT_SWEEP_CHAIN,
@@ -24,20 +25,11 @@ from fused_linear.bench import (
     tf32_allowed,
 )
 
-
-def kernels(fn, iters: int) -> dict:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    times: dict = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
-            times[e.name] = times.get(e.name, 0.0) + e.device_time / iters / 1e3
-    return times
+# The profiler's per-kernel times, as scripts/kb-kernels.py takes them.
+_spec = importlib.util.spec_from_file_location("kb_kernels", Path(__file__).with_name("kb-kernels.py"))
+_kb = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_kb)
+kernels = _kb.kernels
 
 
 def graph_ms(fn, iters: int) -> float:
