@@ -500,3 +500,30 @@ def test_input_without_grad_skips_dx_and_keeps_parameter_gradients(precision, dt
         grads.append([p.grad.clone() for p in block.parameters()])
     for (name, _), full, part in zip(block.named_parameters(), *grads):
         assert torch.equal(full, part), f"{name}: the gradient changed without dx"
+
+
+@pytest.mark.parametrize("precision,dtype", [("tf32", torch.float32), (None, torch.bfloat16)])
+def test_outputs_and_gradients_outlive_later_calls(precision, dtype):
+    """Buffers the native calls drop are kept for their next calls on the stream (and
+    small tables by content): an output or gradient handed to PyTorch must never be
+    one of them. Two blocks' training steps, interleaved and all kept alive, then each
+    step again: every kept tensor still holds its own step's values."""
+    torch.manual_seed(11)
+    blocks = [
+        FusedLinear(1024, 512, "groupnorm(16),swish,mul,swish", precision=precision).to(CUDA, dtype),
+        FusedLinear(256, 1024, "bias,gelu,max", precision=precision).to(CUDA, dtype),
+    ]
+    kept = []
+    for step in range(6):
+        block = blocks[step % 2]
+        x = torch.randn(64 + 8 * step, block.in_features, device=CUDA, dtype=dtype, requires_grad=True)
+        y = block(x)
+        dy = torch.randn_like(y)
+        grads = torch.autograd.grad(y, [x, *block.parameters()], dy)
+        kept.append((block, x.detach(), dy, [y.detach(), *grads]))
+    for step, (block, x, dy, got) in enumerate(kept):
+        x = x.clone().requires_grad_(True)
+        y = block(x)
+        want = [y.detach(), *torch.autograd.grad(y, [x, *block.parameters()], dy)]
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), f"step {step}, output {i}: changed by later calls"

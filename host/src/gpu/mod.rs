@@ -31,7 +31,7 @@ use kernel_abi::Kernel;
 use limits::oom_or;
 pub use limits::{MAX_BATCH, check_device_memory, check_launch_sizes};
 pub use memory::{DeviceAllocator, DeviceBuf, DeviceElement, DeviceTensor, Dtype, ElementKind, HalfElement, Table};
-use memory::{Owner, SideFrees, Tables};
+use memory::{Owner, SPARE_MAX_BYTES, SideFrees, Spares, Tables};
 use std::sync::Arc;
 pub use tuning::Tuning;
 
@@ -51,6 +51,15 @@ pub struct DeviceProps {
     pub total_memory: usize,
 }
 
+/// What [`Gpu::on_stream`] keeps for each stream a framework lent: its tables, its
+/// side-stream tables and its spare buffers.
+#[derive(Clone, Default)]
+struct Lent {
+    tables: Tables,
+    side_tables: Tables,
+    spares: Spares,
+}
+
 /// An open GPU: context, one stream, the kernel module. Cloning shares them.
 #[derive(Clone)]
 pub struct Gpu {
@@ -60,8 +69,12 @@ pub struct Gpu {
     allocator: Option<Arc<dyn DeviceAllocator>>,
     /// Small tables the main stream's launches read, by content ([`Gpu::words`]).
     tables: Tables,
-    /// Those of the other streams a framework lent ([`Gpu::on_stream`]), by stream.
-    lent_tables: Arc<std::sync::Mutex<std::collections::HashMap<u64, Tables>>>,
+    /// Those the side stream's launches read for work ordered after this main stream's.
+    side_tables: Tables,
+    /// The allocator's small buffers this main stream dropped, for its next calls.
+    spares: Spares,
+    /// The tables and spare buffers of each stream a framework lent ([`Gpu::on_stream`]).
+    lent: Arc<std::sync::Mutex<std::collections::HashMap<u64, Lent>>>,
     /// The allocator's handles of buffers allocated for the side stream, held until the
     /// main stream is ordered after it ([`Gpu::order`]): an allocator hands freed memory
     /// out again in the order of the stream it belongs to (the main one), not of the
@@ -204,7 +217,7 @@ impl Gpu {
         let side = ctx.new_stream_with_priority(least).map_err(|e| Error::cuda("creating a stream", e))?;
         let module =
             ctx.load_module(Ptx::from_src(KERNELS_PTX)).map_err(|e| Error::cuda("loading the kernel module", e))?;
-        let (tables, lent_tables, side_frees) = Default::default();
+        let (tables, side_tables, spares, lent, side_frees) = Default::default();
         let tuning = Tuning::default();
         let functions = Arc::new(Functions::default());
         Ok(Gpu {
@@ -212,7 +225,9 @@ impl Gpu {
             stream,
             allocator: None,
             tables,
-            lent_tables,
+            side_tables,
+            spares,
+            lent,
             side_frees,
             side,
             module,
@@ -244,8 +259,9 @@ impl Gpu {
     pub unsafe fn on_stream(&self, cu_stream: u64, allocator: Option<Arc<dyn DeviceAllocator>>) -> Gpu {
         // SAFETY: the caller's contract.
         let stream = unsafe { self.ctx.wrap_borrowed_stream(cu_stream as cudarc::driver::sys::CUstream) };
-        let tables = self.lent_tables.lock().unwrap_or_else(|p| p.into_inner()).entry(cu_stream).or_default().clone();
-        Gpu { stream, allocator, tables, side_frees: SideFrees::default(), ..self.clone() }
+        let Lent { tables, side_tables, spares } =
+            self.lent.lock().unwrap_or_else(|p| p.into_inner()).entry(cu_stream).or_default().clone();
+        Gpu { stream, allocator, tables, side_tables, spares, side_frees: SideFrees::default(), ..self.clone() }
     }
 
     /// A buffer of `len` values of `T` over memory someone else owns (raw bytes, scales:
@@ -316,15 +332,25 @@ impl Gpu {
                 };
                 let whole = [len];
                 let shape = if shape.iter().product::<usize>() == len { shape } else { &whole };
-                let (ptr, keep) = match kind {
-                    ElementKind::Bytes => alloc.allocate(&[bytes], kind)?,
-                    _ => alloc.allocate(shape, kind)?,
+                let main = Arc::ptr_eq(stream, &self.stream);
+                // A small buffer of the main stream comes from (and goes back to) the
+                // spares, except while the stream is captured into a graph.
+                let spares =
+                    (main && bytes <= SPARE_MAX_BYTES && !self.capturing(stream)?).then(|| self.spares.clone());
+                let (ptr, keep) = match spares.as_ref().and_then(|s| s.take(bytes, kind)) {
+                    Some(kept) => kept,
+                    None if kind == ElementKind::Bytes => alloc.allocate(&[bytes], kind)?,
+                    None => alloc.allocate(shape, kind)?,
                 };
                 // SAFETY: the allocator handed out `bytes` on this device; the slice is
                 // leaked, not freed, when the buffer drops, and `keep` frees it then.
                 let slice = unsafe { stream.upgrade_device_ptr::<T>(ptr, len) };
-                let defer = (!Arc::ptr_eq(stream, &self.stream)).then(|| self.side_frees.clone());
-                Ok(DeviceBuf::new(slice, Owner::External(keep), defer))
+                let defer = (!main).then(|| self.side_frees.clone());
+                let buf = DeviceBuf::new(slice, Owner::External(keep), defer);
+                Ok(match spares {
+                    Some(spares) => buf.kept_by(spares, bytes, kind),
+                    None => buf,
+                })
             }
         }
     }
@@ -349,17 +375,28 @@ impl Gpu {
     /// than copied from host memory: a CUDA graph captures the words with the launch,
     /// and no pageable host copy is queued on the stream.
     ///
-    /// Tables of the main stream are kept and handed out again for the same words
-    /// (by content), except while the stream is being captured into a graph: a
-    /// captured `store_words` writes nothing until the graph is replayed.
+    /// Tables of the main stream, and of the side stream, are kept and handed out
+    /// again for the same words (by content) on the same stream, except while the
+    /// stream is being captured into a graph: a captured `store_words` writes nothing
+    /// until the graph is replayed.
     pub fn words(&self, stream: &Arc<CudaStream>, words: &[u64]) -> Result<Table> {
-        let reusable = Arc::ptr_eq(stream, &self.stream) && !self.capturing(stream)?;
-        if reusable && let Some(table) = self.tables.get(words) {
+        let kept = if Arc::ptr_eq(stream, &self.stream) {
+            Some(&self.tables)
+        } else if Arc::ptr_eq(stream, &self.side) {
+            Some(&self.side_tables)
+        } else {
+            None
+        };
+        let kept = match kept {
+            Some(tables) if !self.capturing(stream)? => Some(tables),
+            _ => None,
+        };
+        if let Some(table) = kept.and_then(|t| t.get(words)) {
             return Ok(table);
         }
         let table = Table(Arc::new(self.write_words(stream, words)?));
-        if reusable {
-            self.tables.insert(words, &table);
+        if let Some(tables) = kept {
+            tables.insert(words, &table);
         }
         Ok(table)
     }
