@@ -23,7 +23,15 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 
 from . import _native
 
-__all__ = ["PRECISIONS", "PRESETS", "FusedLinear", "clear_fp8_cache", "fuse", "fused_linear"]
+__all__ = [
+    "PRECISIONS",
+    "PRESETS",
+    "FusedLinear",
+    "clear_fp8_cache",
+    "fuse",
+    "fused_linear",
+    "release_buffers",
+]
 __version__ = _native.__version__
 
 #: The GEMMs' arithmetic (the epilogue is always FP32): strict FP32 on the FMA units;
@@ -176,6 +184,15 @@ def _fp8_weight(weight: Tensor, precision: str, ops: str) -> Optional[List[Tenso
         _FP8_WATCHED.add(id(weight))
     _FP8_CACHE[id(weight)] = (key, quantised)
     return quantised
+
+
+def release_buffers() -> None:
+    """Gives back the memory the GPU calls keep between calls: small temporary buffers
+    (up to 32 MB per stream) and the small tables their kernels read, kept so that the
+    next call on the stream does not allocate and write them again. They stay
+    allocated in PyTorch's caching allocator until released; ``torch.cuda.empty_cache()``
+    afterwards returns the memory to the device. The next calls allocate afresh."""
+    _native.release_buffers()
 
 
 def clear_fp8_cache() -> None:

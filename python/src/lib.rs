@@ -1190,6 +1190,15 @@ fn ops(py: Python<'_>) -> PyResult<Vec<Bound<'_, pyo3::types::PyDict>>> {
         .collect()
 }
 
+/// Frees the buffers and tables the GPU calls keep between calls ([`Gpu::release_kept`]).
+#[pyfunction]
+fn release_buffers() -> PyResult<()> {
+    guarded(|| {
+        Gpu::release_kept();
+        Ok(())
+    })
+}
+
 /// Raises a Rust panic inside the boundary, for the tests of the boundary itself.
 #[pyfunction]
 fn _raise_panic(message: &str) -> PyResult<()> {
@@ -1209,6 +1218,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(parse_chain, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_limit, m)?)?;
     m.add_function(wrap_pyfunction!(ops, m)?)?;
+    m.add_function(wrap_pyfunction!(release_buffers, m)?)?;
     m.add_function(wrap_pyfunction!(_raise_panic, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

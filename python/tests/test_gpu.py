@@ -527,3 +527,22 @@ def test_outputs_and_gradients_outlive_later_calls(precision, dtype):
         want = [y.detach(), *torch.autograd.grad(y, [x, *block.parameters()], dy)]
         for i, (a, b) in enumerate(zip(got, want)):
             assert torch.equal(a, b), f"step {step}, output {i}: changed by later calls"
+
+
+def test_release_buffers_gives_back_what_the_calls_keep():
+    """The spare buffers and tables a stream keeps are PyTorch allocations, and
+    release_buffers() frees them; the calls after it are unchanged."""
+    torch.manual_seed(12)
+    block = FusedLinear(1024, 256, "groupnorm(8),swish,mul,swish").to(CUDA, torch.bfloat16)
+    x = torch.randn(48, 1024, device=CUDA, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = block(x)
+    for _ in range(3):
+        xg = x.clone().requires_grad_(True)
+        block(xg).backward(torch.ones_like(want))
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    fused_linear.release_buffers()
+    assert torch.cuda.memory_allocated() < held
+    with torch.no_grad():
+        assert torch.equal(block(x), want)

@@ -294,3 +294,14 @@ def test_the_registry_reaches_python():
     ]
     with pytest.raises(ValueError, match="ops"):
         _native.parse_chain("swish,nope")
+
+
+def test_release_buffers_is_harmless_on_the_cpu():
+    """Nothing is kept for CPU calls: release_buffers() frees nothing and the block runs
+    as before (the GPU side is tested in test_gpu.py)."""
+    torch.manual_seed(3)
+    block = FusedLinear(16, 32, M1)
+    x = torch.randn(5, 16)
+    y = block(x)
+    fused_linear.release_buffers()
+    assert torch.equal(block(x), y)

@@ -167,6 +167,18 @@ impl Gpu {
         Ok(g)
     }
 
+    /// Gives back to their allocators what the calls on lent streams keep between calls
+    /// (spare buffers, tables), on every GPU [`Gpu::shared`] opened: memory a
+    /// framework's own cache emptying cannot reach while these hold it. Each buffer is
+    /// freed in its stream's order; the next calls allocate and write tables afresh.
+    pub fn release_kept() {
+        let gpus: Vec<Gpu> = SHARED.lock().unwrap_or_else(|p| p.into_inner()).iter().flatten().cloned().collect();
+        for g in gpus {
+            let lent = std::mem::take(&mut *g.lent.lock().unwrap_or_else(|p| p.into_inner()));
+            drop(lent);
+        }
+    }
+
     /// Opens device `ordinal` and loads the kernels. Never panics: a missing driver,
     /// no device or a device older than Hopper are errors saying so.
     pub fn open(ordinal: usize) -> Result<Gpu> {
