@@ -24,6 +24,22 @@ pub const CONVERT_F32_TO_F16: u32 = 4;
 pub mod kernels;
 pub use kernels::{Kernel, LaunchBounds};
 
+/// `a == b` for strings, in a `const fn`.
+pub const fn same_str(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
 /// The `wgmma` family (sm_90a): two warpgroups per block, operands read by the tensor
 /// cores from 128-byte-swizzled shared memory.
 pub mod gemm_wgmma {
@@ -132,6 +148,24 @@ pub mod gemm_tma {
     /// partial product cost more than its MMAs.
     pub const MIN_SPLIT_K: usize = 256;
     const _: () = assert!(MIN_SPLIT_K.is_multiple_of(BF16_BLOCK_K));
+    /// The forwards that split `k` (a work unit per tile and range of `k`): the 16-bit
+    /// and 3xTF32 ones. The others walk whole tiles only, so their producer's 24
+    /// registers hold no split state (with it they spilled a few bytes).
+    pub const SPLIT_K_KERNELS: [crate::Kernel; 3] =
+        [crate::Kernel::GemmTmaBf16Nt, crate::Kernel::GemmTmaF16Nt, crate::Kernel::GemmTmaTf32x3Nt];
+
+    /// Whether the entry point `name` is one of [`SPLIT_K_KERNELS`] (a `const fn`: the
+    /// kernels' entry points are instantiated from it).
+    pub const fn splits_k(name: &str) -> bool {
+        let mut i = 0;
+        while i < SPLIT_K_KERNELS.len() {
+            if crate::same_str(SPLIT_K_KERNELS[i].name(), name) {
+                return true;
+            }
+            i += 1;
+        }
+        false
+    }
     pub const A_BYTES: usize = BLOCK_M * BLOCK_K * 4;
     const _: () = assert!(BF16_BLOCK_K * 2 == BLOCK_K * 4);
     pub const B_BYTES: usize = BLOCK_N * BLOCK_K * 4;
@@ -403,4 +437,20 @@ pub mod gemm_fma {
     /// Group sizes the fused GroupNorm handles (power of two in this range).
     pub const MIN_FUSED_GROUP: usize = 4;
     pub const MAX_FUSED_GROUP: usize = BLOCK_N;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_k_names_exactly_the_listed_kernels() {
+        for k in Kernel::ALL {
+            assert_eq!(gemm_tma::splits_k(k.name()), gemm_tma::SPLIT_K_KERNELS.contains(k), "{k:?}");
+        }
+        assert!(gemm_tma::splits_k("gemm_tma_bf16_nt"));
+        assert!(!gemm_tma::splits_k("gemm_tma_bf16_nt_to_bf16"));
+        assert!(!gemm_tma::splits_k("gemm_tma_bf16_n"));
+        assert!(same_str("", "") && !same_str("a", "") && !same_str("ab", "ac"));
+    }
 }

@@ -251,7 +251,7 @@ fn launch_with_maps<O: DeviceElement>(
     save_z: Option<&mut DeviceTensor>,
     scales: Option<(&CudaSlice<f32>, &CudaSlice<f32>)>,
 ) -> Result<()> {
-    let split_k = [Kernel::GemmTmaBf16Nt, Kernel::GemmTmaF16Nt, Kernel::GemmTmaTf32x3Nt].contains(&kernel);
+    let split_k = kernel_abi::gemm_tma::SPLIT_K_KERNELS.contains(&kernel);
     if splits > 1 && (!split_k || bias.is_some() || chain.is_some() || save_z.is_some()) {
         return Err(Error::Unsupported(format!(
             "`{kernel}` split {splits} ways: only the bf16, fp16 and 3xTF32 forwards split, into raw FP32 \

@@ -26,13 +26,15 @@ const MN_BOX_BYTES: u32 = 64 * 64 * 2;
 /// it only stores), and the output's element type (one signature: the two tensor maps,
 /// then as `fma::gemm_fma` with `y` of that type, then the split count).
 ///
-/// Split-K (`splits > 1`, an FP32 `y`, no bias, saved `z` or chain: null and 0): each
+/// Split-K (the kernels `kernel_abi::gemm_tma::SPLIT_K_KERNELS` names, which the host
+/// checks by the same list; the others take `splits` as 1. `splits > 1`, an FP32 `y`, no
+/// bias, saved `z` or chain: null and 0): each
 /// tile's `k` in `splits` ranges of whole k-tiles, one work unit each, each range's
 /// sums stored raw into its own `(m, n)` slice of `y (splits, m, n)` for a second
 /// kernel to add. With few rows the tiles alone leave most SMs idle (128 x 4096 x 4096
 /// is 16 tiles), and a tile's `k` loop is a latency however few run.
 macro_rules! gemm_tma_entries {
-    ($($(#[$doc:meta])* $name:ident = <$split:literal, $half:literal, $h:ty, $ta:literal, $tb:literal, $chain:literal, $out:ty, $split_k:literal>;)*) => {$(
+    ($($(#[$doc:meta])* $name:ident = <$split:literal, $half:literal, $h:ty, $ta:literal, $tb:literal, $chain:literal, $out:ty>;)*) => {$(
         $(#[$doc])*
         #[unsafe(no_mangle)]
         #[allow(clippy::too_many_arguments)]
@@ -49,7 +51,8 @@ macro_rules! gemm_tma_entries {
             splits: u32,
         ) {
             let no_scales = (core::ptr::null(), core::ptr::null());
-            unsafe { gemm_tma::<$split, $half, $h, $ta, $tb, $chain, $out, false, $split_k>(maps, bias, y, save_z, (m, n, k), ops, n_ops, splits, no_scales) }
+            const SPLIT_K: bool = kernel_abi::gemm_tma::splits_k(stringify!($name));
+            unsafe { gemm_tma::<$split, $half, $h, $ta, $tb, $chain, $out, false, SPLIT_K>(maps, bias, y, save_z, (m, n, k), ops, n_ops, splits, no_scales) }
         }
     )*};
 }
@@ -118,7 +121,7 @@ gemm_tma_entries! {
     /// The maps describe readable `f32` tensors of `(m, k)` and `(n, k)` in global memory;
     /// `y` holds `m * n` floats; bias, `save_z` and `ops` as in `fma::gemm_fma`; `THREADS`
     /// threads, dynamic shared memory `SMEM_BYTES`, any grid; an sm_90a device.
-    gemm_tma_tf32_nt = <false, false, Bf16, false, false, true, f32, false>;
+    gemm_tma_tf32_nt = <false, false, Bf16, false, false, true, f32>;
 
     /// [`gemm_tma_tf32_nt`] in 3xTF32 (FP32-level accuracy): each stage also holds the
     /// FP32 residuals `x - tf32(x)` of its `A` and `B` tiles, which the consumers write
@@ -130,7 +133,7 @@ gemm_tma_entries! {
     ///
     /// # Safety
     /// As [`gemm_tma_tf32_nt`], with `SPLIT_SMEM_BYTES` of shared memory.
-    gemm_tma_tf32x3_nt = <true, false, Bf16, false, false, true, f32, true>;
+    gemm_tma_tf32x3_nt = <true, false, Bf16, false, false, true, f32>;
 
     /// [`gemm_tma_tf32_nt`] in bf16: `A` and `B` are bf16 copies of `x` and `W` (rounded to
     /// nearest), their tensor maps with `64 x 128` and `64 x 256` boxes (128-byte rows of
@@ -140,7 +143,7 @@ gemm_tma_entries! {
     ///
     /// # Safety
     /// As [`gemm_tma_tf32_nt`], the maps describing `u16` (bf16) tensors.
-    gemm_tma_bf16_nt = <false, true, Bf16, false, false, true, f32, true>;
+    gemm_tma_bf16_nt = <false, true, Bf16, false, false, true, f32>;
 
     /// [`gemm_tma_bf16_nt`] on bf16 tensors as a bf16 model keeps them: `x` and `W`
     /// read as stored (nothing rounded per call), `y` stored in bf16 (each value rounded
@@ -148,7 +151,7 @@ gemm_tma_entries! {
     ///
     /// # Safety
     /// As [`gemm_tma_bf16_nt`]; `y` holds `m * n` 16-bit words.
-    gemm_tma_bf16_nt_to_bf16 = <false, true, Bf16, false, false, true, Bf16, false>;
+    gemm_tma_bf16_nt_to_bf16 = <false, true, Bf16, false, false, true, Bf16>;
 
     /// `dX (m, n) = dZ (m, k) W (k, n)` on bf16 tensors as stored: `A` = `dZ`
     /// `k`-contiguous (its map as the forward's `A`), `B` = `W` `n`-contiguous
@@ -157,7 +160,7 @@ gemm_tma_entries! {
     ///
     /// # Safety
     /// As [`gemm_tma_bf16_nt_to_bf16`], `B`'s map describing a `(k, n)` tensor.
-    gemm_tma_bf16_nn_to_bf16 = <false, true, Bf16, false, true, false, Bf16, false>;
+    gemm_tma_bf16_nn_to_bf16 = <false, true, Bf16, false, true, false, Bf16>;
 
     /// `dW (m, n) = dZ^T X` on bf16 tensors as stored: `A` = `dZ (k, m)`, `B` =
     /// `X (k, n)`, both MN-major (boxes of 64 x 64, two per `A` tile and four per `B`
@@ -165,41 +168,41 @@ gemm_tma_entries! {
     ///
     /// # Safety
     /// As [`gemm_tma_bf16_nn_to_bf16`], `A`'s map describing a `(k, m)` tensor.
-    gemm_tma_bf16_tn_to_bf16 = <false, true, Bf16, true, true, false, Bf16, false>;
+    gemm_tma_bf16_tn_to_bf16 = <false, true, Bf16, true, true, false, Bf16>;
 
     /// [`gemm_tma_bf16_tn_to_bf16`] with an FP32 `y`: the folded weight's gradient of a
     /// leading AvgPool, spread over the whole weight (and rounded) afterwards.
     ///
     /// # Safety
     /// As [`gemm_tma_bf16_tn_to_bf16`], `y` holding `m * n` floats.
-    gemm_tma_bf16_tn = <false, true, Bf16, true, true, false, f32, false>;
+    gemm_tma_bf16_tn = <false, true, Bf16, true, true, false, f32>;
 
     /// [`gemm_tma_bf16_nt`] in fp16: fp16 copies of FP32 `x` and `W` (or an fp16
     /// model's as stored), each `k`-step one `wgmma.m64n256k16.f32.f16.f16`.
     ///
     /// # Safety
     /// As [`gemm_tma_bf16_nt`], the maps describing fp16 tensors.
-    gemm_tma_f16_nt = <false, true, F16, false, false, true, f32, true>;
+    gemm_tma_f16_nt = <false, true, F16, false, false, true, f32>;
     /// [`gemm_tma_bf16_nt_to_bf16`] in fp16: an fp16 model's forward, `y` in fp16.
     ///
     /// # Safety
     /// As [`gemm_tma_f16_nt`]; `y` holds `m * n` 16-bit words.
-    gemm_tma_f16_nt_to_f16 = <false, true, F16, false, false, true, F16, false>;
+    gemm_tma_f16_nt_to_f16 = <false, true, F16, false, false, true, F16>;
     /// [`gemm_tma_bf16_nn_to_bf16`] in fp16: an fp16 model's `dX`.
     ///
     /// # Safety
     /// As [`gemm_tma_f16_nt_to_f16`], `B`'s map describing a `(k, n)` tensor.
-    gemm_tma_f16_nn_to_f16 = <false, true, F16, false, true, false, F16, false>;
+    gemm_tma_f16_nn_to_f16 = <false, true, F16, false, true, false, F16>;
     /// [`gemm_tma_bf16_tn_to_bf16`] in fp16: an fp16 model's `dW`.
     ///
     /// # Safety
     /// As [`gemm_tma_f16_nn_to_f16`], `A`'s map describing a `(k, m)` tensor.
-    gemm_tma_f16_tn_to_f16 = <false, true, F16, true, true, false, F16, false>;
+    gemm_tma_f16_tn_to_f16 = <false, true, F16, true, true, false, F16>;
     /// [`gemm_tma_bf16_tn`] in fp16 (a folded AvgPool weight's gradient).
     ///
     /// # Safety
     /// As [`gemm_tma_f16_tn_to_f16`], `y` holding `m * n` floats.
-    gemm_tma_f16_tn = <false, true, F16, true, true, false, f32, false>;
+    gemm_tma_f16_tn = <false, true, F16, true, true, false, f32>;
 }
 
 /// A barrier over warpgroup `wg`'s 128 threads: named barrier `2 + wg`. (A register id,
