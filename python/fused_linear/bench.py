@@ -549,30 +549,24 @@ def time_flushed(fn: Callable[[], Any], iters: int, warmup: int, flush: Tensor) 
     return statistics.median(times)
 
 
-def time_stream(fn: Callable[[], Any], iters: int, warmup: int, device: torch.device) -> float:
+def stream_batch(fn: Callable[[], Any], iters: int, device: torch.device) -> float:
     """Throughput, in milliseconds per call: ``iters`` calls back to back between two CUDA
     events (the host runs ahead of the GPU as in a training loop without CUDA graphs), divided
-    by ``iters``; the median of BATCHES such batches. Where the host is slower than the GPU
-    (small sizes) this is the host's time per call. On the CPU: wall clock around the batch."""
-    for _ in range(warmup):
+    by ``iters``. Where the host is slower than the GPU (small sizes) this is the host's time
+    per call. On the CPU: wall clock around the batch. (`stream`: the median of BATCHES such
+    batches, the implementations taking turns: :meth:`Bench._interleaved`.)"""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / iters
+    t0 = time.perf_counter()
+    for _ in range(iters):
         fn()
-    _sync(device)
-    per_call = []
-    for _ in range(BATCHES):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            end.synchronize()
-            per_call.append(start.elapsed_time(end) / iters)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            per_call.append((time.perf_counter() - t0) * 1e3 / iters)
-    return statistics.median(per_call)
+    return (time.perf_counter() - t0) * 1e3 / iters
 
 
 def time_graph(fn: Callable[[], Any], iters: int, warmup: int) -> float:
@@ -609,15 +603,14 @@ def time_graph(fn: Callable[[], Any], iters: int, warmup: int) -> float:
     return statistics.median(per_call)
 
 
-def time_host(fn: Callable[[], Any], iters: int, warmup: int, device: torch.device) -> float:
-    """The host's time per call, in microseconds: for each of ``iters`` calls, synchronize
-    (so the call starts from an idle queue and never waits on earlier work), ``perf_counter``,
-    the call, ``perf_counter``; the median. Python, dispatch, autograd and launch costs: what
-    bounds a step whose GPU work is shorter."""
-    for _ in range(warmup):
-        fn()
+def host_calls(fn: Callable[[], Any], calls: int, device: torch.device) -> List[float]:
+    """The host's time of each of ``calls`` calls, in microseconds: synchronize (so the call
+    starts from an idle queue and never waits on earlier work), ``perf_counter``, the call,
+    ``perf_counter``. Python, dispatch, autograd and launch costs: what bounds a step whose
+    GPU work is shorter. (`host`: the median of every call of BATCHES turns,
+    :meth:`Bench._interleaved`.)"""
     samples = []
-    for _ in range(iters):
+    for _ in range(calls):
         _sync(device)
         t0 = time.perf_counter()
         out = fn()
@@ -625,7 +618,7 @@ def time_host(fn: Callable[[], Any], iters: int, warmup: int, device: torch.devi
         samples.append((t1 - t0) * 1e6)
         del out
     _sync(device)
-    return statistics.median(samples)
+    return samples
 
 
 def protocol_definitions(device: torch.device) -> Dict[str, str]:
@@ -633,18 +626,22 @@ def protocol_definitions(device: torch.device) -> Dict[str, str]:
     if device.type == "cpu":
         return {
             "stream": "--iters calls back to back, wall clock (perf_counter) around them / --iters; "
-            "median of 3 batches. Milliseconds. (CPU: a smoke test of the code, not a benchmark.)",
-            "host": "one call between two perf_counter reads; median of --iters calls. Microseconds.",
+            "median of 3 batches, the implementations taking turns. Milliseconds. (CPU: a smoke test "
+            "of the code, not a benchmark.)",
+            "host": "one call between two perf_counter reads; median of about --iters calls in 3 turns. "
+            "Microseconds.",
         }
     return {
         "flushed": "KernelBench's protocol: a write of max(256 MB, 2x L2) before each call, then CUDA "
         "event, call, event; median of --iters calls. Milliseconds.",
-        "stream": "--iters calls back to back between two CUDA events / --iters; median of 3 batches. "
-        "What a training loop without CUDA graphs sees (host-bound at small sizes). Milliseconds.",
+        "stream": "--iters calls back to back between two CUDA events / --iters; median of 3 batches, "
+        "the implementations taking turns (a batch each per round), so that the host's drift falls "
+        "on all alike. What a training loop without CUDA graphs sees (host-bound at small sizes). "
+        "Milliseconds.",
         "graph": "one call captured in a CUDA graph, --iters replays back to back between two events "
         "/ --iters; median of 3 batches: the GPU's time alone. Milliseconds.",
-        "host": "CPU time of one call: synchronize, perf_counter, call, perf_counter; median of "
-        "--iters calls. Microseconds.",
+        "host": "CPU time of one call: synchronize, perf_counter, call, perf_counter; median of about "
+        "--iters calls taken in 3 turns, the implementations alternating. Microseconds.",
     }
 
 
@@ -1030,6 +1027,9 @@ class Bench:
                 failed[impl] = _short(e)
                 self._cleanup()
         for protocol in args.protocols:
+            if protocol in ("stream", "host"):
+                self._interleaved(shape, config, mode, protocol, (impls, calls, blocks, xg), failed)
+                continue
             for impl in impls:
                 if impl in failed:
                     self._record(shape, config, mode, impl, protocol, None, failed[impl])
@@ -1042,12 +1042,8 @@ class Bench:
                         if protocol == "flushed":
                             assert self.flush is not None
                             value = time_flushed(call, args.iters, args.warmup, self.flush)
-                        elif protocol == "stream":
-                            value = time_stream(call, args.iters, args.warmup, self.device)
-                        elif protocol == "graph":
-                            value = time_graph(captured, args.iters, args.warmup)
                         else:
-                            value = time_host(call, args.iters, args.warmup, self.device)
+                            value = time_graph(captured, args.iters, args.warmup)
                 except Exception as e:  # noqa: BLE001 -- e.g. a failed capture: recorded, the run goes on
                     error = _short(e)
                     with contextlib.suppress(Exception):
@@ -1059,6 +1055,68 @@ class Bench:
                         xg.grad = None
                 self._record(shape, config, mode, impl, protocol, value, error)
         del calls, xg
+
+    def _interleaved(
+        self,
+        shape: Shape,
+        config: str,
+        mode: str,
+        protocol: str,
+        run: Tuple[List[str], Dict[str, Any], Dict[str, nn.Module], Optional[Tensor]],
+        failed: Dict[str, str],
+    ) -> None:
+        """`stream` and `host`, the protocols the host bounds at small sizes: the
+        implementations take turns, a batch each per round for BATCHES rounds (the first
+        of each round rotating), so that a drift of the machine's speed over the seconds a
+        case takes falls on all of them alike (a build's host time was seen to move by a
+        third between runs on the H100 machine). The value: the median of an
+        implementation's batches (`stream`) or of all its calls (`host`)."""
+        args = self.args
+        impls, calls, blocks, xg = run
+        if not impls:
+            return
+        errors = dict(failed)
+        samples: Dict[str, List[float]] = {impl: [] for impl in impls}
+
+        def measure(impl: str, what: str, body: Callable[[], None]) -> None:
+            self.progress.status(f"{mode} {impl} {protocol} {what}")
+            try:
+                with self._flags(impl, config):
+                    body()
+            except Exception as e:  # noqa: BLE001 -- e.g. out of memory: recorded, the run goes on
+                errors[impl] = _short(e)
+                with contextlib.suppress(Exception):
+                    self._cleanup()
+            finally:
+                for p in blocks[impl].parameters():
+                    p.grad = None
+                if xg is not None:
+                    xg.grad = None
+
+        def warm(call: Callable[[], Any]) -> None:
+            for _ in range(args.warmup):
+                call()
+            _sync(self.device)
+
+        for impl in impls:
+            if impl not in errors:
+                measure(impl, "warm-up", functools.partial(warm, calls[impl][0]))
+        host_per_turn = max(1, math.ceil(args.iters / BATCHES))
+
+        def take(impl: str, call: Callable[[], Any]) -> None:
+            if protocol == "stream":
+                samples[impl].append(stream_batch(call, args.iters, self.device))
+            else:
+                samples[impl].extend(host_calls(call, host_per_turn, self.device))
+
+        for turn in range(BATCHES):
+            for impl in impls[turn % len(impls) :] + impls[: turn % len(impls)]:
+                if impl in errors:
+                    continue
+                measure(impl, f"turn {turn + 1}", functools.partial(take, impl, calls[impl][0]))
+        for impl in impls:
+            value = statistics.median(samples[impl]) if impl not in errors and samples[impl] else None
+            self._record(shape, config, mode, impl, protocol, value, errors.get(impl))
 
     def _check(self, shape: Shape, config: str, pair: Pair, x: Tensor, dy: Tensor) -> Dict[str, Any]:
         """Ours against eager, once per shape and configuration: the output's relative error,
