@@ -1,9 +1,10 @@
 """Host time per call of a small block, ours against eager PyTorch, and a loop to profile.
 
 Each call is timed alone on the CPU (synchronize, perf_counter, call, perf_counter), so the
-GPU never holds the host back; the median of `--calls` is printed in microseconds. With
-`--loop fwd|step` it instead runs that call back to back for `--seconds` (for a sampling
-profiler such as `py-spy record --native -- python scripts/host-cost.py --loop step`).
+GPU never holds the host back; the median of `--calls` is printed in microseconds, eager,
+ours and the empty node taking turns in three rounds (the H100 machine's host drifts by up
+to a third between runs). With `--loop fwd|step` it instead runs that call back to back
+for `--seconds` (for a sampling profiler; `scripts/host-profile.py` profiles one itself).
 
     python3 scripts/host-cost.py [--shape 64,1024,1024] [--ops M1] [--dtypes bf16,fp32]
 """
@@ -37,17 +38,23 @@ def plain_m1(i: int, o: int, groups: int, dtype) -> nn.Module:
     return Plain().to("cuda", dtype)
 
 
-def per_call_us(fn, calls: int) -> float:
-    for _ in range(20):
-        fn()
-    times = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+def per_call_us(fns, calls: int, rounds: int = 3) -> list:
+    """The median host time of one call of each of ``fns``, in microseconds: the functions
+    take turns, ``calls / rounds`` single calls each per round (the first rotating), so
+    that a drift of the host's speed falls on all of them alike."""
+    for fn in fns:
+        for _ in range(20):
+            fn()
+    samples = [[] for _ in fns]
+    for r in range(rounds):
+        for i in [(r + j) % len(fns) for j in range(len(fns))]:
+            for _ in range(max(1, calls // rounds)):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fns[i]()
+                samples[i].append(time.perf_counter() - t0)
     torch.cuda.synchronize()
-    return statistics.median(times) * 1e6
+    return [statistics.median(s) * 1e6 for s in samples]
 
 
 def calls(block: nn.Module, x: torch.Tensor):
@@ -134,7 +141,7 @@ def main() -> None:
         for label, e, f, fl0 in zip(
             ("forward", "train step"), calls(plain, x), calls(ours, x), calls(floor, x)
         ):
-            te, tf, t0 = per_call_us(e, a.calls), per_call_us(f, a.calls), per_call_us(fl0, a.calls)
+            te, tf, t0 = per_call_us([e, f, fl0], a.calls)
             print(f"| {name} | {label} | {te:.1f} | {tf:.1f} | {te / tf:.2f} | {t0:.1f} |")
 
 
