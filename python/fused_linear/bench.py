@@ -1036,25 +1036,34 @@ class Bench:
                     continue
                 self.progress.status(f"{mode} {impl} {protocol}")
                 call, captured = calls[impl]
-                value, error = None, None
-                try:
-                    with self._flags(impl, config):
-                        if protocol == "flushed":
-                            assert self.flush is not None
-                            value = time_flushed(call, args.iters, args.warmup, self.flush)
-                        else:
-                            value = time_graph(captured, args.iters, args.warmup)
-                except Exception as e:  # noqa: BLE001 -- e.g. a failed capture: recorded, the run goes on
-                    error = _short(e)
-                    with contextlib.suppress(Exception):
-                        self._cleanup()
-                finally:
-                    for p in blocks[impl].parameters():
-                        p.grad = None
-                    if xg is not None:
-                        xg.grad = None
+                if protocol == "flushed":
+                    assert self.flush is not None
+                    timing = functools.partial(time_flushed, call, args.iters, args.warmup, self.flush)
+                else:
+                    timing = functools.partial(time_graph, captured, args.iters, args.warmup)
+                value, error = self._timed(impl, config, blocks[impl], xg, timing)
                 self._record(shape, config, mode, impl, protocol, value, error)
         del calls, xg
+
+    def _timed(
+        self, impl: str, config: str, block: nn.Module, xg: Optional[Tensor], body: Callable[[], Any]
+    ) -> Tuple[Any, Optional[str]]:
+        """One measurement of ``impl`` under its flags: ``(body's result, None)``, or
+        ``(None, message)`` where it raised (a failed capture, out of memory: recorded in
+        this impl's cells while the run goes on). The gradients the measured calls left are
+        cleared either way."""
+        try:
+            with self._flags(impl, config):
+                return body(), None
+        except Exception as e:  # noqa: BLE001 -- recorded in this impl's cells
+            with contextlib.suppress(Exception):
+                self._cleanup()
+            return None, _short(e)
+        finally:
+            for p in block.parameters():
+                p.grad = None
+            if xg is not None:
+                xg.grad = None
 
     def _interleaved(
         self,
@@ -1080,18 +1089,9 @@ class Bench:
 
         def measure(impl: str, what: str, body: Callable[[], None]) -> None:
             self.progress.status(f"{mode} {impl} {protocol} {what}")
-            try:
-                with self._flags(impl, config):
-                    body()
-            except Exception as e:  # noqa: BLE001 -- e.g. out of memory: recorded, the run goes on
-                errors[impl] = _short(e)
-                with contextlib.suppress(Exception):
-                    self._cleanup()
-            finally:
-                for p in blocks[impl].parameters():
-                    p.grad = None
-                if xg is not None:
-                    xg.grad = None
+            _, error = self._timed(impl, config, blocks[impl], xg, body)
+            if error is not None:
+                errors[impl] = error
 
         def warm(call: Callable[[], Any]) -> None:
             for _ in range(args.warmup):
