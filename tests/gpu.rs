@@ -802,9 +802,9 @@ fn half_model_blocks_match_reference<H: host::gpu::HalfElement>(tol: f64, seed: 
 
 /// A few rows, a depth of whole 8-value chunks: the small-batch kernels, forward and
 /// gradients (the training forward saves `z` from them), outputs poisoned. Strict FP32
-/// runs `gemv_f32` and fp16 models `gemv_f16*` up to 8 rows; TF32 and bf16 models run `gemv_tc_*` up to
-/// `GEMV_TC_ROWS` (1, 3, 8, 9, 16, 33 and 64 rows: 1 to 8 `n8` fragments, partial
-/// ones), 65 rows the tile GEMMs. Chains on the 32-column slabs (groups of 32 and 16;
+/// runs `gemv_f32` up to 8 rows; TF32, bf16 and fp16 models run `gemv_tc_*` up to
+/// `GEMV_TC_ROWS` where `gemv_tc_wins` (1, 3, 8, 9, 16 and 33 rows: 1 to 5 `n8`
+/// fragments, partial ones), 64 and 65 rows the tile GEMMs. Chains on the 32-column slabs (groups of 32 and 16;
 /// per-channel parameters offset per slab), and chains left to the row-wise epilogue
 /// (groups wider than a slab, a width not whole slabs, a row max). Depths that are not
 /// whole units of the warps' split (32 bf16 or 16 FP32 values per unit, 8 units a
@@ -813,7 +813,7 @@ fn half_model_blocks_match_reference<H: host::gpu::HalfElement>(tol: f64, seed: 
 #[ignore = "needs a CUDA GPU"]
 fn small_batches_match_reference() {
     use host::Precision;
-    use host::gpu::dispatch::{GEMV_TC_ROWS, Plan};
+    use host::gpu::dispatch::{Plan, gemv_tc_wins};
     use host::precision::{BF16_STORED_REL, FP16_STORED_REL};
     use host::tensor::{Bf16, F16};
     let gpu = gpu();
@@ -840,8 +840,8 @@ fn small_batches_match_reference() {
         let folded = text.starts_with("avgpool");
         // The plan where a tensor-core kernel serves the block (`tc`) or only `gemv_*`.
         let planned = |plan: &Plan, tc: bool| {
-            let rows = if tc { GEMV_TC_ROWS } else { 8 };
-            match folded || b > rows {
+            let small = if tc { gemv_tc_wins(b, i, o, gpu.props.multiprocessors) } else { b <= 8 };
+            match folded || !small {
                 true => !matches!(plan, Plan::Gemv { .. }),
                 false => *plan == Plan::Gemv { chain: in_kernel, tensor_cores: tc },
             }
@@ -867,11 +867,11 @@ fn small_batches_match_reference() {
         let path = block.describe(&gpu, &plan);
         let name = format!("small batch bf16 {b} rows {text}");
         check_step(&name, &spec, &got, (&x, &p, &dy), BF16_STORED_REL, &path);
-        // fp16 model: the same on the fp16 kernels (FP32 FMAs, up to 8 rows).
+        // fp16 model: the same on the fp16 kernels.
         let (x, p, dy) = (x.to_f16(), params.map(F16::from_f32), dy.to_f16());
         let block = GpuBlock::new_half(&gpu, &spec, &p).unwrap();
         let plan = block.plan(&gpu, b);
-        assert!(planned(&plan, false), "fp16 {text} ({b} rows): {plan:?}");
+        assert!(planned(&plan, true), "fp16 {text} ({b} rows): {plan:?}");
         let got = block.forward_backward(&gpu, &x, &dy).unwrap();
         let (x, p, dy) = (x.to_f32(), p.map(F16::to_f32), dy.to_f32());
         let path = block.describe(&gpu, &plan);

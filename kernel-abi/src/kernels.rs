@@ -132,11 +132,13 @@ kernels! {
     GemvF16 = "gemv_f16", bounds(gemv::THREADS, 2);
     GemvF16ToF16 = "gemv_f16_to_f16", bounds(gemv::THREADS, 2);
 
-    // The tensor-core small-batch forward (`gemm/gemv_tc.rs`): `mma.sync` bf16, TF32 or
-    // 3xTF32, up to 64 rows; two blocks per SM where its shared memory allows (up to
+    // The tensor-core small-batch forward (`gemm/gemv_tc.rs`): `mma.sync` bf16, fp16 or
+    // TF32, up to 64 rows; two blocks per SM where its shared memory allows (up to
     // 24 rows), so at most 128 registers.
     GemvTcBf16 = "gemv_tc_bf16", bounds(gemv_tc::THREADS, 2);
     GemvTcBf16ToBf16 = "gemv_tc_bf16_to_bf16", bounds(gemv_tc::THREADS, 2);
+    GemvTcF16 = "gemv_tc_f16", bounds(gemv_tc::THREADS, 2);
+    GemvTcF16ToF16 = "gemv_tc_f16_to_f16", bounds(gemv_tc::THREADS, 2);
     GemvTcTf32 = "gemv_tc_tf32", bounds(gemv_tc::THREADS, 2);
 
     // The epilogue chain on whole rows and tiles, its backward, the kink scan and

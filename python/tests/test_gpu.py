@@ -21,7 +21,8 @@ from fused_linear import FusedLinear
 
 pytestmark = pytest.mark.gpu
 
-TOL = {"fp32": 1e-4, "tf32x3": 1e-4, "tf32": 5e-3, "bf16": 2e-2}
+# fp16: bf16's bound scaled by 2^-3, for fp16's three more bits of mantissa.
+TOL = {"fp32": 1e-4, "tf32x3": 1e-4, "tf32": 5e-3, "bf16": 2e-2, "fp16": 2.5e-3}
 CUDA = "cuda"
 
 
@@ -130,11 +131,12 @@ def test_module_on_gpu_matches_cpu():
 
 # ---------------------------------------------------------------- small batches
 
-# 1..64 rows of TF32, 3xTF32 and bf16 models run the tensor-core small-batch kernel
-# (gemv_tc_*), 65 the tile GEMMs; k = 520 is not whole rounds of its warps' k units. The
-# first chain runs on its 32-column slabs (groups of 32), the second needs whole rows
-# (groups of 512: the kernel stores z, then the row-wise epilogue).
-SMALL_ROWS = [1, 3, 8, 9, 16, 33, 64, 65]
+# 1..48 rows of TF32, bf16 and fp16 models run the tensor-core small-batch kernel
+# (gemv_tc_*; 3xTF32 the FP32 one, gemv_f32, up to 8), 49 the tile GEMMs; k = 520 is
+# not whole rounds of its warps' k units. The first chain runs on its 32-column slabs
+# (groups of 32), the second needs whole rows (groups of 512: the kernel stores z, then
+# the row-wise epilogue).
+SMALL_ROWS = [1, 3, 8, 9, 16, 33, 48, 49]
 SMALL_CHAINS = ["groupnorm(32),swish,mul,swish", "swish,bias,groupnorm(2)"]
 
 
@@ -147,19 +149,21 @@ def test_small_batches_match_float64(precision, rows, ops):
 
 @pytest.mark.parametrize("ops", SMALL_CHAINS)
 @pytest.mark.parametrize("rows", SMALL_ROWS)
-def test_small_batches_of_a_bf16_model_match_float64(rows, ops):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_small_batches_of_a_16_bit_model_match_float64(dtype, rows, ops):
     (x, weight, bias, params), dy = gpu_case((rows, 520, 1024), ops, seed=rows + len(ops))
-    bf16 = [t.to(torch.bfloat16) for t in (x, weight, bias, *params, dy)]
-    leaves = [t.clone().requires_grad_(True) for t in bf16[:-1]]
+    half = [t.to(dtype) for t in (x, weight, bias, *params, dy)]
+    leaves = [t.clone().requires_grad_(True) for t in half[:-1]]
     y = fused_linear.fused_linear(leaves[0], leaves[1], leaves[2], ops, leaves[3:])
-    assert y.dtype == torch.bfloat16
-    grads = torch.autograd.grad(y, leaves, bf16[-1])
-    y64, grads64 = reference_grads(*bf16[:3], ops, bf16[3:-1], bf16[-1])
+    assert y.dtype == dtype
+    grads = torch.autograd.grad(y, leaves, half[-1])
+    y64, grads64 = reference_grads(*half[:3], ops, half[3:-1], half[-1])
     names = ["y", "x", "weight", "bias", *(f"param{i}" for i in range(len(params)))]
+    tol = TOL["bf16" if dtype == torch.bfloat16 else "fp16"]
     for name, got, ref in zip(names, [y, *grads], [y64, *grads64]):
         assert torch.isfinite(got.float()).all(), f"{name}: non-finite values ({ops}, {rows} rows)"
         err = rel_err(got, ref)
-        assert err < TOL["bf16"], f"{ops}, {rows} rows: {name} relative error {err:.2e}"
+        assert err < tol, f"{dtype} {ops}, {rows} rows: {name} relative error {err:.2e}"
 
 
 # ---------------------------------------------------------------- errors

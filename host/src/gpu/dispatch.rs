@@ -7,7 +7,7 @@
 //!   which kernel adds split-K's ranges;
 //! * [`route`] — which GEMM family and kernel runs each GEMM of a Linear layer, for the
 //!   precision, the shape and how the tensors are stored ([`Storage`]);
-//! * [`gemv_chain_fits`], [`gemv_kernel`], [`GEMV_TC_ROWS`] — the small-batch forward's
+//! * [`gemv_chain_fits`], [`gemv_kernel`], [`gemv_tc_wins`] — the small-batch forward's
 //!   chain, kernel and row limits;
 //! * [`fold_kernel`], [`unfold_kernel`] — a leading AvgPool's fold into the weight, and
 //!   its gradient, by the weight's dtype;
@@ -29,12 +29,13 @@ use kernel_abi::gemm_tma::{self, MIN_K};
 use kernel_abi::gemv::{ROWS as GEMV_ROWS, SLAB as GEMV_SLAB};
 
 /// Most rows the tensor-core small-batch kernel (`gemv_tc_*`) takes before the tile
-/// GEMMs do. Its `mma.sync` work grows with the rows (padded to 8) while `W`'s bytes
-/// do not, and the tile GEMMs' idle SMs fill up as the rows grow. Measured (`host bench
-/// --shape ROWS,IN,OUT --small-batch-kernels`, H100): faster than the tile GEMMs up to
-/// 64 rows in bf16, level with them in TF32 at 64 rows of 4096² (docs/PERFORMANCE.md):
-/// the kernel's own limit (`kernel_abi::gemv_tc::ROWS`).
-pub const GEMV_TC_ROWS: usize = 64;
+/// GEMMs do (the kernel's own limit is `kernel_abi::gemv_tc::ROWS`, 64). Its `mma.sync`
+/// work grows with the rows (padded to 8) while `W`'s bytes do not, and the tile GEMMs'
+/// idle SMs fill up as the rows grow (split-K). Measured against the tile GEMMs (`host
+/// bench --shape ROWS,IN,OUT --small-batch-kernels`, M1's chain, H100, 2026-11-27, bf16
+/// and TF32, 8-64 rows of 1024-8192 x 1024-8192): at 64 rows the tiles were level or up
+/// to 1.26x faster on every shape; see [`gemv_tc_wins`] for the rest of the rule.
+pub const GEMV_TC_ROWS: usize = 48;
 const _: () = assert!(GEMV_TC_ROWS <= kernel_abi::gemv_tc::ROWS && GEMV_TC_ROWS >= GEMV_ROWS);
 
 /// Memory order of the operands of `y = A B^T` as a kernel reads them (see
@@ -133,9 +134,11 @@ pub struct HalfKernels {
     /// `mma.sync` on FP32 operands rounded as loaded: `[layout][vec4, scalar]`, layouts
     /// `Nt`, `Nn`, `Tn`.
     pub mma: [[Kernel; 2]; 3],
-    /// The small-batch forward, FP32 `y` and 16-bit `y`.
+    /// The small-batch forward, FP32 `y` and 16-bit `y`: FP32 FMAs, and tensor cores.
     pub gemv: Kernel,
     pub gemv_to_half: Kernel,
+    pub gemv_tc: Kernel,
+    pub gemv_tc_to_half: Kernel,
     /// The tile-wise chain backward with 16-bit `dy`, `dz`.
     pub tiles_backward: Kernel,
     /// The row-wise epilogue into 16-bit `y`, and its backward with 16-bit `dy`, `dz`.
@@ -166,6 +169,8 @@ impl HalfKernels {
         ],
         gemv: Kernel::GemvBf16,
         gemv_to_half: Kernel::GemvBf16ToBf16,
+        gemv_tc: Kernel::GemvTcBf16,
+        gemv_tc_to_half: Kernel::GemvTcBf16ToBf16,
         tiles_backward: Kernel::EpilogueTilesBackwardBf16,
         rows: Kernel::EpilogueRowsBf16,
         split_tiles: Kernel::EpilogueSplitTilesBf16,
@@ -190,6 +195,8 @@ impl HalfKernels {
         ],
         gemv: Kernel::GemvF16,
         gemv_to_half: Kernel::GemvF16ToF16,
+        gemv_tc: Kernel::GemvTcF16,
+        gemv_tc_to_half: Kernel::GemvTcF16ToF16,
         tiles_backward: Kernel::EpilogueTilesBackwardF16,
         rows: Kernel::EpilogueRowsF16,
         split_tiles: Kernel::EpilogueSplitTilesF16,
@@ -480,19 +487,23 @@ pub enum Plan {
 /// |----------|-----------|----------------|--------|
 /// | bf16 (a bf16 model's, as stored) | bf16 | yes | `gemv_tc_bf16`, `gemv_tc_bf16_to_bf16` (`mma.sync` `m16n8k16`) |
 /// | | | no | `gemv_bf16`, `gemv_bf16_to_bf16` (FP32 FMAs) |
+/// | fp16 (an fp16 model's) | fp16 | yes | `gemv_tc_f16`, `gemv_tc_f16_to_f16` (`m16n8k16`) |
+/// | | | no | `gemv_f16`, `gemv_f16_to_f16` (FP32 FMAs) |
 /// | FP32 | tf32 | yes | `gemv_tc_tf32` (`m16n8k8`) |
-/// | fp16 (an fp16 model's) | fp16 | no | `gemv_f16`, `gemv_f16_to_f16` (FP32 FMAs) |
 /// | | any | no | `gemv_f32` (FP32 FMAs; strict FP32, 3xTF32, FP32 models at bf16 precision) |
 ///
 /// [`plan`] sets `tensor_cores` only where a tensor-core kernel exists
 /// ([`Forward::gemv_tc`]).
 pub fn gemv_kernel(operands: Dtype, output: Dtype, precision: Precision, tensor_cores: bool) -> Kernel {
     match (operands, output, tensor_cores, precision) {
-        (Dtype::Bf16, Dtype::Bf16, true, _) => Kernel::GemvTcBf16ToBf16,
-        (Dtype::Bf16, Dtype::F32, true, _) => Kernel::GemvTcBf16,
-        (Dtype::Bf16 | Dtype::F16, _, _, _) => {
+        (Dtype::Bf16 | Dtype::F16, _, tensor_cores, _) => {
             let h = HalfKernels::of(operands).expect("a 16-bit dtype");
-            if output == operands { h.gemv_to_half } else { h.gemv }
+            match (output == operands, tensor_cores) {
+                (true, true) => h.gemv_tc_to_half,
+                (false, true) => h.gemv_tc,
+                (true, false) => h.gemv_to_half,
+                (false, false) => h.gemv,
+            }
         }
         (Dtype::F32, _, true, Precision::Tf32) => Kernel::GemvTcTf32,
         (Dtype::F32, ..) => Kernel::GemvF32,
@@ -500,17 +511,32 @@ pub fn gemv_kernel(operands: Dtype, output: Dtype, precision: Precision, tensor_
 }
 
 /// Whether a tensor-core small-batch kernel serves a block whose tensors are `dtype`
-/// at `precision`: a bf16 model's (as stored), or FP32 tensors in TF32. Strict FP32 and
+/// at `precision`: a bf16 or fp16 model's (as stored), or FP32 tensors in TF32. Strict FP32 and
 /// 3xTF32 stay on FP32 FMAs: a 3xTF32 tensor-core form measured 1.5e-4 from float64 on
 /// a one-row `hardtanh,mean` (a mean's cancellation over 1000 values; H100, 2026-11-27),
 /// beyond the 1e-4 that 3xTF32 promises, where the FMAs are FP32's own rounding. FP32
 /// tensors at bf16 precision (operands rounded per call) have no such kernel.
 pub fn gemv_tc_serves(dtype: Dtype, precision: Precision) -> bool {
     match dtype {
-        Dtype::Bf16 => true,
-        Dtype::F16 => false,
+        Dtype::Bf16 | Dtype::F16 => true,
         Dtype::F32 => precision == Precision::Tf32,
     }
+}
+
+/// Whether the tensor-core small-batch kernel beats the tile GEMMs at `rows x k x n` on
+/// `sms` multiprocessors, by the measurements behind [`GEMV_TC_ROWS`]: it owns `n / 32`
+/// columns per block (`SLAB`), two blocks per SM up to 24 rows (its shared memory,
+/// `16 KB x (4 + rows / 8)`), one above. So
+/// - its blocks must run in one wave: at 32 rows of `n` = 8192 (256 blocks, one per SM)
+///   it took 1.08x the tiles' time in bf16 and 1.24x in TF32 (1024 x 8192), where at 24
+///   it was 0.77-1.00x;
+/// - with fewer blocks than a quarter of the SMs, each streams a deep `k` alone: at
+///   `n` = 1024 and `k` = 8192 it took 1.35-1.78x (bf16) and 1.93-2.18x (TF32) the
+///   tiles' time at every row count; at `k` = 1024 0.65-0.96x.
+pub fn gemv_tc_wins(rows: usize, k: usize, n: usize, sms: usize) -> bool {
+    let blocks = n.div_ceil(GEMV_SLAB);
+    let per_sm = if 2 * (kernel_abi::gemv_tc::smem_bytes(rows) + 1024) <= 228 * 1024 { 2 } else { 1 };
+    rows <= GEMV_TC_ROWS && blocks <= per_sm * sms && !(4 * blocks < sms && k >= 4096)
 }
 
 /// Whether the small-batch kernel can run the chain `ops` on its slabs of
@@ -592,16 +618,19 @@ pub fn rows_too_wide(spec: &crate::BlockSpec) -> Option<String> {
 ///
 /// A few rows, a depth of whole 16-byte chunks (`k % 8 == 0`) and an aligned `W` not
 /// folded from an AvgPool: a small-batch kernel, which streams `W` across every SM
-/// where the tile GEMMs would give it a few dozen. Up to [`GEMV_TC_ROWS`] rows on the
-/// tensor cores where a kernel serves the block ([`Forward::gemv_tc`]), else up to
-/// `gemv::ROWS` on FP32 FMAs.
+/// where the tile GEMMs would give it a few dozen: on the tensor cores where a kernel
+/// serves the block ([`Forward::gemv_tc`]) and wins ([`gemv_tc_wins`]: up to
+/// [`GEMV_TC_ROWS`] rows), else up to `gemv::ROWS` on FP32 FMAs.
 pub fn plan(f: Forward, sms: usize, tma: bool) -> Plan {
     if f.fp8 {
         return if f.fusable { Plan::Fused } else { Plan::GemmThenRows { splits: 1 } };
     }
     let gemv_ok = f.gemv && (f.gemv_chain || f.rows_fit) && f.k.is_multiple_of(8) && f.w_aligned && !f.folded;
-    let rows = if f.gemv_tc { GEMV_TC_ROWS } else { GEMV_ROWS };
-    if gemv_ok && (1..=rows).contains(&f.batch) {
+    let small = match f.gemv_tc {
+        true => gemv_tc_wins(f.batch, f.k, f.n, sms),
+        false => f.batch <= GEMV_ROWS,
+    };
+    if gemv_ok && f.batch >= 1 && small {
         return Plan::Gemv { chain: f.gemv_chain, tensor_cores: f.gemv_tc };
     }
     let unsplit = Plan::GemmThenRows { splits: 1 };
@@ -886,12 +915,14 @@ mod tests {
         assert!(w.widened && w.kernel == Kernel::GemmMmaF16NtVec4, "{w:?}");
         assert_eq!(gemv_kernel(F16, F16, Precision::Fp16, false), Kernel::GemvF16ToF16);
         assert_eq!(gemv_kernel(F16, F32, Precision::Fp16, false), Kernel::GemvF16);
-        assert!(!gemv_tc_serves(F16, Precision::Fp16));
+        assert!(gemv_tc_serves(F16, Precision::Fp16));
+        assert_eq!(gemv_kernel(F16, F16, Precision::Fp16, true), Kernel::GemvTcF16ToF16);
+        assert_eq!(gemv_kernel(F16, F32, Precision::Fp16, true), Kernel::GemvTcF16);
         assert_eq!(tiles_backward_kernel(F16), Kernel::EpilogueTilesBackwardF16);
         for (h, tag) in [(&HalfKernels::BF16, "bf16"), (&HalfKernels::F16, "f16")] {
-            let all =
-                [h.tma_nt, h.tma_nt_to_half, h.tma_nn_to_half, h.tma_tn_to_half, h.tma_tn, h.gemv, h.gemv_to_half];
-            let all = all.into_iter().chain(h.mma.into_iter().flatten());
+            let all = [h.tma_nt, h.tma_nt_to_half, h.tma_nn_to_half, h.tma_tn_to_half, h.tma_tn];
+            let all = all.into_iter().chain([h.gemv, h.gemv_to_half, h.gemv_tc, h.gemv_tc_to_half]);
+            let all = all.chain(h.mma.into_iter().flatten());
             let all = all.chain([h.tiles_backward, h.rows, h.split_tiles, h.rows_backward, h.fold, h.unfold]);
             let all = all.chain([h.transpose_to_half, h.narrow, h.widen]);
             for k in all {
@@ -1049,7 +1080,7 @@ mod tests {
         let fma = |chain| Plan::Gemv { chain, tensor_cores: false };
         assert_eq!(plan(small, 132, true), fma(true));
         assert_eq!(plan(Forward { gemv_chain: false, ..small }, 132, true), fma(false));
-        // On the tensor cores: up to GEMV_TC_ROWS rows.
+        // On the tensor cores: up to GEMV_TC_ROWS rows where it wins (`gemv_tc_wins`).
         let tc = Forward { gemv_tc: true, ..small };
         for batch in [1, 9, GEMV_TC_ROWS] {
             let want = Plan::Gemv { chain: true, tensor_cores: true };
@@ -1061,6 +1092,8 @@ mod tests {
         );
         for not_gemv in [
             Forward { batch: GEMV_TC_ROWS + 1, ..tc },
+            Forward { batch: 32, n: 8192, ..tc },
+            Forward { batch: 1, n: 1024, k: 8192, ..tc },
             Forward { k: 4092, ..tc },
             Forward { gemv: false, ..tc },
             Forward { gemv: false, ..small },
@@ -1073,6 +1106,22 @@ mod tests {
         ] {
             assert!(!matches!(plan(not_gemv, 132, true), Plan::Gemv { .. }), "{not_gemv:?}");
         }
+    }
+
+    /// The tensor-core small-batch kernel where the measurements had it ahead of the
+    /// tile GEMMs: its blocks in one wave, and not a handful of them each streaming a
+    /// deep `k`.
+    #[test]
+    fn gemv_tc_wins_where_measured() {
+        let sms = 132;
+        // 8192 columns: 256 blocks, two per SM up to 24 rows.
+        assert!(gemv_tc_wins(24, 8192, 8192, sms) && !gemv_tc_wins(25, 8192, 8192, sms));
+        assert!(gemv_tc_wins(24, 1024, 8192, sms) && !gemv_tc_wins(32, 1024, 8192, sms));
+        // 4096 columns: 128 blocks, one wave at any row count up to the cap.
+        assert!(gemv_tc_wins(GEMV_TC_ROWS, 4096, 4096, sms) && !gemv_tc_wins(GEMV_TC_ROWS + 1, 4096, 4096, sms));
+        // 1024 columns: 32 blocks, a shallow `k` only.
+        assert!(gemv_tc_wins(48, 1024, 1024, sms) && gemv_tc_wins(1, 2048, 1024, sms));
+        assert!(!gemv_tc_wins(1, 4096, 1024, sms) && !gemv_tc_wins(8, 8192, 1024, sms));
     }
 
     /// The small-batch kernel's slab holds whole groups and divides `n`; ops that need

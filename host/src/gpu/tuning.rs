@@ -31,7 +31,8 @@ pub struct Tuning {
     /// GEMMs run every batch. Default: on.
     pub gemv: bool,
     /// Let the small-batch forward run on the tensor cores (`gemv_tc_*`, up to
-    /// `dispatch::GEMV_TC_ROWS` rows) for bf16 models and TF32 / 3xTF32. Off
+    /// `dispatch::GEMV_TC_ROWS` rows where `dispatch::gemv_tc_wins`) for bf16 and fp16
+    /// models and TF32. Off
     /// (`--no-gemv-tensor-cores`), the FP32-FMA `gemv_*` takes up to 8 rows and the
     /// tile GEMMs the rest. Default: on.
     pub gemv_tensor_cores: bool,

@@ -12,7 +12,7 @@
 //! unit's bytes stay in flight without holding registers. The order of `k` inside an
 //! MMA is free as long as `A` and `B` agree: the chunk's words `2s`, `2s + 1` are the
 //! `k` halves of step `s` for both, so a chunk of a row feeds two MMAs (`m16n8k16`
-//! bf16 or `m16n8k8` TF32) as loaded. (No 3xTF32 form: `host::gpu::dispatch::gemv_tc_serves`
+//! bf16 or fp16, or `m16n8k8` TF32) as loaded. (No 3xTF32 form: `host::gpu::dispatch::gemv_tc_serves`
 //! says why.)
 //!
 //! The warps' partial sums meet in shared memory (added in warp order: deterministic),
@@ -22,8 +22,8 @@
 
 use crate::epilogue::rows::op_forward_rows;
 use crate::prelude::async_copy::{cp_async_16, cp_async_commit, cp_async_wait, cp_async_wait_all, shared_address};
-use crate::prelude::element::{Bf16, Element};
-use crate::prelude::mma::{ld_shared_v4, mma_bf16, mma_tf32};
+use crate::prelude::element::{Bf16, Element, F16, Half};
+use crate::prelude::mma::{ld_shared_v4, mma_tf32};
 use crate::prelude::*;
 use crate::unroll;
 use kernel_abi::epilogue::{OP_GROUP_NORM, OpDesc, ROW_THREADS};
@@ -36,21 +36,17 @@ const _: () = assert!(FRAGS == 8 && W_SLOTS == 4 && SLAB == 32 && THREADS == ROW
 /// Bytes of one slot: a 16-byte chunk per lane.
 const SLOT_BYTES: usize = WARP * CHUNK;
 
-/// The arithmetic: TF32 (operands truncated) or bf16 (a bf16 model's values as
-/// stored); FP32 accumulation in both.
-const TF32: u8 = 0;
-const BF16: u8 = 2;
-
 /// # Safety
 /// Device pointers: `x (m, k)` and `w (n, k)` row-major in `E` with 16-byte rows
 /// (`k * size_of::<E>() % 16 == 0`) and 16-byte aligned, `bias (n,)` or null,
-/// `y (m, n)`, `save_z (m, n)` FP32 or null; `1 <= m <= ROWS`, `n >= 1`. `E` is `Bf16`
-/// (bf16) with `MATH == BF16`, else `f32`. With `n_ops > 0`: `ops[..n_ops]` per-element
+/// `y (m, n)`, `save_z (m, n)` FP32 or null; `1 <= m <= ROWS`, `n >= 1`. `E` is `f32`
+/// with `TF32` (the operands truncated by the tensor cores), else the 16-bit `H` (a
+/// 16-bit model's values as stored); FP32 accumulation in both. With `n_ops > 0`: `ops[..n_ops]` per-element
 /// ops or GroupNorms whose group size divides `SLAB`, which divides `n`. Launch: grid
 /// `(n.div_ceil(SLAB), 1, 1)`, `THREADS` threads, `smem_bytes(m)` of dynamic shared memory.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn gemv_tc<E: Element, O: Element, const MATH: u8>(
+unsafe fn gemv_tc<E: Element, O: Element, H: Half, const TF32: bool>(
     x: *const E,
     w: *const E,
     bias: *const f32,
@@ -147,10 +143,10 @@ unsafe fn gemv_tc<E: Element, O: Element, const MATH: u8>(
                 unroll!(s in 0..2 => {
                     let b = [xv[2 * s], xv[2 * s + 1]];
                     unroll!(mf in 0..2 => {
-                        if MATH == BF16 {
-                            mma_bf16(&mut acc[mf][f], a[mf][s], b);
-                        } else {
+                        if TF32 {
                             mma_tf32(&mut acc[mf][f], a[mf][s], b);
+                        } else {
+                            H::mma(&mut acc[mf][f], a[mf][s], b);
                         }
                     });
                 });
@@ -236,7 +232,7 @@ unsafe fn gemv_tc<E: Element, O: Element, const MATH: u8>(
 
 /// Declares the entry points, one per (operand, output, arithmetic).
 macro_rules! gemv_tc_entries {
-    ($($(#[$doc:meta])* $name:ident = <$e:ty, $o:ty, $math:ident>;)*) => {$(
+    ($($(#[$doc:meta])* $name:ident = <$e:ty, $o:ty, $h:ty, $tf32:literal>;)*) => {$(
         $(#[$doc])*
         ///
         /// # Safety
@@ -247,16 +243,20 @@ macro_rules! gemv_tc_entries {
             x: *const $e, w: *const $e, bias: *const f32, y: *mut $o, save_z: *mut f32,
             m: u32, n: u32, k: u32, ops: *const OpDesc, n_ops: u32,
         ) {
-            unsafe { gemv_tc::<$e, $o, $math>(x, w, bias, y, save_z, (m, n, k), ops, n_ops) }
+            unsafe { gemv_tc::<$e, $o, $h, $tf32>(x, w, bias, y, save_z, (m, n, k), ops, n_ops) }
         }
     )*};
 }
 
 gemv_tc_entries! {
     /// A bf16 model's `x` and `W` as stored, FP32 `y` (or `z` before the row-wise epilogue).
-    gemv_tc_bf16 = <Bf16, f32, BF16>;
+    gemv_tc_bf16 = <Bf16, f32, Bf16, false>;
     /// A bf16 model's `x`, `W` and `y` as stored.
-    gemv_tc_bf16_to_bf16 = <Bf16, Bf16, BF16>;
-    /// FP32 `x`, `W` and `y`, TF32 products.
-    gemv_tc_tf32 = <f32, f32, TF32>;
+    gemv_tc_bf16_to_bf16 = <Bf16, Bf16, Bf16, false>;
+    /// An fp16 model's `x` and `W` as stored, FP32 `y` (or `z`).
+    gemv_tc_f16 = <F16, f32, F16, false>;
+    /// An fp16 model's `x`, `W` and `y` as stored.
+    gemv_tc_f16_to_f16 = <F16, F16, F16, false>;
+    /// FP32 `x`, `W` and `y`, TF32 products (`H` unused).
+    gemv_tc_tf32 = <f32, f32, Bf16, true>;
 }

@@ -13,7 +13,10 @@ use kernel_abi::{gemv, gemv_tc};
 
 /// Whether `kernel` is a tensor-core small-batch kernel (`gemv_tc_*`).
 fn tensor_cores(kernel: Kernel) -> bool {
-    matches!(kernel, Kernel::GemvTcBf16 | Kernel::GemvTcBf16ToBf16 | Kernel::GemvTcTf32)
+    matches!(
+        kernel,
+        Kernel::GemvTcBf16 | Kernel::GemvTcBf16ToBf16 | Kernel::GemvTcF16 | Kernel::GemvTcF16ToF16 | Kernel::GemvTcTf32
+    )
 }
 
 /// Queues the small-batch `kernel` ([`gemv_kernel`](super::super::dispatch::gemv_kernel)):
