@@ -6,6 +6,7 @@ The native calls show as `{built-in method fused_linear._native.forward}` / `bac
 is `allocate` below them), the autograd engine as `run_backward`.
 
     python3 scripts/host-profile.py [--shape 64,1024,1024] [--dtype bf16] [--call step]
+                                    [--precision fp8]
 
 With `--api`, instead: the CUDA API calls one call makes (the driver's and the runtime's,
 as PyTorch's profiler records them: count and host time per call) and the kernels it runs.
@@ -20,7 +21,7 @@ import torch
 import fused_linear as fl
 
 
-def api_calls(fn, call: str, dtype: str, shape: str, calls: int = 20) -> None:
+def api_calls(fn, call: str, dtype: str, shape: str, calls: int = 20, title: str = "") -> None:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -36,7 +37,7 @@ def api_calls(fn, call: str, dtype: str, shape: str, calls: int = 20) -> None:
         elif e.name.startswith(("cu", "cuda")) and not e.name.startswith("cudaDeviceSynchronize"):
             n, t = api.get(e.name, (0, 0.0))
             api[e.name] = (n + 1, t + e.cpu_time_total)
-    print(f"{call} {dtype} {shape}: CUDA API calls per call (count, us each, us in all)")
+    print(f"{call} {dtype}{title} {shape}: CUDA API calls per call (count, us each, us in all)")
     for name, (n, t) in sorted(api.items(), key=lambda kv: -kv[1][1]):
         print(f"{n / calls:6.1f} {t / n:8.1f} {t / calls:8.1f}  {name}")
     print("kernels per call (count, us of GPU time each)")
@@ -49,19 +50,28 @@ def main() -> None:
     p.add_argument("--shape", default="64,1024,1024")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--call", default="step", choices=["fwd", "step"])
+    p.add_argument("--precision", default=None, help="the block's precision (default: its dtype's)")
+    p.add_argument(
+        "--requantise",
+        action="store_true",
+        help="fp8: quantise the weight again in every step, as after an optimizer step",
+    )
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--api", action="store_true")
     a = p.parse_args()
     b, i, o = (int(v) for v in a.shape.split(","))
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]
-    block = fl.FusedLinear(i, o, f"groupnorm({o // 32}),swish,mul,swish", device="cuda", dtype=dtype)
+    ops = f"groupnorm({o // 32}),swish,mul,swish"
+    block = fl.FusedLinear(i, o, ops, precision=a.precision, device="cuda", dtype=dtype)
     x = torch.randn(b, i, device="cuda", dtype=dtype, requires_grad=True)
     dy = torch.randn(b, o, device="cuda", dtype=dtype)
 
     def step():
         block.zero_grad(set_to_none=True)
         x.grad = None
+        if a.requantise:
+            fl.clear_fp8_cache()
         block(x).backward(dy)
 
     def fwd():
@@ -73,7 +83,8 @@ def main() -> None:
         fn()
     torch.cuda.synchronize()
     if a.api:
-        api_calls(fn, a.call, a.dtype, a.shape)
+        title = (f" {a.precision}" if a.precision else "") + (" requantised" if a.requantise else "")
+        api_calls(fn, a.call, a.dtype, a.shape, title=title)
         return
     prof = cProfile.Profile()
     prof.enable()

@@ -235,6 +235,10 @@ pub mod fp8 {
     pub const ROW_SMEM_BYTES: usize = ROW_THREADS / 8;
     /// Rows of a column-amax block's panel.
     pub const COLUMN_BLOCK_ROWS: usize = 64;
+    /// Columns of a column-amax block: four per thread, four row lanes of 64 threads.
+    pub const COLUMN_AMAX_COLS: usize = 256;
+    /// Shared memory of a column-amax block: a word per column and row lane.
+    pub const COLUMN_AMAX_SMEM_BYTES: usize = 4 * COLUMN_AMAX_COLS * 4;
     /// The transposing kernels' tiles (the quantisation by columns, the weight's
     /// transpose): `TILE x TILE` values.
     pub const TILE: usize = 64;

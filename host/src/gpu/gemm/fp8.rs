@@ -15,7 +15,9 @@ use super::super::{DeviceBuf, DeviceElement, DeviceTensor, Dtype, Gpu, launched}
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use kernel_abi::Kernel;
-use kernel_abi::fp8::{COLUMN_BLOCK_ROWS, ROW_SMEM_BYTES, ROW_THREADS, TILE, TILE_SMEM_BYTES};
+use kernel_abi::fp8::{
+    COLUMN_AMAX_COLS, COLUMN_AMAX_SMEM_BYTES, COLUMN_BLOCK_ROWS, ROW_SMEM_BYTES, ROW_THREADS, TILE, TILE_SMEM_BYTES,
+};
 use std::sync::Arc;
 
 /// A matrix quantised to e4m3 for the GEMM: `rows x pitch` bytes, row-major (the
@@ -117,6 +119,17 @@ pub fn quantise_columns_t<T: DeviceElement>(
     what: &str,
 ) -> Result<Fp8Matrix> {
     let (rows, cols) = check_2d(src, what)?;
+    // The column amax reads four adjacent values per load.
+    let align = 4 * std::mem::size_of::<T>() as u64;
+    if !cols.is_multiple_of(4) || !src.buf.device_address().is_multiple_of(align) {
+        return Err(Error::tensor(
+            what,
+            format!(
+                "fp8 quantisation by columns takes rows of a multiple of 4 values, {align}-byte aligned ({:?})",
+                src.shape
+            ),
+        ));
+    }
     let pitch = rows.next_multiple_of(16);
     if pitch.div_ceil(TILE) > 65535 || cols * pitch > u32::MAX as usize {
         return Err(Error::tensor(what, format!("too many rows ({rows}) for the fp8 transposing quantisation")));
@@ -129,9 +142,9 @@ pub fn quantise_columns_t<T: DeviceElement>(
     let [_, amax_kernel, columns_kernel] = kernels(T::DTYPE);
     let func = gpu.function(amax_kernel)?;
     let cfg = LaunchConfig {
-        grid_dim: (cols.div_ceil(256) as u32, rows.div_ceil(COLUMN_BLOCK_ROWS) as u32, 1),
+        grid_dim: (cols.div_ceil(COLUMN_AMAX_COLS) as u32, rows.div_ceil(COLUMN_BLOCK_ROWS) as u32, 1),
         block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: COLUMN_AMAX_SMEM_BYTES as u32,
     };
     if rows.div_ceil(COLUMN_BLOCK_ROWS) > 65535 {
         return Err(Error::tensor(what, format!("too many rows ({rows}) for the fp8 column amax")));
