@@ -344,6 +344,10 @@ pub mod epilogue {
 
     /// Shared memory a block may opt into on sm_90 (H100, H200): 227 KiB.
     pub const SM90_MAX_SHARED_OPTIN: usize = 227 * 1024;
+    /// Shared memory of one sm_90 multiprocessor (228 KiB), of which the driver keeps
+    /// 1 KiB per resident block.
+    pub const SM90_SHARED_PER_SM: usize = 228 * 1024;
+    pub const SM90_SHARED_RESERVED_PER_BLOCK: usize = 1024;
 
     /// Widest row the row-wise kernels take on sm_90: the forward keeps two copies of it
     /// in shared memory, the backward three.

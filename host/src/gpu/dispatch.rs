@@ -535,7 +535,9 @@ pub fn gemv_tc_serves(dtype: Dtype, precision: Precision) -> bool {
 ///   tiles' time at every row count; at `k` = 1024 0.65-0.96x.
 pub fn gemv_tc_wins(rows: usize, k: usize, n: usize, sms: usize) -> bool {
     let blocks = n.div_ceil(GEMV_SLAB);
-    let per_sm = if 2 * (kernel_abi::gemv_tc::smem_bytes(rows) + 1024) <= 228 * 1024 { 2 } else { 1 };
+    use kernel_abi::epilogue::{SM90_SHARED_PER_SM, SM90_SHARED_RESERVED_PER_BLOCK};
+    let block_bytes = kernel_abi::gemv_tc::smem_bytes(rows) + SM90_SHARED_RESERVED_PER_BLOCK;
+    let per_sm = if 2 * block_bytes <= SM90_SHARED_PER_SM { 2 } else { 1 };
     rows <= GEMV_TC_ROWS && blocks <= per_sm * sms && !(4 * blocks < sms && k >= 4096)
 }
 
