@@ -1090,8 +1090,9 @@ fn batch_norm_in_16_bit_models_matches_reference() {
 /// The GPU's FP8 quantisation (kernels-gpu/src/fp8.rs) gives the CPU emulation's
 /// bytes and scales exactly (`host::fp8::quantise`), by rows and by columns transposed
 /// (the batch padded with zeros), from FP32 and bf16 sources, over rows spanning 60
-/// binades, a row of zeros, saturating values and a NaN; and a weight's copies for `dX`
-/// (its rows' bytes transposed, the scales moved onto `dZ`).
+/// binades, a row of zeros, saturating values and a NaN; a weight's copies for `dX`
+/// (its rows' bytes transposed, the scales moved onto `dZ`); and rows longer than the
+/// 8192 values the row kernel holds in registers.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn fp8_quantisation_matches_the_emulation_bit_for_bit() {
@@ -1178,6 +1179,13 @@ fn fp8_quantisation_matches_the_emulation_bit_for_bit() {
     let (got, inv) = (bytes(&dzq), scales(&dzq));
     assert!(got.iter().zip(&want.values).all(|(&b, &w)| same(E4M3.decode(b), w)), "dZ's bytes");
     assert!(inv.iter().zip(&want.scales).all(|(&g, &s)| same(g, 1.0 / s)), "dZ's inverse scales");
+    // Rows longer than the 8192 values a block holds in registers: read twice.
+    let (rows, cols) = (3, 8192 + 16);
+    let long = random_input(rows, cols, &mut rng).unwrap();
+    let q = quantise_rows(&gpu, gpu.stream(), &gpu.upload(&long).unwrap(), "long").unwrap();
+    let want = quantise(long.data(), rows, cols, Axis::Rows, E4M3);
+    assert!(bytes(&q).iter().zip(&want.values).all(|(&b, &w)| same(E4M3.decode(b), w)), "long rows' bytes");
+    assert!(scales(&q).iter().zip(&want.scales).all(|(&g, &s)| same(g, 1.0 / s)), "long rows' scales");
 }
 
 /// FP8 blocks on the GPU (`gemm_tma_e4m3_nt` for all three GEMMs, the weight quantised
