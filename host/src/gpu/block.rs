@@ -360,7 +360,10 @@ impl<W: DeviceElement> GpuBlock<W> {
         let plan = self.plan(gpu, batch);
         let n = self.gemm_width();
         let new = |shape: &[usize]| if poison { gpu.poisoned(shape) } else { gpu.alloc(shape) };
+        // A 16-bit block's BatchNorm forward writes its own FP32 input (`block_half.rs`).
+        let half_batch_norm = self.batch_norm.is_some() && W::DTYPE != Dtype::F32;
         let z = match plan {
+            _ if half_batch_norm => None,
             Plan::Fused | Plan::Gemv { chain: true, .. } => None,
             Plan::GemmThenRows { splits: 1 } | Plan::Gemv { chain: false, .. } => Some(new(&[batch, n])?),
             Plan::GemmThenRows { splits } => Some(new(&[splits, batch, n])?),
