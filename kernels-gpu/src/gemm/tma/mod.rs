@@ -36,6 +36,7 @@
 
 mod flush;
 pub mod forward;
+pub mod pingpong;
 mod pipeline;
 pub mod transposed;
 
