@@ -747,7 +747,7 @@ fn opening_the_gpu_never_panics() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn bf16_model_blocks_match_reference() {
-    half_model_blocks_match_reference::<host::tensor::Bf16>(host::precision::BF16_STORED_REL, 29, Tuning::default());
+    half_model_blocks_match_reference::<host::tensor::Bf16>(host::precision::BF16_STORED_REL, 29);
 }
 
 /// [`bf16_model_blocks_match_reference`] for an fp16 model (`GpuBlock<F16>`, the fp16
@@ -755,25 +755,13 @@ fn bf16_model_blocks_match_reference() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn fp16_model_blocks_match_reference() {
-    half_model_blocks_match_reference::<host::tensor::F16>(host::precision::FP16_STORED_REL, 37, Tuning::default());
-}
-
-/// The ping-pong forwards (`Tuning::pingpong`: `128 x 128` tiles taken in turn by the
-/// consumer warpgroups) on the 16-bit model and FP8 cases of the tests above, at their
-/// tolerances.
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn pingpong_forwards_match_reference() {
-    let pingpong = Tuning { pingpong: true, ..Tuning::default() };
-    half_model_blocks_match_reference::<host::tensor::Bf16>(host::precision::BF16_STORED_REL, 29, pingpong);
-    half_model_blocks_match_reference::<host::tensor::F16>(host::precision::FP16_STORED_REL, 37, pingpong);
-    fp8_blocks_match(pingpong);
+    half_model_blocks_match_reference::<host::tensor::F16>(host::precision::FP16_STORED_REL, 37);
 }
 
 /// The body of the 16-bit model tests: every path's shapes, each against the f64
 /// reference from the same 16-bit values, held to `tol`.
-fn half_model_blocks_match_reference<H: host::gpu::HalfElement>(tol: f64, seed: u64, tuning: Tuning) {
-    let gpu = gpu().with_tuning(tuning);
+fn half_model_blocks_match_reference<H: host::gpu::HalfElement>(tol: f64, seed: u64) {
+    let gpu = gpu();
     let name = H::NAME;
     let mut rng = StdRng::seed_from_u64(seed);
     let cases: [(&str, (usize, usize, usize)); 9] = [
@@ -1210,14 +1198,9 @@ fn fp8_quantisation_matches_the_emulation_bit_for_bit() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn fp8_blocks_match_the_reference_and_the_emulation() {
-    fp8_blocks_match(Tuning::default());
-}
-
-/// The body of [`fp8_blocks_match_the_reference_and_the_emulation`] under `tuning`.
-fn fp8_blocks_match(tuning: Tuning) {
     use host::Precision;
     use host::cpu::{self, Options};
-    let gpu = gpu().with_tuning(tuning);
+    let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(88);
     let cases: [(&str, (usize, usize, usize)); 5] = [
         ("groupnorm(8),swish,mul,swish", (300, 512, 256)),

@@ -118,13 +118,6 @@ kernels! {
     GemmTmaE4m3Nt = "gemm_tma_e4m3_nt", bounds(gemm_tma::THREADS, 1);
     GemmTmaE4m3NtToBf16 = "gemm_tma_e4m3_nt_to_bf16", bounds(gemm_tma::THREADS, 1);
     GemmTmaE4m3NtToF16 = "gemm_tma_e4m3_nt_to_f16", bounds(gemm_tma::THREADS, 1);
-    // The ping-pong forwards (`gemm/tma/pingpong.rs`): `128 x 128` tiles, one per
-    // consumer warpgroup, taken in turn.
-    GemmTmaBf16NtPingpongToBf16 = "gemm_tma_bf16_nt_pingpong_to_bf16", bounds(gemm_tma::THREADS, 1);
-    GemmTmaF16NtPingpongToF16 = "gemm_tma_f16_nt_pingpong_to_f16", bounds(gemm_tma::THREADS, 1);
-    GemmTmaE4m3NtPingpong = "gemm_tma_e4m3_nt_pingpong", bounds(gemm_tma::THREADS, 1);
-    GemmTmaE4m3NtPingpongToBf16 = "gemm_tma_e4m3_nt_pingpong_to_bf16", bounds(gemm_tma::THREADS, 1);
-    GemmTmaE4m3NtPingpongToF16 = "gemm_tma_e4m3_nt_pingpong_to_f16", bounds(gemm_tma::THREADS, 1);
     GemmTmaTf32Tk = "gemm_tma_tf32_tk", bounds(gemm_tma::THREADS, 1);
     GemmTmaTf32TkT = "gemm_tma_tf32_tk_t", bounds(gemm_tma::THREADS, 1);
     GemmTmaTf32x3Tk = "gemm_tma_tf32x3_tk", bounds(gemm_tma::THREADS, 1);

@@ -182,18 +182,6 @@ pub mod gemm_tma {
     /// Their dynamic shared memory: the stages and barriers as [`SMEM_BYTES`], then,
     /// 1024-byte aligned (the swizzle), the staged half tile.
     pub const BF16_OUT_SMEM_BYTES: usize = 1024 + STAGES * STAGE_BYTES + 1024 + STORE_STAGING_BYTES;
-    /// The ping-pong kernels (`gemm_tma_*_pingpong*`): each consumer warpgroup owns a
-    /// whole `128 x PINGPONG_BLOCK_N` tile (two `m64n128` MMAs per `k`-step, the same 128
-    /// accumulators per thread), the two taking the block's tiles in turn, so one runs
-    /// its epilogue while the other multiplies. Stages hold `128 x 128` `A` and `B`
-    /// tiles, six of them in the shared memory four wide stages take.
-    pub const PINGPONG_BLOCK_N: usize = 128;
-    pub const PINGPONG_STAGES: usize = 6;
-    pub const PINGPONG_STAGE_BYTES: usize = A_BYTES + PINGPONG_BLOCK_N * BLOCK_K * 4;
-    /// Their dynamic shared memory: as [`BF16_OUT_SMEM_BYTES`], with a staged half
-    /// tile (`64 x 128` 16-bit values) per warpgroup.
-    pub const PINGPONG_SMEM_BYTES: usize = 1024 + PINGPONG_STAGES * PINGPONG_STAGE_BYTES + 1024 + STORE_STAGING_BYTES;
-    const _: () = assert!(PINGPONG_SMEM_BYTES <= 227 * 1024 && 2 * PINGPONG_STAGES * 8 <= 1024);
     const _: () = assert!(2 * STAGES * 8 <= 1024);
     const _: () = assert!(
         SMEM_BYTES <= 227 * 1024

@@ -97,10 +97,6 @@ pub struct TuningArgs {
     /// (1: never), instead of the dispatch's count.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=64))]
     pub(super) split_k: Option<u16>,
-    /// Forward: the bf16, fp16 and FP8 GEMMs on their ping-pong kernels (`128 x 128`
-    /// tiles, one consumer warpgroup's epilogue beside the other's MMAs).
-    #[arg(long)]
-    pub(super) pingpong: bool,
 }
 
 impl TuningArgs {
@@ -114,7 +110,6 @@ impl TuningArgs {
             gemv: !self.no_gemv,
             gemv_tensor_cores: !self.no_gemv_tensor_cores,
             split_k: self.split_k.map(usize::from),
-            pingpong: self.pingpong,
         }
     }
 }

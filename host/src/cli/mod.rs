@@ -92,7 +92,6 @@ mod tests {
         assert_eq!(tuning(&["--no-gemv"]), Tuning { gemv: false, ..production });
         assert_eq!(tuning(&["--no-gemv-tensor-cores"]), Tuning { gemv_tensor_cores: false, ..production });
         assert_eq!(tuning(&["--split-k", "3"]), Tuning { split_k: Some(3), ..production });
-        assert_eq!(tuning(&["--pingpong"]), Tuning { pingpong: true, ..production });
         assert!(Flags::try_parse_from(["t", "--split-k", "0"]).is_err());
     }
 

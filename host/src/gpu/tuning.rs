@@ -41,10 +41,6 @@ pub struct Tuning {
     /// on the TMA kernels, fewer where ranges would be empty). Default: the dispatch's
     /// count.
     pub split_k: Option<usize>,
-    /// Run the bf16, fp16 and FP8 forwards that have one on their ping-pong twin
-    /// (`gemm_tma_*_pingpong*`: `128 x 128` tiles, the consumer warpgroups taking them
-    /// in turn so one's epilogue overlaps the other's MMAs; `--pingpong`). Default: off.
-    pub pingpong: bool,
 }
 
 impl Default for Tuning {
@@ -57,7 +53,6 @@ impl Default for Tuning {
             gemv: true,
             gemv_tensor_cores: true,
             split_k: None,
-            pingpong: false,
         }
     }
 }

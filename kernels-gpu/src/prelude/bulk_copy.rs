@@ -178,17 +178,6 @@ pub unsafe fn named_barrier(id: u32, threads: u32) {
     unsafe { asm!("bar.sync {i}, {n};", i = in(reg32) id, n = in(reg32) threads, options(nostack)) }
 }
 
-/// `bar.arrive id, threads`: this warp's arrival at named barrier `id` without waiting
-/// (the threads of [`named_barrier`] that wait there are released once `threads` have
-/// arrived or waited).
-///
-/// # Safety
-/// As [`named_barrier`]: `threads` counts this warp's and the waiting warps' threads.
-#[inline(always)]
-pub unsafe fn named_barrier_arrive(id: u32, threads: u32) {
-    unsafe { asm!("bar.arrive {i}, {n};", i = in(reg32) id, n = in(reg32) threads, options(nostack)) }
-}
-
 /// `setmaxnreg`: moves this warpgroup's per-thread register allowance to `N` (a
 /// multiple of 8 in 24..=256), `INC` raising it (waits until the registers are free),
 /// else lowering it (returns them to the block's pool). A warp-specialised kernel's

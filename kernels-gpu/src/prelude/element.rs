@@ -106,12 +106,6 @@ pub trait Half: Element {
     /// # Safety
     /// As the `wgmma_n256_k_tile_*` functions.
     unsafe fn wgmma_k_tile<const TRANS_A: bool, const TRANS_B: bool>(acc: &mut [u32; 128], da: [u64; 4], db: [u64; 4]);
-    /// One 64-deep k-tile of a warpgroup's whole `128 x 128` tile, both operands
-    /// `k`-major (`wgmma::wgmma_pair_k_tile_fn`: the ping-pong kernels).
-    ///
-    /// # Safety
-    /// As the `wgmma_pair_k_tile_*` functions.
-    unsafe fn wgmma_pair_k_tile(acc: &mut [u32; 128], da: [u64; 4], dl: [u64; 4], db: [u64; 4]);
 }
 
 /// The [`Element`] of a [`Half`]: values rounded by its `pack2`, widened by `unpack2`.
@@ -177,11 +171,6 @@ impl Half for Bf16 {
             }
         }
     }
-    #[inline(always)]
-    unsafe fn wgmma_pair_k_tile(acc: &mut [u32; 128], da: [u64; 4], dl: [u64; 4], db: [u64; 4]) {
-        // SAFETY: as the caller's.
-        unsafe { wgmma_pair_k_tile_bf16(acc, da, dl, db) }
-    }
 }
 
 impl Half for F16 {
@@ -207,10 +196,5 @@ impl Half for F16 {
                 (false, false) => wgmma_n256_k_tile_f16(acc, da, db),
             }
         }
-    }
-    #[inline(always)]
-    unsafe fn wgmma_pair_k_tile(acc: &mut [u32; 128], da: [u64; 4], dl: [u64; 4], db: [u64; 4]) {
-        // SAFETY: as the caller's.
-        unsafe { wgmma_pair_k_tile_f16(acc, da, dl, db) }
     }
 }

@@ -38,17 +38,6 @@ macro_rules! accumulators {
     };
 }
 
-/// The `{{0}, .., {63}}` and `{{64}, .., {127}}` halves of a 128-accumulator list: a
-/// warpgroup's two `m64n128` tiles, rows `0..64` and `64..128` of a `128 x 128` tile.
-macro_rules! accumulator_halves {
-    (upper) => {
-        "{{{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}, {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15}, {16}, {17}, {18}, {19}, {20}, {21}, {22}, {23}, {24}, {25}, {26}, {27}, {28}, {29}, {30}, {31}, {32}, {33}, {34}, {35}, {36}, {37}, {38}, {39}, {40}, {41}, {42}, {43}, {44}, {45}, {46}, {47}, {48}, {49}, {50}, {51}, {52}, {53}, {54}, {55}, {56}, {57}, {58}, {59}, {60}, {61}, {62}, {63}}}"
-    };
-    (lower) => {
-        "{{{64}, {65}, {66}, {67}, {68}, {69}, {70}, {71}, {72}, {73}, {74}, {75}, {76}, {77}, {78}, {79}, {80}, {81}, {82}, {83}, {84}, {85}, {86}, {87}, {88}, {89}, {90}, {91}, {92}, {93}, {94}, {95}, {96}, {97}, {98}, {99}, {100}, {101}, {102}, {103}, {104}, {105}, {106}, {107}, {108}, {109}, {110}, {111}, {112}, {113}, {114}, {115}, {116}, {117}, {118}, {119}, {120}, {121}, {122}, {123}, {124}, {125}, {126}, {127}}}"
-    };
-}
-
 /// A shared-memory matrix descriptor for a `k`-contiguous, 128-byte-swizzled operand
 /// at `addr` (1024-byte aligned, or offset by a multiple of 32 bytes along `k` inside
 /// the swizzle atom): start address, stride between 8-row groups (1024 bytes), mode
@@ -377,61 +366,4 @@ wgmma_n256_k_tile_fn!(
     /// A 128-deep e4m3 k-tile: four `m64n256k32` steps over the same 128-byte rows as
     /// bf16's, both operands `k`-major (FP8 `wgmma` takes no transpose immediates).
     wgmma_n256_k_tile_e4m3, "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3", ""
-);
-
-/// Declares a function running one k-tile (four `k`-steps, 32 bytes of each 128-byte
-/// row apiece) of a warpgroup that owns a whole `128 x 128` tile (the ping-pong
-/// kernels): per step two `m64n128` MMAs sharing `B`, rows `0..64` of `A` (`da`) into
-/// accumulators `0..64` and rows `64..128` (`dl`) into `64..128`. Issued, committed, and
-/// returned from with this group still running (the previous one finished).
-macro_rules! wgmma_pair_k_tile_fn {
-    ($(#[$doc:meta])* $name:ident, $mma:literal, $tail:literal) => {
-        $(#[$doc])*
-        ///
-        /// # Safety
-        /// Descriptors of complete tiles written by the async proxy (TMA); every thread
-        /// of the warpgroup calls it.
-        #[inline(always)]
-        pub unsafe fn $name(acc: &mut [u32; 128], da: [u64; 4], dl: [u64; 4], db: [u64; 4]) {
-            macro_rules! step {
-                ($i:literal) => {
-                    concat!(
-                        $mma, " ", accumulator_halves!(upper), ", {a", $i, "}, {b", $i, "}, p, 1, 1", $tail, ";",
-                        $mma, " ", accumulator_halves!(lower), ", {l", $i, "}, {b", $i, "}, p, 1, 1", $tail, ";"
-                    )
-                };
-            }
-            unsafe {
-                wgmma_asm!(128, acc; [
-                    "{{ .reg .pred p; setp.ne.b32 p, {one}, 0;",
-                    "wgmma.fence.sync.aligned;",
-                    step!("0"),
-                    step!("1"),
-                    step!("2"),
-                    step!("3"),
-                    "wgmma.commit_group.sync.aligned;",
-                    "wgmma.wait_group.sync.aligned 1; }}",
-                ];
-                    one = in(reg32) 1u32,
-                    a0 = in(reg64) da[0], a1 = in(reg64) da[1], a2 = in(reg64) da[2], a3 = in(reg64) da[3],
-                    l0 = in(reg64) dl[0], l1 = in(reg64) dl[1], l2 = in(reg64) dl[2], l3 = in(reg64) dl[3],
-                    b0 = in(reg64) db[0], b1 = in(reg64) db[1], b2 = in(reg64) db[2], b3 = in(reg64) db[3],
-                )
-            }
-        }
-    };
-}
-
-wgmma_pair_k_tile_fn!(
-    /// A 64-deep bf16 k-tile of a `128 x 128` tile: `m64n128k16` pairs, both operands
-    /// `k`-major.
-    wgmma_pair_k_tile_bf16, "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16", ", 0, 0"
-);
-wgmma_pair_k_tile_fn!(
-    /// [`wgmma_pair_k_tile_bf16`] in fp16.
-    wgmma_pair_k_tile_f16, "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16", ", 0, 0"
-);
-wgmma_pair_k_tile_fn!(
-    /// A 128-deep e4m3 k-tile of a `128 x 128` tile: `m64n128k32` pairs.
-    wgmma_pair_k_tile_e4m3, "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3", ""
 );

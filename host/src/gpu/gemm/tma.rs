@@ -17,8 +17,7 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfi
 use kernel_abi::Kernel;
 use kernel_abi::fp8::E4M3_BLOCK_K;
 use kernel_abi::gemm_tma::{
-    BF16_BLOCK_K, BF16_OUT_SMEM_BYTES, BLOCK_K, BLOCK_M, BLOCK_N, PINGPONG_BLOCK_N, PINGPONG_SMEM_BYTES, SMEM_BYTES,
-    SPLIT_BLOCK_K, SPLIT_SMEM_BYTES, THREADS,
+    BF16_BLOCK_K, BF16_OUT_SMEM_BYTES, BLOCK_K, BLOCK_M, BLOCK_N, SMEM_BYTES, SPLIT_BLOCK_K, SPLIT_SMEM_BYTES, THREADS,
 };
 use std::sync::Arc;
 
@@ -154,52 +153,10 @@ fn half_layout<H: HalfElement>(kernel: Kernel) -> Option<Layout> {
     }
 }
 
-/// The ping-pong twin of a forward kernel (kernels-gpu's `gemm::tma::pingpong`: `128 x
-/// 128` tiles, one per consumer warpgroup in turn), where there is one.
-fn pingpong_twin(kernel: Kernel) -> Option<Kernel> {
-    match kernel {
-        Kernel::GemmTmaBf16NtToBf16 => Some(Kernel::GemmTmaBf16NtPingpongToBf16),
-        Kernel::GemmTmaF16NtToF16 => Some(Kernel::GemmTmaF16NtPingpongToF16),
-        Kernel::GemmTmaE4m3Nt => Some(Kernel::GemmTmaE4m3NtPingpong),
-        Kernel::GemmTmaE4m3NtToBf16 => Some(Kernel::GemmTmaE4m3NtPingpongToBf16),
-        Kernel::GemmTmaE4m3NtToF16 => Some(Kernel::GemmTmaE4m3NtPingpongToF16),
-        _ => None,
-    }
-}
-
-/// Whether `kernel` is a ping-pong kernel: `128 x 128` tiles, six stages, no split
-/// count in its signature and always the two scale pointers.
-fn is_pingpong(kernel: Kernel) -> bool {
-    [
-        Kernel::GemmTmaBf16NtPingpongToBf16,
-        Kernel::GemmTmaF16NtPingpongToF16,
-        Kernel::GemmTmaE4m3NtPingpong,
-        Kernel::GemmTmaE4m3NtPingpongToBf16,
-        Kernel::GemmTmaE4m3NtPingpongToF16,
-    ]
-    .contains(&kernel)
-}
-
-/// `kernel`, or its ping-pong twin where the tuning asks for it (unsplit forwards).
-fn with_pingpong(gpu: &Gpu, kernel: Kernel, splits: usize) -> Kernel {
-    match pingpong_twin(kernel) {
-        Some(twin) if gpu.tuning().pingpong && splits <= 1 => twin,
-        _ => kernel,
-    }
-}
-
 /// Whether `kernel` stores a 16-bit `y` through the TMA unit: its table holds a third
 /// map (of `y`), and it stages half tiles in more shared memory.
 fn stores_by_tma(kernel: Kernel) -> bool {
-    [
-        Kernel::GemmTmaE4m3NtToBf16,
-        Kernel::GemmTmaE4m3NtToF16,
-        Kernel::GemmTmaBf16NtPingpongToBf16,
-        Kernel::GemmTmaF16NtPingpongToF16,
-        Kernel::GemmTmaE4m3NtPingpongToBf16,
-        Kernel::GemmTmaE4m3NtPingpongToF16,
-    ]
-    .contains(&kernel)
+    [Kernel::GemmTmaE4m3NtToBf16, Kernel::GemmTmaE4m3NtToF16].contains(&kernel)
         || [&super::super::dispatch::HalfKernels::BF16, &super::super::dispatch::HalfKernels::F16]
             .iter()
             .any(|h| [h.tma_nt_to_half, h.tma_nn_to_half, h.tma_tn_to_half].contains(&kernel))
@@ -228,15 +185,13 @@ fn persistent(
     let words: Vec<u64> = maps.iter().flat_map(|map| map.opaque).collect();
     let maps = gpu.words(stream, &words)?;
     let smem_bytes = match arith {
-        _ if is_pingpong(kernel) => PINGPONG_SMEM_BYTES,
         _ if stores_by_tma(kernel) => BF16_OUT_SMEM_BYTES,
         Arith::Tf32x3 => SPLIT_SMEM_BYTES,
         Arith::Tf32 | Arith::Bf16 | Arith::F16 | Arith::E4m3 => SMEM_BYTES,
     };
     let func = gpu.function(kernel)?;
     gpu.allow_shared(&func, kernel, smem_bytes)?;
-    let block_n = if is_pingpong(kernel) { PINGPONG_BLOCK_N } else { BLOCK_N };
-    let units = m.div_ceil(BLOCK_M) * n.div_ceil(block_n) * splits;
+    let units = m.div_ceil(BLOCK_M) * n.div_ceil(BLOCK_N) * splits;
     let cfg = LaunchConfig {
         grid_dim: (units.min(gpu.props.multiprocessors) as u32, 1, 1),
         block_dim: (THREADS as u32, 1, 1),
@@ -312,21 +267,13 @@ fn launch_with_maps<O: DeviceElement>(
     }
     let Persistent { maps, func, cfg } = persistent(gpu, stream, kernel, arith, maps, (m, n), splits)?;
     let tail = EpilogueArgs::new(&[m, n, k], chain);
-    let (splits32, null) = (splits as u32, 0u64);
+    let splits32 = splits as u32;
     let mut launch = stream.launch_builder(&func);
     launch.arg(&maps);
     tail.push(&mut launch, bias, y, save_z, chain);
-    if !is_pingpong(kernel) {
-        launch.arg(&splits32);
-    }
-    match scales {
-        Some((rows, cols)) => {
-            launch.arg(rows).arg(cols);
-        }
-        None if is_pingpong(kernel) => {
-            launch.arg(&null).arg(&null);
-        }
-        None => {}
+    launch.arg(&splits32);
+    if let Some((rows, cols)) = scales {
+        launch.arg(rows).arg(cols);
     }
     // SAFETY: matches the kernel's signature; the maps describe `a` and `b` within the
     // extents the caller checked; grid, block and shared memory follow kernel_abi::gemm_tma.
@@ -432,10 +379,8 @@ pub fn launch_half<H: HalfElement, O: DeviceElement>(
         encode_map_typed(ptr, H::DTYPE, (rows, k, pitch), (box_rows, BF16_BLOCK_K), swizzle)
     };
     let mn_major = |ptr, cols, pitch| encode_map_typed(ptr, H::DTYPE, (k, cols, pitch), (BF16_BLOCK_K, 64), swizzle);
-    let kernel = with_pingpong(gpu, kernel, splits);
-    let block_n = if is_pingpong(kernel) { PINGPONG_BLOCK_N } else { BLOCK_N };
     let mut maps = match route.layout {
-        Layout::Nt => vec![k_major(pa, m, lda, BLOCK_M)?, k_major(pb, n, ldb, block_n)?],
+        Layout::Nt => vec![k_major(pa, m, lda, BLOCK_M)?, k_major(pb, n, ldb, BLOCK_N)?],
         Layout::Nn => vec![k_major(pa, m, lda, BLOCK_M)?, mn_major(pb, n, ldb)?],
         Layout::Tn | Layout::Tk => vec![mn_major(pa, m, lda)?, mn_major(pb, n, ldb)?],
     };
@@ -482,9 +427,7 @@ pub fn launch_e4m3<O: DeviceElement>(
     let map = |m: &super::fp8::Fp8Matrix, box_rows| {
         encode_map_raw(m.values.device_address(), bytes, (m.rows, k, k), (box_rows, E4M3_BLOCK_K), swizzle)
     };
-    let kernel = with_pingpong(gpu, kernel, 1);
-    let block_n = if is_pingpong(kernel) { PINGPONG_BLOCK_N } else { BLOCK_N };
-    let mut maps = vec![map(a, BLOCK_M)?, map(b, block_n)?];
+    let mut maps = vec![map(a, BLOCK_M)?, map(b, BLOCK_N)?];
     if stores_by_tma(kernel) {
         let py = y.buf.device_address();
         if !(n.is_multiple_of(8) && py.is_multiple_of(16)) {

@@ -36,7 +36,6 @@
 
 mod flush;
 pub mod forward;
-pub mod pingpong;
 mod pipeline;
 pub mod transposed;
 

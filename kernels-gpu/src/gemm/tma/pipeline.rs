@@ -16,16 +16,15 @@ pub(super) const PRODUCER_REGISTERS: u32 = 24;
 pub(super) const CONSUMER_REGISTERS: u32 = 240;
 const _: () = assert!(128 * PRODUCER_REGISTERS + CONSUMER_THREADS as u32 * CONSUMER_REGISTERS <= 168 * THREADS as u32);
 
-/// The origin `(row0, col0)` of tile `tile` (`block_n` columns wide): panels of
-/// [`PANEL_M`] row tiles, walked row tile fastest, so the blocks in flight share `B`
-/// tiles and few `A` rows.
+/// The origin `(row0, col0)` of tile `tile`: panels of [`PANEL_M`] row tiles, walked
+/// row tile fastest, so the blocks in flight share `B` tiles and few `A` rows.
 #[inline(always)]
-fn tile_origin(tile: u32, tiles_m: u32, tiles_n: u32, block_n: u32) -> (u32, u32) {
+fn tile_origin(tile: u32, tiles_m: u32, tiles_n: u32) -> (u32, u32) {
     let panel_tiles = PANEL_M as u32 * tiles_n;
     let (panel, local) = (tile / panel_tiles, tile % panel_tiles);
     let first = panel * PANEL_M as u32;
     let height = if tiles_m - first < PANEL_M as u32 { tiles_m - first } else { PANEL_M as u32 };
-    ((first + local % height) * BLOCK_M as u32, (local / height) * block_n)
+    ((first + local % height) * BLOCK_M as u32, (local / height) * BLOCK_N as u32)
 }
 
 /// `gridDim.x`, read where it is used (a `mov` LLVM may not hoist): the producer's loop
@@ -53,8 +52,6 @@ pub(super) struct Pipeline<const SPLIT_K: bool> {
     pub(super) tile_bytes: u32,
     pub(super) block_k: u32,
     pub(super) a_bytes: u32,
-    /// Columns of a tile: [`BLOCK_N`], or [`PINGPONG_BLOCK_N`].
-    pub(super) block_n: u32,
     pub(super) tiles_m: u32,
     pub(super) tiles_n: u32,
     pub(super) k_tiles: u32,
@@ -94,79 +91,16 @@ impl<const SPLIT_K: bool> Pipeline<SPLIT_K> {
         };
         let (stages, tile_bytes, block_k, a_bytes) = (stages as u32, tile_bytes as u32, block_k as u32, a_bytes as u32);
         let stage_bytes = if SPLIT { 2 * tile_bytes } else { tile_bytes };
-        let block_n = BLOCK_N as u32;
-        let (tiles_m, tiles_n) = (m.div_ceil(BLOCK_M as u32), n.div_ceil(block_n));
+        let (tiles_m, tiles_n) = (m.div_ceil(BLOCK_M as u32), n.div_ceil(BLOCK_N as u32));
         let (k_tiles, splits) = (k.div_ceil(block_k), if splits == 0 || !SPLIT_K { 1 } else { splits });
         let split_tiles = k_tiles.div_ceil(splits);
-        let p = Pipeline {
-            base,
-            stages,
-            stage_bytes,
-            tile_bytes,
-            block_k,
-            a_bytes,
-            block_n,
-            tiles_m,
-            tiles_n,
-            k_tiles,
-            splits,
-            split_tiles,
-        };
-        // SAFETY: as the caller promises.
-        unsafe { p.init(maps, CONSUMER_THREADS as u32 / 32, 0) };
-        p
-    }
-
-    /// The layout of the ping-pong kernels (`gemm::tma::pingpong`): [`PINGPONG_STAGES`]
-    /// stages of `128 x 128` byte `A` and `B` tiles (`operand_bytes` per value), each
-    /// consumed by one warpgroup (four warps release it), no split-K.
-    ///
-    /// # Safety
-    /// As [`Pipeline::new`], with [`PINGPONG_SMEM_BYTES`] of dynamic shared memory.
-    #[inline(always)]
-    pub(super) unsafe fn pingpong(maps: *const u8, (m, n, k): (u32, u32, u32), operand_bytes: u32) -> Pipeline<SPLIT_K> {
-        let base = (shared_address(dynamic_shared::<f32>()) + 1023) & !1023;
-        let (block_k, block_n) = (128 / operand_bytes, PINGPONG_BLOCK_N as u32);
-        let stage_bytes = PINGPONG_STAGE_BYTES as u32;
-        let (tiles_m, tiles_n, k_tiles) = (m.div_ceil(BLOCK_M as u32), n.div_ceil(block_n), k.div_ceil(block_k));
-        let p = Pipeline {
-            base,
-            stages: PINGPONG_STAGES as u32,
-            stage_bytes,
-            tile_bytes: stage_bytes,
-            block_k,
-            a_bytes: A_BYTES as u32,
-            block_n,
-            tiles_m,
-            tiles_n,
-            k_tiles,
-            splits: 1,
-            split_tiles: k_tiles,
-        };
-        // SAFETY: as the caller promises.
-        unsafe { p.init(maps, 4, 2) };
-        p
-    }
-
-    /// Thread 0 sets up the barriers ("full": the producer's one arrival plus the
-    /// stage's bytes; "empty": `releases` arrivals, one per consumer warp; then `extra`
-    /// more of four arrivals, [`Pipeline::extra`]) and prefetches both tensor maps; then
-    /// the block's only barrier.
-    ///
-    /// # Safety
-    /// As [`Pipeline::new`].
-    #[inline(always)]
-    unsafe fn init(&self, maps: *const u8, releases: u32, extra: u32) {
-        let (p, stages) = (self, self.stages);
+        let p = Pipeline { base, stages, stage_bytes, tile_bytes, block_k, a_bytes, tiles_m, tiles_n, k_tiles, splits, split_tiles };
         if thread_idx_x() == 0 {
             // SAFETY: fresh barriers inside the dynamic shared memory; valid tensor maps.
             unsafe {
                 for s in 0..stages {
                     mbarrier_init(p.full(s), 1);
-                    mbarrier_init(p.empty(s), releases);
-                }
-                for e in 0..extra {
-                    mbarrier_init(p.extra(e), 4);
+                    mbarrier_init(p.empty(s), (CONSUMER_THREADS / 32) as u32);
                 }
                 // Thread 0 is also the producer, the only thread that reads the maps.
                 acquire_tensor_map(maps);
@@ -178,13 +112,7 @@ impl<const SPLIT_K: bool> Pipeline<SPLIT_K> {
         }
         // SAFETY: uniform; the only block-wide barrier.
         unsafe { sync_threads() };
-    }
-
-    /// The `e`-th barrier after the stages' (the ping-pong kernels' order barriers):
-    /// four arrivals per phase, one per warp of a warpgroup.
-    #[inline(always)]
-    pub(super) fn extra(&self, e: u32) -> u32 {
-        self.full(2 * self.stages + e)
+        p
     }
 
     /// Shared-memory address of stage `s`.
@@ -225,21 +153,15 @@ impl<const SPLIT_K: bool> Pipeline<SPLIT_K> {
         if SPLIT_K { self.tiles() * self.splits } else { self.tiles() }
     }
 
-    /// Tile `tile`'s origin `(row0, col0)`.
-    #[inline(always)]
-    pub(super) fn tile(&self, tile: u32) -> (u32, u32) {
-        tile_origin(tile, self.tiles_m, self.tiles_n, self.block_n)
-    }
-
     /// Unit `unit`'s tile origin `(row0, col0)`, its split and that split's k-tiles.
     #[inline(always)]
     pub(super) fn unit(&self, unit: u32) -> (u32, u32, u32, core::ops::Range<u32>) {
         if !SPLIT_K {
-            let (row0, col0) = self.tile(unit);
+            let (row0, col0) = tile_origin(unit, self.tiles_m, self.tiles_n);
             return (row0, col0, 0, 0..self.k_tiles);
         }
         let (split, tile) = (unit / self.tiles(), unit % self.tiles());
-        let (row0, col0) = self.tile(tile);
+        let (row0, col0) = tile_origin(tile, self.tiles_m, self.tiles_n);
         let k0 = split * self.split_tiles;
         let k1 = if k0 + self.split_tiles < self.k_tiles { k0 + self.split_tiles } else { self.k_tiles };
         (row0, col0, split, k0..k1)
