@@ -4,6 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf device-carry && mkdir -p device-carry
+# The binaries carry the kernels as a cubin only where the build found ptxas (else the GPU
+# machine compiles 16 MB of PTX at each first start): PTXAS, or CI's pip-installed one.
+if [ -z "${PTXAS:-}" ] && ! command -v ptxas > /dev/null; then
+  PTXAS="$(python3 -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "cu13", "bin", "ptxas"))' 2>/dev/null || true)"
+  if [ -x "$PTXAS" ]; then export PTXAS; else unset PTXAS; echo "note: no ptxas found; the kernels go as PTX" >&2; fi
+fi
 cargo build --release -p host
 cp target/release/host device-carry/
 # An older build to compare against in the same device call (STEPS=ab).

@@ -725,6 +725,15 @@ fn gpu_tape_chains_blocks_and_accumulates() {
 
 /// On a machine without a driver, opening the GPU is an error that says why (no panic);
 /// with one, it opens. Runs everywhere.
+/// The GPU runs the cubin the build embedded (`host::gpu::KERNELS_CUBIN`), not the PTX
+/// the driver would compile before the first launch.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_gpu_loads_the_embedded_cubin() {
+    assert!(!host::gpu::KERNELS_CUBIN.is_empty(), "built without ptxas: no cubin embedded");
+    assert_eq!(gpu().kernel_image(), host::gpu::KernelImage::Cubin);
+}
+
 #[test]
 fn opening_the_gpu_never_panics() {
     match (host::gpu::driver_present(), Gpu::open(0)) {

@@ -2,9 +2,9 @@
 //! (`kernel_abi::Kernel`), and every kernel assembles for sm_90a with no spills and no
 //! stack frame (local memory), read off `ptxas -v`. The second needs `ptxas`: CI
 //! installs it from PyPI (`nvidia-cuda-nvcc`); set `PTXAS` to its path, or have it on
-//! `PATH`.
+//! `PATH`. The build embeds a cubin assembled by the same `ptxas` (`host/build.rs`).
 
-use host::gpu::KERNELS_PTX;
+use host::gpu::{KERNELS_CUBIN, KERNELS_PTX};
 use kernel_abi::Kernel;
 use std::process::Command;
 
@@ -35,6 +35,29 @@ fn kernel_identifiers_are_the_ptx_entry_points() {
         assert!(Kernel::by_name(e).is_some(), "PTX entry `{e}` has no `kernel_abi::Kernel` identifier");
     }
     assert_eq!(entries.len(), Kernel::ALL.len());
+}
+
+/// The cubin `host/build.rs` assembled from the PTX (it needs `ptxas`, as the resource
+/// checks below do) is a CUDA ELF image holding every entry point: a GPU loads it as is
+/// instead of compiling 16 MB of PTX first.
+#[test]
+#[ignore = "needs ptxas at build time: set PTXAS (CI runs it with the resource checks)"]
+fn the_embedded_cubin_holds_every_kernel() {
+    assert!(
+        !KERNELS_CUBIN.is_empty(),
+        "the build found no ptxas, so no cubin is embedded: set PTXAS to the ptxas binary and rebuild"
+    );
+    assert_eq!(&KERNELS_CUBIN[..4], b"\x7fELF", "not an ELF image");
+    const EM_CUDA: u16 = 190;
+    assert_eq!(u16::from_le_bytes([KERNELS_CUBIN[18], KERNELS_CUBIN[19]]), EM_CUDA, "not a CUDA ELF image");
+    for k in Kernel::ALL {
+        let symbol = [k.name().as_bytes(), b"\0"].concat();
+        assert!(
+            KERNELS_CUBIN.windows(symbol.len()).any(|w| w == symbol.as_slice()),
+            "{k:?}: no symbol `{}` in the cubin",
+            k.name()
+        );
+    }
 }
 
 /// `(kernel, registers, stack bytes, spill store bytes, spill load bytes)` per entry point.

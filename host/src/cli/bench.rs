@@ -208,9 +208,10 @@ pub fn run(a: &BenchArgs) -> Result<(), Failure> {
 
     let (what, peer) = if a.backward { ("forward+backward", "cuBLAS 3 GEMMs") } else { ("forward", "cuBLAS GEMM") };
     println!(
-        "device: {} ({} SMs); {what}, precision {} (cuBLAS: {}); median of {} runs, CUDA events",
+        "device: {} ({} SMs, kernels from {:?}); {what}, precision {} (cuBLAS: {}); median of {} runs, CUDA events",
         gpu.props.name,
         gpu.props.multiprocessors,
+        gpu.kernel_image(),
         a.precision,
         match (a.precision, a.fp32_tensors) {
             (Precision::Tf32, _) => "TF32 tensor-op math",

@@ -113,8 +113,13 @@ pub fn run(a: &ForwardArgs) -> Result<(), Failure> {
             let tensors = if p.bf16.is_some() { ", bf16 model (bf16 x, W, y)" } else { "" };
             Run {
                 backend: format!(
-                    "gpu: {} ({} SMs, sm_{}{}), {} GEMM{tensors}",
-                    pr.name, pr.multiprocessors, pr.compute_capability.0, pr.compute_capability.1, p.precision
+                    "gpu: {} ({} SMs, sm_{}{}, kernels from {:?}), {} GEMM{tensors}",
+                    pr.name,
+                    pr.multiprocessors,
+                    pr.compute_capability.0,
+                    pr.compute_capability.1,
+                    gpu.kernel_image(),
+                    p.precision
                 ),
                 path,
                 flops,

@@ -39,6 +39,33 @@ pub use tuning::Tuning;
 /// `a` features (`wgmma`) tie the module to compute capability 9.0 exactly.
 pub const KERNELS_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels_sm90.ptx"));
 
+/// The same kernels assembled for sm_90a by `ptxas` at build time (`build.rs`), or empty
+/// where the build had none. Loaded first: the driver compiles the PTX before the first
+/// launch, 60 s on an H100 machine until its cache holds the result.
+pub const KERNELS_CUBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kernels_sm90.cubin"));
+
+/// Which image of the kernels a [`Gpu`] loaded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KernelImage {
+    /// [`KERNELS_CUBIN`]: ready to run.
+    Cubin,
+    /// [`KERNELS_PTX`], compiled by the driver: the build had no `ptxas`, or this driver
+    /// refused the cubin (one older than the `ptxas` that built it).
+    Ptx,
+}
+
+/// Loads the kernels into `ctx`: the cubin where there is one the driver takes, else the PTX.
+fn load_kernels(ctx: &Arc<CudaContext>) -> Result<(Arc<CudaModule>, KernelImage)> {
+    if !KERNELS_CUBIN.is_empty()
+        && let Ok(module) = ctx.load_module(Ptx::from_binary(KERNELS_CUBIN.to_vec()))
+    {
+        return Ok((module, KernelImage::Cubin));
+    }
+    let module =
+        ctx.load_module(Ptx::from_src(KERNELS_PTX)).map_err(|e| Error::cuda("loading the kernel module", e))?;
+    Ok((module, KernelImage::Ptx))
+}
+
 /// What the backend read off the device at start.
 #[derive(Clone, Debug)]
 pub struct DeviceProps {
@@ -84,6 +111,8 @@ pub struct Gpu {
     /// two GEMMs); ordered against `stream` with events by whoever uses it.
     side: Arc<CudaStream>,
     module: Arc<CudaModule>,
+    /// Which image `module` came from.
+    image: KernelImage,
     /// Each kernel's handle once loaded, with the dynamic shared memory it was last
     /// allowed: looked up and raised once, not on every launch.
     functions: Arc<Functions>,
@@ -227,8 +256,7 @@ impl Gpu {
         let stream = ctx.new_stream_with_priority(greatest).map_err(|e| Error::cuda("creating a stream", e))?;
         keep_freed_memory(&ctx)?;
         let side = ctx.new_stream_with_priority(least).map_err(|e| Error::cuda("creating a stream", e))?;
-        let module =
-            ctx.load_module(Ptx::from_src(KERNELS_PTX)).map_err(|e| Error::cuda("loading the kernel module", e))?;
+        let (module, image) = load_kernels(&ctx)?;
         let (tables, side_tables, spares, lent, side_frees) = Default::default();
         let tuning = Tuning::default();
         let functions = Arc::new(Functions::default());
@@ -243,6 +271,7 @@ impl Gpu {
             side_frees,
             side,
             module,
+            image,
             functions,
             props,
             tuning,
@@ -254,6 +283,12 @@ impl Gpu {
     pub fn with_tuning(mut self, tuning: Tuning) -> Gpu {
         self.tuning = tuning;
         self
+    }
+
+    /// Which image of the kernels this GPU runs: the build's cubin, or the PTX the driver
+    /// compiled (see [`KERNELS_CUBIN`]).
+    pub fn kernel_image(&self) -> KernelImage {
+        self.image
     }
 
     /// Which production paths the work on this GPU may take.
