@@ -14,7 +14,7 @@ their own dtype (float32 or float64).
 import functools
 import re
 import weakref
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -30,6 +30,7 @@ __all__ = [
     "clear_fp8_cache",
     "fuse",
     "fused_linear",
+    "kernel_image",
     "release_buffers",
 ]
 __version__ = _native.__version__
@@ -184,6 +185,23 @@ def _fp8_weight(weight: Tensor, precision: str, ops: str) -> Optional[List[Tenso
         _FP8_WATCHED.add(id(weight))
     _FP8_CACHE[id(weight)] = (key, quantised)
     return quantised
+
+
+def kernel_image(device: Union[int, str, torch.device, None] = None) -> str:
+    """Which image of the kernels a CUDA device runs (opening it if needed): ``"cubin"``,
+    assembled by CUDA's ``ptxas`` when the wheel was built, which loads at once; or
+    ``"ptx"``, which the driver compiles before the first launch (up to a minute on a
+    machine whose CUDA cache does not hold it yet; a ``RuntimeWarning`` says so once).
+    Build the wheel with ``PTXAS`` set to get the cubin. ``device``: an index, ``"cuda:N"``
+    or a ``torch.device``; default the current CUDA device."""
+    if device is None:
+        index = torch.cuda.current_device()
+    else:
+        d = torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+        if d.type != "cuda":
+            raise ValueError(f"kernel_image: {device!r} is not a CUDA device")
+        index = d.index if d.index is not None else torch.cuda.current_device()
+    return _native.kernel_image(index)
 
 
 def release_buffers() -> None:

@@ -15,7 +15,7 @@ use host::block::{BlockSpec, Params};
 use host::chain::Chain;
 use host::gpu::block::{DeviceParams, GpuBlock, Saved};
 use host::gpu::elementwise::{Convert, Vector, convert_vectors};
-use host::gpu::{DeviceAllocator, DeviceElement, DeviceTensor, ElementKind, Gpu};
+use host::gpu::{DeviceAllocator, DeviceElement, DeviceTensor, ElementKind, Gpu, KernelImage};
 use host::reference::{self, BlockGrads, Real};
 use host::tensor::{Bf16, F16, Tensor};
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
@@ -26,6 +26,7 @@ use pyo3::types::{PyTuple, PyType};
 use std::any::Any;
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Alignment the kernels assume of every operand (16-byte vector accesses, TMA).
@@ -433,7 +434,37 @@ fn dtype_name(d: DType) -> &'static str {
 
 /// The GPU of CUDA ordinal `index`, opened once ([`Gpu::shared`]).
 fn gpu(index: usize) -> PyResult<Gpu> {
-    Gpu::shared(index).map_err(to_py)
+    let gpu = Gpu::shared(index).map_err(to_py)?;
+    if gpu.kernel_image() == KernelImage::Ptx && !PTX_WARNED.swap(true, Ordering::Relaxed) {
+        Python::attach(|py| {
+            let category = py.get_type::<pyo3::exceptions::PyRuntimeWarning>();
+            PyErr::warn(
+                py,
+                &category,
+                c"fused_linear: this build has no cubin, so the driver compiled the kernels from PTX \
+                  (up to a minute on a machine whose CUDA cache does not hold them yet); a wheel built \
+                  with PTXAS set to CUDA's ptxas loads at once",
+                1,
+            )
+        })?;
+    }
+    Ok(gpu)
+}
+
+/// Whether the PTX warning was given (once per process).
+static PTX_WARNED: AtomicBool = AtomicBool::new(false);
+
+/// Which image of the kernels CUDA device `index` runs, opening it if needed: `"cubin"`
+/// (assembled by `ptxas` when the wheel was built) or `"ptx"` (compiled by the driver at
+/// first use).
+#[pyfunction]
+fn kernel_image(index: usize) -> PyResult<&'static str> {
+    guarded(|| {
+        Ok(match gpu(index)?.kernel_image() {
+            KernelImage::Cubin => "cubin",
+            KernelImage::Ptx => "ptx",
+        })
+    })
 }
 
 /// PyTorch's caching allocator, through the package's `allocate(numel, kind)`
@@ -1217,6 +1248,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fp8_weight, m)?)?;
     m.add_function(wrap_pyfunction!(parse_chain, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_limit, m)?)?;
+    m.add_function(wrap_pyfunction!(kernel_image, m)?)?;
     m.add_function(wrap_pyfunction!(ops, m)?)?;
     m.add_function(wrap_pyfunction!(release_buffers, m)?)?;
     m.add_function(wrap_pyfunction!(_raise_panic, m)?)?;

@@ -196,3 +196,8 @@ def test_rust_panic_becomes_runtime_error():
         _native._raise_panic("second")
     x, weight, bias, params = args()
     assert torch.isfinite(call(x, weight, bias, params)).all()
+
+
+def test_kernel_image_names_a_cuda_device():
+    with pytest.raises(ValueError, match="not a CUDA device"):
+        fused_linear.kernel_image("cpu")

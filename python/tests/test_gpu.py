@@ -550,3 +550,10 @@ def test_release_buffers_gives_back_what_the_calls_keep():
     assert torch.cuda.memory_allocated() < held
     with torch.no_grad():
         assert torch.equal(block(x), want)
+
+
+def test_kernels_load_from_the_cubin():
+    """The wheel was built with ptxas (as CI's and the device runs' are): the GPU loads the
+    cubin, not the PTX the driver would spend up to a minute compiling."""
+    assert fused_linear.kernel_image() == "cubin", "wheel built without PTXAS: the kernels load from PTX"
+    assert fused_linear.kernel_image(torch.device(CUDA, torch.cuda.current_device())) == "cubin"
