@@ -2,7 +2,7 @@
 //! into an sm_90a cubin (both embedded by `src/gpu/mod.rs`). The same executable is also
 //! the PTX linker that rustc calls during that build: see `ptx-builder`.
 //!
-//! Why the cubin: the PTX is some 20 MB, and a driver loading it compiles every kernel
+//! Why the cubin: the PTX is some 16 MB, and a driver loading it compiles every kernel
 //! before the first launch, 60 s on the H100 machine (cached afterwards in the
 //! user's CUDA cache, per driver and PTX). The cubin loads at once.
 
@@ -37,7 +37,7 @@ fn main() {
             std::fs::write(&cubin, []).unwrap();
             println!(
                 "cargo:warning=no ptxas (set PTXAS or put CUDA's bin on PATH): the kernels ship as PTX only, \
-                 which the driver compiles at first use (tens of seconds; then cached)"
+                 which the driver compiles at first use (about a minute on an H100 machine; then cached)"
             );
         }
     }

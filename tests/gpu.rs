@@ -723,8 +723,6 @@ fn gpu_tape_chains_blocks_and_accumulates() {
     }
 }
 
-/// On a machine without a driver, opening the GPU is an error that says why (no panic);
-/// with one, it opens. Runs everywhere.
 /// The GPU runs the cubin the build embedded (`host::gpu::KERNELS_CUBIN`), not the PTX
 /// the driver would compile before the first launch.
 #[test]
@@ -734,6 +732,8 @@ fn the_gpu_loads_the_embedded_cubin() {
     assert_eq!(gpu().kernel_image(), host::gpu::KernelImage::Cubin);
 }
 
+/// On a machine without a driver, opening the GPU is an error that says why (no panic);
+/// with one, it opens. Runs everywhere.
 #[test]
 fn opening_the_gpu_never_panics() {
     match (host::gpu::driver_present(), Gpu::open(0)) {
