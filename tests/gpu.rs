@@ -589,6 +589,62 @@ fn split_k_half_model<H: host::gpu::HalfElement>(
     }
 }
 
+/// A 16-bit model's folded AvgPool: its means as two halves in the type, two GEMMs on
+/// `x` as stored (split-K ranges, or one range each where the tuning forces it), and
+/// without TMA the 3xTF32 GEMM on FP32 means; a chain the second kernel runs tile-wise
+/// and one it runs on rows. Forward and every gradient against the f64 reference from
+/// the same 16-bit values, outputs poisoned.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn folded_avgpool_halves_match_reference() {
+    use host::gpu::dispatch::Plan;
+    fn check<H: host::gpu::HalfElement>(base: &Gpu, tol: f64, rng: &mut StdRng) {
+        let cases = [
+            ("avgpool(16),gelu,scale(2),max", (192, 2048, 1024)),
+            ("avgpool(8),swish,groupnorm(4)", (130, 1024, 2048)),
+        ];
+        let tunings = [
+            (Tuning::default(), "twice"),
+            (Tuning { split_k: Some(1), ..Tuning::default() }, "twice"),
+            (Tuning { tma: false, ..Tuning::default() }, "FP32 folded weight"),
+        ];
+        for (text, (b, i, o)) in cases {
+            let spec = BlockSpec::new(i, o, text.parse().unwrap()).unwrap();
+            let params = Params::init(&spec, rng).map(H::from_f32);
+            let x = random_input(b, i, rng).unwrap().to_half::<H>();
+            let out = spec.output_shape(b);
+            let dy = random_input(1, out.iter().product(), rng).unwrap().reshape(&out).unwrap().to_half::<H>();
+            for (tuning, path_has) in tunings {
+                let gpu = base.clone().with_tuning(tuning);
+                let block = GpuBlock::new_half(&gpu, &spec, &params).unwrap();
+                let plan = block.plan(&gpu, b);
+                let path = block.describe(&gpu, &plan);
+                assert!(path.contains(path_has), "{} {text} {tuning:?}: {path}", H::NAME);
+                // Two GEMMs of as many ranges each (2 or 8 tiles here: split where not forced).
+                let want = |s: usize| if tuning.split_k == Some(1) { s == 2 } else { s >= 8 && s.is_multiple_of(2) };
+                if path_has == "twice" {
+                    assert!(
+                        matches!(plan, Plan::GemmThenRows { splits } if want(splits)),
+                        "{} {text}: {plan:?}",
+                        H::NAME
+                    );
+                }
+                let got = block.forward_backward(&gpu, &x, &dy).unwrap();
+                let report = half_report(&spec, &params, (&x, &dy), &got);
+                let worst = report.iter().map(|(_, c)| c.rel).fold(0.0, f64::max);
+                println!("{} model {text} ({b}, {i}, {o}) worst rel {worst:.2e}: {path}", H::NAME);
+                for (what, c) in &report {
+                    assert!(c.passes(tol), "{} model {text} {tuning:?}: {what}: {c:?}", H::NAME);
+                }
+            }
+        }
+    }
+    let gpu = gpu();
+    let mut rng = StdRng::seed_from_u64(41);
+    check::<host::tensor::Bf16>(&gpu, host::precision::BF16_STORED_REL, &mut rng);
+    check::<host::tensor::F16>(&gpu, host::precision::FP16_STORED_REL, &mut rng);
+}
+
 /// The linear gradients on the TMA kernels, TF32 and 3xTF32: `dW = dZ^T X` (`dZ` as
 /// stored, through `gemm_tma_*_tk`; a batch of at least `MIN_K` rows) and `dX = dZ W`
 /// (`W` as stored, `gemm_tma_*_tk_t`; `n` of at least `MIN_K`),

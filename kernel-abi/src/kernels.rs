@@ -171,6 +171,8 @@ kernels! {
     FoldRowsMean = "fold_rows_mean";
     FoldRowsMeanBf16 = "fold_rows_mean_bf16";
     FoldRowsMeanF16 = "fold_rows_mean_f16";
+    FoldRowsMeanHalvesBf16 = "fold_rows_mean_halves_bf16";
+    FoldRowsMeanHalvesF16 = "fold_rows_mean_halves_f16";
     UnfoldRowsMeanGrad = "unfold_rows_mean_grad";
     UnfoldRowsMeanGradToBf16 = "unfold_rows_mean_grad_to_bf16";
     UnfoldRowsMeanGradToF16 = "unfold_rows_mean_grad_to_f16";

@@ -90,6 +90,78 @@ pub unsafe extern "ptx-kernel" fn fold_rows_mean_f16(input: *const F16, rows: u3
     unsafe { fold_rows::<F16>(input, rows, cols, k, out) }
 }
 
+/// [`fold_rows_mean`] of a bf16 weight as two bf16 matrices whose sum is the FP32
+/// means to about 2^-17 of each: `hi` the means rounded (what `fold_rows_mean_bf16`
+/// then a rounding would give), `lo` the rest rounded. `x hi^T + x lo^T` on a bf16 `x`
+/// is then two bf16 GEMMs as accurate as 3xTF32 on the FP32 means, on bf16's tensor
+/// cores and without widening `x`.
+///
+/// # Safety
+/// As [`fold_rows_mean_bf16`]; `hi` and `lo` each hold `(rows / k) * cols` 16-bit words,
+/// 8-byte aligned.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn fold_rows_mean_halves_bf16(
+    input: *const Bf16,
+    rows: u32,
+    cols: u32,
+    k: u32,
+    hi: *mut Bf16,
+    lo: *mut Bf16,
+) {
+    unsafe { fold_rows_halves::<Bf16>(input, rows, cols, k, hi, lo) }
+}
+
+/// [`fold_rows_mean_halves_bf16`] of an fp16 weight (`hi + lo` within about 2^-22 of
+/// each mean, or fp16's subnormal step 2^-24 where `lo` is that small).
+///
+/// # Safety
+/// As [`fold_rows_mean_halves_bf16`].
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn fold_rows_mean_halves_f16(
+    input: *const F16,
+    rows: u32,
+    cols: u32,
+    k: u32,
+    hi: *mut F16,
+    lo: *mut F16,
+) {
+    unsafe { fold_rows_halves::<F16>(input, rows, cols, k, hi, lo) }
+}
+
+/// The FP32 mean of rows `first / cols ..` (`k` of them) at column `c`, four columns
+/// at once: the rows' loads issued four at a time (a block's 16 rows are 16 independent
+/// reads), then added in row order.
+#[inline(always)]
+unsafe fn mean4<I: Element>(input: *const I, first: usize, cols: usize, k: usize, c: usize) -> [f32; 4] {
+    let mut s = [0.0f32; 4];
+    let mut e = 0;
+    while e + 4 <= k {
+        // SAFETY: the caller's rows e .. e + 4 < k.
+        let v: [[f32; 4]; 4] = core::array::from_fn(|i| unsafe { I::load4_nc(input.add(first + (e + i) * cols + c)) });
+        unroll!(i in 0..4 => { unroll!(q in 0..4 => { s[q] += v[i][q]; }); });
+        e += 4;
+    }
+    while e < k {
+        // SAFETY: as above.
+        let v = unsafe { I::load4_nc(input.add(first + e * cols + c)) };
+        unroll!(q in 0..4 => { s[q] += v[q]; });
+        e += 1;
+    }
+    let inv = 1.0 / k as f32;
+    s.map(|x| x * inv)
+}
+
+/// The FP32 mean of one column `c`, as [`mean4`] by one value.
+#[inline(always)]
+unsafe fn mean1<I: Element>(input: *const I, first: usize, cols: usize, k: usize, c: usize) -> f32 {
+    let mut s = 0.0;
+    for e in 0..k {
+        // SAFETY: the caller's rows.
+        s += unsafe { I::load1(input.add(first + e * cols + c)) };
+    }
+    s * (1.0 / k as f32)
+}
+
 /// The body of the folds.
 #[inline(always)]
 unsafe fn fold_rows<I: Element>(input: *const I, rows: u32, cols: u32, k: u32, out: *mut f32) {
@@ -97,21 +169,34 @@ unsafe fn fold_rows<I: Element>(input: *const I, rows: u32, cols: u32, k: u32, o
     if j >= rows as usize / k {
         return;
     }
-    let (first, inv) = (j * k * cols, 1.0 / k as f32);
+    let first = j * k * cols;
     // SAFETY (each access): rows j k .. j k + k < rows, columns below cols.
-    each_column(cols, |c| {
-        let mut s = [0.0f32; 4];
-        for e in 0..k {
-            let v = unsafe { I::load4_nc(input.add(first + e * cols + c)) };
-            unroll!(q in 0..4 => { s[q] += v[q]; });
-        }
-        unsafe { store_v4(out.add(j * cols + c), s.map(|x| x * inv)) };
-    }, |c| {
-        let mut s = 0.0;
-        for e in 0..k {
-            s += unsafe { I::load1(input.add(first + e * cols + c)) };
-        }
-        unsafe { *out.add(j * cols + c) = s * inv };
+    each_column(cols, |c| unsafe { store_v4(out.add(j * cols + c), mean4(input, first, cols, k, c)) }, |c| unsafe {
+        *out.add(j * cols + c) = mean1(input, first, cols, k, c)
+    });
+}
+
+/// The body of the 16-bit folds into two halves.
+#[inline(always)]
+unsafe fn fold_rows_halves<H: Half>(input: *const H, rows: u32, cols: u32, k: u32, hi: *mut H, lo: *mut H) {
+    let (cols, k, j) = (cols as usize, k as usize, block_idx_x() as usize);
+    if j >= rows as usize / k {
+        return;
+    }
+    let first = j * k * cols;
+    // SAFETY (each access): rows j k .. j k + k < rows, columns below cols.
+    each_column(cols, |c| unsafe {
+        let m = mean4(input, first, cols, k, c);
+        let b = m.map(f32::to_bits);
+        let words = [H::pack2(b[0], b[1]), H::pack2(b[2], b[3])];
+        let h = H::unpack4(words);
+        H::store4(hi.add(j * cols + c), m);
+        H::store4(lo.add(j * cols + c), core::array::from_fn(|q| m[q] - h[q]));
+    }, |c| unsafe {
+        let m = mean1(input, first, cols, k, c);
+        let h = H::unpack2(H::pack2(m.to_bits(), 0))[0];
+        H::store1(hi.add(j * cols + c), m);
+        H::store1(lo.add(j * cols + c), m - h);
     });
 }
 

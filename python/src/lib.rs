@@ -591,8 +591,7 @@ fn gpu_call<W: DeviceElement>(
         .map(|op| op.param_bases().iter().map(|_| flat.next().unwrap()).collect())
         .collect();
     let params = DeviceParams { linear_weight: borrow_w(&call.weight)?, linear_bias, ops };
-    let mut block =
-        GpuBlock::from_device(&gpu, &call.block.spec, params).map_err(to_py)?.with_precision(call.precision);
+    let mut block = GpuBlock::from_device_in(&gpu, &call.block.spec, params, call.precision).map_err(to_py)?;
     // (A leading AvgPool is folded into the weight: the block quantises the folded one.)
     let folds = matches!(call.block.spec.chain.0.first(), Some(host::chain::Op::AvgPool(_)));
     if let Some(quantised) = fp8_weight.filter(|_| !folds) {

@@ -186,9 +186,9 @@ macro_rules! typed {
             let x = borrowed::<$w, $c>(&gpu, "x", s1, l1)?;
             let w = borrowed::<$w, $c>(&gpu, "lin.weight", s2, l2)?;
             let packed = borrowed::<f32, f32>(&gpu, "the packed parameters", s3, l3)?;
-            let block = GpuBlock::<$w>::from_device(&gpu, &op.spec, device_params(&gpu, &op.spec, w, &packed)?)
-                .map_err(|e| host_err("block", e))?
-                .with_precision(op.precision);
+            let params = device_params(&gpu, &op.spec, w, &packed)?;
+            let block = GpuBlock::<$w>::from_device_in(&gpu, &op.spec, params, op.precision)
+                .map_err(|e| host_err("block", e))?;
             let batch = x.shape[0];
             let y = if op.train {
                 let (y, saved) = block.forward_train(&gpu, &x, false).map_err(|e| host_err("forward", e))?;
@@ -229,9 +229,9 @@ macro_rules! typed {
             let wd = borrowed::<$w, $c>(&gpu, "lin.weight", ws_, wl)?;
             let pd = borrowed::<f32, f32>(&gpu, "the packed parameters", ps, pl)?;
             let dyd = borrowed::<$w, $c>(&gpu, "dy", ds, dl)?;
-            let block = GpuBlock::<$w>::from_device(&gpu, &op.spec, device_params(&gpu, &op.spec, wd, &pd)?)
+            let params = device_params(&gpu, &op.spec, wd, &pd)?;
+            let block = GpuBlock::<$w>::from_device_in(&gpu, &op.spec, params, op.precision)
                 .map_err(|e| host_err("block", e))?
-                .with_precision(op.precision)
                 .with_input_grad(x.track_op());
             let kept = op.saved.lock().unwrap_or_else(|p| p.into_inner()).take();
             let saved = match kept {

@@ -143,7 +143,7 @@ pub fn bf16_block(gpu: &Gpu, p: &Problem) -> Result<GpuBlock<Bf16>> {
         linear_bias: gpu.upload(&p.params.linear_bias)?,
         ops,
     };
-    Ok(GpuBlock::from_device(gpu, &p.spec, params)?.with_precision(Precision::Bf16))
+    GpuBlock::from_device_in(gpu, &p.spec, params, Precision::Bf16)
 }
 
 /// Which of a bf16 model's tensors the files stored as BF16 (their outputs and

@@ -23,8 +23,10 @@
 //! (recomputing each op's input from `z`), `sum_partials` finishes those, and two
 //! GEMMs give `dX = dZ W` and `dW = dZ^T X`.
 
-use super::dispatch::{self, Forward, SplitSums, not_fusable};
-use super::elementwise::{Convert, Vector, convert_vectors, fold_rows_mean, unfold_rows_mean_grad};
+use super::dispatch::{self, FoldedAs, Forward, SplitSums, not_fusable};
+use super::elementwise::{
+    Convert, Vector, convert_vectors, fold_rows_mean, fold_rows_mean_halves, unfold_rows_mean_grad,
+};
 use super::epilogue::DeviceChain;
 use super::epilogue::kinks::{Refined, Scan, refine_near_kinks, scanned_prefix};
 use super::epilogue::lanes::{epilogue_split_tiles, epilogue_tiles_backward, fits as tiles_fit};
@@ -95,9 +97,8 @@ impl DeviceParams {
 pub struct GpuBlock<W = f32> {
     pub spec: BlockSpec,
     pub params: DeviceParams<W>,
-    /// `k` of a leading avgpool folded into the GEMM, with the folded weight and bias
-    /// (FP32 means, whatever the weight's type).
-    pub(super) folded: Option<(usize, DeviceTensor, DeviceTensor)>,
+    /// A leading avgpool folded into the GEMM.
+    pub(super) folded: Option<Folded<W>>,
     /// The chain the kernels run (without a folded avgpool). Points into `params`.
     pub(super) chain: DeviceChain,
     /// Why the fused kernel cannot run this chain, if it cannot.
@@ -114,6 +115,35 @@ pub struct GpuBlock<W = f32> {
     pub(super) fp8: Option<Fp8Cache>,
     /// Whether the backward computes `dX` ([`GpuBlock::with_input_grad`]).
     pub(super) input_grad: bool,
+}
+
+/// A leading AvgPool folded into the Linear layer: its window, and the weight and bias
+/// of the GEMM the kernels run.
+pub(super) struct Folded<W> {
+    pub(super) pool: usize,
+    pub(super) weight: FoldedWeight<W>,
+    /// The bias's means (FP32, whatever the weight's type).
+    pub(super) bias: DeviceTensor,
+}
+
+/// A folded weight, as the block's GEMMs take it.
+pub(super) enum FoldedWeight<W> {
+    /// FP32 means: an FP32 block's, and what FP8 quantises.
+    Means(DeviceTensor),
+    /// A 16-bit model's means as `hi + lo` in its own type ([`fold_rows_mean_halves`]):
+    /// two GEMMs on `x` as stored, as accurate as 3xTF32 on the means, where rounding
+    /// the means to the type moved M4's row max (`dx` 7.9e-2 from f64).
+    Halves(DeviceTensor<W>, DeviceTensor<W>),
+}
+
+impl<W> Folded<W> {
+    /// The GEMM's width: the pooled features.
+    fn rows(&self) -> usize {
+        match &self.weight {
+            FoldedWeight::Means(w) => w.shape[0],
+            FoldedWeight::Halves(hi, _) => hi.shape[0],
+        }
+    }
 }
 
 /// A block's weight quantised for its FP8 GEMMs, and the address it was quantised from.
@@ -182,8 +212,21 @@ impl GpuBlock {
 
 impl<W: DeviceElement> GpuBlock<W> {
     /// A block over parameters already in device memory (a framework's tensors,
-    /// borrowed: [`Gpu::borrow_tensor`]), shaped as `spec` says.
+    /// borrowed: [`Gpu::borrow_tensor`]), shaped as `spec` says, its GEMMs in FP32 (a
+    /// 16-bit model's in its type's precision).
     pub fn from_device(gpu: &Gpu, spec: &BlockSpec, params: DeviceParams<W>) -> Result<GpuBlock<W>> {
+        Self::from_device_in(gpu, spec, params, Precision::Fp32)
+    }
+
+    /// [`GpuBlock::from_device`] with its GEMMs in `precision` (as
+    /// [`GpuBlock::with_precision`] takes it) from the start: a folded AvgPool's weight
+    /// is then made once, in the form that precision's GEMMs read.
+    pub fn from_device_in(
+        gpu: &Gpu,
+        spec: &BlockSpec,
+        params: DeviceParams<W>,
+        precision: Precision,
+    ) -> Result<GpuBlock<W>> {
         for (s, shape) in spec.param_specs().iter().zip(params.shapes()) {
             if shape != s.shape {
                 return Err(Error::tensor(&s.name, format!("expected shape {:?}, got {:?}", s.shape, shape)));
@@ -206,8 +249,9 @@ impl<W: DeviceElement> GpuBlock<W> {
             precision: Precision::Fp32,
             fp8: None,
             input_grad: true,
-        };
-        block.refold(gpu)?;
+        }
+        .with_precision(precision);
+        block.fold(gpu)?;
         Ok(block)
     }
 
@@ -236,26 +280,54 @@ impl<W: DeviceElement> GpuBlock<W> {
     /// (training): the folded weight and bias of a leading AvgPool, and in FP8 the
     /// quantised weight (until the first call, an FP8 block quantises it per call).
     pub fn refold(&mut self, gpu: &Gpu) -> Result<()> {
-        if let Some(Op::AvgPool(k)) = self.spec.chain.0.first().copied() {
-            let w = fold_rows_mean(gpu, &self.params.linear_weight, k)?;
-            let b = fold_rows_mean(gpu, &self.params.linear_bias, k)?;
-            self.folded = Some((k, w, b));
-        }
+        self.fold(gpu)?;
         self.fp8 = None;
         let (n, k) = (self.gemm_width(), self.spec.in_features);
         if self.precision.is_fp8() && fp8::unsupported(k, n).is_none() {
-            self.fp8 = Some(match &self.folded {
-                Some((_, w, _)) => Fp8Cache::of(gpu, w)?,
+            let mut made = None;
+            self.fp8 = Some(match self.folded_means(gpu, &mut made)? {
+                Some(w) => Fp8Cache::of(gpu, w)?,
                 None => Fp8Cache::of(gpu, &self.params.linear_weight)?,
             });
         }
         Ok(())
     }
 
+    /// Folds a leading AvgPool into the weight and bias: the weight's FP32 means, or for
+    /// a 16-bit model outside FP8 its means as two halves in its type.
+    fn fold(&mut self, gpu: &Gpu) -> Result<()> {
+        let Some(Op::AvgPool(pool)) = self.spec.chain.0.first().copied() else { return Ok(()) };
+        let w = &self.params.linear_weight;
+        let weight = if W::DTYPE != Dtype::F32 && !self.precision.is_fp8() {
+            let (hi, lo) = fold_rows_mean_halves(gpu, w, pool)?;
+            FoldedWeight::Halves(hi, lo)
+        } else {
+            FoldedWeight::Means(fold_rows_mean(gpu, w, pool)?)
+        };
+        let bias = fold_rows_mean(gpu, &self.params.linear_bias, pool)?;
+        self.folded = Some(Folded { pool, weight, bias });
+        Ok(())
+    }
+
+    /// A folded AvgPool's weight as FP32 means (FP8 quantises them; the FP32 kernels
+    /// take them where a 16-bit model's shapes rule out its own): held, or folded from
+    /// the weight into `made` where the block holds halves. `None` without a fold.
+    pub(super) fn folded_means<'a>(
+        &'a self,
+        gpu: &Gpu,
+        made: &'a mut Option<DeviceTensor>,
+    ) -> Result<Option<&'a DeviceTensor>> {
+        match &self.folded {
+            None => Ok(None),
+            Some(Folded { weight: FoldedWeight::Means(w), .. }) => Ok(Some(w)),
+            Some(Folded { pool, .. }) => Ok(Some(made.insert(fold_rows_mean(gpu, &self.params.linear_weight, *pool)?))),
+        }
+    }
+
     /// Width of the GEMM the kernels run.
     pub(super) fn gemm_width(&self) -> usize {
         match &self.folded {
-            Some((_, w, _)) => w.shape[0],
+            Some(f) => f.rows(),
             None => self.params.linear_weight.shape[0],
         }
     }
@@ -272,7 +344,10 @@ impl<W: DeviceElement> GpuBlock<W> {
             n: self.gemm_width(),
             k: self.spec.in_features,
             dtype: W::DTYPE,
-            folded: self.folded.is_some(),
+            folded: self.folded.as_ref().map(|f| match f.weight {
+                FoldedWeight::Means(_) => FoldedAs::Means,
+                FoldedWeight::Halves(..) => FoldedAs::Halves,
+            }),
             fusable: self.not_fusable.is_none(),
             gemv_chain: dispatch::gemv_chain_fits(
                 &self.spec.chain.0[self.first_op..self.first_op + self.chain.ops.len()],
@@ -302,6 +377,12 @@ impl<W: DeviceElement> GpuBlock<W> {
         let t = Precision::of_storage(W::DTYPE).map_or(String::new(), |p| p.to_string());
         let gemm = match (W::DTYPE, route.widened, plan, &self.folded) {
             (Dtype::F32, ..) => route.kernel.to_string(),
+            (_, false, _, Some(_)) => {
+                format!(
+                    "{} twice ({t} x as stored, the folded weight's {t} halves; the sums added after)",
+                    route.kernel
+                )
+            }
             (_, false, Plan::Fused, _) => format!("{} ({t} x, W, y as stored)", route.kernel),
             (_, false, ..) => format!("{} ({t} x, W as stored)", route.kernel),
             (_, true, _, Some(_)) => {
@@ -310,7 +391,7 @@ impl<W: DeviceElement> GpuBlock<W> {
             (_, true, _, None) => format!("{} (on FP32 copies of {t} x, W; y rounded)", route.kernel),
         };
         let fold = match (&self.folded, self.batch_norm) {
-            (Some((k, ..)), _) => format!("; avgpool({k}) folded into the weights"),
+            (Some(f), _) => format!("; avgpool({}) folded into the weights", f.pool),
             (_, Some(_)) => "; then batch_norm_stats, batch_norm_finish and epilogue_rows: the BatchNorm on \
                              batch statistics and the ops after it"
                 .to_string(),
@@ -563,7 +644,7 @@ impl<W: DeviceElement> GpuBlock<W> {
         // a new buffer of its vector's length; both outlive the launch (stream order).
         unsafe { convert_vectors(gpu, gpu.stream(), &copies)? };
         let db = match &self.folded {
-            Some((k, ..)) => unfold_rows_mean_grad::<f32>(gpu, &db, self.spec.out_features, *k)?,
+            Some(f) => unfold_rows_mean_grad::<f32>(gpu, &db, self.spec.out_features, f.pool)?,
             None => db,
         };
         Ok((db, ops))
@@ -572,10 +653,14 @@ impl<W: DeviceElement> GpuBlock<W> {
 
 impl GpuBlock {
     /// Weight and bias of the GEMM the kernels run (folded or the block's own).
-    fn gemm_params(&self) -> (&DeviceTensor, &DeviceTensor) {
+    fn gemm_params(&self) -> Result<(&DeviceTensor, &DeviceTensor)> {
         match &self.folded {
-            Some((_, w, b)) => (w, b),
-            None => (&self.params.linear_weight, &self.params.linear_bias),
+            Some(Folded { weight: FoldedWeight::Means(w), bias, .. }) => Ok((w, bias)),
+            // (`fold` gives an FP32 block its means.)
+            Some(Folded { weight: FoldedWeight::Halves(..), .. }) => {
+                Err(Error::Unsupported("an FP32 block's folded weight in 16-bit halves".into()))
+            }
+            None => Ok((&self.params.linear_weight, &self.params.linear_bias)),
         }
     }
 
@@ -596,7 +681,7 @@ impl GpuBlock {
             ws.stats = Some(self.forward_batch_norm(gpu, x, ws, save, bn)?);
             return Ok(());
         }
-        self.forward_f32(gpu, self.precision, x, self.gemm_params(), (&ws.plan, ws.z.as_mut()), &mut ws.y, save)
+        self.forward_f32(gpu, self.precision, x, self.gemm_params()?, (&ws.plan, ws.z.as_mut()), &mut ws.y, save)
     }
 
     /// Uploads `x`, runs the block and downloads the output (shape as the CPU reference's).
@@ -645,7 +730,7 @@ impl GpuBlock {
             saved.z = gpu.copy_range(&saved.z, 0..saved.z.len())?.reshape(&saved.z.shape)?;
             saved.own = true;
         }
-        let done = refine_near_kinks(gpu, &self.chain, scan, self.precision, x, self.gemm_params(), &mut saved.z)?;
+        let done = refine_near_kinks(gpu, &self.chain, scan, self.precision, x, self.gemm_params()?, &mut saved.z)?;
         saved.refined = true;
         Ok(done)
     }
@@ -688,7 +773,7 @@ impl GpuBlock {
         if self.refine_saved(gpu, x, &mut saved)? == Refined::Done {
             mark("kink refinement")?;
         }
-        let (w, _) = self.gemm_params();
+        let (w, _) = self.gemm_params()?;
         let (dz, slots) = if let Some(bn) = self.batch_norm {
             self.backward_batch_norm(gpu, &saved.z, dy, bn)?
         } else if self.tile_backward() {
@@ -713,7 +798,7 @@ impl GpuBlock {
         drop((dz, dw_scratch));
 
         let dw = match &self.folded {
-            Some((k, ..)) => unfold_rows_mean_grad::<f32>(gpu, &dw, self.spec.out_features, *k)?,
+            Some(f) => unfold_rows_mean_grad::<f32>(gpu, &dw, self.spec.out_features, f.pool)?,
             None => dw,
         };
         let small = small(self, gpu, &slots)?;

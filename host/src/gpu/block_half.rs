@@ -7,13 +7,15 @@
 //! types share every line here: their kernels are instances of the same generic bodies,
 //! named by [`HalfElement::KERNELS`].
 //!
-//! Shapes the 16-bit kernels cannot take (rows not 16-byte aligned), split-K forwards
-//! and a folded AvgPool's weight (FP32 means) run the FP32-tensor kernels at the type's
-//! precision on widened copies, their outputs rounded once: slower, the same numbers.
+//! A folded AvgPool's weight (means the type cannot hold) runs as two GEMMs on the
+//! means' two halves in the type ([`FoldedWeight::Halves`]), their FP32 sums added by
+//! the second kernel. Shapes the 16-bit kernels cannot take (rows not 16-byte aligned)
+//! run the FP32-tensor kernels at the type's precision on widened copies (a folded
+//! weight's FP32 means in 3xTF32), their outputs rounded once: slower, the same numbers.
 //! The kink refinement does not run: with the operands exact in the 16-bit type, `z`
 //! carries only the FP32 accumulation's error (docs/NUMERICS.md).
 
-use super::block::{DeviceGrads, DeviceParams, GpuBlock, HostGrads, Plan, Saved, Workspace};
+use super::block::{DeviceGrads, DeviceParams, Folded, FoldedWeight, GpuBlock, HostGrads, Plan, Saved, Workspace};
 use super::dispatch::{self, Role, Route, Storage};
 use super::elementwise::{to_half, unfold_rows_mean_grad, widen, widen_on};
 use super::epilogue::lanes::epilogue_tiles_backward;
@@ -58,7 +60,7 @@ impl<H: HalfElement> GpuBlock<H> {
     /// A 16-bit model's block from host parameters, its GEMMs in its type's precision.
     pub fn new_half(gpu: &Gpu, spec: &BlockSpec, params: &Params<H>) -> Result<GpuBlock<H>> {
         let precision = Precision::of_storage(H::DTYPE).unwrap_or(Precision::Bf16);
-        Ok(Self::from_device(gpu, spec, DeviceParams::upload_half(gpu, params)?)?.with_precision(precision))
+        Self::from_device_in(gpu, spec, DeviceParams::upload_half(gpu, params)?, precision)
     }
 
     /// The forward of 16-bit `x (batch, in)` into `ws.y` (the same type); with `save`,
@@ -112,6 +114,36 @@ impl<H: HalfElement> GpuBlock<H> {
                 launch_half(gpu, stream, &route, ab, dims, lds, (Some(&b.buf), None), z, None, 1)?;
                 epilogue_rows(gpu, &self.chain, z, None, &mut ws.y, save)
             }
+            // A folded weight's halves as stored: each GEMM's partial products into its
+            // half of FP32 `z (splits, m, n)`, all added with the bias before the chain by
+            // a second kernel.
+            (&Plan::GemmThenRows { splits }, Some(z), false)
+                if let Some(Folded { weight: FoldedWeight::Halves(hi, lo), bias, .. }) = &self.folded =>
+            {
+                let half = splits / 2;
+                if half == 0 || !splits.is_multiple_of(2) || z.shape != [splits, m, n] {
+                    return Err(Error::Shape(format!("the halves of a folded weight into partial sums {:?}", z.shape)));
+                }
+                for (i, w) in [hi, lo].into_iter().enumerate() {
+                    // SAFETY: half `i` of `z`'s `splits m n` floats, which `z` owns for the call.
+                    let mut part = unsafe {
+                        gpu.borrow_tensor::<f32>(z.buf.device_address() + (i * half * m * n * 4) as u64, &[half, m, n])?
+                    };
+                    launch_half(
+                        gpu,
+                        stream,
+                        &route,
+                        (&*x.buf, &*w.buf),
+                        dims,
+                        lds,
+                        (None, None),
+                        &mut part,
+                        None,
+                        half,
+                    )?;
+                }
+                self.add_split_sums(gpu, z, bias, &mut ws.y, save)
+            }
             // Split-K as stored: the partial products into FP32 `z (splits, m, n)`, added
             // with the bias before the chain by a second kernel.
             (&Plan::GemmThenRows { splits }, Some(z), false) => {
@@ -122,9 +154,10 @@ impl<H: HalfElement> GpuBlock<H> {
                 // On FP32 copies: `x` widened, and `W` (or a folded AvgPool's FP32 means).
                 let x32 = widen(gpu, x)?;
                 let w32;
-                let (w, b) = match &self.folded {
-                    Some((_, w, b)) => (w, b),
-                    None => {
+                let mut made = None;
+                let (w, b) = match (self.folded_means(gpu, &mut made)?, &self.folded) {
+                    (Some(w), Some(f)) => (w, &f.bias),
+                    _ => {
                         w32 = widen(gpu, w)?;
                         (&w32, b)
                     }
@@ -193,10 +226,10 @@ impl<H: HalfElement> GpuBlock<H> {
         }
         let stream = gpu.stream();
         let xq = fp8::quantise_rows(gpu, stream, x, "x")?;
-        let mut made = None;
-        let (wq, b) = match &self.folded {
-            Some((_, w, fb)) => (self.fp8_rows(gpu, w, &mut made)?, fb),
-            None => {
+        let (mut made, mut means) = (None, None);
+        let (wq, b) = match (self.folded_means(gpu, &mut means)?, &self.folded) {
+            (Some(w), Some(f)) => (self.fp8_rows(gpu, w, &mut made)?, &f.bias),
+            _ => {
                 let w = &self.params.linear_weight;
                 (self.fp8_rows(gpu, w, &mut made)?, &self.params.linear_bias)
             }
@@ -297,9 +330,17 @@ impl<H: HalfElement> GpuBlock<H> {
             let small = small(self, gpu, &slots)?;
             return Ok((dx, dw, small));
         }
-        // The GEMMs' weight: the block's, or a folded AvgPool's rounded to the type.
-        let folded16 = self.folded.as_ref().map(|(_, w, _)| to_half::<H>(gpu, w)).transpose()?;
-        let w16 = folded16.as_ref().unwrap_or(&self.params.linear_weight);
+        // The GEMMs' weight: the block's, or a folded AvgPool's rounded to the type (the
+        // high half of its means where the block holds them so).
+        let folded16 = match &self.folded {
+            Some(Folded { weight: FoldedWeight::Means(w), .. }) => Some(to_half::<H>(gpu, w)?),
+            _ => None,
+        };
+        let w16 = match (&self.folded, &folded16) {
+            (_, Some(w)) => w,
+            (Some(Folded { weight: FoldedWeight::Halves(hi, _), .. }), None) => hi,
+            _ => &self.params.linear_weight,
+        };
 
         // dW = dZ^T X on the side stream, overlapping dX (as the FP32 block does): into
         // the 16-bit type on its kernel, or into FP32 where a folded weight's gradient is
@@ -356,9 +397,7 @@ impl<H: HalfElement> GpuBlock<H> {
         drop((dz, keep, folded16));
         let dw = match (dw, &self.folded) {
             (WeightGrad::Half(dw), _) => dw,
-            (WeightGrad::F32(dw), Some((pool, ..))) => {
-                unfold_rows_mean_grad::<H>(gpu, &dw, self.spec.out_features, *pool)?
-            }
+            (WeightGrad::F32(dw), Some(f)) => unfold_rows_mean_grad::<H>(gpu, &dw, self.spec.out_features, f.pool)?,
             (WeightGrad::F32(dw), None) => to_half(gpu, &dw)?,
         };
         let small = small(self, gpu, &slots)?;
@@ -415,10 +454,10 @@ impl<H: HalfElement> GpuBlock<H> {
             }
         };
         let stream = gpu.stream();
-        let mut made = None;
+        let (mut made, mut means) = (None, None);
         let dx = if self.input_grad {
-            let wq = match &self.folded {
-                Some((_, w, _)) => self.fp8_whole(gpu, w, &mut made)?,
+            let wq = match self.folded_means(gpu, &mut means)? {
+                Some(w) => self.fp8_whole(gpu, w, &mut made)?,
                 None => self.fp8_whole(gpu, &self.params.linear_weight, &mut made)?,
             };
             let mut dx = gpu.alloc_as::<H>(&[m, k])?;
@@ -430,9 +469,7 @@ impl<H: HalfElement> GpuBlock<H> {
         gpu.order(side, gpu.stream())?;
         let dw = match (dw, &self.folded) {
             (WeightGrad::Half(dw), _) => dw,
-            (WeightGrad::F32(dw), Some((pool, ..))) => {
-                unfold_rows_mean_grad::<H>(gpu, &dw, self.spec.out_features, *pool)?
-            }
+            (WeightGrad::F32(dw), Some(f)) => unfold_rows_mean_grad::<H>(gpu, &dw, self.spec.out_features, f.pool)?,
             (WeightGrad::F32(dw), None) => to_half(gpu, &dw)?,
         };
         Ok((dx, dw))

@@ -148,6 +148,8 @@ pub struct HalfKernels {
     pub rows_backward: Kernel,
     /// A leading AvgPool's fold of a 16-bit weight, and its gradient rounded back.
     pub fold: Kernel,
+    /// The fold into two 16-bit halves (`hi + lo`, the GEMM's weight in the type).
+    pub fold_halves: Kernel,
     pub unfold: Kernel,
     /// The rounding transpose, the rounding and the widening.
     pub transpose_to_half: Kernel,
@@ -176,6 +178,7 @@ impl HalfKernels {
         split_tiles: Kernel::EpilogueSplitTilesBf16,
         rows_backward: Kernel::EpilogueRowsBackwardBf16,
         fold: Kernel::FoldRowsMeanBf16,
+        fold_halves: Kernel::FoldRowsMeanHalvesBf16,
         unfold: Kernel::UnfoldRowsMeanGradToBf16,
         transpose_to_half: Kernel::TransposeVec4ToBf16,
         narrow: Kernel::F32ToBf16,
@@ -202,6 +205,7 @@ impl HalfKernels {
         split_tiles: Kernel::EpilogueSplitTilesF16,
         rows_backward: Kernel::EpilogueRowsBackwardF16,
         fold: Kernel::FoldRowsMeanF16,
+        fold_halves: Kernel::FoldRowsMeanHalvesF16,
         unfold: Kernel::UnfoldRowsMeanGradToF16,
         transpose_to_half: Kernel::TransposeVec4ToF16,
         narrow: Kernel::F32ToF16,
@@ -554,6 +558,17 @@ pub fn gemv_chain_fits(ops: &[Op], n: usize) -> bool {
         })
 }
 
+/// How a block holds a folded AvgPool's weight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FoldedAs {
+    /// FP32 means: the FP32 kernels' operand (a 16-bit model's forward then runs
+    /// 3xTF32 on a widened `x`).
+    Means,
+    /// A 16-bit model's means as two halves in its type: two GEMMs on `x` as stored,
+    /// each split-K range's sums beside the other's for the second kernel.
+    Halves,
+}
+
 /// A block's forward as [`plan`] sees it.
 #[derive(Clone, Copy, Debug)]
 pub struct Forward {
@@ -564,8 +579,8 @@ pub struct Forward {
     /// The model's tensors: a bf16 model's forward reads them as stored where
     /// [`route`] allows.
     pub dtype: Dtype,
-    /// The weight is a folded AvgPool's FP32 means (a bf16 model's runs widened).
-    pub folded: bool,
+    /// The weight is a folded AvgPool's, held as [`FoldedAs`] says.
+    pub folded: Option<FoldedAs>,
     /// Some op of the chain cannot ride in the GEMM's store ([`not_fusable`]).
     pub fusable: bool,
     /// The chain runs on the small-batch kernel's slabs ([`gemv_chain_fits`]).
@@ -627,7 +642,7 @@ pub fn plan(f: Forward, sms: usize, tma: bool) -> Plan {
     if f.fp8 {
         return if f.fusable { Plan::Fused } else { Plan::GemmThenRows { splits: 1 } };
     }
-    let gemv_ok = f.gemv && (f.gemv_chain || f.rows_fit) && f.k.is_multiple_of(8) && f.w_aligned && !f.folded;
+    let gemv_ok = f.gemv && (f.gemv_chain || f.rows_fit) && f.k.is_multiple_of(8) && f.w_aligned && f.folded.is_none();
     let small = match f.gemv_tc {
         true => gemv_tc_wins(f.batch, f.k, f.n, sms),
         false => f.batch <= GEMV_ROWS,
@@ -647,6 +662,11 @@ pub fn plan(f: Forward, sms: usize, tma: bool) -> Plan {
         (true, Family::Tma, p) if p != Precision::Tf32 => tma_splits(f.batch, f.n, f.k, p, sms, f.split_k),
         (true, ..) => grid_splits(f, sms),
     };
+    // A folded weight's two halves: two GEMMs of as many ranges each, whose sums the
+    // second kernel adds.
+    if f.folded == Some(FoldedAs::Halves) && !route.widened {
+        return Plan::GemmThenRows { splits: 2 * splits };
+    }
     match (f.fusable, splits) {
         (true, 1) => Plan::Fused,
         _ => Plan::GemmThenRows { splits },
@@ -700,11 +720,14 @@ fn grid_splits(f: Forward, sms: usize) -> usize {
 }
 
 /// The forward GEMM's precision and route under `plan` (`aligned`: every tensor
-/// starts on a 16-byte boundary). A 16-bit model's folded AvgPool weight holds FP32
-/// means, not 16-bit values: that GEMM runs in 3xTF32 (FP32-accurate) on a widened `x`
-/// (rounded to bf16, the means moved M4's row max on some rows: `dx` 7.9e-2 from f64
-/// at seed size). Its other GEMMs write a 16-bit `y` where fused, else the FP32 `z`,
-/// in the precision of the storage type ([`Precision::of_storage`]).
+/// starts on a 16-byte boundary). A 16-bit model's folded AvgPool weight holds means
+/// that the type cannot hold (rounded to bf16, they moved M4's row max on some rows:
+/// `dx` 7.9e-2 from f64 at seed size): as two halves in the type ([`FoldedAs::Halves`])
+/// two GEMMs read them as stored, into FP32 partial sums; where the type's kernels
+/// cannot take the shapes, or the block holds FP32 means, the GEMM runs in 3xTF32
+/// (FP32-accurate) on a widened `x`. A 16-bit model's other GEMMs write a 16-bit `y`
+/// where fused, else the FP32 `z`, in the precision of the storage type
+/// ([`Precision::of_storage`]).
 pub fn forward_route(f: Forward, precision: Precision, plan: &Plan, aligned: bool, tma: bool) -> (Precision, Route) {
     let (splits, output) = match *plan {
         Plan::Fused => (1, f.dtype),
@@ -712,11 +735,17 @@ pub fn forward_route(f: Forward, precision: Precision, plan: &Plan, aligned: boo
         Plan::Gemv { .. } => (1, Dtype::F32),
     };
     let (role, dims) = (Role::Forward { splits }, (f.batch.max(1), f.n, f.k));
+    let widened =
+        || (Precision::Tf32x3, Route { widened: true, ..route(Precision::Tf32x3, role, dims, Storage::F32, tma) });
     match (Precision::of_storage(f.dtype), f.folded) {
-        (Some(_), true) => {
-            (Precision::Tf32x3, Route { widened: true, ..route(Precision::Tf32x3, role, dims, Storage::F32, tma) })
+        (Some(p), Some(FoldedAs::Halves)) => {
+            match route(p, role, dims, Storage::half(f.dtype, Dtype::F32, aligned), tma) {
+                r if r.widened => widened(),
+                r => (p, r),
+            }
         }
-        (Some(p), false) => (p, route(p, role, dims, Storage::half(f.dtype, output, aligned), tma)),
+        (Some(_), Some(FoldedAs::Means)) => widened(),
+        (Some(p), None) => (p, route(p, role, dims, Storage::half(f.dtype, output, aligned), tma)),
         (None, _) => (precision, route(precision, role, dims, Storage::F32, tma)),
     }
 }
@@ -1038,29 +1067,41 @@ mod tests {
         };
         // A bf16 model as stored: 16 TMA tiles, 8 ranges of 512, whatever the chain
         // (the second kernel adds them); 3xTF32 on a folded AvgPool's FP32 means too.
-        let rows = Forward { fusable: false, ..f(Dtype::Bf16, false) };
+        let rows = Forward { fusable: false, ..f(Dtype::Bf16, None) };
         assert_eq!(plan(rows, 132, true), Plan::GemmThenRows { splits: 8 });
-        assert_eq!(plan(f(Dtype::Bf16, false), 132, true), Plan::GemmThenRows { splits: 8 });
-        assert_eq!(plan(f(Dtype::Bf16, true), 132, true), Plan::GemmThenRows { splits: 8 });
-        let square = Forward { batch: 1024, n: 1024, k: 1024, ..f(Dtype::Bf16, false) };
+        assert_eq!(plan(f(Dtype::Bf16, None), 132, true), Plan::GemmThenRows { splits: 8 });
+        assert_eq!(plan(f(Dtype::Bf16, Some(FoldedAs::Means)), 132, true), Plan::GemmThenRows { splits: 8 });
+        // A folded weight's halves: 8 ranges each, two GEMMs; not split where the tiles
+        // fill the GPU, but still two sums; 3xTF32 on a widened `x` where TMA is off.
+        let halves = f(Dtype::Bf16, Some(FoldedAs::Halves));
+        assert_eq!(plan(halves, 132, true), Plan::GemmThenRows { splits: 16 });
+        assert_eq!(plan(Forward { batch: 8192, ..halves }, 132, true), Plan::GemmThenRows { splits: 2 });
+        assert_eq!(
+            forward_route(halves, Precision::Bf16, &Plan::GemmThenRows { splits: 16 }, true, true).0,
+            Precision::Bf16
+        );
+        let (p, r) = forward_route(halves, Precision::Bf16, &Plan::GemmThenRows { splits: 2 }, true, false);
+        assert!(p == Precision::Tf32x3 && r.widened, "{p} {r:?}");
+        assert_eq!(plan(Forward { k: 4092, ..halves }, 132, true), Plan::GemmThenRows { splits: 8 });
+        let square = Forward { batch: 1024, n: 1024, k: 1024, ..f(Dtype::Bf16, None) };
         assert_eq!(plan(square, 132, true), Plan::GemmThenRows { splits: 4 });
         // TF32: `gemm_wgmma`'s count (32 tiles of 128 x 128: 8).
-        let tf32 = Forward { batch: 128, precision: Precision::Tf32, ..f(Dtype::F32, false) };
+        let tf32 = Forward { batch: 128, precision: Precision::Tf32, ..f(Dtype::F32, None) };
         assert_eq!(plan(tf32, 132, true), Plan::GemmThenRows { splits: 8 });
-        assert!(matches!(plan(f(Dtype::F32, false), 132, true), Plan::GemmThenRows { splits } if splits > 1));
-        let big = Forward { batch: 4096, ..f(Dtype::F32, false) };
+        assert!(matches!(plan(f(Dtype::F32, None), 132, true), Plan::GemmThenRows { splits } if splits > 1));
+        let big = Forward { batch: 4096, ..f(Dtype::F32, None) };
         assert_eq!(plan(big, 132, true), Plan::Fused);
         assert_eq!(plan(Forward { fusable: false, ..big }, 132, true), Plan::GemmThenRows { splits: 1 });
         // Rows too wide for the row-wise epilogue: no split-K, the fused kernel.
-        assert_eq!(plan(Forward { rows_fit: false, ..f(Dtype::F32, false) }, 132, true), Plan::Fused);
+        assert_eq!(plan(Forward { rows_fit: false, ..f(Dtype::F32, None) }, 132, true), Plan::Fused);
         // 128 x 16384 x 16384 is 64 TMA tiles on 132 SMs: 3xTF32 in 2 ranges; TF32's
         // 128 tiles of 128 x 128 fill the GPU; 4096 rows fill it in 3xTF32 too.
-        let deep = Forward { batch: 128, n: 16384, k: 16384, precision: Precision::Tf32x3, ..f(Dtype::F32, false) };
+        let deep = Forward { batch: 128, n: 16384, k: 16384, precision: Precision::Tf32x3, ..f(Dtype::F32, None) };
         assert_eq!(plan(deep, 132, true), Plan::GemmThenRows { splits: 2 });
         assert_eq!(plan(Forward { precision: Precision::Tf32, ..deep }, 132, true), Plan::Fused);
         assert_eq!(plan(Forward { batch: 4096, ..deep }, 132, true), Plan::Fused);
         // 128 x 8192 x 8192: 32 TMA tiles, 4 ranges; TF32 64 tiles, 264 / 64 -> 4.
-        let mid = Forward { batch: 128, n: 8192, k: 8192, precision: Precision::Tf32x3, ..f(Dtype::F32, false) };
+        let mid = Forward { batch: 128, n: 8192, k: 8192, precision: Precision::Tf32x3, ..f(Dtype::F32, None) };
         assert_eq!(plan(mid, 132, true), Plan::GemmThenRows { splits: 4 });
         assert_eq!(plan(Forward { precision: Precision::Tf32, ..mid }, 132, true), Plan::GemmThenRows { splits: 4 });
         // FP32's FMA kernel: 64 tiles of 128 x 128, the rounded-up count 264 / 64 -> 5;
@@ -1075,10 +1116,10 @@ mod tests {
         // The tuning's count where the rule would split at all; 1 is unsplit.
         assert_eq!(tma_splits(128, 256, 8192, Precision::Bf16, 132, Some(5)), 5);
         assert_eq!(tma_splits(128, 67 * 256, 8192, Precision::Bf16, 132, Some(5)), 1);
-        assert_eq!(plan(Forward { split_k: Some(1), ..f(Dtype::Bf16, false) }, 132, true), Plan::Fused);
+        assert_eq!(plan(Forward { split_k: Some(1), ..f(Dtype::Bf16, None) }, 132, true), Plan::Fused);
         assert_eq!(plan(Forward { split_k: Some(3), ..mid }, 132, false), Plan::GemmThenRows { splits: 3 });
 
-        let small = Forward { batch: 8, ..f(Dtype::Bf16, false) };
+        let small = Forward { batch: 8, ..f(Dtype::Bf16, None) };
         let fma = |chain| Plan::Gemv { chain, tensor_cores: false };
         assert_eq!(plan(small, 132, true), fma(true));
         assert_eq!(plan(Forward { gemv_chain: false, ..small }, 132, true), fma(false));
@@ -1102,7 +1143,8 @@ mod tests {
             Forward { batch: 9, ..small },
             Forward { batch: 0, ..small },
             Forward { w_aligned: false, ..small },
-            Forward { folded: true, ..small },
+            Forward { folded: Some(FoldedAs::Means), ..small },
+            Forward { folded: Some(FoldedAs::Halves), ..small },
             Forward { k: 4092, ..small },
             Forward { gemv_chain: false, rows_fit: false, ..small },
         ] {

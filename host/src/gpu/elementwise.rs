@@ -46,6 +46,39 @@ pub fn fold_rows_mean<T: DeviceElement>(gpu: &Gpu, input: &DeviceTensor<T>, k: u
     Ok(out)
 }
 
+/// A 16-bit weight `input (rows, cols)` averaged in blocks of `k` rows as two 16-bit
+/// matrices `(hi, lo)`, each `(rows / k, cols)`: `hi` the FP32 means rounded to `H`,
+/// `lo` what is left, rounded. Their sum holds the means to FP32's accuracy, so two GEMMs
+/// in `H` give the folded layer without widening its input.
+pub fn fold_rows_mean_halves<H: DeviceElement>(
+    gpu: &Gpu,
+    input: &DeviceTensor<H>,
+    k: usize,
+) -> Result<(DeviceTensor<H>, DeviceTensor<H>)> {
+    let Some(kernels) = dispatch::HalfKernels::of(H::DTYPE) else {
+        return Err(Error::Unsupported(format!("folding an {} weight into 16-bit halves", H::NAME)));
+    };
+    let [rows, cols] = input.shape[..] else {
+        return Err(Error::Shape(format!("folding a weight of shape {:?} (not 2-D)", input.shape)));
+    };
+    if k == 0 || k > rows {
+        return Err(Error::Chain(format!("avgpool({k}) over {rows} features")));
+    }
+    let shape = [rows / k, cols];
+    let (mut hi, mut lo) = (gpu.alloc_as::<H>(&shape)?, gpu.alloc_as::<H>(&shape)?);
+    let (r, c, k32) = (rows as u32, cols as u32, k as u32);
+    let kernel = kernels.fold_halves;
+    {
+        let (func, cfg) = row_blocks(gpu, kernel, rows / k, cols)?;
+        let mut l = gpu.stream().launch_builder(&func);
+        l.arg(&input.buf).arg(&r).arg(&c).arg(&k32).arg(&mut hi.buf).arg(&mut lo.buf);
+        // SAFETY: (input, rows, cols, k, hi, lo) as the kernel takes (`H`'s words); hi
+        // and lo hold (rows / k) * cols values each.
+        launched(kernel, unsafe { l.launch(cfg) })
+    }?;
+    Ok((hi, lo))
+}
+
 /// The launch of a one-block-per-row kernel over `rows` rows of `cols` columns: up to
 /// 256 threads, each taking 4 columns at a time.
 fn row_blocks(gpu: &Gpu, kernel: Kernel, rows: usize, cols: usize) -> Result<(CudaFunction, LaunchConfig)> {
