@@ -415,11 +415,17 @@ impl<W: DeviceElement> GpuBlock<W> {
             }
             Plan::Fused => format!("fused: {gemm} with bias and chain in the epilogue (1 kernel{fold})"),
             Plan::GemmThenRows { splits } => {
-                let why = match (&self.not_fusable, &splits) {
+                // A folded weight's halves: two GEMMs of `splits / 2` ranges each.
+                let halves =
+                    !route.widened && matches!(&self.folded, Some(Folded { weight: FoldedWeight::Halves(..), .. }));
+                let per = if halves { splits / 2 } else { splits };
+                let why = match (&self.not_fusable, per) {
                     (Some(reason), _) => reason.clone(),
+                    (None, 1) if halves => "the two GEMMs' sums added".to_string(),
                     (None, s) => format!("{s}-way split-K to fill the GPU"),
                 };
-                let split = if splits > 1 { format!(" split-K x{splits}") } else { String::new() };
+                let each = if halves { " each" } else { "" };
+                let split = if per > 1 { format!(" split-K x{per}{each}") } else { String::new() };
                 let tiles = splits > 1 && dispatch::split_sums(self.not_fusable.is_none()) == SplitSums::Tiles;
                 let end = if tiles { "epilogue_split_tiles" } else { "epilogue_rows" };
                 format!("{gemm}{split} + {end} (2 kernels: {why}{fold})")

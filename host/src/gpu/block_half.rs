@@ -124,10 +124,12 @@ impl<H: HalfElement> GpuBlock<H> {
                 if half == 0 || !splits.is_multiple_of(2) || z.shape != [splits, m, n] {
                     return Err(Error::Shape(format!("the halves of a folded weight into partial sums {:?}", z.shape)));
                 }
+                // (An unsplit GEMM writes `(m, n)`.)
+                let part_shape = if half == 1 { vec![m, n] } else { vec![half, m, n] };
                 for (i, w) in [hi, lo].into_iter().enumerate() {
                     // SAFETY: half `i` of `z`'s `splits m n` floats, which `z` owns for the call.
                     let mut part = unsafe {
-                        gpu.borrow_tensor::<f32>(z.buf.device_address() + (i * half * m * n * 4) as u64, &[half, m, n])?
+                        gpu.borrow_tensor::<f32>(z.buf.device_address() + (i * half * m * n * 4) as u64, &part_shape)?
                     };
                     launch_half(
                         gpu,
