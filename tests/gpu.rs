@@ -200,8 +200,11 @@ fn tensor_core_precisions_match_reference() {
     use host::Precision;
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(19);
-    let cases: [(&str, (usize, usize, usize)); 6] = [
+    let cases: [(&str, (usize, usize, usize)); 8] = [
         ("groupnorm(8),swish,mul,swish", (300, 520, 256)),
+        // A row sum or mean after scalings, folded: one output column (KernelBench 14, 18).
+        ("scale(0.5),sum,scale(1.5)", (100, 2048, 4096)),
+        ("mean,max,logsumexp", (70, 1032, 3000)),
         // Deep enough `k` for the TF32 and bf16 forwards' TMA kernels (ragged `m`, `n`;
         // k % 32 != 0 and k % 64 != 0; k % 8 == 0, which bf16's TMA wants).
         ("groupnorm(65),swish,mul,swish", (300, 4104, 520)),
@@ -589,7 +592,7 @@ fn split_k_half_model<H: host::gpu::HalfElement>(
     }
 }
 
-/// A 16-bit model's folded AvgPool: its means as two halves in the type, two GEMMs on
+/// A 16-bit model's folded AvgPool (or whole-row sum or mean): its means as two halves in the type, two GEMMs on
 /// `x` as stored (split-K ranges, or one range each where the tuning forces it), and
 /// without TMA the 3xTF32 GEMM on FP32 means; a chain the second kernel runs tile-wise
 /// and one it runs on rows. Forward and every gradient against the f64 reference from
@@ -602,6 +605,9 @@ fn folded_avgpool_halves_match_reference() {
         let cases = [
             ("avgpool(16),gelu,scale(2),max", (192, 2048, 1024)),
             ("avgpool(8),swish,groupnorm(4)", (130, 1024, 2048)),
+            // A whole row's sum or mean: one output column, its fold in passes.
+            ("scale(0.5),sum,scale(1.5)", (96, 2048, 4096)),
+            ("sum,max,mean,logsumexp,logsumexp", (64, 1024, 8192)),
         ];
         let tunings = [
             (Tuning::default(), "twice"),

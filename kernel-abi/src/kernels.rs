@@ -173,6 +173,8 @@ kernels! {
     FoldRowsMeanF16 = "fold_rows_mean_f16";
     FoldRowsMeanHalvesBf16 = "fold_rows_mean_halves_bf16";
     FoldRowsMeanHalvesF16 = "fold_rows_mean_halves_f16";
+    FoldRowsMeanF32HalvesBf16 = "fold_rows_mean_f32_halves_bf16";
+    FoldRowsMeanF32HalvesF16 = "fold_rows_mean_f32_halves_f16";
     UnfoldRowsMeanGrad = "unfold_rows_mean_grad";
     UnfoldRowsMeanGradToBf16 = "unfold_rows_mean_grad_to_bf16";
     UnfoldRowsMeanGradToF16 = "unfold_rows_mean_grad_to_f16";

@@ -108,7 +108,7 @@ pub unsafe extern "ptx-kernel" fn fold_rows_mean_halves_bf16(
     hi: *mut Bf16,
     lo: *mut Bf16,
 ) {
-    unsafe { fold_rows_halves::<Bf16>(input, rows, cols, k, hi, lo) }
+    unsafe { fold_rows_halves::<Bf16, Bf16>(input, rows, cols, k, hi, lo) }
 }
 
 /// [`fold_rows_mean_halves_bf16`] of an fp16 weight (`hi + lo` within about 2^-22 of
@@ -125,7 +125,40 @@ pub unsafe extern "ptx-kernel" fn fold_rows_mean_halves_f16(
     hi: *mut F16,
     lo: *mut F16,
 ) {
-    unsafe { fold_rows_halves::<F16>(input, rows, cols, k, hi, lo) }
+    unsafe { fold_rows_halves::<F16, F16>(input, rows, cols, k, hi, lo) }
+}
+
+/// [`fold_rows_mean_halves_bf16`] of FP32 rows (a first pass's means, where a window
+/// is too long for one block: `host/src/gpu/elementwise.rs`).
+///
+/// # Safety
+/// As [`fold_rows_mean_halves_bf16`], `input` holding floats, 16-byte aligned.
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn fold_rows_mean_f32_halves_bf16(
+    input: *const f32,
+    rows: u32,
+    cols: u32,
+    k: u32,
+    hi: *mut Bf16,
+    lo: *mut Bf16,
+) {
+    unsafe { fold_rows_halves::<f32, Bf16>(input, rows, cols, k, hi, lo) }
+}
+
+/// [`fold_rows_mean_f32_halves_bf16`] into fp16 halves.
+///
+/// # Safety
+/// As [`fold_rows_mean_f32_halves_bf16`].
+#[unsafe(no_mangle)]
+pub unsafe extern "ptx-kernel" fn fold_rows_mean_f32_halves_f16(
+    input: *const f32,
+    rows: u32,
+    cols: u32,
+    k: u32,
+    hi: *mut F16,
+    lo: *mut F16,
+) {
+    unsafe { fold_rows_halves::<f32, F16>(input, rows, cols, k, hi, lo) }
 }
 
 /// The FP32 mean of rows `first / cols ..` (`k` of them) at column `c`, four columns
@@ -178,7 +211,7 @@ unsafe fn fold_rows<I: Element>(input: *const I, rows: u32, cols: u32, k: u32, o
 
 /// The body of the 16-bit folds into two halves.
 #[inline(always)]
-unsafe fn fold_rows_halves<H: Half>(input: *const H, rows: u32, cols: u32, k: u32, hi: *mut H, lo: *mut H) {
+unsafe fn fold_rows_halves<I: Element, H: Half>(input: *const I, rows: u32, cols: u32, k: u32, hi: *mut H, lo: *mut H) {
     let (cols, k, j) = (cols as usize, k as usize, block_idx_x() as usize);
     if j >= rows as usize / k {
         return;

@@ -400,12 +400,13 @@ impl<'py> Call<'py> {
     }
 
     /// Shape of a saved `z` on this call's device: the Linear output, or on the GPU the
-    /// folded one where the chain starts with `avgpool(k)`. A chain with a BatchNorm
+    /// folded one where the chain starts with a reduction it folds (`avgpool(k)`, or a
+    /// `sum` or `mean` after scalings: `host::gpu::dispatch::fold`). A chain with a BatchNorm
     /// appends [`BATCH_STATS_ROWS`] rows: its batch mean and biased variance, which
     /// the package reads to update the running statistics.
     fn z_shape(&self) -> Vec<usize> {
-        let width = match (&self.device, self.block.spec.chain.0.first()) {
-            (Device::Cuda(_), Some(host::chain::Op::AvgPool(k))) => self.block.spec.out_features / k,
+        let width = match &self.device {
+            Device::Cuda(_) => host::gpu::dispatch::gemm_width(&self.block.spec),
             _ => self.block.spec.out_features,
         };
         vec![self.batch + self.stats_rows(), width]
@@ -592,8 +593,9 @@ fn gpu_call<W: DeviceElement>(
         .collect();
     let params = DeviceParams { linear_weight: borrow_w(&call.weight)?, linear_bias, ops };
     let mut block = GpuBlock::from_device_in(&gpu, &call.block.spec, params, call.precision).map_err(to_py)?;
-    // (A leading AvgPool is folded into the weight: the block quantises the folded one.)
-    let folds = matches!(call.block.spec.chain.0.first(), Some(host::chain::Op::AvgPool(_)));
+    // (A leading AvgPool, sum or mean is folded into the weight: the block quantises the
+    // folded one.)
+    let folds = host::gpu::dispatch::fold(&call.block.spec).is_some();
     if let Some(quantised) = fp8_weight.filter(|_| !folds) {
         let (n, k) = (call.block.spec.out_features, call.block.spec.in_features);
         let [rows, rows_s, rows_t, rows_t_s, dz_scales] = quantised else {
@@ -1139,10 +1141,7 @@ fn describe(in_features: usize, out_features: usize, ops: &str) -> PyResult<Desc
         let chain: Chain = ops.parse().map_err(|e| PyValueError::new_err(format!("ops: {e}")))?;
         let spec = BlockSpec::new(in_features, out_features, chain).map_err(to_py)?;
         let out = spec.output_shape(1)[1..].to_vec();
-        let gpu_width = match spec.chain.0.first() {
-            Some(host::chain::Op::AvgPool(k)) => out_features / k,
-            _ => out_features,
-        };
+        let gpu_width = host::gpu::dispatch::gemm_width(&spec);
         let owners = spec.chain.0.iter().enumerate().flat_map(|(i, op)| op.param_bases().iter().map(move |_| i));
         let params = spec.param_specs().into_iter().skip(2).zip(owners).map(|(s, i)| (s.name, s.shape, i)).collect();
         let ops = spec.chain.0.iter().map(|op| op.to_string()).collect();

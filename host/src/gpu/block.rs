@@ -232,12 +232,29 @@ impl<W: DeviceElement> GpuBlock<W> {
                 return Err(Error::tensor(&s.name, format!("expected shape {:?}, got {:?}", s.shape, shape)));
             }
         }
-        let first_op = usize::from(matches!(spec.chain.0.first(), Some(Op::AvgPool(_))));
+        let fold = dispatch::fold(spec);
+        let first_op = fold.as_ref().map_or(0, |f| f.first_op);
         let batch_norm = spec.chain.batch_norm();
         let end = batch_norm.map_or(spec.chain.0.len(), |(k, _)| k);
-        let ops = &spec.chain.0[first_op..end];
-        let chain = DeviceChain::new(gpu, ops, &params.ops[first_op..end])?;
-        let not_fusable = ops.iter().enumerate().find_map(|(i, op)| not_fusable(op, spec.features_at(first_op + i)));
+        // The kernels' ops: a fold's (on the pooled width, no parameters), then the chain's.
+        let before = fold.map_or(Vec::new(), |f| f.before);
+        let ops: Vec<Op> = before.iter().chain(&spec.chain.0[first_op..end]).copied().collect();
+        let ptrs: Vec<[u64; 2]> = before
+            .iter()
+            .map(|_| [0; 2])
+            .chain(params.ops[first_op..end].iter().map(|op_params| {
+                let mut ptrs = [0u64; 2];
+                for (slot, p) in ptrs.iter_mut().zip(op_params) {
+                    *slot = p.buf.device_address();
+                }
+                ptrs
+            }))
+            .collect();
+        let chain = DeviceChain::from_ptrs(gpu, &ops, &ptrs)?;
+        let width = |i: usize| {
+            if i < before.len() { spec.features_at(first_op) } else { spec.features_at(first_op + i - before.len()) }
+        };
+        let not_fusable = ops.iter().enumerate().find_map(|(i, op)| not_fusable(op, width(i)));
         let mut block = GpuBlock {
             spec: spec.clone(),
             params,
@@ -296,7 +313,7 @@ impl<W: DeviceElement> GpuBlock<W> {
     /// Folds a leading AvgPool into the weight and bias: the weight's FP32 means, or for
     /// a 16-bit model outside FP8 its means as two halves in its type.
     fn fold(&mut self, gpu: &Gpu) -> Result<()> {
-        let Some(Op::AvgPool(pool)) = self.spec.chain.0.first().copied() else { return Ok(()) };
+        let Some(dispatch::Fold { pool, .. }) = dispatch::fold(&self.spec) else { return Ok(()) };
         let w = &self.params.linear_weight;
         let weight = if W::DTYPE != Dtype::F32 && !self.precision.is_fp8() {
             let (hi, lo) = fold_rows_mean_halves(gpu, w, pool)?;
@@ -349,10 +366,10 @@ impl<W: DeviceElement> GpuBlock<W> {
                 FoldedWeight::Halves(..) => FoldedAs::Halves,
             }),
             fusable: self.not_fusable.is_none(),
-            gemv_chain: dispatch::gemv_chain_fits(
-                &self.spec.chain.0[self.first_op..self.first_op + self.chain.ops.len()],
-                self.gemm_width(),
-            ),
+            // (A folded block never takes the small-batch kernel, and its kernels' chain
+            // is not a slice of the spec's.)
+            gemv_chain: self.folded.is_none()
+                && dispatch::gemv_chain_fits(&self.spec.chain.0[..self.chain.ops.len()], self.gemm_width()),
             w_aligned: self.params.linear_weight.buf.device_address().is_multiple_of(16),
             rows_fit: dispatch::rows_fit(self.gemm_width(), gpu.props.max_shared_per_block_optin),
             gemv: gpu.tuning().gemv,

@@ -8,7 +8,7 @@
 //! named by [`HalfElement::KERNELS`].
 //!
 //! A folded AvgPool's weight (means the type cannot hold) runs as two GEMMs on the
-//! means' two halves in the type ([`FoldedWeight::Halves`]), their FP32 sums added by
+//! means' two halves in the type (`FoldedWeight::Halves` in `block.rs`), their FP32 sums added by
 //! the second kernel. Shapes the 16-bit kernels cannot take (rows not 16-byte aligned)
 //! run the FP32-tensor kernels at the type's precision on widened copies (a folded
 //! weight's FP32 means in 3xTF32), their outputs rounded once: slower, the same numbers.

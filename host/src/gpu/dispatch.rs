@@ -150,6 +150,8 @@ pub struct HalfKernels {
     pub fold: Kernel,
     /// The fold into two 16-bit halves (`hi + lo`, the GEMM's weight in the type).
     pub fold_halves: Kernel,
+    /// The same from FP32 means (a window folded in two passes).
+    pub fold_f32_halves: Kernel,
     pub unfold: Kernel,
     /// The rounding transpose, the rounding and the widening.
     pub transpose_to_half: Kernel,
@@ -179,6 +181,7 @@ impl HalfKernels {
         rows_backward: Kernel::EpilogueRowsBackwardBf16,
         fold: Kernel::FoldRowsMeanBf16,
         fold_halves: Kernel::FoldRowsMeanHalvesBf16,
+        fold_f32_halves: Kernel::FoldRowsMeanF32HalvesBf16,
         unfold: Kernel::UnfoldRowsMeanGradToBf16,
         transpose_to_half: Kernel::TransposeVec4ToBf16,
         narrow: Kernel::F32ToBf16,
@@ -206,6 +209,7 @@ impl HalfKernels {
         rows_backward: Kernel::EpilogueRowsBackwardF16,
         fold: Kernel::FoldRowsMeanF16,
         fold_halves: Kernel::FoldRowsMeanHalvesF16,
+        fold_f32_halves: Kernel::FoldRowsMeanF32HalvesF16,
         unfold: Kernel::UnfoldRowsMeanGradToF16,
         transpose_to_half: Kernel::TransposeVec4ToF16,
         narrow: Kernel::F32ToF16,
@@ -608,12 +612,52 @@ pub fn rows_fit(n: usize, smem_optin: usize) -> bool {
     kernel_abi::epilogue::row_smem_bytes(n) <= smem_optin
 }
 
+/// A reduction of the Linear layer's features that the GPU folds into its weight: a
+/// leading `avgpool(k)`, or a leading row `sum` or `mean` after constant scalings only
+/// (`scale(s)`, `double`), pooled over the whole row. Averaging outputs of a Linear layer
+/// is the Linear layer of the averaged weight rows and bias (exact algebra), and a
+/// scaling commutes with it, so the GEMM shrinks `pool` times: KernelBench 14's
+/// `(x W^T / 2).sum(1) * s` becomes one dot product per row.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Fold {
+    /// Outputs averaged into one.
+    pub pool: usize,
+    /// The chain's first op the kernels run after the fold.
+    pub first_op: usize,
+    /// Ops the kernels run on the pooled values before `first_op`'s: the scalings moved
+    /// after the mean, and for a `sum` a scaling by the row's width.
+    pub before: Vec<Op>,
+}
+
+/// The fold of `spec`'s chain, if it starts with one ([`Fold`]).
+pub fn fold(spec: &crate::BlockSpec) -> Option<Fold> {
+    use kernel_abi::ops::Pointwise;
+    let ops = &spec.chain.0;
+    if let Some(&Op::AvgPool(pool)) = ops.first() {
+        return Some(Fold { pool, first_op: 1, before: Vec::new() });
+    }
+    let scalings = ops.iter().take_while(|op| matches!(op, Op::Pointwise(Pointwise::Scale, _))).count();
+    let n = spec.out_features;
+    let mut before = ops[..scalings].to_vec();
+    match ops.get(scalings) {
+        Some(Op::Reduce(crate::chain::Reduce::Mean)) => {}
+        Some(Op::Reduce(crate::chain::Reduce::Sum)) => before.push(Op::Pointwise(Pointwise::Scale, [n as f32, 0.0])),
+        _ => return None,
+    }
+    Some(Fold { pool: n, first_op: scalings + 1, before })
+}
+
+/// The width of the GEMM the GPU runs for `spec`: its features out, or fewer after a [`fold`].
+pub fn gemm_width(spec: &crate::BlockSpec) -> usize {
+    fold(spec).map_or(spec.out_features, |f| spec.out_features / f.pool)
+}
+
 /// Why the GPU cannot run `spec`'s chain forward and backward, if it cannot: an op
 /// that needs whole rows ([`not_fusable`]) over rows wider than the row-wise kernels
 /// take (`max_row_features`, for sm_90's shared memory). `fuse()` leaves such chains
 /// to PyTorch; the CPU backend has no such limit.
 pub fn rows_too_wide(spec: &crate::BlockSpec) -> Option<String> {
-    let first = usize::from(matches!(spec.chain.0.first(), Some(Op::AvgPool(_))));
+    let first = fold(spec).map_or(0, |f| f.first_op);
     let n = spec.features_at(first);
     let limit = kernel_abi::epilogue::max_row_features(true);
     let op = spec
@@ -1192,6 +1236,30 @@ mod tests {
         assert!(gemv_tc_serves(Dtype::Bf16, Bf16) && gemv_tc_serves(Dtype::F32, Tf32));
         assert!(!gemv_tc_serves(Dtype::F32, Fp32) && !gemv_tc_serves(Dtype::F32, Bf16));
         assert!(!gemv_tc_serves(Dtype::F32, Tf32x3));
+    }
+
+    /// Folds: a leading AvgPool, and a leading row sum or mean after constant scalings
+    /// (the scalings moved after the mean, a sum's width as one more); nothing else.
+    #[test]
+    fn leading_means_and_sums_fold_into_the_weight() {
+        use kernel_abi::ops::Pointwise::Scale;
+        let spec = |chain: &str| crate::BlockSpec::new(64, 4096, chain.parse().unwrap()).unwrap();
+        let fold_of = |chain: &str| fold(&spec(chain));
+        assert_eq!(fold_of("avgpool(16),gelu"), Some(Fold { pool: 16, first_op: 1, before: vec![] }));
+        assert_eq!(fold_of("mean,max"), Some(Fold { pool: 4096, first_op: 1, before: vec![] }));
+        let sum = fold_of("scale(0.5),double,sum,scale(1.5)").unwrap();
+        let want = vec![
+            Op::Pointwise(Scale, [0.5, 0.0]),
+            Op::Pointwise(Scale, [2.0, 0.0]),
+            Op::Pointwise(Scale, [4096.0, 0.0]),
+        ];
+        assert_eq!(sum, Fold { pool: 4096, first_op: 3, before: want });
+        for not in ["", "gelu,sum", "bias,sum", "max,sum", "logsumexp", "scale(2),min", "swish,avgpool(4)"] {
+            assert_eq!(fold_of(not), None, "{not}");
+        }
+        assert_eq!(gemm_width(&spec("scale(3),sum")), 1);
+        assert_eq!(gemm_width(&spec("avgpool(16)")), 256);
+        assert_eq!(gemm_width(&spec("gelu,sum")), 4096);
     }
 
     /// A chain that needs whole rows is refused over rows wider than the row-wise

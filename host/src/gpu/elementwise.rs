@@ -26,10 +26,46 @@ pub fn add_assign(gpu: &Gpu, a: &mut DeviceTensor, b: &DeviceTensor) -> Result<(
 /// Rows of `input (rows, cols)` averaged in blocks of `k`: `(rows / k, cols)` (a 1-D
 /// input is one column).
 pub fn fold_rows_mean<T: DeviceElement>(gpu: &Gpu, input: &DeviceTensor<T>, k: usize) -> Result<DeviceTensor> {
-    let (rows, cols) = (input.shape[0], input.shape.get(1).copied().unwrap_or(1));
+    let rows = input.shape[0];
     if k == 0 || k > rows {
         return Err(Error::Chain(format!("avgpool({k}) over {rows} features")));
     }
+    match fold_passes(rows, input.shape.get(1).copied().unwrap_or(1), k) {
+        (_, 1) => fold_pass(gpu, input, k),
+        (first, rest) => fold_rows_mean(gpu, &fold_pass(gpu, input, first)?, rest),
+    }
+}
+
+/// Output rows below which a fold's one block per window leaves the GPU idle.
+const FOLD_BLOCKS: usize = 128;
+/// Values (4 M: 16 MB of FP32) below which one pass is quicker than a launch more.
+const FOLD_SMALL: usize = 1 << 22;
+
+/// How a fold of `rows` rows in windows of `k` runs: `(k, 1)`, one pass, where the
+/// windows give [`FOLD_BLOCKS`] blocks or are short; else `(d, k / d)`, windows of `d`
+/// (the largest divisor of `k` up to 32) first, then the rest over their means. A
+/// row `sum` folds all 8192 rows of a weight into one: one block would read 128 MB
+/// alone. (The mean of equal windows' means is the mean; trailing rows fall out of
+/// the last pass's windows as they do of one.)
+fn fold_passes(rows: usize, cols: usize, k: usize) -> (usize, usize) {
+    // (A small input, a bias, is one pass: each pass is a launch.)
+    if rows / k >= FOLD_BLOCKS || k <= 32 || rows * cols < FOLD_SMALL {
+        return (k, 1);
+    }
+    match short_window(k) {
+        Some(d) => (d, k / d),
+        None => (k, 1),
+    }
+}
+
+/// The largest divisor of `k` from 2 to 32, if any.
+fn short_window(k: usize) -> Option<usize> {
+    (2..=32).rev().find(|d| k.is_multiple_of(*d))
+}
+
+/// One pass of [`fold_rows_mean`]: a block per window.
+fn fold_pass<T: DeviceElement>(gpu: &Gpu, input: &DeviceTensor<T>, k: usize) -> Result<DeviceTensor> {
+    let (rows, cols) = (input.shape[0], input.shape.get(1).copied().unwrap_or(1));
     let mut shape = input.shape.clone();
     shape[0] = rows / k;
     let mut out = gpu.alloc(&shape)?;
@@ -66,12 +102,26 @@ pub fn fold_rows_mean_halves<H: DeviceElement>(
     }
     let shape = [rows / k, cols];
     let (mut hi, mut lo) = (gpu.alloc_as::<H>(&shape)?, gpu.alloc_as::<H>(&shape)?);
+    // Long windows: FP32 means of all but a last short window, then its halves.
+    let last = match fold_passes(rows, cols, k) {
+        (_, 1) => None,
+        _ => short_window(k),
+    };
+    let means = last.map(|d| fold_rows_mean(gpu, input, k / d)).transpose()?;
+    let (rows, k) = match (&means, last) {
+        (Some(m), Some(d)) => (m.shape[0], d),
+        _ => (rows, k),
+    };
     let (r, c, k32) = (rows as u32, cols as u32, k as u32);
-    let kernel = kernels.fold_halves;
+    let kernel = if means.is_some() { kernels.fold_f32_halves } else { kernels.fold_halves };
     {
         let (func, cfg) = row_blocks(gpu, kernel, rows / k, cols)?;
         let mut l = gpu.stream().launch_builder(&func);
-        l.arg(&input.buf).arg(&r).arg(&c).arg(&k32).arg(&mut hi.buf).arg(&mut lo.buf);
+        match &means {
+            Some(m) => l.arg(&m.buf),
+            None => l.arg(&input.buf),
+        };
+        l.arg(&r).arg(&c).arg(&k32).arg(&mut hi.buf).arg(&mut lo.buf);
         // SAFETY: (input, rows, cols, k, hi, lo) as the kernel takes (`H`'s words); hi
         // and lo hold (rows / k) * cols values each.
         launched(kernel, unsafe { l.launch(cfg) })
@@ -318,4 +368,22 @@ pub unsafe fn convert_vectors(gpu: &Gpu, stream: &Arc<CudaStream>, vectors: &[Ve
         launched(Kernel::ConvertVectors, unsafe { l.launch(cfg) })?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One pass where the windows give the GPU enough blocks or are short; else a first
+    /// pass of short windows (the largest divisor up to 32), the rest after.
+    #[test]
+    fn long_folds_run_in_passes() {
+        assert_eq!(fold_passes(8192, 8192, 16), (16, 1));
+        assert_eq!(fold_passes(8192, 8192, 8192), (32, 256));
+        assert_eq!(fold_passes(256, 8192, 256), (256, 1)); // 2 M values
+        assert_eq!(fold_passes(4096, 2048, 4096), (32, 128));
+        assert_eq!(fold_passes(8192, 1, 8192), (8192, 1)); // a bias
+        assert_eq!(fold_passes(8191, 8192, 8191), (8191, 1)); // a prime: one pass
+        assert_eq!(fold_passes(64 * 128, 8192, 64), (64, 1)); // 128 windows
+    }
 }
