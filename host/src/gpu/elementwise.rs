@@ -30,7 +30,7 @@ pub fn fold_rows_mean<T: DeviceElement>(gpu: &Gpu, input: &DeviceTensor<T>, k: u
     if k == 0 || k > rows {
         return Err(Error::Chain(format!("avgpool({k}) over {rows} features")));
     }
-    match fold_passes(rows, input.shape.get(1).copied().unwrap_or(1), k) {
+    match fold_passes(rows, k) {
         (_, 1) => fold_pass(gpu, input, k),
         (first, rest) => fold_rows_mean(gpu, &fold_pass(gpu, input, first)?, rest),
     }
@@ -38,8 +38,6 @@ pub fn fold_rows_mean<T: DeviceElement>(gpu: &Gpu, input: &DeviceTensor<T>, k: u
 
 /// Output rows below which a fold's one block per window leaves the GPU idle.
 const FOLD_BLOCKS: usize = 128;
-/// Values (4 M: 16 MB of FP32) below which one pass is quicker than a launch more.
-const FOLD_SMALL: usize = 1 << 22;
 
 /// How a fold of `rows` rows in windows of `k` runs: `(k, 1)`, one pass, where the
 /// windows give [`FOLD_BLOCKS`] blocks or are short; else `(d, k / d)`, windows of `d`
@@ -47,9 +45,8 @@ const FOLD_SMALL: usize = 1 << 22;
 /// row `sum` folds all 8192 rows of a weight into one: one block would read 128 MB
 /// alone. (The mean of equal windows' means is the mean; trailing rows fall out of
 /// the last pass's windows as they do of one.)
-fn fold_passes(rows: usize, cols: usize, k: usize) -> (usize, usize) {
-    // (A small input, a bias, is one pass: each pass is a launch.)
-    if rows / k >= FOLD_BLOCKS || k <= 32 || rows * cols < FOLD_SMALL {
+fn fold_passes(rows: usize, k: usize) -> (usize, usize) {
+    if rows / k >= FOLD_BLOCKS || k <= 32 {
         return (k, 1);
     }
     match short_window(k) {
@@ -103,7 +100,7 @@ pub fn fold_rows_mean_halves<H: DeviceElement>(
     let shape = [rows / k, cols];
     let (mut hi, mut lo) = (gpu.alloc_as::<H>(&shape)?, gpu.alloc_as::<H>(&shape)?);
     // Long windows: FP32 means of all but a last short window, then its halves.
-    let last = match fold_passes(rows, cols, k) {
+    let last = match fold_passes(rows, k) {
         (_, 1) => None,
         _ => short_window(k),
     };
@@ -378,12 +375,12 @@ mod tests {
     /// pass of short windows (the largest divisor up to 32), the rest after.
     #[test]
     fn long_folds_run_in_passes() {
-        assert_eq!(fold_passes(8192, 8192, 16), (16, 1));
-        assert_eq!(fold_passes(8192, 8192, 8192), (32, 256));
-        assert_eq!(fold_passes(256, 8192, 256), (256, 1)); // 2 M values
-        assert_eq!(fold_passes(4096, 2048, 4096), (32, 128));
-        assert_eq!(fold_passes(8192, 1, 8192), (8192, 1)); // a bias
-        assert_eq!(fold_passes(8191, 8192, 8191), (8191, 1)); // a prime: one pass
-        assert_eq!(fold_passes(64 * 128, 8192, 64), (64, 1)); // 128 windows
+        assert_eq!(fold_passes(8192, 16), (16, 1));
+        assert_eq!(fold_passes(8192, 8192), (32, 256));
+        assert_eq!(fold_passes(256, 256), (32, 8));
+        assert_eq!(fold_passes(300, 300), (30, 10));
+        assert_eq!(fold_passes(100, 20), (20, 1));
+        assert_eq!(fold_passes(8191, 8191), (8191, 1)); // a prime: one pass
+        assert_eq!(fold_passes(64 * 128, 64), (64, 1)); // 128 windows
     }
 }
