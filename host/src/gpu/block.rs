@@ -12,7 +12,9 @@
 //!
 //! A chain that starts with `avgpool(k)` is folded into the weights first: averaging
 //! blocks of `k` outputs of a Linear layer is a Linear layer with the rows of `W` and
-//! `b` averaged in blocks of `k` (exact algebra, see models.md), `k` times less GEMM.
+//! `b` averaged in blocks of `k` (exact algebra, see models.md), `k` times less GEMM. A
+//! leading row `sum` or `mean` after constant scalings folds the same way over the
+//! whole row ([`dispatch::fold`]).
 //! The backward works on the folded layer too and spreads its weight gradients back.
 //!
 //! Backward: the forward saves `z`, the chain's input (the GEMM output with bias).
@@ -408,7 +410,8 @@ impl<W: DeviceElement> GpuBlock<W> {
             (_, true, _, None) => format!("{} (on FP32 copies of {t} x, W; y rounded)", route.kernel),
         };
         let fold = match (&self.folded, self.batch_norm) {
-            (Some(f), _) => format!("; avgpool({}) folded into the weights", f.pool),
+            // (The op the fold replaced: an AvgPool, or a whole row's sum or mean.)
+            (Some(_), _) => format!("; {} folded into the weights", self.spec.chain.0[self.first_op - 1]),
             (_, Some(_)) => "; then batch_norm_stats, batch_norm_finish and epilogue_rows: the BatchNorm on \
                              batch statistics and the ops after it"
                 .to_string(),
