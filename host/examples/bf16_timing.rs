@@ -90,7 +90,7 @@ fn main() -> host::Result<()> {
         let params32 = params.map(Bf16::to_f32);
         let ops =
             params32.ops.iter().map(|p| p.iter().map(|t| gpu.upload(t)).collect()).collect::<host::Result<Vec<_>>>()?;
-        let chain = DeviceChain::new(&gpu, &spec.chain.0, &ops)?;
+        let chain = DeviceChain::new(&gpu, &[], &spec.chain.0, &ops)?;
         let z: DeviceTensor = gpu.upload(&random_input(b, o, &mut rng)?)?;
         let dy32: DeviceTensor = gpu.upload(&random_input(b, o, &mut rng)?)?;
         let t16 = median(&gpu, || epilogue_tiles_backward(&gpu, &chain, &z, &dy).map(drop))?;

@@ -39,7 +39,6 @@ use super::gemm::linear::grad_input_fp8;
 use super::gemm::{forward_gemm, grad_input, grad_weight};
 use super::{DeviceElement, DeviceTensor, Dtype, Gpu, Phases};
 use crate::block::{BlockSpec, Params};
-use crate::chain::Op;
 use crate::check::{Comparison, compare_f32};
 use crate::error::{Error, Result};
 use crate::precision::Precision;
@@ -99,9 +98,10 @@ impl DeviceParams {
 pub struct GpuBlock<W = f32> {
     pub spec: BlockSpec,
     pub params: DeviceParams<W>,
-    /// A leading avgpool folded into the GEMM.
+    /// A leading avgpool, or a whole row's sum or mean, folded into the GEMM.
     pub(super) folded: Option<Folded<W>>,
-    /// The chain the kernels run (without a folded avgpool). Points into `params`.
+    /// The chain the kernels run (a fold's ops in place of what it folded). Points into
+    /// `params`.
     pub(super) chain: DeviceChain,
     /// Why the fused kernel cannot run this chain, if it cannot.
     pub(super) not_fusable: Option<String>,
@@ -119,8 +119,8 @@ pub struct GpuBlock<W = f32> {
     pub(super) input_grad: bool,
 }
 
-/// A leading AvgPool folded into the Linear layer: its window, and the weight and bias
-/// of the GEMM the kernels run.
+/// A leading AvgPool (or a whole row's sum or mean, [`dispatch::Fold`]) folded into the
+/// Linear layer: its window, and the weight and bias of the GEMM the kernels run.
 pub(super) struct Folded<W> {
     pub(super) pool: usize,
     pub(super) weight: FoldedWeight<W>,
@@ -240,23 +240,13 @@ impl<W: DeviceElement> GpuBlock<W> {
         let end = batch_norm.map_or(spec.chain.0.len(), |(k, _)| k);
         // The kernels' ops: a fold's (on the pooled width, no parameters), then the chain's.
         let before = fold.map_or(Vec::new(), |f| f.before);
-        let ops: Vec<Op> = before.iter().chain(&spec.chain.0[first_op..end]).copied().collect();
-        let ptrs: Vec<[u64; 2]> = before
+        let ops = &spec.chain.0[first_op..end];
+        let chain = DeviceChain::new(gpu, &before, ops, &params.ops[first_op..end])?;
+        let not_fusable = before
             .iter()
-            .map(|_| [0; 2])
-            .chain(params.ops[first_op..end].iter().map(|op_params| {
-                let mut ptrs = [0u64; 2];
-                for (slot, p) in ptrs.iter_mut().zip(op_params) {
-                    *slot = p.buf.device_address();
-                }
-                ptrs
-            }))
-            .collect();
-        let chain = DeviceChain::from_ptrs(gpu, &ops, &ptrs)?;
-        let width = |i: usize| {
-            if i < before.len() { spec.features_at(first_op) } else { spec.features_at(first_op + i - before.len()) }
-        };
-        let not_fusable = ops.iter().enumerate().find_map(|(i, op)| not_fusable(op, width(i)));
+            .map(|op| (op, spec.features_at(first_op)))
+            .chain(ops.iter().enumerate().map(|(i, op)| (op, spec.features_at(first_op + i))))
+            .find_map(|(op, width)| not_fusable(op, width));
         let mut block = GpuBlock {
             spec: spec.clone(),
             params,
@@ -305,7 +295,7 @@ impl<W: DeviceElement> GpuBlock<W> {
         if self.precision.is_fp8() && fp8::unsupported(k, n).is_none() {
             let mut made = None;
             self.fp8 = Some(match self.folded_means(gpu, &mut made)? {
-                Some(w) => Fp8Cache::of(gpu, w)?,
+                Some((w, _)) => Fp8Cache::of(gpu, w)?,
                 None => Fp8Cache::of(gpu, &self.params.linear_weight)?,
             });
         }
@@ -328,19 +318,21 @@ impl<W: DeviceElement> GpuBlock<W> {
         Ok(())
     }
 
-    /// A folded AvgPool's weight as FP32 means (FP8 quantises them; the FP32 kernels
-    /// take them where a 16-bit model's shapes rule out its own): held, or folded from
-    /// the weight into `made` where the block holds halves. `None` without a fold.
+    /// A folded AvgPool's weight as FP32 means, and its bias (FP8 quantises the means;
+    /// the FP32 kernels take them where a 16-bit model's shapes rule out its own): held,
+    /// or folded from the weight into `made` where the block holds halves. `None`
+    /// without a fold.
     pub(super) fn folded_means<'a>(
         &'a self,
         gpu: &Gpu,
         made: &'a mut Option<DeviceTensor>,
-    ) -> Result<Option<&'a DeviceTensor>> {
-        match &self.folded {
-            None => Ok(None),
-            Some(Folded { weight: FoldedWeight::Means(w), .. }) => Ok(Some(w)),
-            Some(Folded { pool, .. }) => Ok(Some(made.insert(fold_rows_mean(gpu, &self.params.linear_weight, *pool)?))),
-        }
+    ) -> Result<Option<(&'a DeviceTensor, &'a DeviceTensor)>> {
+        let Some(Folded { pool, weight, bias }) = &self.folded else { return Ok(None) };
+        let means = match weight {
+            FoldedWeight::Means(w) => w,
+            FoldedWeight::Halves(..) => made.insert(fold_rows_mean(gpu, &self.params.linear_weight, *pool)?),
+        };
+        Ok(Some((means, bias)))
     }
 
     /// Width of the GEMM the kernels run.

@@ -157,9 +157,9 @@ impl<H: HalfElement> GpuBlock<H> {
                 let x32 = widen(gpu, x)?;
                 let w32;
                 let mut made = None;
-                let (w, b) = match (self.folded_means(gpu, &mut made)?, &self.folded) {
-                    (Some(w), Some(f)) => (w, &f.bias),
-                    _ => {
+                let (w, b) = match self.folded_means(gpu, &mut made)? {
+                    Some(folded) => folded,
+                    None => {
                         w32 = widen(gpu, w)?;
                         (&w32, b)
                     }
@@ -229,9 +229,9 @@ impl<H: HalfElement> GpuBlock<H> {
         let stream = gpu.stream();
         let xq = fp8::quantise_rows(gpu, stream, x, "x")?;
         let (mut made, mut means) = (None, None);
-        let (wq, b) = match (self.folded_means(gpu, &mut means)?, &self.folded) {
-            (Some(w), Some(f)) => (self.fp8_rows(gpu, w, &mut made)?, &f.bias),
-            _ => {
+        let (wq, b) = match self.folded_means(gpu, &mut means)? {
+            Some((w, fb)) => (self.fp8_rows(gpu, w, &mut made)?, fb),
+            None => {
                 let w = &self.params.linear_weight;
                 (self.fp8_rows(gpu, w, &mut made)?, &self.params.linear_bias)
             }
@@ -459,7 +459,7 @@ impl<H: HalfElement> GpuBlock<H> {
         let (mut made, mut means) = (None, None);
         let dx = if self.input_grad {
             let wq = match self.folded_means(gpu, &mut means)? {
-                Some(w) => self.fp8_whole(gpu, w, &mut made)?,
+                Some((w, _)) => self.fp8_whole(gpu, w, &mut made)?,
                 None => self.fp8_whole(gpu, &self.params.linear_weight, &mut made)?,
             };
             let mut dx = gpu.alloc_as::<H>(&[m, k])?;

@@ -27,13 +27,19 @@ pub fn add_assign(gpu: &Gpu, a: &mut DeviceTensor, b: &DeviceTensor) -> Result<(
 /// input is one column).
 pub fn fold_rows_mean<T: DeviceElement>(gpu: &Gpu, input: &DeviceTensor<T>, k: usize) -> Result<DeviceTensor> {
     let rows = input.shape[0];
-    if k == 0 || k > rows {
-        return Err(Error::Chain(format!("avgpool({k}) over {rows} features")));
-    }
+    check_window(rows, k)?;
     match fold_passes(rows, k) {
         (_, 1) => fold_pass(gpu, input, k),
         (first, rest) => fold_rows_mean(gpu, &fold_pass(gpu, input, first)?, rest),
     }
+}
+
+/// A fold's window `k` over `rows` rows: at least one row, at most all of them.
+fn check_window(rows: usize, k: usize) -> Result<()> {
+    if k == 0 || k > rows {
+        return Err(Error::Chain(format!("avgpool({k}) over {rows} features")));
+    }
+    Ok(())
 }
 
 /// Output rows below which a fold's one block per window leaves the GPU idle.
@@ -94,9 +100,7 @@ pub fn fold_rows_mean_halves<H: DeviceElement>(
     let [rows, cols] = input.shape[..] else {
         return Err(Error::Shape(format!("folding a weight of shape {:?} (not 2-D)", input.shape)));
     };
-    if k == 0 || k > rows {
-        return Err(Error::Chain(format!("avgpool({k}) over {rows} features")));
-    }
+    check_window(rows, k)?;
     let shape = [rows / k, cols];
     let (mut hi, mut lo) = (gpu.alloc_as::<H>(&shape)?, gpu.alloc_as::<H>(&shape)?);
     // Long windows: FP32 means of all but a last short window, then its halves.

@@ -7,7 +7,6 @@ pub mod rows;
 use super::{DeviceTensor, Gpu, Table};
 use crate::chain::{Op, Reduce};
 use crate::error::{Error, Result};
-use cudarc::driver::DevicePtr;
 use kernel_abi::epilogue::*;
 
 /// A chain as the kernels see it: op descriptors in device memory, pointing at
@@ -21,22 +20,25 @@ pub struct DeviceChain {
 }
 
 impl DeviceChain {
+    /// `before` (ops without parameters: a fold's, `dispatch::Fold`), then `ops`;
     /// `params[i]`: the device parameters of `ops[i]` (see `Params::ops`).
-    pub fn new(gpu: &Gpu, ops: &[Op], params: &[Vec<DeviceTensor>]) -> Result<DeviceChain> {
+    pub fn new(gpu: &Gpu, before: &[Op], ops: &[Op], params: &[Vec<DeviceTensor>]) -> Result<DeviceChain> {
         if ops.len() != params.len() {
             return Err(Error::Chain(format!("{} ops but {} parameter lists", ops.len(), params.len())));
         }
-        let ptrs: Vec<[u64; 2]> = params
+        let ptrs: Vec<[u64; 2]> = before
             .iter()
-            .map(|op_params| {
+            .map(|_| [0; 2])
+            .chain(params.iter().map(|op_params| {
                 let mut ptrs = [0u64; 2];
                 for (slot, p) in ptrs.iter_mut().zip(op_params) {
-                    *slot = p.buf.device_ptr(gpu.stream()).0;
+                    *slot = p.buf.device_address();
                 }
                 ptrs
-            })
+            }))
             .collect();
-        Self::from_ptrs(gpu, ops, &ptrs)
+        let all: Vec<Op> = before.iter().chain(ops).copied().collect();
+        Self::from_ptrs(gpu, &all, &ptrs)
     }
 
     /// [`DeviceChain::new`] from each op's parameter addresses (0 where it has none): a
