@@ -3,7 +3,7 @@
 //! writes the launch bounds into the PTX from [`Kernel::ALL`]; `tests/ptx.rs` checks
 //! that the identifiers and the PTX's entries are the same set.
 
-use crate::{epilogue, fp8, gemm_fma, gemm_mma, gemm_tma, gemm_wgmma, gemv, gemv_tc, kinks};
+use crate::{batch_norm, epilogue, fp8, gemm_fma, gemm_mma, gemm_tma, gemm_wgmma, gemv, gemv_tc, kinks};
 
 /// `__launch_bounds__(max_threads, min_blocks_per_sm)`, which rustc cannot express:
 /// `host/build.rs` writes them into the PTX (`.maxntid`, `.minnctapersm`) so that
@@ -204,9 +204,18 @@ kernels! {
     Fp8QuantiseColumnsTF16 = "fp8_quantise_columns_t_f16", bounds(256, 1);
     Fp8TransposeWeight = "fp8_transpose_weight", bounds(256, 1);
     // BatchNorm on batch statistics (`batch_norm.rs`).
-    BatchNormStats = "batch_norm_stats", bounds(crate::batch_norm::COLUMNS * crate::batch_norm::ROW_GROUPS, 1);
+    BatchNormStats = "batch_norm_stats", bounds(batch_norm::THREADS, batch_norm::STATS_BLOCKS_PER_SM);
     BatchNormFinish = "batch_norm_finish";
     BatchNormGrad = "batch_norm_grad";
+    BatchNormApply = "batch_norm_apply", bounds(batch_norm::THREADS, batch_norm::APPLY_BLOCKS_PER_SM);
+    BatchNormApplyBf16 = "batch_norm_apply_bf16", bounds(batch_norm::THREADS, batch_norm::APPLY_BLOCKS_PER_SM);
+    BatchNormApplyF16 = "batch_norm_apply_f16", bounds(batch_norm::THREADS, batch_norm::APPLY_BLOCKS_PER_SM);
+    BatchNormBackwardSums = "batch_norm_backward_sums", bounds(batch_norm::THREADS, batch_norm::SUMS_BLOCKS_PER_SM);
+    BatchNormBackwardSumsBf16 = "batch_norm_backward_sums_bf16", bounds(batch_norm::THREADS, batch_norm::SUMS_BLOCKS_PER_SM);
+    BatchNormBackwardSumsF16 = "batch_norm_backward_sums_f16", bounds(batch_norm::THREADS, batch_norm::SUMS_BLOCKS_PER_SM);
+    BatchNormBackwardDz = "batch_norm_backward_dz", bounds(batch_norm::THREADS, batch_norm::DZ_BLOCKS_PER_SM);
+    BatchNormBackwardDzBf16 = "batch_norm_backward_dz_bf16", bounds(batch_norm::THREADS, batch_norm::DZ_BLOCKS_PER_SM);
+    BatchNormBackwardDzF16 = "batch_norm_backward_dz_f16", bounds(batch_norm::THREADS, batch_norm::DZ_BLOCKS_PER_SM);
     // A tensor-parallel row max (`parallel.rs`).
     RowMaxKeys = "row_max_keys";
     RowMaxValues = "row_max_values";

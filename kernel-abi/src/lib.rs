@@ -214,17 +214,40 @@ pub mod gemm_mma {
 }
 
 /// The epilogue chain as the kernels see it: one [`OpDesc`](epilogue::OpDesc) per op, in a device array.
-/// The column statistics of a BatchNorm (`batch_norm_stats`).
+/// The column kernels of a BatchNorm (`batch_norm.rs`): a block takes 128 columns of
+/// a run of rows, each lane 4 consecutive columns (one 16-byte load of FP32 values), its
+/// 8 warps row pairs `2 w, 2 w + 1`, then `+ 16`.
 pub mod batch_norm {
-    /// Columns per block: a warp's lanes read 32 consecutive features of a row.
-    pub const COLUMNS: usize = 32;
-    /// Rows taken apart by each block's warps (row `r` by warp `r % ROW_GROUPS`).
-    pub const ROW_GROUPS: usize = 8;
-    /// Rows of one block's chunk: each thread steps `CHUNK_ROWS / ROW_GROUPS` times, and
-    /// `rows / CHUNK_ROWS` chunks per column fill the GPU.
-    pub const CHUNK_ROWS: usize = 256;
-    /// Shared memory of a block: a count, a mean and a sum of squares per thread.
-    pub const SMEM_BYTES: usize = 3 * COLUMNS * ROW_GROUPS * 4;
+    /// Threads of a block.
+    pub const THREADS: usize = 256;
+    /// Warps of a block.
+    pub const WARPS: usize = THREADS / 32;
+    /// Columns of a block: 32 lanes of 4.
+    pub const COLUMNS: usize = 128;
+    /// Blocks per SM the statistics kernel is sized for (its launch bounds cap the
+    /// registers at 80: its FP64 sums spilled at 64); the host sizes one wave of each
+    /// kernel.
+    pub const STATS_BLOCKS_PER_SM: u32 = 3;
+    /// The same for `apply` (64 registers).
+    pub const APPLY_BLOCKS_PER_SM: u32 = 4;
+    /// The same for `backward_sums` (80 registers: 64 spilled 160 bytes).
+    pub const SUMS_BLOCKS_PER_SM: u32 = 3;
+    /// The same for `backward_dz` (at most 128 registers; it uses 115: at 80 it
+    /// spilled 292 bytes).
+    pub const DZ_BLOCKS_PER_SM: u32 = 2;
+    /// Ops of the chain before the BatchNorm, and after it, that the kernels take each
+    /// (their descriptors sit in shared memory).
+    pub const MAX_OPS: usize = 8;
+    /// Gradient sums a block keeps per lane (16 bytes each, per warp).
+    pub const MAX_SLOTS: usize = 10;
+    /// Shared memory of the statistics: the op table before the BatchNorm, then a count,
+    /// 4 means and 4 sums of squared deviations per thread (FP64).
+    pub const STATS_SMEM_BYTES: usize = MAX_OPS * core::mem::size_of::<super::epilogue::OpDesc>() + THREADS * 9 * 8;
+    /// Shared memory of a kernel with gradient sums: both op tables, then `slots` sums
+    /// of 16 bytes per lane of each warp.
+    pub const fn sums_smem_bytes(slots: usize) -> usize {
+        2 * MAX_OPS * core::mem::size_of::<super::epilogue::OpDesc>() + WARPS * slots * 32 * 16
+    }
 }
 
 /// FP8 (e4m3) operands: the quantisation kernels (`kernels-gpu/src/fp8.rs`).

@@ -671,12 +671,24 @@ macro_rules! gpu_entry_points {
                 g.block.forward_into(&g.gpu, &g.x, &mut ws, None).map_err(to_py)?;
                 return Ok((into_torch(py, ws.y, &out_shape)?, None));
             }
-            let (y, saved, stats) = g.block.forward_train_stats(&g.gpu, &g.x, false).map_err(to_py)?;
-            let z = match stats {
-                Some(stats) => with_batch_stats(&g.gpu, &saved.z, &stats).map_err(to_py)?,
-                None => saved.z,
-            };
-            Ok((into_torch(py, y, &out_shape)?, Some(into_torch(py, z, &call.z_shape())?)))
+            if call.stats_rows() == 0 {
+                let (y, saved) = g.block.forward_train(&g.gpu, &g.x, false).map_err(to_py)?;
+                return Ok((into_torch(py, y, &out_shape)?, Some(into_torch(py, saved.z, &call.z_shape())?)));
+            }
+            // A BatchNorm's statistics follow `z` in the saved state: the forward writes
+            // `z` into the first rows of that buffer (no copy of it afterwards).
+            let mut z = g.gpu.alloc(&call.z_shape()).map_err(to_py)?;
+            let mut ws = g.block.workspace_with(&g.gpu, call.batch, false).map_err(to_py)?;
+            // SAFETY: the first `batch` rows of `z`, which outlives the view.
+            let mut rows = unsafe { g.gpu.borrow_tensor::<f32>(z.buf.device_address(), &[call.batch, z.shape[1]]) }
+                .map_err(to_py)?;
+            g.block.forward_into(&g.gpu, &g.x, &mut ws, Some(&mut rows)).map_err(to_py)?;
+            let stats = ws
+                .stats
+                .take()
+                .ok_or_else(|| PyRuntimeError::new_err("fused_linear: internal error: no batch statistics"))?;
+            append_batch_stats(&g.gpu, &mut z, call.batch, &stats).map_err(to_py)?;
+            Ok((into_torch(py, ws.y, &out_shape)?, Some(into_torch(py, z, &call.z_shape())?)))
         }
 
         fn $backward<'py>(
@@ -698,7 +710,16 @@ macro_rules! gpu_entry_points {
             let dy_dev = unsafe { g.gpu.borrow_tensor::<$w>(dy.ptr, &dy.shape) }.map_err(to_py)?;
             let dtypes: Vec<DType> = [&call.bias].into_iter().chain(&call.params).map(|a| a.dtype).collect();
             let small = |block: &GpuBlock<$w>, gpu: &Gpu, slots: &DeviceTensor| small_grads(block, gpu, slots, &dtypes);
-            let grads = g.block.backward_parts(&g.gpu, &g.x, Saved::kept_by_caller(z_dev), &dy_dev, None, small);
+            let mut saved = Saved::kept_by_caller(z_dev);
+            if call.stats_rows() > 0 {
+                // SAFETY: the rows after the batch's in `z` (its shape was checked): the
+                // forward's mean and variance.
+                let at = z.ptr + (call.batch * z.shape[1] * 4) as u64;
+                let stats =
+                    unsafe { g.gpu.borrow_tensor::<f32>(at, &[BATCH_STATS_ROWS, z.shape[1]]) }.map_err(to_py)?;
+                saved = saved.with_batch_stats(stats);
+            }
+            let grads = g.block.backward_parts(&g.gpu, &g.x, saved, &dy_dev, None, small);
             // A backward that failed half way may leave side-stream buffers held.
             g.gpu.join_side().map_err(to_py)?;
             let (dx, dw, small) = grads.map_err(to_py)?;
@@ -720,22 +741,18 @@ macro_rules! gpu_entry_points {
     };
 }
 
-/// `z` `(batch, n)` followed by the BatchNorm's batch mean and biased variance (the first
-/// two rows of `stats`): the saved state a chain with a BatchNorm hands the package.
-///
-/// Two device-to-device copies (the copy engine): through `convert_vectors`, the
-/// element-wise conversion kernel, `z`'s 32 MB took 0.23 ms of KernelBench 33's 0.58 ms
-/// forward in bf16 (H100, build `9507446`), more than the GEMM.
-fn with_batch_stats(gpu: &Gpu, z: &DeviceTensor, stats: &DeviceTensor) -> host::Result<DeviceTensor> {
-    let (len, n) = (z.len(), stats.shape[1]);
-    let mut out = gpu.alloc(&[z.shape[0] + BATCH_STATS_ROWS, n])?;
-    let stats_len = BATCH_STATS_ROWS * n;
-    let copy = |e| host::Error::cuda("copying the saved state on the device", e);
-    gpu.stream().memcpy_dtod(&*z.buf, &mut out.buf.slice_mut(0..len)).map_err(copy)?;
-    gpu.stream()
-        .memcpy_dtod(&stats.buf.slice(0..stats_len), &mut out.buf.slice_mut(len..len + stats_len))
-        .map_err(copy)?;
-    Ok(out)
+/// Writes the BatchNorm's batch mean and biased variance (the first two rows of `stats`)
+/// into the rows of `z` after its first `batch`: the saved state a chain with a
+/// BatchNorm hands the package. (It copied `z` itself once, 32 MB of KernelBench 33's,
+/// 0.23 ms of its 0.58 ms bf16 forward at build `9507446` through the conversion kernel.)
+fn append_batch_stats(gpu: &Gpu, z: &mut DeviceTensor, batch: usize, stats: &DeviceTensor) -> host::Result<()> {
+    let n = stats.shape[1];
+    let (from, len) = (batch * n, BATCH_STATS_ROWS * n);
+    if z.len() != from + len {
+        return Err(host::Error::Shape(format!("a saved state of {} values for {batch} rows of {n}", z.len())));
+    }
+    let copy = |e| host::Error::cuda("copying the batch statistics on the device", e);
+    gpu.stream().memcpy_dtod(&stats.buf.slice(0..len), &mut z.buf.slice_mut(from..from + len)).map_err(copy)
 }
 
 /// A small gradient (the bias's or a chain parameter's) in its parameter's dtype.

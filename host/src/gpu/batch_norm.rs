@@ -1,68 +1,137 @@
 //! A chain with a BatchNorm (`batchnorm`, batch statistics) on the GPU: the rows stop
-//! being independent at the BatchNorm, so the block runs in phases around a column
-//! reduction, with the existing GEMM and row-wise epilogue kernels on either side.
+//! being independent at the BatchNorm, so the block runs in phases around column
+//! reductions, the GEMM on one side.
 //!
-//! With `u` the BatchNorm's input (the GEMM, its bias and the per-element ops before
-//! the BatchNorm, which the block's `chain` holds):
-//! * forward: the GEMM plan of that shorter chain writes `u` (and saves `z`);
-//!   `batch_norm_stats` reduces each chunk of 256 rows of each column of `u` to its count,
-//!   mean and sum of squared deviations (Welford per thread, Chan's merges across a
-//!   block's warps: no `E[x^2] - E[x]^2`), `batch_norm_finish` merges the chunks and adds
-//!   `-mean` and `rstd = 1 / sqrt(var + eps)`; then
-//!   `epilogue_rows` runs `bias(-mean), mul(rstd), mul(gamma), bias(beta)` and the ops
-//!   after the BatchNorm on `u`: the normalisation is four per-element ops on device
-//!   vectors, `xhat` formed as `(u - mean) rstd` before the affine.
-//! * backward: `u` and the statistics again from `z`; `epilogue_rows_backward` of that
-//!   chain gives `g`, the gradient of `u` at fixed statistics, and its parameter sums
-//!   `S2 = sum dv xhat` (`mul(gamma)`'s: `d gamma`) and `S1 = sum dv` (`bias(beta)`'s:
-//!   `d beta`); `batch_norm_grad` adds the paths through the statistics,
-//!   `du = g - gamma rstd (S1 + xhat S2) / N`; the ops before the BatchNorm take `du`
-//!   back to `dz` (`epilogue_rows_backward` again, which also sums the Linear bias's
-//!   gradient), and the GEMMs follow as for any chain.
+//! With `u` the BatchNorm's input (the GEMM, its bias and the per-element ops `P` before
+//! the BatchNorm, which the block's `chain` holds) and `Q` the ops after it:
+//! * forward: the GEMM plan of that shorter chain writes `u` (and saves `z`; where `P`
+//!   is empty, `u` is `z` and written once); `batch_norm_stats` reduces each block's rows
+//!   of each column of `u` to its count, mean and sum of squared deviations (Welford
+//!   per thread, Chan's merges: no `E[x^2] - E[x]^2`), `batch_norm_finish` merges the
+//!   blocks' and adds `-mean` and `rstd = 1 / sqrt(var + eps)`; then
+//!   `batch_norm_apply` writes `y = Q(gamma (u - mean) rstd + beta)`.
+//! * backward: the statistics again from `z` (`P` applied on the fly);
+//!   `batch_norm_backward_sums` takes `dy` back through `Q` to `dv` and sums
+//!   `S2 = sum dv xhat` (gamma's gradient), `S1 = sum dv` (beta's) and `Q`'s parameter
+//!   gradients; `batch_norm_backward_dz` forms `du = gamma rstd (dv - (S1 + xhat S2) / N)`
+//!   and takes it back through `P` to `dz`, summing `P`'s and the Linear bias's
+//!   gradients; the GEMMs follow as for any chain.
+//!
+//! Those column kernels take `Q` per element. A `Q` that needs whole rows (a softmax,
+//! a GroupNorm) runs as the row-wise epilogue's ops instead: forward
+//! `bias(-mean), mul(rstd), mul(gamma), bias(beta)` and `Q` by `epilogue_rows` on `u`;
+//! backward `epilogue_rows_backward` of that chain gives `g`, the gradient of `u` at
+//! fixed statistics, and its parameter sums, `batch_norm_grad` adds the paths through
+//! the statistics, and `epilogue_rows_backward` of `P` takes `du` to `dz`.
 
 use super::block::{GpuBlock, Workspace};
+use super::dispatch::batch_norm_kernels;
 use super::elementwise::{Convert, Vector, convert_vectors};
 use super::epilogue::DeviceChain;
-use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
+use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward, sum_partials_into};
 use super::{DeviceElement, DeviceTensor, Gpu, launched};
 use crate::chain::{Op, Pointwise};
 use crate::error::{Error, Result};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use kernel_abi::Kernel;
-use kernel_abi::batch_norm::{CHUNK_ROWS, COLUMNS, ROW_GROUPS, SMEM_BYTES};
+use kernel_abi::batch_norm::{
+    APPLY_BLOCKS_PER_SM, COLUMNS, DZ_BLOCKS_PER_SM, MAX_OPS, MAX_SLOTS, STATS_BLOCKS_PER_SM, STATS_SMEM_BYTES,
+    SUMS_BLOCKS_PER_SM, THREADS, sums_smem_bytes,
+};
 
-/// `[mean; var; -mean; rstd]` `(4, n)` of the columns of `u` `(rows, n)`.
-pub fn batch_norm_stats(gpu: &Gpu, u: &DeviceTensor, eps: f32) -> Result<DeviceTensor> {
-    let [rows, n] = u.shape[..] else {
-        return Err(Error::Shape(format!("the BatchNorm's input must be 2-D, got {:?}", u.shape)));
-    };
-    if rows < 2 || rows > u32::MAX as usize || n > u32::MAX as usize {
-        return Err(Error::Shape(format!("a BatchNorm over {rows} rows of {n} features")));
+/// The column kernels' grid over `(rows, n)`: blocks of 128 columns and a run of rows
+/// (even: a warp takes rows in pairs), one wave of them at the kernel's blocks per SM
+/// (its launch bounds), so each block's sums and its final reduction are paid once.
+#[derive(Clone, Copy)]
+struct Columns {
+    rows: usize,
+    n: usize,
+    rows_per_block: usize,
+    blocks: usize,
+}
+
+impl Columns {
+    fn of(gpu: &Gpu, rows: usize, n: usize, per_sm: u32) -> Result<Columns> {
+        if rows < 2 || rows * n > u32::MAX as usize {
+            return Err(Error::Shape(format!("a BatchNorm over {rows} rows of {n} features")));
+        }
+        let col_tiles = n.div_ceil(COLUMNS);
+        let per_wave = per_sm as usize * gpu.props.multiprocessors;
+        let blocks = (per_wave / col_tiles).clamp(1, rows.div_ceil(16));
+        let rows_per_block = rows.div_ceil(blocks).next_multiple_of(2);
+        let blocks = rows.div_ceil(rows_per_block);
+        if blocks > 65535 {
+            return Err(Error::Shape(format!("a BatchNorm over {rows} rows of {n} features: too many row blocks")));
+        }
+        Ok(Columns { rows, n, rows_per_block, blocks })
     }
-    let chunks = rows.div_ceil(CHUNK_ROWS);
-    if chunks > 65535 {
-        return Err(Error::Shape(format!("a BatchNorm over {rows} rows: at most {} rows", 65535 * CHUNK_ROWS)));
+
+    fn config(&self, shared_mem_bytes: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (self.n.div_ceil(COLUMNS) as u32, self.blocks as u32, 1),
+            block_dim: (THREADS as u32, 1, 1),
+            shared_mem_bytes: shared_mem_bytes as u32,
+        }
     }
-    let (rows32, n32, chunks32) = (rows as u32, n as u32, chunks as u32);
-    let mut partials = gpu.alloc(&[chunks, 3, n])?;
-    let func = gpu.function(Kernel::BatchNormStats)?;
-    let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(COLUMNS) as u32, chunks32, 1),
-        block_dim: ((COLUMNS * ROW_GROUPS) as u32, 1, 1),
-        shared_mem_bytes: SMEM_BYTES as u32,
-    };
-    let mut l = gpu.stream().launch_builder(&func);
-    l.arg(&u.buf).arg(&rows32).arg(&n32).arg(&mut partials.buf);
-    // SAFETY: (u, rows, n, partials) as the kernel takes them: u holds rows * n,
-    // partials 3 n per chunk of the grid.
-    launched(Kernel::BatchNormStats, unsafe { l.launch(cfg) })?;
+
+    /// `(rows, n, rows per block)` as the kernels take them.
+    fn args(&self) -> [u32; 3] {
+        [self.rows, self.n, self.rows_per_block].map(|v| v as u32)
+    }
+}
+
+/// Whether the column kernels may read and write these tensors with 4-value accesses
+/// where `n % 4 == 0` (16 bytes of FP32, 8 of a 16-bit type).
+fn vector_aligned(n: usize, addresses: &[(u64, usize)]) -> bool {
+    !n.is_multiple_of(4) || addresses.iter().all(|&(a, size)| a.is_multiple_of(4 * size as u64))
+}
+
+/// `[mean; var; -mean; rstd]` `(4, n)` of the columns of `u = P(src)`, `src` `(rows, n)`,
+/// `P` the per-element ops of `pre` (none: `src` is `u`).
+pub fn batch_norm_stats(gpu: &Gpu, src: &DeviceTensor, pre: Option<&DeviceChain>, eps: f32) -> Result<DeviceTensor> {
+    let (partials, blocks) = stats_partials(gpu, src, pre)?;
+    let n = src.shape[1];
     let mut stats = gpu.alloc(&[4, n])?;
     let (func, cfg) = gpu.kernel_1d(Kernel::BatchNormFinish, n, 0)?;
+    let (blocks32, n32) = (blocks as u32, n as u32);
     let mut l = gpu.stream().launch_builder(&func);
-    l.arg(&partials.buf).arg(&chunks32).arg(&n32).arg(&eps).arg(&mut stats.buf);
-    // SAFETY: partials holds 3 n chunks, stats 4 n.
+    l.arg(&partials.buf).arg(&blocks32).arg(&n32).arg(&eps).arg(&mut stats.buf);
+    // SAFETY: partials holds 3 n doubles per row block, stats 4 n.
     launched(Kernel::BatchNormFinish, unsafe { l.launch(cfg) })?;
     Ok(stats)
+}
+
+/// Each row block's count, mean and sum of squared deviations of the columns of
+/// `u = P(src)` (`batch_norm_stats`' first kernel): `(blocks, 3, n)` and `blocks`.
+fn stats_partials(gpu: &Gpu, src: &DeviceTensor, pre: Option<&DeviceChain>) -> Result<(DeviceTensor, usize)> {
+    let [rows, n] = src.shape[..] else {
+        return Err(Error::Shape(format!("the BatchNorm's input must be 2-D, got {:?}", src.shape)));
+    };
+    let grid = Columns::of(gpu, rows, n, STATS_BLOCKS_PER_SM)?;
+    if !vector_aligned(n, &[(src.buf.device_address(), 4)]) {
+        return Err(Error::Shape("the BatchNorm's input is not 16-byte aligned".into()));
+    }
+    let n_pre = pre.map_or(0, |c| c.ops.len());
+    if n_pre > MAX_OPS {
+        return Err(Error::Unsupported(format!("{n_pre} ops before a BatchNorm: at most {MAX_OPS}")));
+    }
+    // FP64 partials, as pairs of FP32 words.
+    let mut partials = gpu.alloc(&[grid.blocks, 3, 2 * n])?;
+    let func = gpu.function(Kernel::BatchNormStats)?;
+    let [rows32, n32, per_block] = grid.args();
+    let (n_pre32, none) = (n_pre as u32, 0u64);
+    let mut l = gpu.stream().launch_builder(&func);
+    l.arg(&src.buf).arg(&rows32).arg(&n32).arg(&per_block);
+    match pre {
+        Some(chain) => l.arg(&chain.descs),
+        None => l.arg(&none),
+    };
+    l.arg(&n_pre32).arg(&mut partials.buf);
+    // SAFETY: (src, rows, n, rows per block, pre, n_pre, partials) as the kernel takes
+    // them: src holds rows * n (aligned as checked), partials 3 n doubles per row block, the
+    // ops per element (the block's chain before a BatchNorm).
+    launched(Kernel::BatchNormStats, unsafe { l.launch(grid.config(STATS_SMEM_BYTES)) })?;
+    Ok((partials, grid.blocks))
 }
 
 impl<W: DeviceElement> GpuBlock<W> {
@@ -87,9 +156,35 @@ impl<W: DeviceElement> GpuBlock<W> {
         DeviceChain::from_ptrs(gpu, &ops, &ptrs)
     }
 
+    /// The ops after the BatchNorm `k` as the column kernels take them (`Q`: per element,
+    /// and few enough for their tables and sums), or `None` where the row-wise path
+    /// runs them.
+    fn batch_norm_columns_post(&self, gpu: &Gpu, k: usize) -> Result<Option<DeviceChain>> {
+        if !self.batch_norm_by_columns(k) {
+            return Ok(None);
+        }
+        DeviceChain::new(gpu, &[], &self.spec.chain.0[k + 1..], &self.params.ops[k + 1..]).map(Some)
+    }
+
+    /// Whether the column kernels take the chain around the BatchNorm `k` (tensors
+    /// aligned for them): the ops after it per element, few enough for their tables
+    /// and gradient sums.
+    pub(super) fn batch_norm_by_columns(&self, k: usize) -> bool {
+        let after = &self.spec.chain.0[k + 1..];
+        let per_element = after.iter().all(|op| matches!(op, Op::Pointwise(..)));
+        // The dz kernel's sums: the Linear bias's, P's and Q's; the sums kernel's: 2 + Q's.
+        let q: usize = after.iter().map(|op| op.param_bases().len()).sum();
+        per_element
+            && after.len() <= MAX_OPS
+            && self.chain.ops.len() <= MAX_OPS
+            && self.chain.grad_slots + q <= MAX_SLOTS
+            && 2 + q <= MAX_SLOTS
+    }
+
     /// The rest of a forward with a BatchNorm (op `k`, `eps`) once the GEMM, its bias and
     /// the ops before the BatchNorm have written its input `u` (FP32): the statistics,
-    /// then the normalisation and the later ops into `y`. Returns the statistics.
+    /// then the normalisation and the later ops into `y`. Returns the statistics, the
+    /// batch's mean and biased variance in their first two rows.
     pub(super) fn finish_batch_norm(
         &self,
         gpu: &Gpu,
@@ -97,15 +192,109 @@ impl<W: DeviceElement> GpuBlock<W> {
         y: &mut DeviceTensor<W>,
         (k, eps): (usize, f32),
     ) -> Result<DeviceTensor> {
-        let stats = batch_norm_stats(gpu, u, eps)?;
-        let post = self.batch_norm_post(gpu, k, &stats)?;
-        epilogue_rows(gpu, &post, u, None, y, None)?;
+        let [rows, n] = u.shape[..] else {
+            return Err(Error::Shape(format!("the BatchNorm's input must be 2-D, got {:?}", u.shape)));
+        };
+        let aligned = vector_aligned(n, &[(u.buf.device_address(), 4), (y.buf.device_address(), size_of::<W>())]);
+        let post = if aligned && y.len() == rows * n { self.batch_norm_columns_post(gpu, k)? } else { None };
+        let Some(post) = post else {
+            let stats = batch_norm_stats(gpu, u, None, eps)?;
+            let post = self.batch_norm_post(gpu, k, &stats)?;
+            epilogue_rows(gpu, &post, u, None, y, None)?;
+            return Ok(stats);
+        };
+        let stats = batch_norm_stats(gpu, u, None, eps)?;
+        let grid = Columns::of(gpu, rows, n, APPLY_BLOCKS_PER_SM)?;
+        let (kernel, _, _) = batch_norm_kernels(W::DTYPE);
+        let func = gpu.function(kernel)?;
+        let [rows32, n32, per_block] = grid.args();
+        let n_post = post.ops.len() as u32;
+        let (gamma, beta) = (&self.params.ops[k][0].buf, &self.params.ops[k][1].buf);
+        let mut l = gpu.stream().launch_builder(&func);
+        l.arg(&u.buf).arg(&rows32).arg(&n32).arg(&per_block).arg(&stats.buf).arg(gamma).arg(beta).arg(&eps);
+        l.arg(&post.descs).arg(&n_post).arg(&mut y.buf);
+        // SAFETY: as `batch_norm_apply` takes them: u and y hold rows * n (aligned as
+        // checked), stats 4 n, gamma and beta n; post per element, at most MAX_OPS ops.
+        launched(kernel, unsafe { l.launch(grid.config(sums_smem_bytes(0))) })?;
         Ok(stats)
     }
 
     /// `dz` and the gradient slots (the block's layout, [`GpuBlock::small_grad_slots`])
-    /// of a chain with a BatchNorm (op `k`, `eps`), from the saved `z` and `dy`.
-    pub(super) fn backward_batch_norm(
+    /// of a chain with a BatchNorm (op `k`, `eps`), from the saved `z` and `dy`, by the
+    /// column kernels: `None` where they do not take the chain or the tensors
+    /// ([`GpuBlock::backward_batch_norm_rows`] then runs it).
+    pub(super) fn backward_batch_norm<T: DeviceElement>(
+        &self,
+        gpu: &Gpu,
+        (z, saved_stats): (&DeviceTensor, Option<&DeviceTensor>),
+        dy: &DeviceTensor<T>,
+        (k, eps): (usize, f32),
+    ) -> Result<Option<(DeviceTensor<T>, DeviceTensor)>> {
+        let [rows, n] = z.shape[..] else {
+            return Err(Error::Shape(format!("the saved z must be 2-D, got {:?}", z.shape)));
+        };
+        self.spec.check_batch(rows)?;
+        let aligned = vector_aligned(n, &[(z.buf.device_address(), 4), (dy.buf.device_address(), size_of::<T>())]);
+        if !aligned || dy.len() != rows * n {
+            return Ok(None);
+        }
+        let Some(post) = self.batch_norm_columns_post(gpu, k)? else { return Ok(None) };
+        // The forward's statistics where the caller kept them, else recomputed from `z`.
+        let recomputed;
+        let stats = match saved_stats {
+            Some(s) if s.len() >= 2 * n => s,
+            _ => {
+                recomputed = batch_norm_stats(gpu, z, Some(&self.chain), eps)?;
+                &recomputed
+            }
+        };
+        let (_, sums_kernel, dz_kernel) = batch_norm_kernels(T::DTYPE);
+        // The block's slots: the Linear bias's and P's (`p`), gamma's, beta's, Q's (`q`).
+        let (p, q) = (self.chain.grad_slots, post.grad_slots - 1);
+        let out = gpu.alloc(&[p + 2 + q, n])?;
+        let at = |slot: usize| out.buf.device_address() + (slot * n * 4) as u64;
+        let (n_pre, n_post) = (self.chain.ops.len() as u32, post.ops.len() as u32);
+        let (gamma, beta) = (&self.params.ops[k][0].buf, &self.params.ops[k][1].buf);
+
+        let grid = Columns::of(gpu, rows, n, SUMS_BLOCKS_PER_SM)?;
+        let [rows32, n32, per_block] = grid.args();
+        let mut partials = gpu.alloc(&[grid.blocks, 2 + q, n])?;
+        let func = gpu.function(sums_kernel)?;
+        let smem = sums_smem_bytes(2 + q);
+        gpu.allow_shared(&func, sums_kernel, smem)?;
+        let mut l = gpu.stream().launch_builder(&func);
+        l.arg(&z.buf).arg(&dy.buf).arg(&rows32).arg(&n32).arg(&per_block).arg(&self.chain.descs).arg(&n_pre);
+        l.arg(&stats.buf).arg(gamma).arg(beta).arg(&eps).arg(&post.descs).arg(&n_post).arg(&mut partials.buf);
+        // SAFETY: as `batch_norm_backward_sums` takes them: z and dy hold rows * n
+        // (aligned as checked), stats 2 n at least, gamma and beta n, partials (2 + q) n per row
+        // block; P and Q per element, at most MAX_OPS each, their slots within MAX_SLOTS.
+        launched(sums_kernel, unsafe { l.launch(grid.config(smem)) })?;
+        // SAFETY: slots p.. of `out` hold (2 + q) n floats; `out` outlives the launch.
+        unsafe { sum_partials_into(gpu, &partials, grid.blocks, (2 + q) * n, at(p))? };
+
+        let mut dz = gpu.alloc_as::<T>(&[rows, n])?;
+        let grid = Columns::of(gpu, rows, n, DZ_BLOCKS_PER_SM)?;
+        let per_block = grid.args()[2];
+        let mut partials = gpu.alloc(&[grid.blocks, p, n])?;
+        let func = gpu.function(dz_kernel)?;
+        let smem = sums_smem_bytes(p + q);
+        gpu.allow_shared(&func, dz_kernel, smem)?;
+        let sums = at(p);
+        let mut l = gpu.stream().launch_builder(&func);
+        l.arg(&z.buf).arg(&dy.buf).arg(&mut dz.buf).arg(&rows32).arg(&n32).arg(&per_block);
+        l.arg(&self.chain.descs).arg(&n_pre).arg(&stats.buf).arg(gamma).arg(beta).arg(&eps);
+        l.arg(&post.descs).arg(&n_post).arg(&sums).arg(&mut partials.buf);
+        // SAFETY: as above, with dz of rows * n (a new buffer), `sums` gamma's and beta's
+        // 2 n summed slots in `out`, partials p n per row block.
+        launched(dz_kernel, unsafe { l.launch(grid.config(smem)) })?;
+        // SAFETY: slots ..p of `out` hold p n floats.
+        unsafe { sum_partials_into(gpu, &partials, grid.blocks, p * n, at(0))? };
+        Ok(Some((dz, out)))
+    }
+
+    /// [`GpuBlock::backward_batch_norm`] by the row-wise path, on FP32 `dy`: for ops after
+    /// the BatchNorm that need whole rows.
+    pub(super) fn backward_batch_norm_rows(
         &self,
         gpu: &Gpu,
         z: &DeviceTensor,
@@ -125,7 +314,7 @@ impl<W: DeviceElement> GpuBlock<W> {
             recomputed = u;
             &recomputed
         };
-        let stats = batch_norm_stats(gpu, u, eps)?;
+        let stats = batch_norm_stats(gpu, u, None, eps)?;
         let post = self.batch_norm_post(gpu, k, &stats)?;
         // Slots of `post`: 0 its input's sum, 1 `-mean`'s, 2 `rstd`'s, 3 gamma's (S2),
         // 4 beta's (S1), then the later ops' parameters.
@@ -177,9 +366,19 @@ impl GpuBlock {
         save: Option<&mut DeviceTensor>,
         bn: (usize, f32),
     ) -> Result<DeviceTensor> {
-        let mut u = gpu.alloc(&[x.shape[0], self.gemm_width()])?;
         let (w, b) = (&self.params.linear_weight, &self.params.linear_bias);
-        self.forward_f32(gpu, self.precision, x, (w, b), (&ws.plan, ws.z.as_mut()), &mut u, save)?;
-        self.finish_batch_norm(gpu, &u, &mut ws.y, bn)
+        let plan = (&ws.plan, ws.z.as_mut());
+        match save {
+            // No ops before the BatchNorm: its input is `z`, written once.
+            Some(z) if self.chain.ops.is_empty() => {
+                self.forward_f32(gpu, self.precision, x, (w, b), plan, z, None)?;
+                self.finish_batch_norm(gpu, z, &mut ws.y, bn)
+            }
+            save => {
+                let mut u = gpu.alloc(&[x.shape[0], self.gemm_width()])?;
+                self.forward_f32(gpu, self.precision, x, (w, b), plan, &mut u, save)?;
+                self.finish_batch_norm(gpu, &u, &mut ws.y, bn)
+            }
+        }
     }
 }

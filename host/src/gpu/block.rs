@@ -182,13 +182,21 @@ pub struct Saved {
     /// Whether `z` may be refined in place: not where it is a caller's tensor (a
     /// framework's saved state, which a second backward reads again unchanged).
     pub(super) own: bool,
+    /// A BatchNorm's batch mean and biased variance `(2, n)` from the forward, which the
+    /// backward then reads instead of recomputing them from `z`.
+    pub batch_stats: Option<DeviceTensor>,
 }
 
 impl Saved {
     /// The state a forward saved, handed back by a caller who keeps it: the backward
     /// refines a copy of it, never `z` itself.
     pub fn kept_by_caller(z: DeviceTensor) -> Saved {
-        Saved { z, refined: false, own: false }
+        Saved { z, refined: false, own: false, batch_stats: None }
+    }
+
+    /// With a BatchNorm's statistics as the forward returned them (its first two rows).
+    pub fn with_batch_stats(self, stats: DeviceTensor) -> Saved {
+        Saved { batch_stats: Some(stats), ..self }
     }
 }
 
@@ -404,8 +412,13 @@ impl<W: DeviceElement> GpuBlock<W> {
         let fold = match (&self.folded, self.batch_norm) {
             // (The op the fold replaced: an AvgPool, or a whole row's sum or mean.)
             (Some(_), _) => format!("; {} folded into the weights", self.spec.chain.0[self.first_op - 1]),
+            (_, Some((k, _))) if self.batch_norm_by_columns(k) => {
+                "; then batch_norm_stats, batch_norm_finish and batch_norm_apply: the BatchNorm on batch \
+                 statistics and the per-element ops after it, column by column"
+                    .to_string()
+            }
             (_, Some(_)) => "; then batch_norm_stats, batch_norm_finish and epilogue_rows: the BatchNorm on \
-                             batch statistics and the ops after it"
+                             batch statistics and the ops after it, row by row"
                 .to_string(),
             _ => String::new(),
         };
@@ -714,7 +727,15 @@ impl GpuBlock {
     /// The forward of a training step: the output `(batch, features out)` and what the
     /// backward needs. `poison` NaN-fills the buffers first (for checks).
     pub fn forward_train(&self, gpu: &Gpu, x: &DeviceTensor, poison: bool) -> Result<(DeviceTensor, Saved)> {
-        self.forward_train_stats(gpu, x, poison).map(|(y, saved, _)| (y, saved))
+        let (y, saved, stats) = self.forward_train_stats(gpu, x, poison)?;
+        // A BatchNorm's backward reads the forward's statistics.
+        Ok((
+            y,
+            match stats {
+                Some(stats) => saved.with_batch_stats(stats),
+                None => saved,
+            },
+        ))
     }
 
     /// [`GpuBlock::forward_train`] and a BatchNorm's batch statistics ([`Workspace::stats`]).
@@ -729,7 +750,7 @@ impl GpuBlock {
         let shape = [batch, self.gemm_width()];
         let mut z = if poison { gpu.poisoned(&shape)? } else { gpu.alloc(&shape)? };
         self.forward_into(gpu, x, &mut ws, Some(&mut z))?;
-        Ok((ws.y, Saved { z, refined: false, own: true }, ws.stats))
+        Ok((ws.y, Saved { z, refined: false, own: true, batch_stats: None }, ws.stats))
     }
 
     /// Recomputes exactly the chunks of the saved `z` where its rounding could flip a
@@ -793,7 +814,10 @@ impl GpuBlock {
         }
         let (w, _) = self.gemm_params()?;
         let (dz, slots) = if let Some(bn) = self.batch_norm {
-            self.backward_batch_norm(gpu, &saved.z, dy, bn)?
+            match self.backward_batch_norm(gpu, (&saved.z, saved.batch_stats.as_ref()), dy, bn)? {
+                Some(done) => done,
+                None => self.backward_batch_norm_rows(gpu, &saved.z, dy, bn)?,
+            }
         } else if self.tile_backward() {
             epilogue_tiles_backward(gpu, &self.chain, &saved.z, dy)?
         } else {

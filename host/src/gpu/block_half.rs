@@ -186,7 +186,12 @@ impl<H: HalfElement> GpuBlock<H> {
     ) -> Result<DeviceTensor> {
         let (m, n, k) = (x.shape[0], self.gemm_width(), self.spec.in_features);
         let (w, b) = (&self.params.linear_weight, &self.params.linear_bias);
-        let mut u = gpu.alloc(&[m, n])?;
+        // No ops before the BatchNorm: its input is the saved `z`, written once.
+        let mut fresh = None;
+        let (u, save) = match save {
+            Some(z) if self.chain.ops.is_empty() => (z, None),
+            save => (fresh.insert(gpu.alloc(&[m, n])?), save),
+        };
         let stream = gpu.stream();
         if self.precision.is_fp8() {
             if let Some(why) = fp8::unsupported(k, n) {
@@ -195,20 +200,20 @@ impl<H: HalfElement> GpuBlock<H> {
             let xq = fp8::quantise_rows(gpu, stream, x, "x")?;
             let mut made = None;
             let wq = self.fp8_rows(gpu, w, &mut made)?;
-            fp8::gemm(gpu, stream, &xq, wq, Some(&b.buf), Some(&self.chain), &mut u, save)?;
+            fp8::gemm(gpu, stream, &xq, wq, Some(&b.buf), Some(&self.chain), u, save)?;
         } else {
             let storage = Storage::half(H::DTYPE, Dtype::F32, aligned(&[x, w]));
             let route =
                 dispatch::route(self.precision, Role::Forward { splits: 1 }, (m, n, k), storage, gpu.tuning().tma);
             if route.widened {
                 let (x32, w32) = (widen(gpu, x)?, widen(gpu, w)?);
-                self.forward_f32(gpu, self.precision, &x32, (&w32, b), (&Plan::Fused, None), &mut u, save)?;
+                self.forward_f32(gpu, self.precision, &x32, (&w32, b), (&Plan::Fused, None), u, save)?;
             } else {
                 let (ab, dims, lds) = ((&*x.buf, &*w.buf), (m, n, k), (k, k));
-                launch_half(gpu, stream, &route, ab, dims, lds, (Some(&b.buf), Some(&self.chain)), &mut u, save, 1)?;
+                launch_half(gpu, stream, &route, ab, dims, lds, (Some(&b.buf), Some(&self.chain)), u, save, 1)?;
             }
         }
-        self.finish_batch_norm(gpu, &u, &mut ws.y, bn)
+        self.finish_batch_norm(gpu, u, &mut ws.y, bn)
     }
 
     /// The FP8 forward of 16-bit `x`: `x` quantised by rows, the weight (a folded
@@ -249,7 +254,15 @@ impl<H: HalfElement> GpuBlock<H> {
     /// The forward of a training step on 16-bit `x`: `y` in that type and the FP32 `z` the
     /// backward needs. `poison` NaN-fills the buffers first (for checks).
     pub fn forward_train(&self, gpu: &Gpu, x: &DeviceTensor<H>, poison: bool) -> Result<(DeviceTensor<H>, Saved)> {
-        self.forward_train_stats(gpu, x, poison).map(|(y, saved, _)| (y, saved))
+        let (y, saved, stats) = self.forward_train_stats(gpu, x, poison)?;
+        // A BatchNorm's backward reads the forward's statistics.
+        Ok((
+            y,
+            match stats {
+                Some(stats) => saved.with_batch_stats(stats),
+                None => saved,
+            },
+        ))
     }
 
     /// [`GpuBlock::forward_train`] and a BatchNorm's batch statistics ([`Workspace::stats`]).
@@ -264,7 +277,7 @@ impl<H: HalfElement> GpuBlock<H> {
         let shape = [batch, self.gemm_width()];
         let mut z = if poison { gpu.poisoned(&shape)? } else { gpu.alloc(&shape)? };
         self.forward_into(gpu, x, &mut ws, Some(&mut z))?;
-        Ok((ws.y, Saved { z, refined: true, own: true }, ws.stats))
+        Ok((ws.y, Saved { z, refined: true, own: true, batch_stats: None }, ws.stats))
     }
 
     /// Gradients of a 16-bit block: `dX` and `dW` in its type, the bias's and the chain
@@ -315,8 +328,13 @@ impl<H: HalfElement> GpuBlock<H> {
         // rounded.
         let (dz, slots) = if let Some(bn) = self.batch_norm {
             // In FP32 through the statistics (`gpu/batch_norm.rs`), `dz` rounded once.
-            let (dz, slots) = self.backward_batch_norm(gpu, &saved.z, &widen(gpu, dy)?, bn)?;
-            (to_half(gpu, &dz)?, slots)
+            match self.backward_batch_norm(gpu, (&saved.z, saved.batch_stats.as_ref()), dy, bn)? {
+                Some(done) => done,
+                None => {
+                    let (dz, slots) = self.backward_batch_norm_rows(gpu, &saved.z, &widen(gpu, dy)?, bn)?;
+                    (to_half(gpu, &dz)?, slots)
+                }
+            }
         } else if !self.tile_backward() {
             epilogue_rows_backward(gpu, &self.chain, &saved.z, dy, self.out_width())?
         } else if n % 4 == 0 && dy.buf.device_address().is_multiple_of(8) {

@@ -157,6 +157,10 @@ pub struct HalfKernels {
     pub transpose_to_half: Kernel,
     pub narrow: Kernel,
     pub widen: Kernel,
+    /// A BatchNorm's column kernels with 16-bit `y`, and `dy` and `dz`.
+    pub batch_norm_apply: Kernel,
+    pub batch_norm_backward_sums: Kernel,
+    pub batch_norm_backward_dz: Kernel,
 }
 
 impl HalfKernels {
@@ -186,6 +190,9 @@ impl HalfKernels {
         transpose_to_half: Kernel::TransposeVec4ToBf16,
         narrow: Kernel::F32ToBf16,
         widen: Kernel::Bf16ToF32,
+        batch_norm_apply: Kernel::BatchNormApplyBf16,
+        batch_norm_backward_sums: Kernel::BatchNormBackwardSumsBf16,
+        batch_norm_backward_dz: Kernel::BatchNormBackwardDzBf16,
     };
 
     pub const F16: HalfKernels = HalfKernels {
@@ -214,6 +221,9 @@ impl HalfKernels {
         transpose_to_half: Kernel::TransposeVec4ToF16,
         narrow: Kernel::F32ToF16,
         widen: Kernel::F16ToF32,
+        batch_norm_apply: Kernel::BatchNormApplyF16,
+        batch_norm_backward_sums: Kernel::BatchNormBackwardSumsF16,
+        batch_norm_backward_dz: Kernel::BatchNormBackwardDzF16,
     };
 
     /// The kernels of a 16-bit `dtype` (`None` for FP32).
@@ -828,6 +838,15 @@ pub fn tile_backward(fusable: bool, tiles_fit: bool) -> bool {
 /// four values).
 pub fn tiles_backward_kernel(dtype: Dtype) -> Kernel {
     HalfKernels::of(dtype).map_or(Kernel::EpilogueTilesBackward, |h| h.tiles_backward)
+}
+
+/// A BatchNorm's column kernels `(apply, backward sums, backward dz)` for `y`, `dy`
+/// and `dz` of `dtype`.
+pub fn batch_norm_kernels(dtype: Dtype) -> (Kernel, Kernel, Kernel) {
+    HalfKernels::of(dtype)
+        .map_or((Kernel::BatchNormApply, Kernel::BatchNormBackwardSums, Kernel::BatchNormBackwardDz), |h| {
+            (h.batch_norm_apply, h.batch_norm_backward_sums, h.batch_norm_backward_dz)
+        })
 }
 
 /// The row-wise epilogue's forward for an output of `dtype`: a 16-bit model's `y` is

@@ -199,7 +199,7 @@ fn butterfly<const K: usize, const STEPS: u32>(mut v: [f32; K]) -> [f32; K] {
 /// # Safety
 /// `sums` is the warp's region of at least `slot + 1` slots.
 #[inline(always)]
-unsafe fn add_to_slot(sums: *mut F4, slot: usize, lane: usize, v: &[[f32; 4]; 2], both: bool) {
+pub(crate) unsafe fn add_to_slot(sums: *mut F4, slot: usize, lane: usize, v: &[[f32; 4]; 2], both: bool) {
     unsafe {
         let at = sums.add(slot * 32 + lane);
         let mut s = (*at).0;
@@ -217,7 +217,7 @@ unsafe fn add_to_slot(sums: *mut F4, slot: usize, lane: usize, v: &[[f32; 4]; 2]
 /// As [`add_to_slot`], for the op's slots.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn lane_backward_rows(
+pub(crate) unsafe fn lane_backward_rows(
     op: &OpDesc,
     group: LaneGroup,
     x: &[[f32; 4]; 2],

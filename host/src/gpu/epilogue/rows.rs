@@ -126,17 +126,27 @@ pub fn epilogue_rows_backward<T: DeviceElement>(
 /// `out[j] = sum_b partials[b, j]` over `blocks` rows of `len`: the second level of the
 /// parameter-gradient reduction.
 pub fn sum_partials(gpu: &Gpu, partials: &DeviceTensor, blocks: usize, len: usize) -> Result<DeviceTensor> {
+    let out = gpu.alloc(&[len])?;
+    // SAFETY: `out` holds len floats.
+    unsafe { sum_partials_into(gpu, partials, blocks, len, out.buf.device_address())? };
+    Ok(out)
+}
+
+/// [`sum_partials`] into `len` floats at device address `out`.
+///
+/// # Safety
+/// `out` is valid for `len` floats until the stream has run the launch.
+pub unsafe fn sum_partials_into(gpu: &Gpu, partials: &DeviceTensor, blocks: usize, len: usize, out: u64) -> Result<()> {
     if partials.len() < blocks * len {
         return Err(Error::Shape(format!("{} partial sums for {blocks} x {len}", partials.len())));
     }
-    let mut out = gpu.alloc(&[len])?;
     let (b32, len32) = (blocks as u32, len as u32);
     let (func, cfg) = gpu.kernel_1d(Kernel::SumPartials, len, 0)?;
     let mut l = gpu.stream().launch_builder(&func);
-    l.arg(&partials.buf).arg(&b32).arg(&len32).arg(&mut out.buf);
-    // SAFETY: (partials, blocks, len, out) as `sum_partials` takes; sizes checked above.
-    launched(Kernel::SumPartials, unsafe { l.launch(cfg) })?;
-    Ok(out)
+    l.arg(&partials.buf).arg(&b32).arg(&len32).arg(&out);
+    // SAFETY: (partials, blocks, len, out) as `sum_partials` takes; sizes checked above,
+    // `out`'s by the caller.
+    launched(Kernel::SumPartials, unsafe { l.launch(cfg) })
 }
 
 #[cfg(test)]
