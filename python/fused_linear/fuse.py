@@ -716,7 +716,10 @@ def _split_ops(ops: str) -> List[str]:
 def _update_running_stats(norm: nn.BatchNorm1d, stats: torch.Tensor, rows: int) -> None:
     """One training step's update of ``norm``'s running statistics from the batch's mean and
     biased variance (``stats``, ``(2, C)``), as ``nn.BatchNorm1d`` makes it: the variance
-    unbiased by ``N / (N - 1)``, momentum ``None`` a cumulative average."""
+    unbiased by ``N / (N - 1)``, momentum ``None`` a cumulative average. Each statistic moves
+    by one ``lerp_`` (``r + f (s - r)``, PyTorch's ``(1 - f) r + f s`` to within a rounding):
+    the update was eight tensor ops, 110 us of a KernelBench 33 forward's 190 us of host time
+    (H200, build ``0b1fe70``)."""
     with torch.no_grad():
         if norm.num_batches_tracked is not None:
             norm.num_batches_tracked.add_(1)
@@ -725,8 +728,10 @@ def _update_running_stats(norm: nn.BatchNorm1d, stats: torch.Tensor, rows: int) 
         else:
             factor = norm.momentum
         mean, var = stats[0], stats[1] * (rows / (rows - 1))
-        norm.running_mean.mul_(1 - factor).add_(mean.to(norm.running_mean.dtype), alpha=factor)
-        norm.running_var.mul_(1 - factor).add_(var.to(norm.running_var.dtype), alpha=factor)
+        if mean.dtype != norm.running_mean.dtype:
+            mean, var = mean.to(norm.running_mean.dtype), var.to(norm.running_var.dtype)
+        norm.running_mean.lerp_(mean, factor)
+        norm.running_var.lerp_(var, factor)
 
 
 def fuse(model: nn.Module, precision: Optional[str] = None, verbose: bool = False) -> fx.GraphModule:
