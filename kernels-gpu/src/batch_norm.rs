@@ -664,10 +664,10 @@ unsafe fn backward_dz<G: Element>(
 /// read or write beside the FP32 `z` or `u` (`y`; `dy` and `dz`).
 macro_rules! batch_norm_entry_points {
     ($($apply:ident, $sums:ident, $dz:ident: $t:ty;)*) => {$(
-        /// [`apply`] into `y` of this entry point's type.
+        /// `apply` into `y` of this entry point's type.
         ///
         /// # Safety
-        /// As [`apply`].
+        /// As `apply`.
         #[unsafe(no_mangle)]
         #[allow(clippy::too_many_arguments)]
         pub unsafe extern "ptx-kernel" fn $apply(
@@ -686,10 +686,10 @@ macro_rules! batch_norm_entry_points {
             unsafe { apply(u, rows, n, rows_per_block, (stats, gamma, beta, eps), (post, n_post), y) }
         }
 
-        /// [`backward_sums`] on `dy` of this entry point's type.
+        /// `backward_sums` on `dy` of this entry point's type.
         ///
         /// # Safety
-        /// As [`backward_sums`].
+        /// As `backward_sums`.
         #[unsafe(no_mangle)]
         #[allow(clippy::too_many_arguments)]
         pub unsafe extern "ptx-kernel" fn $sums(
@@ -713,10 +713,10 @@ macro_rules! batch_norm_entry_points {
             }
         }
 
-        /// [`backward_dz`] on `dy` and `dz` of this entry point's type.
+        /// `backward_dz` on `dy` and `dz` of this entry point's type.
         ///
         /// # Safety
-        /// As [`backward_dz`].
+        /// As `backward_dz`.
         #[unsafe(no_mangle)]
         #[allow(clippy::too_many_arguments)]
         pub unsafe extern "ptx-kernel" fn $dz(
