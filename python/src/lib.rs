@@ -717,7 +717,7 @@ macro_rules! gpu_entry_points {
                 let at = z.ptr + (call.batch * z.shape[1] * 4) as u64;
                 let stats =
                     unsafe { g.gpu.borrow_tensor::<f32>(at, &[BATCH_STATS_ROWS, z.shape[1]]) }.map_err(to_py)?;
-                saved = saved.with_batch_stats(stats);
+                saved = saved.with_batch_stats(Some(stats));
             }
             let grads = g.block.backward_parts(&g.gpu, &g.x, saved, &dy_dev, None, small);
             // A backward that failed half way may leave side-stream buffers held.

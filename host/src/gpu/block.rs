@@ -194,9 +194,10 @@ impl Saved {
         Saved { z, refined: false, own: false, batch_stats: None }
     }
 
-    /// With a BatchNorm's statistics as the forward returned them (its first two rows).
-    pub fn with_batch_stats(self, stats: DeviceTensor) -> Saved {
-        Saved { batch_stats: Some(stats), ..self }
+    /// With a BatchNorm's statistics as the forward returned them (its first two rows;
+    /// `None` without a BatchNorm).
+    pub fn with_batch_stats(self, batch_stats: Option<DeviceTensor>) -> Saved {
+        Saved { batch_stats, ..self }
     }
 }
 
@@ -729,13 +730,7 @@ impl GpuBlock {
     pub fn forward_train(&self, gpu: &Gpu, x: &DeviceTensor, poison: bool) -> Result<(DeviceTensor, Saved)> {
         let (y, saved, stats) = self.forward_train_stats(gpu, x, poison)?;
         // A BatchNorm's backward reads the forward's statistics.
-        Ok((
-            y,
-            match stats {
-                Some(stats) => saved.with_batch_stats(stats),
-                None => saved,
-            },
-        ))
+        Ok((y, saved.with_batch_stats(stats)))
     }
 
     /// [`GpuBlock::forward_train`] and a BatchNorm's batch statistics ([`Workspace::stats`]).

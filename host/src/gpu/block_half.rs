@@ -256,13 +256,7 @@ impl<H: HalfElement> GpuBlock<H> {
     pub fn forward_train(&self, gpu: &Gpu, x: &DeviceTensor<H>, poison: bool) -> Result<(DeviceTensor<H>, Saved)> {
         let (y, saved, stats) = self.forward_train_stats(gpu, x, poison)?;
         // A BatchNorm's backward reads the forward's statistics.
-        Ok((
-            y,
-            match stats {
-                Some(stats) => saved.with_batch_stats(stats),
-                None => saved,
-            },
-        ))
+        Ok((y, saved.with_batch_stats(stats)))
     }
 
     /// [`GpuBlock::forward_train`] and a BatchNorm's batch statistics ([`Workspace::stats`]).
