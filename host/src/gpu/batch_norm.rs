@@ -18,11 +18,13 @@
 //!   gradients; the GEMMs follow as for any chain.
 //!
 //! Those column kernels take `Q` per element. A `Q` that needs whole rows (a softmax,
-//! a GroupNorm) runs as the row-wise epilogue's ops instead: forward
-//! `bias(-mean), mul(rstd), mul(gamma), bias(beta)` and `Q` by `epilogue_rows` on `u`;
-//! backward `epilogue_rows_backward` of that chain gives `g`, the gradient of `u` at
-//! fixed statistics, and its parameter sums, `batch_norm_grad` adds the paths through
-//! the statistics, and `epilogue_rows_backward` of `P` takes `du` to `dz`.
+//! a GroupNorm) runs as the row-wise epilogue's ops: forward `bias(-mean), mul(rstd),
+//! mul(gamma), bias(beta)` and `Q` by `epilogue_rows` on `u`; backward, the BatchNorm's
+//! output formed again by `batch_norm_apply`, `epilogue_rows_backward` of `Q` from it to
+//! `dv`, and the column kernels on `dv` with no ops after the BatchNorm. (Where the
+//! column kernels do not take `P`, at most [`MAX_OPS`] ops, the backward runs row-wise
+//! throughout: `epilogue_rows_backward` of the normalisation and `Q`, `batch_norm_grad`
+//! for the paths through the statistics, `epilogue_rows_backward` of `P`.)
 
 use super::block::{GpuBlock, Workspace};
 use super::dispatch::batch_norm_kernels;
@@ -84,6 +86,11 @@ impl Columns {
 /// where `n % 4 == 0` (16 bytes of FP32, 8 of a 16-bit type).
 fn vector_aligned(n: usize, addresses: &[(u64, usize)]) -> bool {
     !n.is_multiple_of(4) || addresses.iter().all(|&(a, size)| a.is_multiple_of(4 * size as u64))
+}
+
+/// The later ops' table and count as the column kernels take them (none: 0 and 0).
+fn later_ops(post: Option<&DeviceChain>) -> (u64, u32) {
+    post.map_or((0, 0), |c| (c.descs.0.device_address(), c.ops.len() as u32))
 }
 
 /// `[mean; var; -mean; rstd]` `(4, n)` of the columns of `u = P(src)`, `src` `(rows, n)`,
@@ -174,11 +181,13 @@ impl<W: DeviceElement> GpuBlock<W> {
         let per_element = after.iter().all(|op| matches!(op, Op::Pointwise(..)));
         // The dz kernel's sums: the Linear bias's, P's and Q's; the sums kernel's: 2 + Q's.
         let q: usize = after.iter().map(|op| op.param_bases().len()).sum();
-        per_element
-            && after.len() <= MAX_OPS
-            && self.chain.ops.len() <= MAX_OPS
-            && self.chain.grad_slots + q <= MAX_SLOTS
-            && 2 + q <= MAX_SLOTS
+        per_element && after.len() <= MAX_OPS && self.pre_by_columns(q)
+    }
+
+    /// Whether the column kernels take the ops before the BatchNorm beside `q` gradient
+    /// slots of later ops.
+    fn pre_by_columns(&self, q: usize) -> bool {
+        self.chain.ops.len() <= MAX_OPS && self.chain.grad_slots + q <= MAX_SLOTS && 2 + q <= MAX_SLOTS
     }
 
     /// The rest of a forward with a BatchNorm (op `k`, `eps`) once the GEMM, its bias and
@@ -204,19 +213,41 @@ impl<W: DeviceElement> GpuBlock<W> {
             return Ok(stats);
         };
         let stats = batch_norm_stats(gpu, u, None, eps)?;
+        self.apply_columns(gpu, u, &stats, (k, eps), Some(&post), y)?;
+        Ok(stats)
+    }
+
+    /// `y = Q(gamma (u - mean) rstd + beta)` by `batch_norm_apply` (`Q` the per-element
+    /// ops of `post`; none: the BatchNorm's output itself), `stats` `[mean; var]`.
+    fn apply_columns<O: DeviceElement>(
+        &self,
+        gpu: &Gpu,
+        u: &DeviceTensor,
+        stats: &DeviceTensor,
+        (k, eps): (usize, f32),
+        post: Option<&DeviceChain>,
+        y: &mut DeviceTensor<O>,
+    ) -> Result<()> {
+        let [rows, n] = u.shape[..] else {
+            return Err(Error::Shape(format!("the BatchNorm's input must be 2-D, got {:?}", u.shape)));
+        };
+        let aligned = vector_aligned(n, &[(u.buf.device_address(), 4), (y.buf.device_address(), size_of::<O>())]);
+        if !aligned || y.len() != rows * n || stats.len() < 2 * n {
+            return Err(Error::Shape(format!("batch_norm_apply over {rows} x {n} into {:?}", y.shape)));
+        }
         let grid = Columns::of(gpu, rows, n, APPLY_BLOCKS_PER_SM)?;
-        let (kernel, _, _) = batch_norm_kernels(W::DTYPE);
+        let (kernel, _, _) = batch_norm_kernels(O::DTYPE);
         let func = gpu.function(kernel)?;
         let [rows32, n32, per_block] = grid.args();
-        let n_post = post.ops.len() as u32;
+        let (descs, n_post) = later_ops(post);
         let (gamma, beta) = (&self.params.ops[k][0].buf, &self.params.ops[k][1].buf);
         let mut l = gpu.stream().launch_builder(&func);
         l.arg(&u.buf).arg(&rows32).arg(&n32).arg(&per_block).arg(&stats.buf).arg(gamma).arg(beta).arg(&eps);
-        l.arg(&post.descs).arg(&n_post).arg(&mut y.buf);
+        l.arg(&descs).arg(&n_post).arg(&mut y.buf);
         // SAFETY: as `batch_norm_apply` takes them: u and y hold rows * n (aligned as
-        // checked), stats 4 n, gamma and beta n; post per element, at most MAX_OPS ops.
-        launched(kernel, unsafe { l.launch(grid.config(sums_smem_bytes(0))) })?;
-        Ok(stats)
+        // checked), stats 2 n at least, gamma and beta n; post per element, at most
+        // MAX_OPS ops (batch_norm_by_columns).
+        launched(kernel, unsafe { l.launch(grid.config(sums_smem_bytes(0))) })
     }
 
     /// `dz` and the gradient slots (the block's layout, [`GpuBlock::small_grad_slots`])
@@ -248,12 +279,31 @@ impl<W: DeviceElement> GpuBlock<W> {
                 &recomputed
             }
         };
+        self.backward_columns(gpu, z, stats, dy, (k, eps), Some(&post)).map(Some)
+    }
+
+    /// `dz` and the block's gradient slots by `batch_norm_backward_sums` and
+    /// `batch_norm_backward_dz`, `post` the per-element ops after the BatchNorm (none:
+    /// `dy` is the gradient of the BatchNorm's output itself), `stats` `[mean; var]`.
+    fn backward_columns<T: DeviceElement>(
+        &self,
+        gpu: &Gpu,
+        z: &DeviceTensor,
+        stats: &DeviceTensor,
+        dy: &DeviceTensor<T>,
+        (k, eps): (usize, f32),
+        post: Option<&DeviceChain>,
+    ) -> Result<(DeviceTensor<T>, DeviceTensor)> {
+        let [rows, n] = z.shape[..] else {
+            return Err(Error::Shape(format!("the saved z must be 2-D, got {:?}", z.shape)));
+        };
         let (_, sums_kernel, dz_kernel) = batch_norm_kernels(T::DTYPE);
         // The block's slots: the Linear bias's and P's (`p`), gamma's, beta's, Q's (`q`).
-        let (p, q) = (self.chain.grad_slots, post.grad_slots - 1);
+        let (p, q) = (self.chain.grad_slots, post.map_or(0, |c| c.grad_slots - 1));
         let out = gpu.alloc(&[p + 2 + q, n])?;
         let at = |slot: usize| out.buf.device_address() + (slot * n * 4) as u64;
-        let (n_pre, n_post) = (self.chain.ops.len() as u32, post.ops.len() as u32);
+        let n_pre = self.chain.ops.len() as u32;
+        let (post_descs, n_post) = later_ops(post);
         let (gamma, beta) = (&self.params.ops[k][0].buf, &self.params.ops[k][1].buf);
 
         let grid = Columns::of(gpu, rows, n, SUMS_BLOCKS_PER_SM)?;
@@ -264,10 +314,11 @@ impl<W: DeviceElement> GpuBlock<W> {
         gpu.allow_shared(&func, sums_kernel, smem)?;
         let mut l = gpu.stream().launch_builder(&func);
         l.arg(&z.buf).arg(&dy.buf).arg(&rows32).arg(&n32).arg(&per_block).arg(&self.chain.descs).arg(&n_pre);
-        l.arg(&stats.buf).arg(gamma).arg(beta).arg(&eps).arg(&post.descs).arg(&n_post).arg(&mut partials.buf);
+        l.arg(&stats.buf).arg(gamma).arg(beta).arg(&eps).arg(&post_descs).arg(&n_post).arg(&mut partials.buf);
         // SAFETY: as `batch_norm_backward_sums` takes them: z and dy hold rows * n
-        // (aligned as checked), stats 2 n at least, gamma and beta n, partials (2 + q) n per row
-        // block; P and Q per element, at most MAX_OPS each, their slots within MAX_SLOTS.
+        // (aligned: the callers checked), stats 2 n at least, gamma and beta n, partials
+        // (2 + q) n per row block; P and Q per element, at most MAX_OPS each, their slots
+        // within MAX_SLOTS (batch_norm_by_columns, pre_by_columns).
         launched(sums_kernel, unsafe { l.launch(grid.config(smem)) })?;
         // SAFETY: slots p.. of `out` hold (2 + q) n floats; `out` outlives the launch.
         unsafe { sum_partials_into(gpu, &partials, grid.blocks, (2 + q) * n, at(p))? };
@@ -283,21 +334,25 @@ impl<W: DeviceElement> GpuBlock<W> {
         let mut l = gpu.stream().launch_builder(&func);
         l.arg(&z.buf).arg(&dy.buf).arg(&mut dz.buf).arg(&rows32).arg(&n32).arg(&per_block);
         l.arg(&self.chain.descs).arg(&n_pre).arg(&stats.buf).arg(gamma).arg(beta).arg(&eps);
-        l.arg(&post.descs).arg(&n_post).arg(&sums).arg(&mut partials.buf);
+        l.arg(&post_descs).arg(&n_post).arg(&sums).arg(&mut partials.buf);
         // SAFETY: as above, with dz of rows * n (a new buffer), `sums` gamma's and beta's
         // 2 n summed slots in `out`, partials p n per row block.
         launched(dz_kernel, unsafe { l.launch(grid.config(smem)) })?;
         // SAFETY: slots ..p of `out` hold p n floats.
         unsafe { sum_partials_into(gpu, &partials, grid.blocks, p * n, at(0))? };
-        Ok(Some((dz, out)))
+        Ok((dz, out))
     }
 
-    /// [`GpuBlock::backward_batch_norm`] by the row-wise path, on FP32 `dy`: for ops after
-    /// the BatchNorm that need whole rows.
+    /// [`GpuBlock::backward_batch_norm`] for ops after the BatchNorm that need whole rows,
+    /// on FP32 `dy`. The BatchNorm's output `v` is formed again (`batch_norm_apply`), the
+    /// row-wise backward of the later ops takes `dy` to `dv`, and the column kernels take
+    /// `dv` on (`backward_columns`, no later ops); the later ops' gradient slots follow the
+    /// block's. Where the column kernels do not take the ops before the BatchNorm or
+    /// the tensors, the whole backward runs row-wise.
     pub(super) fn backward_batch_norm_rows(
         &self,
         gpu: &Gpu,
-        z: &DeviceTensor,
+        (z, saved_stats): (&DeviceTensor, Option<&DeviceTensor>),
         dy: &DeviceTensor,
         (k, eps): (usize, f32),
     ) -> Result<(DeviceTensor, DeviceTensor)> {
@@ -314,6 +369,40 @@ impl<W: DeviceElement> GpuBlock<W> {
             recomputed = u;
             &recomputed
         };
+        if self.pre_by_columns(0) && vector_aligned(n, &[(z.buf.device_address(), 4), (u.buf.device_address(), 4)]) {
+            let computed;
+            let stats = match saved_stats {
+                Some(s) if s.len() >= 2 * n => s,
+                _ => {
+                    computed = batch_norm_stats(gpu, z, Some(&self.chain), eps)?;
+                    &computed
+                }
+            };
+            let mut v = gpu.alloc(&[rows, n])?;
+            self.apply_columns(gpu, u, stats, (k, eps), None, &mut v)?;
+            let later = DeviceChain::new(gpu, &[], &self.spec.chain.0[k + 1..], &self.params.ops[k + 1..])?;
+            let (dv, later_slots) = epilogue_rows_backward(gpu, &later, &v, dy, self.out_width())?;
+            drop(v);
+            let (dz, slots) = self.backward_columns(gpu, z, stats, &dv, (k, eps), None)?;
+            // The block's slots: the column kernels' (the Linear bias's, P's, gamma's,
+            // beta's), then the later ops' (their chain's slots 1 on; slot 0 sums `dv`).
+            let (head, tail) = (slots.shape[0], later_slots.shape[0] - 1);
+            let out = gpu.alloc(&[head + tail, n])?;
+            let to = out.buf.device_address();
+            let copies = [
+                Vector { src: slots.buf.device_address(), dst: to, len: head * n, mode: Convert::F32 },
+                Vector {
+                    src: later_slots.buf.device_address() + (n * 4) as u64,
+                    dst: to + (head * n * 4) as u64,
+                    len: tail * n,
+                    mode: Convert::F32,
+                },
+            ];
+            // SAFETY: both sources lie inside their slot tensors, the destinations inside
+            // `out`, which holds (head + tail) n; all outlive the launch (stream order).
+            unsafe { convert_vectors(gpu, gpu.stream(), &copies)? };
+            return Ok((dz, out));
+        }
         let stats = batch_norm_stats(gpu, u, None, eps)?;
         let post = self.batch_norm_post(gpu, k, &stats)?;
         // Slots of `post`: 0 its input's sum, 1 `-mean`'s, 2 `rstd`'s, 3 gamma's (S2),

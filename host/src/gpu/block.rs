@@ -766,6 +766,11 @@ impl GpuBlock {
         }
         let done = refine_near_kinks(gpu, &self.chain, scan, self.precision, x, self.gemm_params()?, &mut saved.z)?;
         saved.refined = true;
+        if done == Refined::Done {
+            // The forward's batch statistics are of the unrefined z: the backward takes
+            // them again from the z it differentiates at.
+            saved.batch_stats = None;
+        }
         Ok(done)
     }
 
@@ -811,7 +816,7 @@ impl GpuBlock {
         let (dz, slots) = if let Some(bn) = self.batch_norm {
             match self.backward_batch_norm(gpu, (&saved.z, saved.batch_stats.as_ref()), dy, bn)? {
                 Some(done) => done,
-                None => self.backward_batch_norm_rows(gpu, &saved.z, dy, bn)?,
+                None => self.backward_batch_norm_rows(gpu, (&saved.z, saved.batch_stats.as_ref()), dy, bn)?,
             }
         } else if self.tile_backward() {
             epilogue_tiles_backward(gpu, &self.chain, &saved.z, dy)?

@@ -325,7 +325,12 @@ impl<H: HalfElement> GpuBlock<H> {
             match self.backward_batch_norm(gpu, (&saved.z, saved.batch_stats.as_ref()), dy, bn)? {
                 Some(done) => done,
                 None => {
-                    let (dz, slots) = self.backward_batch_norm_rows(gpu, &saved.z, &widen(gpu, dy)?, bn)?;
+                    let (dz, slots) = self.backward_batch_norm_rows(
+                        gpu,
+                        (&saved.z, saved.batch_stats.as_ref()),
+                        &widen(gpu, dy)?,
+                        bn,
+                    )?;
                     (to_half(gpu, &dz)?, slots)
                 }
             }
