@@ -358,11 +358,16 @@ pub mod epilogue {
             + (TILE_THREADS / 32) * (slots + 2 * n_ops.saturating_sub(1) + TILES_BACKWARD_RING_ROWS) * 128 * 4
     }
 
-    /// Dynamic shared memory of the row-wise backward: the gradient, the recomputed op
-    /// input, a buffer for ops that change the row's length, the same scratch, and
-    /// `sum_slots` rows of parameter-gradient sums when they are kept on chip (else 0).
-    pub const fn row_backward_smem_bytes(features: usize, sum_slots: usize) -> usize {
-        ((3 + sum_slots) * features + 2 * (ROW_THREADS / 32)) * 4
+    /// Blocks per SM the row-wise backward is sized for (its launch bounds, 128
+    /// registers: at 3, 85 registers, it spills).
+    pub const ROW_BACKWARD_BLOCKS_PER_SM: u32 = 2;
+
+    /// Dynamic shared memory of the row-wise backward: the forward's scratch, the
+    /// gradient, the recomputed op input, where the chain `pools` a buffer for the ops
+    /// that change the row's length (the row reductions work in place), and `sum_slots`
+    /// rows of parameter-gradient sums when they are kept on chip (else 0).
+    pub const fn row_backward_smem_bytes(features: usize, sum_slots: usize, pools: bool) -> usize {
+        ((2 + pools as usize + sum_slots) * features + 2 * (ROW_THREADS / 32)) * 4
     }
 
     /// Shared memory a block may opt into on sm_90 (H100, H200): 227 KiB.

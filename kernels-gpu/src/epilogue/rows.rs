@@ -56,6 +56,81 @@ unsafe fn normalize_group(s: *mut f32, size: usize, first: usize, op: &OpDesc, l
     }
 }
 
+/// Where a thread alone starts in its group of `size` channels: apart from its warp's
+/// neighbours' starts, so that the warp's reads of groups `size` floats apart spread
+/// over the shared-memory banks (all at offset 0, 16 groups of 16 share two banks).
+#[inline(always)]
+fn group_start(size: usize) -> usize {
+    let lane = lane_id() as usize;
+    let per_bank_cycle = if WARP.is_multiple_of(size) { WARP / size } else { 1 };
+    (lane / per_bank_cycle) % size
+}
+
+/// The channel after `k` in a group of `size`, wrapping to 0.
+#[inline(always)]
+fn next_in_group(k: usize, size: usize) -> usize {
+    if k + 1 == size { 0 } else { k + 1 }
+}
+
+/// [`group_stats`] by one thread alone (two passes from `start`).
+///
+/// # Safety
+/// `s` holds `size` floats.
+#[inline(always)]
+unsafe fn group_stats_alone(s: *const f32, size: usize, eps: f32, start: usize) -> (f32, f32) {
+    let (mut sum, mut k) = (0.0, start);
+    for _ in 0..size {
+        // SAFETY (both loops): k < size.
+        sum += unsafe { *s.add(k) };
+        k = next_in_group(k, size);
+    }
+    let mean = sum / size as f32;
+    let mut sq = 0.0;
+    for _ in 0..size {
+        let d = unsafe { *s.add(k) } - mean;
+        sq += d * d;
+        k = next_in_group(k, size);
+    }
+    (mean, rsqrt(sq / size as f32 + eps))
+}
+
+/// GroupNorm of `count` consecutive groups of `size` at `x` in place, group `i` with
+/// the parameters of channels `(i % per_row) * size ..`: groups of at most a warp's
+/// width a thread each (with 16 channels a warp took 512 groups one after another, 5
+/// shuffles apart: KernelBench 75's epilogue 0.17 ms), wider ones a warp each.
+///
+/// # Safety
+/// `x` holds `count * size` floats; the op's parameter vectors `per_row * size`.
+/// Called by the whole block (no barrier).
+#[inline(always)]
+unsafe fn normalize_groups(x: *mut f32, count: usize, per_row: usize, size: usize, op: &OpDesc) {
+    let (warp, lane) = (warp_id() as usize, lane_id() as usize);
+    // SAFETY (whole body): every group below `count`, its channels below `per_row * size`.
+    unsafe {
+        if size <= WARP {
+            let (gamma, beta) = (op.param0 as *const f32, op.param1 as *const f32);
+            let start = group_start(size);
+            let mut gi = thread_idx_x() as usize;
+            while gi < count {
+                let (s, first) = (x.add(gi * size), (gi % per_row) * size);
+                let (mean, rstd) = group_stats_alone(s, size, op.a, start);
+                let mut k = start;
+                for _ in 0..size {
+                    *s.add(k) = (*s.add(k) - mean) * rstd * *gamma.add(first + k) + *beta.add(first + k);
+                    k = next_in_group(k, size);
+                }
+                gi += ROW_THREADS;
+            }
+        } else {
+            let mut gi = warp;
+            while gi < count {
+                normalize_group(x.add(gi * size), size, (gi % per_row) * size, op, lane);
+                gi += WARPS;
+            }
+        }
+    }
+}
+
 /// `v` reduced over the block, the same in every thread: each warp's by `in_warp`,
 /// then the warps' by `fold` (`red` holds `WARPS` floats; ends with a barrier).
 ///
@@ -194,49 +269,6 @@ unsafe fn pointwise_row<P: PointwiseMath>(x: *mut f32, p0: *const f32, f: usize,
     }
 }
 
-/// The backward of a per-element op `P` over a row: `g` (the gradient of its output)
-/// becomes that of its input `x`, and `ps` (its parameter's gradient sums) gains
-/// `g df/dp`; four columns per thread and step, as [`pointwise_row`].
-///
-/// # Safety
-/// `x`, `g` and `ps` (where `P` has a parameter: `p0` too) hold `f` values.
-#[inline(always)]
-unsafe fn pointwise_row_backward<P: PointwiseMath>(
-    x: *const f32,
-    g: *mut f32,
-    ps: *mut f32,
-    p0: *const f32,
-    f: usize,
-    a: f32,
-    b: f32,
-) {
-    let mut j = thread_idx_x() as usize;
-    // SAFETY (whole body): every index is below `f`.
-    unsafe {
-        while j + 3 * ROW_THREADS < f {
-            let at = [j, j + ROW_THREADS, j + 2 * ROW_THREADS, j + 3 * ROW_THREADS];
-            let p = if P::HAS_PARAM { at.map(|i| *p0.add(i)) } else { [0.0; 4] };
-            let (v, d) = (at.map(|i| *x.add(i)), at.map(|i| *g.add(i)));
-            for e in 0..4 {
-                if P::HAS_PARAM {
-                    *ps.add(at[e]) += d[e] * P::param_grad(v[e]);
-                }
-                *g.add(at[e]) = d[e] * P::grad(v[e], p[e], a, b);
-            }
-            j += 4 * ROW_THREADS;
-        }
-        while j < f {
-            let (v, d) = (*x.add(j), *g.add(j));
-            let p = if P::HAS_PARAM { *p0.add(j) } else { 0.0 };
-            if P::HAS_PARAM {
-                *ps.add(j) += d * P::param_grad(v);
-            }
-            *g.add(j) = d * P::grad(v, p, a, b);
-            j += ROW_THREADS;
-        }
-    }
-}
-
 /// Applies `op` forward to the row in `*cur` (`f` features); ops that shrink the row
 /// write into `*alt` and swap the two. `red` is scratch for one value per warp.
 /// Returns the features after the op. Every thread of the block calls it; it ends
@@ -248,7 +280,6 @@ unsafe fn pointwise_row_backward<P: PointwiseMath>(
 #[inline(always)]
 pub(crate) unsafe fn op_forward(op: &OpDesc, cur: &mut *mut f32, alt: &mut *mut f32, red: *mut f32, f: usize) -> usize {
     let t = thread_idx_x() as usize;
-    let (warp, lane) = (warp_id() as usize, lane_id() as usize);
     let p0 = op.param0 as *const f32;
     let x = *cur;
     let f_out = features_after(op, f);
@@ -257,12 +288,7 @@ pub(crate) unsafe fn op_forward(op: &OpDesc, cur: &mut *mut f32, alt: &mut *mut 
         match op.code {
             OP_GROUP_NORM => {
                 let groups = op.count as usize;
-                let size = f / groups;
-                let mut g = warp;
-                while g < groups {
-                    normalize_group(x.add(g * size), size, g * size, op, lane);
-                    g += WARPS;
-                }
+                normalize_groups(x, groups, groups, f / groups, op);
             }
             OP_AVG_POOL => {
                 let k = op.count as usize;
@@ -442,19 +468,13 @@ unsafe fn store_row<E: Element>(y: *mut E, src: *const f32, f: usize) {
 #[inline(always)]
 pub(crate) unsafe fn op_forward_rows(op: &OpDesc, x: *mut f32, rows: usize, f: usize) {
     let t = thread_idx_x() as usize;
-    let (warp, lane) = (warp_id() as usize, lane_id() as usize);
     let p0 = op.param0 as *const f32;
     // SAFETY (whole body): every index is below the extent the contract gives.
     unsafe {
         if op.code == OP_GROUP_NORM {
+            // Rows `f` apart: group `i` of the slab is row `i / groups`'s group `i % groups`.
             let groups = op.count as usize;
-            let size = f / groups;
-            let mut g = warp;
-            while g < rows * groups {
-                let (r, gi) = (g / groups, g % groups);
-                normalize_group(x.add(r * f + gi * size), size, gi * size, op, lane);
-                g += WARPS;
-            }
+            normalize_groups(x, rows * groups, groups, f / groups, op);
         } else {
             let code = op.code;
             let mut i = t;
@@ -661,6 +681,150 @@ unsafe fn arg_max(x: *const f32, f: usize, red: *mut f32, sign: f32) -> usize {
     }
 }
 
+/// Whether `op` is a per-element op (one of `match_pointwise!`'s).
+#[inline(always)]
+fn is_pointwise(op: &OpDesc) -> bool {
+    match_pointwise!(op.code, P => {
+        let _ = P::OP;
+        true
+    }, _ => false)
+}
+
+/// The first op of the run of per-element ops that ends at op `last`.
+///
+/// # Safety
+/// `ops` holds at least `last + 1` descriptors; op `last` is per-element.
+#[inline(always)]
+unsafe fn run_start(ops: *const OpDesc, last: usize) -> usize {
+    let mut first = last;
+    // SAFETY: first - 1 < last.
+    while first > 0 && is_pointwise(unsafe { &*ops.add(first - 1) }) {
+        first -= 1;
+    }
+    first
+}
+
+/// Columns `at` of a per-column vector `p`, 0 where not `live`.
+///
+/// # Safety
+/// `p` holds every live column.
+#[inline(always)]
+unsafe fn columns4(p: *const f32, at: [usize; 4], live: [bool; 4]) -> [f32; 4] {
+    // SAFETY: live columns only.
+    [0, 1, 2, 3].map(|e| if live[e] { unsafe { *p.add(at[e]) } } else { 0.0 })
+}
+
+/// Per-element op `op` forward on the values of columns `at` (decoded once for the four).
+///
+/// # Safety
+/// `op` is per-element; its parameter (where it has one) holds every live column.
+#[inline(always)]
+unsafe fn forward4(op: &OpDesc, v: [f32; 4], at: [usize; 4], live: [bool; 4]) -> [f32; 4] {
+    match_pointwise!(op.code, P => {
+        // SAFETY: as the contract.
+        let p = if P::HAS_PARAM { unsafe { columns4(op.param0 as *const f32, at, live) } } else { [0.0; 4] };
+        [0, 1, 2, 3].map(|e| P::forward(v[e], p[e], op.a, op.b))
+    }, _ => [f32::NAN; 4])
+}
+
+/// The backward of the per-element ops `run` over a row of `f` columns, four columns
+/// a thread at a time with their values in registers: `x` holds the run's input, `g`
+/// the gradient of its output, which becomes that of its input; an op with a
+/// parameter adds `g df/dp` to its slot of `part` (the run's slots end before slot
+/// `slot_end`). Each op's input is the run's forward from `x` again, in registers: the
+/// runs are short, and their math costs less than a pass over the row per op.
+///
+/// # Safety
+/// `ops` holds the run's descriptors, all per-element, their parameters `f` floats;
+/// `x` and `g` hold `f` floats, `part` `slot_end` slots of `n >= f`.
+#[inline(never)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn pointwise_run_backward(
+    ops: *const OpDesc,
+    run: core::ops::Range<usize>,
+    x: *const f32,
+    g: *mut f32,
+    part: *mut f32,
+    slot_end: usize,
+    n: usize,
+    f: usize,
+) {
+    let mut j = thread_idx_x() as usize;
+    // SAFETY (whole body): ops in `run`, live columns below `f`, slots below `slot_end`.
+    unsafe {
+        while j < f {
+            // Columns ROW_THREADS apart: the warp's reads stay on distinct banks.
+            let at = [0, 1, 2, 3].map(|e| j + e * ROW_THREADS);
+            let live = at.map(|c| c < f);
+            let input = columns4(x, at, live);
+            let mut d = columns4(g, at, live);
+            let (mut slot, mut k) = (slot_end, run.end);
+            while k > run.start {
+                k -= 1;
+                let mut v = input;
+                for q in run.start..k {
+                    v = forward4(&*ops.add(q), v, at, live);
+                }
+                let op = &*ops.add(k);
+                d = match_pointwise!(op.code, P => {
+                    let p = if P::HAS_PARAM {
+                        slot -= 1;
+                        for e in 0..4 {
+                            if live[e] {
+                                *part.add(slot * n + at[e]) += d[e] * P::param_grad(v[e]);
+                            }
+                        }
+                        columns4(op.param0 as *const f32, at, live)
+                    } else {
+                        [0.0; 4]
+                    };
+                    [0, 1, 2, 3].map(|e| d[e] * P::grad(v[e], p[e], op.a, op.b))
+                }, _ => [f32::NAN; 4]);
+            }
+            for e in 0..4 {
+                if live[e] {
+                    *g.add(at[e]) = d[e];
+                }
+            }
+            j += 4 * ROW_THREADS;
+        }
+    }
+}
+
+/// One channel `ch` of a GroupNorm's backward (`op`, groups of `size`): adds `d xhat`
+/// and `d` to gamma's and beta's slots at `ps` and returns
+/// `rstd (d gamma - m1 - xhat m2)`, `m` the group's means of `d gamma` and `d gamma xhat`.
+///
+/// # Safety
+/// `ps` holds two slots of `n > ch` floats, the op's gamma `ch + 1`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn group_norm_grad(
+    ps: *mut f32,
+    n: usize,
+    ch: usize,
+    d: f32,
+    (xhat, rstd): (f32, f32),
+    (m1, m2): (f32, f32),
+    size: usize,
+    op: &OpDesc,
+) -> f32 {
+    // SAFETY: as the contract.
+    unsafe {
+        *ps.add(ch) += d * xhat;
+        *ps.add(n + ch) += d;
+        let gamma = *(op.param0 as *const f32).add(ch);
+        if size == 2 {
+            // Two channels: xhat = ±sqrt(1 - eps rstd²), and the formula's 1 - xhat²
+            // cancels to noise in f32 when the variance dwarfs eps. Its exact value is
+            // eps rstd².
+            (d * gamma - m1) * (op.a * rstd * rstd * rstd)
+        } else {
+            rstd * (d * gamma - m1 - xhat * m2)
+        }
+    }
+}
+
 /// Backward of the chain, row by row: `dz = d(loss)/d(z)` from `dy`, and each block's
 /// sums over its rows of every parameter gradient (the first level of a two-level
 /// reduction; `sum_partials` is the second).
@@ -671,8 +835,8 @@ unsafe fn arg_max(x: *const f32, f: usize, red: *mut f32, sign: f32) -> usize {
 ///
 /// # Safety
 /// As [`epilogue_rows`]; `partials` zeroed. Launch: grid `(G, 1, 1)` for any
-/// `G <= rows`, `ROW_THREADS` threads, `row_backward_smem_bytes(n, sums_in_smem ? slots : 0)`
-/// shared memory.
+/// `G <= rows`, `ROW_THREADS` threads, `row_backward_smem_bytes(n, sums_in_smem ? slots : 0,
+/// pools)` shared memory (`pools`: the chain has an AvgPool or a MaxPool).
 ///
 /// # Parameters
 /// * `z`: `(rows, n)`, the chain's input saved by the forward.
@@ -685,10 +849,11 @@ unsafe fn arg_max(x: *const f32, f: usize, red: *mut f32, sign: f32) -> usize {
 ///   end (when they fit), instead of adding into `partials` row after row.
 ///
 /// # Thread mapping
-/// Block `b` takes rows `b, b + G, ..`. Per row, for each op from the last: rebuild
-/// its input from `z` (ops before it, forward), then turn the gradient of its output
-/// into that of its input in place. A thread always owns the same columns (or, for
-/// GroupNorm, the same lanes of the same groups), so its partial sums need no atomics.
+/// Block `b` takes rows `b, b + G, ..`. Per row, for each op from the last (a run of
+/// per-element ops at once): rebuild its input from `z` (ops before it, forward), then
+/// turn the gradient of its output into that of its input in place. A thread always
+/// owns the same columns (or, for GroupNorm, the same groups or the same lanes of
+/// them), so its partial sums need no atomics.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn rows_backward<E: Element>(
@@ -705,23 +870,27 @@ unsafe fn rows_backward<E: Element>(
     let t = thread_idx_x() as usize;
     let (warp, lane) = (warp_id() as usize, lane_id() as usize);
     let (n, n_ops) = (n as usize, n_ops as usize);
-    let base = dynamic_shared::<f32>();
-    // SAFETY: row_backward_smem_bytes(n) covers [g: n][x: n][alt: n][red: 2 * WARPS].
-    let (g_buf, x_buf, alt_buf, red) = unsafe { (base, base.add(n), base.add(2 * n), base.add(3 * n)) };
     // SAFETY: op descriptors are read-only and i < n_ops wherever used.
     let op_at = |i: usize| unsafe { *ops.add(i) };
-    let mut slots = 1;
-    let mut f_out = n;
+    let (mut slots, mut f_out, mut pools) = (1, n, false);
     for i in 0..n_ops {
-        slots += param_count(&op_at(i));
-        f_out = features_after(&op_at(i), f_out);
+        let op = op_at(i);
+        slots += param_count(&op);
+        f_out = features_after(&op, f_out);
+        pools |= matches!(op.code, OP_AVG_POOL | OP_MAX_POOL);
     }
+    let base = dynamic_shared::<f32>();
+    // SAFETY: row_backward_smem_bytes(n, .., pools) covers [red: 2 * WARPS][g: n][x: n],
+    // then [alt: n] where the chain pools (only pooling moves a row between buffers),
+    // then the sums where they are kept on chip.
+    let (red, g_buf, x_buf) = unsafe { (base, base.add(2 * WARPS), base.add(2 * WARPS + n)) };
+    let alt_buf = if pools { unsafe { x_buf.add(n) } } else { null_mut() };
     // SAFETY: this block's slice of the partial sums.
     let out = unsafe { partials.add(block_idx_x() as usize * slots * n) };
     // Where the sums accumulate: shared memory after the buffers, or `out` itself.
     let part = if sums_in_smem != 0 {
-        // SAFETY: the launch provides slots * n floats after the buffers and scratch.
-        let s = unsafe { red.add(2 * WARPS) };
+        // SAFETY: the launch provides slots * n floats after the buffers.
+        let s = unsafe { x_buf.add(if pools { 2 * n } else { n }) };
         let mut j = t;
         while j < slots * n {
             unsafe { *s.add(j) = 0.0 };
@@ -742,65 +911,94 @@ unsafe fn rows_backward<E: Element>(
             // below, the store of dz reads them straight away.
             sync_threads();
             let mut slot_end = slots;
-            for i in (0..n_ops).rev() {
+            let mut i = n_ops;
+            while i > 0 {
+                i -= 1;
                 let op = op_at(i);
                 if op.code == OP_RESIDUAL {
                     // (The last op.) `g` passes on to the ops before it; `dy` joins `dz` below.
                     continue;
                 }
-                // Rebuild op i's input in x (ops 0..i forward from z); shrinking ops
-                // write into the buffer the gradient is not using.
+                // A run of per-element ops ending at op i goes back in one pass from its
+                // first op's input (each op's own rebuild from `z` reloaded the row and
+                // redid every op before it: KernelBench 64's four ops after its
+                // logsumexp took five logsumexps per row).
+                let first = if is_pointwise(&op) { run_start(ops, i) } else { i };
+                // Rebuild op `first`'s input in x (ops before it, forward from z);
+                // shrinking ops write into the buffer the gradient is not using.
                 let (mut x, mut x_alt) = (x_buf, g_alt);
                 load_row(x, z.add(row * n), 1, 0, null::<f32>(), null_mut(), n);
                 sync_threads();
                 let mut f = n;
-                for p in 0..i {
+                for p in 0..first {
                     f = op_forward(&op_at(p), &mut x, &mut x_alt, red, f);
+                }
+                if first < i || is_pointwise(&op) {
+                    pointwise_run_backward(ops, first..i + 1, x, g, part, slot_end, n, f);
+                    for k in first..=i {
+                        slot_end -= param_count(&op_at(k));
+                    }
+                    i = first;
+                    sync_threads();
+                    continue;
                 }
                 // `g` holds the gradient of op i's output; make it that of its input.
                 let p0 = op.param0 as *const f32;
-                let n_slots = param_count(&op);
-                slot_end -= n_slots;
+                slot_end -= param_count(&op);
                 let ps = part.add(slot_end * n); // this op's first slot
                 match op.code {
                     OP_GROUP_NORM => {
                         let groups = op.count as usize;
                         let size = f / groups;
                         let inv = 1.0 / size as f32;
-                        let mut gi = warp;
-                        while gi < groups {
-                            let (xs, gs) = (x.add(gi * size), g.add(gi * size));
-                            let (mean, rstd) = group_stats(xs, size, op.a, lane);
-                            // dx = rstd (dy gamma - mean(dy gamma) - xhat mean(dy gamma xhat))
-                            let (mut s1, mut s2) = (0.0, 0.0);
-                            let mut j = lane;
-                            while j < size {
-                                let ch = gi * size + j;
-                                let xhat = (*xs.add(j) - mean) * rstd;
-                                let dyg = *gs.add(j) * *p0.add(ch);
-                                s1 += dyg;
-                                s2 += dyg * xhat;
-                                j += WARP;
+                        if size <= WARP {
+                            // A thread a group, as the forward's `normalize_groups`.
+                            let start = group_start(size);
+                            let mut gi = t;
+                            while gi < groups {
+                                let (xs, gs) = (x.add(gi * size), g.add(gi * size));
+                                let (mean, rstd) = group_stats_alone(xs, size, op.a, start);
+                                let (mut s1, mut s2, mut k) = (0.0, 0.0, start);
+                                for _ in 0..size {
+                                    let xhat = (*xs.add(k) - mean) * rstd;
+                                    let dyg = *gs.add(k) * *p0.add(gi * size + k);
+                                    s1 += dyg;
+                                    s2 += dyg * xhat;
+                                    k = next_in_group(k, size);
+                                }
+                                let m = (s1 * inv, s2 * inv);
+                                for _ in 0..size {
+                                    let ch = gi * size + k;
+                                    let xhat = (*xs.add(k) - mean) * rstd;
+                                    *gs.add(k) = group_norm_grad(ps, n, ch, *gs.add(k), (xhat, rstd), m, size, &op);
+                                    k = next_in_group(k, size);
+                                }
+                                gi += ROW_THREADS;
                             }
-                            let (m1, m2) = (warp_sum(s1) * inv, warp_sum(s2) * inv);
-                            let mut j = lane;
-                            while j < size {
-                                let ch = gi * size + j;
-                                let xhat = (*xs.add(j) - mean) * rstd;
-                                let d = *gs.add(j);
-                                *ps.add(ch) += d * xhat;
-                                *ps.add(n + ch) += d;
-                                *gs.add(j) = if size == 2 {
-                                    // Two channels: xhat = ±sqrt(1 - eps rstd²), and the
-                                    // formula's 1 - xhat² cancels to noise in f32 when the
-                                    // variance dwarfs eps. Its exact value is eps rstd².
-                                    (d * *p0.add(ch) - m1) * (op.a * rstd * rstd * rstd)
-                                } else {
-                                    rstd * (d * *p0.add(ch) - m1 - xhat * m2)
-                                };
-                                j += WARP;
+                        } else {
+                            let mut gi = warp;
+                            while gi < groups {
+                                let (xs, gs) = (x.add(gi * size), g.add(gi * size));
+                                let (mean, rstd) = group_stats(xs, size, op.a, lane);
+                                let (mut s1, mut s2) = (0.0, 0.0);
+                                let mut j = lane;
+                                while j < size {
+                                    let xhat = (*xs.add(j) - mean) * rstd;
+                                    let dyg = *gs.add(j) * *p0.add(gi * size + j);
+                                    s1 += dyg;
+                                    s2 += dyg * xhat;
+                                    j += WARP;
+                                }
+                                let m = (warp_sum(s1) * inv, warp_sum(s2) * inv);
+                                let mut j = lane;
+                                while j < size {
+                                    let ch = gi * size + j;
+                                    let xhat = (*xs.add(j) - mean) * rstd;
+                                    *gs.add(j) = group_norm_grad(ps, n, ch, *gs.add(j), (xhat, rstd), m, size, &op);
+                                    j += WARP;
+                                }
+                                gi += WARPS;
                             }
-                            gi += WARPS;
                         }
                     }
                     OP_AVG_POOL => {
@@ -842,14 +1040,13 @@ unsafe fn rows_backward<E: Element>(
                     OP_ROW_SUM | OP_ROW_MEAN | OP_LOGSUMEXP => {
                         let lse = if op.code == OP_LOGSUMEXP { reduce_row(op.code, x, f, red) } else { 0.0 };
                         let d = *g;
-                        sync_threads(); // g[0] read by all before g_alt is written
+                        sync_threads(); // g[0] read by all before g is rewritten in place
                         let each = if op.code == OP_ROW_MEAN { d / f as f32 } else { d };
                         let mut j = t;
                         while j < f {
-                            *g_alt.add(j) = if op.code == OP_LOGSUMEXP { d * exp(*x.add(j) - lse) } else { each };
+                            *g.add(j) = if op.code == OP_LOGSUMEXP { d * exp(*x.add(j) - lse) } else { each };
                             j += ROW_THREADS;
                         }
-                        core::mem::swap(&mut g, &mut g_alt);
                     }
                     OP_SOFTMAX => {
                         // dx = s (dy - sum(dy s)), `s` the softmax (rebuilt in x).
@@ -876,21 +1073,21 @@ unsafe fn rows_backward<E: Element>(
                     OP_ROW_MAX | OP_ROW_MIN => {
                         let at = arg_max(x, f, red, if op.code == OP_ROW_MIN { -1.0 } else { 1.0 });
                         let d = *g;
-                        sync_threads(); // g[0] read by all before g_alt is written
+                        sync_threads(); // g[0] read by all before g is rewritten in place
                         let mut j = t;
                         while j < f {
-                            *g_alt.add(j) = if j == at { d } else { 0.0 };
+                            *g.add(j) = if j == at { d } else { 0.0 };
                             j += ROW_THREADS;
                         }
-                        core::mem::swap(&mut g, &mut g_alt);
                     }
-                    code => match_pointwise!(code, P => pointwise_row_backward::<P>(x, g, ps, p0, f, op.a, op.b), _ => {
+                    _ => {
+                        // An unknown code: poison rather than pass through.
                         let mut j = t;
                         while j < f {
                             *g.add(j) = f32::NAN;
                             j += ROW_THREADS;
                         }
-                    }),
+                    }
                 }
                 sync_threads();
             }

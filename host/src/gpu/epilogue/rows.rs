@@ -8,7 +8,8 @@ use super::DeviceChain;
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use kernel_abi::epilogue::{
-    OP_AVG_POOL, OP_MAX_POOL, ROW_THREADS, row_backward_smem_bytes, row_smem_bytes, row_smem_bytes_unpooled,
+    OP_AVG_POOL, OP_MAX_POOL, ROW_BACKWARD_BLOCKS_PER_SM, ROW_THREADS, row_backward_smem_bytes, row_smem_bytes,
+    row_smem_bytes_unpooled,
 };
 use kernel_abi::kernels::Kernel;
 
@@ -93,11 +94,16 @@ pub fn epilogue_rows_backward<T: DeviceElement>(
         return Err(Error::tensor("dy", format!("expected {rows} x {out_width} values, got shape {:?}", dy.shape)));
     }
     let slots = chain.grad_slots;
-    // The parameter-gradient sums stay in shared memory when they fit beside the rows.
-    let in_smem = row_backward_smem_bytes(n, slots) <= gpu.props.max_shared_per_block_optin;
-    let smem = row_backward_smem_bytes(n, if in_smem { slots } else { 0 });
-    // As many blocks as fit on the GPU at once; each sums its rows' parameter gradients.
-    let per_sm = (gpu.props.shared_per_multiprocessor / smem.max(1)).clamp(1, 8);
+    let pools = chain.ops.iter().any(|op| matches!(op.code, OP_AVG_POOL | OP_MAX_POOL));
+    // The parameter-gradient sums stay in shared memory whenever they fit beside the
+    // rows, even at fewer blocks per SM: in global memory each thread's read-add-write
+    // of a sum waits out the previous one's L2 round trip.
+    let in_smem = row_backward_smem_bytes(n, slots, pools) <= gpu.props.max_shared_per_block_optin;
+    let smem = row_backward_smem_bytes(n, if in_smem { slots } else { 0 }, pools);
+    // As many blocks as fit on the GPU at once (its shared memory, and the registers of
+    // the launch bounds); each sums its rows' parameter gradients.
+    let most = ROW_BACKWARD_BLOCKS_PER_SM as usize;
+    let per_sm = (gpu.props.shared_per_multiprocessor / smem.max(1)).clamp(1, most);
     let blocks = rows.min(per_sm * gpu.props.multiprocessors);
     let mut partials = if in_smem { gpu.alloc(&[blocks, slots, n])? } else { gpu.zeros(&[blocks, slots, n])? };
     let mut dz = gpu.alloc_as::<T>(&[rows, n])?;
