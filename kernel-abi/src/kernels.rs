@@ -147,12 +147,21 @@ kernels! {
     EpilogueRows = "epilogue_rows";
     EpilogueRowsBf16 = "epilogue_rows_bf16";
     EpilogueRowsF16 = "epilogue_rows_f16";
+    EpilogueRowsNarrow = "epilogue_rows_narrow";
+    EpilogueRowsNarrowBf16 = "epilogue_rows_narrow_bf16";
+    EpilogueRowsNarrowF16 = "epilogue_rows_narrow_f16";
     EpilogueRowsBackward = "epilogue_rows_backward",
         bounds(epilogue::ROW_THREADS, epilogue::ROW_BACKWARD_BLOCKS_PER_SM);
     EpilogueRowsBackwardBf16 = "epilogue_rows_backward_bf16",
         bounds(epilogue::ROW_THREADS, epilogue::ROW_BACKWARD_BLOCKS_PER_SM);
     EpilogueRowsBackwardF16 = "epilogue_rows_backward_f16",
         bounds(epilogue::ROW_THREADS, epilogue::ROW_BACKWARD_BLOCKS_PER_SM);
+    EpilogueRowsBackwardNarrow = "epilogue_rows_backward_narrow",
+        bounds(epilogue::NARROW_ROW_THREADS, epilogue::NARROW_ROW_BACKWARD_BLOCKS_PER_SM);
+    EpilogueRowsBackwardNarrowBf16 = "epilogue_rows_backward_narrow_bf16",
+        bounds(epilogue::NARROW_ROW_THREADS, epilogue::NARROW_ROW_BACKWARD_BLOCKS_PER_SM);
+    EpilogueRowsBackwardNarrowF16 = "epilogue_rows_backward_narrow_f16",
+        bounds(epilogue::NARROW_ROW_THREADS, epilogue::NARROW_ROW_BACKWARD_BLOCKS_PER_SM);
     EpilogueTilesBackward = "epilogue_tiles_backward",
         bounds(epilogue::TILE_THREADS, epilogue::TILES_BACKWARD_BLOCKS_PER_SM);
     EpilogueTilesBackwardBf16 = "epilogue_tiles_backward_bf16",

@@ -320,6 +320,15 @@ pub mod epilogue {
     /// Threads per block of the row-wise epilogue kernel (one block per row).
     pub const ROW_THREADS: usize = 256;
 
+    /// Threads per block of the row-wise kernels' `_narrow` entries, for rows of at
+    /// most [`NARROW_ROW_FEATURES`]: about 16 columns a thread at 1024 features, where
+    /// 256 threads held a row for a few latency-bound passes of 4 columns each (three
+    /// blocks per SM by registers); small blocks put more rows in flight.
+    pub const NARROW_ROW_THREADS: usize = 64;
+
+    /// The widest rows the `_narrow` entries take.
+    pub const NARROW_ROW_FEATURES: usize = 2048;
+
     /// Dynamic shared memory of the row-wise epilogue for rows of `features` floats:
     /// scratch for two values per warp (row max and arg-max reductions), the row, and
     /// a second buffer that pooling writes into.
@@ -361,6 +370,10 @@ pub mod epilogue {
     /// Blocks per SM the row-wise backward is sized for (its launch bounds, 128
     /// registers: at 3, 85 registers, it spills).
     pub const ROW_BACKWARD_BLOCKS_PER_SM: u32 = 2;
+
+    /// [`ROW_BACKWARD_BLOCKS_PER_SM`] for the `_narrow` entries: the same registers.
+    pub const NARROW_ROW_BACKWARD_BLOCKS_PER_SM: u32 =
+        ROW_BACKWARD_BLOCKS_PER_SM * (ROW_THREADS / NARROW_ROW_THREADS) as u32;
 
     /// Dynamic shared memory of the row-wise backward: the forward's scratch, the
     /// gradient, the recomputed op input, where the chain `pools` a buffer for the ops

@@ -23,7 +23,7 @@ use super::memory::Dtype;
 use crate::chain::Op;
 use crate::precision::Precision;
 use kernel_abi::Kernel;
-use kernel_abi::epilogue::{OP_GROUP_NORM, OpDesc};
+use kernel_abi::epilogue::{self, OP_GROUP_NORM, OpDesc};
 use kernel_abi::gemm_fma::{BLOCK_K, BLOCK_M, BLOCK_N, MAX_FUSED_GROUP, MIN_FUSED_GROUP};
 use kernel_abi::gemm_tma::{self, MIN_K};
 use kernel_abi::gemv::{ROWS as GEMV_ROWS, SLAB as GEMV_SLAB};
@@ -141,11 +141,12 @@ pub struct HalfKernels {
     pub gemv_tc_to_half: Kernel,
     /// The tile-wise chain backward with 16-bit `dy`, `dz`.
     pub tiles_backward: Kernel,
-    /// The row-wise epilogue into 16-bit `y`, and its backward with 16-bit `dy`, `dz`.
-    pub rows: Kernel,
+    /// The row-wise epilogue into 16-bit `y`, and its backward with 16-bit `dy`, `dz`
+    /// (each: the entry for wide rows, the `_narrow` one).
+    pub rows: [Kernel; 2],
     /// Split-K's partial products summed tile-wise into 16-bit `y`.
     pub split_tiles: Kernel,
-    pub rows_backward: Kernel,
+    pub rows_backward: [Kernel; 2],
     /// A leading AvgPool's fold of a 16-bit weight, and its gradient rounded back.
     pub fold: Kernel,
     /// The fold into two 16-bit halves (`hi + lo`, the GEMM's weight in the type).
@@ -180,9 +181,9 @@ impl HalfKernels {
         gemv_tc: Kernel::GemvTcBf16,
         gemv_tc_to_half: Kernel::GemvTcBf16ToBf16,
         tiles_backward: Kernel::EpilogueTilesBackwardBf16,
-        rows: Kernel::EpilogueRowsBf16,
+        rows: [Kernel::EpilogueRowsBf16, Kernel::EpilogueRowsNarrowBf16],
         split_tiles: Kernel::EpilogueSplitTilesBf16,
-        rows_backward: Kernel::EpilogueRowsBackwardBf16,
+        rows_backward: [Kernel::EpilogueRowsBackwardBf16, Kernel::EpilogueRowsBackwardNarrowBf16],
         fold: Kernel::FoldRowsMeanBf16,
         fold_halves: Kernel::FoldRowsMeanHalvesBf16,
         fold_f32_halves: Kernel::FoldRowsMeanF32HalvesBf16,
@@ -211,9 +212,9 @@ impl HalfKernels {
         gemv_tc: Kernel::GemvTcF16,
         gemv_tc_to_half: Kernel::GemvTcF16ToF16,
         tiles_backward: Kernel::EpilogueTilesBackwardF16,
-        rows: Kernel::EpilogueRowsF16,
+        rows: [Kernel::EpilogueRowsF16, Kernel::EpilogueRowsNarrowF16],
         split_tiles: Kernel::EpilogueSplitTilesF16,
-        rows_backward: Kernel::EpilogueRowsBackwardF16,
+        rows_backward: [Kernel::EpilogueRowsBackwardF16, Kernel::EpilogueRowsBackwardNarrowF16],
         fold: Kernel::FoldRowsMeanF16,
         fold_halves: Kernel::FoldRowsMeanHalvesF16,
         fold_f32_halves: Kernel::FoldRowsMeanF32HalvesF16,
@@ -849,10 +850,19 @@ pub fn batch_norm_kernels(dtype: Dtype) -> (Kernel, Kernel, Kernel) {
         })
 }
 
-/// The row-wise epilogue's forward for an output of `dtype`: a 16-bit model's `y` is
-/// rounded as it is stored, not by a second pass.
-pub fn rows_kernel(dtype: Dtype) -> Kernel {
-    HalfKernels::of(dtype).map_or(Kernel::EpilogueRows, |h| h.rows)
+/// Whether rows of `n` features take the row-wise kernels' `_narrow` entries, and
+/// their blocks' threads.
+fn row_block(n: usize) -> (usize, usize) {
+    let narrow = n <= epilogue::NARROW_ROW_FEATURES;
+    (usize::from(narrow), if narrow { epilogue::NARROW_ROW_THREADS } else { epilogue::ROW_THREADS })
+}
+
+/// The row-wise epilogue's forward for an output of `dtype` over rows of `n` features,
+/// and its blocks' threads: a 16-bit model's `y` is rounded as it is stored, not by a
+/// second pass.
+pub fn rows_kernel(dtype: Dtype, n: usize) -> (Kernel, usize) {
+    let (narrow, threads) = row_block(n);
+    (HalfKernels::of(dtype).map_or([Kernel::EpilogueRows, Kernel::EpilogueRowsNarrow], |h| h.rows)[narrow], threads)
 }
 
 /// Split-K's partial products added, with the bias and the chain, for an output of
@@ -877,9 +887,12 @@ pub fn split_tiles_kernel(dtype: Dtype) -> Kernel {
     HalfKernels::of(dtype).map_or(Kernel::EpilogueSplitTiles, |h| h.split_tiles)
 }
 
-/// The row-wise chain backward for `dy` and `dz` of `dtype`.
-pub fn rows_backward_kernel(dtype: Dtype) -> Kernel {
-    HalfKernels::of(dtype).map_or(Kernel::EpilogueRowsBackward, |h| h.rows_backward)
+/// The row-wise chain backward for `dy` and `dz` of `dtype` over rows of `n` features,
+/// and its blocks' threads.
+pub fn rows_backward_kernel(dtype: Dtype, n: usize) -> (Kernel, usize) {
+    let (narrow, threads) = row_block(n);
+    let pair = [Kernel::EpilogueRowsBackward, Kernel::EpilogueRowsBackwardNarrow];
+    (HalfKernels::of(dtype).map_or(pair, |h| h.rows_backward)[narrow], threads)
 }
 
 /// The AvgPool fold's kernel for a weight of `dtype`: the means in FP32 from FP32 or
@@ -1017,7 +1030,8 @@ mod tests {
             let all = [h.tma_nt, h.tma_nt_to_half, h.tma_nn_to_half, h.tma_tn_to_half, h.tma_tn];
             let all = all.into_iter().chain([h.gemv, h.gemv_to_half, h.gemv_tc, h.gemv_tc_to_half]);
             let all = all.chain(h.mma.into_iter().flatten());
-            let all = all.chain([h.tiles_backward, h.rows, h.split_tiles, h.rows_backward, h.fold, h.unfold]);
+            let all =
+                all.chain([h.tiles_backward, h.split_tiles, h.fold, h.unfold]).chain(h.rows).chain(h.rows_backward);
             let all = all.chain([h.transpose_to_half, h.narrow, h.widen]);
             for k in all {
                 let other = if tag == "f16" { "bf16" } else { "_f16" };

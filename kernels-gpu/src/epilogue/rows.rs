@@ -15,6 +15,9 @@ use crate::prelude::warp::{shfl_xor, warp_max, warp_sum};
 use crate::prelude::*;
 use kernel_abi::epilogue::*;
 
+/// Warps of a block of `ROW_THREADS`, the largest: the scratch's layout (`2 * WARPS`
+/// words) is sized for it. Every helper below takes its block's threads as `T`
+/// (`ROW_THREADS`, or `NARROW_ROW_THREADS` for narrow rows), a constant in each entry.
 const WARPS: usize = ROW_THREADS / WARP_SIZE as usize;
 const WARP: usize = WARP_SIZE as usize;
 
@@ -103,7 +106,7 @@ unsafe fn group_stats_alone(s: *const f32, size: usize, eps: f32, start: usize) 
 /// `x` holds `count * size` floats; the op's parameter vectors `per_row * size`.
 /// Called by the whole block (no barrier).
 #[inline(always)]
-unsafe fn normalize_groups(x: *mut f32, count: usize, per_row: usize, size: usize, op: &OpDesc) {
+unsafe fn normalize_groups<const T: usize>(x: *mut f32, count: usize, per_row: usize, size: usize, op: &OpDesc) {
     let (warp, lane) = (warp_id() as usize, lane_id() as usize);
     // SAFETY (whole body): every group below `count`, its channels below `per_row * size`.
     unsafe {
@@ -119,13 +122,13 @@ unsafe fn normalize_groups(x: *mut f32, count: usize, per_row: usize, size: usiz
                     *s.add(k) = (*s.add(k) - mean) * rstd * *gamma.add(first + k) + *beta.add(first + k);
                     k = next_in_group(k, size);
                 }
-                gi += ROW_THREADS;
+                gi += T;
             }
         } else {
             let mut gi = warp;
             while gi < count {
                 normalize_group(x.add(gi * size), size, (gi % per_row) * size, op, lane);
-                gi += WARPS;
+                gi += T / WARP;
             }
         }
     }
@@ -137,7 +140,7 @@ unsafe fn normalize_groups(x: *mut f32, count: usize, per_row: usize, size: usiz
 /// # Safety
 /// Called by the whole block.
 #[inline(always)]
-unsafe fn block_reduce(v: f32, red: *mut f32, in_warp: fn(f32) -> f32, fold: fn(f32, f32) -> f32) -> f32 {
+unsafe fn block_reduce<const T: usize>(v: f32, red: *mut f32, in_warp: fn(f32) -> f32, fold: fn(f32, f32) -> f32) -> f32 {
     let (warp, lane) = (warp_id() as usize, lane_id() as usize);
     let s = in_warp(v);
     // SAFETY: warp < WARPS; the barriers order the writes and the reads of `red`.
@@ -147,7 +150,7 @@ unsafe fn block_reduce(v: f32, red: *mut f32, in_warp: fn(f32) -> f32, fold: fn(
         }
         sync_threads();
         let mut total = *red;
-        for w in 1..WARPS {
+        for w in 1..(T / WARP) {
             total = fold(total, *red.add(w));
         }
         sync_threads();
@@ -160,15 +163,15 @@ unsafe fn block_reduce(v: f32, red: *mut f32, in_warp: fn(f32) -> f32, fold: fn(
 /// # Safety
 /// `x` holds `f` floats; called by the whole block.
 #[inline(always)]
-unsafe fn row_sum(x: *const f32, f: usize, red: *mut f32, map: impl Fn(usize, f32) -> f32) -> f32 {
+unsafe fn row_sum<const T: usize, M: Fn(usize, f32) -> f32>(x: *const f32, f: usize, red: *mut f32, map: M) -> f32 {
     let mut s = 0.0;
     let mut j = thread_idx_x() as usize;
     while j < f {
         // SAFETY: j < f.
         s += map(j, unsafe { *x.add(j) });
-        j += ROW_THREADS;
+        j += T;
     }
-    unsafe { block_reduce(s, red, warp_sum, |a, b| a + b) }
+    unsafe { block_reduce::<T>(s, red, warp_sum, |a, b| a + b) }
 }
 
 /// `max_j sign x[j]` over `x[..f]`, NaN propagating, in every thread.
@@ -176,15 +179,15 @@ unsafe fn row_sum(x: *const f32, f: usize, red: *mut f32, map: impl Fn(usize, f3
 /// # Safety
 /// `x` holds `f` floats; called by the whole block.
 #[inline(always)]
-unsafe fn row_max(x: *const f32, f: usize, red: *mut f32, sign: f32) -> f32 {
+unsafe fn row_max<const T: usize>(x: *const f32, f: usize, red: *mut f32, sign: f32) -> f32 {
     let mut m = f32::NEG_INFINITY;
     let mut j = thread_idx_x() as usize;
     while j < f {
         // SAFETY: j < f.
         m = max_nan(m, sign * unsafe { *x.add(j) });
-        j += ROW_THREADS;
+        j += T;
     }
-    unsafe { block_reduce(m, red, warp_max, max_nan) }
+    unsafe { block_reduce::<T>(m, red, warp_max, max_nan) }
 }
 
 /// What the row reduction `code` (sum, mean, max, min, logsumexp) gives for `x[..f]`, in
@@ -194,18 +197,18 @@ unsafe fn row_max(x: *const f32, f: usize, red: *mut f32, sign: f32) -> f32 {
 /// # Safety
 /// `x` holds `f > 0` floats; called by the whole block.
 #[inline(always)]
-unsafe fn reduce_row(code: u32, x: *const f32, f: usize, red: *mut f32) -> f32 {
+unsafe fn reduce_row<const T: usize>(code: u32, x: *const f32, f: usize, red: *mut f32) -> f32 {
     unsafe {
         match code {
-            OP_ROW_MAX => row_max(x, f, red, 1.0),
-            OP_ROW_MIN => -row_max(x, f, red, -1.0),
+            OP_ROW_MAX => row_max::<T>(x, f, red, 1.0),
+            OP_ROW_MIN => -row_max::<T>(x, f, red, -1.0),
             OP_LOGSUMEXP => {
-                let m = row_max(x, f, red, 1.0);
+                let m = row_max::<T>(x, f, red, 1.0);
                 let shift = if fabs(m) == f32::INFINITY { 0.0 } else { m };
-                shift + ln(row_sum(x, f, red, |_, v| exp(v - shift)))
+                shift + ln(row_sum::<T, _>(x, f, red, |_, v| exp(v - shift)))
             }
-            OP_ROW_MEAN => row_sum(x, f, red, |_, v| v) / f as f32,
-            _ => row_sum(x, f, red, |_, v| v),
+            OP_ROW_MEAN => row_sum::<T, _>(x, f, red, |_, v| v) / f as f32,
+            _ => row_sum::<T, _>(x, f, red, |_, v| v),
         }
     }
 }
@@ -215,11 +218,11 @@ unsafe fn reduce_row(code: u32, x: *const f32, f: usize, red: *mut f32) -> f32 {
 /// # Safety
 /// `x` holds `f > 0` floats; called by the whole block.
 #[inline(always)]
-unsafe fn softmax_in_place(x: *mut f32, f: usize, red: *mut f32) {
+unsafe fn softmax_in_place<const T: usize>(x: *mut f32, f: usize, red: *mut f32) {
     unsafe {
-        let m = row_max(x, f, red, 1.0);
+        let m = row_max::<T>(x, f, red, 1.0);
         // Each thread rewrites only its own columns: no barrier between the passes.
-        let s = row_sum(x, f, red, |j, v| {
+        let s = row_sum::<T, _>(x, f, red, |j, v| {
             let e = exp(v - m);
             *x.add(j) = e;
             e
@@ -227,7 +230,7 @@ unsafe fn softmax_in_place(x: *mut f32, f: usize, red: *mut f32) {
         let mut j = thread_idx_x() as usize;
         while j < f {
             *x.add(j) /= s;
-            j += ROW_THREADS;
+            j += T;
         }
     }
 }
@@ -237,8 +240,8 @@ unsafe fn softmax_in_place(x: *mut f32, f: usize, red: *mut f32) {
 /// # Safety
 /// `x` holds `f > 0` floats; called by the whole block.
 #[inline(always)]
-unsafe fn rms_rstd(x: *const f32, f: usize, eps: f32, red: *mut f32) -> f32 {
-    unsafe { rsqrt(row_sum(x, f, red, |_, v| v * v) / f as f32 + eps) }
+unsafe fn rms_rstd<const T: usize>(x: *const f32, f: usize, eps: f32, red: *mut f32) -> f32 {
+    unsafe { rsqrt(row_sum::<T, _>(x, f, red, |_, v| v * v) / f as f32 + eps) }
 }
 
 /// A per-element op `P` over a row of `f` values in shared memory, four columns per
@@ -248,23 +251,23 @@ unsafe fn rms_rstd(x: *const f32, f: usize, eps: f32, red: *mut f32) -> f32 {
 /// # Safety
 /// `x` holds `f` values; `p0` holds `f` values where `P` has a parameter.
 #[inline(always)]
-unsafe fn pointwise_row<P: PointwiseMath>(x: *mut f32, p0: *const f32, f: usize, a: f32, b: f32) {
+unsafe fn pointwise_row<P: PointwiseMath, const T: usize>(x: *mut f32, p0: *const f32, f: usize, a: f32, b: f32) {
     let mut j = thread_idx_x() as usize;
     // SAFETY (whole body): every index is below `f`.
     unsafe {
-        while j + 3 * ROW_THREADS < f {
-            let at = [j, j + ROW_THREADS, j + 2 * ROW_THREADS, j + 3 * ROW_THREADS];
+        while j + 3 * T < f {
+            let at = [j, j + T, j + 2 * T, j + 3 * T];
             let p = if P::HAS_PARAM { at.map(|i| *p0.add(i)) } else { [0.0; 4] };
             let v = at.map(|i| *x.add(i));
             for e in 0..4 {
                 *x.add(at[e]) = P::forward(v[e], p[e], a, b);
             }
-            j += 4 * ROW_THREADS;
+            j += 4 * T;
         }
         while j < f {
             let p = if P::HAS_PARAM { *p0.add(j) } else { 0.0 };
             *x.add(j) = P::forward(*x.add(j), p, a, b);
-            j += ROW_THREADS;
+            j += T;
         }
     }
 }
@@ -278,7 +281,7 @@ unsafe fn pointwise_row<P: PointwiseMath>(x: *mut f32, p0: *const f32, f: usize,
 /// `*cur` and `*alt` hold at least `f` floats each, `red` at least `WARPS`; `op`'s
 /// parameter vectors hold `f` floats.
 #[inline(always)]
-pub(crate) unsafe fn op_forward(op: &OpDesc, cur: &mut *mut f32, alt: &mut *mut f32, red: *mut f32, f: usize) -> usize {
+pub(crate) unsafe fn op_forward<const T: usize>(op: &OpDesc, cur: &mut *mut f32, alt: &mut *mut f32, red: *mut f32, f: usize) -> usize {
     let t = thread_idx_x() as usize;
     let p0 = op.param0 as *const f32;
     let x = *cur;
@@ -288,7 +291,7 @@ pub(crate) unsafe fn op_forward(op: &OpDesc, cur: &mut *mut f32, alt: &mut *mut 
         match op.code {
             OP_GROUP_NORM => {
                 let groups = op.count as usize;
-                normalize_groups(x, groups, groups, f / groups, op);
+                normalize_groups::<T>(x, groups, groups, f / groups, op);
             }
             OP_AVG_POOL => {
                 let k = op.count as usize;
@@ -299,7 +302,7 @@ pub(crate) unsafe fn op_forward(op: &OpDesc, cur: &mut *mut f32, alt: &mut *mut 
                         sum += *x.add(j * k + e);
                     }
                     *alt.add(j) = sum / k as f32;
-                    j += ROW_THREADS;
+                    j += T;
                 }
                 core::mem::swap(cur, alt);
             }
@@ -312,31 +315,31 @@ pub(crate) unsafe fn op_forward(op: &OpDesc, cur: &mut *mut f32, alt: &mut *mut 
                         m = max_nan(m, *x.add(j * k + e));
                     }
                     *alt.add(j) = m;
-                    j += ROW_THREADS;
+                    j += T;
                 }
                 core::mem::swap(cur, alt);
             }
             OP_ROW_SUM | OP_ROW_MEAN | OP_ROW_MAX | OP_ROW_MIN | OP_LOGSUMEXP => {
-                let v = reduce_row(op.code, x, f, red);
+                let v = reduce_row::<T>(op.code, x, f, red);
                 if t == 0 {
                     *x = v;
                 }
             }
-            OP_SOFTMAX => softmax_in_place(x, f, red),
+            OP_SOFTMAX => softmax_in_place::<T>(x, f, red),
             OP_RMS_NORM => {
-                let r = rms_rstd(x, f, op.a, red);
+                let r = rms_rstd::<T>(x, f, op.a, red);
                 let mut j = t;
                 while j < f {
                     *x.add(j) = *x.add(j) * r * *p0.add(j);
-                    j += ROW_THREADS;
+                    j += T;
                 }
             }
-            code => match_pointwise!(code, P => pointwise_row::<P>(x, p0, f, op.a, op.b), _ => {
+            code => match_pointwise!(code, P => pointwise_row::<P, T>(x, p0, f, op.a, op.b), _ => {
                 // An unknown code: poison rather than pass through.
                 let mut j = t;
                 while j < f {
                     *x.add(j) = f32::NAN;
-                    j += ROW_THREADS;
+                    j += T;
                 }
             }),
         }
@@ -362,7 +365,7 @@ const ROW_LOADS: usize = 4;
 /// floats `stride` apart, nothing writes them during the kernel; `bias` (or null)
 /// `n` floats; `copy` (or null) `n` writable floats. Called by the whole block.
 #[inline(always)]
-unsafe fn load_row<E: Element>(
+unsafe fn load_row<E: Element, const T: usize>(
     dst: *mut f32,
     src: *const E,
     parts: usize,
@@ -389,7 +392,7 @@ unsafe fn load_row<E: Element>(
                 for p in 0..parts + !bias.is_null() as usize {
                     let from = if p < parts { src.add(p * stride) } else { bias };
                     for (u, v) in v.iter_mut().enumerate() {
-                        let q = first + u * ROW_THREADS;
+                        let q = first + u * T;
                         if q < quads {
                             let w = E::load4_nc(from.add(4 * q));
                             *v = [v[0] + w[0], v[1] + w[1], v[2] + w[2], v[3] + w[3]];
@@ -397,7 +400,7 @@ unsafe fn load_row<E: Element>(
                     }
                 }
                 for (u, v) in v.iter().enumerate() {
-                    let q = first + u * ROW_THREADS;
+                    let q = first + u * T;
                     if q < quads {
                         for (e, &x) in v.iter().enumerate() {
                             *dst.add(4 * q + e) = x;
@@ -407,7 +410,7 @@ unsafe fn load_row<E: Element>(
                         }
                     }
                 }
-                first += ROW_LOADS * ROW_THREADS;
+                first += ROW_LOADS * T;
             }
         } else {
             let mut c = t;
@@ -424,7 +427,7 @@ unsafe fn load_row<E: Element>(
                 if !copy.is_null() {
                     *copy.add(c) = v;
                 }
-                c += ROW_THREADS;
+                c += T;
             }
         }
     }
@@ -436,7 +439,7 @@ unsafe fn load_row<E: Element>(
 /// # Safety
 /// `src` (shared, 16-byte aligned) holds `f` floats, `y` `f` writable elements.
 #[inline(always)]
-unsafe fn store_row<E: Element>(y: *mut E, src: *const f32, f: usize) {
+unsafe fn store_row<E: Element, const T: usize>(y: *mut E, src: *const f32, f: usize) {
     let t = thread_idx_x() as usize;
     // SAFETY (both paths): indices below f.
     unsafe {
@@ -445,13 +448,13 @@ unsafe fn store_row<E: Element>(y: *mut E, src: *const f32, f: usize) {
             while q < f / 4 {
                 let s = src.add(4 * q);
                 E::store4(y.add(4 * q), [*s, *s.add(1), *s.add(2), *s.add(3)]);
-                q += ROW_THREADS;
+                q += T;
             }
         } else {
             let mut j = t;
             while j < f {
                 E::store1(y.add(j), *src.add(j));
-                j += ROW_THREADS;
+                j += T;
             }
         }
     }
@@ -466,7 +469,7 @@ unsafe fn store_row<E: Element>(y: *mut E, src: *const f32, f: usize) {
 /// `x` holds `rows * f` floats; `op` is per-element or a GroupNorm of `op.count`
 /// groups dividing `f`, its parameter vectors hold `f` floats.
 #[inline(always)]
-pub(crate) unsafe fn op_forward_rows(op: &OpDesc, x: *mut f32, rows: usize, f: usize) {
+pub(crate) unsafe fn op_forward_rows<const T: usize>(op: &OpDesc, x: *mut f32, rows: usize, f: usize) {
     let t = thread_idx_x() as usize;
     let p0 = op.param0 as *const f32;
     // SAFETY (whole body): every index is below the extent the contract gives.
@@ -474,7 +477,7 @@ pub(crate) unsafe fn op_forward_rows(op: &OpDesc, x: *mut f32, rows: usize, f: u
         if op.code == OP_GROUP_NORM {
             // Rows `f` apart: group `i` of the slab is row `i / groups`'s group `i % groups`.
             let groups = op.count as usize;
-            normalize_groups(x, rows * groups, groups, f / groups, op);
+            normalize_groups::<T>(x, rows * groups, groups, f / groups, op);
         } else {
             let code = op.code;
             let mut i = t;
@@ -484,7 +487,7 @@ pub(crate) unsafe fn op_forward_rows(op: &OpDesc, x: *mut f32, rows: usize, f: u
                 *x.add(i) = match_pointwise!(code, P => {
                     P::forward(v, if P::HAS_PARAM { *p0.add(j) } else { 0.0 }, op.a, op.b)
                 }, _ => f32::NAN);
-                i += ROW_THREADS;
+                i += T;
             }
         }
         sync_threads();
@@ -498,8 +501,8 @@ pub(crate) unsafe fn op_forward_rows(op: &OpDesc, x: *mut f32, rows: usize, f: u
 /// # Safety
 /// Device pointers; `ops[..n_ops]` well formed (see [`OpDesc`]), its parameter vectors
 /// as long as the features at their op. Launch: grid `(rows, 1, 1)`, `ROW_THREADS`
-/// threads, `row_smem_bytes(n)` dynamic shared memory (`row_smem_bytes_unpooled(n)`
-/// where the chain has no pooling op).
+/// threads (or fewer, a multiple of 32), `row_smem_bytes(n)` dynamic shared memory
+/// (`row_smem_bytes_unpooled(n)` where the chain has no pooling op).
 ///
 /// # Parameters
 /// * `z`: `(splits, rows, n)` row-major: the GEMM output (`splits == 1`, Linear bias
@@ -510,13 +513,13 @@ pub(crate) unsafe fn op_forward_rows(op: &OpDesc, x: *mut f32, rows: usize, f: u
 ///
 /// # Thread mapping
 /// One block per row; the row sits in shared memory. Elementwise ops stride the
-/// block's threads over it; GroupNorm gives each warp whole groups (two-pass mean
-/// and variance with shuffle reductions); pooling writes into the second buffer;
+/// block's threads over it; GroupNorm gives each thread (groups of up to 32) or each
+/// warp whole groups (two-pass mean and variance); pooling writes into the second buffer;
 /// the row reductions (and softmax's and RMSNorm's sums) reduce over warps, then
 /// across them.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn rows_forward<E: Element>(
+unsafe fn rows_forward<E: Element, const T: usize>(
     z: *const f32,
     splits: u32,
     bias: *const f32,
@@ -536,7 +539,7 @@ unsafe fn rows_forward<E: Element>(
     // SAFETY: row < rows: this row of each split-K part, of save_z.
     unsafe {
         let copy = if save_z.is_null() { save_z } else { save_z.add(row * n) };
-        load_row(cur, z.add(row * n), splits as usize, rows * n, bias, copy, n);
+        load_row::<_, T>(cur, z.add(row * n), splits as usize, rows * n, bias, copy, n);
         // Uniform control flow (every op is run by the whole block).
         sync_threads();
     }
@@ -545,14 +548,14 @@ unsafe fn rows_forward<E: Element>(
     let residual = n_ops > 0 && unsafe { (*ops.add(n_ops as usize - 1)).code } == OP_RESIDUAL;
     for i in 0..n_ops as usize - usize::from(residual) {
         // SAFETY: i < n_ops; buffers as above.
-        f = unsafe { op_forward(&*ops.add(i), &mut cur, &mut alt, red, f) };
+        f = unsafe { op_forward::<T>(&*ops.add(i), &mut cur, &mut alt, red, f) };
     }
     if residual {
         // SAFETY: the last op, the row `n` wide (`BlockSpec::new`); z and bias as loaded.
-        unsafe { add_chain_input(cur, z.add(row * n), splits as usize, rows * n, bias, n) };
+        unsafe { add_chain_input::<T>(cur, z.add(row * n), splits as usize, rows * n, bias, n) };
     }
     // SAFETY: the row's output, f wide.
-    unsafe { store_row(y.add(row * f), cur, f) };
+    unsafe { store_row::<_, T>(y.add(row * f), cur, f) };
 }
 
 /// `g[j] += dy[j]` for this thread's columns `j` (those it reads next): the `residual`
@@ -561,13 +564,13 @@ unsafe fn rows_forward<E: Element>(
 /// # Safety
 /// `g` holds `n` floats, `dy` `n` values.
 #[inline(never)]
-unsafe fn add_row<E: Element>(g: *mut f32, dy: *const E, n: usize) {
+unsafe fn add_row<E: Element, const T: usize>(g: *mut f32, dy: *const E, n: usize) {
     let mut j = thread_idx_x() as usize;
     // SAFETY: j < n.
     unsafe {
         while j < n {
             *g.add(j) += E::load1(dy.add(j));
-            j += ROW_THREADS;
+            j += T;
         }
     }
 }
@@ -580,7 +583,7 @@ unsafe fn add_row<E: Element>(g: *mut f32, dy: *const E, n: usize) {
 /// As `load_row`'s `src`, `parts`, `stride` and `bias`; `cur` the block's row of `n`.
 /// Called by the whole block.
 #[inline(never)]
-unsafe fn add_chain_input(cur: *mut f32, z: *const f32, parts: usize, stride: usize, bias: *const f32, n: usize) {
+unsafe fn add_chain_input<const T: usize>(cur: *mut f32, z: *const f32, parts: usize, stride: usize, bias: *const f32, n: usize) {
     let mut j = thread_idx_x() as usize;
     // SAFETY: every index is below n, the parts below `parts`.
     unsafe {
@@ -593,7 +596,7 @@ unsafe fn add_chain_input(cur: *mut f32, z: *const f32, parts: usize, stride: us
                 v += *bias.add(j);
             }
             *cur.add(j) += v;
-            j += ROW_THREADS;
+            j += T;
         }
         sync_threads();
     }
@@ -602,8 +605,8 @@ unsafe fn add_chain_input(cur: *mut f32, z: *const f32, parts: usize, stride: us
 /// The row-wise forward's entry points, one per type of `y`: FP32, and bf16 or fp16 (a
 /// 16-bit model's output without a second pass).
 macro_rules! rows_forward_into {
-    ($($name:ident: $t:ty),*) => {$(
-        /// `rows_forward` with `y` of this entry point's type.
+    ($($name:ident: $t:ty, $threads:expr;)*) => {$(
+        /// `rows_forward` with `y` of this entry point's type, in blocks of `$threads`.
         ///
         /// # Safety
         /// As `rows_forward`.
@@ -619,11 +622,18 @@ macro_rules! rows_forward_into {
             ops: *const OpDesc,
             n_ops: u32,
         ) {
-            unsafe { rows_forward(z, splits, bias, y, save_z, n, ops, n_ops) }
+            unsafe { rows_forward::<_, { $threads }>(z, splits, bias, y, save_z, n, ops, n_ops) }
         }
     )*};
 }
-rows_forward_into!(epilogue_rows: f32, epilogue_rows_bf16: Bf16, epilogue_rows_f16: F16);
+rows_forward_into!(
+    epilogue_rows: f32, ROW_THREADS;
+    epilogue_rows_bf16: Bf16, ROW_THREADS;
+    epilogue_rows_f16: F16, ROW_THREADS;
+    epilogue_rows_narrow: f32, NARROW_ROW_THREADS;
+    epilogue_rows_narrow_bf16: Bf16, NARROW_ROW_THREADS;
+    epilogue_rows_narrow_f16: F16, NARROW_ROW_THREADS;
+);
 
 /// `(value, index)` `a` comes before `b` as the row max's pick: the larger value, the
 /// first index on ties, and NaN before any number (PyTorch's `max`).
@@ -642,7 +652,7 @@ fn max_first(av: f32, ai: u32, bv: f32, bi: u32) -> bool {
 /// # Safety
 /// `x` holds `f > 0` floats; called by the whole block.
 #[inline(always)]
-unsafe fn arg_max(x: *const f32, f: usize, red: *mut f32, sign: f32) -> usize {
+unsafe fn arg_max<const T: usize>(x: *const f32, f: usize, red: *mut f32, sign: f32) -> usize {
     let t = thread_idx_x() as usize;
     let (warp, lane) = (warp_id() as usize, lane_id() as usize);
     let (mut bv, mut bi) = (f32::NEG_INFINITY, u32::MAX);
@@ -653,7 +663,7 @@ unsafe fn arg_max(x: *const f32, f: usize, red: *mut f32, sign: f32) -> usize {
         if max_first(v, j as u32, bv, bi) {
             (bv, bi) = (v, j as u32);
         }
-        j += ROW_THREADS;
+        j += T;
     }
     let mut m = 1;
     while m < WARP as u32 {
@@ -670,7 +680,7 @@ unsafe fn arg_max(x: *const f32, f: usize, red: *mut f32, sign: f32) -> usize {
         }
         sync_threads();
         let (mut bv, mut bi) = (*red, (*red.add(WARPS)).to_bits());
-        for w in 1..WARPS {
+        for w in 1..(T / WARP) {
             let (ov, oi) = (*red.add(w), (*red.add(WARPS + w)).to_bits());
             if max_first(ov, oi, bv, bi) {
                 (bv, bi) = (ov, oi);
@@ -739,7 +749,7 @@ unsafe fn forward4(op: &OpDesc, v: [f32; 4], at: [usize; 4], live: [bool; 4]) ->
 /// `x` and `g` hold `f` floats, `part` `slot_end` slots of `n >= f`.
 #[inline(never)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn pointwise_run_backward(
+unsafe fn pointwise_run_backward<const T: usize>(
     ops: *const OpDesc,
     run: core::ops::Range<usize>,
     x: *const f32,
@@ -753,8 +763,8 @@ unsafe fn pointwise_run_backward(
     // SAFETY (whole body): ops in `run`, live columns below `f`, slots below `slot_end`.
     unsafe {
         while j < f {
-            // Columns ROW_THREADS apart: the warp's reads stay on distinct banks.
-            let at = [0, 1, 2, 3].map(|e| j + e * ROW_THREADS);
+            // Columns a block apart: the warp's reads stay on distinct banks.
+            let at = [0, 1, 2, 3].map(|e| j + e * T);
             let live = at.map(|c| c < f);
             let input = columns4(x, at, live);
             let mut d = columns4(g, at, live);
@@ -786,7 +796,7 @@ unsafe fn pointwise_run_backward(
                     *g.add(at[e]) = d[e];
                 }
             }
-            j += 4 * ROW_THREADS;
+            j += 4 * T;
         }
     }
 }
@@ -835,8 +845,9 @@ unsafe fn group_norm_grad(
 ///
 /// # Safety
 /// As [`epilogue_rows`]; `partials` zeroed. Launch: grid `(G, 1, 1)` for any
-/// `G <= rows`, `ROW_THREADS` threads, `row_backward_smem_bytes(n, sums_in_smem ? slots : 0,
-/// pools)` shared memory (`pools`: the chain has an AvgPool or a MaxPool).
+/// `G <= rows`, `ROW_THREADS` threads (or fewer, a multiple of 32),
+/// `row_backward_smem_bytes(n, sums_in_smem ? slots : 0, pools)` shared memory
+/// (`pools`: the chain has an AvgPool or a MaxPool).
 ///
 /// # Parameters
 /// * `z`: `(rows, n)`, the chain's input saved by the forward.
@@ -856,7 +867,7 @@ unsafe fn group_norm_grad(
 /// them), so its partial sums need no atomics.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn rows_backward<E: Element>(
+unsafe fn rows_backward<E: Element, const T: usize>(
     z: *const f32,
     dy: *const E,
     dz: *mut E,
@@ -894,7 +905,7 @@ unsafe fn rows_backward<E: Element>(
         let mut j = t;
         while j < slots * n {
             unsafe { *s.add(j) = 0.0 };
-            j += ROW_THREADS;
+            j += T;
         }
         s
     } else {
@@ -906,7 +917,7 @@ unsafe fn rows_backward<E: Element>(
         let (mut g, mut g_alt) = (g_buf, alt_buf);
         // SAFETY (whole row): indices below the buffer extents; uniform barriers.
         unsafe {
-            load_row(g, dy.add(row * f_out), 1, 0, null(), null_mut(), f_out);
+            load_row::<_, T>(g, dy.add(row * f_out), 1, 0, null(), null_mut(), f_out);
             // Threads read columns that others loaded (16 bytes each): and with no op
             // below, the store of dz reads them straight away.
             sync_threads();
@@ -927,14 +938,14 @@ unsafe fn rows_backward<E: Element>(
                 // Rebuild op `first`'s input in x (ops before it, forward from z);
                 // shrinking ops write into the buffer the gradient is not using.
                 let (mut x, mut x_alt) = (x_buf, g_alt);
-                load_row(x, z.add(row * n), 1, 0, null::<f32>(), null_mut(), n);
+                load_row::<_, T>(x, z.add(row * n), 1, 0, null::<f32>(), null_mut(), n);
                 sync_threads();
                 let mut f = n;
                 for p in 0..first {
-                    f = op_forward(&op_at(p), &mut x, &mut x_alt, red, f);
+                    f = op_forward::<T>(&op_at(p), &mut x, &mut x_alt, red, f);
                 }
                 if first < i || is_pointwise(&op) {
-                    pointwise_run_backward(ops, first..i + 1, x, g, part, slot_end, n, f);
+                    pointwise_run_backward::<T>(ops, first..i + 1, x, g, part, slot_end, n, f);
                     for k in first..=i {
                         slot_end -= param_count(&op_at(k));
                     }
@@ -973,7 +984,7 @@ unsafe fn rows_backward<E: Element>(
                                     *gs.add(k) = group_norm_grad(ps, n, ch, *gs.add(k), (xhat, rstd), m, size, &op);
                                     k = next_in_group(k, size);
                                 }
-                                gi += ROW_THREADS;
+                                gi += T;
                             }
                         } else {
                             let mut gi = warp;
@@ -997,7 +1008,7 @@ unsafe fn rows_backward<E: Element>(
                                     *gs.add(j) = group_norm_grad(ps, n, ch, *gs.add(j), (xhat, rstd), m, size, &op);
                                     j += WARP;
                                 }
-                                gi += WARPS;
+                                gi += T / WARP;
                             }
                         }
                     }
@@ -1007,7 +1018,7 @@ unsafe fn rows_backward<E: Element>(
                         let mut j = t;
                         while j < f {
                             *g_alt.add(j) = if j < pooled * k { *g.add(j / k) / k as f32 } else { 0.0 };
-                            j += ROW_THREADS;
+                            j += T;
                         }
                         core::mem::swap(&mut g, &mut g_alt);
                     }
@@ -1028,56 +1039,56 @@ unsafe fn rows_backward<E: Element>(
                             for e in 0..k {
                                 *g_alt.add(w * k + e) = if e == at { d } else { 0.0 };
                             }
-                            w += ROW_THREADS;
+                            w += T;
                         }
                         let mut j = pooled * k + t;
                         while j < f {
                             *g_alt.add(j) = 0.0;
-                            j += ROW_THREADS;
+                            j += T;
                         }
                         core::mem::swap(&mut g, &mut g_alt);
                     }
                     OP_ROW_SUM | OP_ROW_MEAN | OP_LOGSUMEXP => {
-                        let lse = if op.code == OP_LOGSUMEXP { reduce_row(op.code, x, f, red) } else { 0.0 };
+                        let lse = if op.code == OP_LOGSUMEXP { reduce_row::<T>(op.code, x, f, red) } else { 0.0 };
                         let d = *g;
                         sync_threads(); // g[0] read by all before g is rewritten in place
                         let each = if op.code == OP_ROW_MEAN { d / f as f32 } else { d };
                         let mut j = t;
                         while j < f {
                             *g.add(j) = if op.code == OP_LOGSUMEXP { d * exp(*x.add(j) - lse) } else { each };
-                            j += ROW_THREADS;
+                            j += T;
                         }
                     }
                     OP_SOFTMAX => {
                         // dx = s (dy - sum(dy s)), `s` the softmax (rebuilt in x).
-                        softmax_in_place(x, f, red);
-                        let dot = row_sum(x, f, red, |j, s| s * *g.add(j));
+                        softmax_in_place::<T>(x, f, red);
+                        let dot = row_sum::<T, _>(x, f, red, |j, s| s * *g.add(j));
                         let mut j = t;
                         while j < f {
                             *g.add(j) = *x.add(j) * (*g.add(j) - dot);
-                            j += ROW_THREADS;
+                            j += T;
                         }
                     }
                     OP_RMS_NORM => {
                         // With xhat = x r: dx = r (dy w - xhat mean(dy w xhat)); dw += dy xhat.
-                        let r = rms_rstd(x, f, op.a, red);
-                        let m = row_sum(x, f, red, |j, v| *g.add(j) * *p0.add(j) * v * r) / f as f32;
+                        let r = rms_rstd::<T>(x, f, op.a, red);
+                        let m = row_sum::<T, _>(x, f, red, |j, v| *g.add(j) * *p0.add(j) * v * r) / f as f32;
                         let mut j = t;
                         while j < f {
                             let (xhat, d) = (*x.add(j) * r, *g.add(j));
                             *ps.add(j) += d * xhat;
                             *g.add(j) = r * (d * *p0.add(j) - xhat * m);
-                            j += ROW_THREADS;
+                            j += T;
                         }
                     }
                     OP_ROW_MAX | OP_ROW_MIN => {
-                        let at = arg_max(x, f, red, if op.code == OP_ROW_MIN { -1.0 } else { 1.0 });
+                        let at = arg_max::<T>(x, f, red, if op.code == OP_ROW_MIN { -1.0 } else { 1.0 });
                         let d = *g;
                         sync_threads(); // g[0] read by all before g is rewritten in place
                         let mut j = t;
                         while j < f {
                             *g.add(j) = if j == at { d } else { 0.0 };
-                            j += ROW_THREADS;
+                            j += T;
                         }
                     }
                     _ => {
@@ -1085,7 +1096,7 @@ unsafe fn rows_backward<E: Element>(
                         let mut j = t;
                         while j < f {
                             *g.add(j) = f32::NAN;
-                            j += ROW_THREADS;
+                            j += T;
                         }
                     }
                 }
@@ -1093,14 +1104,14 @@ unsafe fn rows_backward<E: Element>(
             }
             // g now holds dz for the row (but for a `residual`'s path: `dy` itself).
             if n_ops > 0 && op_at(n_ops - 1).code == OP_RESIDUAL {
-                add_row(g, dy.add(row * n), n);
+                add_row::<_, T>(g, dy.add(row * n), n);
             }
             let mut j = t;
             while j < n {
                 let d = *g.add(j);
                 E::store1(dz.add(row * n + j), d);
                 *part.add(j) += d;
-                j += ROW_THREADS;
+                j += T;
             }
             sync_threads();
         }
@@ -1111,7 +1122,7 @@ unsafe fn rows_backward<E: Element>(
         let mut j = t;
         while j < slots * n {
             unsafe { *out.add(j) = *part.add(j) };
-            j += ROW_THREADS;
+            j += T;
         }
     }
 }
@@ -1120,8 +1131,9 @@ unsafe fn rows_backward<E: Element>(
 /// or fp16 (a 16-bit model's gradients without a widening pass before and a rounding
 /// pass after).
 macro_rules! rows_backward_of {
-    ($($name:ident: $t:ty),*) => {$(
-        /// `rows_backward` with `dy` and `dz` of this entry point's type.
+    ($($name:ident: $t:ty, $threads:expr;)*) => {$(
+        /// `rows_backward` with `dy` and `dz` of this entry point's type, in blocks of
+        /// `$threads`.
         ///
         /// # Safety
         /// As `rows_backward`.
@@ -1138,11 +1150,18 @@ macro_rules! rows_backward_of {
             n_ops: u32,
             sums_in_smem: u32,
         ) {
-            unsafe { rows_backward(z, dy, dz, partials, rows, n, ops, n_ops, sums_in_smem) }
+            unsafe { rows_backward::<_, { $threads }>(z, dy, dz, partials, rows, n, ops, n_ops, sums_in_smem) }
         }
     )*};
 }
-rows_backward_of!(epilogue_rows_backward: f32, epilogue_rows_backward_bf16: Bf16, epilogue_rows_backward_f16: F16);
+rows_backward_of!(
+    epilogue_rows_backward: f32, ROW_THREADS;
+    epilogue_rows_backward_bf16: Bf16, ROW_THREADS;
+    epilogue_rows_backward_f16: F16, ROW_THREADS;
+    epilogue_rows_backward_narrow: f32, NARROW_ROW_THREADS;
+    epilogue_rows_backward_narrow_bf16: Bf16, NARROW_ROW_THREADS;
+    epilogue_rows_backward_narrow_f16: F16, NARROW_ROW_THREADS;
+);
 
 /// `out[j] = sum_b partials[b, j]`: the second level of the parameter-gradient
 /// reduction (the first is per block in `epilogue_rows_backward`).

@@ -152,7 +152,7 @@ unsafe fn gemv<E: Element, O: Element>(
                 d.count = (d.count as usize * SLAB / n) as u32;
             }
             // SAFETY: the host's contract; every thread runs every op.
-            unsafe { op_forward(&d, &mut cur, &mut alt, red, SLAB) };
+            unsafe { op_forward::<THREADS>(&d, &mut cur, &mut alt, red, SLAB) };
         }
     }
     let mut i = t;

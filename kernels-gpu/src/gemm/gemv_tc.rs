@@ -216,7 +216,7 @@ unsafe fn gemv_tc<E: Element, O: Element, H: Half, const TF32: bool>(
             d.count = (d.count as usize * SLAB / n) as u32;
         }
         // SAFETY: the host's contract; every thread runs every op.
-        unsafe { op_forward_rows(&d, zs, m, SLAB) };
+        unsafe { op_forward_rows::<THREADS>(&d, zs, m, SLAB) };
     }
     let mut i = t;
     while i < m * SLAB {

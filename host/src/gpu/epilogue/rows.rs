@@ -42,7 +42,7 @@ pub fn epilogue_rows<T: DeviceElement>(
     if bias.is_some_and(|b| b.len() != n) || save_z.as_ref().is_some_and(|s| s.shape != [rows, n]) {
         return Err(Error::Shape(format!("epilogue bias / saved input must have {n} columns")));
     }
-    let kernel = rows_kernel(T::DTYPE);
+    let (kernel, threads) = rows_kernel(T::DTYPE, n);
     let func = gpu.function(kernel)?;
     // The pooling buffer only where an op pools.
     let pools = chain.ops.iter().any(|op| matches!(op.code, OP_AVG_POOL | OP_MAX_POOL));
@@ -51,7 +51,7 @@ pub fn epilogue_rows<T: DeviceElement>(
         .map_err(|e| Error::Unsupported(format!("{e}: rows of {n} features are too wide for the row-wise epilogue")))?;
     let cfg = LaunchConfig {
         grid_dim: (rows as u32, 1, 1),
-        block_dim: (ROW_THREADS as u32, 1, 1),
+        block_dim: (threads as u32, 1, 1),
         shared_mem_bytes: smem as u32,
     };
     let (splits, n, n_ops) = (splits as u32, n as u32, chain.ops.len() as u32);
@@ -100,20 +100,20 @@ pub fn epilogue_rows_backward<T: DeviceElement>(
     // of a sum waits out the previous one's L2 round trip.
     let in_smem = row_backward_smem_bytes(n, slots, pools) <= gpu.props.max_shared_per_block_optin;
     let smem = row_backward_smem_bytes(n, if in_smem { slots } else { 0 }, pools);
-    // As many blocks as fit on the GPU at once (its shared memory, and the registers of
-    // the launch bounds); each sums its rows' parameter gradients.
-    let most = ROW_BACKWARD_BLOCKS_PER_SM as usize;
+    // As many blocks as fit on the GPU at once (its shared memory, the registers of the
+    // launch bounds, 32 blocks); each sums its rows' parameter gradients.
+    let (kernel, threads) = rows_backward_kernel(T::DTYPE, n);
+    let most = (ROW_BACKWARD_BLOCKS_PER_SM as usize * ROW_THREADS / threads).min(32);
     let per_sm = (gpu.props.shared_per_multiprocessor / smem.max(1)).clamp(1, most);
     let blocks = rows.min(per_sm * gpu.props.multiprocessors);
     let mut partials = if in_smem { gpu.alloc(&[blocks, slots, n])? } else { gpu.zeros(&[blocks, slots, n])? };
     let mut dz = gpu.alloc_as::<T>(&[rows, n])?;
-    let kernel = rows_backward_kernel(T::DTYPE);
     let func = gpu.function(kernel)?;
     gpu.allow_shared(&func, kernel, smem)
         .map_err(|e| Error::Unsupported(format!("{e}: rows of {n} features are too wide for the row-wise backward")))?;
     let cfg = LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
-        block_dim: (ROW_THREADS as u32, 1, 1),
+        block_dim: (threads as u32, 1, 1),
         shared_mem_bytes: smem as u32,
     };
     let (rows32, n32, n_ops, in_smem32) = (rows as u32, n as u32, chain.ops.len() as u32, u32::from(in_smem));
