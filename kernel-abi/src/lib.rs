@@ -502,4 +502,19 @@ mod tests {
         assert!(!gemm_tma::splits_k("gemm_tma_bf16_n"));
         assert!(same_str("", "") && !same_str("a", "") && !same_str("ab", "ac"));
     }
+
+    /// The row-wise backward's third buffer is there only where the chain pools; the
+    /// narrow entries' launch bounds leave each thread the registers of the wide ones'.
+    #[test]
+    fn row_backward_sizes() {
+        use epilogue::*;
+        let n = 1000;
+        assert_eq!(row_backward_smem_bytes(n, 0, true) - row_backward_smem_bytes(n, 0, false), 4 * n);
+        assert_eq!(row_backward_smem_bytes(n, 2, false) - row_backward_smem_bytes(n, 0, false), 8 * n);
+        assert_eq!(
+            NARROW_ROW_BACKWARD_BLOCKS_PER_SM as usize * NARROW_ROW_THREADS,
+            ROW_BACKWARD_BLOCKS_PER_SM as usize * ROW_THREADS
+        );
+        assert!(NARROW_ROW_THREADS.is_multiple_of(32) && NARROW_ROW_THREADS < ROW_THREADS);
+    }
 }

@@ -1004,6 +1004,30 @@ mod tests {
         assert_eq!(r(Fp16, Role::GradWeight).kernel, Kernel::GemmMmaF16TnVec4);
     }
 
+    /// Rows of at most `NARROW_ROW_FEATURES` take the row-wise kernels' `_narrow`
+    /// entries in blocks of `NARROW_ROW_THREADS`, wider ones the 256-thread entries, in
+    /// every dtype, forward and backward; each entry's launch bounds are its block's.
+    #[test]
+    fn row_kernels_take_narrow_blocks_for_narrow_rows() {
+        use kernel_abi::epilogue::{NARROW_ROW_FEATURES, NARROW_ROW_THREADS, ROW_THREADS};
+        let (narrow, wide) = (NARROW_ROW_FEATURES, NARROW_ROW_FEATURES + 1);
+        assert_eq!(rows_kernel(Dtype::F32, narrow), (Kernel::EpilogueRowsNarrow, NARROW_ROW_THREADS));
+        assert_eq!(rows_kernel(Dtype::Bf16, wide), (Kernel::EpilogueRowsBf16, ROW_THREADS));
+        assert_eq!(rows_kernel(Dtype::F16, 1), (Kernel::EpilogueRowsNarrowF16, NARROW_ROW_THREADS));
+        let backward = rows_backward_kernel(Dtype::Bf16, narrow);
+        assert_eq!(backward, (Kernel::EpilogueRowsBackwardNarrowBf16, NARROW_ROW_THREADS));
+        assert_eq!(rows_backward_kernel(Dtype::F32, wide), (Kernel::EpilogueRowsBackward, ROW_THREADS));
+        for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
+            for n in [narrow, wide] {
+                let (kernel, threads) = rows_backward_kernel(dtype, n);
+                let bounds = kernel.launch_bounds().expect("the row-wise backward carries launch bounds");
+                assert_eq!(bounds.max_threads as usize, threads, "{kernel}");
+                assert_eq!(kernel.name().contains("_narrow"), n == narrow, "{kernel}");
+                assert_eq!(rows_kernel(dtype, n).0.name().contains("_narrow"), n == narrow);
+            }
+        }
+    }
+
     /// An fp16 model's tensors take the same rows as a bf16 model's, on the fp16 kernels;
     /// every kernel of one 16-bit type's table is that type's.
     #[test]
