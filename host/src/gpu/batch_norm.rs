@@ -270,16 +270,26 @@ impl<W: DeviceElement> GpuBlock<W> {
             return Ok(None);
         }
         let Some(post) = self.batch_norm_columns_post(gpu, k)? else { return Ok(None) };
-        // The forward's statistics where the caller kept them, else recomputed from `z`.
-        let recomputed;
-        let stats = match saved_stats {
-            Some(s) if s.len() >= 2 * n => s,
-            _ => {
-                recomputed = batch_norm_stats(gpu, z, Some(&self.chain), eps)?;
-                &recomputed
-            }
-        };
+        let mut recomputed = None;
+        let stats = self.backward_stats(gpu, z, saved_stats, eps, &mut recomputed)?;
         self.backward_columns(gpu, z, stats, dy, (k, eps), Some(&post)).map(Some)
+    }
+
+    /// The statistics a backward reads: the forward's where the caller kept them
+    /// (`saved`, `[mean; var]` at least), else recomputed from the saved `z` into
+    /// `recomputed`.
+    fn backward_stats<'a>(
+        &self,
+        gpu: &Gpu,
+        z: &DeviceTensor,
+        saved: Option<&'a DeviceTensor>,
+        eps: f32,
+        recomputed: &'a mut Option<DeviceTensor>,
+    ) -> Result<&'a DeviceTensor> {
+        match saved {
+            Some(s) if s.len() >= 2 * z.shape[1] => Ok(s),
+            _ => Ok(recomputed.insert(batch_norm_stats(gpu, z, Some(&self.chain), eps)?)),
+        }
     }
 
     /// `dz` and the block's gradient slots by `batch_norm_backward_sums` and
@@ -370,14 +380,8 @@ impl<W: DeviceElement> GpuBlock<W> {
             &recomputed
         };
         if self.pre_by_columns(0) && vector_aligned(n, &[(z.buf.device_address(), 4), (u.buf.device_address(), 4)]) {
-            let computed;
-            let stats = match saved_stats {
-                Some(s) if s.len() >= 2 * n => s,
-                _ => {
-                    computed = batch_norm_stats(gpu, z, Some(&self.chain), eps)?;
-                    &computed
-                }
-            };
+            let mut recomputed = None;
+            let stats = self.backward_stats(gpu, z, saved_stats, eps, &mut recomputed)?;
             let mut v = gpu.alloc(&[rows, n])?;
             self.apply_columns(gpu, u, stats, (k, eps), None, &mut v)?;
             let later = DeviceChain::new(gpu, &[], &self.spec.chain.0[k + 1..], &self.params.ops[k + 1..])?;
