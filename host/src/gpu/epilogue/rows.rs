@@ -8,8 +8,7 @@ use super::DeviceChain;
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use kernel_abi::epilogue::{
-    OP_AVG_POOL, OP_MAX_POOL, ROW_BACKWARD_BLOCKS_PER_SM, ROW_THREADS, row_backward_smem_bytes, row_smem_bytes,
-    row_smem_bytes_unpooled,
+    OP_AVG_POOL, OP_MAX_POOL, row_backward_smem_bytes, row_smem_bytes, row_smem_bytes_unpooled,
 };
 use kernel_abi::kernels::Kernel;
 
@@ -20,6 +19,12 @@ fn check_rows_size(splits: usize, rows: usize, n: usize) -> Result<()> {
         return Err(Error::Shape(format!("epilogue over {splits} x {rows} rows of {n} is outside the kernel's range")));
     }
     Ok(())
+}
+
+/// Whether an op of `chain` pools (AvgPool, MaxPool): the row-wise kernels then need
+/// a second row buffer.
+fn pools(chain: &DeviceChain) -> bool {
+    chain.ops.iter().any(|op| matches!(op.code, OP_AVG_POOL | OP_MAX_POOL))
 }
 
 /// Queues `y = chain(sum_s z[s] + bias)` row by row. `z` is `(rows, n)`, or
@@ -45,8 +50,7 @@ pub fn epilogue_rows<T: DeviceElement>(
     let (kernel, threads) = rows_kernel(T::DTYPE, n);
     let func = gpu.function(kernel)?;
     // The pooling buffer only where an op pools.
-    let pools = chain.ops.iter().any(|op| matches!(op.code, OP_AVG_POOL | OP_MAX_POOL));
-    let smem = if pools { row_smem_bytes(n) } else { row_smem_bytes_unpooled(n) };
+    let smem = if pools(chain) { row_smem_bytes(n) } else { row_smem_bytes_unpooled(n) };
     gpu.allow_shared(&func, kernel, smem)
         .map_err(|e| Error::Unsupported(format!("{e}: rows of {n} features are too wide for the row-wise epilogue")))?;
     let cfg = LaunchConfig {
@@ -94,16 +98,16 @@ pub fn epilogue_rows_backward<T: DeviceElement>(
         return Err(Error::tensor("dy", format!("expected {rows} x {out_width} values, got shape {:?}", dy.shape)));
     }
     let slots = chain.grad_slots;
-    let pools = chain.ops.iter().any(|op| matches!(op.code, OP_AVG_POOL | OP_MAX_POOL));
+    let pools = pools(chain);
     // The parameter-gradient sums stay in shared memory whenever they fit beside the
     // rows, even at fewer blocks per SM: in global memory each thread's read-add-write
     // of a sum waits out the previous one's L2 round trip.
     let in_smem = row_backward_smem_bytes(n, slots, pools) <= gpu.props.max_shared_per_block_optin;
     let smem = row_backward_smem_bytes(n, if in_smem { slots } else { 0 }, pools);
-    // As many blocks as fit on the GPU at once (its shared memory, the registers of the
-    // launch bounds, 32 blocks); each sums its rows' parameter gradients.
+    // As many blocks as fit on the GPU at once (its shared memory, the blocks its
+    // launch bounds leave registers for); each sums its rows' parameter gradients.
     let (kernel, threads) = rows_backward_kernel(T::DTYPE, n);
-    let most = (ROW_BACKWARD_BLOCKS_PER_SM as usize * ROW_THREADS / threads).min(32);
+    let most = kernel.launch_bounds().map_or(1, |b| b.min_blocks_per_sm as usize);
     let per_sm = (gpu.props.shared_per_multiprocessor / smem.max(1)).clamp(1, most);
     let blocks = rows.min(per_sm * gpu.props.multiprocessors);
     let mut partials = if in_smem { gpu.alloc(&[blocks, slots, n])? } else { gpu.zeros(&[blocks, slots, n])? };
