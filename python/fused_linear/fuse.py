@@ -55,6 +55,8 @@ from typing import Any, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
+from torch._C._functorch import peek_interpreter_stack as _functorch_level
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 __all__ = ["fuse"]
 
@@ -600,11 +602,35 @@ def _param_node(graph: fx.Graph, p: Any, x: fx.Node) -> fx.Node:
     return graph.call_function(torch.neg if what == "neg" else torch.reciprocal, (node,))
 
 
+# The constant vectors handed out so far, by (features, value's bits, dtype, device): one
+# tensor each, never written (the op only reads its parameters, and these take no
+# gradient), so a call does not allocate and fill one anew (a launch per call on CUDA).
+_CONSTANTS: dict = {}
+
+
 def _constant_vector(x: torch.Tensor, features: int, value: float) -> torch.Tensor:
     """``value`` for each of ``features`` channels: a number added to the chain as a bias
-    (float32 for a 16-bit model, whose epilogue adds in FP32 as PyTorch does)."""
+    (float32 for a 16-bit model, whose epilogue adds in FP32 as PyTorch does). Plain eager
+    calls share one cached tensor per vector; under tracing, fake tensors, functorch or
+    CUDA-graph capture (where a fill is recorded, not run) a fresh one."""
     dtype = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
-    return torch.full((features,), value, dtype=dtype, device=x.device)
+    if (
+        torch.compiler.is_compiling()
+        or type(x) is not torch.Tensor
+        or _current_dispatch_mode() is not None
+        or _functorch_level() is not None
+        or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+    ):
+        return torch.full((features,), value, dtype=dtype, device=x.device)
+    key = (features, float(value).hex(), dtype, x.device)
+    vector = _CONSTANTS.get(key)
+    if vector is None:
+        # Not an inference tensor even when first made under inference_mode: a later
+        # training call saves its parameters for the backward.
+        with torch.inference_mode(False), torch.no_grad():
+            vector = torch.full((features,), value, dtype=dtype, device=x.device)
+        _CONSTANTS[key] = vector
+    return vector
 
 
 def _batch_norm_affine(norm: nn.BatchNorm1d, x: torch.Tensor, shift: bool, name: str) -> torch.Tensor:

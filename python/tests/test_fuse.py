@@ -192,3 +192,42 @@ def test_fuse_linears_without_bias(capsys):
     calls = [n for n in fused.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
     assert not [n for n in calls if n.target in ("t", getattr)], fused.graph  # the transpose is gone
     check_same(model, fused, torch.randn(5, 10))
+
+
+class Offset(nn.Module):
+    """A Linear without bias (a constant zero bias for the op) and a number subtracted
+    (a constant vector too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(10, 8, bias=False)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x) - 0.25)
+
+
+def test_constant_vectors_are_made_once_and_serve_training_after_inference(monkeypatch):
+    """Constant vectors (a missing bias, a number added in the chain) are made once: plain
+    eager calls reuse one tensor each (no fill per call); one first made under
+    inference_mode still serves a training call (it is not an inference tensor); values
+    and gradients stay the model's."""
+    torch.manual_seed(5)
+    model = Offset()
+    fused = fused_linear.fuse(model)
+    x = torch.randn(6, 10)
+    made = []
+    real_full = torch.full
+
+    def counting_full(*args, **kwargs):
+        made.append(args[0])
+        return real_full(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "full", counting_full)
+    with torch.inference_mode():
+        first = fused(x)
+    count = len(made)
+    second = fused(x)
+    assert len(made) == count, made  # the second call made no vector
+    monkeypatch.undo()
+    assert torch.equal(first, second)
+    check_same(model, fused, x)
