@@ -132,6 +132,8 @@ fn gpu_block_backward_matches_reference() {
         ("sum,max,mean,logsumexp,logsumexp", (17, 45, 300)),
         ("bias,min,swish,scale(-2)", (9, 31, 100)),
         ("mish,mean,tanh", (9, 31, 100)),
+        // A bias op before a folded mean (KernelBench 51): its gradient is the bias's.
+        ("bias,mean,logsumexp,gelu", (17, 45, 300)),
         ("logsumexp,leakyrelu(0.01),gelu", (33, 77, 5000)),
         ("softmax,scale(3),mul,maxpool(3),layernorm,gelu", (17, 45, 301)),
         ("layernorm(1e-3),mul,rmsnorm,bias,softmax,logsumexp", (33, 77, 96)),
@@ -200,11 +202,13 @@ fn tensor_core_precisions_match_reference() {
     use host::Precision;
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(19);
-    let cases: [(&str, (usize, usize, usize)); 8] = [
+    let cases: [(&str, (usize, usize, usize)); 9] = [
         ("groupnorm(8),swish,mul,swish", (300, 520, 256)),
-        // A row sum or mean after scalings, folded: one output column (KernelBench 14, 18).
+        // A row sum or mean after biases and scalings, folded: one output column
+        // (KernelBench 14, 18, 51).
         ("scale(0.5),sum,scale(1.5)", (100, 2048, 4096)),
         ("mean,max,logsumexp", (70, 1032, 3000)),
+        ("bias,bias,double,sum", (100, 2048, 4096)),
         // Deep enough `k` for the TF32 and bf16 forwards' TMA kernels (ragged `m`, `n`;
         // k % 32 != 0 and k % 64 != 0; k % 8 == 0, which bf16's TMA wants).
         ("groupnorm(65),swish,mul,swish", (300, 4104, 520)),
@@ -608,6 +612,7 @@ fn folded_avgpool_halves_match_reference() {
             // A whole row's sum or mean: one output column, its fold in passes.
             ("scale(0.5),sum,scale(1.5)", (96, 2048, 4096)),
             ("sum,max,mean,logsumexp,logsumexp", (64, 1024, 8192)),
+            ("bias,mean,logsumexp,gelu", (96, 2048, 4096)),
         ];
         let tunings = [
             (Tuning::default(), "twice"),

@@ -27,7 +27,7 @@
 
 use super::dispatch::{self, FoldedAs, Forward, SplitSums, not_fusable};
 use super::elementwise::{
-    Convert, Vector, convert_vectors, fold_rows_mean, fold_rows_mean_halves, unfold_rows_mean_grad,
+    Convert, Vector, add_assign, convert_vectors, fold_rows_mean, fold_rows_mean_halves, unfold_rows_mean_grad,
 };
 use super::epilogue::DeviceChain;
 use super::epilogue::kinks::{Refined, Scan, refine_near_kinks, scanned_prefix};
@@ -314,7 +314,7 @@ impl<W: DeviceElement> GpuBlock<W> {
     /// Folds a leading AvgPool into the weight and bias: the weight's FP32 means, or for
     /// a 16-bit model outside FP8 its means as two halves in its type.
     fn fold(&mut self, gpu: &Gpu) -> Result<()> {
-        let Some(dispatch::Fold { pool, .. }) = dispatch::fold(&self.spec) else { return Ok(()) };
+        let Some(dispatch::Fold { pool, biases, .. }) = dispatch::fold(&self.spec) else { return Ok(()) };
         let w = &self.params.linear_weight;
         let weight = if W::DTYPE != Dtype::F32 && !self.precision.is_fp8() {
             let (hi, lo) = fold_rows_mean_halves(gpu, w, pool)?;
@@ -322,7 +322,11 @@ impl<W: DeviceElement> GpuBlock<W> {
         } else {
             FoldedWeight::Means(fold_rows_mean(gpu, w, pool)?)
         };
-        let bias = fold_rows_mean(gpu, &self.params.linear_bias, pool)?;
+        let mut bias = fold_rows_mean(gpu, &self.params.linear_bias, pool)?;
+        // Leading `bias` ops add per feature as the Linear's bias does: their means too.
+        for p in self.params.ops[..biases].iter().flatten() {
+            add_assign(gpu, &mut bias, &fold_rows_mean(gpu, p, pool)?)?;
+        }
         self.folded = Some(Folded { pool, weight, bias });
         Ok(())
     }
@@ -675,11 +679,15 @@ impl<W: DeviceElement> GpuBlock<W> {
         // SAFETY: every source lies inside `slots` (checked above), every destination is
         // a new buffer of its vector's length; both outlive the launch (stream order).
         unsafe { convert_vectors(gpu, gpu.stream(), &copies)? };
-        let db = match &self.folded {
-            Some(f) => unfold_rows_mean_grad::<f32>(gpu, &db, self.spec.out_features, f.pool)?,
-            None => db,
-        };
-        Ok((db, ops))
+        let Some(f) = &self.folded else { return Ok((db, ops)) };
+        // Folded: the bias's gradient spread back over the features, and the same for
+        // each leading `bias` op folded with it (`dispatch::Fold::biases`).
+        let unfold = |db: &DeviceTensor| unfold_rows_mean_grad::<f32>(gpu, db, self.spec.out_features, f.pool);
+        let biases = dispatch::fold(&self.spec).map_or(0, |f| f.biases);
+        for grads in &mut ops[..biases] {
+            *grads = vec![unfold(&db)?];
+        }
+        Ok((unfold(&db)?, ops))
     }
 }
 

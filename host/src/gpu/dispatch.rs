@@ -624,11 +624,13 @@ pub fn rows_fit(n: usize, smem_optin: usize) -> bool {
 }
 
 /// A reduction of the Linear layer's features that the GPU folds into its weight: a
-/// leading `avgpool(k)`, or a leading row `sum` or `mean` after constant scalings only
-/// (`scale(s)`, `double`), pooled over the whole row. Averaging outputs of a Linear layer
-/// is the Linear layer of the averaged weight rows and bias (exact algebra), and a
-/// scaling commutes with it, so the GEMM shrinks `pool` times: KernelBench 14's
-/// `(x W^T / 2).sum(1) * s` becomes one dot product per row.
+/// leading `avgpool(k)`, or a leading row `sum` or `mean` after per-feature `bias` ops
+/// and then constant scalings (`scale(s)`, `double`), pooled over the whole row.
+/// Averaging outputs of a Linear layer is the Linear layer of the averaged weight rows
+/// and bias (exact algebra); a `bias` op right after the Linear adds to its bias, and a
+/// scaling commutes with the mean, so the GEMM shrinks `pool` times: KernelBench 14's
+/// `(x W^T / 2).sum(1) * s` and 51's `(x W^T + b - p).mean(1)` become one dot product
+/// per row.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Fold {
     /// Outputs averaged into one.
@@ -638,6 +640,9 @@ pub struct Fold {
     /// Ops the kernels run on the pooled values before `first_op`'s: the scalings moved
     /// after the mean, and for a `sum` a scaling by the row's width.
     pub before: Vec<Op>,
+    /// The chain's leading `bias` ops, folded with the Linear's bias (their parameters'
+    /// gradients are the bias's).
+    pub biases: usize,
 }
 
 /// The fold of `spec`'s chain, if it starts with one ([`Fold`]).
@@ -645,17 +650,18 @@ pub fn fold(spec: &crate::BlockSpec) -> Option<Fold> {
     use kernel_abi::ops::Pointwise;
     let ops = &spec.chain.0;
     if let Some(&Op::AvgPool(pool)) = ops.first() {
-        return Some(Fold { pool, first_op: 1, before: Vec::new() });
+        return Some(Fold { pool, first_op: 1, before: Vec::new(), biases: 0 });
     }
-    let scalings = ops.iter().take_while(|op| matches!(op, Op::Pointwise(Pointwise::Scale, _))).count();
+    let biases = ops.iter().take_while(|op| matches!(op, Op::Pointwise(Pointwise::Bias, _))).count();
+    let scalings = ops[biases..].iter().take_while(|op| matches!(op, Op::Pointwise(Pointwise::Scale, _))).count();
     let n = spec.out_features;
-    let mut before = ops[..scalings].to_vec();
-    match ops.get(scalings) {
+    let mut before = ops[biases..biases + scalings].to_vec();
+    match ops.get(biases + scalings) {
         Some(Op::Reduce(crate::chain::Reduce::Mean)) => {}
         Some(Op::Reduce(crate::chain::Reduce::Sum)) => before.push(Op::Pointwise(Pointwise::Scale, [n as f32, 0.0])),
         _ => return None,
     }
-    Some(Fold { pool: n, first_op: scalings + 1, before })
+    Some(Fold { pool: n, first_op: biases + scalings + 1, before, biases })
 }
 
 /// The width of the GEMM the GPU runs for `spec`: its features out, or fewer after a [`fold`].
@@ -1295,23 +1301,32 @@ mod tests {
         assert!(!gemv_tc_serves(Dtype::F32, Tf32x3));
     }
 
-    /// Folds: a leading AvgPool, and a leading row sum or mean after constant scalings
-    /// (the scalings moved after the mean, a sum's width as one more); nothing else.
+    /// Folds: a leading AvgPool, and a leading row sum or mean after `bias` ops and then
+    /// constant scalings (the biases into the Linear's, the scalings moved after the
+    /// mean, a sum's width as one more); nothing else.
     #[test]
     fn leading_means_and_sums_fold_into_the_weight() {
         use kernel_abi::ops::Pointwise::Scale;
         let spec = |chain: &str| crate::BlockSpec::new(64, 4096, chain.parse().unwrap()).unwrap();
         let fold_of = |chain: &str| fold(&spec(chain));
-        assert_eq!(fold_of("avgpool(16),gelu"), Some(Fold { pool: 16, first_op: 1, before: vec![] }));
-        assert_eq!(fold_of("mean,max"), Some(Fold { pool: 4096, first_op: 1, before: vec![] }));
+        assert_eq!(fold_of("avgpool(16),gelu"), Some(Fold { pool: 16, first_op: 1, before: vec![], biases: 0 }));
+        assert_eq!(fold_of("mean,max"), Some(Fold { pool: 4096, first_op: 1, before: vec![], biases: 0 }));
+        // KernelBench 51's chain: its subtraction is a `bias` op.
+        let biased = Fold { pool: 4096, first_op: 2, before: vec![], biases: 1 };
+        assert_eq!(fold_of("bias,mean,logsumexp,gelu"), Some(biased));
+        let two = fold_of("bias,bias,double,sum").unwrap();
+        let doubled = vec![Op::Pointwise(Scale, [2.0, 0.0]), Op::Pointwise(Scale, [4096.0, 0.0])];
+        assert_eq!(two, Fold { pool: 4096, first_op: 4, before: doubled, biases: 2 });
         let sum = fold_of("scale(0.5),double,sum,scale(1.5)").unwrap();
         let want = vec![
             Op::Pointwise(Scale, [0.5, 0.0]),
             Op::Pointwise(Scale, [2.0, 0.0]),
             Op::Pointwise(Scale, [4096.0, 0.0]),
         ];
-        assert_eq!(sum, Fold { pool: 4096, first_op: 3, before: want });
-        for not in ["", "gelu,sum", "bias,sum", "max,sum", "logsumexp", "scale(2),min", "swish,avgpool(4)"] {
+        assert_eq!(sum, Fold { pool: 4096, first_op: 3, before: want, biases: 0 });
+        // A bias after a scaling, a per-feature multiply, a bias before a non-reduction: not.
+        let not_folded = ["", "gelu,sum", "scale(2),bias,sum", "mul,sum", "bias,max", "max,sum", "logsumexp"];
+        for not in not_folded.into_iter().chain(["scale(2),min", "swish,avgpool(4)", "bias,avgpool(4)"]) {
             assert_eq!(fold_of(not), None, "{not}");
         }
         assert_eq!(gemm_width(&spec("scale(3),sum")), 1);
