@@ -51,13 +51,28 @@ fn group_stats(s: *const f32, size: usize, eps: f32, lane: usize) -> (f32, f32) 
 unsafe fn normalize_group(s: *mut f32, size: usize, first: usize, op: &OpDesc, lane: usize) {
     let (gamma, beta) = (op.param0 as *const f32, op.param1 as *const f32);
     let (mean, rstd) = group_stats(s, size, op.a, lane);
+    // `PARAM_LOADS` channels a step, all their parameters loaded before any store: one at
+    // a time, each load waited out its round trip (LLVM cannot tell the store to `s` from
+    // the next channel's parameter; KernelBench 30's groups of 512: a third of the kernel).
     let mut j = lane;
+    while j + (PARAM_LOADS - 1) * WARP < size {
+        let at: [usize; PARAM_LOADS] = core::array::from_fn(|u| j + u * WARP);
+        // SAFETY (this loop): every channel below size; first + it below the parameters' length.
+        let (g, b) = unsafe { (at.map(|c| *gamma.add(first + c)), at.map(|c| *beta.add(first + c))) };
+        for u in 0..PARAM_LOADS {
+            unsafe { *s.add(at[u]) = (*s.add(at[u]) - mean) * rstd * g[u] + b[u] };
+        }
+        j += PARAM_LOADS * WARP;
+    }
     while j < size {
         // SAFETY: j < size; first + j below the parameters' length.
         unsafe { *s.add(j) = (*s.add(j) - mean) * rstd * *gamma.add(first + j) + *beta.add(first + j) };
         j += WARP;
     }
 }
+
+/// Channels whose GroupNorm parameters a thread loads at once (see [`normalize_group`]).
+const PARAM_LOADS: usize = 4;
 
 /// Where a thread alone starts in its group of `size` channels: apart from its warp's
 /// neighbours' starts, so that the warp's reads of groups `size` floats apart spread
@@ -117,10 +132,24 @@ unsafe fn normalize_groups<const T: usize>(x: *mut f32, count: usize, per_row: u
             while gi < count {
                 let (s, first) = (x.add(gi * size), (gi % per_row) * size);
                 let (mean, rstd) = group_stats_alone(s, size, op.a, start);
+                // As `normalize_group`: a few channels' parameters loaded before their stores.
                 let mut k = start;
-                for _ in 0..size {
-                    *s.add(k) = (*s.add(k) - mean) * rstd * *gamma.add(first + k) + *beta.add(first + k);
-                    k = next_in_group(k, size);
+                let mut done = 0;
+                while done < size {
+                    let mut at = [0usize; PARAM_LOADS];
+                    for a in at.iter_mut() {
+                        *a = k;
+                        k = next_in_group(k, size);
+                    }
+                    let live: [bool; PARAM_LOADS] = core::array::from_fn(|u| done + u < size);
+                    let g: [f32; PARAM_LOADS] = core::array::from_fn(|u| if live[u] { *gamma.add(first + at[u]) } else { 0.0 });
+                    let b: [f32; PARAM_LOADS] = core::array::from_fn(|u| if live[u] { *beta.add(first + at[u]) } else { 0.0 });
+                    for u in 0..PARAM_LOADS {
+                        if live[u] {
+                            *s.add(at[u]) = (*s.add(at[u]) - mean) * rstd * g[u] + b[u];
+                        }
+                    }
+                    done += PARAM_LOADS;
                 }
                 gi += T;
             }
