@@ -830,12 +830,13 @@ unsafe fn pointwise_run_backward<const T: usize>(
     }
 }
 
-/// One channel `ch` of a GroupNorm's backward (`op`, groups of `size`): adds `d xhat`
-/// and `d` to gamma's and beta's slots at `ps` and returns
+/// One channel `ch` of a GroupNorm's backward (groups of `size`, `gamma` the channel's,
+/// `eps` the op's): adds `d xhat` and `d` to gamma's and beta's slots at `ps` and returns
 /// `rstd (d gamma - m1 - xhat m2)`, `m` the group's means of `d gamma` and `d gamma xhat`.
+/// (`gamma` is read by the caller, a few channels ahead: see [`normalize_group`].)
 ///
 /// # Safety
-/// `ps` holds two slots of `n > ch` floats, the op's gamma `ch + 1`.
+/// `ps` holds two slots of `n > ch` floats.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn group_norm_grad(
@@ -843,24 +844,23 @@ unsafe fn group_norm_grad(
     n: usize,
     ch: usize,
     d: f32,
+    gamma: f32,
     (xhat, rstd): (f32, f32),
     (m1, m2): (f32, f32),
-    size: usize,
-    op: &OpDesc,
+    (size, eps): (usize, f32),
 ) -> f32 {
     // SAFETY: as the contract.
     unsafe {
         *ps.add(ch) += d * xhat;
         *ps.add(n + ch) += d;
-        let gamma = *(op.param0 as *const f32).add(ch);
-        if size == 2 {
-            // Two channels: xhat = ±sqrt(1 - eps rstd²), and the formula's 1 - xhat²
-            // cancels to noise in f32 when the variance dwarfs eps. Its exact value is
-            // eps rstd².
-            (d * gamma - m1) * (op.a * rstd * rstd * rstd)
-        } else {
-            rstd * (d * gamma - m1 - xhat * m2)
-        }
+    }
+    if size == 2 {
+        // Two channels: xhat = ±sqrt(1 - eps rstd²), and the formula's 1 - xhat²
+        // cancels to noise in f32 when the variance dwarfs eps. Its exact value is
+        // eps rstd².
+        (d * gamma - m1) * (eps * rstd * rstd * rstd)
+    } else {
+        rstd * (d * gamma - m1 - xhat * m2)
     }
 }
 
@@ -1007,11 +1007,25 @@ unsafe fn rows_backward<E: Element, const T: usize>(
                                     k = next_in_group(k, size);
                                 }
                                 let m = (s1 * inv, s2 * inv);
-                                for _ in 0..size {
-                                    let ch = gi * size + k;
-                                    let xhat = (*xs.add(k) - mean) * rstd;
-                                    *gs.add(k) = group_norm_grad(ps, n, ch, *gs.add(k), (xhat, rstd), m, size, &op);
-                                    k = next_in_group(k, size);
+                                // A few channels' gamma read before their slots are written.
+                                let mut done = 0;
+                                while done < size {
+                                    let mut at = [0usize; PARAM_LOADS];
+                                    for a in at.iter_mut() {
+                                        *a = k;
+                                        k = next_in_group(k, size);
+                                    }
+                                    let live: [bool; PARAM_LOADS] = core::array::from_fn(|u| done + u < size);
+                                    let gamma: [f32; PARAM_LOADS] =
+                                        core::array::from_fn(|u| if live[u] { *p0.add(gi * size + at[u]) } else { 0.0 });
+                                    for u in 0..PARAM_LOADS {
+                                        if live[u] {
+                                            let (c, xhat) = (at[u], (*xs.add(at[u]) - mean) * rstd);
+                                            let d = *gs.add(c);
+                                            *gs.add(c) = group_norm_grad(ps, n, gi * size + c, d, gamma[u], (xhat, rstd), m, (size, op.a));
+                                        }
+                                    }
+                                    done += PARAM_LOADS;
                                 }
                                 gi += T;
                             }
@@ -1030,11 +1044,22 @@ unsafe fn rows_backward<E: Element, const T: usize>(
                                     j += WARP;
                                 }
                                 let m = (warp_sum(s1) * inv, warp_sum(s2) * inv);
+                                // A few channels' gamma read before their slots are written.
                                 let mut j = lane;
+                                while j + (PARAM_LOADS - 1) * WARP < size {
+                                    let at: [usize; PARAM_LOADS] = core::array::from_fn(|u| j + u * WARP);
+                                    let gamma = at.map(|c| *p0.add(gi * size + c));
+                                    for u in 0..PARAM_LOADS {
+                                        let (c, xhat) = (at[u], (*xs.add(at[u]) - mean) * rstd);
+                                        let d = *gs.add(c);
+                                        *gs.add(c) = group_norm_grad(ps, n, gi * size + c, d, gamma[u], (xhat, rstd), m, (size, op.a));
+                                    }
+                                    j += PARAM_LOADS * WARP;
+                                }
                                 while j < size {
-                                    let ch = gi * size + j;
-                                    let xhat = (*xs.add(j) - mean) * rstd;
-                                    *gs.add(j) = group_norm_grad(ps, n, ch, *gs.add(j), (xhat, rstd), m, size, &op);
+                                    let (ch, xhat) = (gi * size + j, (*xs.add(j) - mean) * rstd);
+                                    let gamma = *p0.add(ch);
+                                    *gs.add(j) = group_norm_grad(ps, n, ch, *gs.add(j), gamma, (xhat, rstd), m, (size, op.a));
                                     j += WARP;
                                 }
                                 gi += T / WARP;
