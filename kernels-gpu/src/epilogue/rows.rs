@@ -90,6 +90,19 @@ fn next_in_group(k: usize, size: usize) -> usize {
     if k + 1 == size { 0 } else { k + 1 }
 }
 
+/// The next [`PARAM_LOADS`] channels of a thread's walk around its group of `size` from
+/// `*k` (which moves past them), and which of them are among the `size - done` the walk
+/// has left.
+#[inline(always)]
+fn next_channels(k: &mut usize, size: usize, done: usize) -> ([usize; PARAM_LOADS], [bool; PARAM_LOADS]) {
+    let mut at = [0usize; PARAM_LOADS];
+    for a in at.iter_mut() {
+        *a = *k;
+        *k = next_in_group(*k, size);
+    }
+    (at, core::array::from_fn(|u| done + u < size))
+}
+
 /// [`group_stats`] by one thread alone (two passes from `start`).
 ///
 /// # Safety
@@ -136,12 +149,7 @@ unsafe fn normalize_groups<const T: usize>(x: *mut f32, count: usize, per_row: u
                 let mut k = start;
                 let mut done = 0;
                 while done < size {
-                    let mut at = [0usize; PARAM_LOADS];
-                    for a in at.iter_mut() {
-                        *a = k;
-                        k = next_in_group(k, size);
-                    }
-                    let live: [bool; PARAM_LOADS] = core::array::from_fn(|u| done + u < size);
+                    let (at, live) = next_channels(&mut k, size, done);
                     let g: [f32; PARAM_LOADS] = core::array::from_fn(|u| if live[u] { *gamma.add(first + at[u]) } else { 0.0 });
                     let b: [f32; PARAM_LOADS] = core::array::from_fn(|u| if live[u] { *beta.add(first + at[u]) } else { 0.0 });
                     for u in 0..PARAM_LOADS {
@@ -1010,12 +1018,7 @@ unsafe fn rows_backward<E: Element, const T: usize>(
                                 // A few channels' gamma read before their slots are written.
                                 let mut done = 0;
                                 while done < size {
-                                    let mut at = [0usize; PARAM_LOADS];
-                                    for a in at.iter_mut() {
-                                        *a = k;
-                                        k = next_in_group(k, size);
-                                    }
-                                    let live: [bool; PARAM_LOADS] = core::array::from_fn(|u| done + u < size);
+                                    let (at, live) = next_channels(&mut k, size, done);
                                     let gamma: [f32; PARAM_LOADS] =
                                         core::array::from_fn(|u| if live[u] { *p0.add(gi * size + at[u]) } else { 0.0 });
                                     for u in 0..PARAM_LOADS {
