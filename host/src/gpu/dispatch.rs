@@ -1330,6 +1330,8 @@ mod tests {
             assert_eq!(fold_of(not), None, "{not}");
         }
         assert_eq!(gemm_width(&spec("scale(3),sum")), 1);
+        assert_eq!(gemm_width(&spec("bias,mean,logsumexp,gelu")), 1);
+        assert_eq!(gemm_width(&spec("scale(2),bias,sum")), 4096);
         assert_eq!(gemm_width(&spec("avgpool(16)")), 256);
         assert_eq!(gemm_width(&spec("gelu,sum")), 4096);
     }
