@@ -13,8 +13,8 @@
 //! A chain that starts with `avgpool(k)` is folded into the weights first: averaging
 //! blocks of `k` outputs of a Linear layer is a Linear layer with the rows of `W` and
 //! `b` averaged in blocks of `k` (exact algebra, see models.md), `k` times less GEMM. A
-//! leading row `sum` or `mean` after constant scalings folds the same way over the
-//! whole row ([`dispatch::fold`]).
+//! leading row `sum` or `mean` after `bias` ops and constant scalings folds the same way
+//! over the whole row, the bias ops' means added to the Linear's ([`dispatch::fold`]).
 //! The backward works on the folded layer too and spreads its weight gradients back.
 //!
 //! Backward: the forward saves `z`, the chain's input (the GEMM output with bias).
@@ -311,8 +311,9 @@ impl<W: DeviceElement> GpuBlock<W> {
         Ok(())
     }
 
-    /// Folds a leading AvgPool into the weight and bias: the weight's FP32 means, or for
-    /// a 16-bit model outside FP8 its means as two halves in its type.
+    /// Folds a leading AvgPool (or a row sum or mean, [`dispatch::Fold`]) into the weight
+    /// and bias: the weight's FP32 means, or for a 16-bit model outside FP8 its means as
+    /// two halves in its type; the bias's means plus those of any leading `bias` ops.
     fn fold(&mut self, gpu: &Gpu) -> Result<()> {
         let Some(dispatch::Fold { pool, biases, .. }) = dispatch::fold(&self.spec) else { return Ok(()) };
         let w = &self.params.linear_weight;
