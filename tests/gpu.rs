@@ -202,13 +202,15 @@ fn tensor_core_precisions_match_reference() {
     use host::Precision;
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(19);
-    let cases: [(&str, (usize, usize, usize)); 9] = [
+    let cases: [(&str, (usize, usize, usize)); 10] = [
         ("groupnorm(8),swish,mul,swish", (300, 520, 256)),
         // A row sum or mean after biases and scalings, folded: one output column
         // (KernelBench 14, 18, 51).
         ("scale(0.5),sum,scale(1.5)", (100, 2048, 4096)),
         ("mean,max,logsumexp", (70, 1032, 3000)),
         ("bias,bias,double,sum", (100, 2048, 4096)),
+        // The row dot's one-value path (`k % 4 != 0`), its column sums in ranges.
+        ("scale(-0.5),mean,gelu", (2100, 1023, 300)),
         // Deep enough `k` for the TF32 and bf16 forwards' TMA kernels (ragged `m`, `n`;
         // k % 32 != 0 and k % 64 != 0; k % 8 == 0, which bf16's TMA wants).
         ("groupnorm(65),swish,mul,swish", (300, 4104, 520)),
@@ -596,11 +598,14 @@ fn split_k_half_model<H: host::gpu::HalfElement>(
     }
 }
 
-/// A 16-bit model's folded AvgPool (or whole-row sum or mean): its means as two halves in the type, two GEMMs on
+/// A 16-bit model's folded AvgPool: its means as two halves in the type, two GEMMs on
 /// `x` as stored (split-K ranges, or one range each where the tuning forces it), and
 /// without TMA the 3xTF32 GEMM on FP32 means; a chain the second kernel runs tile-wise
-/// and one it runs on rows. Forward and every gradient against the f64 reference from
-/// the same 16-bit values, outputs poisoned.
+/// and one it runs on rows. A whole row's sum or mean (one column) runs the row dot on
+/// FP32 column means whatever the tuning, `k` a multiple of 4 or not (the kernels'
+/// one-value path), enough rows that the column sums split into ranges. Forward and
+/// every gradient against the f64 reference from the same 16-bit values, outputs
+/// poisoned.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn folded_avgpool_halves_match_reference() {
@@ -613,6 +618,8 @@ fn folded_avgpool_halves_match_reference() {
             ("scale(0.5),sum,scale(1.5)", (96, 2048, 4096)),
             ("sum,max,mean,logsumexp,logsumexp", (64, 1024, 8192)),
             ("bias,mean,logsumexp,gelu", (96, 2048, 4096)),
+            ("bias,scale(-2),sum", (2100, 1023, 300)),
+            ("mean", (1, 4096, 8192)),
         ];
         let tunings = [
             (Tuning::default(), "twice"),
@@ -630,7 +637,10 @@ fn folded_avgpool_halves_match_reference() {
                 let block = GpuBlock::new_half(&gpu, &spec, &params).unwrap();
                 let plan = block.plan(&gpu, b);
                 let path = block.describe(&gpu, &plan);
+                let one_column = !text.starts_with("avgpool");
+                let path_has = if one_column { "row dot" } else { path_has };
                 assert!(path.contains(path_has), "{} {text} {tuning:?}: {path}", H::NAME);
+                assert_eq!(one_column, plan == Plan::RowDot, "{} {text}: {plan:?}", H::NAME);
                 // Two GEMMs of as many ranges each (2 or 8 tiles here: split where not forced).
                 let want = |s: usize| if tuning.split_k == Some(1) { s == 2 } else { s >= 8 && s.is_multiple_of(2) };
                 if path_has == "twice" {

@@ -3,7 +3,7 @@
 //! writes the launch bounds into the PTX from [`Kernel::ALL`]; `tests/ptx.rs` checks
 //! that the identifiers and the PTX's entries are the same set.
 
-use crate::{batch_norm, epilogue, fp8, gemm_fma, gemm_mma, gemm_tma, gemm_wgmma, gemv, gemv_tc, kinks};
+use crate::{batch_norm, dot, epilogue, fp8, gemm_fma, gemm_mma, gemm_tma, gemm_wgmma, gemv, gemv_tc, kinks};
 
 /// `__launch_bounds__(max_threads, min_blocks_per_sm)`, which rustc cannot express:
 /// `host/build.rs` writes them into the PTX (`.maxntid`, `.minnctapersm`) so that
@@ -190,6 +190,16 @@ kernels! {
     UnfoldRowsMeanGrad = "unfold_rows_mean_grad";
     UnfoldRowsMeanGradToBf16 = "unfold_rows_mean_grad_to_bf16";
     UnfoldRowsMeanGradToF16 = "unfold_rows_mean_grad_to_f16";
+    // The folded layer of one column (`dot.rs`).
+    ColumnDot = "column_dot", bounds(dot::THREADS, dot::BLOCKS_PER_SM);
+    ColumnDotBf16 = "column_dot_bf16", bounds(dot::THREADS, dot::BLOCKS_PER_SM);
+    ColumnDotF16 = "column_dot_f16", bounds(dot::THREADS, dot::BLOCKS_PER_SM);
+    RowDot = "row_dot", bounds(dot::THREADS, dot::BLOCKS_PER_SM);
+    RowDotBf16 = "row_dot_bf16", bounds(dot::THREADS, dot::BLOCKS_PER_SM);
+    RowDotF16 = "row_dot_f16", bounds(dot::THREADS, dot::BLOCKS_PER_SM);
+    Outer = "outer";
+    OuterBf16 = "outer_bf16";
+    OuterF16 = "outer_f16";
     Transpose = "transpose";
     TransposeVec4 = "transpose_vec4";
     TransposeVec4ToBf16 = "transpose_vec4_to_bf16";

@@ -81,6 +81,27 @@ pub mod gemv {
     pub const SMEM_BYTES: usize = 4 * (ROWS * K_BLOCK + ROWS * SLAB + 2 * (THREADS / 32));
 }
 
+/// A Linear layer folded to one output column (`kernels-gpu/src/dot.rs`): row dots,
+/// column dots and outer products, one pass each over their matrix.
+pub mod dot {
+    /// Threads per block: eight warps.
+    pub const THREADS: usize = 256;
+    /// The row and column dots' launch bounds: 64 registers a thread, so that ptxas
+    /// keeps every load of an unrolled step in flight (left to itself it held 47 and
+    /// issued two at a time).
+    pub const BLOCKS_PER_SM: usize = 4;
+    /// Columns one `column_dot` block sums for elements of `element_bytes`: a 16-byte
+    /// chunk per lane.
+    pub const fn column_dot_cols(element_bytes: usize) -> usize {
+        32 * 16 / element_bytes
+    }
+    /// `column_dot`'s dynamic shared memory: each warp's sums of the block's columns
+    /// (16-bit elements' 256).
+    pub const COLUMN_DOT_SMEM_BYTES: usize = 4 * (THREADS / 32) * column_dot_cols(2);
+    /// `row_dot`'s: one sum per warp.
+    pub const ROW_DOT_SMEM_BYTES: usize = 4 * (THREADS / 32);
+}
+
 /// The tensor-core small-batch forward (`kernels-gpu/src/gemm/gemv_tc.rs`): at most
 /// [`ROWS`](gemv_tc::ROWS) rows on `mma.sync` (bf16, TF32, 3xTF32), each block a slab
 /// of [`SLAB`](gemv_tc::SLAB) columns over the whole depth, its warps splitting `k`.

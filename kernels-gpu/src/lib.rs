@@ -15,6 +15,7 @@
 #![allow(clippy::manual_is_multiple_of)]
 
 pub mod batch_norm;
+pub mod dot;
 pub mod elementwise;
 pub mod epilogue;
 pub mod fp8;

@@ -26,6 +26,7 @@
 //! GEMMs give `dX = dZ W` and `dW = dZ^T X`.
 
 use super::dispatch::{self, FoldedAs, Forward, SplitSums, not_fusable};
+use super::dot;
 use super::elementwise::{
     Convert, Vector, add_assign, convert_vectors, fold_rows_mean, fold_rows_mean_halves, unfold_rows_mean_grad,
 };
@@ -118,6 +119,9 @@ pub struct GpuBlock<W = f32> {
     /// Whether the backward computes `dX` ([`GpuBlock::with_input_grad`]).
     pub(super) input_grad: bool,
 }
+
+/// The Linear layer's gradients: `dX` (`None` where the block computes none) and `dW`.
+pub(super) type LinearGrads<W> = (Option<DeviceTensor<W>>, DeviceTensor<W>);
 
 /// A leading AvgPool (or a whole row's sum or mean, [`dispatch::Fold`]) folded into the
 /// Linear layer: its window, and the weight and bias of the GEMM the kernels run.
@@ -317,7 +321,11 @@ impl<W: DeviceElement> GpuBlock<W> {
     fn fold(&mut self, gpu: &Gpu) -> Result<()> {
         let Some(dispatch::Fold { pool, biases, .. }) = dispatch::fold(&self.spec) else { return Ok(()) };
         let w = &self.params.linear_weight;
-        let weight = if W::DTYPE != Dtype::F32 && !self.precision.is_fp8() {
+        let whole_row = pool == self.spec.out_features;
+        let weight = if whole_row {
+            // One column (`Plan::RowDot` reads FP32 means, whatever the weight's type).
+            FoldedWeight::Means(dot::column_dot(gpu, w, None, 1.0 / pool as f32)?)
+        } else if W::DTYPE != Dtype::F32 && !self.precision.is_fp8() {
             let (hi, lo) = fold_rows_mean_halves(gpu, w, pool)?;
             FoldedWeight::Halves(hi, lo)
         } else {
@@ -347,6 +355,36 @@ impl<W: DeviceElement> GpuBlock<W> {
             FoldedWeight::Halves(..) => made.insert(fold_rows_mean(gpu, &self.params.linear_weight, *pool)?),
         };
         Ok(Some((means, bias)))
+    }
+
+    /// The FP32 column means and the bias of a layer folded to one column, which
+    /// [`Plan::RowDot`] and its backward read (outside FP8, whose GEMMs take the means
+    /// quantised); `None` for any other block.
+    pub(super) fn row_dot_params(&self) -> Option<(&DeviceTensor, &DeviceTensor)> {
+        match &self.folded {
+            Some(Folded { weight: FoldedWeight::Means(w), bias, .. })
+                if w.shape[0] == 1 && !self.precision.is_fp8() =>
+            {
+                Some((w, bias))
+            }
+            _ => None,
+        }
+    }
+
+    /// `dX` (where the block computes it) and `dW` of a layer folded to one column from
+    /// `dz (batch, 1)`, `x` the forward's input: `dX = dz means` and `dW`'s one row
+    /// `dz^T x`, spread over the weight's rows. `None` for any other block.
+    pub(super) fn row_dot_grads(
+        &self,
+        gpu: &Gpu,
+        x: &DeviceTensor<W>,
+        dz: &DeviceTensor<W>,
+    ) -> Result<Option<LinearGrads<W>>> {
+        let Some((means, _)) = self.row_dot_params() else { return Ok(None) };
+        let dx = if self.input_grad { Some(dot::outer(gpu, dz, means)?) } else { None };
+        let n = self.spec.out_features;
+        let dw = unfold_rows_mean_grad::<W>(gpu, &dot::column_dot(gpu, x, Some(dz), 1.0)?, n, n)?;
+        Ok(Some((dx, dw)))
     }
 
     /// Width of the GEMM the kernels run.
@@ -445,6 +483,18 @@ impl<W: DeviceElement> GpuBlock<W> {
                 )
             }
             Plan::Fused => format!("fused: {gemm} with bias and chain in the epilogue (1 kernel{fold})"),
+            Plan::RowDot => {
+                let end = match dispatch::split_sums(self.not_fusable.is_none()) {
+                    SplitSums::Tiles => "epilogue_split_tiles",
+                    SplitSums::Rows => "epilogue_rows",
+                };
+                format!(
+                    "row dot: {} ({} x as stored, the weight's FP32 column means) + {end} (2 kernels{fold}: one \
+                     column)",
+                    dispatch::dot_kernels(W::DTYPE).row_dot,
+                    W::NAME
+                )
+            }
             Plan::GemmThenRows { splits } => {
                 // A folded weight's halves: two GEMMs of `splits / 2` ranges each.
                 let halves =
@@ -485,6 +535,8 @@ impl<W: DeviceElement> GpuBlock<W> {
             Plan::Fused | Plan::Gemv { chain: true, .. } => None,
             Plan::GemmThenRows { splits: 1 } | Plan::Gemv { chain: false, .. } => Some(new(&[batch, n])?),
             Plan::GemmThenRows { splits } => Some(new(&[splits, batch, n])?),
+            // (3-D: the split-K sums' second kernel takes it as one range.)
+            Plan::RowDot => Some(new(&[1, batch, n])?),
         };
         let y_shape = [batch, self.out_width()];
         let y = if poison { gpu.poisoned_as::<W>(&y_shape)? } else { gpu.alloc_as::<W>(&y_shape)? };
@@ -523,7 +575,7 @@ impl<W: DeviceElement> GpuBlock<W> {
         precision: Precision,
         x: &DeviceTensor,
         (w, b): (&DeviceTensor, &DeviceTensor),
-        (plan, z): (&Plan, Option<&mut DeviceTensor>),
+        (plan, mut z): (&Plan, Option<&mut DeviceTensor>),
         y: &mut DeviceTensor,
         save: Option<&mut DeviceTensor>,
     ) -> Result<()> {
@@ -537,6 +589,10 @@ impl<W: DeviceElement> GpuBlock<W> {
                 }
                 (false, None) => unreachable!("workspace() allocates z for this plan"),
             };
+        }
+        if let (Plan::RowDot, Some(z)) = (plan, z.as_deref_mut()) {
+            dot::row_dot(gpu, x, w, z)?;
+            return self.add_split_sums(gpu, z, b, y, save);
         }
         let mut gemm = forward_gemm(precision, x, w)?;
         gemm.w_fp8 = self.fp8_weight(w).map(|c| &c.rows);
@@ -557,7 +613,7 @@ impl<W: DeviceElement> GpuBlock<W> {
                 self.add_split_sums(gpu, z, b, y, save)
             }
             (Plan::GemmThenRows { .. }, None) => unreachable!("workspace() allocates z for this plan"),
-            (Plan::Gemv { .. }, _) => unreachable!("returned above"),
+            (Plan::Gemv { .. } | Plan::RowDot, _) => unreachable!("returned above"),
         }
     }
 
@@ -834,6 +890,13 @@ impl GpuBlock {
         };
         drop(saved);
         mark("chain backward")?;
+        if let Some((dx, dw)) = self.row_dot_grads(gpu, x, &dz)? {
+            drop(dz);
+            mark("dX and dW")?;
+            let small = small(self, gpu, &slots)?;
+            mark("gradient bookkeeping")?;
+            return Ok((dx, dw, small));
+        }
         // dW on the side stream, overlapping dX: each GEMM's last, partial wave of
         // tiles leaves SMs idle that the other fills. The main stream waits for the side
         // stream before anything after (dz's and the dW scratch's frees included) is queued.

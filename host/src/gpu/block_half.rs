@@ -17,6 +17,7 @@
 
 use super::block::{DeviceGrads, DeviceParams, Folded, FoldedWeight, GpuBlock, HostGrads, Plan, Saved, Workspace};
 use super::dispatch::{self, Role, Route, Storage};
+use super::dot;
 use super::elementwise::{to_half, unfold_rows_mean_grad, widen, widen_on};
 use super::epilogue::lanes::epilogue_tiles_backward;
 use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
@@ -93,6 +94,10 @@ impl<H: HalfElement> GpuBlock<H> {
         let (precision, route) =
             dispatch::forward_route(self.forward_case(gpu, m), self.precision, &ws.plan, aligned, tma);
         let (ab, dims, lds, stream) = ((&*x.buf, &*w.buf), (m, n, k), (k, k), gpu.stream());
+        if let (Plan::RowDot, Some(z), Some((means, bias))) = (&ws.plan, ws.z.as_mut(), self.row_dot_params()) {
+            dot::row_dot(gpu, x, means, z)?;
+            return self.add_split_sums(gpu, z, bias, &mut ws.y, save);
+        }
         match (&ws.plan, ws.z.as_mut(), route.widened) {
             // A few rows: the small-batch kernel on x and W as stored, the chain on its
             // slabs into 16-bit y; or into FP32 `z`, then the row-wise epilogue into 16-bit `y`.
@@ -345,6 +350,11 @@ impl<H: HalfElement> GpuBlock<H> {
         drop(saved);
         if self.precision.is_fp8() {
             let (dx, dw) = self.grad_gemms_fp8(gpu, x, &dz)?;
+            drop(dz);
+            let small = small(self, gpu, &slots)?;
+            return Ok((dx, dw, small));
+        }
+        if let Some((dx, dw)) = self.row_dot_grads(gpu, x, &dz)? {
             drop(dz);
             let small = small(self, gpu, &slots)?;
             return Ok((dx, dw, small));

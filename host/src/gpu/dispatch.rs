@@ -497,6 +497,10 @@ pub enum Plan {
     /// storing `z` for the row-wise epilogue; on the tensor cores (`gemv_tc_*`,
     /// `tensor_cores`) or FP32 FMAs (`gemv_*`).
     Gemv { chain: bool, tensor_cores: bool },
+    /// A layer folded to one column (a whole row's sum or mean, [`fold`]): a dot product
+    /// per row of `x` with the weight's FP32 means into `z`, then the bias and chain as
+    /// after split-K ([`split_sums`]).
+    RowDot,
 }
 
 /// The small-batch kernel reading `operands` and writing `output` (`z`, or `y` before
@@ -703,6 +707,9 @@ pub fn plan(f: Forward, sms: usize, tma: bool) -> Plan {
     if f.fp8 {
         return if f.fusable { Plan::Fused } else { Plan::GemmThenRows { splits: 1 } };
     }
+    if f.n == 1 && f.folded == Some(FoldedAs::Means) {
+        return Plan::RowDot;
+    }
     let gemv_ok = f.gemv && (f.gemv_chain || f.rows_fit) && f.k.is_multiple_of(8) && f.w_aligned && f.folded.is_none();
     let small = match f.gemv_tc {
         true => gemv_tc_wins(f.batch, f.k, f.n, sms),
@@ -793,7 +800,7 @@ pub fn forward_route(f: Forward, precision: Precision, plan: &Plan, aligned: boo
     let (splits, output) = match *plan {
         Plan::Fused => (1, f.dtype),
         Plan::GemmThenRows { splits } => (splits, Dtype::F32),
-        Plan::Gemv { .. } => (1, Dtype::F32),
+        Plan::Gemv { .. } | Plan::RowDot => (1, Dtype::F32),
     };
     let (role, dims) = (Role::Forward { splits }, (f.batch.max(1), f.n, f.k));
     let widened =
@@ -905,6 +912,28 @@ pub fn rows_backward_kernel(dtype: Dtype, n: usize) -> (Kernel, usize) {
 /// 16-bit rows.
 pub fn fold_kernel(dtype: Dtype) -> Kernel {
     HalfKernels::of(dtype).map_or(Kernel::FoldRowsMean, |h| h.fold)
+}
+
+/// The kernels of a layer folded to one column, for tensors of one dtype
+/// (`kernels-gpu/src/dot.rs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DotKernels {
+    pub column_dot: Kernel,
+    pub row_dot: Kernel,
+    pub outer: Kernel,
+}
+
+/// [`DotKernels`] reading and writing `dtype` as stored.
+pub fn dot_kernels(dtype: Dtype) -> DotKernels {
+    match dtype {
+        Dtype::F32 => DotKernels { column_dot: Kernel::ColumnDot, row_dot: Kernel::RowDot, outer: Kernel::Outer },
+        Dtype::Bf16 => {
+            DotKernels { column_dot: Kernel::ColumnDotBf16, row_dot: Kernel::RowDotBf16, outer: Kernel::OuterBf16 }
+        }
+        Dtype::F16 => {
+            DotKernels { column_dot: Kernel::ColumnDotF16, row_dot: Kernel::RowDotF16, outer: Kernel::OuterF16 }
+        }
+    }
 }
 
 /// The fold's gradient spread back over a weight of `dtype`: FP32, or rounded once into
@@ -1192,6 +1221,16 @@ mod tests {
         assert_eq!(plan(Forward { k: 4092, ..halves }, 132, true), Plan::GemmThenRows { splits: 8 });
         let square = Forward { batch: 1024, n: 1024, k: 1024, ..f(Dtype::Bf16, None) };
         assert_eq!(plan(square, 132, true), Plan::GemmThenRows { splits: 4 });
+        // Folded to one column (a whole row's sum or mean): the row dot, every dtype and
+        // batch, TMA or not; in FP8 the e4m3 GEMM on the quantised means.
+        for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
+            for batch in [1, 32, 8192] {
+                let one = Forward { batch, n: 1, ..f(dtype, Some(FoldedAs::Means)) };
+                assert_eq!(plan(one, 132, true), Plan::RowDot);
+                assert_eq!(plan(one, 132, false), Plan::RowDot);
+                assert_ne!(plan(Forward { fp8: true, ..one }, 132, true), Plan::RowDot);
+            }
+        }
         // TF32: `gemm_wgmma`'s count (32 tiles of 128 x 128: 8).
         let tf32 = Forward { batch: 128, precision: Precision::Tf32, ..f(Dtype::F32, None) };
         assert_eq!(plan(tf32, 132, true), Plan::GemmThenRows { splits: 8 });

@@ -10,6 +10,7 @@ pub mod block_half;
 pub mod collective;
 pub mod cublas;
 pub mod dispatch;
+pub mod dot;
 pub mod elementwise;
 pub mod epilogue;
 pub mod gemm;

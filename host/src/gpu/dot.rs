@@ -1,0 +1,140 @@
+//! Launchers of `kernels-gpu/src/dot.rs`: a Linear layer folded to one output column (a
+//! whole row's sum or mean after it, [`dispatch::fold`]) runs as a dot product per row
+//! of `x` (forward), an outer product (`dX`) and a weighted sum of `x`'s rows (its weight
+//! gradient), and its fold as the mean of the weight's rows.
+
+use super::{DeviceElement, DeviceTensor, Gpu, dispatch, launched};
+use crate::error::{Error, Result};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use kernel_abi::dot::{COLUMN_DOT_SMEM_BYTES, ROW_DOT_SMEM_BYTES, THREADS, column_dot_cols};
+
+/// Rows one `column_dot` block sums at least, where the rows are split among blocks.
+const MIN_BLOCK_ROWS: usize = 64;
+/// Blocks per SM `column_dot` aims at.
+const BLOCKS_PER_SM: usize = 8;
+
+/// A 2-D tensor's `(rows, cols)`, each within the kernels' 32-bit arguments.
+fn matrix<T>(t: &DeviceTensor<T>, what: &str) -> Result<(usize, usize)> {
+    match t.shape[..] {
+        [rows, cols] if rows <= u32::MAX as usize && cols <= u32::MAX as usize => Ok((rows, cols)),
+        _ => Err(Error::Shape(format!("{what} of shape {:?}: a matrix of at most 2^32 - 1 rows and columns", t.shape))),
+    }
+}
+
+/// Whether `t`'s rows of `cols` values can be read in 16-byte chunks: `cols` a multiple
+/// of a chunk's values and `t` starting on a 16-byte boundary (a caller's view may not).
+fn vector<T>(t: &DeviceTensor<T>, cols: usize) -> u32 {
+    let aligned = t.buf.device_address().is_multiple_of(16);
+    u32::from(cols.is_multiple_of(16 / size_of::<T>()) && aligned)
+}
+
+/// `scale * sum_r weights[r] a[r, :]` as a `(1, cols)` FP32 tensor (`weights`: `rows`
+/// values, or `None` for all 1), on the GPU's stream. Where the column blocks alone
+/// would leave SMs idle, ranges of rows go to blocks of their own and a second launch
+/// adds their sums (in range order: the same bits every call).
+pub fn column_dot<T: DeviceElement>(
+    gpu: &Gpu,
+    a: &DeviceTensor<T>,
+    weights: Option<&DeviceTensor<T>>,
+    scale: f32,
+) -> Result<DeviceTensor> {
+    let (rows, cols) = matrix(a, "a column dot's matrix")?;
+    if let Some(w) = weights
+        && w.len() != rows
+    {
+        return Err(Error::Shape(format!("{} row weights for a {rows}-row matrix", w.len())));
+    }
+    let column_blocks = cols.div_ceil(column_dot_cols(size_of::<T>()));
+    let wanted = (BLOCKS_PER_SM * gpu.props.multiprocessors).div_ceil(column_blocks.max(1));
+    let ranges = wanted.min(rows.div_ceil(MIN_BLOCK_ROWS)).clamp(1, 64);
+    let per_range = rows.div_ceil(ranges).max(1);
+    let ranges = rows.div_ceil(per_range).max(1);
+    let mut out = gpu.alloc(&[1, cols])?;
+    let kernel = dispatch::dot_kernels(T::DTYPE).column_dot;
+    if ranges == 1 {
+        launch_column_dot(gpu, kernel, a, weights, (rows, cols, per_range), scale, &mut out)?;
+        return Ok(out);
+    }
+    let mut parts = gpu.alloc(&[ranges, cols])?;
+    launch_column_dot(gpu, kernel, a, weights, (rows, cols, per_range), scale, &mut parts)?;
+    let sum = dispatch::dot_kernels(super::Dtype::F32).column_dot;
+    launch_column_dot(gpu, sum, &parts, None, (ranges, cols, ranges), 1.0, &mut out)?;
+    Ok(out)
+}
+
+/// One `column_dot` launch: `out` gets `ceil(rows / per_range)` rows of sums.
+fn launch_column_dot<T: DeviceElement>(
+    gpu: &Gpu,
+    kernel: kernel_abi::Kernel,
+    a: &DeviceTensor<T>,
+    weights: Option<&DeviceTensor<T>>,
+    (rows, cols, per_range): (usize, usize, usize),
+    scale: f32,
+    out: &mut DeviceTensor,
+) -> Result<()> {
+    let ranges = rows.div_ceil(per_range).max(1);
+    let cfg = LaunchConfig {
+        grid_dim: (cols.div_ceil(column_dot_cols(size_of::<T>())).max(1) as u32, ranges as u32, 1),
+        block_dim: (THREADS as u32, 1, 1),
+        shared_mem_bytes: COLUMN_DOT_SMEM_BYTES as u32,
+    };
+    let func = gpu.function(kernel)?;
+    let (r, c, p, q, null) = (rows as u32, cols as u32, per_range as u32, vector(a, cols), 0u64);
+    let mut l = gpu.stream().launch_builder(&func);
+    l.arg(&a.buf);
+    match weights {
+        Some(w) => l.arg(&w.buf),
+        None => l.arg(&null),
+    };
+    l.arg(&r).arg(&c).arg(&p).arg(&scale).arg(&q).arg(&mut out.buf);
+    // SAFETY: (a, weights, rows, cols, rows per block, scale, vector, out) as the kernel
+    // takes; `a` holds rows * cols values, `weights` rows, `out` ranges * cols floats;
+    // `vector` only where the rows allow it.
+    launched(kernel, unsafe { l.launch(cfg) })
+}
+
+/// `z[r] = x[r, :] . w` for `x (rows, k)` and the FP32 `w` (`k` values) into the FP32 `z`
+/// (`rows` values, any shape), on the GPU's stream.
+pub fn row_dot<T: DeviceElement>(gpu: &Gpu, x: &DeviceTensor<T>, w: &DeviceTensor, z: &mut DeviceTensor) -> Result<()> {
+    let (rows, k) = matrix(x, "x")?;
+    if w.len() != k || z.len() != rows {
+        return Err(Error::Shape(format!("a row dot of x {:?} with {} weights into {:?}", x.shape, w.len(), z.shape)));
+    }
+    let kernel = dispatch::dot_kernels(T::DTYPE).row_dot;
+    if rows > i32::MAX as usize {
+        return Err(Error::Shape(format!("a row dot of {rows} rows exceeds its grid")));
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (rows.max(1) as u32, 1, 1),
+        block_dim: (THREADS as u32, 1, 1),
+        shared_mem_bytes: ROW_DOT_SMEM_BYTES as u32,
+    };
+    let func = gpu.function(kernel)?;
+    let (r, k32, q) = (rows as u32, k as u32, vector(x, k));
+    let mut l = gpu.stream().launch_builder(&func);
+    l.arg(&x.buf).arg(&w.buf).arg(&r).arg(&k32).arg(&q).arg(&mut z.buf);
+    // SAFETY: (x, w, rows, k, vector, out) as the kernel takes; `x` holds rows * k values,
+    // `w` k floats (an allocation: 16-byte aligned), `z` rows.
+    launched(kernel, unsafe { l.launch(cfg) })
+}
+
+/// `u (rows values) * v (cols values)` as a new `(rows, cols)` tensor of `u`'s type, on
+/// the GPU's stream: a folded layer's `dX = dZ w`.
+pub fn outer<T: DeviceElement>(gpu: &Gpu, u: &DeviceTensor<T>, v: &DeviceTensor) -> Result<DeviceTensor<T>> {
+    let (rows, cols) = (u.len(), v.len());
+    if rows > i32::MAX as usize || cols > u32::MAX as usize {
+        return Err(Error::Shape(format!("an outer product of {rows} x {cols} exceeds its 32-bit launch")));
+    }
+    let mut out = gpu.alloc_as::<T>(&[rows, cols])?;
+    let kernel = dispatch::dot_kernels(T::DTYPE).outer;
+    let cfg =
+        LaunchConfig { grid_dim: (rows.max(1) as u32, 1, 1), block_dim: (THREADS as u32, 1, 1), shared_mem_bytes: 0 };
+    let func = gpu.function(kernel)?;
+    let (r, c) = (rows as u32, cols as u32);
+    let mut l = gpu.stream().launch_builder(&func);
+    l.arg(&u.buf).arg(&v.buf).arg(&r).arg(&c).arg(&mut out.buf);
+    // SAFETY: (u, v, rows, cols, out) as the kernel takes; `v` and `out` are allocations
+    // (16-byte aligned) of cols and rows * cols values.
+    launched(kernel, unsafe { l.launch(cfg) })?;
+    Ok(out)
+}
