@@ -1,6 +1,7 @@
 """The KernelBench table of docs/PERFORMANCE.md from `python -m fused_linear.bench
 --kernelbench ... --protocols graph,stream --json FILE` runs (one config, several files
-merged, e.g. the two halves of the 36 problems):
+merged, e.g. the two halves of the 36 problems; a later file's rows replace an earlier
+one's for the same problem, e.g. a rerun of a few problems at a newer build):
 
     python3 scripts/kb-table.py kb-a.json kb-b.json
 
