@@ -228,13 +228,7 @@ fn tensor_core_precisions_match_reference() {
             let out = spec.output_shape(b);
             let dy = random_input(1, out.iter().product(), &mut rng).unwrap().reshape(&out).unwrap();
             let block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(precision);
-            let y = block.forward(&gpu, &x).unwrap();
-            let got = block.forward_backward(&gpu, &x, &dy).unwrap();
-            let p64 = params.map(f64::from);
-            let want_y = reference::block_forward(&spec, &x.to_f64(), &p64).unwrap();
-            let (_, want) = reference::block_backward(&spec, &x.to_f64(), &p64, &dy.to_f64()).unwrap();
-            let mut report = vec![("y".to_string(), compare_f32(y.data(), want_y.data()))];
-            report.extend(got.compare(&spec, &want));
+            let report = f32_report(&gpu, &block, &params, (&x, &dy));
             let worst = report.iter().map(|(_, c)| c.rel).fold(0.0, f64::max);
             println!("{precision:<7} {text:<42} ({b}, {i}, {o}) worst rel {worst:.2e}");
             for (what, c) in &report {
@@ -556,6 +550,25 @@ fn split_k_sums_match_reference() {
     }
 }
 
+/// An FP32 block's `y` (a forward alone) and every gradient (a training forward and the
+/// backward) on `x` and `dy`, against the f64 reference.
+fn f32_report(
+    gpu: &Gpu,
+    block: &GpuBlock,
+    params: &Params<f32>,
+    (x, dy): (&Tensor<f32>, &Tensor<f32>),
+) -> Vec<(String, host::check::Comparison)> {
+    let spec = &block.spec;
+    let y = block.forward(gpu, x).unwrap();
+    let got = block.forward_backward(gpu, x, dy).unwrap();
+    let p64 = params.map(f64::from);
+    let want_y = reference::block_forward(spec, &x.to_f64(), &p64).unwrap();
+    let (_, want) = reference::block_backward(spec, &x.to_f64(), &p64, &dy.to_f64()).unwrap();
+    let mut report = vec![("y".to_string(), compare_f32(y.data(), want_y.data()))];
+    report.extend(got.compare(spec, &want));
+    report
+}
+
 /// A 16-bit model's `y` and every gradient (`got`) against the f64 reference from the
 /// same 16-bit values.
 fn half_report<H: host::gpu::HalfElement>(
@@ -664,6 +677,59 @@ fn folded_avgpool_halves_match_reference() {
     let mut rng = StdRng::seed_from_u64(41);
     check::<host::tensor::Bf16>(&gpu, host::precision::BF16_STORED_REL, &mut rng);
     check::<host::tensor::F16>(&gpu, host::precision::FP16_STORED_REL, &mut rng);
+}
+
+/// A layer of one output feature (unfolded): the row dot forward and its `outer` and
+/// `column_dot` backward, on an FP32 model in every precision and on bf16 and fp16
+/// models as stored, `k` a multiple of the 16-byte chunks or not, one row or many.
+/// Forward and every gradient against the f64 reference, outputs poisoned.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn one_output_feature_matches_reference() {
+    use host::Precision;
+    use host::gpu::dispatch::Plan;
+    let cases = [("sigmoid", (300, 1000, 1)), ("bias,leakyrelu(0.1),scale(2)", (37, 1023, 1)), ("gelu", (1, 4096, 1))];
+    fn check<H: host::gpu::HalfElement>(
+        gpu: &Gpu,
+        cases: &[(&str, (usize, usize, usize))],
+        tol: f64,
+        rng: &mut StdRng,
+    ) {
+        for &(text, (b, i, o)) in cases {
+            let spec = BlockSpec::new(i, o, text.parse().unwrap()).unwrap();
+            let params = Params::init(&spec, rng).map(H::from_f32);
+            let x = random_input(b, i, rng).unwrap().to_half::<H>();
+            let dy = random_input(b, o, rng).unwrap().to_half::<H>();
+            let block = GpuBlock::new_half(gpu, &spec, &params).unwrap();
+            let plan = block.plan(gpu, b);
+            assert_eq!(plan, Plan::RowDot, "{} {text}", H::NAME);
+            let path = block.describe(gpu, &plan);
+            let got = block.forward_backward(gpu, &x, &dy).unwrap();
+            for (what, c) in &half_report(&spec, &params, (&x, &dy), &got) {
+                println!("{} model {text} ({b}, {i}, {o}) {what}: rel {:.2e}  [{path}]", H::NAME, c.rel);
+                assert!(c.passes(tol), "{} model {text}: {what}: {c:?}", H::NAME);
+            }
+        }
+    }
+    let gpu = gpu();
+    let mut rng = StdRng::seed_from_u64(43);
+    for precision in [Precision::Fp32, Precision::Tf32x3, Precision::Tf32, Precision::Bf16] {
+        for (text, (b, i, o)) in cases {
+            let spec = BlockSpec::new(i, o, text.parse().unwrap()).unwrap();
+            let params = Params::init(&spec, &mut rng);
+            let x = random_input(b, i, &mut rng).unwrap();
+            let dy = random_input(b, o, &mut rng).unwrap();
+            let block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(precision);
+            assert_eq!(block.plan(&gpu, b), Plan::RowDot, "{precision} {text}");
+            let report = f32_report(&gpu, &block, &params, (&x, &dy));
+            for (what, c) in &report {
+                println!("{precision:<7} {text} ({b}, {i}, {o}) {what}: rel {:.2e}", c.rel);
+                assert!(c.passes(precision.tolerance()), "{precision} {text}: {what}: {c:?}");
+            }
+        }
+    }
+    check::<host::tensor::Bf16>(&gpu, &cases, host::precision::BF16_STORED_REL, &mut rng);
+    check::<host::tensor::F16>(&gpu, &cases, host::precision::FP16_STORED_REL, &mut rng);
 }
 
 /// The linear gradients on the TMA kernels, TF32 and 3xTF32: `dW = dZ^T X` (`dZ` as

@@ -48,8 +48,8 @@ macro_rules! dot_entries {
     (outer: $($(#[$doc:meta])* $name:ident = $e:ty;)*) => {$(
         $(#[$doc])*
         #[unsafe(no_mangle)]
-        pub unsafe extern "ptx-kernel" fn $name(u: *const $e, v: *const f32, rows: u32, cols: u32, out: *mut $e) {
-            unsafe { outer_body(u, v, rows, cols, out) }
+        pub unsafe extern "ptx-kernel" fn $name(u: *const $e, v: *const f32, rows: u32, cols: u32, vector: u32, out: *mut $e) {
+            unsafe { outer_body(u, v, rows, cols, vector, out) }
         }
     )*};
 }
@@ -93,8 +93,8 @@ dot_entries! {
     ///
     /// # Safety
     /// `x` holds `rows * k` elements (16-byte aligned where `vector` is non-zero, which
-    /// needs `k` a multiple of a chunk's values), `w` `k` floats (16-byte aligned), `out`
-    /// `rows` floats. Launch: `THREADS` threads, grid `rows`, `ROW_DOT_SMEM_BYTES` of
+    /// needs `k` a multiple of a chunk's values, and `w` 16-byte aligned), `w` `k` floats,
+    /// `out` `rows` floats. Launch: `THREADS` threads, grid `rows`, `ROW_DOT_SMEM_BYTES` of
     /// dynamic shared memory.
     row_dot = f32;
     /// [`row_dot`] of bf16 values.
@@ -115,8 +115,9 @@ dot_entries! {
     /// block per row.
     ///
     /// # Safety
-    /// `u` holds `rows` elements, `v` `cols` floats (16-byte aligned), `out` `rows * cols`
-    /// elements (16-byte aligned). Launch: grid `rows`, `THREADS` threads.
+    /// `u` holds `rows` elements, `v` `cols` floats, `out` `rows * cols` elements (16-byte
+    /// aligned); `vector` non-zero only where `cols % 4 == 0` and `v` is 16-byte aligned.
+    /// Launch: grid `rows`, `THREADS` threads.
     outer = f32;
     /// [`outer`] of bf16 values.
     ///
@@ -354,7 +355,7 @@ unsafe fn row_sum<I: Element, const VECTOR: bool>(x: *const I, w: *const f32, k:
 
 /// The body of [`outer`].
 #[inline(always)]
-unsafe fn outer_body<O: Element>(u: *const O, v: *const f32, rows: u32, cols: u32, out: *mut O) {
+unsafe fn outer_body<O: Element>(u: *const O, v: *const f32, rows: u32, cols: u32, vector: u32, out: *mut O) {
     let (r, cols) = (block_idx_x() as usize, cols as usize);
     if r >= rows as usize {
         return;
@@ -364,10 +365,11 @@ unsafe fn outer_body<O: Element>(u: *const O, v: *const f32, rows: u32, cols: u3
     let (t, step) = (thread_idx_x() as usize, block_dim_x() as usize);
     // SAFETY: row r of out.
     let row = unsafe { out.add(r * cols) };
-    if cols % 4 == 0 {
+    if vector != 0 {
         let mut c = 4 * t;
         while c < cols {
-            // SAFETY: a quad inside the row; `v` and `out` 16-byte aligned, rows a multiple of 4.
+            // SAFETY: a quad inside the row; `v` and `out` 16-byte aligned, rows a multiple of 4
+            // (`vector`).
             unsafe { O::store4(row.add(c), load_v4_nc(v.add(c)).map(|b| a * b)) };
             c += 4 * step;
         }

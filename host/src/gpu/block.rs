@@ -357,33 +357,53 @@ impl<W: DeviceElement> GpuBlock<W> {
         Ok(Some((means, bias)))
     }
 
-    /// The FP32 column means and the bias of a layer folded to one column, which
-    /// [`Plan::RowDot`] and its backward read (outside FP8, whose GEMMs take the means
-    /// quantised); `None` for any other block.
-    pub(super) fn row_dot_params(&self) -> Option<(&DeviceTensor, &DeviceTensor)> {
+    /// The FP32 weight and the bias of a one-column layer, which [`Plan::RowDot`] and its
+    /// backward read: a folded layer's column means, or the weight of a layer of one
+    /// output feature (an FP32 block's as it is, a 16-bit block's widened into `made`).
+    /// `None` for any other block, and in FP8 (its GEMMs take the weight quantised) or
+    /// with a BatchNorm (its own forward).
+    pub(super) fn row_dot_params<'a>(
+        &'a self,
+        gpu: &Gpu,
+        made: &'a mut Option<DeviceTensor>,
+    ) -> Result<Option<(&'a DeviceTensor, &'a DeviceTensor)>> {
+        if self.precision.is_fp8() || self.batch_norm.is_some() {
+            return Ok(None);
+        }
         match &self.folded {
-            Some(Folded { weight: FoldedWeight::Means(w), bias, .. })
-                if w.shape[0] == 1 && !self.precision.is_fp8() =>
-            {
-                Some((w, bias))
+            Some(Folded { weight: FoldedWeight::Means(w), bias, .. }) if w.shape[0] == 1 => Ok(Some((w, bias))),
+            None if self.spec.out_features == 1 => {
+                let w = &self.params.linear_weight;
+                let w32 = match W::DTYPE {
+                    // SAFETY: an FP32 block's weight holds floats; the view lives no longer
+                    // than the block that owns them.
+                    Dtype::F32 => unsafe { gpu.borrow_tensor::<f32>(w.buf.device_address(), &w.shape)? },
+                    // (The column sums of one row: its values widened.)
+                    _ => dot::column_dot(gpu, w, None, 1.0)?,
+                };
+                Ok(Some((made.insert(w32), &self.params.linear_bias)))
             }
-            _ => None,
+            _ => Ok(None),
         }
     }
 
-    /// `dX` (where the block computes it) and `dW` of a layer folded to one column from
-    /// `dz (batch, 1)`, `x` the forward's input: `dX = dz means` and `dW`'s one row
-    /// `dz^T x`, spread over the weight's rows. `None` for any other block.
+    /// `dX` (where the block computes it) and `dW` of a one-column layer
+    /// ([`GpuBlock::row_dot_params`]) from `dz (batch, 1)`, `x` the forward's input: `dX =
+    /// dz w` and `dW`'s one row `dz^T x`, spread over the weight's rows where folded (and
+    /// in the weight's type either way: the spread of one row over one rounds it).
+    /// `None` for any other block.
     pub(super) fn row_dot_grads(
         &self,
         gpu: &Gpu,
         x: &DeviceTensor<W>,
         dz: &DeviceTensor<W>,
     ) -> Result<Option<LinearGrads<W>>> {
-        let Some((means, _)) = self.row_dot_params() else { return Ok(None) };
-        let dx = if self.input_grad { Some(dot::outer(gpu, dz, means)?) } else { None };
+        let mut made = None;
+        let Some((w, _)) = self.row_dot_params(gpu, &mut made)? else { return Ok(None) };
+        let dx = if self.input_grad { Some(dot::outer(gpu, dz, w)?) } else { None };
         let n = self.spec.out_features;
-        let dw = unfold_rows_mean_grad::<W>(gpu, &dot::column_dot(gpu, x, Some(dz), 1.0)?, n, n)?;
+        let pool = self.folded.as_ref().map_or(1, |f| f.pool);
+        let dw = unfold_rows_mean_grad::<W>(gpu, &dot::column_dot(gpu, x, Some(dz), 1.0)?, n, pool)?;
         Ok(Some((dx, dw)))
     }
 
@@ -423,6 +443,7 @@ impl<W: DeviceElement> GpuBlock<W> {
             fp8: self.precision.is_fp8(),
             precision: self.precision,
             split_k: gpu.tuning().split_k,
+            batch_norm: self.batch_norm.is_some(),
         }
     }
 
@@ -484,13 +505,13 @@ impl<W: DeviceElement> GpuBlock<W> {
             }
             Plan::Fused => format!("fused: {gemm} with bias and chain in the epilogue (1 kernel{fold})"),
             Plan::RowDot => {
+                let weight = if self.folded.is_some() { "the weight's FP32 column means" } else { "the FP32 weight" };
                 let end = match dispatch::split_sums(self.not_fusable.is_none()) {
                     SplitSums::Tiles => "epilogue_split_tiles",
                     SplitSums::Rows => "epilogue_rows",
                 };
                 format!(
-                    "row dot: {} ({} x as stored, the weight's FP32 column means) + {end} (2 kernels{fold}: one \
-                     column)",
+                    "row dot: {} ({} x as stored, {weight}) + {end} (2 kernels{fold}: one column)",
                     dispatch::dot_kernels(W::DTYPE).row_dot,
                     W::NAME
                 )

@@ -94,8 +94,12 @@ impl<H: HalfElement> GpuBlock<H> {
         let (precision, route) =
             dispatch::forward_route(self.forward_case(gpu, m), self.precision, &ws.plan, aligned, tma);
         let (ab, dims, lds, stream) = ((&*x.buf, &*w.buf), (m, n, k), (k, k), gpu.stream());
-        if let (Plan::RowDot, Some(z), Some((means, bias))) = (&ws.plan, ws.z.as_mut(), self.row_dot_params()) {
-            dot::row_dot(gpu, x, means, z)?;
+        if let (Plan::RowDot, Some(z)) = (&ws.plan, ws.z.as_mut()) {
+            let mut made = None;
+            let Some((w, bias)) = self.row_dot_params(gpu, &mut made)? else {
+                return Err(Error::Unsupported("a row dot without a one-column weight".into()));
+            };
+            dot::row_dot(gpu, x, w, z)?;
             return self.add_split_sums(gpu, z, bias, &mut ws.y, save);
         }
         match (&ws.plan, ws.z.as_mut(), route.widened) {

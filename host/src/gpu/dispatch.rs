@@ -497,9 +497,10 @@ pub enum Plan {
     /// storing `z` for the row-wise epilogue; on the tensor cores (`gemv_tc_*`,
     /// `tensor_cores`) or FP32 FMAs (`gemv_*`).
     Gemv { chain: bool, tensor_cores: bool },
-    /// A layer folded to one column (a whole row's sum or mean, [`fold`]): a dot product
-    /// per row of `x` with the weight's FP32 means into `z`, then the bias and chain as
-    /// after split-K ([`split_sums`]).
+    /// One output column (a layer of one output feature, or folded to one by a whole
+    /// row's sum or mean, [`fold`]): a dot product per row of `x` with the weight (its
+    /// FP32 means where folded) into `z`, then the bias and chain as after split-K
+    /// ([`split_sums`]).
     RowDot,
 }
 
@@ -619,6 +620,8 @@ pub struct Forward {
     pub precision: Precision,
     /// A split count forced by the tuning ([`Tuning::split_k`](crate::gpu::Tuning::split_k)).
     pub split_k: Option<usize>,
+    /// The chain has a BatchNorm: its own kernels run the forward (`gpu/batch_norm.rs`).
+    pub batch_norm: bool,
 }
 
 /// Whether the row-wise epilogue's forward takes rows of `n` features with `smem_optin`
@@ -707,7 +710,7 @@ pub fn plan(f: Forward, sms: usize, tma: bool) -> Plan {
     if f.fp8 {
         return if f.fusable { Plan::Fused } else { Plan::GemmThenRows { splits: 1 } };
     }
-    if f.n == 1 && f.folded == Some(FoldedAs::Means) {
+    if f.n == 1 && f.folded != Some(FoldedAs::Halves) && !f.batch_norm {
         return Plan::RowDot;
     }
     let gemv_ok = f.gemv && (f.gemv_chain || f.rows_fit) && f.k.is_multiple_of(8) && f.w_aligned && f.folded.is_none();
@@ -1200,6 +1203,7 @@ mod tests {
             fp8: false,
             precision: Precision::Fp32,
             split_k: None,
+            batch_norm: false,
         };
         // A bf16 model as stored: 16 TMA tiles, 8 ranges of 512, whatever the chain
         // (the second kernel adds them); 3xTF32 on a folded AvgPool's FP32 means too.
@@ -1221,14 +1225,17 @@ mod tests {
         assert_eq!(plan(Forward { k: 4092, ..halves }, 132, true), Plan::GemmThenRows { splits: 8 });
         let square = Forward { batch: 1024, n: 1024, k: 1024, ..f(Dtype::Bf16, None) };
         assert_eq!(plan(square, 132, true), Plan::GemmThenRows { splits: 4 });
-        // Folded to one column (a whole row's sum or mean): the row dot, every dtype and
-        // batch, TMA or not; in FP8 the e4m3 GEMM on the quantised means.
+        // One output column, folded (a whole row's sum or mean) or not: the row dot, every
+        // dtype and batch, TMA or not; in FP8 the e4m3 GEMM (on the quantised means), and
+        // a BatchNorm's block its own kernels.
         for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
-            for batch in [1, 32, 8192] {
-                let one = Forward { batch, n: 1, ..f(dtype, Some(FoldedAs::Means)) };
+            for (batch, folded) in [(1, None), (32, Some(FoldedAs::Means)), (8192, Some(FoldedAs::Means)), (8192, None)]
+            {
+                let one = Forward { batch, n: 1, ..f(dtype, folded) };
                 assert_eq!(plan(one, 132, true), Plan::RowDot);
                 assert_eq!(plan(one, 132, false), Plan::RowDot);
                 assert_ne!(plan(Forward { fp8: true, ..one }, 132, true), Plan::RowDot);
+                assert_ne!(plan(Forward { batch_norm: true, ..one }, 132, true), Plan::RowDot);
             }
         }
         // TF32: `gemm_wgmma`'s count (32 tiles of 128 x 128: 8).

@@ -110,11 +110,13 @@ pub fn row_dot<T: DeviceElement>(gpu: &Gpu, x: &DeviceTensor<T>, w: &DeviceTenso
         shared_mem_bytes: ROW_DOT_SMEM_BYTES as u32,
     };
     let func = gpu.function(kernel)?;
-    let (r, k32, q) = (rows as u32, k as u32, vector(x, k));
+    // (`w` is read in the same chunks: a caller's weight may start anywhere.)
+    let q = vector(x, k) & u32::from(w.buf.device_address().is_multiple_of(16));
+    let (r, k32) = (rows as u32, k as u32);
     let mut l = gpu.stream().launch_builder(&func);
     l.arg(&x.buf).arg(&w.buf).arg(&r).arg(&k32).arg(&q).arg(&mut z.buf);
     // SAFETY: (x, w, rows, k, vector, out) as the kernel takes; `x` holds rows * k values,
-    // `w` k floats (an allocation: 16-byte aligned), `z` rows.
+    // `w` k floats, `z` rows; `vector` only where both are aligned.
     launched(kernel, unsafe { l.launch(cfg) })
 }
 
@@ -130,11 +132,13 @@ pub fn outer<T: DeviceElement>(gpu: &Gpu, u: &DeviceTensor<T>, v: &DeviceTensor)
     let cfg =
         LaunchConfig { grid_dim: (rows.max(1) as u32, 1, 1), block_dim: (THREADS as u32, 1, 1), shared_mem_bytes: 0 };
     let func = gpu.function(kernel)?;
+    // (`v` may be a caller's weight, starting anywhere.)
+    let q = u32::from(cols.is_multiple_of(4) && v.buf.device_address().is_multiple_of(16));
     let (r, c) = (rows as u32, cols as u32);
     let mut l = gpu.stream().launch_builder(&func);
-    l.arg(&u.buf).arg(&v.buf).arg(&r).arg(&c).arg(&mut out.buf);
-    // SAFETY: (u, v, rows, cols, out) as the kernel takes; `v` and `out` are allocations
-    // (16-byte aligned) of cols and rows * cols values.
+    l.arg(&u.buf).arg(&v.buf).arg(&r).arg(&c).arg(&q).arg(&mut out.buf);
+    // SAFETY: (u, v, rows, cols, vector, out) as the kernel takes; `v` holds cols values,
+    // `out` (an allocation: 16-byte aligned) rows * cols; `vector` only where `v` allows.
     launched(kernel, unsafe { l.launch(cfg) })?;
     Ok(out)
 }
