@@ -100,6 +100,12 @@ pub mod dot {
     pub const COLUMN_DOT_SMEM_BYTES: usize = 4 * (THREADS / 32) * column_dot_cols(2);
     /// `row_dot`'s: one sum per warp.
     pub const ROW_DOT_SMEM_BYTES: usize = 4 * (THREADS / 32);
+    /// Rows whose loads a `column_dot` warp has in flight at once.
+    pub const COLUMN_DOT_ROWS_IN_FLIGHT: usize = 8;
+    /// Rows a `column_dot` block reads in one step of its warps: the host gives each block
+    /// a multiple of them (the rows past the last whole step go one at a time, a memory
+    /// latency each).
+    pub const COLUMN_DOT_STEP_ROWS: usize = (THREADS / 32) * COLUMN_DOT_ROWS_IN_FLIGHT;
 }
 
 /// The tensor-core small-batch forward (`kernels-gpu/src/gemm/gemv_tc.rs`): at most

@@ -14,7 +14,7 @@ use crate::prelude::global::load_v4_nc;
 use crate::prelude::warp::warp_sum;
 use crate::prelude::*;
 use crate::unroll;
-use kernel_abi::dot::THREADS;
+use kernel_abi::dot::{COLUMN_DOT_ROWS_IN_FLIGHT as ROWS_IN_FLIGHT, THREADS};
 
 const WARPS: usize = THREADS / 32;
 
@@ -169,9 +169,6 @@ unsafe fn load_chunk<I: Element>(at: *const I, c: usize, cols: usize, vector: bo
     // SAFETY: each column checked.
     core::array::from_fn(|q| if q < chunk::<I>() && c + q < cols { unsafe { I::load1(at.add(q)) } } else { 0.0 })
 }
-
-/// Rows whose loads a `column_dot` warp has in flight at once.
-const ROWS_IN_FLIGHT: usize = 8;
 
 /// The body of [`column_dot`].
 #[inline(always)]

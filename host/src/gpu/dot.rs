@@ -6,10 +6,8 @@
 use super::{DeviceElement, DeviceTensor, Gpu, dispatch, launched};
 use crate::error::{Error, Result};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
-use kernel_abi::dot::{COLUMN_DOT_SMEM_BYTES, ROW_DOT_SMEM_BYTES, THREADS, column_dot_cols};
+use kernel_abi::dot::{COLUMN_DOT_SMEM_BYTES, COLUMN_DOT_STEP_ROWS, ROW_DOT_SMEM_BYTES, THREADS, column_dot_cols};
 
-/// Rows one `column_dot` block sums at least, where the rows are split among blocks.
-const MIN_BLOCK_ROWS: usize = 64;
 /// Blocks per SM `column_dot` aims at.
 const BLOCKS_PER_SM: usize = 8;
 
@@ -46,8 +44,10 @@ pub fn column_dot<T: DeviceElement>(
     }
     let column_blocks = cols.div_ceil(column_dot_cols(size_of::<T>()));
     let wanted = (BLOCKS_PER_SM * gpu.props.multiprocessors).div_ceil(column_blocks.max(1));
-    let ranges = wanted.min(rows.div_ceil(MIN_BLOCK_ROWS)).clamp(1, 64);
-    let per_range = rows.div_ceil(ranges).max(1);
+    // Ranges of whole steps of the block's warps (the weight fold of 8192 rows in 33
+    // ranges of 249 left each warp 7 rows of single loads after three full steps).
+    let ranges = wanted.min(rows.div_ceil(COLUMN_DOT_STEP_ROWS)).clamp(1, 64);
+    let per_range = rows.div_ceil(ranges).next_multiple_of(COLUMN_DOT_STEP_ROWS).min(rows).max(1);
     let ranges = rows.div_ceil(per_range).max(1);
     let mut out = gpu.alloc(&[1, cols])?;
     let kernel = dispatch::dot_kernels(T::DTYPE).column_dot;
