@@ -42,13 +42,7 @@ pub fn column_dot<T: DeviceElement>(
     {
         return Err(Error::Shape(format!("{} row weights for a {rows}-row matrix", w.len())));
     }
-    let column_blocks = cols.div_ceil(column_dot_cols(size_of::<T>()));
-    let wanted = (BLOCKS_PER_SM * gpu.props.multiprocessors).div_ceil(column_blocks.max(1));
-    // Ranges of whole steps of the block's warps (the weight fold of 8192 rows in 33
-    // ranges of 249 left each warp 7 rows of single loads after three full steps).
-    let ranges = wanted.min(rows.div_ceil(COLUMN_DOT_STEP_ROWS)).clamp(1, 64);
-    let per_range = rows.div_ceil(ranges).next_multiple_of(COLUMN_DOT_STEP_ROWS).min(rows).max(1);
-    let ranges = rows.div_ceil(per_range).max(1);
+    let (ranges, per_range) = row_ranges(rows, cols, size_of::<T>(), gpu.props.multiprocessors);
     let mut out = gpu.alloc(&[1, cols])?;
     let kernel = dispatch::dot_kernels(T::DTYPE).column_dot;
     if ranges == 1 {
@@ -60,6 +54,19 @@ pub fn column_dot<T: DeviceElement>(
     let sum = dispatch::dot_kernels(super::Dtype::F32).column_dot;
     launch_column_dot(gpu, sum, &parts, None, (ranges, cols, ranges), 1.0, &mut out)?;
     Ok(out)
+}
+
+/// How `column_dot` splits `rows` rows of `cols` values of `element_bytes` among blocks
+/// on `sms` SMs: `(ranges, rows per range)`, about [`BLOCKS_PER_SM`] blocks per SM with
+/// the column blocks, at most 64 ranges, each a whole number of the block's steps
+/// ([`COLUMN_DOT_STEP_ROWS`]; the weight fold of 8192 rows in 33 ranges of 249 left each
+/// warp 7 rows of single loads after three full steps) but the last, none empty.
+fn row_ranges(rows: usize, cols: usize, element_bytes: usize, sms: usize) -> (usize, usize) {
+    let column_blocks = cols.div_ceil(column_dot_cols(element_bytes));
+    let wanted = (BLOCKS_PER_SM * sms).div_ceil(column_blocks.max(1));
+    let ranges = wanted.min(rows.div_ceil(COLUMN_DOT_STEP_ROWS)).clamp(1, 64);
+    let per_range = rows.div_ceil(ranges).next_multiple_of(COLUMN_DOT_STEP_ROWS).min(rows).max(1);
+    (rows.div_ceil(per_range).max(1), per_range)
 }
 
 /// One `column_dot` launch: `out` gets `ceil(rows / per_range)` rows of sums.
@@ -141,4 +148,28 @@ pub fn outer<T: DeviceElement>(gpu: &Gpu, u: &DeviceTensor<T>, v: &DeviceTensor)
     // `out` (an allocation: 16-byte aligned) rows * cols; `vector` only where `v` allows.
     launched(kernel, unsafe { l.launch(cfg) })?;
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The ranges cover the rows, none empty, at most 64, each but the last a whole
+    /// number of steps; the KernelBench shapes split as measured (the 8192-row weight
+    /// fold in 32 ranges of 256, a 1024-row batch's `dW` row in 16 of 64).
+    #[test]
+    fn row_ranges_cover_the_rows_in_whole_steps() {
+        for rows in [0, 1, 63, 64, 65, 300, 1024, 2100, 8192, 65536, 1 << 20] {
+            for cols in [1, 7, 1023, 4096, 8192, 32768] {
+                for bytes in [2, 4] {
+                    let (ranges, per) = row_ranges(rows, cols, bytes, 132);
+                    assert!((1..=64).contains(&ranges) && per >= 1, "{rows} x {cols}: {ranges} x {per}");
+                    assert!(ranges * per >= rows && (ranges - 1) * per < rows.max(1), "{rows}: {ranges} x {per}");
+                    assert!(per.is_multiple_of(COLUMN_DOT_STEP_ROWS) || per == rows.max(1), "{rows}: {per}");
+                }
+            }
+        }
+        assert_eq!(row_ranges(8192, 8192, 2, 132), (32, 256));
+        assert_eq!(row_ranges(1024, 8192, 2, 132), (16, 64));
+    }
 }
