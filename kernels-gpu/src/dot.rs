@@ -1,8 +1,8 @@
-//! A Linear layer folded to one output column (a whole row's sum or mean straight after
-//! it: `dispatch::fold` on the host): its forward is a dot product per row of `x`, its
-//! `dX` an outer product, its weight gradient a weighted sum of `x`'s rows (spread back
-//! over the weight's rows by `unfold_rows_mean_grad`), and the fold itself the mean of
-//! the weight's rows. Each is one pass over its matrix at the memory's rate; a tile GEMM
+//! A Linear layer of one output column (one output feature, or folded to one by a whole
+//! row's sum or mean straight after it: `dispatch::fold` on the host): its forward is a
+//! dot product per row of `x`, its `dX` an outer product, its weight gradient a weighted
+//! sum of `x`'s rows (spread back over the weight's rows by `unfold_rows_mean_grad` where
+//! folded), and the fold itself the mean of the weight's rows. Each is one pass over its matrix at the memory's rate; a tile GEMM
 //! one column wide keeps one block per 128 rows busy and reads 256-wide tiles of which
 //! it uses one column.
 //!
@@ -62,8 +62,9 @@ dot_entries! {
     /// launch over them (`weights` null, `scale` 1) to add. `weights` null: all 1. Each
     /// block covers 32 chunks of 16 bytes (`kernel_abi::dot::column_dot_cols`), a chunk per
     /// lane, its warps taking every `WARPS`-th row with `ROWS_IN_FLIGHT` rows' loads in
-    /// flight (4 KB a warp: with 4 values and 4 rows a lane, KB14's weight fold ran at 1.2
-    /// TB/s); the warps' sums are added in shared memory in warp order.
+    /// flight (4 KB a warp: with 4 values and 4 rows a lane, and the weights' null test
+    /// inside the loop, ptxas issued two loads at a time); the warps' sums are added in
+    /// shared memory in warp order.
     ///
     /// # Safety
     /// `a` holds `rows * cols` elements (16-byte aligned where `vector` is non-zero, which

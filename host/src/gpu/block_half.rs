@@ -86,14 +86,7 @@ impl<H: HalfElement> GpuBlock<H> {
         if self.precision.is_fp8() {
             return self.forward_fp8(gpu, x, ws, save);
         }
-        let w = &self.params.linear_weight;
-        let b = &self.params.linear_bias;
-        let fused = matches!(ws.plan, Plan::Fused);
-        let aligned = aligned(&[x, w]) && (!fused || ws.y.buf.device_address().is_multiple_of(16));
-        let tma = gpu.tuning().tma;
-        let (precision, route) =
-            dispatch::forward_route(self.forward_case(gpu, m), self.precision, &ws.plan, aligned, tma);
-        let (ab, dims, lds, stream) = ((&*x.buf, &*w.buf), (m, n, k), (k, k), gpu.stream());
+        // (Before the GEMMs' route: the row dot takes none.)
         if let (Plan::RowDot, Some(z)) = (&ws.plan, ws.z.as_mut()) {
             let mut made = None;
             let Some((w, bias)) = self.row_dot_params(gpu, &mut made)? else {
@@ -102,6 +95,14 @@ impl<H: HalfElement> GpuBlock<H> {
             dot::row_dot(gpu, x, w, z)?;
             return self.add_split_sums(gpu, z, bias, &mut ws.y, save);
         }
+        let w = &self.params.linear_weight;
+        let b = &self.params.linear_bias;
+        let fused = matches!(ws.plan, Plan::Fused);
+        let aligned = aligned(&[x, w]) && (!fused || ws.y.buf.device_address().is_multiple_of(16));
+        let tma = gpu.tuning().tma;
+        let (precision, route) =
+            dispatch::forward_route(self.forward_case(gpu, m), self.precision, &ws.plan, aligned, tma);
+        let (ab, dims, lds, stream) = ((&*x.buf, &*w.buf), (m, n, k), (k, k), gpu.stream());
         match (&ws.plan, ws.z.as_mut(), route.widened) {
             // A few rows: the small-batch kernel on x and W as stored, the chain on its
             // slabs into 16-bit y; or into FP32 `z`, then the row-wise epilogue into 16-bit `y`.

@@ -118,7 +118,7 @@ pub fn row_dot<T: DeviceElement>(gpu: &Gpu, x: &DeviceTensor<T>, w: &DeviceTenso
     };
     let func = gpu.function(kernel)?;
     // (`w` is read in the same chunks: a caller's weight may start anywhere.)
-    let q = vector(x, k) & u32::from(w.buf.device_address().is_multiple_of(16));
+    let q = vector(x, k) & vector(w, k);
     let (r, k32) = (rows as u32, k as u32);
     let mut l = gpu.stream().launch_builder(&func);
     l.arg(&x.buf).arg(&w.buf).arg(&r).arg(&k32).arg(&q).arg(&mut z.buf);
@@ -128,7 +128,7 @@ pub fn row_dot<T: DeviceElement>(gpu: &Gpu, x: &DeviceTensor<T>, w: &DeviceTenso
 }
 
 /// `u (rows values) * v (cols values)` as a new `(rows, cols)` tensor of `u`'s type, on
-/// the GPU's stream: a folded layer's `dX = dZ w`.
+/// the GPU's stream: a one-column layer's `dX = dZ w`.
 pub fn outer<T: DeviceElement>(gpu: &Gpu, u: &DeviceTensor<T>, v: &DeviceTensor) -> Result<DeviceTensor<T>> {
     let (rows, cols) = (u.len(), v.len());
     if rows > i32::MAX as usize || cols > u32::MAX as usize {
@@ -140,7 +140,7 @@ pub fn outer<T: DeviceElement>(gpu: &Gpu, u: &DeviceTensor<T>, v: &DeviceTensor)
         LaunchConfig { grid_dim: (rows.max(1) as u32, 1, 1), block_dim: (THREADS as u32, 1, 1), shared_mem_bytes: 0 };
     let func = gpu.function(kernel)?;
     // (`v` may be a caller's weight, starting anywhere.)
-    let q = u32::from(cols.is_multiple_of(4) && v.buf.device_address().is_multiple_of(16));
+    let q = vector(v, cols);
     let (r, c) = (rows as u32, cols as u32);
     let mut l = gpu.stream().launch_builder(&func);
     l.arg(&u.buf).arg(&v.buf).arg(&r).arg(&c).arg(&q).arg(&mut out.buf);
