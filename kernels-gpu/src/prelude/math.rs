@@ -89,19 +89,19 @@ pub fn sigmoid(x: f32) -> f32 {
     recip(1.0 + exp(-x))
 }
 
-/// Hyperbolic tangent.
+/// Hyperbolic tangent. Both forms are computed and one is selected: a branch between
+/// them (LLVM cannot move the `ex2`/`rcp` asm into a select) ended the basic block, so
+/// the 64 values of an epilogue half-fragment each paid the whole `ex2`, `rcp` latency
+/// chain in turn (63 branches in `gemm_tma_bf16_nt_to_bf16`'s SASS).
 #[inline(always)]
 pub fn tanh(x: f32) -> f32 {
     let a = fabs(x);
-    if a < 0.125 {
-        // x - x^3/3 + 2x^5/15 - 17x^7/315: truncation < 1e-9 relative here.
-        let x2 = x * x;
-        x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
-    } else {
-        // e^{2a} overflows to +inf for a > 44, giving exactly 1.
-        let t = 1.0 - 2.0 * recip(exp(2.0 * a) + 1.0);
-        copysign(t, x)
-    }
+    // x - x^3/3 + 2x^5/15 - 17x^7/315: truncation < 1e-9 relative below 0.125.
+    let x2 = x * x;
+    let series = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))));
+    // e^{2a} overflows to +inf for a > 44, giving exactly 1.
+    let far = copysign(1.0 - 2.0 * recip(exp(2.0 * a) + 1.0), x);
+    if a < 0.125 { series } else { far }
 }
 
 /// Complementary error function `1 - erf(x)`, accurate relative to its own (tiny) value
