@@ -586,6 +586,32 @@ fn half_report<H: host::gpu::HalfElement>(
     report
 }
 
+/// 16-bit models of `H` with each of `cases` (chain, `(b, i, o)`): the plan is `plan`,
+/// and `y` and every gradient of a training step are within `tol` of the f64 reference.
+fn half_models_on_plan<H: host::gpu::HalfElement>(
+    gpu: &Gpu,
+    cases: &[(&str, (usize, usize, usize))],
+    plan: &host::gpu::dispatch::Plan,
+    tol: f64,
+    rng: &mut StdRng,
+) {
+    for &(text, (b, i, o)) in cases {
+        let spec = BlockSpec::new(i, o, text.parse().unwrap()).unwrap();
+        let params = Params::init(&spec, rng).map(H::from_f32);
+        let x = random_input(b, i, rng).unwrap().to_half::<H>();
+        let out = spec.output_shape(b);
+        let dy = random_input(1, out.iter().product(), rng).unwrap().reshape(&out).unwrap().to_half::<H>();
+        let block = GpuBlock::new_half(gpu, &spec, &params).unwrap();
+        assert_eq!(&block.plan(gpu, b), plan, "{} {text}", H::NAME);
+        let path = block.describe(gpu, plan);
+        let got = block.forward_backward(gpu, &x, &dy).unwrap();
+        for (what, c) in &half_report(&spec, &params, (&x, &dy), &got) {
+            println!("{} model {text} ({b}, {i}, {o}) {what}: rel {:.2e}  [{path}]", H::NAME, c.rel);
+            assert!(c.passes(tol), "{} model {text}: {what}: {c:?}", H::NAME);
+        }
+    }
+}
+
 /// [`split_k_sums_match_reference`] for a 16-bit model of `H` at `(b, i, o)` with
 /// `chain`, its path described with `path_has`.
 fn split_k_half_model<H: host::gpu::HalfElement>(
@@ -689,28 +715,6 @@ fn one_output_feature_matches_reference() {
     use host::Precision;
     use host::gpu::dispatch::Plan;
     let cases = [("sigmoid", (300, 1000, 1)), ("bias,leakyrelu(0.1),scale(2)", (37, 1023, 1)), ("gelu", (1, 4096, 1))];
-    fn check<H: host::gpu::HalfElement>(
-        gpu: &Gpu,
-        cases: &[(&str, (usize, usize, usize))],
-        tol: f64,
-        rng: &mut StdRng,
-    ) {
-        for &(text, (b, i, o)) in cases {
-            let spec = BlockSpec::new(i, o, text.parse().unwrap()).unwrap();
-            let params = Params::init(&spec, rng).map(H::from_f32);
-            let x = random_input(b, i, rng).unwrap().to_half::<H>();
-            let dy = random_input(b, o, rng).unwrap().to_half::<H>();
-            let block = GpuBlock::new_half(gpu, &spec, &params).unwrap();
-            let plan = block.plan(gpu, b);
-            assert_eq!(plan, Plan::RowDot, "{} {text}", H::NAME);
-            let path = block.describe(gpu, &plan);
-            let got = block.forward_backward(gpu, &x, &dy).unwrap();
-            for (what, c) in &half_report(&spec, &params, (&x, &dy), &got) {
-                println!("{} model {text} ({b}, {i}, {o}) {what}: rel {:.2e}  [{path}]", H::NAME, c.rel);
-                assert!(c.passes(tol), "{} model {text}: {what}: {c:?}", H::NAME);
-            }
-        }
-    }
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(43);
     for precision in [Precision::Fp32, Precision::Tf32x3, Precision::Tf32, Precision::Bf16] {
@@ -728,8 +732,58 @@ fn one_output_feature_matches_reference() {
             }
         }
     }
-    check::<host::tensor::Bf16>(&gpu, &cases, host::precision::BF16_STORED_REL, &mut rng);
-    check::<host::tensor::F16>(&gpu, &cases, host::precision::FP16_STORED_REL, &mut rng);
+    half_models_on_plan::<host::tensor::Bf16>(&gpu, &cases, &Plan::RowDot, host::precision::BF16_STORED_REL, &mut rng);
+    half_models_on_plan::<host::tensor::F16>(&gpu, &cases, &Plan::RowDot, host::precision::FP16_STORED_REL, &mut rng);
+}
+
+/// Chains that reduce each row once after fusable ops (KernelBench 22, 56, 64, 75, 80):
+/// the TMA GEMM's epilogue stores row partials and `row_partials_finish` ends the chain
+/// (`Plan::RowPartials`), forward (no `z` written) and training forward (`z` saved)
+/// alike, with outputs poisoned. Ragged `m` and `n` (the last half tile's columns
+/// partly past `n`), enough tiles to run unsplit; the FP32 block in bf16 and TF32,
+/// bf16 and fp16 models as stored; 3xTF32, whose runs of `k` are summed in the GEMM's
+/// output, on the row-wise path.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn row_partials_match_reference() {
+    use host::Precision;
+    use host::gpu::dispatch::Plan;
+    let cases = [
+        ("scale(2),hardtanh(-10,10),logsumexp", (1100, 1024, 2000)),
+        ("logsumexp,leakyrelu(0.01),gelu", (1100, 1024, 2000)),
+        ("max,scale(0.5),gelu", (1030, 2048, 2200)),
+        ("groupnorm(125),min,scale(-1)", (1100, 1024, 2000)),
+        ("sigmoid,sum", (1100, 1024, 2000)),
+        ("swish,mean,tanh", (1030, 2048, 2200)),
+    ];
+    let gpu = gpu();
+    let mut rng = StdRng::seed_from_u64(47);
+    for precision in [Precision::Tf32x3, Precision::Tf32, Precision::Bf16] {
+        for (text, (b, i, o)) in cases {
+            let spec = BlockSpec::new(i, o, text.parse().unwrap()).unwrap();
+            let params = Params::init(&spec, &mut rng);
+            let x = random_input(b, i, &mut rng).unwrap();
+            let out = spec.output_shape(b);
+            let dy = random_input(1, out.iter().product(), &mut rng).unwrap().reshape(&out).unwrap();
+            let block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(precision);
+            let plan = block.plan(&gpu, b);
+            // (3xTF32 adds its runs of `k` up in the GEMM's output: the row-wise path.)
+            match precision {
+                Precision::Bf16 => assert_eq!(plan, Plan::RowPartials, "{precision} {text}"),
+                Precision::Tf32x3 => assert_eq!(plan, Plan::GemmThenRows { splits: 1 }, "{precision} {text}"),
+                _ => {}
+            }
+            let path = block.describe(&gpu, &plan);
+            let report = f32_report(&gpu, &block, &params, (&x, &dy));
+            for (what, c) in &report {
+                println!("{precision:<7} {text} ({b}, {i}, {o}) {what}: rel {:.2e}  [{path}]", c.rel);
+                assert!(c.passes(precision.tolerance()), "{precision} {text}: {what}: {c:?}");
+            }
+        }
+    }
+    let plan = &Plan::RowPartials;
+    half_models_on_plan::<host::tensor::Bf16>(&gpu, &cases, plan, host::precision::BF16_STORED_REL, &mut rng);
+    half_models_on_plan::<host::tensor::F16>(&gpu, &cases, plan, host::precision::FP16_STORED_REL, &mut rng);
 }
 
 /// The linear gradients on the TMA kernels, TF32 and 3xTF32: `dW = dZ^T X` (`dZ` as

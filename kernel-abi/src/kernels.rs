@@ -172,6 +172,9 @@ kernels! {
     EpilogueSplitTilesBf16 = "epilogue_split_tiles_bf16";
     EpilogueSplitTilesF16 = "epilogue_split_tiles_f16";
     SumPartials = "sum_partials";
+    RowPartialsFinish = "row_partials_finish";
+    RowPartialsFinishBf16 = "row_partials_finish_bf16";
+    RowPartialsFinishF16 = "row_partials_finish_f16";
     KinkScan = "kink_scan";
     KinkScanTiles = "kink_scan_tiles";
     RefineOrder = "refine_order";

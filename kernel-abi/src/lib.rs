@@ -410,6 +410,20 @@ pub mod epilogue {
         ((2 + pools as usize + sum_slots) * features + 2 * (ROW_THREADS / 32)) * 4
     }
 
+    /// Columns of one row partial: a TMA GEMM tile's half (a consumer thread's half
+    /// fragment, [`row_partials`]).
+    pub const ROW_PARTIAL_COLUMNS: usize = 128;
+
+    /// Row partials of a chain that reduces each row once: the TMA GEMM's epilogue runs
+    /// the ops before the reduction and reduces each half tile's 128 columns of a row to
+    /// two floats (sum: the sum, 0; max, min: the extreme, 0; logsumexp: the max and the
+    /// sum of `exp(v - max)`, or of `exp(v)` where that max is infinite), stored as
+    /// `(row_partials(n), m, 2)` floats; `row_partials_finish` adds them up in order and
+    /// runs the ops after the reduction. So `z` is never written where nothing needs it.
+    pub const fn row_partials(n: usize) -> usize {
+        n.div_ceil(ROW_PARTIAL_COLUMNS)
+    }
+
     /// Shared memory a block may opt into on sm_90 (H100, H200): 227 KiB.
     pub const SM90_MAX_SHARED_OPTIN: usize = 227 * 1024;
     /// Shared memory of one sm_90 multiprocessor (228 KiB), of which the driver keeps

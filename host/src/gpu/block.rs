@@ -25,15 +25,15 @@
 //! (recomputing each op's input from `z`), `sum_partials` finishes those, and two
 //! GEMMs give `dX = dZ W` and `dW = dZ^T X`.
 
-use super::dispatch::{self, FoldedAs, Forward, SplitSums, not_fusable};
+use super::dispatch::{self, Family, FoldedAs, Forward, SplitSums, not_fusable};
 use super::dot;
 use super::elementwise::{
     Convert, Vector, add_assign, convert_vectors, fold_rows_mean, fold_rows_mean_halves, unfold_rows_mean_grad,
 };
-use super::epilogue::DeviceChain;
 use super::epilogue::kinks::{Refined, Scan, refine_near_kinks, scanned_prefix};
 use super::epilogue::lanes::{epilogue_split_tiles, epilogue_tiles_backward, fits as tiles_fit};
 use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
+use super::epilogue::{DeviceChain, partials};
 use super::gemm::fp8::{self, Fp8Matrix, Fp8Weight};
 use super::gemm::gemv::launch_gemv;
 use super::gemm::linear::grad_input_fp8;
@@ -118,6 +118,19 @@ pub struct GpuBlock<W = f32> {
     pub(super) fp8: Option<Fp8Cache>,
     /// Whether the backward computes `dX` ([`GpuBlock::with_input_grad`]).
     pub(super) input_grad: bool,
+    /// A chain that reduces each row once, split where the reduction is
+    /// ([`Plan::RowPartials`]).
+    pub(super) row_partials: Option<RowPartials>,
+}
+
+/// The chain of [`Plan::RowPartials`] in two: the GEMM's (the ops up to the reduction,
+/// which ends it) and the finishing kernel's (the per-element ops after it). Points
+/// into the block's parameters, as its `chain`.
+pub(super) struct RowPartials {
+    pub(super) head: DeviceChain,
+    pub(super) tail: DeviceChain,
+    /// The reduction's op code.
+    pub(super) reduction: u32,
 }
 
 /// The Linear layer's gradients: `dX` (`None` where the block computes none) and `dW`.
@@ -260,6 +273,19 @@ impl<W: DeviceElement> GpuBlock<W> {
             .map(|op| (op, spec.features_at(first_op)))
             .chain(ops.iter().enumerate().map(|(i, op)| (op, spec.features_at(first_op + i))))
             .find_map(|(op, width)| not_fusable(op, width));
+        // (Not after a fold, whose ops are no slice of the spec's, nor before a BatchNorm.)
+        let row_partials = match dispatch::row_partials_at(ops, |i| spec.features_at(first_op + i)) {
+            Some(at) if before.is_empty() && first_op == 0 && batch_norm.is_none() => {
+                let (head, tail) = (&ops[..=at], &ops[at + 1..]);
+                let split = first_op + at + 1;
+                let head = DeviceChain::new(gpu, &[], head, &params.ops[first_op..split])?;
+                let tail = DeviceChain::new(gpu, &[], tail, &params.ops[split..end])?;
+                let reduction =
+                    head.reduction().ok_or_else(|| Error::Chain("row partials without a reduction".into()))?;
+                Some(RowPartials { head, tail, reduction })
+            }
+            _ => None,
+        };
         let mut block = GpuBlock {
             spec: spec.clone(),
             params,
@@ -271,6 +297,7 @@ impl<W: DeviceElement> GpuBlock<W> {
             precision: Precision::Fp32,
             fp8: None,
             input_grad: true,
+            row_partials,
         }
         .with_precision(precision);
         block.fold(gpu)?;
@@ -444,6 +471,7 @@ impl<W: DeviceElement> GpuBlock<W> {
             precision: self.precision,
             split_k: gpu.tuning().split_k,
             batch_norm: self.batch_norm.is_some(),
+            row_partials: self.row_partials.is_some(),
         }
     }
 
@@ -504,6 +532,11 @@ impl<W: DeviceElement> GpuBlock<W> {
                 )
             }
             Plan::Fused => format!("fused: {gemm} with bias and chain in the epilogue (1 kernel{fold})"),
+            Plan::RowPartials => format!(
+                "row partials: {gemm} with bias and chain up to its row reduction in the epilogue, storing each \
+                 half tile's partials + {} (2 kernels: no z in memory)",
+                partials::finish_kernel(W::DTYPE)
+            ),
             Plan::RowDot => {
                 let weight = if self.folded.is_some() { "the weight's FP32 column means" } else { "the FP32 weight" };
                 let end = match dispatch::split_sums(self.not_fusable.is_none()) {
@@ -554,6 +587,7 @@ impl<W: DeviceElement> GpuBlock<W> {
         let z = match plan {
             _ if half_batch_norm => None,
             Plan::Fused | Plan::Gemv { chain: true, .. } => None,
+            Plan::RowPartials => Some(new(&[kernel_abi::epilogue::row_partials(n), batch, 2])?),
             Plan::GemmThenRows { splits: 1 } | Plan::Gemv { chain: false, .. } => Some(new(&[batch, n])?),
             Plan::GemmThenRows { splits } => Some(new(&[splits, batch, n])?),
             // (3-D: the split-K sums' second kernel takes it as one range.)
@@ -623,6 +657,21 @@ impl<W: DeviceElement> GpuBlock<W> {
                 gemm.chain = Some(&self.chain);
                 gemm.launch(gpu, y, save)
             }
+            (Plan::RowPartials, Some(parts)) => {
+                let Some(rp) = &self.row_partials else {
+                    return Err(Error::Unsupported("row partials for a chain without one reduction".into()));
+                };
+                gemm.bias = Some(&b.buf);
+                if gemm.route(gpu.tuning()).family != Family::Tma {
+                    // (The plan saw the TMA kernels; these operands take another GEMM.)
+                    let mut z = gpu.alloc(&[x.shape[0], self.gemm_width()])?;
+                    gemm.launch(gpu, &mut z, None)?;
+                    return epilogue_rows(gpu, &self.chain, &z, None, y, save);
+                }
+                gemm.chain = Some(&rp.head);
+                gemm.launch(gpu, parts, save)?;
+                partials::row_partials_finish(gpu, parts, (self.gemm_width(), rp.reduction), &rp.tail, y)
+            }
             (Plan::GemmThenRows { splits: 1 }, Some(z)) => {
                 gemm.bias = Some(&b.buf);
                 gemm.launch(gpu, z, None)?;
@@ -633,7 +682,9 @@ impl<W: DeviceElement> GpuBlock<W> {
                 gemm.launch(gpu, z, None)?;
                 self.add_split_sums(gpu, z, b, y, save)
             }
-            (Plan::GemmThenRows { .. }, None) => unreachable!("workspace() allocates z for this plan"),
+            (Plan::GemmThenRows { .. } | Plan::RowPartials, None) => {
+                unreachable!("workspace() allocates z for this plan")
+            }
             (Plan::Gemv { .. } | Plan::RowDot, _) => unreachable!("returned above"),
         }
     }

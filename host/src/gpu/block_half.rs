@@ -16,10 +16,11 @@
 //! carries only the FP32 accumulation's error (docs/NUMERICS.md).
 
 use super::block::{DeviceGrads, DeviceParams, Folded, FoldedWeight, GpuBlock, HostGrads, Plan, Saved, Workspace};
-use super::dispatch::{self, Role, Route, Storage};
+use super::dispatch::{self, Family, Role, Route, Storage};
 use super::dot;
 use super::elementwise::{to_half, unfold_rows_mean_grad, widen, widen_on};
 use super::epilogue::lanes::epilogue_tiles_backward;
+use super::epilogue::partials;
 use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
 use super::gemm::fp8;
 use super::gemm::gemv::launch_gemv;
@@ -118,6 +119,14 @@ impl<H: HalfElement> GpuBlock<H> {
             // One kernel: x and W as stored, 16-bit y.
             (Plan::Fused, _, false) => {
                 launch_half(gpu, stream, &route, ab, dims, lds, (Some(&b.buf), Some(&self.chain)), &mut ws.y, save, 1)
+            }
+            // The GEMM as stored with the chain up to its row reduction, each half tile's
+            // row partials in FP32, then the finishing kernel into 16-bit `y`.
+            (Plan::RowPartials, Some(parts), false)
+                if let (Family::Tma, Some(rp)) = (route.family, &self.row_partials) =>
+            {
+                launch_half(gpu, stream, &route, ab, dims, lds, (Some(&b.buf), Some(&rp.head)), parts, save, 1)?;
+                partials::row_partials_finish(gpu, parts, (n, rp.reduction), &rp.tail, &mut ws.y)
             }
             // The GEMM as stored into FP32 `z`, the row-wise epilogue into 16-bit `y`.
             (Plan::GemmThenRows { splits: 1 }, Some(z), false) => {

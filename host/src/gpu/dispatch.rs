@@ -497,6 +497,11 @@ pub enum Plan {
     /// storing `z` for the row-wise epilogue; on the tensor cores (`gemv_tc_*`,
     /// `tensor_cores`) or FP32 FMAs (`gemv_*`).
     Gemv { chain: bool, tensor_cores: bool },
+    /// A chain that reduces each row once ([`row_partials_at`]): the TMA GEMM runs the
+    /// ops before the reduction and stores each half tile's row partials (two floats a
+    /// row, `kernel_abi::epilogue::row_partials`), `row_partials_finish` adds them up and
+    /// runs the ops after it. Neither writes `z` unless the caller saves it.
+    RowPartials,
     /// One output column (a layer of one output feature, or folded to one by a whole
     /// row's sum or mean, [`fold`]): a dot product per row of `x` with the weight (its
     /// FP32 means where folded) into `z`, then the bias and chain as after split-K
@@ -622,6 +627,20 @@ pub struct Forward {
     pub split_k: Option<usize>,
     /// The chain has a BatchNorm: its own kernels run the forward (`gpu/batch_norm.rs`).
     pub batch_norm: bool,
+    /// The chain reduces each row once, after ops the GEMM's epilogue runs and before
+    /// per-element ones ([`row_partials_at`]).
+    pub row_partials: bool,
+}
+
+/// Where `ops` (the kernels' chain, op `i` seeing `features(i)` features) reduce each row
+/// once in a way the TMA GEMM can start: ops the fused epilogue runs ([`not_fusable`]),
+/// then a row `max`, `min`, `sum`, `mean` or `logsumexp`, then per-element ops only.
+/// Returns the reduction's index.
+pub fn row_partials_at(ops: &[Op], features: impl Fn(usize) -> usize) -> Option<usize> {
+    let at = (0..ops.len()).find(|&i| not_fusable(&ops[i], features(i)).is_some())?;
+    let reduces = matches!(ops[at], Op::RowMax | Op::Reduce(_));
+    let tail_pointwise = ops[at + 1..].iter().all(|op| matches!(op, Op::Pointwise(..)));
+    (reduces && tail_pointwise).then_some(at)
 }
 
 /// Whether the row-wise epilogue's forward takes rows of `n` features with `smem_optin`
@@ -740,6 +759,16 @@ pub fn plan(f: Forward, sms: usize, tma: bool) -> Plan {
     }
     match (f.fusable, splits) {
         (true, 1) => Plan::Fused,
+        // (Only the TMA kernels' epilogue stores row partials; not 3xTF32's, which adds
+        // its runs of `k` up in the output itself.)
+        (false, 1)
+            if f.row_partials
+                && f.folded.is_none()
+                && route.family == Family::Tma
+                && precision != Precision::Tf32x3 =>
+        {
+            Plan::RowPartials
+        }
         _ => Plan::GemmThenRows { splits },
     }
 }
@@ -803,7 +832,7 @@ pub fn forward_route(f: Forward, precision: Precision, plan: &Plan, aligned: boo
     let (splits, output) = match *plan {
         Plan::Fused => (1, f.dtype),
         Plan::GemmThenRows { splits } => (splits, Dtype::F32),
-        Plan::Gemv { .. } | Plan::RowDot => (1, Dtype::F32),
+        Plan::Gemv { .. } | Plan::RowDot | Plan::RowPartials => (1, Dtype::F32),
     };
     let (role, dims) = (Role::Forward { splits }, (f.batch.max(1), f.n, f.k));
     let widened =
@@ -1181,6 +1210,30 @@ mod tests {
         assert!(route(Precision::Bf16, fwd, (3, 16, 8), Storage::bf16(Bf16, true), false).widened);
     }
 
+    /// Row partials take fusable ops, one row reduction, then per-element ops only.
+    #[test]
+    fn finds_a_chain_that_reduces_each_row_once() {
+        use crate::chain::Reduce;
+        use kernel_abi::ops::Pointwise;
+        let pw = |kind| Op::Pointwise(kind, [2.0, 0.0]);
+        let norm = |groups| Op::GroupNorm { groups, eps: 1e-5 };
+        let at = |ops: &[Op]| row_partials_at(ops, |_| 8192);
+        // KernelBench 22, 64, 80 and 75 (GroupNorm groups of 16 channels).
+        assert_eq!(at(&[pw(Pointwise::Scale), pw(Pointwise::Hardtanh), Op::Reduce(Reduce::LogSumExp)]), Some(2));
+        assert_eq!(at(&[Op::Reduce(Reduce::LogSumExp), pw(Pointwise::LeakyRelu), pw(Pointwise::Gelu)]), Some(0));
+        assert_eq!(at(&[Op::RowMax, pw(Pointwise::Scale), pw(Pointwise::Gelu)]), Some(0));
+        assert_eq!(at(&[norm(512), Op::Reduce(Reduce::Min)]), Some(1));
+        assert_eq!(at(&[pw(Pointwise::Sigmoid), Op::Reduce(Reduce::Sum)]), Some(1));
+        // Not: no reduction, one the epilogue cannot start (groups of 8192 channels, a
+        // softmax), a second whole-row op after it, or a pooling one.
+        assert_eq!(at(&[pw(Pointwise::Tanh)]), None);
+        assert_eq!(at(&[norm(1), Op::Reduce(Reduce::Sum)]), None);
+        assert_eq!(at(&[Op::Softmax, Op::Reduce(Reduce::Sum)]), None);
+        assert_eq!(at(&[Op::RowMax, Op::Reduce(Reduce::Mean)]), None);
+        assert_eq!(at(&[Op::MaxPool(2), Op::Reduce(Reduce::Sum)]), None);
+        assert_eq!(at(&[Op::Reduce(Reduce::Sum), Op::Residual]), None);
+    }
+
     /// Few tiles and a deep `k`: split-K, on the TMA kernels as they read the tensors
     /// (a bf16 model's as stored) by their `128 x 256` tiles, on the others by `128 x
     /// 128`. At most 8 rows take the small-batch kernel (`GEMV_TC_ROWS` on the tensor
@@ -1204,6 +1257,7 @@ mod tests {
             precision: Precision::Fp32,
             split_k: None,
             batch_norm: false,
+            row_partials: false,
         };
         // A bf16 model as stored: 16 TMA tiles, 8 ranges of 512, whatever the chain
         // (the second kernel adds them); 3xTF32 on a folded AvgPool's FP32 means too.
@@ -1245,6 +1299,26 @@ mod tests {
         let big = Forward { batch: 4096, ..f(Dtype::F32, None) };
         assert_eq!(plan(big, 132, true), Plan::Fused);
         assert_eq!(plan(Forward { fusable: false, ..big }, 132, true), Plan::GemmThenRows { splits: 1 });
+        // A chain reducing each row once: row partials where a TMA kernel runs it unsplit
+        // (a bf16 model's, an FP32 one's in bf16), else the GEMM into `z` and the row-wise
+        // epilogue (TMA off, split-K, a folded weight, 3xTF32's flushes of `y`, strict
+        // FP32's FMA GEMM).
+        let reducing =
+            Forward { batch: 1024, n: 8192, k: 8192, fusable: false, row_partials: true, ..f(Dtype::Bf16, None) };
+        assert_eq!(plan(reducing, 132, true), Plan::RowPartials);
+        let bf16 = Forward { dtype: Dtype::F32, precision: Precision::Bf16, ..reducing };
+        assert_eq!(plan(bf16, 132, true), Plan::RowPartials);
+        let tf32x3 = Forward { precision: Precision::Tf32x3, ..bf16 };
+        assert_eq!(plan(tf32x3, 132, true), Plan::GemmThenRows { splits: 1 });
+        assert_eq!(plan(reducing, 132, false), Plan::GemmThenRows { splits: 1 });
+        assert_eq!(
+            plan(Forward { batch: 32, n: 4096, k: 4096, ..reducing }, 132, true),
+            Plan::GemmThenRows { splits: 8 }
+        );
+        let folded = Forward { folded: Some(FoldedAs::Means), ..reducing };
+        assert_eq!(plan(folded, 132, true), Plan::GemmThenRows { splits: 1 });
+        let strict = Forward { precision: Precision::Fp32, ..tf32x3 };
+        assert_eq!(plan(strict, 132, true), Plan::GemmThenRows { splits: 1 });
         // Rows too wide for the row-wise epilogue: no split-K, the fused kernel.
         assert_eq!(plan(Forward { rows_fit: false, ..f(Dtype::F32, None) }, 132, true), Plan::Fused);
         // 128 x 16384 x 16384 is 64 TMA tiles on 132 SMs: 3xTF32 in 2 ranges; TF32's

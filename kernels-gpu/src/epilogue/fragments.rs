@@ -14,7 +14,7 @@
 use super::lanes::column_param;
 use super::pointwise::*;
 use crate::prelude::element::{Element, Half};
-use crate::prelude::math::{fma, rsqrt};
+use crate::prelude::math::{exp, fabs, fma, max_nan, rsqrt};
 use crate::prelude::mma::st_shared_b32;
 use crate::prelude::warp::shfl_xor;
 use crate::unroll;
@@ -282,6 +282,86 @@ fn group_norm<const CPG: usize, const SHUFFLES: u32, const BJ: usize>(
                     });
                 }
             });
+        }
+    });
+}
+
+/// The chain's reduction if its last op reduces each row (the host's row-partials plan):
+/// that op's code, else 0.
+///
+/// # Safety
+/// `ops` holds `n_ops` descriptors.
+#[inline(always)]
+pub unsafe fn row_reduction(ops: *const OpDesc, n_ops: u32) -> u32 {
+    if n_ops == 0 {
+        return 0;
+    }
+    // SAFETY: the last of the `n_ops`.
+    let code = unsafe { (*ops.add(n_ops as usize - 1)).code };
+    if reduces_row(code) { code } else { 0 }
+}
+
+/// Reduces each of a half fragment's two rows over its 128 columns (those below `n`)
+/// by `code` and stores the two floats of each (`kernel_abi::epilogue::row_partials`:
+/// the sum; the max or min; logsumexp's max and sum of `exp(v - shift)`) as part
+/// `part` of `out (parts, m, 2)`. Each row's columns are on the 4 lanes of a quad:
+/// the thread's 32 values, then two shuffles; lane `tig` 0 stores.
+///
+/// # Safety
+/// `out` holds `(part + 1) m 2` floats; every lane of the warp calls it (the shuffles).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn store_row_partials(
+    v: &HalfFragment,
+    code: u32,
+    out: *mut f32,
+    (m, n): (usize, usize),
+    row: usize,
+    col: usize,
+    part: usize,
+    tig: usize,
+) {
+    let inside = half_inside(n, col);
+    let live = |j: usize, e: usize| inside || col + 8 * j + e % 2 < n;
+    let quad_sum = |s: f32| {
+        let s = s + shfl_xor(s, 1);
+        s + shfl_xor(s, 2)
+    };
+    // Max and min (and logsumexp's shift) as a max of `sign v`; NaN propagates.
+    let sign = if code == OP_ROW_MIN { -1.0 } else { 1.0 };
+    unroll!(i in 0..2 => {
+        let mut pair = [0.0f32; 2];
+        if code == OP_ROW_SUM || code == OP_ROW_MEAN {
+            let mut s = 0.0;
+            unroll!(j in 0..16 => { unroll!(e in 0..2 => { if live(j, e) { s += v[4 * j + 2 * i + e]; } }); });
+            pair[0] = quad_sum(s);
+        } else {
+            let mut top = f32::NEG_INFINITY;
+            unroll!(j in 0..16 => { unroll!(e in 0..2 => {
+                if live(j, e) { top = max_nan(top, sign * v[4 * j + 2 * i + e]); }
+            }); });
+            top = max_nan(top, shfl_xor(top, 1));
+            top = max_nan(top, shfl_xor(top, 2));
+            if code == OP_LOGSUMEXP {
+                // `partials.rs`'s rule: shift by the max, or by 0 where it is infinite.
+                let shift = if fabs(top) == f32::INFINITY { 0.0 } else { top };
+                let mut s = 0.0;
+                unroll!(j in 0..16 => { unroll!(e in 0..2 => {
+                    if live(j, e) { s += exp(v[4 * j + 2 * i + e] - shift); }
+                }); });
+                pair = [top, quad_sum(s)];
+            } else {
+                pair[0] = sign * top;
+            }
+        }
+        let r = row + 8 * i;
+        if tig == 0 && r < m {
+            // SAFETY: r < m, part < parts.
+            unsafe {
+                let at = out.add((part * m + r) * 2);
+                *at = pair[0];
+                *at.add(1) = pair[1];
+            }
         }
     });
 }

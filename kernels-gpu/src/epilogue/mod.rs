@@ -4,11 +4,13 @@
 //! `lanes` runs a chain on a warp holding whole rows of a 128-column tile (the GEMM's
 //! fused epilogue, and the tile-wise backward); `rows` runs any chain on whole rows
 //! of a finished GEMM output, forward and backward; `fragments` runs a fusable chain on
-//! `wgmma` accumulators in registers (the TMA GEMM's epilogue); `kinks` refines the
+//! `wgmma` accumulators in registers (the TMA GEMM's epilogue), or its part up to a row
+//! reduction, whose partial sums `partials` finishes; `kinks` refines the
 //! saved `z` where the backward would read a kink.
 
 pub mod fragments;
 pub mod kinks;
 pub mod lanes;
+pub mod partials;
 pub mod pointwise;
 pub mod rows;

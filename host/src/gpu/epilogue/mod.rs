@@ -2,6 +2,7 @@
 
 pub mod kinks;
 pub mod lanes;
+pub mod partials;
 pub mod rows;
 
 use super::{DeviceTensor, Gpu, Table};
@@ -80,6 +81,14 @@ impl DeviceChain {
         let buf = gpu.words(gpu.stream(), &words)?;
         let grad_slots = 1 + ops.iter().map(|op| op.param_bases().len()).sum::<usize>();
         Ok(DeviceChain { ops: descs, descs: buf, grad_slots })
+    }
+}
+
+impl DeviceChain {
+    /// The row reduction this chain ends in, if it does: the TMA GEMM then stores row
+    /// partials for `row_partials_finish` (`dispatch::Plan::RowPartials`), not `y`.
+    pub fn reduction(&self) -> Option<u32> {
+        self.ops.last().map(|op| op.code).filter(|&code| reduces_row(code))
     }
 }
 

@@ -163,7 +163,19 @@ fn launch(
 ) -> Result<()> {
     let (m, n, k, splits) = (op.m, op.n, op.k, op.splits.max(1));
     let (rows, cols) = if route.transpose_y { (n, m) } else { (m, n) };
-    let want: Vec<usize> = if splits > 1 { vec![splits, rows, cols] } else { vec![rows, cols] };
+    // A chain ending in a row reduction leaves row partials (`Plan::RowPartials`).
+    let partials = op.chain.and_then(|c| c.reduction()).is_some();
+    if partials && (route.family != Family::Tma || splits > 1 || route.transpose_y) {
+        return Err(Error::Unsupported(format!(
+            "`{}`: only the TMA kernels' epilogue ends a chain in a row reduction",
+            route.kernel
+        )));
+    }
+    let want: Vec<usize> = match (partials, splits > 1) {
+        (true, _) => vec![kernel_abi::epilogue::row_partials(n), m, 2],
+        (false, true) => vec![splits, rows, cols],
+        (false, false) => vec![rows, cols],
+    };
     let tk = route.layout == Layout::Tk;
     if route.transpose_y && (!tk || op.bias.is_some() || op.chain.is_some()) {
         return Err(Error::Shape("a transposed GEMM output takes layout Tk and no bias or chain".into()));

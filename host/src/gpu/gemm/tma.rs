@@ -258,7 +258,19 @@ fn launch_with_maps<O: DeviceElement>(
              partial products (no bias, chain or saved `z`)"
         )));
     }
-    let want = if splits > 1 { vec![splits, m, n] } else { vec![m, n] };
+    // A chain ending in a row reduction: row partials into an FP32 `y` (`Plan::RowPartials`).
+    let partials = chain.and_then(|c| c.reduction()).is_some();
+    if partials && (O::DTYPE != Dtype::F32 || matches!(arith, Arith::E4m3 | Arith::Tf32x3) || splits > 1) {
+        return Err(Error::Unsupported(format!(
+            "`{kernel}` ends no chain in a row reduction (that takes an unsplit FP32-output forward, not \
+             3xTF32's, which adds its runs of `k` up in `y`)"
+        )));
+    }
+    let want = match (partials, splits > 1) {
+        (true, _) => vec![kernel_abi::epilogue::row_partials(n), m, 2],
+        (false, true) => vec![splits, m, n],
+        (false, false) => vec![m, n],
+    };
     if y.shape != want || splits * m * n > u32::MAX as usize {
         return Err(Error::Shape(format!(
             "`{kernel}`'s output must be {want:?} (at most 2^32 values), got {:?}",

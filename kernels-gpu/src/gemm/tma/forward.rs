@@ -5,8 +5,8 @@ use super::flush::{Layout, add_flushed, flush_accumulators, k_runs, run_k_tiles}
 use super::opaque;
 use super::pipeline::{CONSUMER_REGISTERS, PRODUCER_REGISTERS, Pipeline};
 use crate::epilogue::fragments::{
-    HalfFragment, STAGED_HALF_BYTES, add_column_bias, each_half_value, fragment_forward, prefetch_tile_params, stage_half,
-    store_half, unscale_fragment,
+    HalfFragment, STAGED_HALF_BYTES, add_column_bias, each_half_value, fragment_forward, prefetch_tile_params,
+    row_reduction, stage_half, store_half, store_row_partials, unscale_fragment,
 };
 use crate::prelude::bulk_copy::*;
 use crate::prelude::element::{Bf16, Element, F16, Half};
@@ -14,7 +14,7 @@ use crate::prelude::mma::{fence_proxy_async_shared, ld_shared_v4, st_shared_v4, 
 use crate::prelude::wgmma::*;
 use crate::prelude::*;
 use crate::unroll;
-use kernel_abi::epilogue::OpDesc;
+use kernel_abi::epilogue::{OpDesc, ROW_PARTIAL_COLUMNS};
 use kernel_abi::gemm_tma::*;
 
 /// Bytes of one MN-major box: 64 values of 2 bytes x 64 of `k`.
@@ -307,6 +307,9 @@ unsafe fn gemm_tma<
     // (The map's address and the leader are recomputed where used: held through the
     // main loop, they cost the chain's epilogue spills.)
     let tma_y = core::mem::size_of::<O>() == 2;
+    // Whether a chain may end in a row reduction (`row_reduction`): FP32 `y`, not FP8,
+    // and not 3xTF32, whose runs of `k` are added up in `y` itself (`flush`).
+    let reduces = CHAIN && !E4M3 && !tma_y && !SPLIT;
     let leader = || thread_idx_x() % 128 == 0;
     // SAFETY: a 16-bit output's table holds three maps.
     let store_map = || unsafe { maps.add(256) };
@@ -455,11 +458,21 @@ unsafe fn gemm_tma<
                     let (col, m, n) = fresh(offset);
                     store_half(save_z, &v, (m, n), row, col);
                 }
-                for o in 0..if CHAIN { n_ops as usize } else { 0 } {
+                // A chain ending in a row reduction (FP32 `y` only: the row-partials
+                // plan) runs up to it, then leaves the half's row partials in `y`.
+                let reduce = if reduces { row_reduction(ops, opaque(n_ops)) } else { 0 };
+                for o in 0..if CHAIN { n_ops as usize - (reduce != 0) as usize } else { 0 } {
                     let (col, _, n) = fresh(offset);
                     fragment_forward(&*ops.add(o), &mut v, n, col);
                 }
-                if tma_y {
+                if reduces && reduce != 0 {
+                    let (col, m, n) = fresh(offset);
+                    let first = (col0 + offset) as usize;
+                    if first < n {
+                        let part = first / ROW_PARTIAL_COLUMNS;
+                        store_row_partials(&v, reduce, y as *mut f32, (m, n), row, col, part, tig);
+                    }
+                } else if tma_y {
                     // Opaque at each use, as `fresh`: else the 32 staging addresses are
                     // hoisted out of the loop and held through the chain (and spill).
                     let buf = opaque(pipe.staging() + wg * STAGED_HALF_BYTES);
