@@ -534,7 +534,7 @@ impl<W: DeviceElement> GpuBlock<W> {
             Plan::Fused => format!("fused: {gemm} with bias and chain in the epilogue (1 kernel{fold})"),
             Plan::RowPartials => format!(
                 "row partials: {gemm} with bias and chain up to its row reduction in the epilogue, storing each \
-                 half tile's partials + {} (2 kernels: no z in memory)",
+                 half tile's partials + {} (2 kernels: z stored only where saved)",
                 partials::finish_kernel(W::DTYPE)
             ),
             Plan::RowDot => {
