@@ -14,7 +14,7 @@
 use super::lanes::column_param;
 use super::pointwise::*;
 use crate::prelude::element::{Element, Half};
-use crate::prelude::math::{exp, fabs, fma, max_nan, rsqrt};
+use crate::prelude::math::{exp, fma, max_nan, rsqrt};
 use crate::prelude::mma::st_shared_b32;
 use crate::prelude::warp::shfl_xor;
 use crate::unroll;
@@ -343,8 +343,7 @@ pub unsafe fn store_row_partials(
             top = max_nan(top, shfl_xor(top, 1));
             top = max_nan(top, shfl_xor(top, 2));
             if code == OP_LOGSUMEXP {
-                // `partials.rs`'s rule: shift by the max, or by 0 where it is infinite.
-                let shift = if fabs(top) == f32::INFINITY { 0.0 } else { top };
+                let shift = super::logsumexp_shift(top);
                 let mut s = 0.0;
                 unroll!(j in 0..16 => { unroll!(e in 0..2 => {
                     if live(j, e) { s += exp(v[4 * j + 2 * i + e] - shift); }

@@ -14,3 +14,13 @@ pub mod lanes;
 pub mod partials;
 pub mod pointwise;
 pub mod rows;
+
+use crate::prelude::math::fabs;
+
+/// logsumexp's shift for values whose maximum is `m`: `m`, or 0 where it is infinite, so
+/// that a row of `-inf` gives `-inf` and one holding `inf` gives `inf` (as PyTorch's)
+/// rather than `inf - inf`. Every kernel that reduces by logsumexp shifts by it.
+#[inline(always)]
+pub fn logsumexp_shift(m: f32) -> f32 {
+    if fabs(m) == f32::INFINITY { 0.0 } else { m }
+}

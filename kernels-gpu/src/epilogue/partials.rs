@@ -5,9 +5,10 @@
 //! warp per row adds them up and runs the per-element ops after the reduction. The GEMM's output itself never goes through memory, where the row-wise
 //! epilogue would write and re-read it whole (32 MB in FP32 at 1024 x 8192).
 
+use super::logsumexp_shift;
 use super::pointwise::{PointwiseMath, match_pointwise};
 use crate::prelude::element::{Bf16, Element, F16};
-use crate::prelude::math::{exp, fabs, ln, max_nan};
+use crate::prelude::math::{exp, ln, max_nan};
 use crate::prelude::warp::{warp_max, warp_sum};
 use crate::prelude::*;
 use kernel_abi::epilogue::*;
@@ -55,14 +56,6 @@ finish_entries! {
     row_partials_finish_f16 = F16;
 }
 
-/// logsumexp's shift for a part whose maximum is `m`: `m`, or 0 where it is infinite
-/// (the epilogue's rule, so that a row of `-inf` gives `-inf` and one holding `inf`
-/// gives `inf`, as PyTorch's).
-#[inline(always)]
-fn shift_of(m: f32) -> f32 {
-    if fabs(m) == f32::INFINITY { 0.0 } else { m }
-}
-
 /// The body of the entry points: a warp per row, each lane over every 32nd part,
 /// then the warp's shuffles (a fixed order: the same bits every call); lane 0 runs the
 /// ops and stores.
@@ -101,14 +94,14 @@ unsafe fn finish<E: Element>(
             for p in (lane..parts).step_by(32) {
                 top = max_nan(top, part(p)[0]);
             }
-            let shift = shift_of(warp_max(top));
+            let shift = logsumexp_shift(warp_max(top));
             let mut s = 0.0;
             for p in (lane..parts).step_by(32) {
                 let [pm, ps] = part(p);
                 // A part of `-inf` alone adds nothing (its `exp` of a difference could be
                 // `inf` times its zero sum).
                 if ps != 0.0 {
-                    s += ps * exp(shift_of(pm) - shift);
+                    s += ps * exp(logsumexp_shift(pm) - shift);
                 }
             }
             shift + ln(warp_sum(s))

@@ -6,7 +6,7 @@
 //! the GEMM output), and for every backward.
 
 use super::pointwise::{PointwiseMath, match_pointwise, param_count};
-use crate::prelude::math::{exp, fabs, ln, max_nan, rsqrt};
+use crate::prelude::math::{exp, ln, max_nan, rsqrt};
 use core::ptr::{null, null_mut};
 
 use crate::prelude::element::{Bf16, Element, F16};
@@ -241,7 +241,7 @@ unsafe fn reduce_row<const T: usize>(code: u32, x: *const f32, f: usize, red: *m
             OP_ROW_MIN => -row_max::<T>(x, f, red, -1.0),
             OP_LOGSUMEXP => {
                 let m = row_max::<T>(x, f, red, 1.0);
-                let shift = if fabs(m) == f32::INFINITY { 0.0 } else { m };
+                let shift = super::logsumexp_shift(m);
                 shift + ln(row_sum::<T, _>(x, f, red, |_, v| exp(v - shift)))
             }
             OP_ROW_MEAN => row_sum::<T, _>(x, f, red, |_, v| v) / f as f32,

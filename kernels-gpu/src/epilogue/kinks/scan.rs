@@ -316,7 +316,7 @@ pub unsafe extern "ptx-kernel" fn kink_scan(
                         j += ROW_THREADS;
                     }
                     let m = block_max(m, red);
-                    let shift = if fabs(m) == f32::INFINITY { 0.0 } else { m };
+                    let shift = crate::epilogue::logsumexp_shift(m);
                     let mut e = 0.0;
                     let mut j = t;
                     while lse && j < f {
