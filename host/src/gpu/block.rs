@@ -129,8 +129,6 @@ pub struct GpuBlock<W = f32> {
 pub(super) struct RowPartials {
     pub(super) head: DeviceChain,
     pub(super) tail: DeviceChain,
-    /// The reduction's op code.
-    pub(super) reduction: u32,
 }
 
 /// The Linear layer's gradients: `dX` (`None` where the block computes none) and `dW`.
@@ -280,9 +278,7 @@ impl<W: DeviceElement> GpuBlock<W> {
                 let split = first_op + at + 1;
                 let head = DeviceChain::new(gpu, &[], head, &params.ops[first_op..split])?;
                 let tail = DeviceChain::new(gpu, &[], tail, &params.ops[split..end])?;
-                let reduction =
-                    head.reduction().ok_or_else(|| Error::Chain("row partials without a reduction".into()))?;
-                Some(RowPartials { head, tail, reduction })
+                Some(RowPartials { head, tail })
             }
             _ => None,
         };
@@ -670,7 +666,7 @@ impl<W: DeviceElement> GpuBlock<W> {
                 }
                 gemm.chain = Some(&rp.head);
                 gemm.launch(gpu, parts, save)?;
-                partials::row_partials_finish(gpu, parts, (self.gemm_width(), rp.reduction), &rp.tail, y)
+                partials::row_partials_finish(gpu, parts, self.gemm_width(), (&rp.head, &rp.tail), y)
             }
             (Plan::GemmThenRows { splits: 1 }, Some(z)) => {
                 gemm.bias = Some(&b.buf);

@@ -126,7 +126,7 @@ impl<H: HalfElement> GpuBlock<H> {
                 if let (Family::Tma, Some(rp)) = (route.family, &self.row_partials) =>
             {
                 launch_half(gpu, stream, &route, ab, dims, lds, (Some(&b.buf), Some(&rp.head)), parts, save, 1)?;
-                partials::row_partials_finish(gpu, parts, (n, rp.reduction), &rp.tail, &mut ws.y)
+                partials::row_partials_finish(gpu, parts, n, (&rp.head, &rp.tail), &mut ws.y)
             }
             // The GEMM as stored into FP32 `z`, the row-wise epilogue into 16-bit `y`.
             (Plan::GemmThenRows { splits: 1 }, Some(z), false) => {

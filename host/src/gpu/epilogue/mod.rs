@@ -82,9 +82,7 @@ impl DeviceChain {
         let grad_slots = 1 + ops.iter().map(|op| op.param_bases().len()).sum::<usize>();
         Ok(DeviceChain { ops: descs, descs: buf, grad_slots })
     }
-}
 
-impl DeviceChain {
     /// The row reduction this chain ends in, if it does: the TMA GEMM then stores row
     /// partials for `row_partials_finish` (`dispatch::Plan::RowPartials`), not `y`.
     pub fn reduction(&self) -> Option<u32> {

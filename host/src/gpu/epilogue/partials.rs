@@ -20,13 +20,13 @@ pub fn finish_kernel(dtype: Dtype) -> Kernel {
 }
 
 /// Queues `y[r] = tail(reduce_p partials[p, r])`: `partials (row_partials(n), rows, 2)`
-/// from the GEMM whose chain ended in `reduction` (an op code) over `n` features, then
+/// from the GEMM that ran `head` (ending in the row reduction) over `n` features, then
 /// `tail`'s per-element ops, into `y`'s `rows` values.
 pub fn row_partials_finish<T: DeviceElement>(
     gpu: &Gpu,
     partials: &DeviceTensor,
-    (n, reduction): (usize, u32),
-    tail: &DeviceChain,
+    n: usize,
+    (head, tail): (&DeviceChain, &DeviceChain),
     y: &mut DeviceTensor<T>,
 ) -> Result<()> {
     let parts = row_partials(n);
@@ -39,11 +39,10 @@ pub fn row_partials_finish<T: DeviceElement>(
             partials.shape, y.shape
         )));
     }
-    if !kernel_abi::epilogue::reduces_row(reduction)
-        || tail.ops.iter().any(|op| Pointwise::from_code(op.code).is_none())
-    {
+    let reduction = head.reduction().filter(|_| tail.ops.iter().all(|op| Pointwise::from_code(op.code).is_some()));
+    let Some(reduction) = reduction else {
         return Err(Error::Chain("row partials finish a row reduction with per-element ops only".into()));
-    }
+    };
     let kernel = finish_kernel(T::DTYPE);
     // A warp per row.
     let (func, cfg) = gpu.kernel_1d(kernel, rows * 32, 0)?;
