@@ -22,10 +22,16 @@ fn gpu() -> Gpu {
 /// gradient, drawn in that order from `rng`.
 fn random_case(spec: &BlockSpec, batch: usize, rng: &mut StdRng) -> (Params<f32>, Tensor<f32>, Tensor<f32>) {
     let params = Params::random(spec, rng);
+    let (x, dy) = random_io(spec, batch, rng);
+    (params, x, dy)
+}
+
+/// An input of `batch` rows and a gradient of the block's output, drawn in that order.
+fn random_io(spec: &BlockSpec, batch: usize, rng: &mut StdRng) -> (Tensor<f32>, Tensor<f32>) {
     let x = random_input(batch, spec.in_features, rng).unwrap();
     let out = spec.output_shape(batch);
     let dy = random_input(1, out.iter().product(), rng).unwrap().reshape(&out).unwrap();
-    (params, x, dy)
+    (x, dy)
 }
 
 /// The plain GEMM with bias (an empty chain: the FMA kernel `gemm_fma_nt_*`, split-K
@@ -224,9 +230,7 @@ fn tensor_core_precisions_match_reference() {
         for (text, (b, i, o)) in cases {
             let spec = BlockSpec::new(i, o, text.parse().unwrap()).unwrap();
             let params = Params::init(&spec, &mut rng);
-            let x = random_input(b, i, &mut rng).unwrap();
-            let out = spec.output_shape(b);
-            let dy = random_input(1, out.iter().product(), &mut rng).unwrap().reshape(&out).unwrap();
+            let (x, dy) = random_io(&spec, b, &mut rng);
             let block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(precision);
             let report = f32_report(&gpu, &block, &params, (&x, &dy));
             let worst = report.iter().map(|(_, c)| c.rel).fold(0.0, f64::max);
@@ -762,9 +766,7 @@ fn row_partials_match_reference() {
         for (text, (b, i, o)) in cases {
             let spec = BlockSpec::new(i, o, text.parse().unwrap()).unwrap();
             let params = Params::init(&spec, &mut rng);
-            let x = random_input(b, i, &mut rng).unwrap();
-            let out = spec.output_shape(b);
-            let dy = random_input(1, out.iter().product(), &mut rng).unwrap().reshape(&out).unwrap();
+            let (x, dy) = random_io(&spec, b, &mut rng);
             let block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(precision);
             let plan = block.plan(&gpu, b);
             // (3xTF32 adds its runs of `k` up in the GEMM's output: the row-wise path.)
@@ -1422,9 +1424,7 @@ fn fp8_blocks_match_the_reference_and_the_emulation() {
         for (text, (b, i, o)) in cases {
             let spec = BlockSpec::new(i, o, text.parse().unwrap()).unwrap();
             let params = Params::init(&spec, &mut rng);
-            let x = random_input(b, i, &mut rng).unwrap();
-            let out = spec.output_shape(b);
-            let dy = random_input(1, out.iter().product(), &mut rng).unwrap().reshape(&out).unwrap();
+            let (x, dy) = random_io(&spec, b, &mut rng);
             let p64 = params.map(f64::from);
             let want_y = reference::block_forward(&spec, &x.to_f64(), &p64).unwrap();
             let (_, want) = reference::block_backward(&spec, &x.to_f64(), &p64, &dy.to_f64()).unwrap();
