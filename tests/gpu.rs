@@ -1011,8 +1011,9 @@ fn half_model_blocks_match_reference<H: host::gpu::HalfElement>(tol: f64, seed: 
 /// A few rows, a depth of whole 8-value chunks: the small-batch kernels, forward and
 /// gradients (the training forward saves `z` from them), outputs poisoned. Strict FP32
 /// runs `gemv_f32` up to 8 rows; TF32, bf16 and fp16 models run `gemv_tc_*` up to
-/// `GEMV_TC_ROWS` where `gemv_tc_wins` (1, 3, 8, 9, 16 and 33 rows: 1 to 5 `n8`
-/// fragments, partial ones), 64 and 65 rows the tile GEMMs. Chains on the 32-column slabs (groups of 32 and 16;
+/// `GEMV_TC_ROWS` where `gemv_tc_wins` (1, 3, 8, 9, 16, 24, 32, 33 and 41 rows: 1 to 6
+/// `n8` fragments, each count its own main loop; partial ones), 64 and 65 rows the tile
+/// GEMMs. Chains on the 32-column slabs (groups of 32 and 16;
 /// per-channel parameters offset per slab), and chains left to the row-wise epilogue
 /// (groups wider than a slab, a width not whole slabs, a row max). Depths that are not
 /// whole units of the warps' split (32 bf16 or 16 FP32 values per unit, 8 units a
@@ -1026,11 +1027,14 @@ fn small_batches_match_reference() {
     use host::tensor::{Bf16, F16};
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(31);
-    let cases: [(&str, (usize, usize, usize), bool); 14] = [
+    let cases: [(&str, (usize, usize, usize), bool); 17] = [
         ("groupnorm(16),swish,mul,swish", (8, 520, 512), true),
         ("groupnorm(16),swish,mul,swish", (9, 520, 512), true),
         ("bias,mish,groupnorm(32),mul,gelu", (6, 64, 1024), true),
         ("bias,mish,groupnorm(64),mul,gelu", (16, 64, 1024), true),
+        ("bias,mish,groupnorm(32),mul,gelu", (24, 64, 1024), true),
+        ("sigmoid,gelu_tanh,bias", (32, 96, 1024), true),
+        ("bias,mish,groupnorm(64),mul,gelu", (41, 72, 1024), true),
         ("sigmoid,gelu_tanh,bias", (1, 1024, 1024), true),
         ("swish,bias,groupnorm(2)", (3, 1024, 512), false),
         ("swish,bias,groupnorm(2)", (33, 1000, 512), false),

@@ -36,33 +36,20 @@ const _: () = assert!(FRAGS == 8 && W_SLOTS == 4 && SLAB == 32 && THREADS == ROW
 /// Bytes of one slot: a 16-byte chunk per lane.
 const SLOT_BYTES: usize = WARP * CHUNK;
 
+/// The main loop and its partial sums: each warp's products over its units of `k` for the
+/// `F = ceil(m / 8)` fragments of `x^T`, stored to `red` as `[warp][row][RED_PITCH]`
+/// (the start of the dynamic shared memory, over the ring, after a barrier).
+///
 /// # Safety
-/// Device pointers: `x (m, k)` and `w (n, k)` row-major in `E` with 16-byte rows
-/// (`k * size_of::<E>() % 16 == 0`) and 16-byte aligned, `bias (n,)` or null,
-/// `y (m, n)`, `save_z (m, n)` FP32 or null; `1 <= m <= ROWS`, `n >= 1`. `E` is `f32`
-/// with `TF32` (the operands truncated by the tensor cores), else the 16-bit `H` (a
-/// 16-bit model's values as stored); FP32 accumulation in both. With `n_ops > 0`: `ops[..n_ops]` per-element
-/// ops or GroupNorms whose group size divides `SLAB`, which divides `n`. Launch: grid
-/// `(n.div_ceil(SLAB), 1, 1)`, `THREADS` threads, `smem_bytes(m)` of dynamic shared memory.
+/// As `gemv_tc`, with `F == m.div_ceil(8)`; called by the whole block.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemv_tc<E: Element, O: Element, H: Half, const TF32: bool>(
-    x: *const E,
-    w: *const E,
-    bias: *const f32,
-    y: *mut O,
-    save_z: *mut f32,
-    (m, n, k): (u32, u32, u32),
-    ops: *const OpDesc,
-    n_ops: u32,
+unsafe fn products<E: Element, H: Half, const TF32: bool, const F: usize>(
+    (x, w, (m, n, k), col0, base): (*const E, *const E, (u32, u32, u32), u32, *mut f32),
 ) {
     // Index arithmetic in 32 bits (the host checks `m k` and `n k` fit): 64-bit
     // offsets held across the loop cost the registers the accumulators need.
-    let t = thread_idx_x() as usize;
     let (warp, lane) = (warp_id(), lane_id());
     let (g, q) = (lane / 4, lane % 4);
-    let col0 = block_idx_x() * SLAB as u32;
-    let frags = m.div_ceil(8);
     // Values per chunk and per unit (four chunks of a row).
     let per_chunk = (CHUNK / core::mem::size_of::<E>()) as u32;
     let per_unit = 4 * per_chunk;
@@ -70,9 +57,8 @@ unsafe fn gemv_tc<E: Element, O: Element, H: Half, const TF32: bool>(
     let warps = WARPS as u32;
     let mine = if units > warp { (units - warp).div_ceil(warps) } else { 0 };
 
-    // This lane's slots: unit ring of its warp, `W_SLOTS + frags` slots per stage.
-    let base = dynamic_shared::<f32>();
-    let stage_bytes = (W_SLOTS as u32 + frags) * SLOT_BYTES as u32;
+    // This lane's slots: unit ring of its warp, `W_SLOTS + F` slots per stage.
+    let stage_bytes = ((W_SLOTS + F) * SLOT_BYTES) as u32;
     let ring = shared_address(base) + warp * STAGES as u32 * stage_bytes + lane * CHUNK as u32;
     let stage_at = |s: u32| ring + s * stage_bytes;
     // Copies this lane's chunks of unit `i` (of this warp) into stage `s`: `W` rows
@@ -94,7 +80,7 @@ unsafe fn gemv_tc<E: Element, O: Element, H: Half, const TF32: bool>(
             };
         });
         unroll!(f in 0..8 => {
-            if (f as u32) < frags {
+            if f < F {
                 let r = 8 * f as u32 + g;
                 let (src, bytes) = if r < m { (r * k + at, bytes) } else { (0, 0) };
                 // SAFETY: as above, row r < m of `x`.
@@ -105,10 +91,9 @@ unsafe fn gemv_tc<E: Element, O: Element, H: Half, const TF32: bool>(
             }
         });
     };
-    let (m, n, col0, frags) = (m as usize, n as usize, col0 as usize, frags as usize);
     let (warp, g, q) = (warp as usize, g as usize, q as usize);
 
-    let mut acc = [[[0.0f32; 4]; FRAGS]; 2];
+    let mut acc = [[[0.0f32; 4]; F]; 2];
     unroll!(s in 0..3 => {
         if (s as u32) < mine {
             issue(s as u32, s as u32);
@@ -137,7 +122,7 @@ unsafe fn gemv_tc<E: Element, O: Element, H: Half, const TF32: bool>(
             });
         });
         unroll!(f in 0..8 => {
-            if f < frags {
+            if f < F {
                 // SAFETY: this lane's own landed slot.
                 let xv = unsafe { ld_shared_v4(st + ((W_SLOTS + f) * SLOT_BYTES) as u32) };
                 unroll!(s in 0..2 => {
@@ -158,21 +143,67 @@ unsafe fn gemv_tc<E: Element, O: Element, H: Half, const TF32: bool>(
     // SAFETY: uniform control flow; every warp is done with its ring.
     unsafe { sync_threads() };
 
-    // The warps' partial sums, `[warp][row][RED_PITCH]` over the ring; then the slab's `z`.
-    let rows8 = frags * 8;
-    // SAFETY: smem_bytes(m) covers both.
-    let (red, zs) = unsafe { (base, base.add(WARPS * rows8 * RED_PITCH)) };
+    // The warps' partial sums over the ring.
+    let rows8 = F * 8;
     unroll!(mf in 0..2 => {
         unroll!(f in 0..8 => {
-            if f < frags {
+            if f < F {
                 unroll!(e in 0..4 => {
                     let (col, row) = (16 * mf + g + 8 * (e / 2), 8 * f + 2 * q + e % 2);
                     // SAFETY: row < rows8, col < SLAB.
-                    unsafe { *red.add((warp * rows8 + row) * RED_PITCH + col) = acc[mf][f][e] };
+                    unsafe { *base.add((warp * rows8 + row) * RED_PITCH + col) = acc[mf][f][e] };
                 });
             }
         });
     });
+}
+
+/// # Safety
+/// Device pointers: `x (m, k)` and `w (n, k)` row-major in `E` with 16-byte rows
+/// (`k * size_of::<E>() % 16 == 0`) and 16-byte aligned, `bias (n,)` or null,
+/// `y (m, n)`, `save_z (m, n)` FP32 or null; `1 <= m <= ROWS`, `n >= 1`. `E` is `f32`
+/// with `TF32` (the operands truncated by the tensor cores), else the 16-bit `H` (a
+/// 16-bit model's values as stored); FP32 accumulation in both. With `n_ops > 0`: `ops[..n_ops]` per-element
+/// ops or GroupNorms whose group size divides `SLAB`, which divides `n`. Launch: grid
+/// `(n.div_ceil(SLAB), 1, 1)`, `THREADS` threads, `smem_bytes(m)` of dynamic shared memory.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemv_tc<E: Element, O: Element, H: Half, const TF32: bool>(
+    x: *const E,
+    w: *const E,
+    bias: *const f32,
+    y: *mut O,
+    save_z: *mut f32,
+    (m, n, k): (u32, u32, u32),
+    ops: *const OpDesc,
+    n_ops: u32,
+) {
+    let t = thread_idx_x() as usize;
+    let col0 = block_idx_x() * SLAB as u32;
+    let frags = m.div_ceil(8) as usize;
+    let base = dynamic_shared::<f32>();
+    // The main loop for the rows' fragment count: with a count known at run time, the
+    // loop issued all FRAGS fragments' MMAs and copies predicated off (a warp's unit
+    // took ~265 instructions, the SMs 56% busy issuing them at 63% of the DRAM
+    // bandwidth).
+    let args = (x, w, (m, n, k), col0, base);
+    // SAFETY (each arm): the caller's contract; `F` is `m`'s fragment count.
+    unsafe {
+        match frags {
+            1 => products::<E, H, TF32, 1>(args),
+            2 => products::<E, H, TF32, 2>(args),
+            3 => products::<E, H, TF32, 3>(args),
+            4 => products::<E, H, TF32, 4>(args),
+            5 => products::<E, H, TF32, 5>(args),
+            6 => products::<E, H, TF32, 6>(args),
+            7 => products::<E, H, TF32, 7>(args),
+            _ => products::<E, H, TF32, 8>(args),
+        }
+    }
+    let (m, n, col0) = (m as usize, n as usize, col0 as usize);
+    let rows8 = frags * 8;
+    // SAFETY: smem_bytes(m) covers the partial sums, then the slab's `z`.
+    let (red, zs) = (base, unsafe { base.add(WARPS * rows8 * RED_PITCH) });
     // SAFETY: uniform control flow.
     unsafe { sync_threads() };
     let mut i = t;
