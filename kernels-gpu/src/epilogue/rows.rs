@@ -127,8 +127,10 @@ unsafe fn group_stats_alone(s: *const f32, size: usize, eps: f32, start: usize) 
 
 /// GroupNorm of `count` consecutive groups of `size` at `x` in place, group `i` with
 /// the parameters of channels `(i % per_row) * size ..`: groups of at most a warp's
-/// width a thread each (with 16 channels a warp took 512 groups one after another, 5
-/// shuffles apart: KernelBench 75's epilogue 0.17 ms), wider ones a warp each.
+/// width a thread each where there are more groups than warps (with 16 channels a warp
+/// took 512 groups one after another, 5 shuffles apart: KernelBench 75's epilogue 0.17
+/// ms), else a warp each (`gemv_tc`'s 8 rows of a 32-channel group: 8 threads walking
+/// their groups alone held the other 248 at the op's barrier, half its stall samples).
 ///
 /// # Safety
 /// `x` holds `count * size` floats; the op's parameter vectors `per_row * size`.
@@ -138,7 +140,7 @@ unsafe fn normalize_groups<const T: usize>(x: *mut f32, count: usize, per_row: u
     let (warp, lane) = (warp_id() as usize, lane_id() as usize);
     // SAFETY (whole body): every group below `count`, its channels below `per_row * size`.
     unsafe {
-        if size <= WARP {
+        if size <= WARP && count > T / WARP {
             let (gamma, beta) = (op.param0 as *const f32, op.param1 as *const f32);
             let start = group_start(size);
             let mut gi = thread_idx_x() as usize;
@@ -1000,7 +1002,8 @@ unsafe fn rows_backward<E: Element, const T: usize>(
                         let size = f / groups;
                         let inv = 1.0 / size as f32;
                         if size <= WARP {
-                            // A thread a group, as the forward's `normalize_groups`.
+                            // A thread a group (as the forward's `normalize_groups` where
+                            // groups outnumber warps: this kernel runs whole rows).
                             let start = group_start(size);
                             let mut gi = t;
                             while gi < groups {
