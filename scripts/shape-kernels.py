@@ -1,9 +1,10 @@
 """The kernels one forward runs at given shapes (GPU machine): ours (``FusedLinear``) and
 eager PyTorch (``bench.PlainBlock``) side by side, under ``no_grad``, each kernel's GPU time
 from the profiler averaged over ``--iters`` calls, and the `graph` protocol's time of both
-(a CUDA graph of one call, replayed back to back).
+(a CUDA graph of one call, replayed back to back). With ``--backward``, a training step
+instead: forward and ``backward`` of every gradient, ``x``'s included.
 
-    python3 scripts/shape-kernels.py [--shapes 64x4096x4096,256x8192x8192] [--configs bf16,tf32]
+    python3 scripts/shape-kernels.py [--shapes 64x4096x4096,256x8192x8192] [--configs bf16,tf32] [--backward]
 
 A diagnostic for where a small shape's time goes, not a benchmark (no L2 flush, no compile).
 """
@@ -54,6 +55,15 @@ def graph_ms(fn, iters: int) -> float:
     return sorted(times)[1]
 
 
+def step(block: torch.nn.Module, x: torch.Tensor) -> None:
+    """One training step's GPU work: the forward, then every gradient from a ones ``dy``."""
+    x = x.detach().requires_grad_(True)
+    for p in block.parameters():
+        p.grad = None
+    y = block(x)
+    y.backward(torch.ones_like(y))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="64x4096x4096,256x4096x4096,256x8192x8192,1024x1024x1024")
@@ -61,6 +71,7 @@ def main() -> None:
     p.add_argument("--chain", default=DEFAULT_SWEEP_CHAIN)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--top", type=int, default=6)
+    p.add_argument("--backward", action="store_true", help="time forward + backward, not the forward")
     a = p.parse_args()
     device = torch.device("cuda")
     for config in a.configs.split(","):
@@ -69,9 +80,9 @@ def main() -> None:
             shape = Shape("sweep", canonical(fin, fout, sweep_chain(a.chain, fout)), rows, fin, fout)
             pair = build_pair(shape, config, device, 0)
             x = make_input(shape, config, device, 0)
-            with tf32_allowed(config == "tf32"), torch.no_grad():
+            with tf32_allowed(config == "tf32"), torch.set_grad_enabled(a.backward):
                 for name, block in (("ours", pair.ours), ("eager", pair.plain)):
-                    call = functools.partial(block, x)
+                    call = functools.partial(step, block, x) if a.backward else functools.partial(block, x)
                     ks = kernels(call, a.iters)
                     g = graph_ms(call, a.iters)
                     total = sum(ks.values())

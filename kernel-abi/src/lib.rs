@@ -175,11 +175,17 @@ pub mod gemm_tma {
     /// partial product cost more than its MMAs.
     pub const MIN_SPLIT_K: usize = 256;
     const _: () = assert!(MIN_SPLIT_K.is_multiple_of(BF16_BLOCK_K));
-    /// The forwards that split `k` (a work unit per tile and range of `k`): the 16-bit
-    /// and 3xTF32 ones. The others walk whole tiles only, so their producer's 24
-    /// registers hold no split state (with it they spilled a few bytes).
-    pub const SPLIT_K_KERNELS: [crate::Kernel; 3] =
-        [crate::Kernel::GemmTmaBf16Nt, crate::Kernel::GemmTmaF16Nt, crate::Kernel::GemmTmaTf32x3Nt];
+    /// The GEMMs that split `k` (a work unit per tile and range of `k`): the 16-bit and
+    /// 3xTF32 forwards and the 16-bit `dX` into FP32. The others walk whole tiles only,
+    /// so their producer's 24 registers hold no split state (with it they spilled a few
+    /// bytes).
+    pub const SPLIT_K_KERNELS: [crate::Kernel; 5] = [
+        crate::Kernel::GemmTmaBf16Nt,
+        crate::Kernel::GemmTmaF16Nt,
+        crate::Kernel::GemmTmaTf32x3Nt,
+        crate::Kernel::GemmTmaBf16Nn,
+        crate::Kernel::GemmTmaF16Nn,
+    ];
 
     /// Whether the entry point `name` is one of [`SPLIT_K_KERNELS`] (a `const fn`: the
     /// kernels' entry points are instantiated from it).

@@ -605,7 +605,7 @@ impl<W: DeviceElement> GpuBlock<W> {
         save: Option<&mut DeviceTensor>,
     ) -> Result<()> {
         match dispatch::split_sums(self.not_fusable.is_none()) {
-            SplitSums::Tiles => epilogue_split_tiles(gpu, &self.chain, z, &b.buf, y, save),
+            SplitSums::Tiles => epilogue_split_tiles(gpu, Some(&self.chain), z, Some(&b.buf), y, save),
             SplitSums::Rows => epilogue_rows(gpu, &self.chain, z, Some(&b.buf), y, save),
         }
     }

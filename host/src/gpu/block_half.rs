@@ -19,7 +19,7 @@ use super::block::{DeviceGrads, DeviceParams, Folded, FoldedWeight, GpuBlock, Ho
 use super::dispatch::{self, Family, Role, Route, Storage};
 use super::dot;
 use super::elementwise::{to_half, unfold_rows_mean_grad, widen, widen_on};
-use super::epilogue::lanes::epilogue_tiles_backward;
+use super::epilogue::lanes::{epilogue_split_tiles, epilogue_tiles_backward};
 use super::epilogue::partials;
 use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
 use super::gemm::fp8;
@@ -419,18 +419,20 @@ impl<H: HalfElement> GpuBlock<H> {
             None
         } else if !dx_route.widened {
             let mut dx = gpu.alloc_as::<H>(&[m, k])?;
-            launch_half(
-                gpu,
-                gpu.stream(),
-                &dx_route,
-                (&dz.buf, &w16.buf),
-                (m, k, n),
-                (n, k),
-                (None, None),
-                &mut dx,
-                None,
-                1,
-            )?;
+            match dispatch::dx_splits(m, n, k, gpu.props.multiprocessors, gpu.tuning().split_k) {
+                1 => {
+                    let (stream, ab) = (gpu.stream(), (&*dz.buf, &*w16.buf));
+                    launch_half(gpu, stream, &dx_route, ab, (m, k, n), (n, k), (None, None), &mut dx, None, 1)?
+                }
+                splits => {
+                    // The ranges' FP32 sums, added in order and rounded once.
+                    let route = Route { kernel: H::KERNELS.tma_nn, ..dx_route };
+                    let mut parts = gpu.alloc(&[splits, m, k])?;
+                    let (stream, ab) = (gpu.stream(), (&*dz.buf, &*w16.buf));
+                    launch_half(gpu, stream, &route, ab, (m, k, n), (n, k), (None, None), &mut parts, None, splits)?;
+                    epilogue_split_tiles(gpu, None, &parts, None, &mut dx, None)?;
+                }
+            }
             Some(dx)
         } else {
             let (dz32, w32) = (widen(gpu, &dz)?, widen(gpu, w16)?);

@@ -128,6 +128,8 @@ pub struct HalfKernels {
     /// TMA `wgmma` on a 16-bit model's tensors as stored, 16-bit output: forward, `dX`, `dW`.
     pub tma_nt_to_half: Kernel,
     pub tma_nn_to_half: Kernel,
+    /// `dX` at few rows: split-K's FP32 partial products ([`dx_splits`]).
+    pub tma_nn: Kernel,
     pub tma_tn_to_half: Kernel,
     /// `dW` into FP32 (a folded AvgPool's weight).
     pub tma_tn: Kernel,
@@ -169,6 +171,7 @@ impl HalfKernels {
         tma_nt: Kernel::GemmTmaBf16Nt,
         tma_nt_to_half: Kernel::GemmTmaBf16NtToBf16,
         tma_nn_to_half: Kernel::GemmTmaBf16NnToBf16,
+        tma_nn: Kernel::GemmTmaBf16Nn,
         tma_tn_to_half: Kernel::GemmTmaBf16TnToBf16,
         tma_tn: Kernel::GemmTmaBf16Tn,
         mma: [
@@ -200,6 +203,7 @@ impl HalfKernels {
         tma_nt: Kernel::GemmTmaF16Nt,
         tma_nt_to_half: Kernel::GemmTmaF16NtToF16,
         tma_nn_to_half: Kernel::GemmTmaF16NnToF16,
+        tma_nn: Kernel::GemmTmaF16Nn,
         tma_tn_to_half: Kernel::GemmTmaF16TnToF16,
         tma_tn: Kernel::GemmTmaF16Tn,
         mma: [
@@ -433,7 +437,7 @@ impl Route {
         }
     }
 
-    fn wgmma(layout: Layout, kernel: Kernel) -> Route {
+    pub(crate) fn wgmma(layout: Layout, kernel: Kernel) -> Route {
         Route {
             family: Family::Wgmma,
             kernel,
@@ -795,6 +799,28 @@ pub fn tma_splits(batch: usize, n: usize, k: usize, precision: Precision, sms: u
     // The kernel gives each range `per` steps; fewer ranges than asked may cover `k`.
     let steps = k.div_ceil(step);
     steps.div_ceil(steps.div_ceil(wanted))
+}
+
+/// Split-K of a 16-bit model's `dX (m, k) = dZ (m, n) W (n, k)` on `gemm_tma_*_nn`, by
+/// [`tma_splits`]'s rule over the output `(m, k)` and the depth `n`: at few rows a
+/// handful of tiles would each stream all of `W` (bf16 8 x 1024 x 4096: 4 tiles, 0.039
+/// ms, where cuBLAS's split GEMM took 0.004; H200, the profiler through PyTorch).
+pub fn dx_splits(m: usize, n: usize, k: usize, sms: usize, forced: Option<usize>) -> usize {
+    tma_splits(m, k, n, Precision::Bf16, sms, forced)
+}
+
+/// Split-K of FP32 tensors' TF32 or 3xTF32 `dX` at few rows, on `gemm_wgmma_*_dx` (the
+/// TMA `tk_t` kernels walk whole tiles): where its `128 x 128` tiles over the output
+/// `(k, m)` fill fewer than half the SMs, ranges at least `MIN_SPLIT_K` of the depth `n`
+/// deep, at most two blocks per SM (as [`grid_splits`]). TF32 8 x 1024 x 4096 ran 8
+/// TMA tiles for 0.077 ms where cuBLAS's GEMM took 0.007 (H200, the profiler through
+/// PyTorch).
+pub fn dx_grid_splits(m: usize, n: usize, k: usize, sms: usize, forced: Option<usize>) -> usize {
+    let tiles = k.div_ceil(BLOCK_M) * m.div_ceil(BLOCK_N);
+    if tiles * 2 >= sms || n < 2 * gemm_tma::MIN_SPLIT_K {
+        return 1;
+    }
+    forced.unwrap_or((2 * sms / tiles).min(n / gemm_tma::MIN_SPLIT_K).min(16)).clamp(1, 64)
 }
 
 /// Split-K on the grid kernels (`gemm_fma`, `gemm_mma`, `gemm_wgmma`): where their
@@ -1343,6 +1369,16 @@ mod tests {
         // The tuning's count where the rule would split at all; 1 is unsplit.
         assert_eq!(tma_splits(128, 256, 8192, Precision::Bf16, 132, Some(5)), 5);
         assert_eq!(tma_splits(128, 67 * 256, 8192, Precision::Bf16, 132, Some(5)), 1);
+        // dX over (m, k) with the depth n: 8 x 1024 x 4096 is 4 tiles, 16 ranges of 256;
+        // 8 x 8192 x 8192 32 tiles, 4 ranges; 1024 rows fill the GPU unsplit.
+        assert_eq!(dx_splits(8, 4096, 1024, 132, None), 16);
+        assert_eq!(dx_splits(8, 8192, 8192, 132, None), 4);
+        assert_eq!(dx_splits(1024, 8192, 8192, 132, None), 1);
+        // FP32 tensors' dX: 8 tiles of 128 x 128 at 8 x 1024 x 4096, 16 ranges; 1 x 8192
+        // x 8192 64 tiles, 4; 1024 rows unsplit.
+        assert_eq!(dx_grid_splits(8, 4096, 1024, 132, None), 16);
+        assert_eq!(dx_grid_splits(1, 8192, 8192, 132, None), 4);
+        assert_eq!(dx_grid_splits(1024, 8192, 8192, 132, None), 1);
         assert_eq!(plan(Forward { split_k: Some(1), ..f(Dtype::Bf16, None) }, 132, true), Plan::Fused);
         assert_eq!(plan(Forward { split_k: Some(3), ..mid }, 132, false), Plan::GemmThenRows { splits: 3 });
 

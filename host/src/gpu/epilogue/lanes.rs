@@ -13,12 +13,13 @@ use kernel_abi::gemm_fma::{MAX_GRAD_SLOTS, MAX_TILE_OPS};
 
 /// `y = chain(sum_s z[s] + bias)` over split-K's partial products `z (splits, rows, n)`
 /// of a chain the GEMM's epilogue can fuse, the sum with the bias into `save_z` if
-/// given: 16 rows of 128 columns per block.
+/// given: 16 rows of 128 columns per block. Without a chain and a bias, the sum alone
+/// (a split `dX`).
 pub fn epilogue_split_tiles<T: DeviceElement>(
     gpu: &Gpu,
-    chain: &DeviceChain,
+    chain: Option<&DeviceChain>,
     z: &DeviceTensor,
-    bias: &CudaSlice<f32>,
+    bias: Option<&CudaSlice<f32>>,
     y: &mut DeviceTensor<T>,
     save_z: Option<&mut DeviceTensor>,
 ) -> Result<()> {
@@ -26,16 +27,16 @@ pub fn epilogue_split_tiles<T: DeviceElement>(
         return Err(Error::Shape(format!("split-K partial products must be 3-D, got {:?}", z.shape)));
     };
     if y.shape != [rows, n]
-        || bias.len() != n
+        || bias.is_some_and(|b| b.len() != n)
         || save_z.as_ref().is_some_and(|s| s.shape != [rows, n])
         || rows == 0
         || n == 0
         || z.len() > u32::MAX as usize
     {
         return Err(Error::Shape(format!(
-            "split-K sums of {splits} x {rows} x {n} into {:?} with {} biases",
+            "split-K sums of {splits} x {rows} x {n} into {:?} with {:?} biases",
             y.shape,
-            bias.len()
+            bias.map(CudaSlice::len)
         )));
     }
     let kernel = split_tiles_kernel(T::DTYPE);
@@ -45,14 +46,25 @@ pub fn epilogue_split_tiles<T: DeviceElement>(
         block_dim: (TILE_THREADS as u32, 1, 1),
         shared_mem_bytes: 0,
     };
-    let (splits, rows, n, n_ops, null) = (splits as u32, rows as u32, n as u32, chain.ops.len() as u32, 0u64);
+    let n_ops = chain.map_or(0, |c| c.ops.len()) as u32;
+    let (splits, rows, n, null) = (splits as u32, rows as u32, n as u32, 0u64);
     let mut launch = gpu.stream().launch_builder(&func);
-    launch.arg(&z.buf).arg(&splits).arg(bias).arg(&mut y.buf);
+    launch.arg(&z.buf).arg(&splits);
+    match bias {
+        Some(b) => launch.arg(b),
+        None => launch.arg(&null),
+    };
+    launch.arg(&mut y.buf);
     match save_z {
         Some(s) => launch.arg(&mut s.buf),
         None => launch.arg(&null),
     };
-    launch.arg(&rows).arg(&n).arg(&chain.descs).arg(&n_ops);
+    launch.arg(&rows).arg(&n);
+    match chain {
+        Some(c) => launch.arg(&c.descs),
+        None => launch.arg(&null),
+    };
+    launch.arg(&n_ops);
     // SAFETY: matches the kernel's signature; z holds splits * rows * n values, y and
     // save_z rows * n, the bias n; the chain is fusable (the caller's plan) and was
     // validated against n.

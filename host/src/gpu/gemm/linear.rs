@@ -3,9 +3,10 @@
 //! [`route`] and launched by their family's launcher, after the
 //! operand transposes a route asks for.
 
-use super::super::dispatch::{Family, HalfKernels, Layout, Role, Route, Storage, Transposed, route};
+use super::super::dispatch::{Family, HalfKernels, Layout, Role, Route, Storage, Transposed, dx_grid_splits, route};
 use super::super::elementwise::{slice_to_half, transpose_on, transpose_to_half_on};
 use super::super::epilogue::DeviceChain;
+use super::super::epilogue::lanes::epilogue_split_tiles;
 use super::super::{DeviceTensor, Gpu, HalfElement, Tuning};
 use super::args::Operands;
 use super::fp8::{self, Fp8Matrix, Fp8Weight};
@@ -13,6 +14,7 @@ use crate::error::{Error, Result};
 use crate::precision::Precision;
 use crate::tensor::{Bf16, F16};
 use cudarc::driver::{CudaSlice, CudaStream};
+use kernel_abi::Kernel;
 use std::sync::Arc;
 
 /// Checks a Linear layer's `x (m, k)` against its weight `w (n, k)`; returns `(m, n, k)`.
@@ -247,6 +249,10 @@ pub fn grad_input(gpu: &Gpu, precision: Precision, dz: &DeviceTensor, w: &Device
     let mut dx = gpu.alloc(&[m, k])?;
     let stream = gpu.stream();
     let op = |a, b, (lda, ldb)| Operands { a, b, m, n: k, k: n, lda, ldb, bias: None, chain: None, splits: 1 };
+    let splits = match route.layout {
+        Layout::Tk => dx_grid_splits(m, n, k, gpu.props.multiprocessors, gpu.tuning().split_k),
+        _ => 1,
+    };
     match (route.layout, route.transposed) {
         (Layout::Nt, Transposed::B) => {
             // `B` = W^T (k, n), rows of `n`.
@@ -259,6 +265,20 @@ pub fn grad_input(gpu: &Gpu, precision: Precision, dz: &DeviceTensor, w: &Device
                 let wt = transpose_on(gpu, stream, w)?;
                 launch(gpu, stream, &route, &op(&dz.buf, &wt.buf, (n, n)), &mut dx, None)?;
             }
+        }
+        // At few rows: the same on `gemm_wgmma`, its depth in ranges whose FP32 sums are
+        // added in order.
+        (Layout::Tk, Transposed::Nothing) if splits > 1 => {
+            let kernel = match precision {
+                Precision::Tf32x3 => Kernel::GemmWgmmaTf32x3DxVec4,
+                _ => Kernel::GemmWgmmaTf32DxVec4,
+            };
+            let route = Route { transpose_y: true, ..Route::wgmma(Layout::Tk, kernel) };
+            let op =
+                Operands { a: &w.buf, b: &dz.buf, m: k, n: m, k: n, lda: k, ldb: n, bias: None, chain: None, splits };
+            let mut parts = gpu.alloc(&[splits, m, k])?;
+            launch(gpu, stream, &route, &op, &mut parts, None)?;
+            epilogue_split_tiles(gpu, None, &parts, None, &mut dx, None)?;
         }
         // dX^T (k, m) = W^T dZ^T: `A` = W read as stored (row-contiguous), `B` = dZ, the
         // output stored transposed. No transpose of W, which cost up to half the GEMM.

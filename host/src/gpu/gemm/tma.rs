@@ -147,7 +147,7 @@ fn half_layout<H: HalfElement>(kernel: Kernel) -> Option<Layout> {
     let h = H::KERNELS;
     match kernel {
         _ if kernel == h.tma_nt || kernel == h.tma_nt_to_half => Some(Layout::Nt),
-        _ if kernel == h.tma_nn_to_half => Some(Layout::Nn),
+        _ if kernel == h.tma_nn_to_half || kernel == h.tma_nn => Some(Layout::Nn),
         _ if kernel == h.tma_tn || kernel == h.tma_tn_to_half => Some(Layout::Tn),
         _ => None,
     }
@@ -254,8 +254,8 @@ fn launch_with_maps<O: DeviceElement>(
     let split_k = kernel_abi::gemm_tma::SPLIT_K_KERNELS.contains(&kernel);
     if splits > 1 && (!split_k || bias.is_some() || chain.is_some() || save_z.is_some()) {
         return Err(Error::Unsupported(format!(
-            "`{kernel}` split {splits} ways: only the bf16, fp16 and 3xTF32 forwards split, into raw FP32 \
-             partial products (no bias, chain or saved `z`)"
+            "`{kernel}` split {splits} ways: only the bf16, fp16 and 3xTF32 forwards and the 16-bit `dX` \
+             split, into raw FP32 partial products (no bias, chain or saved `z`)"
         )));
     }
     // A chain ending in a row reduction: row partials into an FP32 `y` (`Plan::RowPartials`).
@@ -377,8 +377,8 @@ pub fn launch_half<H: HalfElement, O: DeviceElement>(
             y.shape
         )));
     }
-    if route.layout != Layout::Nt && (bias.is_some() || chain.is_some() || save_z.is_some() || splits > 1) {
-        return Err(Error::Unsupported(format!("`{kernel}` takes no bias, chain, saved output or split-K")));
+    if route.layout != Layout::Nt && (bias.is_some() || chain.is_some() || save_z.is_some()) {
+        return Err(Error::Unsupported(format!("`{kernel}` takes no bias, chain or saved output")));
     }
     if [m, n, k, lda, ldb, a.len(), b.len()].iter().any(|&d| d > u32::MAX as usize) {
         return Err(Error::Shape(format!("16-bit GEMM ({m}, {n}, {k}) exceeds the kernel's 32-bit arguments")));
