@@ -812,7 +812,7 @@ pub fn dx_splits(m: usize, n: usize, k: usize, sms: usize, forced: Option<usize>
 /// Split-K of FP32 tensors' TF32 or 3xTF32 `dX` at few rows, on `gemm_wgmma_*_dx` (the
 /// TMA `tk_t` kernels walk whole tiles): where its `128 x 128` tiles over the output
 /// `(k, m)` fill fewer than half the SMs, ranges at least `MIN_SPLIT_K` of the depth `n`
-/// deep, at most two blocks per SM (as [`grid_splits`]). TF32 8 x 1024 x 4096 ran 8
+/// deep, at most two blocks per SM (as `grid_splits`). TF32 8 x 1024 x 4096 ran 8
 /// TMA tiles for 0.077 ms where cuBLAS's GEMM took 0.007 (H200, the profiler through
 /// PyTorch).
 pub fn dx_grid_splits(m: usize, n: usize, k: usize, sms: usize, forced: Option<usize>) -> usize {
