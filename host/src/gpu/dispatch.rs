@@ -820,7 +820,11 @@ pub fn dx_grid_splits(m: usize, n: usize, k: usize, sms: usize, forced: Option<u
     if tiles * 2 >= sms || n < 2 * gemm_tma::MIN_SPLIT_K {
         return 1;
     }
-    forced.unwrap_or((2 * sms / tiles).min(n / gemm_tma::MIN_SPLIT_K).min(16)).clamp(1, 64)
+    let wanted = forced.unwrap_or((2 * sms / tiles).min(n / gemm_tma::MIN_SPLIT_K).min(16)).clamp(1, 64);
+    // The kernel's ranges are whole k-tiles of `ceil(n / splits)`: fewer ranges than
+    // asked may cover `n`, and no range may be empty.
+    let steps = n.div_ceil(kernel_abi::gemm_wgmma::BLOCK_K);
+    steps.div_ceil(steps.div_ceil(wanted))
 }
 
 /// Split-K on the grid kernels (`gemm_fma`, `gemm_mma`, `gemm_wgmma`): where their
@@ -1379,6 +1383,9 @@ mod tests {
         assert_eq!(dx_grid_splits(8, 4096, 1024, 132, None), 16);
         assert_eq!(dx_grid_splits(1, 8192, 8192, 132, None), 4);
         assert_eq!(dx_grid_splits(1024, 8192, 8192, 132, None), 1);
+        // 4100 deep asked into 16 ranges of whole 32-value k-tiles: 15 of 288 (16 of 288
+        // would leave the last one empty).
+        assert_eq!(dx_grid_splits(8, 4100, 1024, 132, None), 15);
         assert_eq!(plan(Forward { split_k: Some(1), ..f(Dtype::Bf16, None) }, 132, true), Plan::Fused);
         assert_eq!(plan(Forward { split_k: Some(3), ..mid }, 132, false), Plan::GemmThenRows { splits: 3 });
 

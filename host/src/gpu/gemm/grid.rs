@@ -54,6 +54,13 @@ pub fn launch(
     let (block_k, smem_bytes) = stages(family, kernel)?;
     let (m, n, k, splits) = (op.m, op.n, op.k, op.splits.max(1));
     let k_split = k.div_ceil(splits).div_ceil(block_k) * block_k;
+    // Each block's range starts at z k_split (`gemm::BlockTile`): one past `k` would
+    // wrap its length.
+    if (splits - 1) * k_split >= k {
+        return Err(Error::Unsupported(format!(
+            "`{kernel}`: {splits} split-K ranges of {k_split} over a depth of {k} leave one empty"
+        )));
+    }
     let func = gpu.function(kernel)?;
     gpu.allow_shared(&func, kernel, smem_bytes)?;
     let grid = (n.div_ceil(BLOCK_N), m.div_ceil(BLOCK_M), splits);
