@@ -1092,6 +1092,72 @@ fn small_batches_match_reference() {
     }
 }
 
+/// `dX` at few rows, split in its depth (the layer's outputs): depths that are not whole
+/// ranges of the kernels' k-tiles (4100 and 4104 outputs: 15 and 13 ranges, the last
+/// shorter), and a forced count of 64 (43 ranges of 3 k-tiles), for FP32 blocks in TF32
+/// and 3xTF32 (`gemm_wgmma_*_dx`) and bf16 and fp16 models (`gemm_tma_*_nn`); every
+/// gradient against the f64 reference, outputs poisoned.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn split_dx_matches_reference() {
+    use host::Precision;
+    use host::gpu::dispatch::{dx_grid_splits, dx_splits};
+    use host::precision::{BF16_STORED_REL, FP16_STORED_REL};
+    use host::tensor::{Bf16, F16};
+    let base = gpu();
+    let sms = base.props.multiprocessors;
+    let mut rng = StdRng::seed_from_u64(41);
+    let cases = [
+        ("swish,bias", (8, 1024, 4100), None),
+        ("gelu", (3, 264, 4104), None),
+        ("bias,tanh", (5, 512, 4100), Some(64)),
+    ];
+    for (text, (b, i, o), forced) in cases {
+        let gpu = base.clone().with_tuning(Tuning { split_k: forced, ..base.tuning() });
+        let spec = BlockSpec::new(i, o, text.parse().unwrap()).unwrap();
+        let (params, x, dy) = random_case(&spec, b, &mut rng);
+        assert!(dx_grid_splits(b, o, i, sms, forced) > 1, "{text}: FP32 dX unsplit");
+        for precision in [Precision::Tf32, Precision::Tf32x3] {
+            let block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(precision);
+            let got = block.forward_backward(&gpu, &x, &dy).unwrap();
+            let path = block.describe(&gpu, &block.plan(&gpu, b));
+            let name = format!("split dX {precision} {b} x {i} x {o} {text} (split_k {forced:?})");
+            check_step(&name, &spec, &got, (&x, &params, &dy), precision.tolerance(), &path);
+        }
+        if o % 8 != 0 {
+            continue; // a 16-bit model's dX kernel wants rows of 8 values
+        }
+        assert!(dx_splits(b, o, i, sms, forced) > 1, "{text}: 16-bit dX unsplit");
+        let p16 = params.map(Bf16::from_f32);
+        let (x16, dy16) = (x.to_bf16(), dy.to_bf16());
+        let block = GpuBlock::new_bf16(&gpu, &spec, &p16).unwrap();
+        let got = block.forward_backward(&gpu, &x16, &dy16).unwrap();
+        let path = block.describe(&gpu, &block.plan(&gpu, b));
+        let (xf, pf, dyf) = (x16.to_f32(), p16.map(Bf16::to_f32), dy16.to_f32());
+        check_step(
+            &format!("split dX bf16 {b} x {i} x {o} {text}"),
+            &spec,
+            &got,
+            (&xf, &pf, &dyf),
+            BF16_STORED_REL,
+            &path,
+        );
+        let (xh, ph, dyh) = (x.to_f16(), params.map(F16::from_f32), dy.to_f16());
+        let block = GpuBlock::new_half(&gpu, &spec, &ph).unwrap();
+        let got = block.forward_backward(&gpu, &xh, &dyh).unwrap();
+        let path = block.describe(&gpu, &block.plan(&gpu, b));
+        let (xf, pf, dyf) = (xh.to_f32(), ph.map(F16::to_f32), dyh.to_f32());
+        check_step(
+            &format!("split dX fp16 {b} x {i} x {o} {text}"),
+            &spec,
+            &got,
+            (&xf, &pf, &dyf),
+            FP16_STORED_REL,
+            &path,
+        );
+    }
+}
+
 /// The tensor-core small-batch kernel against the FP32-FMA one and the tile GEMMs
 /// (switched by the tuning) on the same bf16 model and TF32 block: the forward's `y`
 /// to the reference's tolerance each way, so the A/B timings of `host bench` compare
