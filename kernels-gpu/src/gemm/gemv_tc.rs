@@ -37,8 +37,8 @@ const _: () = assert!(FRAGS == 8 && W_SLOTS == 4 && SLAB == 32 && THREADS == ROW
 const SLOT_BYTES: usize = WARP * CHUNK;
 
 /// The main loop and its partial sums: each warp's products over its units of `k` for the
-/// `F = ceil(m / 8)` fragments of `x^T`, stored to `red` as `[warp][row][RED_PITCH]`
-/// (the start of the dynamic shared memory, over the ring, after a barrier).
+/// `F = ceil(m / 8)` fragments of `x^T`, stored as `[warp][row][RED_PITCH]` from `base`,
+/// the start of the dynamic shared memory (over the ring, after a barrier).
 ///
 /// # Safety
 /// As `gemv_tc`, with `F == m.div_ceil(8)`; called by the whole block.
