@@ -1386,6 +1386,23 @@ mod tests {
         // 4100 deep asked into 16 ranges of whole 32-value k-tiles: 15 of 288 (16 of 288
         // would leave the last one empty).
         assert_eq!(dx_grid_splits(8, 4100, 1024, 132, None), 15);
+        // No range empty, as each kernel cuts them: `gemm_wgmma` ranges of `ceil(n / s)`
+        // rounded up to whole k-tiles, the TMA pipeline `ceil(k_tiles / s)` k-tiles.
+        for n in (256..9000).step_by(4) {
+            for (m, k) in [(1, 64), (8, 1024), (40, 4096), (128, 264)] {
+                for forced in [None, Some(5), Some(64)] {
+                    let s = dx_grid_splits(m, n, k, 132, forced);
+                    let bk = kernel_abi::gemm_wgmma::BLOCK_K;
+                    let k_split = n.div_ceil(s).div_ceil(bk) * bk;
+                    assert!((s - 1) * k_split < n, "wgmma dX {m} x {n} x {k} in {s} ranges of {k_split}");
+                    if n % 8 == 0 {
+                        let s = dx_splits(m, n, k, 132, forced);
+                        let k_tiles = n.div_ceil(gemm_tma::BF16_BLOCK_K);
+                        assert!((s - 1) * k_tiles.div_ceil(s) < k_tiles, "TMA dX {m} x {n} x {k} in {s} ranges");
+                    }
+                }
+            }
+        }
         assert_eq!(plan(Forward { split_k: Some(1), ..f(Dtype::Bf16, None) }, 132, true), Plan::Fused);
         assert_eq!(plan(Forward { split_k: Some(3), ..mid }, 132, false), Plan::GemmThenRows { splits: 3 });
 
