@@ -796,9 +796,18 @@ pub fn tma_splits(batch: usize, n: usize, k: usize, precision: Precision, sms: u
         _ => gemm_tma::BF16_BLOCK_K,
     };
     let wanted = forced.unwrap_or((sms / tiles).min(k / gemm_tma::MIN_SPLIT_K).min(16)).clamp(1, 64);
-    // The kernel gives each range `per` steps; fewer ranges than asked may cover `k`.
-    let steps = k.div_ceil(step);
-    steps.div_ceil(steps.div_ceil(wanted))
+    covering_ranges(k, step, wanted)
+}
+
+/// How many ranges of a depth cut as the split-K kernels cut it (each `ceil(steps / s)`
+/// whole steps of `step`, `s` the count) cover `depth` with none empty, at most `wanted`:
+/// fewer than asked may cover it. (Each range must start inside: a kernel's range
+/// starting past the end would wrap its unsigned length.)
+fn covering_ranges(depth: usize, step: usize, wanted: usize) -> usize {
+    match depth.div_ceil(step) {
+        0 => 1,
+        steps => steps.div_ceil(steps.div_ceil(wanted.max(1))),
+    }
 }
 
 /// Split-K of a 16-bit model's `dX (m, k) = dZ (m, n) W (n, k)` on `gemm_tma_*_nn`, by
@@ -821,10 +830,7 @@ pub fn dx_grid_splits(m: usize, n: usize, k: usize, sms: usize, forced: Option<u
         return 1;
     }
     let wanted = forced.unwrap_or((2 * sms / tiles).min(n / gemm_tma::MIN_SPLIT_K).min(16)).clamp(1, 64);
-    // The kernel's ranges are whole k-tiles of `ceil(n / splits)`: fewer ranges than
-    // asked may cover `n`, and no range may be empty.
-    let steps = n.div_ceil(kernel_abi::gemm_wgmma::BLOCK_K);
-    steps.div_ceil(steps.div_ceil(wanted))
+    covering_ranges(n, kernel_abi::gemm_wgmma::BLOCK_K, wanted)
 }
 
 /// Split-K on the grid kernels (`gemm_fma`, `gemm_mma`, `gemm_wgmma`): where their
@@ -841,8 +847,10 @@ fn grid_splits(f: Forward, sms: usize) -> usize {
     if tiles * 2 >= sms || f.k < 64 * BLOCK_K {
         return 1;
     }
+    // (The rule's ranges are 512 deep or more, whole at 32; a forced count may not be.
+    // 32, the deepest k-tile of the grid families, also covers the FMA kernels' 16.)
     if let Some(forced) = f.split_k {
-        return forced;
+        return covering_ranges(f.k, kernel_abi::gemm_wgmma::BLOCK_K, forced);
     }
     let tensor_cores = f.dtype == Dtype::F32 && matches!(f.precision, Precision::Tf32 | Precision::Tf32x3);
     let per_wave = if tensor_cores { 2 * sms / tiles } else { (2 * sms).div_ceil(tiles) };
@@ -1405,6 +1413,8 @@ mod tests {
         }
         assert_eq!(plan(Forward { split_k: Some(1), ..f(Dtype::Bf16, None) }, 132, true), Plan::Fused);
         assert_eq!(plan(Forward { split_k: Some(3), ..mid }, 132, false), Plan::GemmThenRows { splits: 3 });
+        // A forced count the depth cannot take whole: 64 asked of 35 k-tiles, 35 ranges.
+        assert_eq!(plan(Forward { split_k: Some(64), k: 1100, ..mid }, 132, false), Plan::GemmThenRows { splits: 35 });
 
         let small = Forward { batch: 8, ..f(Dtype::Bf16, None) };
         let fma = |chain| Plan::Gemv { chain, tensor_cores: false };
