@@ -419,17 +419,14 @@ impl<H: HalfElement> GpuBlock<H> {
             None
         } else if !dx_route.widened {
             let mut dx = gpu.alloc_as::<H>(&[m, k])?;
+            let (stream, ab, dims, lds) = (gpu.stream(), (&*dz.buf, &*w16.buf), (m, k, n), (n, k));
             match dispatch::dx_splits(m, n, k, gpu.props.multiprocessors, gpu.tuning().split_k) {
-                1 => {
-                    let (stream, ab) = (gpu.stream(), (&*dz.buf, &*w16.buf));
-                    launch_half(gpu, stream, &dx_route, ab, (m, k, n), (n, k), (None, None), &mut dx, None, 1)?
-                }
+                1 => launch_half(gpu, stream, &dx_route, ab, dims, lds, (None, None), &mut dx, None, 1)?,
                 splits => {
                     // The ranges' FP32 sums, added in order and rounded once.
                     let route = Route { kernel: H::KERNELS.tma_nn, ..dx_route };
                     let mut parts = gpu.alloc(&[splits, m, k])?;
-                    let (stream, ab) = (gpu.stream(), (&*dz.buf, &*w16.buf));
-                    launch_half(gpu, stream, &route, ab, (m, k, n), (n, k), (None, None), &mut parts, None, splits)?;
+                    launch_half(gpu, stream, &route, ab, dims, lds, (None, None), &mut parts, None, splits)?;
                     epilogue_split_tiles(gpu, None, &parts, None, &mut dx, None)?;
                 }
             }

@@ -437,7 +437,7 @@ impl Route {
         }
     }
 
-    pub(crate) fn wgmma(layout: Layout, kernel: Kernel) -> Route {
+    fn wgmma(layout: Layout, kernel: Kernel) -> Route {
         Route {
             family: Family::Wgmma,
             kernel,

@@ -14,7 +14,6 @@ use crate::error::{Error, Result};
 use crate::precision::Precision;
 use crate::tensor::{Bf16, F16};
 use cudarc::driver::{CudaSlice, CudaStream};
-use kernel_abi::Kernel;
 use std::sync::Arc;
 
 /// Checks a Linear layer's `x (m, k)` against its weight `w (n, k)`; returns `(m, n, k)`.
@@ -266,36 +265,22 @@ pub fn grad_input(gpu: &Gpu, precision: Precision, dz: &DeviceTensor, w: &Device
                 launch(gpu, stream, &route, &op(&dz.buf, &wt.buf, (n, n)), &mut dx, None)?;
             }
         }
-        // At few rows: the same on `gemm_wgmma`, its depth in ranges whose FP32 sums are
-        // added in order.
-        (Layout::Tk, Transposed::Nothing) if splits > 1 => {
-            let kernel = match precision {
-                Precision::Tf32x3 => Kernel::GemmWgmmaTf32x3DxVec4,
-                _ => Kernel::GemmWgmmaTf32DxVec4,
-            };
-            let route = Route { transpose_y: true, ..Route::wgmma(Layout::Tk, kernel) };
-            let op =
-                Operands { a: &w.buf, b: &dz.buf, m: k, n: m, k: n, lda: k, ldb: n, bias: None, chain: None, splits };
-            let mut parts = gpu.alloc(&[splits, m, k])?;
-            launch(gpu, stream, &route, &op, &mut parts, None)?;
-            epilogue_split_tiles(gpu, None, &parts, None, &mut dx, None)?;
-        }
         // dX^T (k, m) = W^T dZ^T: `A` = W read as stored (row-contiguous), `B` = dZ, the
         // output stored transposed. No transpose of W, which cost up to half the GEMM.
         (Layout::Tk, Transposed::Nothing) => {
-            let op = Operands {
-                a: &w.buf,
-                b: &dz.buf,
-                m: k,
-                n: m,
-                k: n,
-                lda: k,
-                ldb: n,
-                bias: None,
-                chain: None,
-                splits: 1,
-            };
-            launch(gpu, stream, &route, &op, &mut dx, None)?;
+            let op =
+                Operands { a: &w.buf, b: &dz.buf, m: k, n: m, k: n, lda: k, ldb: n, bias: None, chain: None, splits };
+            if splits == 1 {
+                launch(gpu, stream, &route, &op, &mut dx, None)?;
+            } else {
+                // At few rows the depth in ranges, on the table's row without the TMA
+                // kernels (they walk whole tiles): `gemm_wgmma`; their FP32 sums added in
+                // order.
+                let (wgmma, _) = grad_input_route(precision, Tuning { tma: false, ..gpu.tuning() }, dz, w)?;
+                let mut parts = gpu.alloc(&[splits, m, k])?;
+                launch(gpu, stream, &wgmma, &op, &mut parts, None)?;
+                epilogue_split_tiles(gpu, None, &parts, None, &mut dx, None)?;
+            }
         }
         (Layout::Nn, Transposed::Nothing) => launch(gpu, stream, &route, &op(&dz.buf, &w.buf, (n, k)), &mut dx, None)?,
         _ => return Err(Error::Unsupported(format!("dX has no operands for the route {route:?}"))),
