@@ -1608,3 +1608,73 @@ fn backward_without_input_grad_gives_the_same_parameter_gradients() {
     assert_eq!(dw_full.data(), dw_part.data(), "bf16: dW differs without dx");
     assert_eq!(db_full.data(), db_part.data(), "bf16: the bias gradient differs without dx");
 }
+
+/// A 16-bit model's bias and chain parameters read as stored (`DeviceVector::Bf16` /
+/// `F16`: what `GpuBlock::new_half` and the PyTorch op pass) give bit for bit the output
+/// and every gradient of the same block over FP32 copies of them: the kernels widen each
+/// value exactly on load and run the same FP32 epilogue. One case per forward and
+/// backward path: the fused TMA GEMM with its chain and tile-wise backward, the
+/// row-wise epilogue and backward (`Fp32Params`: widened by the host), the small-batch
+/// kernel, split-K's tile-wise sums, a folded AvgPool (its bias means), row partials, a
+/// BatchNorm's column kernels, kink refinement (its bias widened), and an FP8 GEMM.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn half_params_read_as_stored_equal_fp32_copies() {
+    use host::Precision;
+    use host::gpu::block::DeviceParams;
+    use host::tensor::{Bf16, F16};
+    let gpu = gpu();
+    let mut rng = StdRng::seed_from_u64(47);
+    type Case = (&'static str, (usize, usize, usize), Option<Precision>);
+    let cases: [Case; 12] = [
+        ("bias,groupnorm(32),swish,mul,hardtanh(-0.5,0.5)", (256, 512, 1024), None),
+        ("groupnorm(4),softmax", (96, 256, 1000), None),
+        ("bias,mish,groupnorm(32),mul,gelu", (8, 512, 1024), None),
+        ("groupnorm(16),swish,mul,swish", (48, 2048, 512), None),
+        ("avgpool(4),bias,gelu,scale(2),max", (64, 256, 1024), None),
+        ("mul,swish,sum", (128, 512, 2048), None),
+        ("bias,batchnorm(1e-5),mul,gelu", (64, 256, 512), None),
+        ("groupnorm(8),leakyrelu(0.01),scale(2)", (128, 512, 1024), None),
+        ("rmsnorm(1e-6),mul", (32, 256, 768), None),
+        ("bias,groupnorm(8),swish", (256, 512, 1024), Some(Precision::Fp8)),
+        ("layernorm(1e-5),bias,leakyrelu(0.01)", (17, 300, 520), None),
+        ("mul,bias,hardtanh(-0.2,0.2),tanh", (5, 1000, 1000), None),
+    ];
+    for (text, (b, i, o), precision) in cases {
+        let spec = BlockSpec::new(i, o, text.parse().unwrap()).unwrap();
+        let (params, x, dy) = random_case(&spec, b, &mut rng);
+        fn pair<H: host::gpu::HalfElement>(
+            gpu: &Gpu,
+            spec: &BlockSpec,
+            (params, x, dy): (&Params<f32>, &Tensor<f32>, &Tensor<f32>),
+            precision: Option<Precision>,
+            name: &str,
+        ) {
+            let p: Params<H> = params.map(H::from_f32);
+            let (x, dy) = (x.map(H::from_f32), dy.map(H::from_f32));
+            let precision = precision.unwrap_or(Precision::of_storage(H::DTYPE).unwrap());
+            let stored =
+                GpuBlock::from_device_in(gpu, spec, DeviceParams::upload_half(gpu, &p).unwrap(), precision).unwrap();
+            let widened = DeviceParams {
+                linear_weight: gpu.upload(&p.linear_weight).unwrap(),
+                linear_bias: gpu.upload(&p.linear_bias.to_f32()).unwrap(),
+                ops: p.ops.iter().map(|v| v.iter().map(|t| gpu.upload(&t.to_f32()).unwrap()).collect()).collect(),
+            };
+            let widened = GpuBlock::from_device_in(gpu, spec, widened, precision).unwrap();
+            let plan = stored.plan(gpu, x.shape()[0]);
+            let path = stored.describe(gpu, &plan);
+            let (a, w) =
+                (stored.forward_backward(gpu, &x, &dy).unwrap(), widened.forward_backward(gpu, &x, &dy).unwrap());
+            let same = |u: &[f32], v: &[f32]| u.iter().zip(v).all(|(p, q)| p.to_bits() == q.to_bits());
+            assert!(same(a.y.data(), w.y.data()), "{name}: y differs ({path})");
+            assert!(same(a.x.data(), w.x.data()), "{name}: dX differs ({path})");
+            for (k, (g, h)) in a.params.flat().iter().zip(w.params.flat()).enumerate() {
+                assert!(same(g.data(), h.data()), "{name}: gradient {k} differs ({path})");
+            }
+            println!("{name:<66} bitwise equal: {path}");
+        }
+        let io = (&params, &x, &dy);
+        pair::<Bf16>(&gpu, &spec, io, precision, &format!("bf16 {b}x{i}x{o} {text}"));
+        pair::<F16>(&gpu, &spec, io, precision, &format!("fp16 {b}x{i}x{o} {text}"));
+    }
+}

@@ -88,8 +88,11 @@ fn main() -> host::Result<()> {
         // The chain backward alone (FP32 `z`), on bf16 `dy` / `dz` and on FP32 ones.
         use host::gpu::epilogue::{DeviceChain, lanes::epilogue_tiles_backward};
         let params32 = params.map(Bf16::to_f32);
-        let ops =
-            params32.ops.iter().map(|p| p.iter().map(|t| gpu.upload(t)).collect()).collect::<host::Result<Vec<_>>>()?;
+        let ops = params32
+            .ops
+            .iter()
+            .map(|p| p.iter().map(|t| Ok(gpu.upload(t)?.into())).collect())
+            .collect::<host::Result<Vec<_>>>()?;
         let chain = DeviceChain::new(&gpu, &[], &spec.chain.0, &ops)?;
         let z: DeviceTensor = gpu.upload(&random_input(b, o, &mut rng)?)?;
         let dy32: DeviceTensor = gpu.upload(&random_input(b, o, &mut rng)?)?;

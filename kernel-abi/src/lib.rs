@@ -24,6 +24,64 @@ pub const CONVERT_F32_TO_F16: u32 = 4;
 pub mod kernels;
 pub use kernels::{Kernel, LaunchBounds};
 
+/// Per-feature parameter vectors (a Linear bias, a chain op's `gamma`, `beta` or
+/// per-channel operand) as the kernels take them: one 64-bit word, the vector's device
+/// address with how its values are stored in the top byte. A 16-bit model's
+/// parameters are read as they are stored (widened to FP32 on load, exactly), so no
+/// call has to widen them into FP32 copies first (a launch, an allocation and a graph
+/// node per call). CUDA's device addresses leave the top byte clear; the host refuses
+/// one that does not.
+pub mod vector {
+    /// How a parameter vector's values are stored.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    #[repr(u8)]
+    pub enum Stored {
+        F32 = 0,
+        Bf16 = 1,
+        F16 = 2,
+    }
+
+    /// Where the [`Stored`] tag sits in a vector's word.
+    pub const STORED_SHIFT: u32 = 56;
+    /// The address bits of a vector's word.
+    pub const ADDRESS_MASK: u64 = (1 << STORED_SHIFT) - 1;
+
+    /// The word of the vector at `address` stored as `stored` (0 for a null address: no
+    /// vector), or `None` where the address uses the tag's bits.
+    pub const fn word(address: u64, stored: Stored) -> Option<u64> {
+        if address & !ADDRESS_MASK != 0 {
+            None
+        } else if address == 0 {
+            Some(0)
+        } else {
+            Some(address | (stored as u64) << STORED_SHIFT)
+        }
+    }
+
+    /// How the vector of `word` is stored (an unknown tag reads as FP32: the host
+    /// never writes one).
+    pub const fn stored(word: u64) -> Stored {
+        match word >> STORED_SHIFT {
+            1 => Stored::Bf16,
+            2 => Stored::F16,
+            _ => Stored::F32,
+        }
+    }
+
+    /// The device address of the vector of `word`.
+    pub const fn address(word: u64) -> u64 {
+        word & ADDRESS_MASK
+    }
+
+    /// Bytes per value of a vector stored as `stored`.
+    pub const fn value_bytes(stored: Stored) -> usize {
+        match stored {
+            Stored::F32 => 4,
+            Stored::Bf16 | Stored::F16 => 2,
+        }
+    }
+}
+
 /// `a == b` for strings, in a `const fn`.
 pub const fn same_str(a: &str, b: &str) -> bool {
     let (a, b) = (a.as_bytes(), b.as_bytes());
@@ -263,8 +321,10 @@ pub mod batch_norm {
     pub const STATS_BLOCKS_PER_SM: u32 = 3;
     /// The same for `apply` (64 registers).
     pub const APPLY_BLOCKS_PER_SM: u32 = 4;
-    /// The same for `backward_sums` (80 registers: 64 spilled 160 bytes).
-    pub const SUMS_BLOCKS_PER_SM: u32 = 3;
+    /// The same for `backward_sums` (128 registers. At 3, 80 registers, it used all 80
+    /// until its parameters were read as stored (`vector`), then spilled 44-128 bytes;
+    /// at 64 it spilled 160.)
+    pub const SUMS_BLOCKS_PER_SM: u32 = 2;
     /// The same for `backward_dz` (at most 128 registers; it uses 115: at 80 it
     /// spilled 292 bytes).
     pub const DZ_BLOCKS_PER_SM: u32 = 2;
@@ -326,7 +386,8 @@ pub mod epilogue {
     /// | reductions, `OP_SOFTMAX`, `OP_RESIDUAL` | | |  |          |          |
     ///
     /// (A per-element op's arguments and parameter: [`Pointwise::info`].)
-    /// `param0`/`param1` are device addresses of f32 vectors with one entry per
+    /// `param0`/`param1` are parameter vectors' words ([`crate::vector`]: a device
+    /// address, and whether its values are FP32, bf16 or fp16) with one entry per
     /// feature at that point of the chain.
     #[repr(C)]
     #[derive(Clone, Copy, Debug, Default, PartialEq)]

@@ -71,7 +71,16 @@ impl Place {
     /// `v` holds `n` floats.
     #[inline(always)]
     unsafe fn column(&self, v: *const f32) -> [f32; 4] {
-        unsafe { column_params(v, self.n, self.c) }
+        unsafe { column_params(Vector(v as u64), self.n, self.c) }
+    }
+
+    /// Per-column parameter `p[c..c + 4]` as stored (0 past `n`).
+    ///
+    /// # Safety
+    /// `p` holds `n` values.
+    #[inline(always)]
+    unsafe fn param(&self, p: Vector) -> [f32; 4] {
+        unsafe { column_params(p, self.n, self.c) }
     }
 
     /// Rows `row` and, when `both`, `row + 1` of the lane's columns (0 past `n`, and
@@ -256,9 +265,9 @@ impl Affine {
     /// # Safety
     /// `gamma` and `beta` hold `n` floats.
     #[inline(always)]
-    unsafe fn of(mean: [f32; 4], var: [f32; 4], eps: f32, gamma: *const f32, beta: *const f32, p: &Place) -> Affine {
+    unsafe fn of(mean: [f32; 4], var: [f32; 4], eps: f32, gamma: Vector, beta: Vector, p: &Place) -> Affine {
         // SAFETY: as the caller promises.
-        let (gamma, beta) = unsafe { (p.column(gamma), p.column(beta)) };
+        let (gamma, beta) = unsafe { (p.param(gamma), p.param(beta)) };
         Affine { neg_mean: mean.map(|m| -m), rstd: var.map(|v| 1.0 / sqrt(v + eps)), gamma, beta }
     }
 
@@ -268,7 +277,7 @@ impl Affine {
     /// # Safety
     /// `stats` holds `2 n` floats, `gamma` and `beta` `n`.
     #[inline(always)]
-    unsafe fn load(stats: *const f32, eps: f32, gamma: *const f32, beta: *const f32, p: &Place) -> Affine {
+    unsafe fn load(stats: *const f32, eps: f32, gamma: Vector, beta: Vector, p: &Place) -> Affine {
         // SAFETY: as the caller promises.
         unsafe { Affine::of(p.column(stats), p.column(stats.add(p.n)), eps, gamma, beta, p) }
     }
@@ -466,7 +475,7 @@ unsafe fn apply<O: Element>(
     rows: u32,
     n: u32,
     rows_per_block: u32,
-    (stats, gamma, beta, eps): (*const f32, *const f32, *const f32, f32),
+    (stats, gamma, beta, eps): (*const f32, Vector, Vector, f32),
     (post, n_post): (*const OpDesc, u32),
     y: *mut O,
 ) {
@@ -570,7 +579,7 @@ unsafe fn backward_sums<G: Element>(
     n: u32,
     rows_per_block: u32,
     (pre, n_pre): (*const OpDesc, u32),
-    (stats, gamma, beta, eps): (*const f32, *const f32, *const f32, f32),
+    (stats, gamma, beta, eps): (*const f32, Vector, Vector, f32),
     (post, n_post): (*const OpDesc, u32),
     partials: *mut f32,
 ) {
@@ -617,7 +626,7 @@ unsafe fn backward_dz<G: Element>(
     n: u32,
     rows_per_block: u32,
     (pre, n_pre): (*const OpDesc, u32),
-    (stats, gamma, beta, eps): (*const f32, *const f32, *const f32, f32),
+    (stats, gamma, beta, eps): (*const f32, Vector, Vector, f32),
     (post, n_post): (*const OpDesc, u32),
     sums_in: *const f32,
     partials: *mut f32,
@@ -679,8 +688,8 @@ macro_rules! batch_norm_entry_points {
             n: u32,
             rows_per_block: u32,
             stats: *const f32,
-            gamma: *const f32,
-            beta: *const f32,
+            gamma: Vector,
+            beta: Vector,
             eps: f32,
             post: *const OpDesc,
             n_post: u32,
@@ -704,8 +713,8 @@ macro_rules! batch_norm_entry_points {
             pre: *const OpDesc,
             n_pre: u32,
             stats: *const f32,
-            gamma: *const f32,
-            beta: *const f32,
+            gamma: Vector,
+            beta: Vector,
             eps: f32,
             post: *const OpDesc,
             n_post: u32,
@@ -732,8 +741,8 @@ macro_rules! batch_norm_entry_points {
             pre: *const OpDesc,
             n_pre: u32,
             stats: *const f32,
-            gamma: *const f32,
-            beta: *const f32,
+            gamma: Vector,
+            beta: Vector,
             eps: f32,
             post: *const OpDesc,
             n_post: u32,
@@ -802,7 +811,7 @@ pub unsafe extern "ptx-kernel" fn batch_norm_grad(
     g: *mut f32,
     u: *const f32,
     stats: *const f32,
-    gamma: *const f32,
+    gamma: Vector,
     s1: *const f32,
     s2: *const f32,
     rows: u32,
@@ -818,7 +827,7 @@ pub unsafe extern "ptx-kernel" fn batch_norm_grad(
     unsafe {
         let (neg_mean, rstd) = (*stats.add(2 * n + c), *stats.add(3 * n + c));
         let xhat = (*u.add(i) + neg_mean) * rstd;
-        let a = *gamma.add(c) * rstd;
+        let a = gamma.get(c) * rstd;
         let gi = g.add(i);
         *gi = if rows == 2 {
             (*gi - a * *s1.add(c) * 0.5) * (eps * rstd * rstd)

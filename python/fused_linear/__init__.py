@@ -413,9 +413,10 @@ def _half_block(
     dtype: torch.dtype,
 ) -> Tensor:
     """A 16-bit model's block (bf16 or fp16): x and weight as they are; the bias and the
-    chain's parameters (of ``dtype`` or float32) passed as stored: the op widens 16-bit
-    ones into its FP32 epilogue and returns their gradients in their own dtype, so the
-    autograd graph holds one node per block (a BatchNorm on batch statistics included).
+    chain's parameters (of ``dtype`` or float32) passed as stored: the kernels read 16-bit
+    ones as they are (widened on load into the FP32 epilogue, no copy per call) and the op
+    returns their gradients in their own dtype, so the autograd graph holds one node per
+    block (a BatchNorm on batch statistics included).
     On the CPU (no 16-bit kernels there) the float32 path on copies, the output rounded
     to ``dtype`` once."""
     _check_half_dtypes(x, weight, [bias, *params], dtype)

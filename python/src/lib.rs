@@ -15,7 +15,7 @@ use host::block::{BlockSpec, Params};
 use host::chain::Chain;
 use host::gpu::block::{DeviceParams, GpuBlock, Saved};
 use host::gpu::elementwise::{Convert, Vector, convert_vectors};
-use host::gpu::{DeviceAllocator, DeviceElement, DeviceTensor, ElementKind, Gpu, KernelImage};
+use host::gpu::{DeviceAllocator, DeviceElement, DeviceTensor, DeviceVector, ElementKind, Gpu, KernelImage};
 use host::reference::{self, BlockGrads, Real};
 use host::tensor::{Bf16, F16, Tensor};
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
@@ -323,7 +323,8 @@ impl<'py> Call<'py> {
                 )));
             }
             // A 16-bit model: the weight is of x's type; the bias and the chain's
-            // parameters are of that type or float32 each (widened into the FP32 epilogue).
+            // parameters are of that type or float32 each (read as stored, widened on load
+            // into the FP32 epilogue).
             let half = dtype.half_precision().is_some();
             let fits = match (half, a.name.as_str()) {
                 (true, "weight") => a.dtype == dtype,
@@ -517,14 +518,12 @@ struct GpuCall<W> {
     gpu: Gpu,
     block: GpuBlock<W>,
     x: DeviceTensor<W>,
-    /// FP32 copies of a bf16 model's bf16 parameters, which `block` borrows.
-    _widened: Option<DeviceTensor>,
 }
 
 /// The call's block on its GPU: `x` and the Linear weight borrowed as `W` (float32, or a
-/// bf16 model's bfloat16), the bias and chain parameters as float32 (a bf16 model's
-/// bf16 ones widened on the stream, all by one launch, instead of a cast and an
-/// autograd node each in Python).
+/// 16-bit model's type), the bias and chain parameters borrowed as they are stored
+/// (float32, or a 16-bit model's bf16 or fp16, which the kernels widen on load: no
+/// copy, launch or autograd node per call).
 fn gpu_call<W: DeviceElement>(
     call: &Call<'_>,
     index: usize,
@@ -538,51 +537,22 @@ fn gpu_call<W: DeviceElement>(
     // passes `torch.cuda.current_stream(device).cuda_stream`), alive for this call.
     let gpu = unsafe { opened.on_stream(stream, Some(allocator)) };
     // SAFETY (each borrow): the arguments were checked to be contiguous tensors of these
-    // shapes and dtypes (x and the weight `W`, the others float32) on this device,
-    // 16-byte aligned; the caller holds them for the call.
+    // shapes and dtypes (x and the weight `W`, the others float32 or the 16-bit model's
+    // type) on this device, 16-byte aligned; the caller holds them for the call.
     let borrow_w = |a: &Arg<'_>| unsafe { gpu.borrow_tensor::<W>(a.ptr, &a.shape) }.map_err(to_py);
-    // A bf16 model's bf16 parameters: FP32 copies side by side in one buffer (each at
-    // a 16-byte boundary, as the kernels read them), made by one launch.
-    let mut wide_len = 0;
-    let offsets: Vec<Option<usize>> = [&call.bias]
-        .into_iter()
-        .chain(&call.params)
-        .map(|a| {
-            (a.dtype == DType::Bf16 || a.dtype == DType::F16).then(|| {
-                let at = wide_len;
-                wide_len += a.shape.iter().product::<usize>().next_multiple_of(4);
-                at
-            })
-        })
-        .collect();
-    let widened = if wide_len > 0 { Some(gpu.alloc(&[wide_len]).map_err(to_py)?) } else { None };
-    let mut widen = Vec::new();
-    let mut borrow_param = |a: &Arg<'_>, offset: Option<usize>| -> PyResult<DeviceTensor> {
-        let ptr = match (offset, &widened) {
-            (Some(at), Some(w)) => {
-                let dst = w.buf.device_address() + (at * 4) as u64;
-                let len = a.shape.iter().product();
-                let mode = if a.dtype == DType::F16 { Convert::F16ToF32 } else { Convert::Bf16ToF32 };
-                widen.push(Vector { src: a.ptr, dst, len, mode });
-                dst
+    let borrow_param = |a: &Arg<'_>| -> PyResult<DeviceVector> {
+        // SAFETY: as above.
+        unsafe {
+            match a.dtype {
+                DType::Bf16 => gpu.borrow_tensor::<Bf16>(a.ptr, &a.shape).map(DeviceVector::Bf16),
+                DType::F16 => gpu.borrow_tensor::<F16>(a.ptr, &a.shape).map(DeviceVector::F16),
+                _ => gpu.borrow_tensor::<f32>(a.ptr, &a.shape).map(DeviceVector::F32),
             }
-            _ => a.ptr,
-        };
-        // SAFETY: a float32 argument checked as above, or its FP32 copy in `widened`
-        // (which the returned call keeps).
-        unsafe { gpu.borrow_tensor::<f32>(ptr, &a.shape) }.map_err(to_py)
+        }
+        .map_err(to_py)
     };
-    let linear_bias = borrow_param(&call.bias, offsets[0])?;
-    let mut flat = call
-        .params
-        .iter()
-        .zip(&offsets[1..])
-        .map(|(a, o)| borrow_param(a, *o))
-        .collect::<PyResult<Vec<_>>>()?
-        .into_iter();
-    // SAFETY: each source is a checked bf16 argument the caller holds for the call, each
-    // destination inside `widened`.
-    unsafe { convert_vectors(&gpu, gpu.stream(), &widen) }.map_err(to_py)?;
+    let linear_bias = borrow_param(&call.bias)?;
+    let mut flat = call.params.iter().map(borrow_param).collect::<PyResult<Vec<_>>>()?.into_iter();
     let ops = call
         .block
         .spec
@@ -612,7 +582,7 @@ fn gpu_call<W: DeviceElement>(
         block = block.with_fp8_weight(weight).map_err(to_py)?;
     }
     let x = borrow_w(&call.x)?;
-    Ok(GpuCall { gpu, block, x, _widened: widened })
+    Ok(GpuCall { gpu, block, x })
 }
 
 /// An e4m3 matrix `(rows, pitch)` and its `rows` inverse scales, as [`fp8_weight`]

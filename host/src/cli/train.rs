@@ -240,9 +240,9 @@ fn train_gpu(
                 .iter()
                 .map(|b| {
                     b.params
-                        .flat()
+                        .shapes()
                         .iter()
-                        .map(|p| Ok(AdamState { m: gpu.zeros(&p.shape)?, v: gpu.zeros(&p.shape)? }))
+                        .map(|shape| Ok(AdamState { m: gpu.zeros(shape)?, v: gpu.zeros(shape)? }))
                         .collect::<Result<_>>()
                 })
                 .collect::<Result<_>>()?;
@@ -263,7 +263,7 @@ fn train_gpu(
             let mut tape = Tape::<GpuGrad>::new();
             let x_var = tape.leaf();
             let vars: Vec<Vec<VarId>> =
-                rank.blocks.iter().map(|b| b.params.flat().iter().map(|_| tape.leaf()).collect()).collect();
+                rank.blocks.iter().map(|b| b.params.shapes().iter().map(|_| tape.leaf()).collect()).collect();
             // The input gets no gradient use here; a copy keeps the dataset's tensor ours.
             let x_in = Rc::new(gpu.copy_range(x, 0..x.len())?.reshape(&x.shape)?);
             let (h, h_var) = rank.blocks[0].forward_taped(gpu, &mut tape, x_in, x_var, &vars[0])?;
@@ -314,7 +314,7 @@ fn train_gpu(
             for (bi, (block, block_grads)) in rank.blocks.iter_mut().zip(grads).enumerate() {
                 // The tape's closures held the only other references; they are gone now.
                 let block = Rc::get_mut(block).ok_or_else(|| Error::Argument("a block is still referenced".into()))?;
-                for (pi, (p, g)) in block.params.flat_mut().into_iter().zip(block_grads).enumerate() {
+                for (pi, (p, g)) in block.params.flat_f32_mut()?.into_iter().zip(block_grads).enumerate() {
                     match a.optimizer {
                         Optimizer::Adam => adam_step(gpu, p, &g, &mut rank.adam[bi][pi], a.lr, step as i32)?,
                         Optimizer::Sgd => sgd_step(gpu, p, &g, a.lr)?,

@@ -150,13 +150,12 @@ impl<W: DeviceElement> GpuBlock<W> {
         let (bias, mul) = (Op::of(Pointwise::Bias), Op::of(Pointwise::Mul));
         let mut ops = vec![bias, mul, mul, bias];
         ops.extend_from_slice(&self.spec.chain.0[k + 1..]);
-        let address = |t: &DeviceTensor| t.buf.device_address();
         let gamma_beta = &self.params.ops[k];
-        let mut ptrs = vec![[row(2), 0], [row(3), 0], [address(&gamma_beta[0]), 0], [address(&gamma_beta[1]), 0]];
+        let mut ptrs = vec![[row(2), 0], [row(3), 0], [gamma_beta[0].word()?.0, 0], [gamma_beta[1].word()?.0, 0]];
         for p in &self.params.ops[k + 1..] {
             let mut pair = [0u64; 2];
             for (slot, t) in pair.iter_mut().zip(p) {
-                *slot = address(t);
+                *slot = t.word()?.0;
             }
             ptrs.push(pair);
         }
@@ -240,9 +239,9 @@ impl<W: DeviceElement> GpuBlock<W> {
         let func = gpu.function(kernel)?;
         let [rows32, n32, per_block] = grid.args();
         let (descs, n_post) = later_ops(post);
-        let (gamma, beta) = (&self.params.ops[k][0].buf, &self.params.ops[k][1].buf);
+        let (gamma, beta) = (self.params.ops[k][0].word()?, self.params.ops[k][1].word()?);
         let mut l = gpu.stream().launch_builder(&func);
-        l.arg(&u.buf).arg(&rows32).arg(&n32).arg(&per_block).arg(&stats.buf).arg(gamma).arg(beta).arg(&eps);
+        l.arg(&u.buf).arg(&rows32).arg(&n32).arg(&per_block).arg(&stats.buf).arg(&gamma).arg(&beta).arg(&eps);
         l.arg(&descs).arg(&n_post).arg(&mut y.buf);
         // SAFETY: as `batch_norm_apply` takes them: u and y hold rows * n (aligned as
         // checked), stats 2 n at least, gamma and beta n; post per element, at most
@@ -314,7 +313,7 @@ impl<W: DeviceElement> GpuBlock<W> {
         let at = |slot: usize| out.buf.device_address() + (slot * n * 4) as u64;
         let n_pre = self.chain.ops.len() as u32;
         let (post_descs, n_post) = later_ops(post);
-        let (gamma, beta) = (&self.params.ops[k][0].buf, &self.params.ops[k][1].buf);
+        let (gamma, beta) = (self.params.ops[k][0].word()?, self.params.ops[k][1].word()?);
 
         let grid = Columns::of(gpu, rows, n, SUMS_BLOCKS_PER_SM)?;
         let [rows32, n32, per_block] = grid.args();
@@ -324,7 +323,7 @@ impl<W: DeviceElement> GpuBlock<W> {
         gpu.allow_shared(&func, sums_kernel, smem)?;
         let mut l = gpu.stream().launch_builder(&func);
         l.arg(&z.buf).arg(&dy.buf).arg(&rows32).arg(&n32).arg(&per_block).arg(&self.chain.descs).arg(&n_pre);
-        l.arg(&stats.buf).arg(gamma).arg(beta).arg(&eps).arg(&post_descs).arg(&n_post).arg(&mut partials.buf);
+        l.arg(&stats.buf).arg(&gamma).arg(&beta).arg(&eps).arg(&post_descs).arg(&n_post).arg(&mut partials.buf);
         // SAFETY: as `batch_norm_backward_sums` takes them: z and dy hold rows * n
         // (aligned: the callers checked), stats 2 n at least, gamma and beta n, partials
         // (2 + q) n per row block; P and Q per element, at most MAX_OPS each, their slots
@@ -343,7 +342,7 @@ impl<W: DeviceElement> GpuBlock<W> {
         let sums = at(p);
         let mut l = gpu.stream().launch_builder(&func);
         l.arg(&z.buf).arg(&dy.buf).arg(&mut dz.buf).arg(&rows32).arg(&n32).arg(&per_block);
-        l.arg(&self.chain.descs).arg(&n_pre).arg(&stats.buf).arg(gamma).arg(beta).arg(&eps);
+        l.arg(&self.chain.descs).arg(&n_pre).arg(&stats.buf).arg(&gamma).arg(&beta).arg(&eps);
         l.arg(&post_descs).arg(&n_post).arg(&sums).arg(&mut partials.buf);
         // SAFETY: as above, with dz of rows * n (a new buffer), `sums` gamma's and beta's
         // 2 n summed slots in `out`, partials p n per row block.
@@ -416,8 +415,9 @@ impl<W: DeviceElement> GpuBlock<W> {
         let (s1, s2) = (slot(4), slot(3));
         let (rows32, n32) = (rows as u32, n as u32);
         let (func, cfg) = gpu.kernel_1d(Kernel::BatchNormGrad, rows * n, 0)?;
+        let gamma = self.params.ops[k][0].word()?;
         let mut l = gpu.stream().launch_builder(&func);
-        l.arg(&mut g.buf).arg(&u.buf).arg(&stats.buf).arg(&self.params.ops[k][0].buf);
+        l.arg(&mut g.buf).arg(&u.buf).arg(&stats.buf).arg(&gamma);
         l.arg(&s1).arg(&s2).arg(&rows32).arg(&n32).arg(&eps);
         // SAFETY: g and u hold rows * n, stats 4 n, gamma n, s1 and s2 n each (slots 4
         // and 3 of post_slots, which lives past the launch).
@@ -459,7 +459,7 @@ impl GpuBlock {
         save: Option<&mut DeviceTensor>,
         bn: (usize, f32),
     ) -> Result<DeviceTensor> {
-        let (w, b) = (&self.params.linear_weight, &self.params.linear_bias);
+        let (w, b) = (&self.params.linear_weight, self.params.linear_bias.arg()?);
         let plan = (&ws.plan, ws.z.as_mut());
         match save {
             // No ops before the BatchNorm: its input is `z`, written once.

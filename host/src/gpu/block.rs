@@ -38,7 +38,7 @@ use super::gemm::fp8::{self, Fp8Matrix, Fp8Weight};
 use super::gemm::gemv::launch_gemv;
 use super::gemm::linear::grad_input_fp8;
 use super::gemm::{forward_gemm, grad_input, grad_weight};
-use super::{DeviceElement, DeviceTensor, Dtype, Gpu, Phases};
+use super::{DeviceElement, DeviceTensor, DeviceVector, Dtype, Gpu, Phases, VectorArg};
 use crate::block::{BlockSpec, Params};
 use crate::check::{Comparison, compare_f32};
 use crate::error::{Error, Result};
@@ -48,22 +48,73 @@ use crate::tensor::Tensor;
 
 pub use super::dispatch::Plan;
 
-/// A block's parameters in device memory, in [`Params`]'s structure. The Linear
-/// layer's weight is FP32 or, for a bf16 model, bf16 (`W`); the bias and the chain's
-/// per-channel parameters are FP32 in both (a bf16 model's are widened by the caller:
-/// the epilogue computes in FP32, as PyTorch does).
-pub struct DeviceParams<W = f32> {
-    pub linear_weight: DeviceTensor<W>,
-    pub linear_bias: DeviceTensor,
-    pub ops: Vec<Vec<DeviceTensor>>,
+/// [`fold_rows_mean`] of a parameter vector as stored: FP32 means.
+fn fold_vector_mean(gpu: &Gpu, v: &DeviceVector, pool: usize) -> Result<DeviceTensor> {
+    match v {
+        DeviceVector::F32(t) => fold_rows_mean(gpu, t, pool),
+        DeviceVector::Bf16(t) => fold_rows_mean(gpu, t, pool),
+        DeviceVector::F16(t) => fold_rows_mean(gpu, t, pool),
+    }
 }
 
-impl<W> DeviceParams<W> {
+/// A block's parameters in device memory, in [`Params`]'s structure. The Linear
+/// layer's weight is FP32 or, for a 16-bit model, of its type (`W`); the bias and the
+/// chain's per-channel parameters are `V`: FP32 tensors (what Rust callers upload and
+/// what gradients are), or a block's [`DeviceVector`]s, which may hold a 16-bit model's
+/// parameters as stored (the epilogue widens them on load and computes in FP32, as
+/// PyTorch does).
+pub struct DeviceParams<W = f32, V = DeviceTensor> {
+    pub linear_weight: DeviceTensor<W>,
+    pub linear_bias: V,
+    pub ops: Vec<Vec<V>>,
+}
+
+/// A parameter vector of [`DeviceParams`]: what its shape is.
+pub trait ParamVector {
+    fn shape(&self) -> &[usize];
+}
+
+impl<T> ParamVector for DeviceTensor<T> {
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+}
+
+impl ParamVector for DeviceVector {
+    fn shape(&self) -> &[usize] {
+        DeviceVector::shape(self)
+    }
+}
+
+impl<W, V: ParamVector> DeviceParams<W, V> {
     /// Every tensor's shape in [`BlockSpec::param_specs`] order.
     pub fn shapes(&self) -> Vec<&[usize]> {
-        let mut v = vec![&self.linear_weight.shape[..], &self.linear_bias.shape[..]];
-        v.extend(self.ops.iter().flatten().map(|t| &t.shape[..]));
+        let mut v = vec![&self.linear_weight.shape[..], self.linear_bias.shape()];
+        v.extend(self.ops.iter().flatten().map(|t| t.shape()));
         v
+    }
+}
+
+impl<W, V: Into<DeviceVector>> DeviceParams<W, V> {
+    /// The same parameters as a block holds them.
+    pub fn into_vectors(self) -> DeviceParams<W, DeviceVector> {
+        DeviceParams {
+            linear_weight: self.linear_weight,
+            linear_bias: self.linear_bias.into(),
+            ops: self.ops.into_iter().map(|v| v.into_iter().map(Into::into).collect()).collect(),
+        }
+    }
+}
+
+impl DeviceParams<f32, DeviceVector> {
+    /// All tensors in [`BlockSpec::param_specs`] order, where every one is FP32 (a
+    /// block over FP32 tensors, as an optimizer updates them).
+    pub fn flat_f32_mut(&mut self) -> Result<Vec<&mut DeviceTensor>> {
+        let mut v = vec![&mut self.linear_weight, self.linear_bias.f32_mut()?];
+        for t in self.ops.iter_mut().flatten() {
+            v.push(t.f32_mut()?);
+        }
+        Ok(v)
     }
 }
 
@@ -98,7 +149,7 @@ impl DeviceParams {
 /// `GpuBlock<F16>`, see `block_half.rs`) a 16-bit model's.
 pub struct GpuBlock<W = f32> {
     pub spec: BlockSpec,
-    pub params: DeviceParams<W>,
+    pub params: DeviceParams<W, DeviceVector>,
     /// A leading avgpool, or a whole row's sum or mean, folded into the GEMM.
     pub(super) folded: Option<Folded<W>>,
     /// The chain the kernels run (a fold's ops in place of what it folded). Points into
@@ -240,19 +291,24 @@ impl<W: DeviceElement> GpuBlock<W> {
     /// A block over parameters already in device memory (a framework's tensors,
     /// borrowed: [`Gpu::borrow_tensor`]), shaped as `spec` says, its GEMMs in FP32 (a
     /// 16-bit model's in its type's precision).
-    pub fn from_device(gpu: &Gpu, spec: &BlockSpec, params: DeviceParams<W>) -> Result<GpuBlock<W>> {
+    pub fn from_device<V: Into<DeviceVector>>(
+        gpu: &Gpu,
+        spec: &BlockSpec,
+        params: DeviceParams<W, V>,
+    ) -> Result<GpuBlock<W>> {
         Self::from_device_in(gpu, spec, params, Precision::Fp32)
     }
 
     /// [`GpuBlock::from_device`] with its GEMMs in `precision` (as
     /// [`GpuBlock::with_precision`] takes it) from the start: a folded AvgPool's weight
     /// is then made once, in the form that precision's GEMMs read.
-    pub fn from_device_in(
+    pub fn from_device_in<V: Into<DeviceVector>>(
         gpu: &Gpu,
         spec: &BlockSpec,
-        params: DeviceParams<W>,
+        params: DeviceParams<W, V>,
         precision: Precision,
     ) -> Result<GpuBlock<W>> {
+        let params = params.into_vectors();
         for (s, shape) in spec.param_specs().iter().zip(params.shapes()) {
             if shape != s.shape {
                 return Err(Error::tensor(&s.name, format!("expected shape {:?}, got {:?}", s.shape, shape)));
@@ -354,10 +410,10 @@ impl<W: DeviceElement> GpuBlock<W> {
         } else {
             FoldedWeight::Means(fold_rows_mean(gpu, w, pool)?)
         };
-        let mut bias = fold_rows_mean(gpu, &self.params.linear_bias, pool)?;
+        let mut bias = fold_vector_mean(gpu, &self.params.linear_bias, pool)?;
         // Leading `bias` ops add per feature as the Linear's bias does: their means too.
         for p in self.params.ops[..biases].iter().flatten() {
-            add_assign(gpu, &mut bias, &fold_rows_mean(gpu, p, pool)?)?;
+            add_assign(gpu, &mut bias, &fold_vector_mean(gpu, p, pool)?)?;
         }
         self.folded = Some(Folded { pool, weight, bias });
         Ok(())
@@ -371,13 +427,13 @@ impl<W: DeviceElement> GpuBlock<W> {
         &'a self,
         gpu: &Gpu,
         made: &'a mut Option<DeviceTensor>,
-    ) -> Result<Option<(&'a DeviceTensor, &'a DeviceTensor)>> {
+    ) -> Result<Option<(&'a DeviceTensor, VectorArg<'a>)>> {
         let Some(Folded { pool, weight, bias }) = &self.folded else { return Ok(None) };
         let means = match weight {
             FoldedWeight::Means(w) => w,
             FoldedWeight::Halves(..) => made.insert(fold_rows_mean(gpu, &self.params.linear_weight, *pool)?),
         };
-        Ok(Some((means, bias)))
+        Ok(Some((means, VectorArg::f32(bias))))
     }
 
     /// The FP32 weight and the bias of a one-column layer, which [`Plan::RowDot`] and its
@@ -389,12 +445,14 @@ impl<W: DeviceElement> GpuBlock<W> {
         &'a self,
         gpu: &Gpu,
         made: &'a mut Option<DeviceTensor>,
-    ) -> Result<Option<(&'a DeviceTensor, &'a DeviceTensor)>> {
+    ) -> Result<Option<(&'a DeviceTensor, VectorArg<'a>)>> {
         if self.precision.is_fp8() || self.batch_norm.is_some() {
             return Ok(None);
         }
         match &self.folded {
-            Some(Folded { weight: FoldedWeight::Means(w), bias, .. }) if w.shape[0] == 1 => Ok(Some((w, bias))),
+            Some(Folded { weight: FoldedWeight::Means(w), bias, .. }) if w.shape[0] == 1 => {
+                Ok(Some((w, VectorArg::f32(bias))))
+            }
             None if self.spec.out_features == 1 => {
                 let w = &self.params.linear_weight;
                 let w32 = match W::DTYPE {
@@ -404,7 +462,7 @@ impl<W: DeviceElement> GpuBlock<W> {
                     // (The column sums of one row: its values widened.)
                     _ => dot::column_dot(gpu, w, None, 1.0)?,
                 };
-                Ok(Some((made.insert(w32), &self.params.linear_bias)))
+                Ok(Some((made.insert(w32), self.params.linear_bias.arg()?)))
             }
             _ => Ok(None),
         }
@@ -600,13 +658,13 @@ impl<W: DeviceElement> GpuBlock<W> {
         &self,
         gpu: &Gpu,
         z: &DeviceTensor,
-        b: &DeviceTensor,
+        b: VectorArg<'_>,
         y: &mut DeviceTensor<T>,
         save: Option<&mut DeviceTensor>,
     ) -> Result<()> {
         match dispatch::split_sums(self.not_fusable.is_none()) {
-            SplitSums::Tiles => epilogue_split_tiles(gpu, Some(&self.chain), z, Some(&b.buf), y, save),
-            SplitSums::Rows => epilogue_rows(gpu, &self.chain, z, Some(&b.buf), y, save),
+            SplitSums::Tiles => epilogue_split_tiles(gpu, Some(&self.chain), z, Some(b), y, save),
+            SplitSums::Rows => epilogue_rows(gpu, &self.chain, z, Some(b), y, save),
         }
     }
 
@@ -625,7 +683,7 @@ impl<W: DeviceElement> GpuBlock<W> {
         gpu: &Gpu,
         precision: Precision,
         x: &DeviceTensor,
-        (w, b): (&DeviceTensor, &DeviceTensor),
+        (w, b): (&DeviceTensor, VectorArg<'_>),
         (plan, mut z): (&Plan, Option<&mut DeviceTensor>),
         y: &mut DeviceTensor,
         save: Option<&mut DeviceTensor>,
@@ -633,9 +691,9 @@ impl<W: DeviceElement> GpuBlock<W> {
         if let Plan::Gemv { chain, tensor_cores } = *plan {
             let kernel = dispatch::gemv_kernel(Dtype::F32, Dtype::F32, precision, tensor_cores);
             return match (chain, z) {
-                (true, _) => launch_gemv(gpu, kernel, x, w, Some(&b.buf), Some(&self.chain), y, save),
+                (true, _) => launch_gemv(gpu, kernel, x, w, Some(b), Some(&self.chain), y, save),
                 (false, Some(z)) => {
-                    launch_gemv(gpu, kernel, x, w, Some(&b.buf), None, z, None)?;
+                    launch_gemv(gpu, kernel, x, w, Some(b), None, z, None)?;
                     epilogue_rows(gpu, &self.chain, z, None, y, save)
                 }
                 (false, None) => unreachable!("workspace() allocates z for this plan"),
@@ -649,7 +707,7 @@ impl<W: DeviceElement> GpuBlock<W> {
         gemm.w_fp8 = self.fp8_weight(w).map(|c| &c.rows);
         match (plan, z) {
             (Plan::Fused, _) => {
-                gemm.bias = Some(&b.buf);
+                gemm.bias = Some(b);
                 gemm.chain = Some(&self.chain);
                 gemm.launch(gpu, y, save)
             }
@@ -657,7 +715,7 @@ impl<W: DeviceElement> GpuBlock<W> {
                 let Some(rp) = &self.row_partials else {
                     return Err(Error::Unsupported("row partials for a chain without one reduction".into()));
                 };
-                gemm.bias = Some(&b.buf);
+                gemm.bias = Some(b);
                 if gemm.route(gpu.tuning()).family != Family::Tma {
                     // (The plan saw the TMA kernels; these operands take another GEMM.)
                     let mut z = gpu.alloc(&[x.shape[0], self.gemm_width()])?;
@@ -669,7 +727,7 @@ impl<W: DeviceElement> GpuBlock<W> {
                 partials::row_partials_finish(gpu, parts, self.gemm_width(), (&rp.head, &rp.tail), y)
             }
             (Plan::GemmThenRows { splits: 1 }, Some(z)) => {
-                gemm.bias = Some(&b.buf);
+                gemm.bias = Some(b);
                 gemm.launch(gpu, z, None)?;
                 epilogue_rows(gpu, &self.chain, z, None, y, save)
             }
@@ -818,14 +876,14 @@ impl<W: DeviceElement> GpuBlock<W> {
 
 impl GpuBlock {
     /// Weight and bias of the GEMM the kernels run (folded or the block's own).
-    fn gemm_params(&self) -> Result<(&DeviceTensor, &DeviceTensor)> {
+    fn gemm_params(&self) -> Result<(&DeviceTensor, VectorArg<'_>)> {
         match &self.folded {
-            Some(Folded { weight: FoldedWeight::Means(w), bias, .. }) => Ok((w, bias)),
+            Some(Folded { weight: FoldedWeight::Means(w), bias, .. }) => Ok((w, VectorArg::f32(bias))),
             // (`fold` gives an FP32 block its means.)
             Some(Folded { weight: FoldedWeight::Halves(..), .. }) => {
                 Err(Error::Unsupported("an FP32 block's folded weight in 16-bit halves".into()))
             }
-            None => Ok((&self.params.linear_weight, &self.params.linear_bias)),
+            None => Ok((&self.params.linear_weight, self.params.linear_bias.arg()?)),
         }
     }
 

@@ -26,27 +26,31 @@ use super::gemm::fp8;
 use super::gemm::gemv::launch_gemv;
 use super::gemm::tma::launch_half;
 use super::gemm::{grad_input, grad_weight};
-use super::{DeviceElement, DeviceTensor, Dtype, Gpu, HalfElement};
+use super::{DeviceElement, DeviceTensor, DeviceVector, Dtype, Gpu, HalfElement, VectorArg};
 use crate::block::{BlockSpec, Params};
 use crate::error::{Error, Result};
 use crate::precision::Precision;
 use crate::tensor::{Bf16, Tensor};
 
-impl<H: HalfElement> DeviceParams<H> {
-    /// Uploads a 16-bit model's parameters: the Linear weight as stored, the others
-    /// widened to FP32.
-    pub fn upload_half(gpu: &Gpu, p: &Params<H>) -> Result<DeviceParams<H>> {
+impl<H: HalfElement> DeviceParams<H, DeviceVector> {
+    /// Uploads a 16-bit model's parameters as stored: the kernels read the bias and the
+    /// chain's parameters in its type (widened on load; the epilogue computes in FP32).
+    pub fn upload_half(gpu: &Gpu, p: &Params<H>) -> Result<DeviceParams<H, DeviceVector>> {
         Ok(DeviceParams {
             linear_weight: gpu.upload(&p.linear_weight)?,
-            linear_bias: gpu.upload(&p.linear_bias.to_f32())?,
-            ops: p.ops.iter().map(|v| v.iter().map(|t| gpu.upload(&t.to_f32())).collect()).collect::<Result<_>>()?,
+            linear_bias: H::vector(gpu.upload(&p.linear_bias)?),
+            ops: p
+                .ops
+                .iter()
+                .map(|v| v.iter().map(|t| Ok(H::vector(gpu.upload(t)?))).collect())
+                .collect::<Result<_>>()?,
         })
     }
 }
 
-impl DeviceParams<Bf16> {
+impl DeviceParams<Bf16, DeviceVector> {
     /// [`DeviceParams::upload_half`] of a bf16 model.
-    pub fn upload_bf16(gpu: &Gpu, p: &Params<Bf16>) -> Result<DeviceParams<Bf16>> {
+    pub fn upload_bf16(gpu: &Gpu, p: &Params<Bf16>) -> Result<DeviceParams<Bf16, DeviceVector>> {
         Self::upload_half(gpu, p)
     }
 }
@@ -97,7 +101,7 @@ impl<H: HalfElement> GpuBlock<H> {
             return self.add_split_sums(gpu, z, bias, &mut ws.y, save);
         }
         let w = &self.params.linear_weight;
-        let b = &self.params.linear_bias;
+        let b = self.params.linear_bias.arg()?;
         let fused = matches!(ws.plan, Plan::Fused);
         let aligned = aligned(&[x, w]) && (!fused || ws.y.buf.device_address().is_multiple_of(16));
         let tma = gpu.tuning().tma;
@@ -109,28 +113,28 @@ impl<H: HalfElement> GpuBlock<H> {
             // slabs into 16-bit y; or into FP32 `z`, then the row-wise epilogue into 16-bit `y`.
             (&Plan::Gemv { chain: true, tensor_cores }, ..) => {
                 let kernel = dispatch::gemv_kernel(H::DTYPE, H::DTYPE, precision, tensor_cores);
-                launch_gemv(gpu, kernel, x, w, Some(&b.buf), Some(&self.chain), &mut ws.y, save)
+                launch_gemv(gpu, kernel, x, w, Some(b), Some(&self.chain), &mut ws.y, save)
             }
             (&Plan::Gemv { chain: false, tensor_cores }, Some(z), _) => {
                 let kernel = dispatch::gemv_kernel(H::DTYPE, Dtype::F32, precision, tensor_cores);
-                launch_gemv(gpu, kernel, x, w, Some(&b.buf), None, z, None)?;
+                launch_gemv(gpu, kernel, x, w, Some(b), None, z, None)?;
                 epilogue_rows(gpu, &self.chain, z, None, &mut ws.y, save)
             }
             // One kernel: x and W as stored, 16-bit y.
             (Plan::Fused, _, false) => {
-                launch_half(gpu, stream, &route, ab, dims, lds, (Some(&b.buf), Some(&self.chain)), &mut ws.y, save, 1)
+                launch_half(gpu, stream, &route, ab, dims, lds, (Some(b), Some(&self.chain)), &mut ws.y, save, 1)
             }
             // The GEMM as stored with the chain up to its row reduction, each half tile's
             // row partials in FP32, then the finishing kernel into 16-bit `y`.
             (Plan::RowPartials, Some(parts), false)
                 if let (Family::Tma, Some(rp)) = (route.family, &self.row_partials) =>
             {
-                launch_half(gpu, stream, &route, ab, dims, lds, (Some(&b.buf), Some(&rp.head)), parts, save, 1)?;
+                launch_half(gpu, stream, &route, ab, dims, lds, (Some(b), Some(&rp.head)), parts, save, 1)?;
                 partials::row_partials_finish(gpu, parts, n, (&rp.head, &rp.tail), &mut ws.y)
             }
             // The GEMM as stored into FP32 `z`, the row-wise epilogue into 16-bit `y`.
             (Plan::GemmThenRows { splits: 1 }, Some(z), false) => {
-                launch_half(gpu, stream, &route, ab, dims, lds, (Some(&b.buf), None), z, None, 1)?;
+                launch_half(gpu, stream, &route, ab, dims, lds, (Some(b), None), z, None, 1)?;
                 epilogue_rows(gpu, &self.chain, z, None, &mut ws.y, save)
             }
             // A folded weight's halves as stored: each GEMM's partial products into its
@@ -163,7 +167,7 @@ impl<H: HalfElement> GpuBlock<H> {
                         half,
                     )?;
                 }
-                self.add_split_sums(gpu, z, bias, &mut ws.y, save)
+                self.add_split_sums(gpu, z, VectorArg::f32(bias), &mut ws.y, save)
             }
             // Split-K as stored: the partial products into FP32 `z (splits, m, n)`, added
             // with the bias before the chain by a second kernel.
@@ -204,7 +208,7 @@ impl<H: HalfElement> GpuBlock<H> {
         bn: (usize, f32),
     ) -> Result<DeviceTensor> {
         let (m, n, k) = (x.shape[0], self.gemm_width(), self.spec.in_features);
-        let (w, b) = (&self.params.linear_weight, &self.params.linear_bias);
+        let (w, b) = (&self.params.linear_weight, self.params.linear_bias.arg()?);
         // No ops before the BatchNorm: its input is the saved `z`, written once.
         let mut fresh = None;
         let (u, save) = match save {
@@ -219,7 +223,7 @@ impl<H: HalfElement> GpuBlock<H> {
             let xq = fp8::quantise_rows(gpu, stream, x, "x")?;
             let mut made = None;
             let wq = self.fp8_rows(gpu, w, &mut made)?;
-            fp8::gemm(gpu, stream, &xq, wq, Some(&b.buf), Some(&self.chain), u, save)?;
+            fp8::gemm(gpu, stream, &xq, wq, Some(b), Some(&self.chain), u, save)?;
         } else {
             let storage = Storage::half(H::DTYPE, Dtype::F32, aligned(&[x, w]));
             let route =
@@ -229,7 +233,7 @@ impl<H: HalfElement> GpuBlock<H> {
                 self.forward_f32(gpu, self.precision, &x32, (&w32, b), (&Plan::Fused, None), u, save)?;
             } else {
                 let (ab, dims, lds) = ((&*x.buf, &*w.buf), (m, n, k), (k, k));
-                launch_half(gpu, stream, &route, ab, dims, lds, (Some(&b.buf), Some(&self.chain)), u, save, 1)?;
+                launch_half(gpu, stream, &route, ab, dims, lds, (Some(b), Some(&self.chain)), u, save, 1)?;
             }
         }
         self.finish_batch_norm(gpu, u, &mut ws.y, bn)
@@ -257,13 +261,13 @@ impl<H: HalfElement> GpuBlock<H> {
             Some((w, fb)) => (self.fp8_rows(gpu, w, &mut made)?, fb),
             None => {
                 let w = &self.params.linear_weight;
-                (self.fp8_rows(gpu, w, &mut made)?, &self.params.linear_bias)
+                (self.fp8_rows(gpu, w, &mut made)?, self.params.linear_bias.arg()?)
             }
         };
         match (&ws.plan, ws.z.as_mut()) {
-            (Plan::Fused, _) => fp8::gemm(gpu, stream, &xq, wq, Some(&b.buf), Some(&self.chain), &mut ws.y, save),
+            (Plan::Fused, _) => fp8::gemm(gpu, stream, &xq, wq, Some(b), Some(&self.chain), &mut ws.y, save),
             (Plan::GemmThenRows { splits: 1 }, Some(z)) => {
-                fp8::gemm(gpu, stream, &xq, wq, Some(&b.buf), None, z, None)?;
+                fp8::gemm(gpu, stream, &xq, wq, Some(b), None, z, None)?;
                 epilogue_rows(gpu, &self.chain, z, None, &mut ws.y, save)
             }
             (plan, _) => Err(Error::Unsupported(format!("no fp8 forward for the plan {plan:?}"))),

@@ -5,6 +5,7 @@
 use crate::error::{Error, Result};
 use crate::tensor::{Bf16, F16};
 use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, LaunchArgs, PushKernelArg};
+use kernel_abi::vector::Stored;
 use std::any::Any;
 use std::mem::ManuallyDrop;
 use std::sync::Arc;
@@ -61,6 +62,15 @@ pub enum Dtype {
 }
 
 impl Dtype {
+    /// The dtype's name in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::F32 => f32::NAME,
+            Dtype::Bf16 => Bf16::NAME,
+            Dtype::F16 => F16::NAME,
+        }
+    }
+
     /// The element kind an allocator hands out for this dtype.
     pub fn kind(self) -> ElementKind {
         match self {
@@ -91,14 +101,22 @@ impl DeviceElement for Bf16 {
 pub trait HalfElement: DeviceElement + crate::tensor::Half {
     /// The kernels reading and writing this type.
     const KERNELS: &'static super::dispatch::HalfKernels;
+    /// A parameter vector of this type, as the kernels read it.
+    fn vector(t: DeviceTensor<Self>) -> DeviceVector;
 }
 
 impl HalfElement for Bf16 {
     const KERNELS: &'static super::dispatch::HalfKernels = &super::dispatch::HalfKernels::BF16;
+    fn vector(t: DeviceTensor<Bf16>) -> DeviceVector {
+        DeviceVector::Bf16(t)
+    }
 }
 
 impl HalfElement for F16 {
     const KERNELS: &'static super::dispatch::HalfKernels = &super::dispatch::HalfKernels::F16;
+    fn vector(t: DeviceTensor<F16>) -> DeviceVector {
+        DeviceVector::F16(t)
+    }
 }
 
 // SAFETY: as `Bf16`'s.
@@ -109,6 +127,137 @@ impl DeviceElement for F16 {
     const NAME: &'static str = "float16";
     const NAN_BITS: u32 = 0x7e00;
     const DTYPE: Dtype = Dtype::F16;
+}
+
+/// A per-feature parameter vector (a Linear bias, a chain op's parameter) in device
+/// memory as stored: FP32, or a 16-bit model's bf16 or fp16 values, which the kernels
+/// read as they are (`kernel_abi::vector`) instead of from FP32 copies made per call.
+pub enum DeviceVector {
+    F32(DeviceTensor),
+    Bf16(DeviceTensor<Bf16>),
+    F16(DeviceTensor<F16>),
+}
+
+impl From<DeviceTensor> for DeviceVector {
+    fn from(t: DeviceTensor) -> DeviceVector {
+        DeviceVector::F32(t)
+    }
+}
+
+impl DeviceVector {
+    pub fn shape(&self) -> &[usize] {
+        match self {
+            DeviceVector::F32(t) => &t.shape,
+            DeviceVector::Bf16(t) => &t.shape,
+            DeviceVector::F16(t) => &t.shape,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.shape().iter().product()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The dtype its values are stored in.
+    pub fn dtype(&self) -> Dtype {
+        match self {
+            DeviceVector::F32(_) => Dtype::F32,
+            DeviceVector::Bf16(_) => Dtype::Bf16,
+            DeviceVector::F16(_) => Dtype::F16,
+        }
+    }
+
+    /// The device address of its first value.
+    pub fn address(&self) -> u64 {
+        match self {
+            DeviceVector::F32(t) => t.buf.device_address(),
+            DeviceVector::Bf16(t) => t.buf.device_address(),
+            DeviceVector::F16(t) => t.buf.device_address(),
+        }
+    }
+
+    /// The word the kernels take for it: its address, with how it is stored in the top
+    /// byte.
+    pub fn word(&self) -> Result<VectorWord> {
+        let stored = match self.dtype() {
+            Dtype::F32 => Stored::F32,
+            Dtype::Bf16 => Stored::Bf16,
+            Dtype::F16 => Stored::F16,
+        };
+        let address = self.address();
+        kernel_abi::vector::word(address, stored).map(VectorWord).ok_or_else(|| {
+            Error::Shape(format!(
+                "a parameter vector at device address {address:#x}: the kernels take addresses below 2^{}",
+                kernel_abi::vector::STORED_SHIFT
+            ))
+        })
+    }
+
+    /// The FP32 tensor, where the vector is one (a path that reads it as FP32 only).
+    pub fn f32(&self) -> Result<&DeviceTensor> {
+        match self {
+            DeviceVector::F32(t) => Ok(t),
+            _ => Err(Error::Shape(format!("a {} parameter vector where FP32 is wanted", self.dtype().name()))),
+        }
+    }
+
+    /// [`DeviceVector::f32`], mutable (an optimizer's step).
+    pub fn f32_mut(&mut self) -> Result<&mut DeviceTensor> {
+        let dtype = self.dtype();
+        match self {
+            DeviceVector::F32(t) => Ok(t),
+            _ => Err(Error::Shape(format!("a {} parameter vector where FP32 is wanted", dtype.name()))),
+        }
+    }
+}
+
+/// A parameter vector as a launch takes it, borrowed: the kernels' word and its length.
+#[derive(Clone, Copy, Debug)]
+pub struct VectorArg<'a> {
+    pub word: VectorWord,
+    pub len: usize,
+    _vector: std::marker::PhantomData<&'a ()>,
+}
+
+impl<'a> VectorArg<'a> {
+    /// An FP32 tensor's (its word is its address).
+    pub fn f32(t: &DeviceTensor) -> VectorArg<'_> {
+        VectorArg { word: VectorWord::of_f32(&t.buf), len: t.len(), _vector: std::marker::PhantomData }
+    }
+
+    /// The same vector read from `word` instead (its FP32 copy, which the caller keeps
+    /// alive as long as this vector).
+    pub fn read_from(self, word: VectorWord) -> VectorArg<'a> {
+        VectorArg { word, ..self }
+    }
+}
+
+impl DeviceVector {
+    /// The vector as a launch takes it.
+    pub fn arg(&self) -> Result<VectorArg<'_>> {
+        Ok(VectorArg { word: self.word()?, len: self.len(), _vector: std::marker::PhantomData })
+    }
+}
+
+/// A parameter vector's word as a kernel argument ([`DeviceVector::word`]; 0: none).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct VectorWord(pub u64);
+
+// SAFETY: a plain 64-bit word, as the kernels' `Vector` argument.
+unsafe impl DeviceRepr for VectorWord {}
+
+impl VectorWord {
+    /// No vector (an absent bias).
+    pub const NONE: VectorWord = VectorWord(0);
+
+    /// An FP32 buffer's word (a vector made here: a fold's bias, a BatchNorm's statistics).
+    pub fn of_f32(buf: &CudaSlice<f32>) -> VectorWord {
+        VectorWord(buf.device_ptr(buf.stream()).0)
+    }
 }
 
 /// Who frees a [`DeviceBuf`]'s memory.

@@ -31,7 +31,10 @@ use cudarc::nvrtc::Ptx;
 use kernel_abi::Kernel;
 use limits::oom_or;
 pub use limits::{MAX_BATCH, check_device_memory, check_launch_sizes};
-pub use memory::{DeviceAllocator, DeviceBuf, DeviceElement, DeviceTensor, Dtype, ElementKind, HalfElement, Table};
+pub use memory::{
+    DeviceAllocator, DeviceBuf, DeviceElement, DeviceTensor, DeviceVector, Dtype, ElementKind, HalfElement, Table,
+    VectorArg, VectorWord,
+};
 use memory::{Owner, SPARE_MAX_BYTES, SideFrees, Spares, Tables};
 use std::sync::Arc;
 pub use tuning::Tuning;

@@ -38,11 +38,11 @@ impl GpuBlock {
         x_var: VarId,
         param_vars: &[VarId],
     ) -> Result<(Rc<DeviceTensor>, VarId)> {
-        if param_vars.len() != self.params.flat().len() {
+        if param_vars.len() != self.params.shapes().len() {
             return Err(Error::Argument(format!(
                 "{} parameter variables for a block with {} parameters",
                 param_vars.len(),
-                self.params.flat().len()
+                self.params.shapes().len()
             )));
         }
         let (y, saved) = self.forward_train(gpu, &x, false)?;

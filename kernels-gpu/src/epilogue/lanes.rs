@@ -10,10 +10,11 @@
 use super::pointwise::{PointwiseMath, match_pointwise, param_count};
 use crate::prelude::async_copy::{cp_async_4, cp_async_8, cp_async_16, cp_async_commit, cp_async_wait, cp_async_wait_all, shared_address};
 use crate::prelude::element::{Bf16, Element, F16};
-use crate::prelude::global::load_v4_nc;
 use crate::prelude::math::{fma, rsqrt};
 use crate::prelude::warp::shfl_xor;
 use crate::prelude::*;
+use crate::prelude::vector::op_storage;
+use kernel_abi::vector::Stored;
 use crate::unroll;
 use kernel_abi::epilogue::*;
 use kernel_abi::gemm_fma::MAX_TILE_OPS;
@@ -26,24 +27,24 @@ pub struct F4(pub [f32; 4]);
 /// Per-column parameter `p[c + e]`, 0 past `n`.
 ///
 /// # Safety
-/// `p` holds `n` floats.
+/// `p` holds `n` values.
 #[inline(always)]
-pub unsafe fn column_param(p: *const f32, n: usize, c: usize, e: usize) -> f32 {
+pub unsafe fn column_param(p: Vector, n: usize, c: usize, e: usize) -> f32 {
     // SAFETY: c + e < n, the parameter's length.
-    if c + e < n { unsafe { *p.add(c + e) } } else { 0.0 }
+    if c + e < n { unsafe { p.get(c + e) } } else { 0.0 }
 }
 
-/// Per-column parameters `p[c..c + 4]`, 0 past `n`: one 16-byte load when they are
-/// inside and aligned.
+/// Per-column parameters `p[c..c + 4]`, 0 past `n`: one load when they are inside and
+/// aligned.
 ///
 /// # Safety
-/// `p` holds `n` floats.
+/// `p` holds `n` values.
 #[inline(always)]
-pub unsafe fn column_params(p: *const f32, n: usize, c: usize) -> [f32; 4] {
-    // SAFETY: c + 4 <= n, the parameter's length; 16-byte aligned (checked: parameter
-    // vectors need not be).
-    if c + 4 <= n && (p as usize + 4 * c).is_multiple_of(16) {
-        unsafe { load_v4_nc(p.add(c)) }
+pub unsafe fn column_params(p: Vector, n: usize, c: usize) -> [f32; 4] {
+    // SAFETY: c + 4 <= n, the parameter's length; aligned (checked: parameter vectors
+    // need not be).
+    if c + 4 <= n && p.quad_aligned(c) {
+        unsafe { p.quad(c) }
     } else {
         // SAFETY: as the caller promises.
         [0, 1, 2, 3].map(|e| unsafe { column_param(p, n, c, e) })
@@ -107,11 +108,9 @@ fn lane_group_stats<const R: usize>(op: &OpDesc, v: &[[f32; 4]; R], group: LaneG
     stats
 }
 
-/// One op forward on the lane's 4 values of `R` (1 or 2) rows at once: the op is
-/// decoded once and the rows' independent chains (shuffles, `exp`, parameter loads)
-/// share one basic block, so their latencies overlap. (Rows are indexed by unrolled
-/// constants only: a loop would put the array on the stack.) `group` gives a
-/// GroupNorm's [`LaneGroup`] (called only for one).
+/// `lane_forward_rows_with`, the op's parameter vectors read as stored: one instance
+/// per storage type they share ([`Typed`]: plain loads; a branch per load is what the
+/// tile-wise kernels' register budgets cannot take), [`AsStored`] where they differ.
 #[inline(always)]
 pub fn lane_forward_rows<const R: usize>(
     op: &OpDesc,
@@ -120,12 +119,63 @@ pub fn lane_forward_rows<const R: usize>(
     n: usize,
     c: usize,
 ) {
-    let (p0, p1) = (op.param0 as *const f32, op.param1 as *const f32);
+    match op_storage(op) {
+        Some(Stored::F32) => lane_forward_rows_with::<R, Typed<f32>>(op, group, rows, n, c),
+        Some(Stored::Bf16) => lane_forward_rows_with::<R, Typed<Bf16>>(op, group, rows, n, c),
+        Some(Stored::F16) => lane_forward_rows_with::<R, Typed<F16>>(op, group, rows, n, c),
+        None => lane_forward_rows_with::<R, AsStored>(op, group, rows, n, c),
+    }
+}
+
+/// [`lane_backward_rows_with`], the op's parameter vectors read as stored, as
+/// [`lane_forward_rows`].
+///
+/// # Safety
+/// As [`lane_backward_rows_with`].
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn lane_backward_rows(
+    op: &OpDesc,
+    group: LaneGroup,
+    x: &[[f32; 4]; 2],
+    g: &mut [[f32; 4]; 2],
+    n: usize,
+    c: usize,
+    sums: *mut F4,
+    slot: usize,
+    lane: usize,
+    both: bool,
+) {
+    let args = (n, c, sums, slot, lane, both);
+    unsafe {
+        match op_storage(op) {
+            Some(Stored::F32) => lane_backward_rows_with::<Typed<f32>>(op, group, x, g, args),
+            Some(Stored::Bf16) => lane_backward_rows_with::<Typed<Bf16>>(op, group, x, g, args),
+            Some(Stored::F16) => lane_backward_rows_with::<Typed<F16>>(op, group, x, g, args),
+            None => lane_backward_rows_with::<AsStored>(op, group, x, g, args),
+        }
+    }
+}
+
+/// One op forward on the lane's 4 values of `R` (1 or 2) rows at once: the op is
+/// decoded once and the rows' independent chains (shuffles, `exp`, parameter loads)
+/// share one basic block, so their latencies overlap. (Rows are indexed by unrolled
+/// constants only: a loop would put the array on the stack.) `group` gives a
+/// GroupNorm's [`LaneGroup`] (called only for one).
+#[inline(always)]
+fn lane_forward_rows_with<const R: usize, Q: ReadParams>(
+    op: &OpDesc,
+    group: impl Fn() -> LaneGroup,
+    rows: &mut [[f32; 4]; R],
+    n: usize,
+    c: usize,
+) {
+    let (p0, p1) = (Vector(op.param0), Vector(op.param1));
     match op.code {
         OP_GROUP_NORM => {
             let stats = lane_group_stats(op, rows, group());
             // SAFETY: a GroupNorm's two parameters hold `n` floats each.
-            let (gamma, beta) = unsafe { (column_params(p0, n, c), column_params(p1, n, c)) };
+            let (gamma, beta) = unsafe { (Q::column4(p0, n, c), Q::column4(p1, n, c)) };
             unroll!(i in 0..2 => {
                 if i < R {
                     let (mean, rstd) = stats[i];
@@ -139,7 +189,7 @@ pub fn lane_forward_rows<const R: usize>(
         // element would branch 8 times per op and serialise the rows.
         code => match_pointwise!(code, P => {
             // SAFETY: an op's parameter holds `n` floats.
-            let p = if P::HAS_PARAM { unsafe { column_params(p0, n, c) } } else { [0.0; 4] };
+            let p = if P::HAS_PARAM { unsafe { Q::column4(p0, n, c) } } else { [0.0; 4] };
             each(rows, |x, e| P::forward(x, p[e], op.a, op.b))
         }, _ => each(rows, |x, _| poison(x))), // not fusable: the host never sends it
     }
@@ -217,19 +267,14 @@ pub(crate) unsafe fn add_to_slot(sums: *mut F4, slot: usize, lane: usize, v: &[[
 /// As [`add_to_slot`], for the op's slots.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn lane_backward_rows(
+unsafe fn lane_backward_rows_with<Q: ReadParams>(
     op: &OpDesc,
     group: LaneGroup,
     x: &[[f32; 4]; 2],
     g: &mut [[f32; 4]; 2],
-    n: usize,
-    c: usize,
-    sums: *mut F4,
-    slot: usize,
-    lane: usize,
-    both: bool,
+    (n, c, sums, slot, lane, both): (usize, usize, *mut F4, usize, usize, bool),
 ) {
-    let p0 = op.param0 as *const f32;
+    let p0 = Vector(op.param0);
     match op.code {
         OP_GROUP_NORM => {
             // dx = rstd (dy gamma - mean(dy gamma) - xhat mean(dy gamma xhat))
@@ -237,7 +282,7 @@ pub(crate) unsafe fn lane_backward_rows(
             let [(m0, r0), (m1, r1)] = lane_group_stats(op, x, group);
             let (mean, rstd) = ([m0, m1], [r0, r1]);
             // SAFETY: a GroupNorm's weight holds `n` floats.
-            let gamma = unsafe { column_params(p0, n, c) };
+            let gamma = unsafe { Q::column4(p0, n, c) };
             let mut xhat = [[0.0f32; 4]; 2];
             let mut dyg = [[0.0f32; 4]; 2];
             let mut s = [0.0f32; 4];
@@ -268,7 +313,7 @@ pub(crate) unsafe fn lane_backward_rows(
                 let gp = [0, 1].map(|i| [0, 1, 2, 3].map(|e| g[i][e] * P::param_grad(x[i][e])));
                 unsafe { add_to_slot(sums, slot, lane, &gp, both) };
                 // SAFETY: the op's parameter holds `n` floats.
-                let p = unsafe { column_params(p0, n, c) };
+                let p = unsafe { Q::column4(p0, n, c) };
                 unroll!(i in 0..2 => { unroll!(e in 0..4 => { g[i][e] *= P::grad(x[i][e], p[e], op.a, op.b); }); });
             } else {
                 scale_by(g, x, |v| P::grad(v, 0.0, op.a, op.b))
@@ -378,6 +423,10 @@ unsafe fn tiles_backward<G: Element>(
     // uniform load) and their GroupNorm constants, then [warp][slot][lane] gradient
     // sums, then per warp [op][row][lane] saved op inputs (all ops but the last) and
     // [slot][row][z, dy][lane] its ring, 16 bytes per lane (tiles_backward_smem_bytes).
+    // FP32 vectors only (`Fp32Params`: the host widens a 16-bit model's for this kernel;
+    // read as stored they cost a bf16 model's backward a quarter of its time).
+    // SAFETY: `ops` holds `n_ops` descriptors.
+    unsafe { Fp32Params::check(ops, n_ops) };
     let base = dynamic_shared::<F4>(); // 16-byte aligned
     let descs = base as *mut OpDesc;
     // SAFETY (offset): the groups follow MAX_TILE_OPS descriptors (TILE_OP_BYTES each, both).
@@ -478,7 +527,7 @@ unsafe fn tiles_backward<G: Element>(
                 *saved.add(p * 64 + 32 + lane) = F4(x[1]);
             }
             // SAFETY: p < n_ops.
-            lane_forward_rows(op_at(p), || unsafe { *groups.add(p) }, &mut x, n, c);
+            lane_forward_rows_with::<2, Fp32Params>(op_at(p), || unsafe { *groups.add(p) }, &mut x, n, c);
         }
         let mut slot_end = slots;
         for i in (0..n_ops).rev() {
@@ -489,7 +538,7 @@ unsafe fn tiles_backward<G: Element>(
             let op = op_at(i);
             slot_end -= param_count(op);
             // SAFETY: slot_end + param_count(op) <= slots.
-            unsafe { lane_backward_rows(op, *groups.add(i), &x, &mut g, n, c, sums, slot_end, lane, both) };
+            unsafe { lane_backward_rows_with::<Fp32Params>(op, *groups.add(i), &x, &mut g, (n, c, sums, slot_end, lane, both)) };
         }
         // SAFETY: slot 0 < slots; rows below row_end (row 1 only when `both`).
         unsafe {

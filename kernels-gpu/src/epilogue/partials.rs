@@ -125,7 +125,7 @@ unsafe fn finish<E: Element>(
         let op = unsafe { &*ops.add(o) };
         v = match_pointwise!(op.code, P => {
             // SAFETY: a parameter holds the one column's value.
-            let p = if P::HAS_PARAM { unsafe { *(op.param0 as *const f32) } } else { 0.0 };
+            let p = if P::HAS_PARAM { unsafe { Vector(op.param0).get(0) } } else { 0.0 };
             P::forward(v, p, op.a, op.b)
         }, _ => f32::NAN);
     }

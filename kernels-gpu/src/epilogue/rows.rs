@@ -7,13 +7,15 @@
 
 use super::pointwise::{PointwiseMath, match_pointwise, param_count};
 use crate::prelude::math::{exp, ln, max_nan, rsqrt};
-use core::ptr::{null, null_mut};
+use core::ptr::null_mut;
 
 use crate::prelude::element::{Bf16, Element, F16};
 use crate::prelude::global::store_v4;
 use crate::prelude::warp::{shfl_xor, warp_max, warp_sum};
 use crate::prelude::*;
+use crate::prelude::vector::op_storage;
 use kernel_abi::epilogue::*;
+use kernel_abi::vector::Stored;
 
 /// Warps of a block of `ROW_THREADS`, the largest: the scratch's layout (`2 * WARPS`
 /// words) is sized for it. Every helper below takes its block's threads as `T`
@@ -42,14 +44,54 @@ fn group_stats(s: *const f32, size: usize, eps: f32, lane: usize) -> (f32, f32) 
     (mean, rsqrt(warp_sum(sq) / size as f32 + eps))
 }
 
+/// [`op_forward`] reading `op`'s parameter vectors as stored: one instance per storage
+/// type they share ([`Typed`]: plain loads; a branch per read cost the row-wise forward
+/// a fifth of its time on a bf16 model), [`AsStored`] where they differ.
+///
+/// # Safety
+/// As [`op_forward`].
+#[inline(always)]
+pub(crate) unsafe fn op_forward_stored<const T: usize>(
+    op: &OpDesc,
+    cur: &mut *mut f32,
+    alt: &mut *mut f32,
+    red: *mut f32,
+    f: usize,
+) -> usize {
+    unsafe {
+        match op_storage(op) {
+            Some(Stored::F32) => op_forward::<T, Typed<f32>>(op, cur, alt, red, f),
+            Some(Stored::Bf16) => op_forward::<T, Typed<Bf16>>(op, cur, alt, red, f),
+            Some(Stored::F16) => op_forward::<T, Typed<F16>>(op, cur, alt, red, f),
+            None => op_forward::<T, AsStored>(op, cur, alt, red, f),
+        }
+    }
+}
+
+/// [`op_forward_rows`] reading `op`'s parameter vectors as stored, as [`op_forward_stored`].
+///
+/// # Safety
+/// As [`op_forward_rows`].
+#[inline(always)]
+pub(crate) unsafe fn op_forward_rows_stored<const T: usize>(op: &OpDesc, x: *mut f32, rows: usize, f: usize) {
+    unsafe {
+        match op_storage(op) {
+            Some(Stored::F32) => op_forward_rows::<T, Typed<f32>>(op, x, rows, f),
+            Some(Stored::Bf16) => op_forward_rows::<T, Typed<Bf16>>(op, x, rows, f),
+            Some(Stored::F16) => op_forward_rows::<T, Typed<F16>>(op, x, rows, f),
+            None => op_forward_rows::<T, AsStored>(op, x, rows, f),
+        }
+    }
+}
+
 /// GroupNorm of one group in place, by one warp: `s[..size]` normalised by its own mean
 /// and variance, then `gamma`, `beta` (the op's parameters) from channel `first` on.
 ///
 /// # Safety
 /// `s` holds `size` floats; the op's parameter vectors hold `first + size`.
 #[inline(always)]
-unsafe fn normalize_group(s: *mut f32, size: usize, first: usize, op: &OpDesc, lane: usize) {
-    let (gamma, beta) = (op.param0 as *const f32, op.param1 as *const f32);
+unsafe fn normalize_group<R: ReadParams>(s: *mut f32, size: usize, first: usize, op: &OpDesc, lane: usize) {
+    let (gamma, beta) = (Vector(op.param0), Vector(op.param1));
     let (mean, rstd) = group_stats(s, size, op.a, lane);
     // `PARAM_LOADS` channels a step, all their parameters loaded before any store: one at
     // a time, each load waited out its round trip (LLVM cannot tell the store to `s` from
@@ -58,7 +100,7 @@ unsafe fn normalize_group(s: *mut f32, size: usize, first: usize, op: &OpDesc, l
     while j + (PARAM_LOADS - 1) * WARP < size {
         let at: [usize; PARAM_LOADS] = core::array::from_fn(|u| j + u * WARP);
         // SAFETY (this loop): every channel below size; first + it below the parameters' length.
-        let (g, b) = unsafe { (at.map(|c| *gamma.add(first + c)), at.map(|c| *beta.add(first + c))) };
+        let (g, b) = unsafe { (at.map(|c| R::get(gamma, first + c)), at.map(|c| R::get(beta, first + c))) };
         for u in 0..PARAM_LOADS {
             unsafe { *s.add(at[u]) = (*s.add(at[u]) - mean) * rstd * g[u] + b[u] };
         }
@@ -66,7 +108,7 @@ unsafe fn normalize_group(s: *mut f32, size: usize, first: usize, op: &OpDesc, l
     }
     while j < size {
         // SAFETY: j < size; first + j below the parameters' length.
-        unsafe { *s.add(j) = (*s.add(j) - mean) * rstd * *gamma.add(first + j) + *beta.add(first + j) };
+        unsafe { *s.add(j) = (*s.add(j) - mean) * rstd * R::get(gamma, first + j) + R::get(beta, first + j) };
         j += WARP;
     }
 }
@@ -136,12 +178,12 @@ unsafe fn group_stats_alone(s: *const f32, size: usize, eps: f32, start: usize) 
 /// `x` holds `count * size` floats; the op's parameter vectors `per_row * size`.
 /// Called by the whole block (no barrier).
 #[inline(always)]
-unsafe fn normalize_groups<const T: usize>(x: *mut f32, count: usize, per_row: usize, size: usize, op: &OpDesc) {
+unsafe fn normalize_groups<const T: usize, R: ReadParams>(x: *mut f32, count: usize, per_row: usize, size: usize, op: &OpDesc) {
     let (warp, lane) = (warp_id() as usize, lane_id() as usize);
     // SAFETY (whole body): every group below `count`, its channels below `per_row * size`.
     unsafe {
         if size <= WARP && count > T / WARP {
-            let (gamma, beta) = (op.param0 as *const f32, op.param1 as *const f32);
+            let (gamma, beta) = (Vector(op.param0), Vector(op.param1));
             let start = group_start(size);
             let mut gi = thread_idx_x() as usize;
             while gi < count {
@@ -152,8 +194,8 @@ unsafe fn normalize_groups<const T: usize>(x: *mut f32, count: usize, per_row: u
                 let mut done = 0;
                 while done < size {
                     let (at, live) = next_channels(&mut k, size, done);
-                    let g: [f32; PARAM_LOADS] = core::array::from_fn(|u| if live[u] { *gamma.add(first + at[u]) } else { 0.0 });
-                    let b: [f32; PARAM_LOADS] = core::array::from_fn(|u| if live[u] { *beta.add(first + at[u]) } else { 0.0 });
+                    let g: [f32; PARAM_LOADS] = core::array::from_fn(|u| if live[u] { R::get(gamma, first + at[u]) } else { 0.0 });
+                    let b: [f32; PARAM_LOADS] = core::array::from_fn(|u| if live[u] { R::get(beta, first + at[u]) } else { 0.0 });
                     for u in 0..PARAM_LOADS {
                         if live[u] {
                             *s.add(at[u]) = (*s.add(at[u]) - mean) * rstd * g[u] + b[u];
@@ -166,7 +208,7 @@ unsafe fn normalize_groups<const T: usize>(x: *mut f32, count: usize, per_row: u
         } else {
             let mut gi = warp;
             while gi < count {
-                normalize_group(x.add(gi * size), size, (gi % per_row) * size, op, lane);
+                normalize_group::<R>(x.add(gi * size), size, (gi % per_row) * size, op, lane);
                 gi += T / WARP;
             }
         }
@@ -290,13 +332,13 @@ unsafe fn rms_rstd<const T: usize>(x: *const f32, f: usize, eps: f32, red: *mut 
 /// # Safety
 /// `x` holds `f` values; `p0` holds `f` values where `P` has a parameter.
 #[inline(always)]
-unsafe fn pointwise_row<P: PointwiseMath, const T: usize>(x: *mut f32, p0: *const f32, f: usize, a: f32, b: f32) {
+unsafe fn pointwise_row<P: PointwiseMath, const T: usize, R: ReadParams>(x: *mut f32, p0: Vector, f: usize, a: f32, b: f32) {
     let mut j = thread_idx_x() as usize;
     // SAFETY (whole body): every index is below `f`.
     unsafe {
         while j + 3 * T < f {
             let at = [j, j + T, j + 2 * T, j + 3 * T];
-            let p = if P::HAS_PARAM { at.map(|i| *p0.add(i)) } else { [0.0; 4] };
+            let p = if P::HAS_PARAM { at.map(|i| R::get(p0, i)) } else { [0.0; 4] };
             let v = at.map(|i| *x.add(i));
             for e in 0..4 {
                 *x.add(at[e]) = P::forward(v[e], p[e], a, b);
@@ -304,7 +346,7 @@ unsafe fn pointwise_row<P: PointwiseMath, const T: usize>(x: *mut f32, p0: *cons
             j += 4 * T;
         }
         while j < f {
-            let p = if P::HAS_PARAM { *p0.add(j) } else { 0.0 };
+            let p = if P::HAS_PARAM { R::get(p0, j) } else { 0.0 };
             *x.add(j) = P::forward(*x.add(j), p, a, b);
             j += T;
         }
@@ -320,9 +362,15 @@ unsafe fn pointwise_row<P: PointwiseMath, const T: usize>(x: *mut f32, p0: *cons
 /// `*cur` and `*alt` hold at least `f` floats each, `red` at least `WARPS`; `op`'s
 /// parameter vectors hold `f` floats.
 #[inline(always)]
-pub(crate) unsafe fn op_forward<const T: usize>(op: &OpDesc, cur: &mut *mut f32, alt: &mut *mut f32, red: *mut f32, f: usize) -> usize {
+pub(crate) unsafe fn op_forward<const T: usize, R: ReadParams>(
+    op: &OpDesc,
+    cur: &mut *mut f32,
+    alt: &mut *mut f32,
+    red: *mut f32,
+    f: usize,
+) -> usize {
     let t = thread_idx_x() as usize;
-    let p0 = op.param0 as *const f32;
+    let p0 = Vector(op.param0);
     let x = *cur;
     let f_out = features_after(op, f);
     // SAFETY (whole body): every index is below the extent the contract gives.
@@ -330,7 +378,7 @@ pub(crate) unsafe fn op_forward<const T: usize>(op: &OpDesc, cur: &mut *mut f32,
         match op.code {
             OP_GROUP_NORM => {
                 let groups = op.count as usize;
-                normalize_groups::<T>(x, groups, groups, f / groups, op);
+                normalize_groups::<T, R>(x, groups, groups, f / groups, op);
             }
             OP_AVG_POOL => {
                 let k = op.count as usize;
@@ -369,11 +417,11 @@ pub(crate) unsafe fn op_forward<const T: usize>(op: &OpDesc, cur: &mut *mut f32,
                 let r = rms_rstd::<T>(x, f, op.a, red);
                 let mut j = t;
                 while j < f {
-                    *x.add(j) = *x.add(j) * r * *p0.add(j);
+                    *x.add(j) = *x.add(j) * r * R::get(p0, j);
                     j += T;
                 }
             }
-            code => match_pointwise!(code, P => pointwise_row::<P, T>(x, p0, f, op.a, op.b), _ => {
+            code => match_pointwise!(code, P => pointwise_row::<P, T, R>(x, p0, f, op.a, op.b), _ => {
                 // An unknown code: poison rather than pass through.
                 let mut j = t;
                 while j < f {
@@ -409,7 +457,7 @@ unsafe fn load_row<E: Element, const T: usize>(
     src: *const E,
     parts: usize,
     stride: usize,
-    bias: *const E,
+    bias: Vector,
     copy: *mut f32,
     n: usize,
 ) {
@@ -418,7 +466,7 @@ unsafe fn load_row<E: Element, const T: usize>(
     let vector = n.is_multiple_of(4)
         && aligned(src as usize)
         && (parts <= 1 || stride.is_multiple_of(4))
-        && (bias.is_null() || aligned(bias as usize))
+        && (bias.is_null() || bias.quad_aligned(0))
         && (copy.is_null() || (copy as usize).is_multiple_of(16));
     // SAFETY (both paths): every index is below n, the parts below `parts`.
     unsafe {
@@ -429,11 +477,10 @@ unsafe fn load_row<E: Element, const T: usize>(
                 let mut v = [[0.0f32; 4]; ROW_LOADS];
                 // The part loop outside, the constant one inside: unrolled, `v` in registers.
                 for p in 0..parts + !bias.is_null() as usize {
-                    let from = if p < parts { src.add(p * stride) } else { bias };
                     for (u, v) in v.iter_mut().enumerate() {
                         let q = first + u * T;
                         if q < quads {
-                            let w = E::load4_nc(from.add(4 * q));
+                            let w = if p < parts { E::load4_nc(src.add(p * stride + 4 * q)) } else { bias.quad(4 * q) };
                             *v = [v[0] + w[0], v[1] + w[1], v[2] + w[2], v[3] + w[3]];
                         }
                     }
@@ -460,7 +507,7 @@ unsafe fn load_row<E: Element, const T: usize>(
                     v += E::load1(src.add(p * stride + c));
                 }
                 if !bias.is_null() {
-                    v += E::load1(bias.add(c));
+                    v += bias.get(c);
                 }
                 *dst.add(c) = v;
                 if !copy.is_null() {
@@ -508,15 +555,15 @@ unsafe fn store_row<E: Element, const T: usize>(y: *mut E, src: *const f32, f: u
 /// `x` holds `rows * f` floats; `op` is per-element or a GroupNorm of `op.count`
 /// groups dividing `f`, its parameter vectors hold `f` floats.
 #[inline(always)]
-pub(crate) unsafe fn op_forward_rows<const T: usize>(op: &OpDesc, x: *mut f32, rows: usize, f: usize) {
+pub(crate) unsafe fn op_forward_rows<const T: usize, R: ReadParams>(op: &OpDesc, x: *mut f32, rows: usize, f: usize) {
     let t = thread_idx_x() as usize;
-    let p0 = op.param0 as *const f32;
+    let p0 = Vector(op.param0);
     // SAFETY (whole body): every index is below the extent the contract gives.
     unsafe {
         if op.code == OP_GROUP_NORM {
             // Rows `f` apart: group `i` of the slab is row `i / groups`'s group `i % groups`.
             let groups = op.count as usize;
-            normalize_groups::<T>(x, rows * groups, groups, f / groups, op);
+            normalize_groups::<T, R>(x, rows * groups, groups, f / groups, op);
         } else {
             let code = op.code;
             let mut i = t;
@@ -524,7 +571,7 @@ pub(crate) unsafe fn op_forward_rows<const T: usize>(op: &OpDesc, x: *mut f32, r
                 let j = i % f;
                 let v = *x.add(i);
                 *x.add(i) = match_pointwise!(code, P => {
-                    P::forward(v, if P::HAS_PARAM { *p0.add(j) } else { 0.0 }, op.a, op.b)
+                    P::forward(v, if P::HAS_PARAM { R::get(p0, j) } else { 0.0 }, op.a, op.b)
                 }, _ => f32::NAN);
                 i += T;
             }
@@ -561,7 +608,7 @@ pub(crate) unsafe fn op_forward_rows<const T: usize>(op: &OpDesc, x: *mut f32, r
 unsafe fn rows_forward<E: Element, const T: usize>(
     z: *const f32,
     splits: u32,
-    bias: *const f32,
+    bias: Vector,
     y: *mut E,
     save_z: *mut f32,
     n: u32,
@@ -587,7 +634,7 @@ unsafe fn rows_forward<E: Element, const T: usize>(
     let residual = n_ops > 0 && unsafe { (*ops.add(n_ops as usize - 1)).code } == OP_RESIDUAL;
     for i in 0..n_ops as usize - usize::from(residual) {
         // SAFETY: i < n_ops; buffers as above.
-        f = unsafe { op_forward::<T>(&*ops.add(i), &mut cur, &mut alt, red, f) };
+        f = unsafe { op_forward_stored::<T>(&*ops.add(i), &mut cur, &mut alt, red, f) };
     }
     if residual {
         // SAFETY: the last op, the row `n` wide (`BlockSpec::new`); z and bias as loaded.
@@ -622,7 +669,7 @@ unsafe fn add_row<E: Element, const T: usize>(g: *mut f32, dy: *const E, n: usiz
 /// As `load_row`'s `src`, `parts`, `stride` and `bias`; `cur` the block's row of `n`.
 /// Called by the whole block.
 #[inline(never)]
-unsafe fn add_chain_input<const T: usize>(cur: *mut f32, z: *const f32, parts: usize, stride: usize, bias: *const f32, n: usize) {
+unsafe fn add_chain_input<const T: usize>(cur: *mut f32, z: *const f32, parts: usize, stride: usize, bias: Vector, n: usize) {
     let mut j = thread_idx_x() as usize;
     // SAFETY: every index is below n, the parts below `parts`.
     unsafe {
@@ -632,7 +679,7 @@ unsafe fn add_chain_input<const T: usize>(cur: *mut f32, z: *const f32, parts: u
                 v += *z.add(p * stride + j);
             }
             if !bias.is_null() {
-                v += *bias.add(j);
+                v += bias.get(j);
             }
             *cur.add(j) += v;
             j += T;
@@ -654,7 +701,7 @@ macro_rules! rows_forward_into {
         pub unsafe extern "ptx-kernel" fn $name(
             z: *const f32,
             splits: u32,
-            bias: *const f32,
+            bias: Vector,
             y: *mut $t,
             save_z: *mut f32,
             n: u32,
@@ -753,7 +800,7 @@ unsafe fn run_start(ops: *const OpDesc, last: usize) -> usize {
     first
 }
 
-/// Columns `at` of a per-column vector `p`, 0 where not `live`.
+/// Columns `at` of a row `p` in shared memory, 0 where not `live`.
 ///
 /// # Safety
 /// `p` holds every live column.
@@ -763,15 +810,25 @@ unsafe fn columns4(p: *const f32, at: [usize; 4], live: [bool; 4]) -> [f32; 4] {
     [0, 1, 2, 3].map(|e| if live[e] { unsafe { *p.add(at[e]) } } else { 0.0 })
 }
 
+/// Columns `at` of a parameter vector `p`, 0 where not `live`.
+///
+/// # Safety
+/// `p` holds every live column.
+#[inline(always)]
+unsafe fn param_columns4<R: ReadParams>(p: Vector, at: [usize; 4], live: [bool; 4]) -> [f32; 4] {
+    // SAFETY: live columns only.
+    [0, 1, 2, 3].map(|e| if live[e] { unsafe { R::get(p, at[e]) } } else { 0.0 })
+}
+
 /// Per-element op `op` forward on the values of columns `at` (decoded once for the four).
 ///
 /// # Safety
 /// `op` is per-element; its parameter (where it has one) holds every live column.
 #[inline(always)]
-unsafe fn forward4(op: &OpDesc, v: [f32; 4], at: [usize; 4], live: [bool; 4]) -> [f32; 4] {
+unsafe fn forward4<R: ReadParams>(op: &OpDesc, v: [f32; 4], at: [usize; 4], live: [bool; 4]) -> [f32; 4] {
     match_pointwise!(op.code, P => {
         // SAFETY: as the contract.
-        let p = if P::HAS_PARAM { unsafe { columns4(op.param0 as *const f32, at, live) } } else { [0.0; 4] };
+        let p = if P::HAS_PARAM { unsafe { param_columns4::<R>(Vector(op.param0), at, live) } } else { [0.0; 4] };
         [0, 1, 2, 3].map(|e| P::forward(v[e], p[e], op.a, op.b))
     }, _ => [f32::NAN; 4])
 }
@@ -788,7 +845,7 @@ unsafe fn forward4(op: &OpDesc, v: [f32; 4], at: [usize; 4], live: [bool; 4]) ->
 /// `x` and `g` hold `f` floats, `part` `slot_end` slots of `n >= f`.
 #[inline(never)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn pointwise_run_backward<const T: usize>(
+unsafe fn pointwise_run_backward<const T: usize, R: ReadParams>(
     ops: *const OpDesc,
     run: core::ops::Range<usize>,
     x: *const f32,
@@ -812,7 +869,7 @@ unsafe fn pointwise_run_backward<const T: usize>(
                 k -= 1;
                 let mut v = input;
                 for q in run.start..k {
-                    v = forward4(&*ops.add(q), v, at, live);
+                    v = forward4::<R>(&*ops.add(q), v, at, live);
                 }
                 let op = &*ops.add(k);
                 d = match_pointwise!(op.code, P => {
@@ -823,7 +880,7 @@ unsafe fn pointwise_run_backward<const T: usize>(
                                 *part.add(slot * n + at[e]) += d[e] * P::param_grad(v[e]);
                             }
                         }
-                        columns4(op.param0 as *const f32, at, live)
+                        param_columns4::<R>(Vector(op.param0), at, live)
                     } else {
                         [0.0; 4]
                     };
@@ -906,7 +963,7 @@ unsafe fn group_norm_grad(
 /// them), so its partial sums need no atomics.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn rows_backward<E: Element, const T: usize>(
+unsafe fn rows_backward<E: Element, const T: usize, R: ReadParams>(
     z: *const f32,
     dy: *const E,
     dz: *mut E,
@@ -920,6 +977,8 @@ unsafe fn rows_backward<E: Element, const T: usize>(
     let t = thread_idx_x() as usize;
     let (warp, lane) = (warp_id() as usize, lane_id() as usize);
     let (n, n_ops) = (n as usize, n_ops as usize);
+    // SAFETY: the kernel's descriptors.
+    unsafe { R::check(ops, n_ops) };
     // SAFETY: op descriptors are read-only and i < n_ops wherever used.
     let op_at = |i: usize| unsafe { *ops.add(i) };
     let (mut slots, mut f_out, mut pools) = (1, n, false);
@@ -956,7 +1015,7 @@ unsafe fn rows_backward<E: Element, const T: usize>(
         let (mut g, mut g_alt) = (g_buf, alt_buf);
         // SAFETY (whole row): indices below the buffer extents; uniform barriers.
         unsafe {
-            load_row::<_, T>(g, dy.add(row * f_out), 1, 0, null(), null_mut(), f_out);
+            load_row::<_, T>(g, dy.add(row * f_out), 1, 0, Vector(0), null_mut(), f_out);
             // Threads read columns that others loaded (16 bytes each): and with no op
             // below, the store of dz reads them straight away.
             sync_threads();
@@ -977,14 +1036,14 @@ unsafe fn rows_backward<E: Element, const T: usize>(
                 // Rebuild op `first`'s input in x (ops before it, forward from z);
                 // shrinking ops write into the buffer the gradient is not using.
                 let (mut x, mut x_alt) = (x_buf, g_alt);
-                load_row::<_, T>(x, z.add(row * n), 1, 0, null::<f32>(), null_mut(), n);
+                load_row::<_, T>(x, z.add(row * n), 1, 0, Vector(0), null_mut(), n);
                 sync_threads();
                 let mut f = n;
                 for p in 0..first {
-                    f = op_forward::<T>(&op_at(p), &mut x, &mut x_alt, red, f);
+                    f = op_forward::<T, R>(&op_at(p), &mut x, &mut x_alt, red, f);
                 }
                 if first < i || is_pointwise(&op) {
-                    pointwise_run_backward::<T>(ops, first..i + 1, x, g, part, slot_end, n, f);
+                    pointwise_run_backward::<T, R>(ops, first..i + 1, x, g, part, slot_end, n, f);
                     for k in first..=i {
                         slot_end -= param_count(&op_at(k));
                     }
@@ -993,7 +1052,7 @@ unsafe fn rows_backward<E: Element, const T: usize>(
                     continue;
                 }
                 // `g` holds the gradient of op i's output; make it that of its input.
-                let p0 = op.param0 as *const f32;
+                let p0 = Vector(op.param0);
                 slot_end -= param_count(&op);
                 let ps = part.add(slot_end * n); // this op's first slot
                 match op.code {
@@ -1012,7 +1071,7 @@ unsafe fn rows_backward<E: Element, const T: usize>(
                                 let (mut s1, mut s2, mut k) = (0.0, 0.0, start);
                                 for _ in 0..size {
                                     let xhat = (*xs.add(k) - mean) * rstd;
-                                    let dyg = *gs.add(k) * *p0.add(gi * size + k);
+                                    let dyg = *gs.add(k) * R::get(p0, gi * size + k);
                                     s1 += dyg;
                                     s2 += dyg * xhat;
                                     k = next_in_group(k, size);
@@ -1023,7 +1082,7 @@ unsafe fn rows_backward<E: Element, const T: usize>(
                                 while done < size {
                                     let (at, live) = next_channels(&mut k, size, done);
                                     let gamma: [f32; PARAM_LOADS] =
-                                        core::array::from_fn(|u| if live[u] { *p0.add(gi * size + at[u]) } else { 0.0 });
+                                        core::array::from_fn(|u| if live[u] { R::get(p0, gi * size + at[u]) } else { 0.0 });
                                     for u in 0..PARAM_LOADS {
                                         if live[u] {
                                             let (c, xhat) = (at[u], (*xs.add(at[u]) - mean) * rstd);
@@ -1044,7 +1103,7 @@ unsafe fn rows_backward<E: Element, const T: usize>(
                                 let mut j = lane;
                                 while j < size {
                                     let xhat = (*xs.add(j) - mean) * rstd;
-                                    let dyg = *gs.add(j) * *p0.add(gi * size + j);
+                                    let dyg = *gs.add(j) * R::get(p0, gi * size + j);
                                     s1 += dyg;
                                     s2 += dyg * xhat;
                                     j += WARP;
@@ -1054,7 +1113,7 @@ unsafe fn rows_backward<E: Element, const T: usize>(
                                 let mut j = lane;
                                 while j + (PARAM_LOADS - 1) * WARP < size {
                                     let at: [usize; PARAM_LOADS] = core::array::from_fn(|u| j + u * WARP);
-                                    let gamma = at.map(|c| *p0.add(gi * size + c));
+                                    let gamma = at.map(|c| R::get(p0, gi * size + c));
                                     for u in 0..PARAM_LOADS {
                                         let (c, xhat) = (at[u], (*xs.add(at[u]) - mean) * rstd);
                                         let d = *gs.add(c);
@@ -1064,7 +1123,7 @@ unsafe fn rows_backward<E: Element, const T: usize>(
                                 }
                                 while j < size {
                                     let (ch, xhat) = (gi * size + j, (*xs.add(j) - mean) * rstd);
-                                    let gamma = *p0.add(ch);
+                                    let gamma = R::get(p0, ch);
                                     *gs.add(j) = group_norm_grad(ps, n, ch, *gs.add(j), gamma, (xhat, rstd), m, (size, op.a));
                                     j += WARP;
                                 }
@@ -1132,12 +1191,12 @@ unsafe fn rows_backward<E: Element, const T: usize>(
                     OP_RMS_NORM => {
                         // With xhat = x r: dx = r (dy w - xhat mean(dy w xhat)); dw += dy xhat.
                         let r = rms_rstd::<T>(x, f, op.a, red);
-                        let m = row_sum::<T, _>(x, f, red, |j, v| *g.add(j) * *p0.add(j) * v * r) / f as f32;
+                        let m = row_sum::<T, _>(x, f, red, |j, v| *g.add(j) * R::get(p0, j) * v * r) / f as f32;
                         let mut j = t;
                         while j < f {
                             let (xhat, d) = (*x.add(j) * r, *g.add(j));
                             *ps.add(j) += d * xhat;
-                            *g.add(j) = r * (d * *p0.add(j) - xhat * m);
+                            *g.add(j) = r * (d * R::get(p0, j) - xhat * m);
                             j += T;
                         }
                     }
@@ -1210,7 +1269,7 @@ macro_rules! rows_backward_of {
             n_ops: u32,
             sums_in_smem: u32,
         ) {
-            unsafe { rows_backward::<_, { $threads }>(z, dy, dz, partials, rows, n, ops, n_ops, sums_in_smem) }
+            unsafe { rows_backward::<_, { $threads }, Fp32Params>(z, dy, dz, partials, rows, n, ops, n_ops, sums_in_smem) }
         }
     )*};
 }

@@ -66,7 +66,7 @@ fn owned(t: usize, i: usize) -> usize {
 unsafe fn gemm_fma<M: TileMath, const VEC: bool, const A_K: bool, const B_K: bool>(
     a: *const f32,
     b: *const f32,
-    bias: *const f32,
+    bias: Vector,
     y: *mut f32,
     save_z: *mut f32,
     m: u32,

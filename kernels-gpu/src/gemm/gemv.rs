@@ -15,7 +15,7 @@
 //! first column. Other chains run with `n_ops = 0` (the slab stores `z`) followed by
 //! the row-wise epilogue.
 
-use crate::epilogue::rows::op_forward;
+use crate::epilogue::rows::op_forward_stored;
 use crate::prelude::element::{Bf16, Element, F16};
 use crate::prelude::math::fma;
 use crate::prelude::warp::warp_sum;
@@ -44,7 +44,7 @@ struct F4([f32; 4]);
 unsafe fn gemv<E: Element, O: Element>(
     x: *const E,
     w: *const E,
-    bias: *const f32,
+    bias: Vector,
     y: *mut O,
     save_z: *mut f32,
     (m, n, k): (u32, u32, u32),
@@ -118,7 +118,7 @@ unsafe fn gemv<E: Element, O: Element>(
                         // SAFETY: col < n, r < m.
                         unsafe {
                             if !bias.is_null() {
-                                v += *bias.add(col);
+                                v += bias.get(col);
                             }
                             if !save_z.is_null() {
                                 *save_z.add(r * n + col) = v;
@@ -143,16 +143,16 @@ unsafe fn gemv<E: Element, O: Element>(
             // The op on this slab: its parameters from the slab's first column, and a
             // GroupNorm's groups those inside the slab.
             if d.param0 != 0 {
-                d.param0 += (col0 * 4) as u64;
+                d.param0 = Vector(d.param0).skip(col0).0;
             }
             if d.param1 != 0 {
-                d.param1 += (col0 * 4) as u64;
+                d.param1 = Vector(d.param1).skip(col0).0;
             }
             if d.code == OP_GROUP_NORM {
                 d.count = (d.count as usize * SLAB / n) as u32;
             }
             // SAFETY: the host's contract; every thread runs every op.
-            unsafe { op_forward::<THREADS>(&d, &mut cur, &mut alt, red, SLAB) };
+            unsafe { op_forward_stored::<THREADS>(&d, &mut cur, &mut alt, red, SLAB) };
         }
     }
     let mut i = t;
@@ -177,7 +177,7 @@ macro_rules! gemv_entries {
         #[unsafe(no_mangle)]
         #[allow(clippy::too_many_arguments)]
         pub unsafe extern "ptx-kernel" fn $name(
-            x: *const $e, w: *const $e, bias: *const f32, y: *mut $o, save_z: *mut f32,
+            x: *const $e, w: *const $e, bias: Vector, y: *mut $o, save_z: *mut f32,
             m: u32, n: u32, k: u32, ops: *const OpDesc, n_ops: u32,
         ) {
             unsafe { gemv::<$e, $o>(x, w, bias, y, save_z, (m, n, k), ops, n_ops) }

@@ -20,7 +20,7 @@
 //! GroupNorms whose groups lie in the slab (the host checks), over all rows at once.
 //! Other chains run with `n_ops = 0` (the slab stores `z`) and the row-wise epilogue.
 
-use crate::epilogue::rows::op_forward_rows;
+use crate::epilogue::rows::op_forward_rows_stored;
 use crate::prelude::async_copy::{cp_async_16, cp_async_commit, cp_async_wait, cp_async_wait_all, shared_address};
 use crate::prelude::element::{Bf16, Element, F16, Half};
 use crate::prelude::mma::{ld_shared_v4, mma_tf32};
@@ -171,7 +171,7 @@ unsafe fn products<E: Element, H: Half, const TF32: bool, const F: usize>(
 unsafe fn gemv_tc<E: Element, O: Element, H: Half, const TF32: bool>(
     x: *const E,
     w: *const E,
-    bias: *const f32,
+    bias: Vector,
     y: *mut O,
     save_z: *mut f32,
     (m, n, k): (u32, u32, u32),
@@ -219,7 +219,7 @@ unsafe fn gemv_tc<E: Element, O: Element, H: Half, const TF32: bool>(
             // SAFETY: col < n, r < m.
             unsafe {
                 if !bias.is_null() {
-                    v += *bias.add(col);
+                    v += bias.get(col);
                 }
                 if !save_z.is_null() {
                     *save_z.add(r * n + col) = v;
@@ -238,16 +238,16 @@ unsafe fn gemv_tc<E: Element, O: Element, H: Half, const TF32: bool>(
         // The op on this slab: its parameters from the slab's first column, and a
         // GroupNorm's groups those inside the slab.
         if d.param0 != 0 {
-            d.param0 += (col0 * 4) as u64;
+            d.param0 = Vector(d.param0).skip(col0).0;
         }
         if d.param1 != 0 {
-            d.param1 += (col0 * 4) as u64;
+            d.param1 = Vector(d.param1).skip(col0).0;
         }
         if d.code == OP_GROUP_NORM {
             d.count = (d.count as usize * SLAB / n) as u32;
         }
         // SAFETY: the host's contract; every thread runs every op.
-        unsafe { op_forward_rows::<THREADS>(&d, zs, m, SLAB) };
+        unsafe { op_forward_rows_stored::<THREADS>(&d, zs, m, SLAB) };
     }
     let mut i = t;
     while i < m * SLAB {
@@ -271,7 +271,7 @@ macro_rules! gemv_tc_entries {
         #[unsafe(no_mangle)]
         #[allow(clippy::too_many_arguments)]
         pub unsafe extern "ptx-kernel" fn $name(
-            x: *const $e, w: *const $e, bias: *const f32, y: *mut $o, save_z: *mut f32,
+            x: *const $e, w: *const $e, bias: Vector, y: *mut $o, save_z: *mut f32,
             m: u32, n: u32, k: u32, ops: *const OpDesc, n_ops: u32,
         ) {
             unsafe { gemv_tc::<$e, $o, $h, $tf32>(x, w, bias, y, save_z, (m, n, k), ops, n_ops) }

@@ -59,7 +59,7 @@ const F16: u8 = 3;
 unsafe fn gemm_mma<const MATH: u8, const VEC: bool, const A_K: bool, const B_K: bool>(
     a: *const f32,
     b: *const f32,
-    bias: *const f32,
+    bias: Vector,
     y: *mut f32,
     save_z: *mut f32,
     m: u32,

@@ -12,7 +12,7 @@ macro_rules! gemm_entries {
         #[unsafe(no_mangle)]
         #[allow(clippy::too_many_arguments)]
         pub unsafe extern "ptx-kernel" fn $name(
-            a: *const f32, b: *const f32, bias: *const f32, y: *mut f32, save_z: *mut f32,
+            a: *const f32, b: *const f32, bias: Vector, y: *mut f32, save_z: *mut f32,
             m: u32, n: u32, k: u32, lda: u32, ldb: u32, k_split: u32, ops: *const OpDesc, n_ops: u32,
         ) {
             unsafe { $body::<$($arg),*>(a, b, bias, y, save_z, m, n, k, lda, ldb, k_split, ops, n_ops) }

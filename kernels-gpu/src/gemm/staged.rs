@@ -32,7 +32,7 @@ pub unsafe fn write_staged_tile(
     t: usize,
     smem: *const f32,
     y: *mut f32,
-    bias: *const f32,
+    bias: Vector,
     save_z: *mut f32,
     (m, n): (usize, usize),
     (row0, col0): (usize, usize),
@@ -78,7 +78,7 @@ pub unsafe fn write_staged_tile(
 fn epilogue_rows<const R: usize>(
     rows: &mut [[f32; 4]; R],
     two: bool,
-    bias: *const f32,
+    bias: Vector,
     save_z: *mut f32,
     row: usize,
     ops: *const OpDesc,
@@ -116,7 +116,7 @@ fn epilogue_rows<const R: usize>(
 #[allow(clippy::too_many_arguments)]
 pub fn epilogue_row(
     v: &mut [f32; 4],
-    bias: *const f32,
+    bias: Vector,
     save_z: *mut f32,
     row: usize,
     ops: *const OpDesc,
@@ -138,7 +138,7 @@ macro_rules! split_tiles_entries {
         pub unsafe extern "ptx-kernel" fn $name(
             partials: *const f32,
             splits: u32,
-            bias: *const f32,
+            bias: Vector,
             y: *mut $o,
             save_z: *mut f32,
             m: u32,
@@ -200,7 +200,7 @@ unsafe fn load_row4(src: *const f32, row: usize, n: usize, c: usize) -> [f32; 4]
 unsafe fn split_tiles<O: Element>(
     partials: *const f32,
     splits: u32,
-    bias: *const f32,
+    bias: Vector,
     y: *mut O,
     save_z: *mut f32,
     (m, n): (usize, usize),

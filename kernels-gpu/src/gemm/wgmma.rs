@@ -53,7 +53,7 @@ const ROW_BYTES: u32 = (BLOCK_K * 4) as u32;
 unsafe fn gemm_wgmma<const SPLIT: bool, const A_K: bool, const TRANS: bool, const STAGES: u32, const INFLIGHT: u32>(
     a: *const f32,
     b: *const f32,
-    bias: *const f32,
+    bias: Vector,
     y: *mut f32,
     save_z: *mut f32,
     m: u32,

@@ -10,12 +10,14 @@ pub mod math;
 pub mod shared;
 pub mod sync;
 pub mod mma;
+pub mod vector;
 pub mod warp;
 pub mod wgmma;
 
 pub use index::*;
 pub use shared::dynamic_shared;
 pub use sync::{sync_threads, sync_warp};
+pub use vector::{AsStored, Fp32Params, ReadParams, Typed, Vector};
 
 /// Repeats `$body` with `$i` bound to `0, 1, ..` (`0..2`, `0..3`, `0..4`, `0..8` or `0..16`), unrolled in the
 /// source. Register arrays indexed only this way stay in registers: LLVM declines to

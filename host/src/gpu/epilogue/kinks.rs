@@ -3,7 +3,8 @@
 //! rounding could flip a kink's derivative.
 
 use super::super::dispatch::values_one_by_one;
-use super::super::{DeviceTensor, Gpu, launched};
+use super::super::elementwise::{Convert, Vector, convert_vectors};
+use super::super::{DeviceTensor, Gpu, VectorArg, launched};
 use super::DeviceChain;
 use crate::error::{Error, Result};
 use crate::precision::Precision;
@@ -17,6 +18,7 @@ use kernel_abi::kinks::{
     tiles_scan_layout,
 };
 use kernel_abi::ops::{ErrorRule, Pointwise};
+use kernel_abi::vector::Stored;
 
 /// GroupNorm groups of at most this many channels are scanned for ill-conditioning
 /// (a spread under a quarter of the row's magnifies `z`'s error 4x or more): likely
@@ -95,7 +97,7 @@ pub fn refine_near_kinks(
     scan: Scan,
     precision: Precision,
     x: &DeviceTensor,
-    (w, b): (&DeviceTensor, &DeviceTensor),
+    (w, b): (&DeviceTensor, VectorArg<'_>),
     z: &mut DeviceTensor,
 ) -> Result<Refined> {
     let n_ops = scanned_prefix(&chain.ops, z.shape.get(1).copied().unwrap_or(0));
@@ -103,11 +105,11 @@ pub fn refine_near_kinks(
         return Ok(Refined::NoKinks);
     }
     let (rows, n, k) = match (&x.shape[..], &w.shape[..], &z.shape[..]) {
-        (&[m, k], &[n, wk], &[zm, zn]) if wk == k && zm == m && zn == n && b.len() == n => (m, n, k),
+        (&[m, k], &[n, wk], &[zm, zn]) if wk == k && zm == m && zn == n && b.len == n => (m, n, k),
         _ => {
             return Err(Error::Shape(format!(
-                "refining z {:?} from x {:?}, w {:?} and b {:?}: the shapes disagree",
-                z.shape, x.shape, w.shape, b.shape
+                "refining z {:?} from x {:?}, w {:?} and b [{}]: the shapes disagree",
+                z.shape, x.shape, w.shape, b.len
             )));
         }
     };
@@ -115,6 +117,10 @@ pub fn refine_near_kinks(
     if rows > i32::MAX as usize || chunks * rows > u32::MAX as usize || k > u32::MAX as usize {
         return Err(Error::Shape(format!("refining a {rows} x {n} z (k = {k}) is outside the kernels' range")));
     }
+    // The refinement's kernels read an FP32 bias (a 16-bit model's, widened here once:
+    // at their 128 registers the stored-type reads spilled).
+    let widened = widen_bias(gpu, b)?;
+    let b = widened.as_ref().map_or(b, VectorArg::f32);
     let (rel, abs) = precision.z_error(k);
     let stream = gpu.stream();
     let (n32, ops32) = (n as u32, n_ops as u32);
@@ -169,12 +175,27 @@ pub fn refine_near_kinks(
         };
         let k32 = k as u32;
         let mut l = stream.launch_builder(&func);
-        l.arg(&x.buf).arg(&w.buf).arg(&b.buf).arg(&mut z.buf).arg(&values).arg(&value_count).arg(&n32).arg(&k32);
+        l.arg(&x.buf).arg(&w.buf).arg(&b.word).arg(&mut z.buf).arg(&values).arg(&value_count).arg(&n32).arg(&k32);
         // SAFETY: matches refine_values' signature; x, w, b are z's operands (shapes
         // checked above); the scan left value_count pairs inside z in values.
         launched(Kernel::RefineValues, unsafe { l.launch(cfg) })?;
     }
     refine(gpu, x, w, b, z, &counts, &lists, &value_count, (rows, n, k), cap == 0)
+}
+
+/// A 16-bit bias widened to FP32 (`None` for an FP32 one).
+fn widen_bias(gpu: &Gpu, b: VectorArg<'_>) -> Result<Option<DeviceTensor>> {
+    let mode = match kernel_abi::vector::stored(b.word.0) {
+        Stored::F32 => return Ok(None),
+        Stored::Bf16 => Convert::Bf16ToF32,
+        Stored::F16 => Convert::F16ToF32,
+    };
+    let out = gpu.alloc(&[b.len])?;
+    let src = kernel_abi::vector::address(b.word.0);
+    // SAFETY: `b` holds `len` values of its type (its `VectorArg`'s borrow), `out` is new
+    // and outlives the launch in stream order.
+    unsafe { convert_vectors(gpu, gpu.stream(), &[Vector { src, dst: out.buf.device_address(), len: b.len, mode }])? };
+    Ok(Some(out))
 }
 
 /// Queues `refine_z` over the chunks and rows a scan listed.
@@ -183,7 +204,7 @@ fn refine(
     gpu: &Gpu,
     x: &DeviceTensor,
     w: &DeviceTensor,
-    b: &DeviceTensor,
+    b: VectorArg<'_>,
     z: &mut DeviceTensor,
     counts: &CudaSlice<u32>,
     lists: &CudaSlice<u32>,
@@ -223,7 +244,7 @@ fn refine(
     };
     let (rows32, n32, k32) = (rows as u32, n as u32, k as u32);
     let mut l = stream.launch_builder(&func);
-    l.arg(&x.buf).arg(&w.buf).arg(&b.buf).arg(&mut z.buf).arg(counts).arg(lists);
+    l.arg(&x.buf).arg(&w.buf).arg(&b.word).arg(&mut z.buf).arg(counts).arg(lists);
     let identity = 0u64;
     match &order {
         Some(order) => l.arg(order),

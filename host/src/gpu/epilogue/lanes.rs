@@ -4,10 +4,10 @@
 //! chain forward on split-K's partial products.
 
 use super::super::dispatch::{split_tiles_kernel, tiles_backward_kernel};
-use super::super::{DeviceElement, DeviceTensor, Dtype, Gpu, launched};
-use super::DeviceChain;
+use super::super::{DeviceElement, DeviceTensor, Dtype, Gpu, VectorArg, VectorWord, launched};
+use super::{DeviceChain, Widened};
 use crate::error::{Error, Result};
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
 use kernel_abi::epilogue::{TILE_THREADS, TILES_BACKWARD_BLOCKS_PER_SM, tiles_backward_smem_bytes};
 use kernel_abi::gemm_fma::{MAX_GRAD_SLOTS, MAX_TILE_OPS};
 
@@ -19,7 +19,7 @@ pub fn epilogue_split_tiles<T: DeviceElement>(
     gpu: &Gpu,
     chain: Option<&DeviceChain>,
     z: &DeviceTensor,
-    bias: Option<&CudaSlice<f32>>,
+    bias: Option<VectorArg<'_>>,
     y: &mut DeviceTensor<T>,
     save_z: Option<&mut DeviceTensor>,
 ) -> Result<()> {
@@ -27,7 +27,7 @@ pub fn epilogue_split_tiles<T: DeviceElement>(
         return Err(Error::Shape(format!("split-K partial products must be 3-D, got {:?}", z.shape)));
     };
     if y.shape != [rows, n]
-        || bias.is_some_and(|b| b.len() != n)
+        || bias.is_some_and(|b| b.len != n)
         || save_z.as_ref().is_some_and(|s| s.shape != [rows, n])
         || rows == 0
         || n == 0
@@ -36,7 +36,7 @@ pub fn epilogue_split_tiles<T: DeviceElement>(
         return Err(Error::Shape(format!(
             "split-K sums of {splits} x {rows} x {n} into {:?} with {:?} biases",
             y.shape,
-            bias.map(CudaSlice::len)
+            bias.map(|b| b.len)
         )));
     }
     let kernel = split_tiles_kernel(T::DTYPE);
@@ -50,10 +50,8 @@ pub fn epilogue_split_tiles<T: DeviceElement>(
     let (splits, rows, n, null) = (splits as u32, rows as u32, n as u32, 0u64);
     let mut launch = gpu.stream().launch_builder(&func);
     launch.arg(&z.buf).arg(&splits);
-    match bias {
-        Some(b) => launch.arg(b),
-        None => launch.arg(&null),
-    };
+    let bias = bias.map_or(VectorWord::NONE, |b| b.word);
+    launch.arg(&bias);
     launch.arg(&mut y.buf);
     match save_z {
         Some(s) => launch.arg(&mut s.buf),
@@ -99,6 +97,10 @@ pub fn epilogue_tiles_backward<G: DeviceElement>(
     {
         return Err(Error::Shape(format!("tile-wise backward of {rows} x {n} with dy {:?}", dy.shape)));
     }
+    // Its kernel reads FP32 parameters only (`Fp32Params`): a 16-bit model's are widened
+    // here first.
+    let widened = chain.widened(gpu, n, None)?;
+    let chain = Widened::chain(&widened, chain);
     // One wave of blocks, each with a long run of rows: its sums and its final
     // reduction are paid once per block. TILES_BACKWARD_BLOCKS_PER_SM fit per SM (launch
     // bounds cap the registers; shared memory allows it while slots + 2 (ops - 1) <= 10,

@@ -5,10 +5,12 @@ pub mod lanes;
 pub mod partials;
 pub mod rows;
 
-use super::{DeviceTensor, Gpu, Table};
+use super::elementwise::{Convert, Vector, convert_vectors};
+use super::{DeviceTensor, DeviceVector, Gpu, Table, VectorArg, VectorWord};
 use crate::chain::{Op, Reduce};
 use crate::error::{Error, Result};
 use kernel_abi::epilogue::*;
+use kernel_abi::vector::{self, Stored};
 
 /// A chain as the kernels see it: op descriptors in device memory, pointing at
 /// parameter vectors owned elsewhere (by the `GpuBlock` that also owns this chain,
@@ -23,27 +25,25 @@ pub struct DeviceChain {
 impl DeviceChain {
     /// `before` (ops without parameters: a fold's, `dispatch::Fold`), then `ops`;
     /// `params[i]`: the device parameters of `ops[i]` (see `Params::ops`).
-    pub fn new(gpu: &Gpu, before: &[Op], ops: &[Op], params: &[Vec<DeviceTensor>]) -> Result<DeviceChain> {
+    pub fn new(gpu: &Gpu, before: &[Op], ops: &[Op], params: &[Vec<DeviceVector>]) -> Result<DeviceChain> {
         if ops.len() != params.len() {
             return Err(Error::Chain(format!("{} ops but {} parameter lists", ops.len(), params.len())));
         }
-        let ptrs: Vec<[u64; 2]> = before
-            .iter()
-            .map(|_| [0; 2])
-            .chain(params.iter().map(|op_params| {
-                let mut ptrs = [0u64; 2];
-                for (slot, p) in ptrs.iter_mut().zip(op_params) {
-                    *slot = p.buf.device_address();
-                }
-                ptrs
-            }))
-            .collect();
+        let mut ptrs: Vec<[u64; 2]> = before.iter().map(|_| [0; 2]).collect();
+        for op_params in params {
+            let mut words = [0u64; 2];
+            for (slot, p) in words.iter_mut().zip(op_params) {
+                *slot = p.word()?.0;
+            }
+            ptrs.push(words);
+        }
         let all: Vec<Op> = before.iter().chain(ops).copied().collect();
         Self::from_ptrs(gpu, &all, &ptrs)
     }
 
-    /// [`DeviceChain::new`] from each op's parameter addresses (0 where it has none): a
-    /// chain over vectors that are no tensors of their own (a BatchNorm's statistics).
+    /// [`DeviceChain::new`] from each op's parameter words (`kernel_abi::vector`; an FP32
+    /// vector's is its address; 0 where it has none): a chain over vectors that are no
+    /// tensors of their own (a BatchNorm's statistics).
     pub fn from_ptrs(gpu: &Gpu, ops: &[Op], params: &[[u64; 2]]) -> Result<DeviceChain> {
         if ops.len() != params.len() {
             return Err(Error::Chain(format!("{} ops but {} parameter lists", ops.len(), params.len())));
@@ -83,10 +83,93 @@ impl DeviceChain {
         Ok(DeviceChain { ops: descs, descs: buf, grad_slots })
     }
 
+    /// This chain (and `bias`, the Linear's, if given) with FP32 copies of its 16-bit
+    /// parameter vectors, one launch for every eight, for a kernel that reads FP32 only
+    /// (the TMA GEMM's epilogue, the chain backward), over rows of `n` features; `None`
+    /// where every vector is FP32 already.
+    pub fn widened(&self, gpu: &Gpu, n: usize, bias: Option<VectorArg<'_>>) -> Result<Option<Widened>> {
+        widen_params(gpu, Some(self), n, bias)
+    }
+}
+
+/// [`DeviceChain::widened`], of a chain or none (a bias alone).
+pub fn widen_params(
+    gpu: &Gpu,
+    chain: Option<&DeviceChain>,
+    n: usize,
+    bias: Option<VectorArg<'_>>,
+) -> Result<Option<Widened>> {
+    {
+        // (op and slot, or `None` for the bias; source word; length) of each 16-bit vector.
+        let mut wide = Vec::new();
+        if let Some(b) = bias.filter(|b| vector::stored(b.word.0) != Stored::F32) {
+            wide.push((None, b.word.0, b.len));
+        }
+        let own: &[OpDesc] = chain.map_or(&[], |c| &c.ops);
+        let mut f = n;
+        for (i, op) in own.iter().enumerate() {
+            for (slot, word) in [op.param0, op.param1].into_iter().enumerate() {
+                if word != 0 && vector::stored(word) != Stored::F32 {
+                    wide.push((Some((i, slot)), word, f));
+                }
+            }
+            f = features_after(op, f);
+        }
+        if wide.is_empty() {
+            return Ok(None);
+        }
+        // Each copy at a 16-byte boundary, as the kernels' vector loads want.
+        let total: usize = wide.iter().map(|&(.., len)| len.next_multiple_of(4)).sum();
+        let copies = gpu.alloc(&[total])?;
+        let (mut ops, mut bias) = (own.to_vec(), None);
+        let mut vectors = Vec::new();
+        let mut at = copies.buf.device_address();
+        for &(place, word, len) in &wide {
+            let mode = if vector::stored(word) == Stored::F16 { Convert::F16ToF32 } else { Convert::Bf16ToF32 };
+            vectors.push(Vector { src: vector::address(word), dst: at, len, mode });
+            match place {
+                None => bias = Some(VectorWord(at)),
+                Some((i, 0)) => ops[i].param0 = at,
+                Some((i, _)) => ops[i].param1 = at,
+            }
+            at += (len.next_multiple_of(4) * 4) as u64;
+        }
+        // SAFETY: each source is a parameter vector of `len` values of its type, which
+        // the caller keeps alive; each destination lies inside `copies`.
+        unsafe { convert_vectors(gpu, gpu.stream(), &vectors)? };
+        let chain = match chain {
+            Some(c) if ops != c.ops => {
+                let words: Vec<u64> = ops.iter().flat_map(op_words).collect();
+                let descs = gpu.words(gpu.stream(), &words)?;
+                Some(DeviceChain { ops, descs, grad_slots: c.grad_slots })
+            }
+            _ => None,
+        };
+        Ok(Some(Widened { chain, bias, _copies: copies }))
+    }
+}
+
+impl DeviceChain {
     /// The row reduction this chain ends in, if it does: the TMA GEMM then stores row
     /// partials for `row_partials_finish` (`dispatch::Plan::RowPartials`), not `y`.
     pub fn reduction(&self) -> Option<u32> {
         self.ops.last().map(|op| op.code).filter(|&code| reduces_row(code))
+    }
+}
+
+/// FP32 copies of a chain's (and a bias's) 16-bit vectors: [`DeviceChain::widened`].
+pub struct Widened {
+    /// The chain over the copies (`None`: its vectors were FP32 already).
+    pub chain: Option<DeviceChain>,
+    /// The bias's copy (`None`: it was FP32, or not asked for).
+    pub bias: Option<VectorWord>,
+    _copies: DeviceTensor,
+}
+
+impl Widened {
+    /// The chain a kernel is to read: the copy's, or `chain` itself.
+    pub fn chain<'a>(w: &'a Option<Widened>, chain: &'a DeviceChain) -> &'a DeviceChain {
+        w.as_ref().and_then(|w| w.chain.as_ref()).unwrap_or(chain)
     }
 }
 

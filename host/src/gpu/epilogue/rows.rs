@@ -3,10 +3,10 @@
 
 use super::super::dispatch::{rows_backward_kernel, rows_kernel};
 use super::super::memory::DeviceElement;
-use super::super::{DeviceTensor, Gpu, launched};
-use super::DeviceChain;
+use super::super::{DeviceTensor, Gpu, VectorArg, VectorWord, launched};
+use super::{DeviceChain, Widened};
 use crate::error::{Error, Result};
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
 use kernel_abi::epilogue::{
     OP_AVG_POOL, OP_MAX_POOL, row_backward_smem_bytes, row_smem_bytes, row_smem_bytes_unpooled,
 };
@@ -34,7 +34,7 @@ pub fn epilogue_rows<T: DeviceElement>(
     gpu: &Gpu,
     chain: &DeviceChain,
     z: &DeviceTensor,
-    bias: Option<&CudaSlice<f32>>,
+    bias: Option<VectorArg<'_>>,
     y: &mut DeviceTensor<T>,
     save_z: Option<&mut DeviceTensor>,
 ) -> Result<()> {
@@ -44,7 +44,7 @@ pub fn epilogue_rows<T: DeviceElement>(
         _ => return Err(Error::Shape(format!("epilogue input must be 2-D or 3-D, got {:?}", z.shape))),
     };
     check_rows_size(splits, rows, n)?;
-    if bias.is_some_and(|b| b.len() != n) || save_z.as_ref().is_some_and(|s| s.shape != [rows, n]) {
+    if bias.is_some_and(|b| b.len != n) || save_z.as_ref().is_some_and(|s| s.shape != [rows, n]) {
         return Err(Error::Shape(format!("epilogue bias / saved input must have {n} columns")));
     }
     let (kernel, threads) = rows_kernel(T::DTYPE, n);
@@ -62,10 +62,8 @@ pub fn epilogue_rows<T: DeviceElement>(
     let null = 0u64;
     let mut launch = gpu.stream().launch_builder(&func);
     launch.arg(&z.buf).arg(&splits);
-    match bias {
-        Some(b) => launch.arg(b),
-        None => launch.arg(&null),
-    };
+    let bias = bias.map_or(VectorWord::NONE, |b| b.word);
+    launch.arg(&bias);
     launch.arg(&mut y.buf);
     match save_z {
         Some(s) => launch.arg(&mut s.buf),
@@ -97,6 +95,10 @@ pub fn epilogue_rows_backward<T: DeviceElement>(
     if dy.len() != rows * out_width {
         return Err(Error::tensor("dy", format!("expected {rows} x {out_width} values, got shape {:?}", dy.shape)));
     }
+    // Its kernel reads FP32 parameters only (`Fp32Params`: at its register limit, the
+    // stored-type reads spilled): a 16-bit model's are widened here first.
+    let widened = chain.widened(gpu, n, None)?;
+    let chain = Widened::chain(&widened, chain);
     let slots = chain.grad_slots;
     let pools = pools(chain);
     // The parameter-gradient sums stay in shared memory whenever they fit beside the

@@ -2,7 +2,7 @@
 //! the arguments all the kernels take after their operands ([`EpilogueArgs`]).
 
 use super::super::epilogue::DeviceChain;
-use super::super::{DeviceElement, DeviceTensor};
+use super::super::{DeviceElement, DeviceTensor, VectorArg, VectorWord};
 use cudarc::driver::{CudaSlice, LaunchArgs, PushKernelArg};
 
 /// One GEMM as its kernel reads it: `y (m, n) = chain(A B^T + bias)`, or
@@ -16,7 +16,7 @@ pub struct Operands<'a> {
     pub k: usize,
     pub lda: usize,
     pub ldb: usize,
-    pub bias: Option<&'a CudaSlice<f32>>,
+    pub bias: Option<VectorArg<'a>>,
     pub chain: Option<&'a DeviceChain>,
     pub splits: usize,
 }
@@ -25,6 +25,7 @@ pub struct Operands<'a> {
 /// sizes, `ops, n_ops` (null pointers for absent ones) — owned here while a launch
 /// builder borrows them.
 pub struct EpilogueArgs {
+    bias: VectorWord,
     dims: Vec<u32>,
     n_ops: u32,
     null: u64,
@@ -32,24 +33,21 @@ pub struct EpilogueArgs {
 
 impl EpilogueArgs {
     /// `dims`: the kernel's size arguments, in order.
-    pub fn new(dims: &[usize], chain: Option<&DeviceChain>) -> EpilogueArgs {
+    pub fn new(dims: &[usize], bias: Option<VectorArg<'_>>, chain: Option<&DeviceChain>) -> EpilogueArgs {
         let dims = dims.iter().map(|&d| d as u32).collect();
-        EpilogueArgs { dims, n_ops: chain.map_or(0, |c| c.ops.len() as u32), null: 0 }
+        let bias = bias.map_or(VectorWord::NONE, |b| b.word);
+        EpilogueArgs { bias, dims, n_ops: chain.map_or(0, |c| c.ops.len() as u32), null: 0 }
     }
 
     /// Pushes them onto `launch`, after the operands.
     pub fn push<'a, O: DeviceElement>(
         &'a self,
         launch: &mut LaunchArgs<'a>,
-        bias: Option<&'a CudaSlice<f32>>,
         y: &'a mut DeviceTensor<O>,
         save_z: Option<&'a mut DeviceTensor>,
         chain: Option<&'a DeviceChain>,
     ) {
-        match bias {
-            Some(b) => launch.arg(b),
-            None => launch.arg(&self.null),
-        };
+        launch.arg(&self.bias);
         launch.arg(&mut y.buf);
         match save_z {
             Some(z) => launch.arg(&mut z.buf),

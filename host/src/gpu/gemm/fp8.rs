@@ -11,9 +11,9 @@
 //! transposed, their depth (the batch) padded with zeros to a multiple of 16.
 
 use super::super::epilogue::DeviceChain;
-use super::super::{DeviceBuf, DeviceElement, DeviceTensor, Dtype, Gpu, launched};
+use super::super::{DeviceBuf, DeviceElement, DeviceTensor, Dtype, Gpu, VectorArg, launched};
 use crate::error::{Error, Result};
-use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
 use kernel_abi::Kernel;
 use kernel_abi::fp8::{
     COLUMN_AMAX_COLS, COLUMN_AMAX_SMEM_BYTES, COLUMN_BLOCK_ROWS, ROW_SMEM_BYTES, ROW_THREADS, TILE, TILE_SMEM_BYTES,
@@ -259,7 +259,7 @@ pub fn gemm<O: DeviceElement>(
     stream: &Arc<CudaStream>,
     a: &Fp8Matrix,
     b: &Fp8Matrix,
-    bias: Option<&CudaSlice<f32>>,
+    bias: Option<VectorArg<'_>>,
     chain: Option<&DeviceChain>,
     y: &mut DeviceTensor<O>,
     save_z: Option<&mut DeviceTensor>,

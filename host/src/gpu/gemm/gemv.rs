@@ -4,10 +4,10 @@
 //! the GPU.
 
 use super::super::epilogue::DeviceChain;
-use super::super::{DeviceElement, DeviceTensor, Gpu};
+use super::super::{DeviceElement, DeviceTensor, Gpu, VectorArg};
 use super::args::EpilogueArgs;
 use crate::error::{Error, Result};
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
 use kernel_abi::Kernel;
 use kernel_abi::{gemv, gemv_tc};
 
@@ -29,7 +29,7 @@ pub fn launch_gemv<E: DeviceElement, O: DeviceElement>(
     kernel: Kernel,
     x: &DeviceTensor<E>,
     w: &DeviceTensor<E>,
-    bias: Option<&CudaSlice<f32>>,
+    bias: Option<VectorArg<'_>>,
     chain: Option<&DeviceChain>,
     y: &mut DeviceTensor<O>,
     save_z: Option<&mut DeviceTensor>,
@@ -44,7 +44,7 @@ pub fn launch_gemv<E: DeviceElement, O: DeviceElement>(
     if wk != k
         || y.shape != [m, n]
         || save_z.as_ref().is_some_and(|z| z.shape != [m, n])
-        || bias.is_some_and(|b| b.len() != n)
+        || bias.is_some_and(|b| b.len != n)
         || !(1..=rows).contains(&m)
         || n == 0
         || !k.is_multiple_of(8)
@@ -78,10 +78,10 @@ pub fn launch_gemv<E: DeviceElement, O: DeviceElement>(
         block_dim: (threads as u32, 1, 1),
         shared_mem_bytes: smem as u32,
     };
-    let tail = EpilogueArgs::new(&[m, n, k], chain);
+    let tail = EpilogueArgs::new(&[m, n, k], bias, chain);
     let mut launch = gpu.stream().launch_builder(&func);
     launch.arg(&x.buf).arg(&w.buf);
-    tail.push(&mut launch, bias, y, save_z, chain);
+    tail.push(&mut launch, y, save_z, chain);
     // SAFETY: matches the kernel's signature (both families share it); shapes, the
     // depth's multiple of 8 (16-byte rows), W's and (for `gemv_tc`) x's 16-byte
     // alignment checked above; a chain fits the slab (dispatch::gemv_chain_fits).

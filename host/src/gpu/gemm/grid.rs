@@ -73,10 +73,10 @@ pub fn launch(
         shared_mem_bytes: smem_bytes as u32,
     };
     let chain = if splits > 1 { None } else { op.chain };
-    let tail = EpilogueArgs::new(&[m, n, k, op.lda, op.ldb, k_split], chain);
+    let tail = EpilogueArgs::new(&[m, n, k, op.lda, op.ldb, k_split], op.bias.filter(|_| splits == 1), chain);
     let mut launch = stream.launch_builder(&func);
     launch.arg(op.a).arg(op.b);
-    tail.push(&mut launch, op.bias.filter(|_| splits == 1), y, save_z, chain);
+    tail.push(&mut launch, y, save_z, chain);
     // SAFETY: matches the kernels' shared signature; operand extents checked by the
     // caller; the chain's ops were checked fusable (`not_fusable`); grid, block and
     // shared memory follow kernel_abi::gemm_fma / gemm_mma / gemm_wgmma.

@@ -7,13 +7,13 @@ use super::super::dispatch::{Family, HalfKernels, Layout, Role, Route, Storage, 
 use super::super::elementwise::{slice_to_half, transpose_on, transpose_to_half_on};
 use super::super::epilogue::DeviceChain;
 use super::super::epilogue::lanes::epilogue_split_tiles;
-use super::super::{DeviceTensor, Gpu, HalfElement, Tuning};
+use super::super::{DeviceTensor, Gpu, HalfElement, Tuning, VectorArg};
 use super::args::Operands;
 use super::fp8::{self, Fp8Matrix, Fp8Weight};
 use crate::error::{Error, Result};
 use crate::precision::Precision;
 use crate::tensor::{Bf16, F16};
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::CudaStream;
 use std::sync::Arc;
 
 /// Checks a Linear layer's `x (m, k)` against its weight `w (n, k)`; returns `(m, n, k)`.
@@ -36,7 +36,7 @@ pub struct Gemm<'a> {
     x: &'a DeviceTensor,
     w: &'a DeviceTensor,
     dims: (usize, usize, usize),
-    pub bias: Option<&'a CudaSlice<f32>>,
+    pub bias: Option<VectorArg<'a>>,
     pub chain: Option<&'a DeviceChain>,
     pub splits: usize,
     /// FP8: `W` already quantised by rows (a block's cached copy), else quantised per call.

@@ -7,8 +7,8 @@
 
 use super::super::dispatch::{Layout, Route};
 use super::super::elementwise::slice_to_half;
-use super::super::epilogue::DeviceChain;
-use super::super::{DeviceElement, DeviceTensor, Dtype, Gpu, HalfElement, Table};
+use super::super::epilogue::{DeviceChain, Widened, widen_params};
+use super::super::{DeviceElement, DeviceTensor, Dtype, Gpu, HalfElement, Table, VectorArg};
 use super::args::{EpilogueArgs, Operands};
 use crate::error::{Error, Result};
 use crate::tensor::{Bf16, F16};
@@ -245,7 +245,7 @@ fn launch_with_maps<O: DeviceElement>(
     arith: Arith,
     maps: &[CUtensorMap],
     (m, n, k, splits): (usize, usize, usize, usize),
-    bias: Option<&CudaSlice<f32>>,
+    bias: Option<VectorArg<'_>>,
     chain: Option<&DeviceChain>,
     y: &mut DeviceTensor<O>,
     save_z: Option<&mut DeviceTensor>,
@@ -277,12 +277,22 @@ fn launch_with_maps<O: DeviceElement>(
             y.shape
         )));
     }
+    // The epilogue reads FP32 vectors only (`fragments`): a 16-bit model's bias and chain
+    // parameters are widened first, by one launch (on the main stream, where the
+    // forward runs).
+    let widened = widen_params(gpu, chain, n, bias)?;
+    if widened.is_some() && !Arc::ptr_eq(stream, gpu.stream()) {
+        return Err(Error::Unsupported(format!("`{kernel}` with 16-bit parameter vectors off the main stream")));
+    }
+    let chain = chain.map(|c| Widened::chain(&widened, c));
+    let bias_word = widened.as_ref().and_then(|w| w.bias);
+    let bias = bias.map(|b| bias_word.map_or(b, |word| b.read_from(word)));
     let Persistent { maps, func, cfg } = persistent(gpu, stream, kernel, arith, maps, (m, n), splits)?;
-    let tail = EpilogueArgs::new(&[m, n, k], chain);
+    let tail = EpilogueArgs::new(&[m, n, k], bias, chain);
     let splits32 = splits as u32;
     let mut launch = stream.launch_builder(&func);
     launch.arg(&maps);
-    tail.push(&mut launch, bias, y, save_z, chain);
+    tail.push(&mut launch, y, save_z, chain);
     launch.arg(&splits32);
     if let Some((rows, cols)) = scales {
         launch.arg(rows).arg(cols);
@@ -341,7 +351,7 @@ pub fn launch_half<H: HalfElement, O: DeviceElement>(
     (a, b): (&CudaSlice<H>, &CudaSlice<H>),
     (m, n, k): (usize, usize, usize),
     (lda, ldb): (usize, usize),
-    (bias, chain): (Option<&CudaSlice<f32>>, Option<&DeviceChain>),
+    (bias, chain): (Option<VectorArg<'_>>, Option<&DeviceChain>),
     y: &mut DeviceTensor<O>,
     save_z: Option<&mut DeviceTensor>,
     splits: usize,
@@ -418,7 +428,7 @@ pub fn launch_e4m3<O: DeviceElement>(
     stream: &Arc<CudaStream>,
     a: &super::fp8::Fp8Matrix,
     b: &super::fp8::Fp8Matrix,
-    (bias, chain): (Option<&CudaSlice<f32>>, Option<&DeviceChain>),
+    (bias, chain): (Option<VectorArg<'_>>, Option<&DeviceChain>),
     y: &mut DeviceTensor<O>,
     save_z: Option<&mut DeviceTensor>,
 ) -> Result<()> {

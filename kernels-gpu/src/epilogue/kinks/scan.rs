@@ -64,10 +64,10 @@ impl Marks {
 /// As [`each`] and [`Marks::flag`]; the op's parameter holds `f` floats.
 #[inline(always)]
 unsafe fn pointwise_pass<P: PointwiseMath>(op: &OpDesc, v: *mut f32, r: *mut f32, f: usize, c: f32, marks: Marks) {
-    let p0 = op.param0 as *const f32;
+    let p0 = Vector(op.param0);
     unsafe {
         each(v, r, f, |j, x, rx| {
-            let p = if P::HAS_PARAM { *p0.add(j) } else { 0.0 };
+            let p = if P::HAS_PARAM { p0.get(j) } else { 0.0 };
             let (y, ry, doubtful) = pointwise_radius::<P>(op, p, x, rx, rx + c * fabs(x));
             if doubtful {
                 marks.flag(j);
@@ -164,7 +164,7 @@ pub unsafe extern "ptx-kernel" fn kink_scan(
         let (mut f, mut pool, mut dep) = (n, 1usize, 1usize);
         for i in 0..n_ops as usize {
             let op = &*ops.add(i);
-            let (p0, p1) = (op.param0 as *const f32, op.param1 as *const f32);
+            let (p0, p1) = (Vector(op.param0), Vector(op.param1));
             let f_out = features_after(op, f);
             let marks = Marks { flags, row_flag, pool, dep, n };
             match op.code {
@@ -206,7 +206,7 @@ pub unsafe extern "ptx-kernel" fn kink_scan(
                         let mut j = sl;
                         while live && j < size {
                             let ch = g * size + j;
-                            let (y, ry) = stats.apply(*vs.add(j), *rs.add(j), *p0.add(ch), *p1.add(ch));
+                            let (y, ry) = stats.apply(*vs.add(j), *rs.add(j), p0.get(ch), p1.get(ch));
                             *vs.add(j) = y;
                             *rs.add(j) = ry;
                             j += seg;
@@ -375,7 +375,7 @@ pub unsafe extern "ptx-kernel" fn kink_scan(
                     if t == 0 && stats.ill_conditioned {
                         *row_flag = 1;
                     }
-                    each(v, r, f, |j, x, rx| stats.apply(x, rx, *p0.add(j), 0.0));
+                    each(v, r, f, |j, x, rx| stats.apply(x, rx, p0.get(j), 0.0));
                     dep = WHOLE_ROW;
                 }
                 // One loop per op, its code a constant there (a `match` per value would

@@ -95,7 +95,7 @@ pub unsafe extern "ptx-kernel" fn kink_scan_tiles(
             let mut alone = 0u32;
             for i in 0..n_ops as usize {
                 let op = &*ops.add(i);
-                let (p0, p1) = (op.param0 as *const f32, op.param1 as *const f32);
+                let (p0, p1) = (Vector(op.param0), Vector(op.param1));
                 match op.code {
                     OP_GROUP_NORM => {
                         let size = n / op.count as usize;

@@ -40,7 +40,7 @@ macro_rules! gemm_tma_entries {
         #[allow(clippy::too_many_arguments)]
         pub unsafe extern "ptx-kernel" fn $name(
             maps: *const u8,
-            bias: *const f32,
+            bias: Vector,
             y: *mut $out,
             save_z: *mut f32,
             m: u32,
@@ -67,7 +67,7 @@ macro_rules! gemm_tma_e4m3_entries {
         #[allow(clippy::too_many_arguments)]
         pub unsafe extern "ptx-kernel" fn $name(
             maps: *const u8,
-            bias: *const f32,
+            bias: Vector,
             y: *mut $out,
             save_z: *mut f32,
             m: u32,
@@ -252,7 +252,7 @@ unsafe fn gemm_tma<
     const SPLIT_K: bool,
 >(
     maps: *const u8,
-    bias: *const f32,
+    bias: Vector,
     y: *mut O,
     save_z: *mut f32,
     (m, n, k): (u32, u32, u32),
@@ -299,7 +299,7 @@ unsafe fn gemm_tma<
                         // for 3xTF32: its epilogue is a smaller share of a tile's time,
                         // and the parameters' pointers held through the producer's
                         // loop cost it a spill at 24 registers once the flushes came.)
-                        prefetch_tile_params(bias, ops, n_ops, col0, n);
+                        prefetch_tile_params(bias.0 as *const f32, ops, n_ops, col0, n);
                     }
                 })
             };
@@ -332,6 +332,17 @@ unsafe fn gemm_tma<
         unsafe {
             acquire_tensor_map(store_map());
             prefetch_tensor_map(store_map());
+        }
+    }
+    if CHAIN {
+        // The epilogue reads FP32 vectors (`fragments`; the host widens 16-bit ones),
+        // whose words are their addresses: any other stops the kernel rather than be
+        // read as floats.
+        // SAFETY: `ops` holds `n_ops` descriptors.
+        unsafe { Fp32Params::check(ops, n_ops as usize) };
+        if bias.stored() != kernel_abi::vector::Stored::F32 {
+            // SAFETY: aborts the kernel.
+            unsafe { core::arch::nvptx::trap() }
         }
     }
     let (mut s, mut phase) = (0u32, 0u32);
@@ -466,7 +477,7 @@ unsafe fn gemm_tma<
                 }
                 if CHAIN && !bias.is_null() {
                     let (col, _, n) = fresh(offset);
-                    add_column_bias(&mut v, bias, n, col);
+                    add_column_bias(&mut v, bias.0 as *const f32, n, col);
                 }
                 if CHAIN && !save_z.is_null() {
                     let (col, m, n) = fresh(offset);

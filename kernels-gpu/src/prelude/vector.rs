@@ -1,0 +1,230 @@
+//! A per-feature parameter vector as the kernels take it (`kernel_abi::vector`): its
+//! device address and how its values are stored, FP32 or a 16-bit model's bf16 or
+//! fp16, widened on load (exactly). The epilogues' hottest loops (the TMA GEMM's
+//! per-column parameters) match on [`Vector::stored`] once and run a loop per type;
+//! the rest read through [`Vector::get`] and its wider siblings, a uniform branch.
+
+use super::element::{Bf16, Element, F16, Half};
+use super::global::load_v2_b32_nc;
+use super::mma::unpack_f16x2;
+use kernel_abi::vector::{self as abi, Stored};
+
+/// A parameter vector's word: address and storage (`kernel_abi::vector::word`).
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+pub struct Vector(pub u64);
+
+impl Vector {
+    /// How the values are stored.
+    #[inline(always)]
+    pub fn stored(self) -> Stored {
+        abi::stored(self.0)
+    }
+
+    /// Whether there is no vector (an absent bias).
+    #[inline(always)]
+    pub fn is_null(self) -> bool {
+        abi::address(self.0) == 0
+    }
+
+    /// The first value's address, as `E`s (the caller matched [`Vector::stored`]).
+    #[inline(always)]
+    pub fn ptr<E>(self) -> *const E {
+        abi::address(self.0) as *const E
+    }
+
+    /// The address of value `i`, in bytes (for prefetches).
+    #[inline(always)]
+    pub fn byte_address(self, i: usize) -> *const u8 {
+        self.ptr::<u8>().wrapping_add(i * abi::value_bytes(self.stored()))
+    }
+
+    /// The same vector from its value `i` on.
+    #[inline(always)]
+    pub fn skip(self, i: usize) -> Vector {
+        Vector(self.0 + (i * abi::value_bytes(self.stored())) as u64)
+    }
+
+    /// Value `i`: one load of the aligned 32-bit word that holds it (FP32: the value; a
+    /// 16-bit type: it and its neighbour, the half picked and widened by selects), so
+    /// the three storage types share one load and no branch. (A branch per read, and a
+    /// load of 32 or 16 bits by a predicate, each cost the register-bound row-wise
+    /// backward more spills than this.)
+    ///
+    /// # Safety
+    /// `i` is below the vector's length and the vector starts at a 4-byte boundary (a
+    /// 16-bit vector of odd length is then read up to 2 bytes past its end, inside its
+    /// last aligned word).
+    #[inline(always)]
+    pub unsafe fn get(self, i: usize) -> f32 {
+        let stored = self.stored();
+        let at = abi::address(self.0) as usize + i * abi::value_bytes(stored);
+        let w = unsafe { *((at & !3) as *const u32) };
+        let half = if at & 2 != 0 { w >> 16 } else { w & 0xffff };
+        f32::from_bits(match stored {
+            Stored::F32 => w,
+            Stored::Bf16 => half << 16,
+            Stored::F16 => unpack_f16x2(half)[0].to_bits(),
+        })
+    }
+
+    /// Values `i` and `i + 1` (`i` even) in one access, through the read-only path.
+    ///
+    /// # Safety
+    /// `i + 1` is below the vector's length; the vector starts at an 8-byte boundary and
+    /// nothing writes it while the kernel runs.
+    #[inline(always)]
+    pub unsafe fn pair(self, i: usize) -> [f32; 2] {
+        unsafe {
+            match self.stored() {
+                Stored::F32 => f32::load2_nc(self.ptr::<f32>().add(i)),
+                Stored::Bf16 => Bf16::load2_nc(self.ptr::<Bf16>().add(i)),
+                Stored::F16 => F16::load2_nc(self.ptr::<F16>().add(i)),
+            }
+        }
+    }
+
+    /// Whether values `i..i + 4` are one aligned access (16 bytes of FP32, 8 of a
+    /// 16-bit type).
+    #[inline(always)]
+    pub fn quad_aligned(self, i: usize) -> bool {
+        let bytes = abi::value_bytes(self.stored());
+        (abi::address(self.0) as usize + i * bytes).is_multiple_of(4 * bytes)
+    }
+
+    /// Values `i..i + 4` through the read-only path: two 8-byte loads (FP32's 16 bytes;
+    /// a 16-bit type's 8 bytes, loaded twice, the second an L1 hit), the values picked
+    /// and widened by selects. No branch, as in [`Vector::get`]: the column kernels'
+    /// backward is register-bound.
+    ///
+    /// # Safety
+    /// `i + 3` is below the vector's length, [`Vector::quad_aligned`] holds, and nothing
+    /// writes the vector while the kernel runs.
+    #[inline(always)]
+    pub unsafe fn quad(self, i: usize) -> [f32; 4] {
+        let stored = self.stored();
+        let at = abi::address(self.0) as usize + i * abi::value_bytes(stored);
+        let wide = stored == Stored::F32;
+        let (a, b) =
+            unsafe { (load_v2_b32_nc(at as *const u32), load_v2_b32_nc((at + if wide { 8 } else { 0 }) as *const u32)) };
+        let widen = |w: u32| if stored == Stored::F16 { unpack_f16x2(w) } else { Bf16::unpack2(w) };
+        let ([h0, h1], [h2, h3]) = (widen(a[0]), widen(a[1]));
+        let v = if wide { [a[0], a[1], b[0], b[1]] } else { [h0, h1, h2, h3].map(f32::to_bits) };
+        v.map(f32::from_bits)
+    }
+}
+
+/// How a kernel reads its parameter vectors, fixed when it is compiled.
+pub trait ReadParams {
+    /// Value `i` of `v`.
+    ///
+    /// # Safety
+    /// As [`Vector::get`].
+    unsafe fn get(v: Vector, i: usize) -> f32;
+
+    /// Values `c..c + 4` of `v`, 0 past `n`: one load where they are inside and aligned.
+    ///
+    /// # Safety
+    /// `v` holds `n` values.
+    unsafe fn column4(v: Vector, n: usize, c: usize) -> [f32; 4];
+
+    /// Stops the kernel (a launch error, not a wrong answer) where the ops' vectors are
+    /// stored in a way this reader does not take.
+    ///
+    /// # Safety
+    /// `ops` holds `n_ops` descriptors.
+    unsafe fn check(ops: *const kernel_abi::epilogue::OpDesc, n_ops: usize);
+}
+
+/// Vectors as stored: FP32, bf16 or fp16 ([`Vector::get`]).
+pub struct AsStored;
+
+impl ReadParams for AsStored {
+    #[inline(always)]
+    unsafe fn get(v: Vector, i: usize) -> f32 {
+        unsafe { v.get(i) }
+    }
+    #[inline(always)]
+    unsafe fn column4(v: Vector, n: usize, c: usize) -> [f32; 4] {
+        if c + 4 <= n && v.quad_aligned(c) {
+            unsafe { v.quad(c) }
+        } else {
+            [0, 1, 2, 3].map(|e| if c + e < n { unsafe { v.get(c + e) } } else { 0.0 })
+        }
+    }
+    #[inline(always)]
+    unsafe fn check(_: *const kernel_abi::epilogue::OpDesc, _: usize) {}
+}
+
+/// FP32 vectors only, read as plain floats: for a kernel at its register limit (the
+/// row-wise backward), whose host widens a 16-bit model's vectors first.
+pub struct Fp32Params;
+
+impl ReadParams for Fp32Params {
+    #[inline(always)]
+    unsafe fn get(v: Vector, i: usize) -> f32 {
+        unsafe { *v.ptr::<f32>().add(i) }
+    }
+    #[inline(always)]
+    unsafe fn column4(v: Vector, n: usize, c: usize) -> [f32; 4] {
+        unsafe { column4_as::<f32>(v.ptr(), n, c) }
+    }
+    #[inline(always)]
+    unsafe fn check(ops: *const kernel_abi::epilogue::OpDesc, n_ops: usize) {
+        for o in 0..n_ops {
+            // SAFETY: o < n_ops.
+            let op = unsafe { &*ops.add(o) };
+            if Vector(op.param0).stored() != Stored::F32 || Vector(op.param1).stored() != Stored::F32 {
+                // SAFETY: aborts the kernel.
+                unsafe { core::arch::nvptx::trap() }
+            }
+        }
+    }
+}
+
+/// Vectors all stored as `E` (the caller matched their [`Vector::stored`]): plain loads.
+pub struct Typed<E>(core::marker::PhantomData<E>);
+
+impl<E: Element> ReadParams for Typed<E> {
+    #[inline(always)]
+    unsafe fn get(v: Vector, i: usize) -> f32 {
+        unsafe { E::load1(v.ptr::<E>().add(i)) }
+    }
+    #[inline(always)]
+    unsafe fn column4(v: Vector, n: usize, c: usize) -> [f32; 4] {
+        unsafe { column4_as::<E>(v.ptr(), n, c) }
+    }
+    #[inline(always)]
+    unsafe fn check(_: *const kernel_abi::epilogue::OpDesc, _: usize) {}
+}
+
+/// `p[c..c + 4]` of values stored as `E`, 0 past `n`: one read-only load where they are
+/// inside and aligned (16 bytes of FP32, 8 of a 16-bit type), else one at a time.
+///
+/// # Safety
+/// `p` holds `n` values.
+#[inline(always)]
+pub unsafe fn column4_as<E: Element>(p: *const E, n: usize, c: usize) -> [f32; 4] {
+    // SAFETY: c + 4 <= n, the vector's length, and aligned (checked: parameter vectors
+    // need not be); else every index read is below n.
+    unsafe {
+        if c + 4 <= n && (p as usize + 4 * c * core::mem::size_of::<E>()).is_multiple_of(4 * core::mem::size_of::<E>()) {
+            E::load4_nc(p.add(c))
+        } else {
+            [0, 1, 2, 3].map(|e| if c + e < n { E::load1(p.add(c + e)) } else { 0.0 })
+        }
+    }
+}
+
+/// How an op's parameter vectors are stored where they share one storage type (an op
+/// without parameters: FP32, read by nothing); `None` where they differ.
+#[inline(always)]
+pub fn op_storage(op: &kernel_abi::epilogue::OpDesc) -> Option<Stored> {
+    let (a, b) = (Vector(op.param0), Vector(op.param1));
+    match (op.param0 != 0, op.param1 != 0) {
+        (true, true) if a.stored() != b.stored() => None,
+        (true, _) => Some(a.stored()),
+        (false, true) => Some(b.stored()),
+        (false, false) => Some(Stored::F32),
+    }
+}
