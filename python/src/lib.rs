@@ -61,8 +61,8 @@ fn guarded<T>(f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
 enum DType {
     F32,
     F64,
-    /// A bf16 model's `x`, Linear weight and `dy` (CUDA only: the package widens the
-    /// rest, and runs CPU bf16 on float32 copies).
+    /// A bf16 model's `x`, Linear weight and `dy`, and its bias and chain parameters
+    /// (CUDA only: the package runs CPU bf16 on float32 copies).
     Bf16,
     /// An fp16 model's, as bf16's.
     F16,
