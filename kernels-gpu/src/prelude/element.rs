@@ -49,13 +49,6 @@ pub trait Element: Copy {
     /// `at` is valid for one element.
     unsafe fn load1(at: *const Self) -> f32;
 
-    /// Reads two values in one access, through the read-only path.
-    ///
-    /// # Safety
-    /// `at` is valid for two elements and aligned to two; nothing writes them during
-    /// the kernel.
-    unsafe fn load2_nc(at: *const Self) -> [f32; 2];
-
     /// Four values from the two 32-bit words that hold them (16-bit types; FP32's four
     /// values do not fit two words, so its kernels never ask).
     fn unpack4(words: [u32; 2]) -> [f32; 4];
@@ -81,10 +74,6 @@ impl Element for f32 {
     #[inline(always)]
     unsafe fn load1(at: *const f32) -> f32 {
         unsafe { *at }
-    }
-    #[inline(always)]
-    unsafe fn load2_nc(at: *const f32) -> [f32; 2] {
-        unsafe { super::global::load_v2_nc(at) }
     }
     #[inline(always)]
     fn unpack4([a, b]: [u32; 2]) -> [f32; 4] {
@@ -145,10 +134,6 @@ macro_rules! half_element {
             #[inline(always)]
             unsafe fn load1(at: *const $t) -> f32 {
                 <$t as Half>::unpack2(unsafe { (*at).0 } as u32)[0]
-            }
-            #[inline(always)]
-            unsafe fn load2_nc(at: *const $t) -> [f32; 2] {
-                <$t as Half>::unpack2(unsafe { super::global::load_b32_nc(at as *const u32) })
             }
             #[inline(always)]
             fn unpack4([a, b]: [u32; 2]) -> [f32; 4] {

@@ -27,22 +27,6 @@ pub unsafe fn load_v4_nc(p: *const f32) -> [f32; 4] {
     v.map(f32::from_bits)
 }
 
-/// `p[0..2]` through the read-only (non-coherent) data path.
-///
-/// # Safety
-/// `p` is 8-byte aligned, points at 2 readable floats of global memory, and nothing
-/// writes them while the kernel runs.
-#[inline(always)]
-pub unsafe fn load_v2_nc(p: *const f32) -> [f32; 2] {
-    let (a, b): (u32, u32);
-    unsafe {
-        asm!("{{ .reg .b64 g; cvta.to.global.u64 g, {p}; ld.global.nc.v2.b32 {{{a}, {b}}}, [g]; }}",
-             p = in(reg64) p as u64, a = out(reg32) a, b = out(reg32) b,
-             options(pure, readonly, nostack));
-    }
-    [f32::from_bits(a), f32::from_bits(b)]
-}
-
 /// `p[0..2]` (two 32-bit words) through the read-only (non-coherent) data path.
 ///
 /// # Safety
@@ -57,21 +41,6 @@ pub unsafe fn load_v2_b32_nc(p: *const u32) -> [u32; 2] {
              options(pure, readonly, nostack));
     }
     [a, b]
-}
-
-/// `*p` (one 32-bit word) through the read-only (non-coherent) data path.
-///
-/// # Safety
-/// `p` is 4-byte aligned, points at a readable word of global memory, and nothing
-/// writes it while the kernel runs.
-#[inline(always)]
-pub unsafe fn load_b32_nc(p: *const u32) -> u32 {
-    let a: u32;
-    unsafe {
-        asm!("{{ .reg .b64 g; cvta.to.global.u64 g, {p}; ld.global.nc.b32 {a}, [g]; }}",
-             p = in(reg64) p as u64, a = out(reg32) a, options(pure, readonly, nostack));
-    }
-    a
 }
 
 /// `p[0..4] = v`.

@@ -4,7 +4,7 @@
 //! per-column parameters) match on [`Vector::stored`] once and run a loop per type;
 //! the rest read through [`Vector::get`] and its wider siblings, a uniform branch.
 
-use super::element::{Bf16, Element, F16, Half};
+use super::element::{Bf16, Element, Half};
 use super::global::load_v2_b32_nc;
 use super::mma::unpack_f16x2;
 use kernel_abi::vector::{self as abi, Stored};
@@ -31,12 +31,6 @@ impl Vector {
     #[inline(always)]
     pub fn ptr<E>(self) -> *const E {
         abi::address(self.0) as *const E
-    }
-
-    /// The address of value `i`, in bytes (for prefetches).
-    #[inline(always)]
-    pub fn byte_address(self, i: usize) -> *const u8 {
-        self.ptr::<u8>().wrapping_add(i * abi::value_bytes(self.stored()))
     }
 
     /// The same vector from its value `i` on.
@@ -66,22 +60,6 @@ impl Vector {
             Stored::Bf16 => half << 16,
             Stored::F16 => unpack_f16x2(half)[0].to_bits(),
         })
-    }
-
-    /// Values `i` and `i + 1` (`i` even) in one access, through the read-only path.
-    ///
-    /// # Safety
-    /// `i + 1` is below the vector's length; the vector starts at an 8-byte boundary and
-    /// nothing writes it while the kernel runs.
-    #[inline(always)]
-    pub unsafe fn pair(self, i: usize) -> [f32; 2] {
-        unsafe {
-            match self.stored() {
-                Stored::F32 => f32::load2_nc(self.ptr::<f32>().add(i)),
-                Stored::Bf16 => Bf16::load2_nc(self.ptr::<Bf16>().add(i)),
-                Stored::F16 => F16::load2_nc(self.ptr::<F16>().add(i)),
-            }
-        }
     }
 
     /// Whether values `i..i + 4` are one aligned access (16 bytes of FP32, 8 of a
