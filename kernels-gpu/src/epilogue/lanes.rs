@@ -13,8 +13,7 @@ use crate::prelude::element::{Bf16, Element, F16};
 use crate::prelude::math::{fma, rsqrt};
 use crate::prelude::warp::shfl_xor;
 use crate::prelude::*;
-use crate::prelude::vector::op_storage;
-use kernel_abi::vector::Stored;
+use crate::prelude::vector::with_reader;
 use crate::unroll;
 use kernel_abi::epilogue::*;
 use kernel_abi::gemm_fma::MAX_TILE_OPS;
@@ -119,12 +118,7 @@ pub fn lane_forward_rows<const R: usize>(
     n: usize,
     c: usize,
 ) {
-    match op_storage(op) {
-        Some(Stored::F32) => lane_forward_rows_with::<R, Typed<f32>>(op, group, rows, n, c),
-        Some(Stored::Bf16) => lane_forward_rows_with::<R, Typed<Bf16>>(op, group, rows, n, c),
-        Some(Stored::F16) => lane_forward_rows_with::<R, Typed<F16>>(op, group, rows, n, c),
-        None => lane_forward_rows_with::<R, AsStored>(op, group, rows, n, c),
-    }
+    with_reader!(op, Q => lane_forward_rows_with::<R, Q>(op, group, rows, n, c))
 }
 
 /// [`lane_backward_rows_with`], the op's parameter vectors read as stored, as
@@ -148,12 +142,7 @@ pub(crate) unsafe fn lane_backward_rows(
 ) {
     let args = (n, c, sums, slot, lane, both);
     unsafe {
-        match op_storage(op) {
-            Some(Stored::F32) => lane_backward_rows_with::<Typed<f32>>(op, group, x, g, args),
-            Some(Stored::Bf16) => lane_backward_rows_with::<Typed<Bf16>>(op, group, x, g, args),
-            Some(Stored::F16) => lane_backward_rows_with::<Typed<F16>>(op, group, x, g, args),
-            None => lane_backward_rows_with::<AsStored>(op, group, x, g, args),
-        }
+        with_reader!(op, Q => lane_backward_rows_with::<Q>(op, group, x, g, args))
     }
 }
 

@@ -13,9 +13,8 @@ use crate::prelude::element::{Bf16, Element, F16};
 use crate::prelude::global::store_v4;
 use crate::prelude::warp::{shfl_xor, warp_max, warp_sum};
 use crate::prelude::*;
-use crate::prelude::vector::op_storage;
+use crate::prelude::vector::with_reader;
 use kernel_abi::epilogue::*;
-use kernel_abi::vector::Stored;
 
 /// Warps of a block of `ROW_THREADS`, the largest: the scratch's layout (`2 * WARPS`
 /// words) is sized for it. Every helper below takes its block's threads as `T`
@@ -59,12 +58,7 @@ pub(crate) unsafe fn op_forward_stored<const T: usize>(
     f: usize,
 ) -> usize {
     unsafe {
-        match op_storage(op) {
-            Some(Stored::F32) => op_forward::<T, Typed<f32>>(op, cur, alt, red, f),
-            Some(Stored::Bf16) => op_forward::<T, Typed<Bf16>>(op, cur, alt, red, f),
-            Some(Stored::F16) => op_forward::<T, Typed<F16>>(op, cur, alt, red, f),
-            None => op_forward::<T, AsStored>(op, cur, alt, red, f),
-        }
+        with_reader!(op, Q => op_forward::<T, Q>(op, cur, alt, red, f))
     }
 }
 
@@ -75,12 +69,7 @@ pub(crate) unsafe fn op_forward_stored<const T: usize>(
 #[inline(always)]
 pub(crate) unsafe fn op_forward_rows_stored<const T: usize>(op: &OpDesc, x: *mut f32, rows: usize, f: usize) {
     unsafe {
-        match op_storage(op) {
-            Some(Stored::F32) => op_forward_rows::<T, Typed<f32>>(op, x, rows, f),
-            Some(Stored::Bf16) => op_forward_rows::<T, Typed<Bf16>>(op, x, rows, f),
-            Some(Stored::F16) => op_forward_rows::<T, Typed<F16>>(op, x, rows, f),
-            None => op_forward_rows::<T, AsStored>(op, x, rows, f),
-        }
+        with_reader!(op, Q => op_forward_rows::<T, Q>(op, x, rows, f))
     }
 }
 

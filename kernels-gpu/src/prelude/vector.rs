@@ -206,3 +206,30 @@ pub fn op_storage(op: &kernel_abi::epilogue::OpDesc) -> Option<Stored> {
         (false, false) => Some(Stored::F32),
     }
 }
+
+/// `$body` with `$reader` the [`ReadParams`] for `op`'s vectors: one instance per
+/// storage type ([`Typed`]: plain loads) where they share one ([`op_storage`]), the
+/// per-load [`AsStored`] where they differ (a mixed model).
+macro_rules! with_reader {
+    ($op:expr, $reader:ident => $body:expr) => {
+        match $crate::prelude::vector::op_storage($op) {
+            Some(kernel_abi::vector::Stored::F32) => {
+                type $reader = $crate::prelude::vector::Typed<f32>;
+                $body
+            }
+            Some(kernel_abi::vector::Stored::Bf16) => {
+                type $reader = $crate::prelude::vector::Typed<$crate::prelude::element::Bf16>;
+                $body
+            }
+            Some(kernel_abi::vector::Stored::F16) => {
+                type $reader = $crate::prelude::vector::Typed<$crate::prelude::element::F16>;
+                $body
+            }
+            None => {
+                type $reader = $crate::prelude::vector::AsStored;
+                $body
+            }
+        }
+    };
+}
+pub(crate) use with_reader;

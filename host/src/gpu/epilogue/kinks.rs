@@ -3,9 +3,8 @@
 //! rounding could flip a kink's derivative.
 
 use super::super::dispatch::values_one_by_one;
-use super::super::elementwise::{Convert, Vector, convert_vectors};
 use super::super::{DeviceTensor, Gpu, VectorArg, launched};
-use super::DeviceChain;
+use super::{DeviceChain, widen_params};
 use crate::error::{Error, Result};
 use crate::precision::Precision;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
@@ -18,7 +17,6 @@ use kernel_abi::kinks::{
     tiles_scan_layout,
 };
 use kernel_abi::ops::{ErrorRule, Pointwise};
-use kernel_abi::vector::Stored;
 
 /// GroupNorm groups of at most this many channels are scanned for ill-conditioning
 /// (a spread under a quarter of the row's magnifies `z`'s error 4x or more): likely
@@ -119,8 +117,11 @@ pub fn refine_near_kinks(
     }
     // The refinement's kernels read an FP32 bias (a 16-bit model's, widened here once:
     // at their 128 registers the stored-type reads spilled).
-    let widened = widen_bias(gpu, b)?;
-    let b = widened.as_ref().map_or(b, VectorArg::f32);
+    let widened = widen_params(gpu, None, n, Some(b))?;
+    let b = match widened.as_ref().and_then(|w| w.bias) {
+        Some(copy) => b.read_from(copy),
+        None => b,
+    };
     let (rel, abs) = precision.z_error(k);
     let stream = gpu.stream();
     let (n32, ops32) = (n as u32, n_ops as u32);
@@ -181,21 +182,6 @@ pub fn refine_near_kinks(
         launched(Kernel::RefineValues, unsafe { l.launch(cfg) })?;
     }
     refine(gpu, x, w, b, z, &counts, &lists, &value_count, (rows, n, k), cap == 0)
-}
-
-/// A 16-bit bias widened to FP32 (`None` for an FP32 one).
-fn widen_bias(gpu: &Gpu, b: VectorArg<'_>) -> Result<Option<DeviceTensor>> {
-    let mode = match kernel_abi::vector::stored(b.word.0) {
-        Stored::F32 => return Ok(None),
-        Stored::Bf16 => Convert::Bf16ToF32,
-        Stored::F16 => Convert::F16ToF32,
-    };
-    let out = gpu.alloc(&[b.len])?;
-    let src = kernel_abi::vector::address(b.word.0);
-    // SAFETY: `b` holds `len` values of its type (its `VectorArg`'s borrow), `out` is new
-    // and outlives the launch in stream order.
-    unsafe { convert_vectors(gpu, gpu.stream(), &[Vector { src, dst: out.buf.device_address(), len: b.len, mode }])? };
-    Ok(Some(out))
 }
 
 /// Queues `refine_z` over the chunks and rows a scan listed.
