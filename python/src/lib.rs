@@ -518,18 +518,32 @@ struct GpuCall<W> {
     gpu: Gpu,
     block: GpuBlock<W>,
     x: DeviceTensor<W>,
+    /// FP32 copies of a 16-bit model's bias and chain parameters, which `block`
+    /// borrows (a backward's: [`Vectors::Widened`]).
+    _widened: Option<DeviceTensor>,
+}
+
+/// How [`gpu_call`] hands a 16-bit model's bias and chain parameters to the block.
+#[derive(Clone, Copy, PartialEq)]
+enum Vectors {
+    /// As stored: the forward's kernels widen them on load (no copy, no launch).
+    AsStored,
+    /// FP32 copies side by side in one buffer, made by one launch: the backward's
+    /// kernels read FP32 only, and one launch per call costs less than one in each
+    /// chain-backward launch, each with a table of its own (1.5-3.4 us per training
+    /// step at 1-8 rows on the H200, docs/PERFORMANCE.md).
+    Widened,
 }
 
 /// The call's block on its GPU: `x` and the Linear weight borrowed as `W` (float32, or a
-/// 16-bit model's type), the bias and chain parameters borrowed as they are stored
-/// (float32, or a 16-bit model's bf16 or fp16, which the kernels widen on load: no
-/// copy, launch or autograd node per call).
+/// 16-bit model's type), the bias and chain parameters as `vectors` says.
 fn gpu_call<W: DeviceElement>(
     call: &Call<'_>,
     index: usize,
     stream: u64,
     allocate: &Bound<'_, PyAny>,
     fp8_weight: Option<&[Bound<'_, PyAny>]>,
+    vectors: Vectors,
 ) -> PyResult<GpuCall<W>> {
     let opened = gpu(index)?;
     let allocator = Arc::new(TorchAllocator { allocate: allocate.clone().unbind() });
@@ -540,7 +554,32 @@ fn gpu_call<W: DeviceElement>(
     // shapes and dtypes (x and the weight `W`, the others float32 or the 16-bit model's
     // type) on this device, 16-byte aligned; the caller holds them for the call.
     let borrow_w = |a: &Arg<'_>| unsafe { gpu.borrow_tensor::<W>(a.ptr, &a.shape) }.map_err(to_py);
-    let borrow_param = |a: &Arg<'_>| -> PyResult<DeviceVector> {
+    // `Vectors::Widened`: where each 16-bit vector's FP32 copy starts in `widened` (at
+    // a 16-byte boundary, as the kernels read them).
+    let half = |a: &&Arg<'_>| vectors == Vectors::Widened && matches!(a.dtype, DType::Bf16 | DType::F16);
+    let mut wide_len = 0;
+    let offsets: Vec<Option<usize>> = [&call.bias]
+        .into_iter()
+        .chain(&call.params)
+        .map(|a| {
+            half(&a).then(|| {
+                let at = wide_len;
+                wide_len += a.shape.iter().product::<usize>().next_multiple_of(4);
+                at
+            })
+        })
+        .collect();
+    let widened = if wide_len > 0 { Some(gpu.alloc(&[wide_len]).map_err(to_py)?) } else { None };
+    let mut widen = Vec::new();
+    let mut borrow_param = |a: &Arg<'_>, offset: Option<usize>| -> PyResult<DeviceVector> {
+        if let (Some(at), Some(w)) = (offset, &widened) {
+            let dst = w.buf.device_address() + (at * 4) as u64;
+            let len = a.shape.iter().product();
+            let mode = if a.dtype == DType::F16 { Convert::F16ToF32 } else { Convert::Bf16ToF32 };
+            widen.push(Vector { src: a.ptr, dst, len, mode });
+            // SAFETY: inside `widened`, which the returned call keeps.
+            return unsafe { gpu.borrow_tensor::<f32>(dst, &a.shape) }.map(DeviceVector::F32).map_err(to_py);
+        }
         // SAFETY: as above.
         unsafe {
             match a.dtype {
@@ -551,8 +590,17 @@ fn gpu_call<W: DeviceElement>(
         }
         .map_err(to_py)
     };
-    let linear_bias = borrow_param(&call.bias)?;
-    let mut flat = call.params.iter().map(borrow_param).collect::<PyResult<Vec<_>>>()?.into_iter();
+    let linear_bias = borrow_param(&call.bias, offsets[0])?;
+    let mut flat = call
+        .params
+        .iter()
+        .zip(&offsets[1..])
+        .map(|(a, o)| borrow_param(a, *o))
+        .collect::<PyResult<Vec<_>>>()?
+        .into_iter();
+    // SAFETY: each source is a checked 16-bit argument the caller holds for the call,
+    // each destination inside `widened`.
+    unsafe { convert_vectors(&gpu, gpu.stream(), &widen) }.map_err(to_py)?;
     let ops = call
         .block
         .spec
@@ -582,7 +630,7 @@ fn gpu_call<W: DeviceElement>(
         block = block.with_fp8_weight(weight).map_err(to_py)?;
     }
     let x = borrow_w(&call.x)?;
-    Ok(GpuCall { gpu, block, x })
+    Ok(GpuCall { gpu, block, x, _widened: widened })
 }
 
 /// An e4m3 matrix `(rows, pitch)` and its `rows` inverse scales, as [`fp8_weight`]
@@ -633,7 +681,7 @@ macro_rules! gpu_entry_points {
             save: bool,
             fp8_weight: Option<&[Bound<'py, PyAny>]>,
         ) -> PyResult<(Bound<'py, PyAny>, Option<Bound<'py, PyAny>>)> {
-            let g = gpu_call::<$w>(call, index, stream, allocate, fp8_weight)?;
+            let g = gpu_call::<$w>(call, index, stream, allocate, fp8_weight, Vectors::AsStored)?;
             let py = allocate.py();
             let out_shape = call.block.spec.output_shape(call.batch);
             if !save {
@@ -670,7 +718,7 @@ macro_rules! gpu_entry_points {
             fp8_weight: Option<&[Bound<'py, PyAny>]>,
             input_grad: bool,
         ) -> PyResult<Grads<'py>> {
-            let mut g = gpu_call::<$w>(call, index, stream, allocate, fp8_weight)?;
+            let mut g = gpu_call::<$w>(call, index, stream, allocate, fp8_weight, Vectors::Widened)?;
             g.block = g.block.with_input_grad(input_grad);
             // SAFETY: z and dy were checked as the other arguments were (z float32, dy
             // of the block's type).
