@@ -802,22 +802,39 @@ fn tf32_linear_gradients_match_reference() {
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(29);
     // 3xTF32 flushes every 2048 of `k`: dW's k = 4100 in three runs, and dX's k = 4100
-    // in three, the last tile of the batch ragged. The last: a batch of 4 (dX's `B`
-    // nearly all zero-filled rows; dW on `gemm_wgmma`).
-    for (m, n, k) in [(4100, 1028, 260), (1028, 4100, 264), (1028, 1100, 261), (4, 1028, 260)] {
+    // in three, the last tile of the batch ragged. Then batches of 12 (dX's `B` nearly
+    // all zero-filled rows; dW on `gemm_wgmma`), and of 4, 1 and 7 (dW as the rows'
+    // outer products, in quads and, at k = 261, one by one).
+    for (m, n, k) in [
+        (4100, 1028, 260),
+        (1028, 4100, 264),
+        (1028, 1100, 261),
+        (12, 1028, 260),
+        (4, 1028, 260),
+        (1, 1028, 260),
+        (7, 1030, 261),
+    ] {
         let x = random_input(m, k, &mut rng).unwrap();
         let dz = random_input(m, n, &mut rng).unwrap();
         let w = random_input(n, k, &mut rng).unwrap();
         for precision in [Precision::Tf32, Precision::Tf32x3] {
             // W and dZ read as stored: `A` through registers.
             let kernel = |role| route(precision, role, (m, n, k), Storage::F32, gpu.tuning().tma).kernel.name();
-            let dw_kernel =
-                if m >= 1024 { format!("gemm_tma_{precision}_tk") } else { format!("gemm_wgmma_{precision}_dw_vec4") };
+            let dw_kernel = match m {
+                1024.. => format!("gemm_tma_{precision}_tk"),
+                ..=8 => "outer".to_string(),
+                _ => format!("gemm_wgmma_{precision}_dw_vec4"),
+            };
             assert_eq!(kernel(Role::GradWeight), dw_kernel);
             if k % 4 == 0 {
                 assert_eq!(kernel(Role::GradInput), format!("gemm_tma_{precision}_tk_t"));
             }
             check_linear_gradients(&gpu, precision, (&x, &dz, &w));
+        }
+        if m <= 8 {
+            // Strict FP32 takes the same outer products.
+            assert_eq!(route(Precision::Fp32, Role::GradWeight, (m, n, k), Storage::F32, true).kernel.name(), "outer");
+            check_linear_gradients(&gpu, Precision::Fp32, (&x, &dz, &w));
         }
     }
 }
@@ -1017,7 +1034,8 @@ fn half_model_blocks_match_reference<H: host::gpu::HalfElement>(tol: f64, seed: 
 /// per-channel parameters offset per slab), and chains left to the row-wise epilogue
 /// (groups wider than a slab, a width not whole slabs, a row max). Depths that are not
 /// whole units of the warps' split (32 bf16 or 16 FP32 values per unit, 8 units a
-/// round), and shallower than one round (idle warps).
+/// round), and shallower than one round (idle warps). `dW` of up to 8 rows: the rows'
+/// outer products (`outer`, `outer_sum_*`), in quads and, at odd widths, one by one.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn small_batches_match_reference() {

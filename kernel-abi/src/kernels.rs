@@ -203,9 +203,11 @@ kernels! {
     RowDot = "row_dot", bounds(dot::THREADS, dot::BLOCKS_PER_SM);
     RowDotBf16 = "row_dot_bf16", bounds(dot::THREADS, dot::BLOCKS_PER_SM);
     RowDotF16 = "row_dot_f16", bounds(dot::THREADS, dot::BLOCKS_PER_SM);
-    Outer = "outer";
-    OuterBf16 = "outer_bf16";
-    OuterF16 = "outer_f16";
+    Outer = "outer", bounds(dot::THREADS, dot::BLOCKS_PER_SM);
+    OuterBf16 = "outer_bf16", bounds(dot::THREADS, dot::BLOCKS_PER_SM);
+    OuterF16 = "outer_f16", bounds(dot::THREADS, dot::BLOCKS_PER_SM);
+    OuterSumBf16 = "outer_sum_bf16", bounds(dot::THREADS, dot::BLOCKS_PER_SM);
+    OuterSumF16 = "outer_sum_f16", bounds(dot::THREADS, dot::BLOCKS_PER_SM);
     Transpose = "transpose";
     TransposeVec4 = "transpose_vec4";
     TransposeVec4ToBf16 = "transpose_vec4_to_bf16";

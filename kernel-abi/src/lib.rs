@@ -164,6 +164,16 @@ pub mod dot {
     /// a multiple of them (the rows past the last whole step go one at a time, a memory
     /// latency each).
     pub const COLUMN_DOT_STEP_ROWS: usize = (THREADS / 32) * COLUMN_DOT_ROWS_IN_FLIGHT;
+    /// The most outer products one `outer*` launch sums (a weight gradient of up to this
+    /// many rows: each thread keeps a quad of every one of them in registers).
+    pub const OUTER_MAX_RANK: usize = 8;
+    /// The most output rows one `outer*` block writes (its share of `u` sits in shared
+    /// memory, and each thread's quads of `v` serve all of them).
+    pub const OUTER_MAX_BLOCK_ROWS: usize = 32;
+    /// `outer*`'s dynamic shared memory: `u`'s values for the block's rows.
+    pub const OUTER_SMEM_BYTES: usize = 4 * OUTER_MAX_RANK * OUTER_MAX_BLOCK_ROWS;
+    /// Output columns one `outer*` block covers: a quad per thread.
+    pub const OUTER_BLOCK_COLS: usize = 4 * THREADS;
 }
 
 /// The tensor-core small-batch forward (`kernels-gpu/src/gemm/gemv_tc.rs`): at most

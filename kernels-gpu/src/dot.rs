@@ -14,9 +14,15 @@ use crate::prelude::global::load_v4_nc;
 use crate::prelude::warp::warp_sum;
 use crate::prelude::*;
 use crate::unroll;
-use kernel_abi::dot::{COLUMN_DOT_ROWS_IN_FLIGHT as ROWS_IN_FLIGHT, THREADS};
+use crate::prelude::math::fma;
+use kernel_abi::dot::{
+    COLUMN_DOT_ROWS_IN_FLIGHT as ROWS_IN_FLIGHT, OUTER_BLOCK_COLS, OUTER_MAX_BLOCK_ROWS, OUTER_MAX_RANK, THREADS,
+};
 
 const WARPS: usize = THREADS / 32;
+
+// `outer_body` unrolls its sums over eight factors.
+const _: () = assert!(OUTER_MAX_RANK == 8);
 
 /// Declares the entry points of one kernel: each an instance of its body for the
 /// element type named (FP32, bf16, fp16), its signature the kernel's with that type.
@@ -45,11 +51,23 @@ macro_rules! dot_entries {
             unsafe { row_dot_body(x, w, rows, k, vector, out) }
         }
     )*};
-    (outer: $($(#[$doc:meta])* $name:ident = $e:ty;)*) => {$(
+    (outer: $($(#[$doc:meta])* $name:ident = ($u:ty, $v:ty);)*) => {$(
         $(#[$doc])*
         #[unsafe(no_mangle)]
-        pub unsafe extern "ptx-kernel" fn $name(u: *const $e, v: *const f32, rows: u32, cols: u32, vector: u32, out: *mut $e) {
-            unsafe { outer_body(u, v, rows, cols, vector, out) }
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe extern "ptx-kernel" fn $name(
+            u: *const $u,
+            ldu: u32,
+            v: *const $v,
+            ldv: u32,
+            rows: u32,
+            cols: u32,
+            rank: u32,
+            block_rows: u32,
+            vector: u32,
+            out: *mut $u,
+        ) {
+            unsafe { outer_body(u, ldu, v, ldv, (rows, cols, rank), block_rows, vector, out) }
         }
     )*};
 }
@@ -112,24 +130,44 @@ dot_entries! {
 
 dot_entries! {
     outer:
-    /// `out[r, c] = u[r] v[c]` (`out (rows, cols)`): a folded layer's `dX = dZ w`. One
-    /// block per row.
+    /// `out[i, c] = sum_{r < rank} u[r, i] v[r, c]` (`u (rank, rows)` at pitch `ldu`, `v
+    /// (rank, cols)` at pitch `ldv`, `out (rows, cols)` dense), summed in FP32 in `r`'s
+    /// order and rounded once into `out`'s type: a folded layer's `dX = dZ w` (rank 1,
+    /// `v` the FP32 weight means), and the weight gradient `dW = dZ^T X` of a batch of at
+    /// most `OUTER_MAX_RANK` rows, which is nothing but this sum (a tile GEMM as deep as
+    /// the batch spends a whole tile's pipeline on it). Each block writes `block_rows`
+    /// rows (`blockIdx.x`'s) of `OUTER_BLOCK_COLS` columns (`blockIdx.y`'s), a quad per
+    /// thread, its quads of `v` in registers across the rows.
     ///
     /// # Safety
-    /// `u` holds `rows` elements, `v` `cols` floats, `out` `rows * cols` elements (16-byte
-    /// aligned); `vector` non-zero only where `cols % 4 == 0` and `v` is 16-byte aligned.
-    /// Launch: grid `rows`, `THREADS` threads.
-    outer = f32;
-    /// [`outer`] of bf16 values.
+    /// `u` holds `(rank - 1) * ldu + rows` elements, `v` `(rank - 1) * ldv + cols`, `out`
+    /// `rows * cols`; `1 <= rank <= OUTER_MAX_RANK`, `1 <= block_rows <=
+    /// OUTER_MAX_BLOCK_ROWS`; `vector` non-zero only where `cols` and `ldv` are
+    /// multiples of 4 and `v` and `out` aligned to a quad of their elements. Launch:
+    /// `THREADS` threads, grid `(ceil(rows / block_rows), ceil(cols /
+    /// OUTER_BLOCK_COLS))`, `OUTER_SMEM_BYTES` of dynamic shared memory.
+    outer = (f32, f32);
+    /// [`outer`] of bf16 `u` and `out`, FP32 `v` (a bf16 model's folded layer).
     ///
     /// # Safety
     /// As [`outer`].
-    outer_bf16 = Bf16;
-    /// [`outer`] of fp16 values.
+    outer_bf16 = (Bf16, f32);
+    /// [`outer`] of fp16 `u` and `out`, FP32 `v`.
     ///
     /// # Safety
     /// As [`outer`].
-    outer_f16 = F16;
+    outer_f16 = (F16, f32);
+    /// [`outer`] of bf16 values throughout (a bf16 model's `dW` at a few rows; each
+    /// product of two bf16 values is exact in FP32).
+    ///
+    /// # Safety
+    /// As [`outer`].
+    outer_sum_bf16 = (Bf16, Bf16);
+    /// [`outer`] of fp16 values throughout.
+    ///
+    /// # Safety
+    /// As [`outer`].
+    outer_sum_f16 = (F16, F16);
 }
 
 /// Values of `I` in one 16-byte load: four FP32 or eight 16-bit ones.
@@ -353,30 +391,84 @@ unsafe fn row_sum<I: Element, const VECTOR: bool>(x: *const I, w: *const f32, k:
 
 /// The body of [`outer`].
 #[inline(always)]
-unsafe fn outer_body<O: Element>(u: *const O, v: *const f32, rows: u32, cols: u32, vector: u32, out: *mut O) {
-    let (r, cols) = (block_idx_x() as usize, cols as usize);
-    if r >= rows as usize {
+#[allow(clippy::too_many_arguments)]
+unsafe fn outer_body<O: Element, V: Element>(
+    u: *const O,
+    ldu: u32,
+    v: *const V,
+    ldv: u32,
+    (rows, cols, rank): (u32, u32, u32),
+    block_rows: u32,
+    vector: u32,
+    out: *mut O,
+) {
+    let (ldu, ldv, rows, cols) = (ldu as usize, ldv as usize, rows as usize, cols as usize);
+    let rank = (rank as usize).clamp(1, OUTER_MAX_RANK);
+    let first = block_idx_x() as usize * block_rows as usize;
+    if first >= rows {
         return;
     }
-    // SAFETY: r < rows.
-    let a = unsafe { O::load1(u.add(r)) };
-    let (t, step) = (thread_idx_x() as usize, block_dim_x() as usize);
-    // SAFETY: row r of out.
-    let row = unsafe { out.add(r * cols) };
+    let count = (block_rows as usize).min(OUTER_MAX_BLOCK_ROWS).min(rows - first);
+    // `us[i][r] = u[r, first + i]`: the block's rows' factors, read once.
+    let us = dynamic_shared::<f32>();
+    let t = thread_idx_x() as usize;
+    let mut e = t;
+    while e < rank * count {
+        let (r, i) = (e / count, e % count);
+        // SAFETY: r < rank and first + i < rows: inside `u`; i < OUTER_MAX_BLOCK_ROWS and
+        // r < OUTER_MAX_RANK: inside the shared memory.
+        unsafe { *us.add(i * OUTER_MAX_RANK + r) = O::load1(u.add(r * ldu + first + i)) };
+        e += THREADS;
+    }
+    // SAFETY: every thread of the block reaches it.
+    unsafe { sync_threads() };
+    let start = block_idx_y() as usize * OUTER_BLOCK_COLS;
+    // One quad of `out`'s row `i` from the thread's quads `vs` of `v`.
+    let sum = |i: usize, vs: &[[f32; 4]; OUTER_MAX_RANK]| {
+        // SAFETY: i < count (each caller's loop).
+        let a = |r: usize| unsafe { *us.add(i * OUTER_MAX_RANK + r) };
+        let mut s = vs[0].map(|b| a(0) * b);
+        unroll!(r in 0..8 => {
+            if r >= 1 && r < rank {
+                let f = a(r);
+                unroll!(q in 0..4 => { s[q] = fma(f, vs[r][q], s[q]); });
+            }
+        });
+        s
+    };
     if vector != 0 {
-        let mut c = 4 * t;
-        while c < cols {
-            // SAFETY: a quad inside the row; `v` and `out` 16-byte aligned, rows a multiple of 4
-            // (`vector`).
-            unsafe { O::store4(row.add(c), load_v4_nc(v.add(c)).map(|b| a * b)) };
-            c += 4 * step;
+        let c = start + 4 * t;
+        if c >= cols {
+            return;
+        }
+        let mut vs = [[0.0; 4]; OUTER_MAX_RANK];
+        unroll!(r in 0..8 => {
+            // SAFETY: a quad inside row r of `v`, aligned (`vector`).
+            if r < rank { vs[r] = unsafe { V::load4_nc(v.add(r * ldv + c)) }; }
+        });
+        for i in 0..count {
+            // SAFETY: a quad inside row first + i of `out`, aligned (`vector`).
+            unsafe { O::store4(out.add((first + i) * cols + c), sum(i, &vs)) };
         }
     } else {
-        let mut c = t;
-        while c < cols {
-            // SAFETY: c < cols.
-            unsafe { O::store1(row.add(c), a * *v.add(c)) };
-            c += step;
+        // The thread's four columns, `THREADS` apart (coalesced).
+        let mut vs = [[0.0; 4]; OUTER_MAX_RANK];
+        unroll!(r in 0..8 => {
+            if r < rank {
+                unroll!(q in 0..4 => {
+                    let c = start + t + q * THREADS;
+                    // SAFETY: c < cols: inside row r of `v`.
+                    if c < cols { vs[r][q] = unsafe { V::load1(v.add(r * ldv + c)) }; }
+                });
+            }
+        });
+        for i in 0..count {
+            let s = sum(i, &vs);
+            unroll!(q in 0..4 => {
+                let c = start + t + q * THREADS;
+                // SAFETY: c < cols: inside row first + i of `out`.
+                if c < cols { unsafe { O::store1(out.add((first + i) * cols + c), s[q]) }; }
+            });
         }
     }
 }

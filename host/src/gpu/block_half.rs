@@ -405,6 +405,7 @@ impl<H: HalfElement> GpuBlock<H> {
             tma,
         );
         let dw = match (dw_route.widened, dw_out == H::DTYPE) {
+            _ if dw_route.family == Family::Outer => WeightGrad::Half(grad_weight_outer(gpu, &dz, x, (n, k, m))?),
             (false, true) => WeightGrad::Half(grad_weight_native(gpu, &dw_route, &dz, x, (n, k, m))?),
             (false, false) => WeightGrad::F32(grad_weight_native(gpu, &dw_route, &dz, x, (n, k, m))?),
             (true, _) => {
@@ -489,6 +490,7 @@ impl<H: HalfElement> GpuBlock<H> {
                 gpu.tuning().tma,
             );
             match (route.widened, out == H::DTYPE) {
+                _ if route.family == Family::Outer => WeightGrad::Half(grad_weight_outer(gpu, dz, x, (n, k, m))?),
                 (false, true) => WeightGrad::Half(grad_weight_native(gpu, &route, dz, x, (n, k, m))?),
                 (false, false) => WeightGrad::F32(grad_weight_native(gpu, &route, dz, x, (n, k, m))?),
                 (true, _) => {
@@ -564,6 +566,22 @@ enum WeightGrad<H> {
 /// `O` (`H`, or FP32), on the side stream after everything queued on the GPU's stream
 /// (the output's allocation included). The caller orders the GPU's stream after the
 /// side stream before using `dW` or freeing `dZ`.
+/// `dW (n, k) = dZ^T X` of a batch of at most `OUTER_MAX_RANK` rows, in `H`, as
+/// [`grad_weight_native`] queues it: the batch's outer products summed
+/// ([`Family::Outer`]).
+fn grad_weight_outer<H: HalfElement>(
+    gpu: &Gpu,
+    dz: &DeviceTensor<H>,
+    x: &DeviceTensor<H>,
+    (n, k, m): (usize, usize, usize),
+) -> Result<DeviceTensor<H>> {
+    let mut dw = gpu.alloc_as::<H>(&[n, k])?;
+    let side = gpu.side_stream();
+    gpu.order(gpu.stream(), side)?;
+    dot::outer_sum(gpu, side, (&dz.buf, n), (&x.buf, k), (m, n, k), &mut dw.buf)?;
+    Ok(dw)
+}
+
 fn grad_weight_native<H: HalfElement, O: DeviceElement>(
     gpu: &Gpu,
     route: &Route,

@@ -3,10 +3,16 @@
 //! of `x` (forward), an outer product (`dX`) and a weighted sum of `x`'s rows (its weight
 //! gradient), and its fold as the mean of the weight's rows.
 
-use super::{DeviceElement, DeviceTensor, Gpu, dispatch, launched};
+use super::dispatch::HalfKernels;
+use super::{DeviceElement, DeviceTensor, Dtype, Gpu, dispatch, launched};
 use crate::error::{Error, Result};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
-use kernel_abi::dot::{COLUMN_DOT_SMEM_BYTES, COLUMN_DOT_STEP_ROWS, ROW_DOT_SMEM_BYTES, THREADS, column_dot_cols};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use kernel_abi::Kernel;
+use kernel_abi::dot::{
+    COLUMN_DOT_SMEM_BYTES, COLUMN_DOT_STEP_ROWS, OUTER_BLOCK_COLS, OUTER_MAX_BLOCK_ROWS, OUTER_MAX_RANK,
+    OUTER_SMEM_BYTES, ROW_DOT_SMEM_BYTES, THREADS, column_dot_cols,
+};
+use std::sync::Arc;
 
 /// Blocks per SM `column_dot` aims at.
 const BLOCKS_PER_SM: usize = 8;
@@ -131,23 +137,84 @@ pub fn row_dot<T: DeviceElement>(gpu: &Gpu, x: &DeviceTensor<T>, w: &DeviceTenso
 /// the GPU's stream: a one-column layer's `dX = dZ w`.
 pub fn outer<T: DeviceElement>(gpu: &Gpu, u: &DeviceTensor<T>, v: &DeviceTensor) -> Result<DeviceTensor<T>> {
     let (rows, cols) = (u.len(), v.len());
-    if rows > i32::MAX as usize || cols > u32::MAX as usize {
+    let mut out = gpu.alloc_as::<T>(&[rows, cols])?;
+    outer_sum(gpu, gpu.stream(), (&u.buf, rows), (&v.buf, cols), (1, rows, cols), &mut out.buf)?;
+    Ok(out)
+}
+
+/// `out (rows, cols) = sum_{r < rank} u[r, :]^T v[r, :]` on `stream`, summed in FP32 and
+/// rounded once into `U`: `u` holds `rank` rows of `rows` values at pitch `ldu`, `v`
+/// `rank` rows of `cols` at pitch `ldv` (FP32, or `U` itself for a 16-bit `U`). With
+/// `u = dZ (m, n)` and `v = X (m, k)` it is `dW` of an `m`-row batch
+/// ([`dispatch::Family::Outer`]).
+pub fn outer_sum<U: DeviceElement, V: DeviceElement>(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    (u, ldu): (&CudaSlice<U>, usize),
+    (v, ldv): (&CudaSlice<V>, usize),
+    (rank, rows, cols): (usize, usize, usize),
+    out: &mut CudaSlice<U>,
+) -> Result<()> {
+    let kernel = match (U::DTYPE, V::DTYPE) {
+        (u, Dtype::F32) => dispatch::dot_kernels(u).outer,
+        (u, v) if u == v => HalfKernels::of(u).map_or(Kernel::Outer, |h| h.outer_sum),
+        (u, v) => return Err(Error::Unsupported(format!("an outer product of {u:?} and {v:?} values"))),
+    };
+    let fits = |len: usize, ld: usize, width: usize| ld >= width && len >= (rank - 1) * ld + width;
+    if !(1..=OUTER_MAX_RANK).contains(&rank)
+        || !fits(u.len(), ldu, rows)
+        || !fits(v.len(), ldv, cols)
+        || out.len() < rows * cols
+    {
+        return Err(Error::Shape(format!(
+            "a sum of {rank} outer products (at most {OUTER_MAX_RANK}) into {rows} x {cols} from {} values at \
+             pitch {ldu} and {} at pitch {ldv}, into {}",
+            u.len(),
+            v.len(),
+            out.len()
+        )));
+    }
+    if rows == 0 || cols == 0 {
+        return Ok(());
+    }
+    if [rows, cols, ldu, ldv].iter().any(|&d| d > u32::MAX as usize) {
         return Err(Error::Shape(format!("an outer product of {rows} x {cols} exceeds its 32-bit launch")));
     }
-    let mut out = gpu.alloc_as::<T>(&[rows, cols])?;
-    let kernel = dispatch::dot_kernels(T::DTYPE).outer;
-    let cfg =
-        LaunchConfig { grid_dim: (rows.max(1) as u32, 1, 1), block_dim: (THREADS as u32, 1, 1), shared_mem_bytes: 0 };
+    // Blocks of OUTER_MAX_BLOCK_ROWS rows (each thread's quads of `v` serve them all):
+    // 2048 blocks for 8192^2, and a small `dW` on a few SMs, which leaves the rest to
+    // `dX` beside it. (Spread over every SM, 342 blocks of 3 rows, TF32's training step
+    // at one row of 1024^2 took 4 us longer in a CUDA graph, the kernel itself 2.5 us
+    // against the tile GEMM's 6.2: H200, 2026-11-29.)
+    let col_blocks = cols.div_ceil(OUTER_BLOCK_COLS);
+    let block_rows = rows.min(OUTER_MAX_BLOCK_ROWS);
+    let row_blocks = rows.div_ceil(block_rows);
+    if col_blocks > u16::MAX as usize || row_blocks > i32::MAX as usize {
+        return Err(Error::Shape(format!("an outer product of {rows} x {cols} exceeds its launch grid")));
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (row_blocks as u32, col_blocks as u32, 1),
+        block_dim: (THREADS as u32, 1, 1),
+        shared_mem_bytes: OUTER_SMEM_BYTES as u32,
+    };
     let func = gpu.function(kernel)?;
-    // (`v` may be a caller's weight, starting anywhere.)
-    let q = vector(v, cols);
-    let (r, c) = (rows as u32, cols as u32);
-    let mut l = gpu.stream().launch_builder(&func);
-    l.arg(&u.buf).arg(&v.buf).arg(&r).arg(&c).arg(&q).arg(&mut out.buf);
-    // SAFETY: (u, v, rows, cols, vector, out) as the kernel takes; `v` holds cols values,
-    // `out` (an allocation: 16-byte aligned) rows * cols; `vector` only where `v` allows.
-    launched(kernel, unsafe { l.launch(cfg) })?;
-    Ok(out)
+    // Quads where every row of `v` and `out` starts on one (`v` may be a caller's tensor
+    // or view, starting anywhere).
+    let quad = |addr: u64, size: usize| addr.is_multiple_of(4 * size as u64);
+    let vector = cols.is_multiple_of(4)
+        && ldv.is_multiple_of(4)
+        && quad(v.device_ptr(stream).0, size_of::<V>())
+        && quad(out.device_ptr(stream).0, size_of::<U>());
+    let args = [ldu, ldv, rows, cols, rank, block_rows, usize::from(vector)].map(|a| a as u32);
+    let mut l = stream.launch_builder(&func);
+    l.arg(u).arg(&args[0]).arg(v);
+    for a in &args[1..] {
+        l.arg(a);
+    }
+    l.arg(out);
+    // SAFETY: (u, ldu, v, ldv, rows, cols, rank, block_rows, vector, out) as the kernel
+    // takes, its types `kernel`'s; the extents checked above; `vector` only where every
+    // quad is aligned; the grid and shared memory as its launch wants.
+    launched(kernel, unsafe { l.launch(cfg) })
 }
 
 #[cfg(test)]

@@ -35,7 +35,9 @@ pub fn stages(family: Family, kernel: Kernel) -> Result<(usize, usize)> {
             );
             Ok((gemm_wgmma::BLOCK_K, gemm_wgmma::smem_bytes(split)))
         }
-        Family::Tma => Err(Error::Unsupported(format!("`{}` is not a grid-of-tiles kernel", kernel.name()))),
+        Family::Tma | Family::Outer => {
+            Err(Error::Unsupported(format!("`{}` is not a grid-of-tiles kernel", kernel.name())))
+        }
     }
 }
 

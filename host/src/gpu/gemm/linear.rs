@@ -216,6 +216,12 @@ fn launch(
         }
         Family::Tma if tk => super::tma::launch_tk(gpu, stream, route.kernel, op, y),
         Family::Tma => super::tma::launch_forward(gpu, stream, route, op, y, save_z),
+        // `dW (n, k) = dZ^T X`: the batch's `k` rows of `dZ` (`A`) and `X` (`B`).
+        Family::Outer if route.layout == Layout::Tn && save_z.is_none() && op.bias.is_none() && op.chain.is_none() => {
+            let (u, v) = ((op.a, op.lda), (op.b, op.ldb));
+            super::super::dot::outer_sum(gpu, stream, u, v, (k, m, n), &mut y.buf)
+        }
+        Family::Outer => Err(Error::Unsupported(format!("`{}` computes dW = dZ^T X only", route.kernel))),
     }
 }
 
