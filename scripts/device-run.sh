@@ -20,6 +20,9 @@
 #   device-carry/torchao holds its wheel) (not in the default)
 #   STEPS=parallel: several ranks (NCCL over every GPU present, ranks sharing GPU 0), tensor
 #   and data parallel through the CLI, the DDP example (not in the default)
+#   STEPS=sanitize: compute-sanitizer's memcheck over every Rust GPU test, one test per
+#   process (a test fails where the tool reports any access outside an allocation;
+#   SANITIZE_TESTS= a space-separated subset of test names; not in the default: ~10x slower)
 set -uo pipefail
 # NVLink multicast stays off in everything started here: on a shared host a program that
 # uses it can put every GPU out of service.
@@ -80,6 +83,13 @@ if has sass; then
   done
 fi
 has tests && run "GPU tests" 400 "$C/test-gpu" --include-ignored --nocapture --test-threads 1
+if has sanitize; then
+  cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  tests=${SANITIZE_TESTS:-$("$C/test-gpu" --include-ignored --list 2>/dev/null | sed -n 's/: test$//p')}
+  for t in $tests; do
+    run "memcheck $t" 300 "$cs" --tool memcheck --error-exitcode 9 "$C/test-gpu" --include-ignored --exact "$t"
+  done
+fi
 has check && run "check forward" 300 "$C/host" check --random 32
 has check && run "check backward" 300 "$C/host" check --backward --random 32 --seed 1
 if has forward; then

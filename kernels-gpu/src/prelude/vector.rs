@@ -39,26 +39,27 @@ impl Vector {
         Vector(self.0 + (i * abi::value_bytes(self.stored())) as u64)
     }
 
-    /// Value `i`: one load of the aligned 32-bit word that holds it (FP32: the value; a
-    /// 16-bit type: it and its neighbour, the half picked and widened by selects), so
-    /// the three storage types share one load and no branch. (A branch per read, and a
-    /// load of 32 or 16 bits by a predicate, each cost the register-bound row-wise
-    /// backward more spills than this.)
+    /// Value `i`: two 16-bit loads, of its halves (FP32) or both of the one value (a
+    /// 16-bit type), the address picked by a select, so the three storage types share
+    /// one code path with no branch and read nothing outside the value. (A branch per
+    /// read, and a load of 32 or 16 bits by a predicate, each cost the register-bound
+    /// row-wise backward spills when it read as stored; one load of the aligned 32-bit
+    /// word read 2 bytes past an odd-length 16-bit vector, which compute-sanitizer
+    /// reports on exact-size allocations.)
     ///
     /// # Safety
-    /// `i` is below the vector's length and the vector starts at a 4-byte boundary (a
-    /// 16-bit vector of odd length is then read up to 2 bytes past its end, inside its
-    /// last aligned word).
+    /// `i` is below the vector's length and the vector starts at a 2-byte boundary (4 for
+    /// FP32).
     #[inline(always)]
     pub unsafe fn get(self, i: usize) -> f32 {
         let stored = self.stored();
         let at = abi::address(self.0) as usize + i * abi::value_bytes(stored);
-        let w = unsafe { *((at & !3) as *const u32) };
-        let half = if at & 2 != 0 { w >> 16 } else { w & 0xffff };
+        let wide = stored == Stored::F32;
+        let (lo, hi) = unsafe { (*(at as *const u16) as u32, *((at + if wide { 2 } else { 0 }) as *const u16) as u32) };
         f32::from_bits(match stored {
-            Stored::F32 => w,
-            Stored::Bf16 => half << 16,
-            Stored::F16 => unpack_f16x2(half)[0].to_bits(),
+            Stored::F32 => lo | hi << 16,
+            Stored::Bf16 => lo << 16,
+            Stored::F16 => unpack_f16x2(lo)[0].to_bits(),
         })
     }
 
