@@ -15,6 +15,7 @@ use host::block::{BlockSpec, Params};
 use host::chain::Chain;
 use host::gpu::block::{DeviceParams, GpuBlock, Saved};
 use host::gpu::elementwise::{Convert, Vector, convert_vectors};
+use host::gpu::epilogue::widen_words;
 use host::gpu::{DeviceAllocator, DeviceElement, DeviceTensor, DeviceVector, ElementKind, Gpu, KernelImage};
 use host::reference::{self, BlockGrads, Real};
 use host::tensor::{Bf16, F16, Tensor};
@@ -554,32 +555,7 @@ fn gpu_call<W: DeviceElement>(
     // shapes and dtypes (x and the weight `W`, the others float32 or the 16-bit model's
     // type) on this device, 16-byte aligned; the caller holds them for the call.
     let borrow_w = |a: &Arg<'_>| unsafe { gpu.borrow_tensor::<W>(a.ptr, &a.shape) }.map_err(to_py);
-    // `Vectors::Widened`: where each 16-bit vector's FP32 copy starts in `widened` (at
-    // a 16-byte boundary, as the kernels read them).
-    let half = |a: &&Arg<'_>| vectors == Vectors::Widened && matches!(a.dtype, DType::Bf16 | DType::F16);
-    let mut wide_len = 0;
-    let offsets: Vec<Option<usize>> = [&call.bias]
-        .into_iter()
-        .chain(&call.params)
-        .map(|a| {
-            half(&a).then(|| {
-                let at = wide_len;
-                wide_len += a.shape.iter().product::<usize>().next_multiple_of(4);
-                at
-            })
-        })
-        .collect();
-    let widened = if wide_len > 0 { Some(gpu.alloc(&[wide_len]).map_err(to_py)?) } else { None };
-    let mut widen = Vec::new();
-    let mut borrow_param = |a: &Arg<'_>, offset: Option<usize>| -> PyResult<DeviceVector> {
-        if let (Some(at), Some(w)) = (offset, &widened) {
-            let dst = w.buf.device_address() + (at * 4) as u64;
-            let len = a.shape.iter().product();
-            let mode = if a.dtype == DType::F16 { Convert::F16ToF32 } else { Convert::Bf16ToF32 };
-            widen.push(Vector { src: a.ptr, dst, len, mode });
-            // SAFETY: inside `widened`, which the returned call keeps.
-            return unsafe { gpu.borrow_tensor::<f32>(dst, &a.shape) }.map(DeviceVector::F32).map_err(to_py);
-        }
+    let borrow_param = |a: &Arg<'_>| -> PyResult<DeviceVector> {
         // SAFETY: as above.
         unsafe {
             match a.dtype {
@@ -590,17 +566,23 @@ fn gpu_call<W: DeviceElement>(
         }
         .map_err(to_py)
     };
-    let linear_bias = borrow_param(&call.bias, offsets[0])?;
-    let mut flat = call
-        .params
-        .iter()
-        .zip(&offsets[1..])
-        .map(|(a, o)| borrow_param(a, *o))
-        .collect::<PyResult<Vec<_>>>()?
-        .into_iter();
-    // SAFETY: each source is a checked 16-bit argument the caller holds for the call,
-    // each destination inside `widened`.
-    unsafe { convert_vectors(&gpu, gpu.stream(), &widen) }.map_err(to_py)?;
+    let mut params = [&call.bias].into_iter().chain(&call.params).map(borrow_param).collect::<PyResult<Vec<_>>>()?;
+    let mut widened = None;
+    if vectors == Vectors::Widened {
+        let words = params.iter().map(|v| Ok((v.word()?.0, v.len()))).collect::<host::Result<Vec<_>>>();
+        // SAFETY: each word is a vector borrowed above, which the caller holds for the call.
+        if let Some((copies, at)) = unsafe { widen_words(&gpu, &words.map_err(to_py)?) }.map_err(to_py)? {
+            for (v, dst) in params.iter_mut().zip(at) {
+                if let Some(dst) = dst {
+                    // SAFETY: its FP32 copy inside `copies`, which the returned call keeps.
+                    *v = DeviceVector::F32(unsafe { gpu.borrow_tensor::<f32>(dst, v.shape()) }.map_err(to_py)?);
+                }
+            }
+            widened = Some(copies);
+        }
+    }
+    let mut flat = params.into_iter();
+    let linear_bias = flat.next().ok_or_else(|| PyRuntimeError::new_err("fused_linear: internal error: no bias"))?;
     let ops = call
         .block
         .spec

@@ -99,54 +99,77 @@ pub fn widen_params(
     n: usize,
     bias: Option<VectorArg<'_>>,
 ) -> Result<Option<Widened>> {
-    {
-        // (op and slot, or `None` for the bias; source word; length) of each 16-bit vector.
-        let mut wide = Vec::new();
-        if let Some(b) = bias.filter(|b| vector::stored(b.word.0) != Stored::F32) {
-            wide.push((None, b.word.0, b.len));
-        }
-        let own: &[OpDesc] = chain.map_or(&[], |c| &c.ops);
-        let mut f = n;
-        for (i, op) in own.iter().enumerate() {
-            for (slot, word) in [op.param0, op.param1].into_iter().enumerate() {
-                if word != 0 && vector::stored(word) != Stored::F32 {
-                    wide.push((Some((i, slot)), word, f));
-                }
-            }
-            f = features_after(op, f);
-        }
-        if wide.is_empty() {
-            return Ok(None);
-        }
-        // Each copy at a 16-byte boundary, as the kernels' vector loads want.
-        let total: usize = wide.iter().map(|&(.., len)| len.next_multiple_of(4)).sum();
-        let copies = gpu.alloc(&[total])?;
-        let (mut ops, mut bias) = (own.to_vec(), None);
-        let mut vectors = Vec::new();
-        let mut at = copies.buf.device_address();
-        for &(place, word, len) in &wide {
-            let mode = if vector::stored(word) == Stored::F16 { Convert::F16ToF32 } else { Convert::Bf16ToF32 };
-            vectors.push(Vector { src: vector::address(word), dst: at, len, mode });
-            match place {
-                None => bias = Some(VectorWord(at)),
-                Some((i, 0)) => ops[i].param0 = at,
-                Some((i, _)) => ops[i].param1 = at,
-            }
-            at += (len.next_multiple_of(4) * 4) as u64;
-        }
-        // SAFETY: each source is a parameter vector of `len` values of its type, which
-        // the caller keeps alive; each destination lies inside `copies`.
-        unsafe { convert_vectors(gpu, gpu.stream(), &vectors)? };
-        let chain = match chain {
-            Some(c) if ops != c.ops => {
-                let words: Vec<u64> = ops.iter().flat_map(op_words).collect();
-                let descs = gpu.words(gpu.stream(), &words)?;
-                Some(DeviceChain { ops, descs, grad_slots: c.grad_slots })
-            }
-            _ => None,
-        };
-        Ok(Some(Widened { chain, bias, _copies: copies }))
+    // (op and slot, or `None` for the bias) and (word, length) of each vector.
+    let (mut places, mut words) = (Vec::new(), Vec::new());
+    if let Some(b) = bias {
+        places.push(None);
+        words.push((b.word.0, b.len));
     }
+    let own: &[OpDesc] = chain.map_or(&[], |c| &c.ops);
+    let mut f = n;
+    for (i, op) in own.iter().enumerate() {
+        for (slot, word) in [op.param0, op.param1].into_iter().enumerate() {
+            if word != 0 {
+                places.push(Some((i, slot)));
+                words.push((word, f));
+            }
+        }
+        f = features_after(op, f);
+    }
+    // SAFETY: the bias is a live vector of `len` values (its `VectorArg`'s borrow); the
+    // chain's words are its parameter vectors, of the features their op sees, which the
+    // caller keeps alive.
+    let Some((copies, at)) = (unsafe { widen_words(gpu, &words)? }) else { return Ok(None) };
+    let (mut ops, mut bias) = (own.to_vec(), None);
+    for (place, dst) in places.into_iter().zip(at) {
+        match (place, dst) {
+            (_, None) => {}
+            (None, Some(dst)) => bias = Some(VectorWord(dst)),
+            (Some((i, 0)), Some(dst)) => ops[i].param0 = dst,
+            (Some((i, _)), Some(dst)) => ops[i].param1 = dst,
+        }
+    }
+    let chain = match chain {
+        Some(c) if ops != c.ops => {
+            let words: Vec<u64> = ops.iter().flat_map(op_words).collect();
+            let descs = gpu.words(gpu.stream(), &words)?;
+            Some(DeviceChain { ops, descs, grad_slots: c.grad_slots })
+        }
+        _ => None,
+    };
+    Ok(Some(Widened { chain, bias, _copies: copies }))
+}
+
+/// FP32 copies of the 16-bit vectors among `vectors` (each a `kernel_abi::vector` word
+/// and its length), side by side in one new buffer, each at a 16-byte boundary as the
+/// kernels' vector loads want, made by one launch on the GPU's stream: the buffer and
+/// each vector's copy's address (`None` for an FP32 one, read as it is); `None` where
+/// every vector is FP32 (no launch).
+///
+/// # Safety
+/// Each word names a live vector of `len` values of its type, not written before the
+/// launch has run.
+pub unsafe fn widen_words(gpu: &Gpu, vectors: &[(u64, usize)]) -> Result<Option<(DeviceTensor, Vec<Option<u64>>)>> {
+    let half = |word: u64| word != 0 && vector::stored(word) != Stored::F32;
+    if !vectors.iter().any(|v| half(v.0)) {
+        return Ok(None);
+    }
+    let total: usize = vectors.iter().filter(|v| half(v.0)).map(|v| v.1.next_multiple_of(4)).sum();
+    let copies = gpu.alloc(&[total])?;
+    let (mut at, mut converts, mut dsts) = (copies.buf.device_address(), Vec::new(), Vec::new());
+    for &(word, len) in vectors {
+        if !half(word) {
+            dsts.push(None);
+            continue;
+        }
+        let mode = if vector::stored(word) == Stored::F16 { Convert::F16ToF32 } else { Convert::Bf16ToF32 };
+        converts.push(Vector { src: vector::address(word), dst: at, len, mode });
+        dsts.push(Some(at));
+        at += (len.next_multiple_of(4) * 4) as u64;
+    }
+    // SAFETY: each source as the caller's contract says; each destination inside `copies`.
+    unsafe { convert_vectors(gpu, gpu.stream(), &converts)? };
+    Ok(Some((copies, dsts)))
 }
 
 impl DeviceChain {
