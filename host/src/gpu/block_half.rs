@@ -562,12 +562,8 @@ enum WeightGrad<H> {
     F32(DeviceTensor),
 }
 
-/// `dW (n, k) = dZ^T X` on the 16-bit kernel, `dZ (m, n)` and `X (m, k)` as stored, into
-/// `O` (`H`, or FP32), on the side stream after everything queued on the GPU's stream
-/// (the output's allocation included). The caller orders the GPU's stream after the
-/// side stream before using `dW` or freeing `dZ`.
-/// `dW (n, k) = dZ^T X` of a batch of at most `OUTER_MAX_RANK` rows, in `H`, as
-/// [`grad_weight_native`] queues it: the batch's outer products summed
+/// `dW (n, k) = dZ^T X` of a batch of at most `OUTER_MAX_RANK` rows, in `H`, queued as
+/// [`grad_weight_native`] queues its GEMM: the batch's outer products summed
 /// ([`Family::Outer`]).
 fn grad_weight_outer<H: HalfElement>(
     gpu: &Gpu,
@@ -582,6 +578,10 @@ fn grad_weight_outer<H: HalfElement>(
     Ok(dw)
 }
 
+/// `dW (n, k) = dZ^T X` on the 16-bit kernel, `dZ (m, n)` and `X (m, k)` as stored, into
+/// `O` (`H`, or FP32), on the side stream after everything queued on the GPU's stream
+/// (the output's allocation included). The caller orders the GPU's stream after the
+/// side stream before using `dW` or freeing `dZ`.
 fn grad_weight_native<H: HalfElement, O: DeviceElement>(
     gpu: &Gpu,
     route: &Route,
