@@ -22,7 +22,7 @@
 //! `batch_norm_grad` for the paths through the statistics.
 
 use crate::elementwise::global_index;
-use crate::epilogue::lanes::{F4, LaneGroup, add_to_slot, column_params, lane_backward_rows, lane_forward_rows, store_row4};
+use crate::epilogue::lanes::{F4, LaneGroup, add_to_slot, lane_backward_rows, lane_forward_rows, store_row4};
 use crate::epilogue::pointwise::param_count;
 use crate::prelude::element::{Bf16, Element, F16};
 use crate::prelude::math::sqrt;
@@ -71,7 +71,7 @@ impl Place {
     /// `v` holds `n` floats.
     #[inline(always)]
     unsafe fn column(&self, v: *const f32) -> [f32; 4] {
-        unsafe { column_params(Vector(v as u64), self.n, self.c) }
+        unsafe { AsStored::column4(Vector(v as u64), self.n, self.c) }
     }
 
     /// Per-column parameter `p[c..c + 4]` as stored (0 past `n`).
@@ -80,7 +80,7 @@ impl Place {
     /// `p` holds `n` values.
     #[inline(always)]
     unsafe fn param(&self, p: Vector) -> [f32; 4] {
-        unsafe { column_params(p, self.n, self.c) }
+        unsafe { AsStored::column4(p, self.n, self.c) }
     }
 
     /// Rows `row` and, when `both`, `row + 1` of the lane's columns (0 past `n`, and

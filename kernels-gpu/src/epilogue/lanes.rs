@@ -23,33 +23,6 @@ use kernel_abi::gemm_fma::MAX_TILE_OPS;
 #[repr(C, align(16))]
 pub struct F4(pub [f32; 4]);
 
-/// Per-column parameter `p[c + e]`, 0 past `n`.
-///
-/// # Safety
-/// `p` holds `n` values.
-#[inline(always)]
-pub unsafe fn column_param(p: Vector, n: usize, c: usize, e: usize) -> f32 {
-    // SAFETY: c + e < n, the parameter's length.
-    if c + e < n { unsafe { p.get(c + e) } } else { 0.0 }
-}
-
-/// Per-column parameters `p[c..c + 4]`, 0 past `n`: one load when they are inside and
-/// aligned.
-///
-/// # Safety
-/// `p` holds `n` values.
-#[inline(always)]
-pub unsafe fn column_params(p: Vector, n: usize, c: usize) -> [f32; 4] {
-    // SAFETY: c + 4 <= n, the parameter's length; aligned (checked: parameter vectors
-    // need not be).
-    if c + 4 <= n && p.quad_aligned(c) {
-        unsafe { p.quad(c) }
-    } else {
-        // SAFETY: as the caller promises.
-        [0, 1, 2, 3].map(|e| unsafe { column_param(p, n, c, e) })
-    }
-}
-
 /// Writes columns `c..c+4` of `row` of an `(.., n)` row-major matrix, 16 bytes at a time
 /// when aligned, skipping columns past `n`.
 ///

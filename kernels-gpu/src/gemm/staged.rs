@@ -2,7 +2,7 @@
 //! memory by the main loop's arithmetic (whatever its register layout), is walked row
 //! by row — bias, the saved `z`, the epilogue chain, coalesced stores.
 
-use crate::epilogue::lanes::{F4, LaneGroup, column_params, lane_forward_rows, store_row4};
+use crate::epilogue::lanes::{F4, LaneGroup, lane_forward_rows, store_row4};
 use crate::prelude::element::{Bf16, Element, F16};
 use crate::prelude::global::load_v4_nc;
 use crate::prelude::*;
@@ -88,7 +88,7 @@ fn epilogue_rows<const R: usize>(
 ) {
     if !bias.is_null() {
         // SAFETY: the bias holds `n` floats (the caller's contract).
-        let b = unsafe { column_params(bias, n, c) };
+        let b = unsafe { AsStored::column4(bias, n, c) };
         unroll!(i in 0..2 => {
             if i < R {
                 unroll!(e in 0..4 => { rows[i][e] += b[e]; });

@@ -1,8 +1,10 @@
 //! A per-feature parameter vector as the kernels take it (`kernel_abi::vector`): its
 //! device address and how its values are stored, FP32 or a 16-bit model's bf16 or
-//! fp16, widened on load (exactly). The epilogues' hottest loops (the TMA GEMM's
-//! per-column parameters) match on [`Vector::stored`] once and run a loop per type;
-//! the rest read through [`Vector::get`] and its wider siblings, a uniform branch.
+//! fp16, widened on load (exactly). A kernel reads them through a [`ReadParams`]:
+//! [`Typed`] (one instance of an op's code per storage type, chosen by
+//! `with_reader!`), [`AsStored`] (per load, for an op whose vectors differ), or
+//! [`Fp32Params`] (FP32 only, for the kernels whose host widens a 16-bit model's
+//! vectors first).
 
 use super::element::{Bf16, Element, Half};
 use super::global::load_v2_b32_nc;

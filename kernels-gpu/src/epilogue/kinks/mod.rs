@@ -31,7 +31,6 @@ use crate::prelude::global::load_v4_nc;
 use crate::prelude::mma::ld_shared_v4;
 use crate::prelude::mma::mma_f64_m16n8k16;
 use crate::prelude::warp::{segment_sum, shfl_xor, warp_max, warp_sum, warp_sum_f64};
-use super::lanes::column_params;
 use crate::prelude::*;
 use crate::unroll;
 use kernel_abi::epilogue::*;

@@ -122,7 +122,7 @@ pub unsafe extern "ptx-kernel" fn kink_scan_tiles(
                         // (Last, as in M5's chain, only its conditioning is asked.)
                         if i + 1 < n_ops as usize {
                             // (Inside the function's unsafe block: a GroupNorm's two parameters hold `n` floats each.)
-                            let (gamma, beta) = (column_params(p0, n, c), column_params(p1, n, c));
+                            let (gamma, beta) = (AsStored::column4(p0, n, c), AsStored::column4(p1, n, c));
                             unroll!(e in 0..4 => {
                                 (v[e], r[e]) = stats.apply(v[e], r[e], gamma[e], beta[e]);
                             });
@@ -130,7 +130,7 @@ pub unsafe extern "ptx-kernel" fn kink_scan_tiles(
                     }
                     code => {
                         // (Inside the unsafe block: an op's parameter holds `n` floats.)
-                        let p = if param_count(op) > 0 { column_params(p0, n, c) } else { [0.0; 4] };
+                        let p = if param_count(op) > 0 { AsStored::column4(p0, n, c) } else { [0.0; 4] };
                         unroll!(e in 0..4 => {
                             let rc = r[e] + cc * fabs(v[e]);
                             let (y, ry, doubtful) = match_pointwise!(code,
