@@ -826,7 +826,10 @@ fn tf32_linear_gradients_match_reference() {
                 _ => format!("gemm_wgmma_{precision}_dw_vec4"),
             };
             assert_eq!(kernel(Role::GradWeight), dw_kernel);
-            if k % 4 == 0 {
+            if m == 1 {
+                // One row's `dX`: `W`'s rows weighted by `dz`, one pass.
+                assert_eq!(kernel(Role::GradInput), "column_dot");
+            } else if k % 4 == 0 {
                 assert_eq!(kernel(Role::GradInput), format!("gemm_tma_{precision}_tk_t"));
             }
             check_linear_gradients(&gpu, precision, (&x, &dz, &w));
@@ -1035,7 +1038,8 @@ fn half_model_blocks_match_reference<H: host::gpu::HalfElement>(tol: f64, seed: 
 /// (groups wider than a slab, a width not whole slabs, a row max). Depths that are not
 /// whole units of the warps' split (32 bf16 or 16 FP32 values per unit, 8 units a
 /// round), and shallower than one round (idle warps). `dW` of up to 8 rows: the rows'
-/// outer products (`outer`, `outer_sum_*`), in quads and, at odd widths, one by one.
+/// outer products (`outer`, `outer_sum_*`), in quads and, at odd widths, one by one;
+/// `dX` of one row: `W`'s rows weighted by `dz` (`column_dot_*`).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn small_batches_match_reference() {

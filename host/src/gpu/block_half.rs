@@ -405,7 +405,7 @@ impl<H: HalfElement> GpuBlock<H> {
             tma,
         );
         let dw = match (dw_route.widened, dw_out == H::DTYPE) {
-            _ if dw_route.family == Family::Outer => WeightGrad::Half(grad_weight_outer(gpu, &dz, x, (n, k, m))?),
+            _ if dw_route.family == Family::Dot => WeightGrad::Half(grad_weight_outer(gpu, &dz, x, (n, k, m))?),
             (false, true) => WeightGrad::Half(grad_weight_native(gpu, &dw_route, &dz, x, (n, k, m))?),
             (false, false) => WeightGrad::F32(grad_weight_native(gpu, &dw_route, &dz, x, (n, k, m))?),
             (true, _) => {
@@ -422,6 +422,8 @@ impl<H: HalfElement> GpuBlock<H> {
         let dx_route = dispatch::route(precision, Role::GradInput, (m, n, k), storage, tma);
         let dx = if !self.input_grad {
             None
+        } else if dx_route.family == Family::Dot {
+            Some(dot::weighted_rows(gpu, w16, &dz)?)
         } else if !dx_route.widened {
             let mut dx = gpu.alloc_as::<H>(&[m, k])?;
             let (stream, ab, dims, lds) = (gpu.stream(), (&*dz.buf, &*w16.buf), (m, k, n), (n, k));
@@ -490,7 +492,7 @@ impl<H: HalfElement> GpuBlock<H> {
                 gpu.tuning().tma,
             );
             match (route.widened, out == H::DTYPE) {
-                _ if route.family == Family::Outer => WeightGrad::Half(grad_weight_outer(gpu, dz, x, (n, k, m))?),
+                _ if route.family == Family::Dot => WeightGrad::Half(grad_weight_outer(gpu, dz, x, (n, k, m))?),
                 (false, true) => WeightGrad::Half(grad_weight_native(gpu, &route, dz, x, (n, k, m))?),
                 (false, false) => WeightGrad::F32(grad_weight_native(gpu, &route, dz, x, (n, k, m))?),
                 (true, _) => {
@@ -564,7 +566,7 @@ enum WeightGrad<H> {
 
 /// `dW (n, k) = dZ^T X` of a batch of at most `OUTER_MAX_RANK` rows, in `H`, queued as
 /// [`grad_weight_native`] queues its GEMM: the batch's outer products summed
-/// ([`Family::Outer`]).
+/// ([`Family::Dot`]).
 fn grad_weight_outer<H: HalfElement>(
     gpu: &Gpu,
     dz: &DeviceTensor<H>,

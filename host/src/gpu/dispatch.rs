@@ -70,10 +70,11 @@ pub enum Family {
     /// bf16 over 16-byte rows, `k >= MIN_K`, split-K in the forward
     /// (kernels-gpu/src/gemm/tma/; launcher [`super::gemm::tma`]).
     Tma,
-    /// `outer*`: `dW` of at most `OUTER_MAX_RANK` rows as that many outer products
-    /// summed in FP32, one pass over `dW` at the memory's rate, FP32 and 16-bit models
-    /// (kernels-gpu/src/dot.rs; launcher [`super::dot::outer_sum`]).
-    Outer,
+    /// `dot.rs`'s one-pass kernels at the memory's rate, FP32 sums, FP32 and 16-bit
+    /// models: `dW` of at most `OUTER_MAX_RANK` rows as that many outer products
+    /// (`outer*`, launcher [`super::dot::outer_sum`]), `dX` of one row as `W`'s rows
+    /// weighted by `dZ` and summed (`column_dot*`, launcher [`super::dot::weighted_rows`]).
+    Dot,
 }
 
 /// A GEMM of a Linear layer `y (m, n) = x (m, k) W^T`, `W (n, k)`.
@@ -138,7 +139,7 @@ pub struct HalfKernels {
     pub tma_tn_to_half: Kernel,
     /// `dW` into FP32 (a folded AvgPool's weight).
     pub tma_tn: Kernel,
-    /// `dW` of a few rows, 16-bit throughout ([`Family::Outer`]).
+    /// `dW` of a few rows, 16-bit throughout ([`Family::Dot`]).
     pub outer_sum: Kernel,
     /// `mma.sync` on FP32 operands rounded as loaded: `[layout][vec4, scalar]`, layouts
     /// `Nt`, `Nn`, `Tn`.
@@ -324,11 +325,25 @@ pub fn route(precision: Precision, role: Role, dims: (usize, usize, usize), stor
     // `dW` of a few rows: a tile GEMM as deep as the batch fills a whole tile's pipeline
     // for each `128 x 256` of `dW` (TF32 at one row of 8192^2: 0.141 ms where writing
     // the 256 MB takes ~0.06). FP32 sums: as exact as 3xTF32's, exacter than TF32's.
-    if role == Role::GradWeight && (1..=OUTER_MAX_RANK).contains(&dims.0) {
+    // `dX` of one row: one pass over `W` (TF32 at 8192^2: 0.091 ms on `gemm_wgmma`'s
+    // split where reading the 256 MB takes ~0.06).
+    let dot = match role {
+        Role::GradWeight if (1..=OUTER_MAX_RANK).contains(&dims.0) => Some(Layout::Tn),
+        Role::GradInput if dims.0 == 1 => Some(Layout::Nn),
+        _ => None,
+    };
+    if let Some(layout) = dot {
+        let kernels = |dtype| (dot_kernels(dtype), HalfKernels::of(dtype));
+        let pick = |(d, h): (DotKernels, Option<&HalfKernels>)| match layout {
+            Layout::Tn => h.map_or(Kernel::Outer, |h| h.outer_sum),
+            _ => d.column_dot,
+        };
         match HalfKernels::of(storage.operands) {
-            Some(h) if storage.output == storage.operands => return Route::outer(h.outer_sum),
+            Some(_) if storage.output == storage.operands => {
+                return Route::dot(pick(kernels(storage.operands)), layout);
+            }
             None if matches!(precision, Precision::Fp32 | Precision::Tf32 | Precision::Tf32x3) => {
-                return Route::outer(Kernel::Outer);
+                return Route::dot(pick(kernels(Dtype::F32)), layout);
             }
             _ => {}
         }
@@ -458,12 +473,13 @@ impl Route {
         }
     }
 
-    /// An `outer*` kernel over `dZ` and `X` as stored.
-    fn outer(kernel: Kernel) -> Route {
+    /// A `dot.rs` kernel over its operands as stored: `outer*` for `dW` (`Tn`),
+    /// `column_dot*` for `dX` (`Nn`).
+    fn dot(kernel: Kernel, layout: Layout) -> Route {
         Route {
-            family: Family::Outer,
+            family: Family::Dot,
             kernel,
-            layout: Layout::Tn,
+            layout,
             transposed: Transposed::Nothing,
             transpose_y: false,
             widened: false,
@@ -1118,6 +1134,12 @@ mod tests {
             assert_eq!(kernel(p, dw, (1, 9, 8)), "outer");
         }
         assert_eq!(kernel(Bf16, dw, (1, 8, 8)), "gemm_mma_bf16_tn_vec4");
+        // dX of one row: `W`'s rows weighted by `dZ`, as stored.
+        for p in [Tf32, Tf32x3, Fp32] {
+            assert_eq!(kernel(p, dx, (1, deep, 8)), "column_dot");
+            assert_eq!(route(p, dx, (1, deep, 8), Storage::F32, true).layout, Layout::Nn);
+        }
+        assert_eq!(kernel(Bf16, dx, (1, deep, 8)), "gemm_tma_bf16_nt");
         assert_eq!(kernel(Tf32, dw, (deep, 9, 8)), "gemm_mma_tf32_tn_scalar");
         assert_eq!(kernel(Bf16, dw, (deep, 9, 9)), "gemm_tma_bf16_nt");
         assert_eq!(kernel(Bf16, dw, (deep + 4, 8, 8)), "gemm_mma_bf16_tn_vec4");
@@ -1237,12 +1259,15 @@ mod tests {
                             Family::Mma => "gemm_mma_",
                             Family::Wgmma => "gemm_wgmma_",
                             Family::Tma => "gemm_tma_",
-                            Family::Outer => "outer",
+                            Family::Dot if role == Role::GradWeight => "outer",
+                            Family::Dot => "column_dot",
                         };
                         assert!(name.starts_with(family), "{p} {role:?} ({m}, {n}, {k}): {name} in {:?}", r.family);
-                        if r.family == Family::Outer {
-                            // (FP32 sums whatever the precision, over `dW`'s few rows.)
-                            assert!(role == Role::GradWeight && m <= OUTER_MAX_RANK && r.kernel == Kernel::Outer);
+                        if r.family == Family::Dot {
+                            // (FP32 sums whatever the precision: `dW` of a few rows, `dX` of one.)
+                            let dw = role == Role::GradWeight && m <= OUTER_MAX_RANK && r.kernel == Kernel::Outer;
+                            let dx = role == Role::GradInput && m == 1 && r.kernel == Kernel::ColumnDot;
+                            assert!(dw || dx, "{p} {role:?} ({m}, {n}, {k}): {name}");
                         } else if p != Precision::Fp32 {
                             // (The fp16 kernels are named by their element, `f16`.)
                             let tag = if p == Precision::Fp16 { "f16".to_string() } else { p.to_string() };
@@ -1278,6 +1303,11 @@ mod tests {
         for (dims, aligned) in [((8, 16, 8), true), ((3, 16, 12), true), ((1, 5, 3), false)] {
             let outer = r(Role::GradWeight, dims, Bf16, aligned);
             assert!(outer.kernel == Kernel::OuterSumBf16 && !outer.widened, "{dims:?}: {outer:?}");
+        }
+        // `dX` of one row: `column_dot_bf16`, any shape or alignment.
+        for (dims, aligned) in [((1, 16, 8), true), ((1, 5, 3), false)] {
+            let dx = r(Role::GradInput, dims, Bf16, aligned);
+            assert!(dx.kernel == Kernel::ColumnDotBf16 && dx.family == Family::Dot, "{dims:?}: {dx:?}");
         }
         // Split-K's FP32 partial products, as stored.
         let split = r(Role::Forward { splits: 2 }, (3, 16, 8), F32, true);

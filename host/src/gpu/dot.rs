@@ -4,6 +4,7 @@
 //! gradient), and its fold as the mean of the weight's rows.
 
 use super::dispatch::HalfKernels;
+use super::epilogue::lanes::epilogue_split_tiles;
 use super::{DeviceElement, DeviceTensor, Dtype, Gpu, dispatch, launched};
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
@@ -142,11 +143,33 @@ pub fn outer<T: DeviceElement>(gpu: &Gpu, u: &DeviceTensor<T>, v: &DeviceTensor)
     Ok(out)
 }
 
+/// `dX (1, k) = dz W` of a one-row batch (`dz`: `n` values, `W (n, k)`), in `T`: `W`'s
+/// rows weighted by `dz` and summed by `column_dot` over ranges of rows, which
+/// `epilogue_split_tiles` adds in order and rounds once: one pass over `W`
+/// ([`dispatch::Family::Dot`]).
+pub fn weighted_rows<T: DeviceElement>(
+    gpu: &Gpu,
+    w: &DeviceTensor<T>,
+    dz: &DeviceTensor<T>,
+) -> Result<DeviceTensor<T>> {
+    let (rows, cols) = matrix(w, "dX = dz W's W")?;
+    if dz.len() != rows || rows == 0 || cols == 0 {
+        return Err(Error::Shape(format!("dX = dz W of one row: dz {:?}, W {:?}", dz.shape, w.shape)));
+    }
+    let (ranges, per_range) = row_ranges(rows, cols, size_of::<T>(), gpu.props.multiprocessors);
+    let mut parts = gpu.alloc(&[ranges, 1, cols])?;
+    let kernel = dispatch::dot_kernels(T::DTYPE).column_dot;
+    launch_column_dot(gpu, kernel, w, Some(dz), (rows, cols, per_range), 1.0, &mut parts)?;
+    let mut dx = gpu.alloc_as::<T>(&[1, cols])?;
+    epilogue_split_tiles(gpu, None, &parts, None, &mut dx, None)?;
+    Ok(dx)
+}
+
 /// `out (rows, cols) = sum_{r < rank} u[r, :]^T v[r, :]` on `stream`, summed in FP32 and
 /// rounded once into `U`: `u` holds `rank` rows of `rows` values at pitch `ldu`, `v`
 /// `rank` rows of `cols` at pitch `ldv` (FP32, or `U` itself for a 16-bit `U`). With
 /// `u = dZ (m, n)` and `v = X (m, k)` it is `dW` of an `m`-row batch
-/// ([`dispatch::Family::Outer`]).
+/// ([`dispatch::Family::Dot`]).
 pub fn outer_sum<U: DeviceElement, V: DeviceElement>(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,

@@ -35,7 +35,7 @@ pub fn stages(family: Family, kernel: Kernel) -> Result<(usize, usize)> {
             );
             Ok((gemm_wgmma::BLOCK_K, gemm_wgmma::smem_bytes(split)))
         }
-        Family::Tma | Family::Outer => {
+        Family::Tma | Family::Dot => {
             Err(Error::Unsupported(format!("`{}` is not a grid-of-tiles kernel", kernel.name())))
         }
     }

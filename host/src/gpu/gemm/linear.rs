@@ -217,11 +217,11 @@ fn launch(
         Family::Tma if tk => super::tma::launch_tk(gpu, stream, route.kernel, op, y),
         Family::Tma => super::tma::launch_forward(gpu, stream, route, op, y, save_z),
         // `dW (n, k) = dZ^T X`: the batch's `k` rows of `dZ` (`A`) and `X` (`B`).
-        Family::Outer if route.layout == Layout::Tn && save_z.is_none() && op.bias.is_none() && op.chain.is_none() => {
+        Family::Dot if route.layout == Layout::Tn && save_z.is_none() && op.bias.is_none() && op.chain.is_none() => {
             let (u, v) = ((op.a, op.lda), (op.b, op.ldb));
             super::super::dot::outer_sum(gpu, stream, u, v, (k, m, n), &mut y.buf)
         }
-        Family::Outer => Err(Error::Unsupported(format!("`{}` computes dW = dZ^T X only", route.kernel))),
+        Family::Dot => Err(Error::Unsupported(format!("`{}` takes no GEMM's operands here", route.kernel))),
     }
 }
 
@@ -251,6 +251,9 @@ pub fn grad_input(gpu: &Gpu, precision: Precision, dz: &DeviceTensor, w: &Device
         return grad_input_fp8(gpu, dz, w, None);
     }
     let (route, (m, n, k)) = grad_input_route(precision, gpu.tuning(), dz, w)?;
+    if route.family == Family::Dot {
+        return super::super::dot::weighted_rows(gpu, w, dz);
+    }
     let mut dx = gpu.alloc(&[m, k])?;
     let stream = gpu.stream();
     let op = |a, b, (lda, ldb)| Operands { a, b, m, n: k, k: n, lda, ldb, bias: None, chain: None, splits: 1 };
