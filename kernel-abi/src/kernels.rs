@@ -208,6 +208,9 @@ kernels! {
     OuterF16 = "outer_f16", bounds(dot::THREADS, dot::BLOCKS_PER_SM);
     OuterSumBf16 = "outer_sum_bf16", bounds(dot::THREADS, dot::BLOCKS_PER_SM);
     OuterSumF16 = "outer_sum_f16", bounds(dot::THREADS, dot::BLOCKS_PER_SM);
+    ColumnDots = "column_dots", bounds(dot::THREADS, dot::COLUMN_DOTS_BLOCKS_PER_SM);
+    ColumnDotsBf16 = "column_dots_bf16", bounds(dot::THREADS, dot::COLUMN_DOTS_BLOCKS_PER_SM);
+    ColumnDotsF16 = "column_dots_f16", bounds(dot::THREADS, dot::COLUMN_DOTS_BLOCKS_PER_SM);
     Transpose = "transpose";
     TransposeVec4 = "transpose_vec4";
     TransposeVec4ToBf16 = "transpose_vec4_to_bf16";

@@ -174,6 +174,22 @@ pub mod dot {
     pub const OUTER_SMEM_BYTES: usize = 4 * OUTER_MAX_RANK * OUTER_MAX_BLOCK_ROWS;
     /// Output columns one `outer*` block covers: a quad per thread.
     pub const OUTER_BLOCK_COLS: usize = 4 * THREADS;
+    /// Columns one `column_dots*` block sums: a quad per lane (its eight weight vectors'
+    /// sums of four columns are 32 registers).
+    pub const COLUMN_DOTS_BLOCK_COLS: usize = 4 * 32;
+    /// The most rows of one `column_dots*` block's range (their weights staged in shared
+    /// memory, `OUTER_MAX_RANK` each).
+    pub const COLUMN_DOTS_MAX_RANGE_ROWS: usize = 1024;
+    /// `column_dots*`'s dynamic shared memory: the range's weights, then (reused) the
+    /// warps' sums, `(THREADS / 32) x OUTER_MAX_RANK x COLUMN_DOTS_BLOCK_COLS` floats.
+    pub const COLUMN_DOTS_SMEM_BYTES: usize = {
+        let weights = 4 * OUTER_MAX_RANK * COLUMN_DOTS_MAX_RANGE_ROWS;
+        let sums = 4 * (THREADS / 32) * OUTER_MAX_RANK * COLUMN_DOTS_BLOCK_COLS;
+        if weights > sums { weights } else { sums }
+    };
+    /// `column_dots*`'s launch bounds: two blocks per SM (128 registers: 32 sums and
+    /// eight rows' loads in flight per lane).
+    pub const COLUMN_DOTS_BLOCKS_PER_SM: usize = 2;
 }
 
 /// The tensor-core small-batch forward (`kernels-gpu/src/gemm/gemv_tc.rs`): at most

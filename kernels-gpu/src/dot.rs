@@ -16,7 +16,8 @@ use crate::prelude::*;
 use crate::unroll;
 use crate::prelude::math::fma;
 use kernel_abi::dot::{
-    COLUMN_DOT_ROWS_IN_FLIGHT as ROWS_IN_FLIGHT, OUTER_BLOCK_COLS, OUTER_MAX_BLOCK_ROWS, OUTER_MAX_RANK, THREADS,
+    COLUMN_DOT_ROWS_IN_FLIGHT as ROWS_IN_FLIGHT, COLUMN_DOTS_BLOCK_COLS, COLUMN_DOTS_MAX_RANGE_ROWS, OUTER_BLOCK_COLS,
+    OUTER_MAX_BLOCK_ROWS, OUTER_MAX_RANK, THREADS,
 };
 
 const WARPS: usize = THREADS / 32;
@@ -42,6 +43,24 @@ macro_rules! dot_entries {
             out: *mut f32,
         ) {
             unsafe { column_dot_body(a, weights, rows, cols, rows_per_block, scale, vector, out) }
+        }
+    )*};
+    (column_dots: $($(#[$doc:meta])* $name:ident = $e:ty;)*) => {$(
+        $(#[$doc])*
+        #[unsafe(no_mangle)]
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe extern "ptx-kernel" fn $name(
+            a: *const $e,
+            u: *const $e,
+            ldu: u32,
+            rank: u32,
+            rows: u32,
+            cols: u32,
+            rows_per_block: u32,
+            vector: u32,
+            out: *mut f32,
+        ) {
+            unsafe { column_dots_body(a, (u, ldu, rank), (rows, cols), rows_per_block, vector, out) }
         }
     )*};
     (row_dot: $($(#[$doc:meta])* $name:ident = $e:ty;)*) => {$(
@@ -101,6 +120,37 @@ dot_entries! {
     /// # Safety
     /// As [`column_dot`].
     column_dot_f16 = F16;
+}
+
+dot_entries! {
+    column_dots:
+    /// `out[y, r, c] = sum_j u[r, j] a[j, c]` over block row `y`'s rows `j` of `a (rows,
+    /// cols)` (`y rows_per_block ..`), for the `rank` weight vectors `u[r, :]` (pitch
+    /// `ldu`): `dX = dZ W` of a batch of 2 to `OUTER_MAX_RANK` rows as one pass over `W`,
+    /// its ranges' FP32 sums added by `epilogue_split_tiles`. [`column_dot`] for several
+    /// weight vectors at once: a quad of columns per lane (eight vectors' sums of 16
+    /// columns would not fit beside the loads in flight), the range's weights in shared
+    /// memory, `ROWS_IN_FLIGHT` rows' loads in flight per warp, the warps' sums added in
+    /// warp order.
+    ///
+    /// # Safety
+    /// `a` holds `rows * cols` elements (aligned to a quad of them where `vector` is
+    /// non-zero, which needs `cols` a multiple of 4), `u` `(rank - 1) * ldu + rows`, `out`
+    /// `gridDim.y * rank * cols` floats; `1 <= rank <= OUTER_MAX_RANK`, `rows_per_block <=
+    /// COLUMN_DOTS_MAX_RANGE_ROWS`. Launch: `THREADS` threads, grid `(ceil(cols /
+    /// COLUMN_DOTS_BLOCK_COLS), ceil(rows / rows_per_block))`, `COLUMN_DOTS_SMEM_BYTES` of
+    /// dynamic shared memory.
+    column_dots = f32;
+    /// [`column_dots`] of bf16 values.
+    ///
+    /// # Safety
+    /// As [`column_dots`].
+    column_dots_bf16 = Bf16;
+    /// [`column_dots`] of fp16 values.
+    ///
+    /// # Safety
+    /// As [`column_dots`].
+    column_dots_f16 = F16;
 }
 
 dot_entries! {
@@ -303,6 +353,100 @@ unsafe fn rows_sum<I: Element, const WEIGHTED: bool>(
         r += WARPS;
     }
     s
+}
+
+/// The body of [`column_dots`].
+#[inline(always)]
+unsafe fn column_dots_body<I: Element>(
+    a: *const I,
+    (u, ldu, rank): (*const I, u32, u32),
+    (rows, cols): (u32, u32),
+    rows_per_block: u32,
+    vector: u32,
+    out: *mut f32,
+) {
+    let (t, rows, cols, ldu) = (thread_idx_x() as usize, rows as usize, cols as usize, ldu as usize);
+    let rank = (rank as usize).clamp(1, OUTER_MAX_RANK);
+    let (warp, lane) = (t / 32, t % 32);
+    let first = block_idx_y() as usize * rows_per_block as usize;
+    let end = (first + (rows_per_block as usize).min(COLUMN_DOTS_MAX_RANGE_ROWS)).min(rows);
+    let count = end.saturating_sub(first);
+    // `us[i][r] = u[r, first + i]`: the range's weights, read once.
+    let us = dynamic_shared::<f32>();
+    let mut e = t;
+    while e < rank * count {
+        let (i, r) = (e / rank, e % rank);
+        // SAFETY: r < rank and first + i < rows: inside `u`; i < COLUMN_DOTS_MAX_RANGE_ROWS
+        // and r < OUTER_MAX_RANK: inside the shared memory.
+        unsafe { *us.add(i * OUTER_MAX_RANK + r) = I::load1(u.add(r * ldu + first + i)) };
+        e += THREADS;
+    }
+    // SAFETY: every thread of the block reaches it.
+    unsafe { sync_threads() };
+    let c = block_idx_x() as usize * COLUMN_DOTS_BLOCK_COLS + 4 * lane;
+    let mut s = [[0.0f32; 4]; OUTER_MAX_RANK];
+    // Row `j`'s four values `v` into the sums, weighted by its `rank` weights.
+    let add = |s: &mut [[f32; 4]; OUTER_MAX_RANK], j: usize, v: [f32; 4]| {
+        // SAFETY: first <= j < end: inside the staged weights.
+        let w = unsafe { us.add((j - first) * OUTER_MAX_RANK) };
+        unroll!(r in 0..8 => {
+            if r < rank {
+                // SAFETY: as above.
+                let f = unsafe { *w.add(r) };
+                unroll!(q in 0..4 => { s[r][q] = fma(f, v[q], s[r][q]); });
+            }
+        });
+    };
+    if c < cols {
+        let mut j = first + warp;
+        if vector != 0 {
+            while j + (ROWS_IN_FLIGHT - 1) * WARPS < end {
+                // SAFETY: rows below `end`, an aligned quad inside each (`vector`).
+                let v: [[f32; 4]; ROWS_IN_FLIGHT] =
+                    core::array::from_fn(|i| unsafe { I::load4_nc(a.add((j + i * WARPS) * cols + c)) });
+                unroll!(i in 0..8 => { add(&mut s, j + i * WARPS, v[i]); });
+                j += ROWS_IN_FLIGHT * WARPS;
+            }
+        }
+        while j < end {
+            let v = if vector != 0 {
+                // SAFETY: as above.
+                unsafe { I::load4_nc(a.add(j * cols + c)) }
+            } else {
+                // SAFETY: each column checked against `cols`.
+                core::array::from_fn(|q| if c + q < cols { unsafe { I::load1(a.add(j * cols + c + q)) } } else { 0.0 })
+            };
+            add(&mut s, j, v);
+            j += WARPS;
+        }
+    }
+    // The warps' sums, over the weights (which no thread reads any more): slot
+    // `(warp, r, 4 lane + q)`, then added in warp order by the block's first
+    // `COLUMN_DOTS_BLOCK_COLS` threads.
+    // SAFETY: uniform barriers; the slots lie inside COLUMN_DOTS_SMEM_BYTES.
+    unsafe {
+        sync_threads();
+        unroll!(r in 0..8 => {
+            if r < rank {
+                unroll!(q in 0..4 => {
+                    *us.add((warp * OUTER_MAX_RANK + r) * COLUMN_DOTS_BLOCK_COLS + 4 * lane + q) = s[r][q];
+                });
+            }
+        });
+        sync_threads();
+    }
+    let col = block_idx_x() as usize * COLUMN_DOTS_BLOCK_COLS + t;
+    if t < COLUMN_DOTS_BLOCK_COLS && col < cols {
+        for r in 0..rank {
+            let mut total = 0.0;
+            for w in 0..WARPS {
+                // SAFETY: inside the shared sums.
+                total += unsafe { *us.add((w * OUTER_MAX_RANK + r) * COLUMN_DOTS_BLOCK_COLS + t) };
+            }
+            // SAFETY: row (blockIdx.y, r) of out, column col < cols.
+            unsafe { *out.add((block_idx_y() as usize * rank + r) * cols + col) = total };
+        }
+    }
 }
 
 /// Chunks of `x` a `row_dot` thread has in flight at once.

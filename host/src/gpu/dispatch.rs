@@ -325,18 +325,19 @@ pub fn route(precision: Precision, role: Role, dims: (usize, usize, usize), stor
     // `dW` of a few rows: a tile GEMM as deep as the batch fills a whole tile's pipeline
     // for each `128 x 256` of `dW` (TF32 at one row of 8192^2: 0.141 ms where writing
     // the 256 MB takes ~0.06). FP32 sums: as exact as 3xTF32's, exacter than TF32's.
-    // `dX` of one row: one pass over `W` (TF32 at 8192^2: 0.091 ms on `gemm_wgmma`'s
-    // split where reading the 256 MB takes ~0.06).
+    // `dX` of as few rows: one pass over `W` (TF32 at one row of 8192^2: 0.091 ms on
+    // `gemm_wgmma`'s split where reading the 256 MB takes ~0.06).
     let dot = match role {
         Role::GradWeight if (1..=OUTER_MAX_RANK).contains(&dims.0) => Some(Layout::Tn),
-        Role::GradInput if dims.0 == 1 => Some(Layout::Nn),
+        Role::GradInput if (1..=OUTER_MAX_RANK).contains(&dims.0) => Some(Layout::Nn),
         _ => None,
     };
     if let Some(layout) = dot {
         let kernels = |dtype| (dot_kernels(dtype), HalfKernels::of(dtype));
         let pick = |(d, h): (DotKernels, Option<&HalfKernels>)| match layout {
             Layout::Tn => h.map_or(Kernel::Outer, |h| h.outer_sum),
-            _ => d.column_dot,
+            _ if dims.0 == 1 => d.column_dot,
+            _ => d.column_dots,
         };
         match HalfKernels::of(storage.operands) {
             Some(_) if storage.output == storage.operands => {
@@ -1040,18 +1041,31 @@ pub struct DotKernels {
     pub column_dot: Kernel,
     pub row_dot: Kernel,
     pub outer: Kernel,
+    /// `dX` of 2 to `OUTER_MAX_RANK` rows ([`Family::Dot`]).
+    pub column_dots: Kernel,
 }
 
 /// [`DotKernels`] reading and writing `dtype` as stored.
 pub fn dot_kernels(dtype: Dtype) -> DotKernels {
     match dtype {
-        Dtype::F32 => DotKernels { column_dot: Kernel::ColumnDot, row_dot: Kernel::RowDot, outer: Kernel::Outer },
-        Dtype::Bf16 => {
-            DotKernels { column_dot: Kernel::ColumnDotBf16, row_dot: Kernel::RowDotBf16, outer: Kernel::OuterBf16 }
-        }
-        Dtype::F16 => {
-            DotKernels { column_dot: Kernel::ColumnDotF16, row_dot: Kernel::RowDotF16, outer: Kernel::OuterF16 }
-        }
+        Dtype::F32 => DotKernels {
+            column_dot: Kernel::ColumnDot,
+            row_dot: Kernel::RowDot,
+            outer: Kernel::Outer,
+            column_dots: Kernel::ColumnDots,
+        },
+        Dtype::Bf16 => DotKernels {
+            column_dot: Kernel::ColumnDotBf16,
+            row_dot: Kernel::RowDotBf16,
+            outer: Kernel::OuterBf16,
+            column_dots: Kernel::ColumnDotsBf16,
+        },
+        Dtype::F16 => DotKernels {
+            column_dot: Kernel::ColumnDotF16,
+            row_dot: Kernel::RowDotF16,
+            outer: Kernel::OuterF16,
+            column_dots: Kernel::ColumnDotsF16,
+        },
     }
 }
 
@@ -1115,14 +1129,18 @@ mod tests {
         assert_eq!(kernel(Fp32, fwd, (7, 9, deep)), "gemm_fma_nt_vec4");
         assert_eq!(kernel(Fp32, fwd, (7, 9, deep + 1)), "gemm_fma_nt_scalar");
         // dX: `Tk` with `W` and `dZ` as stored where `n` and `k` allow 16-byte rows (TMA
-        // from `n = MIN_K`); bf16 on TMA after transposing `W`; else `Nn`.
+        // from `n = MIN_K`); bf16 on TMA after transposing `W`; else `Nn`; at most eight
+        // rows (FP32 and the TF32 precisions) `W`'s rows weighted and summed.
         let dx = Role::GradInput;
-        assert_eq!(kernel(Tf32, dx, (5, deep, 8)), "gemm_tma_tf32_tk_t");
-        assert_eq!(kernel(Tf32x3, dx, (5, shallow, 8)), "gemm_wgmma_tf32x3_dx_vec4");
-        assert_eq!(kernel(Tf32, dx, (5, deep, 9)), "gemm_mma_tf32_nn_scalar");
+        assert_eq!(kernel(Tf32, dx, (12, deep, 8)), "gemm_tma_tf32_tk_t");
+        assert_eq!(kernel(Tf32x3, dx, (12, shallow, 8)), "gemm_wgmma_tf32x3_dx_vec4");
+        assert_eq!(kernel(Tf32, dx, (12, deep, 9)), "gemm_mma_tf32_nn_scalar");
         assert_eq!(kernel(Bf16, dx, (5, deep, 9)), "gemm_tma_bf16_nt");
         assert_eq!(kernel(Bf16, dx, (5, deep + 4, 8)), "gemm_mma_bf16_nn_vec4");
-        assert_eq!(kernel(Fp32, dx, (5, deep, 8)), "gemm_fma_nn_vec4");
+        assert_eq!(kernel(Fp32, dx, (12, deep, 8)), "gemm_fma_nn_vec4");
+        for p in [Tf32, Tf32x3, Fp32] {
+            assert_eq!(kernel(p, dx, (5, deep, 9)), "column_dots");
+        }
         // dW: `Tk` with `dZ` as stored where `m` and `n` allow (TMA from `m = MIN_K`);
         // bf16 on TMA after transposing `dZ` and `X`; else `Tn`; at most eight rows
         // (FP32 and the TF32 precisions) the rows' outer products.
@@ -1145,7 +1163,7 @@ mod tests {
         assert_eq!(kernel(Bf16, dw, (deep + 4, 8, 8)), "gemm_mma_bf16_tn_vec4");
         assert_eq!(kernel(Fp32, dw, (deep, 8, 8)), "gemm_fma_tn_vec4");
         // What each route reads.
-        let r = route(Tf32, dx, (5, deep, 8), Storage::F32, true);
+        let r = route(Tf32, dx, (12, deep, 8), Storage::F32, true);
         assert!(r.transpose_y && r.layout == Layout::Tk && r.transposed == Transposed::Nothing);
         assert_eq!(route(Tf32, dw, (deep, 8, 9), Storage::F32, true).transposed, Transposed::B);
         assert_eq!(route(Bf16, dx, (5, deep, 9), Storage::F32, true).transposed, Transposed::B);
@@ -1204,7 +1222,8 @@ mod tests {
         let fwd = Role::Forward { splits: 1 };
         assert_eq!(r(fwd, (3, 16, 8), F16, true).kernel, Kernel::GemmTmaF16NtToF16);
         assert_eq!(r(fwd, (3, 12, 8), F32, true).kernel, Kernel::GemmTmaF16Nt);
-        assert_eq!(r(Role::GradInput, (3, 16, 8), F16, true).kernel, Kernel::GemmTmaF16NnToF16);
+        assert_eq!(r(Role::GradInput, (16, 16, 8), F16, true).kernel, Kernel::GemmTmaF16NnToF16);
+        assert_eq!(r(Role::GradInput, (3, 16, 8), F16, true).kernel, Kernel::ColumnDotsF16);
         assert_eq!(r(Role::GradWeight, (3, 16, 8), F32, true).kernel, Kernel::GemmTmaF16Tn);
         assert_eq!(r(Role::GradWeight, (16, 16, 8), F16, true).kernel, Kernel::GemmTmaF16TnToF16);
         assert_eq!(r(Role::GradWeight, (3, 16, 8), F16, true).kernel, Kernel::OuterSumF16);
@@ -1266,7 +1285,9 @@ mod tests {
                         if r.family == Family::Dot {
                             // (FP32 sums whatever the precision: `dW` of a few rows, `dX` of one.)
                             let dw = role == Role::GradWeight && m <= OUTER_MAX_RANK && r.kernel == Kernel::Outer;
-                            let dx = role == Role::GradInput && m == 1 && r.kernel == Kernel::ColumnDot;
+                            let dx = role == Role::GradInput
+                                && m <= OUTER_MAX_RANK
+                                && r.kernel == if m == 1 { Kernel::ColumnDot } else { Kernel::ColumnDots };
                             assert!(dw || dx, "{p} {role:?} ({m}, {n}, {k}): {name}");
                         } else if p != Precision::Fp32 {
                             // (The fp16 kernels are named by their element, `f16`.)

@@ -10,7 +10,8 @@ use crate::error::{Error, Result};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use kernel_abi::Kernel;
 use kernel_abi::dot::{
-    COLUMN_DOT_SMEM_BYTES, COLUMN_DOT_STEP_ROWS, OUTER_BLOCK_COLS, OUTER_MAX_BLOCK_ROWS, OUTER_MAX_RANK,
+    COLUMN_DOT_SMEM_BYTES, COLUMN_DOT_STEP_ROWS, COLUMN_DOTS_BLOCK_COLS, COLUMN_DOTS_BLOCKS_PER_SM,
+    COLUMN_DOTS_MAX_RANGE_ROWS, COLUMN_DOTS_SMEM_BYTES, OUTER_BLOCK_COLS, OUTER_MAX_BLOCK_ROWS, OUTER_MAX_RANK,
     OUTER_SMEM_BYTES, ROW_DOT_SMEM_BYTES, THREADS, column_dot_cols,
 };
 use std::sync::Arc;
@@ -143,24 +144,65 @@ pub fn outer<T: DeviceElement>(gpu: &Gpu, u: &DeviceTensor<T>, v: &DeviceTensor)
     Ok(out)
 }
 
-/// `dX (1, k) = dz W` of a one-row batch (`dz`: `n` values, `W (n, k)`), in `T`: `W`'s
-/// rows weighted by `dz` and summed by `column_dot` over ranges of rows, which
-/// `epilogue_split_tiles` adds in order and rounds once: one pass over `W`
+/// `dX (m, k) = dZ W` of a batch of at most `OUTER_MAX_RANK` rows (`dZ (m, n)`, `W (n,
+/// k)`), in `T`: `W`'s rows weighted by each row of `dZ` and summed, over ranges of
+/// `W`'s rows (`column_dot` for one row, `column_dots` for more), the ranges' FP32 sums
+/// added in order and rounded once by `epilogue_split_tiles`: one pass over `W`
 /// ([`dispatch::Family::Dot`]).
 pub fn weighted_rows<T: DeviceElement>(
     gpu: &Gpu,
     w: &DeviceTensor<T>,
     dz: &DeviceTensor<T>,
 ) -> Result<DeviceTensor<T>> {
-    let (rows, cols) = matrix(w, "dX = dz W's W")?;
-    if dz.len() != rows || rows == 0 || cols == 0 {
-        return Err(Error::Shape(format!("dX = dz W of one row: dz {:?}, W {:?}", dz.shape, w.shape)));
+    let (rows, cols) = matrix(w, "dX = dZ W's W")?;
+    let m = dz.len() / rows.max(1);
+    if !(1..=OUTER_MAX_RANK).contains(&m) || dz.len() != m * rows || rows == 0 || cols == 0 {
+        return Err(Error::Shape(format!(
+            "dX = dZ W of at most {OUTER_MAX_RANK} rows: dZ {:?}, W {:?}",
+            dz.shape, w.shape
+        )));
     }
-    let (ranges, per_range) = row_ranges(rows, cols, size_of::<T>(), gpu.props.multiprocessors);
-    let mut parts = gpu.alloc(&[ranges, 1, cols])?;
-    let kernel = dispatch::dot_kernels(T::DTYPE).column_dot;
-    launch_column_dot(gpu, kernel, w, Some(dz), (rows, cols, per_range), 1.0, &mut parts)?;
-    let mut dx = gpu.alloc_as::<T>(&[1, cols])?;
+    let kernels = dispatch::dot_kernels(T::DTYPE);
+    let sms = gpu.props.multiprocessors;
+    let (ranges, per_range) = match m {
+        1 => row_ranges(rows, cols, size_of::<T>(), sms),
+        _ => {
+            // About COLUMN_DOTS_BLOCKS_PER_SM blocks per SM with the column blocks, each
+            // range a whole number of the warps' steps, at most COLUMN_DOTS_MAX_RANGE_ROWS.
+            let wanted = (COLUMN_DOTS_BLOCKS_PER_SM * sms).div_ceil(cols.div_ceil(COLUMN_DOTS_BLOCK_COLS));
+            let per = rows.div_ceil(wanted.max(1)).next_multiple_of(COLUMN_DOT_STEP_ROWS);
+            let per = per.min(COLUMN_DOTS_MAX_RANGE_ROWS).min(rows);
+            (rows.div_ceil(per), per)
+        }
+    };
+    let mut parts = gpu.alloc(&[ranges, m, cols])?;
+    if m == 1 {
+        launch_column_dot(gpu, kernels.column_dot, w, Some(dz), (rows, cols, per_range), 1.0, &mut parts)?;
+    } else {
+        if ranges > u16::MAX as usize || [rows, cols].iter().any(|&d| d > u32::MAX as usize) {
+            return Err(Error::Shape(format!("dX = dZ W with W {:?} exceeds its launch", w.shape)));
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (cols.div_ceil(COLUMN_DOTS_BLOCK_COLS) as u32, ranges as u32, 1),
+            block_dim: (THREADS as u32, 1, 1),
+            shared_mem_bytes: COLUMN_DOTS_SMEM_BYTES as u32,
+        };
+        let func = gpu.function(kernels.column_dots)?;
+        let quad = w.buf.device_address().is_multiple_of(4 * size_of::<T>() as u64) && cols.is_multiple_of(4);
+        let args = [rows, m, rows, cols, per_range, usize::from(quad)].map(|a| a as u32);
+        let mut l = gpu.stream().launch_builder(&func);
+        l.arg(&w.buf).arg(&dz.buf);
+        for a in &args {
+            l.arg(a);
+        }
+        l.arg(&mut parts.buf);
+        // SAFETY: (a, u, ldu, rank, rows, cols, rows per block, vector, out) as the kernel
+        // takes: `W` holds rows * cols values, `dZ` m rows of `rows` (its pitch), `parts`
+        // ranges * m * cols floats; per_range <= COLUMN_DOTS_MAX_RANGE_ROWS; `vector` only
+        // where `W`'s quads are aligned.
+        launched(kernels.column_dots, unsafe { l.launch(cfg) })?;
+    }
+    let mut dx = gpu.alloc_as::<T>(&[m, cols])?;
     epilogue_split_tiles(gpu, None, &parts, None, &mut dx, None)?;
     Ok(dx)
 }
