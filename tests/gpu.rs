@@ -545,8 +545,8 @@ fn split_k_sums_match_reference() {
         assert_block_matches_reference(gpu, &chain, dims, precision, &mut rng);
     }
     for (dims, chain, path_has) in [
-        ((100, 2048, 1024), m1(32), "split-K x8 + epilogue_split_tiles"),
-        ((100, 2048, 768), m1(32), "split-K x8 + epilogue_rows"),
+        ((100, 2048, 1024), m1(32), "_nt_split split-K x8 + epilogue_split_tiles"),
+        ((100, 2048, 768), m1(32), "_nt_split split-K x8 + epilogue_rows"),
     ] {
         let (bf16, f16) = (host::precision::BF16_STORED_REL, host::precision::FP16_STORED_REL);
         split_k_half_model::<host::tensor::Bf16>(&gpu, dims, &chain, path_has, bf16, &mut rng);

@@ -102,14 +102,6 @@ fn resources(arch: &str) -> Vec<(String, u32, u32, u32, u32)> {
         .collect()
 }
 
-/// `(kernel, spill store bytes, spill load bytes, stack frame bytes)` that ptxas (CUDA
-/// 13.0) reports today and that are not yet removed: the 16-bit TMA GEMMs that can
-/// split `k` keep the split state in the producer warpgroup's 24 registers and spill 12
-/// bytes of it (the kernels that never split do not). Until `tests/ptx.rs` matched a
-/// kernel's report by its whole name, `gemm_tma_bf16_nt` was checked against
-/// `gemm_tma_bf16_nt_to_bf16`'s report, which hid these.
-const KNOWN_SPILLS: [(&str, u32, u32, u32); 2] = [("gemm_tma_bf16_nt", 12, 8, 8), ("gemm_tma_f16_nt", 12, 8, 8)];
-
 #[test]
 #[ignore = "needs ptxas (pip install nvidia-cuda-nvcc==13.0.88, or a CUDA toolkit)"]
 fn every_kernel_assembles_for_sm90_without_spills() {
@@ -120,11 +112,8 @@ fn every_kernel_assembles_for_sm90_without_spills() {
         println!("{k:<28} {regs:>5} {stack:>6} {st:>7} {ld:>7}");
     }
     for (k, regs, stack, st, ld) in &kernels {
-        // The known exceptions, exactly: any other spill, or more of these, fails.
-        let (want_st, want_ld, want_stack) =
-            KNOWN_SPILLS.iter().find(|s| s.0 == k).map_or((0, 0, 0), |s| (s.1, s.2, s.3));
-        assert_eq!((*st, *ld), (want_st, want_ld), "kernel `{k}` spills");
-        assert_eq!(*stack, want_stack, "kernel `{k}` uses a stack frame (local memory)");
+        assert_eq!((*st, *ld), (0, 0), "kernel `{k}` spills");
+        assert_eq!(*stack, 0, "kernel `{k}` uses a stack frame (local memory)");
         assert!(*regs <= 255, "kernel `{k}` uses {regs} registers");
     }
     // Launch bounds: every kernel given them fits its blocks per SM in the 64 K register

@@ -111,13 +111,16 @@ kernels! {
     GemmTmaBf16Tn = "gemm_tma_bf16_tn", bounds(gemm_tma::THREADS, 1);
     // `dX` at few rows, split-K into FP32 partial products.
     GemmTmaBf16Nn = "gemm_tma_bf16_nn", bounds(gemm_tma::THREADS, 1);
-    // The same six in fp16.
+    // The forward split-K into FP32 partial products (no bias or chain).
+    GemmTmaBf16NtSplit = "gemm_tma_bf16_nt_split", bounds(gemm_tma::THREADS, 1);
+    // The same seven in fp16.
     GemmTmaF16Nt = "gemm_tma_f16_nt", bounds(gemm_tma::THREADS, 1);
     GemmTmaF16NtToF16 = "gemm_tma_f16_nt_to_f16", bounds(gemm_tma::THREADS, 1);
     GemmTmaF16NnToF16 = "gemm_tma_f16_nn_to_f16", bounds(gemm_tma::THREADS, 1);
     GemmTmaF16TnToF16 = "gemm_tma_f16_tn_to_f16", bounds(gemm_tma::THREADS, 1);
     GemmTmaF16Tn = "gemm_tma_f16_tn", bounds(gemm_tma::THREADS, 1);
     GemmTmaF16Nn = "gemm_tma_f16_nn", bounds(gemm_tma::THREADS, 1);
+    GemmTmaF16NtSplit = "gemm_tma_f16_nt_split", bounds(gemm_tma::THREADS, 1);
     GemmTmaE4m3Nt = "gemm_tma_e4m3_nt", bounds(gemm_tma::THREADS, 1);
     GemmTmaE4m3NtToBf16 = "gemm_tma_e4m3_nt_to_bf16", bounds(gemm_tma::THREADS, 1);
     GemmTmaE4m3NtToF16 = "gemm_tma_e4m3_nt_to_f16", bounds(gemm_tma::THREADS, 1);

@@ -259,13 +259,14 @@ pub mod gemm_tma {
     /// partial product cost more than its MMAs.
     pub const MIN_SPLIT_K: usize = 256;
     const _: () = assert!(MIN_SPLIT_K.is_multiple_of(BF16_BLOCK_K));
-    /// The GEMMs that split `k` (a work unit per tile and range of `k`): the 16-bit and
-    /// 3xTF32 forwards and the 16-bit `dX` into FP32. The others walk whole tiles only,
-    /// so their producer's 24 registers hold no split state (with it they spilled a few
-    /// bytes).
+    /// The GEMMs that split `k` (a work unit per tile and range of `k`): the 16-bit
+    /// forwards' split twins and the 16-bit `dX` into FP32 (none of which runs a chain),
+    /// and the 3xTF32 forward. The others walk whole tiles only, so their producer's 24
+    /// registers hold no split state: with it beside the tile parameters it prefetches,
+    /// `gemm_tma_bf16_nt` spilled 12 bytes, hence its `_split` twin.
     pub const SPLIT_K_KERNELS: [crate::Kernel; 5] = [
-        crate::Kernel::GemmTmaBf16Nt,
-        crate::Kernel::GemmTmaF16Nt,
+        crate::Kernel::GemmTmaBf16NtSplit,
+        crate::Kernel::GemmTmaF16NtSplit,
         crate::Kernel::GemmTmaTf32x3Nt,
         crate::Kernel::GemmTmaBf16Nn,
         crate::Kernel::GemmTmaF16Nn,
@@ -631,7 +632,8 @@ mod tests {
         for k in Kernel::ALL {
             assert_eq!(gemm_tma::splits_k(k.name()), gemm_tma::SPLIT_K_KERNELS.contains(k), "{k:?}");
         }
-        assert!(gemm_tma::splits_k("gemm_tma_bf16_nt"));
+        assert!(gemm_tma::splits_k("gemm_tma_bf16_nt_split"));
+        assert!(!gemm_tma::splits_k("gemm_tma_bf16_nt"));
         assert!(!gemm_tma::splits_k("gemm_tma_bf16_nt_to_bf16"));
         assert!(!gemm_tma::splits_k("gemm_tma_bf16_n"));
         assert!(same_str("", "") && !same_str("a", "") && !same_str("ab", "ac"));

@@ -541,6 +541,14 @@ impl<W: DeviceElement> GpuBlock<W> {
         let (_, route) =
             dispatch::forward_route(self.forward_case(gpu, 1), self.precision, plan, true, gpu.tuning().tma);
         let t = Precision::of_storage(W::DTYPE).map_or(String::new(), |p| p.to_string());
+        // A folded weight's halves: two GEMMs of `splits / 2` ranges each.
+        let halves = !route.widened && matches!(&self.folded, Some(Folded { weight: FoldedWeight::Halves(..), .. }));
+        let per = match *plan {
+            Plan::GemmThenRows { splits } if halves => splits / 2,
+            Plan::GemmThenRows { splits } => splits,
+            _ => 1,
+        };
+        let route = dispatch::Route { kernel: dispatch::split_kernel(route.kernel, per), ..route };
         let gemm = match (W::DTYPE, route.widened, plan, &self.folded) {
             (Dtype::F32, ..) => route.kernel.to_string(),
             (_, false, _, Some(_)) => {
@@ -604,10 +612,6 @@ impl<W: DeviceElement> GpuBlock<W> {
                 )
             }
             Plan::GemmThenRows { splits } => {
-                // A folded weight's halves: two GEMMs of `splits / 2` ranges each.
-                let halves =
-                    !route.widened && matches!(&self.folded, Some(Folded { weight: FoldedWeight::Halves(..), .. }));
-                let per = if halves { splits / 2 } else { splits };
                 let why = match (&self.not_fusable, per) {
                     (Some(reason), _) => reason.clone(),
                     (None, 1) if halves => "the two GEMMs' sums added".to_string(),

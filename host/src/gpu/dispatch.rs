@@ -131,6 +131,9 @@ impl Storage {
 pub struct HalfKernels {
     /// TMA `wgmma`: forward into FP32 (also the precision's kernel on rounded copies).
     pub tma_nt: Kernel,
+    /// `tma_nt` split-K into FP32 partial products (no bias or chain): the kernel a
+    /// launch of `tma_nt`'s route with `splits > 1` runs (`gemm::tma::launch_half`).
+    pub tma_nt_split: Kernel,
     /// TMA `wgmma` on a 16-bit model's tensors as stored, 16-bit output: forward, `dX`, `dW`.
     pub tma_nt_to_half: Kernel,
     pub tma_nn_to_half: Kernel,
@@ -177,6 +180,7 @@ pub struct HalfKernels {
 impl HalfKernels {
     pub const BF16: HalfKernels = HalfKernels {
         tma_nt: Kernel::GemmTmaBf16Nt,
+        tma_nt_split: Kernel::GemmTmaBf16NtSplit,
         tma_nt_to_half: Kernel::GemmTmaBf16NtToBf16,
         tma_nn_to_half: Kernel::GemmTmaBf16NnToBf16,
         tma_nn: Kernel::GemmTmaBf16Nn,
@@ -210,6 +214,7 @@ impl HalfKernels {
 
     pub const F16: HalfKernels = HalfKernels {
         tma_nt: Kernel::GemmTmaF16Nt,
+        tma_nt_split: Kernel::GemmTmaF16NtSplit,
         tma_nt_to_half: Kernel::GemmTmaF16NtToF16,
         tma_nn_to_half: Kernel::GemmTmaF16NnToF16,
         tma_nn: Kernel::GemmTmaF16Nn,
@@ -274,6 +279,15 @@ pub struct Route {
     /// The operands are bf16 but no kernel here reads them as stored: the route is
     /// that of FP32 tensors, run on widened copies.
     pub widened: bool,
+}
+
+/// The kernel a launch of `kernel` over `splits` ranges of `k` runs: a 16-bit forward's
+/// split twin ([`HalfKernels::tma_nt_split`]) where it splits, else `kernel` itself.
+pub fn split_kernel(kernel: Kernel, splits: usize) -> Kernel {
+    match [HalfKernels::BF16, HalfKernels::F16].into_iter().find(|h| h.tma_nt == kernel) {
+        Some(h) if splits > 1 => h.tma_nt_split,
+        _ => kernel,
+    }
 }
 
 /// The largest `W` (values) whose `dX` of at most `OUTER_MAX_RANK` rows takes `W`'s rows
@@ -1259,7 +1273,7 @@ mod tests {
         assert_eq!(gemv_kernel(F16, F32, Precision::Fp16, true), Kernel::GemvTcF16);
         assert_eq!(tiles_backward_kernel(F16), Kernel::EpilogueTilesBackwardF16);
         for (h, tag) in [(&HalfKernels::BF16, "bf16"), (&HalfKernels::F16, "f16")] {
-            let all = [h.tma_nt, h.tma_nt_to_half, h.tma_nn_to_half, h.tma_tn_to_half, h.tma_tn];
+            let all = [h.tma_nt, h.tma_nt_split, h.tma_nt_to_half, h.tma_nn_to_half, h.tma_tn_to_half, h.tma_tn];
             let all = all.into_iter().chain([h.gemv, h.gemv_to_half, h.gemv_tc, h.gemv_tc_to_half]);
             let all = all.chain(h.mma.into_iter().flatten());
             let all =

@@ -146,7 +146,7 @@ fn encode_map_raw(
 fn half_layout<H: HalfElement>(kernel: Kernel) -> Option<Layout> {
     let h = H::KERNELS;
     match kernel {
-        _ if kernel == h.tma_nt || kernel == h.tma_nt_to_half => Some(Layout::Nt),
+        _ if [h.tma_nt, h.tma_nt_split, h.tma_nt_to_half].contains(&kernel) => Some(Layout::Nt),
         _ if kernel == h.tma_nn_to_half || kernel == h.tma_nn => Some(Layout::Nn),
         _ if kernel == h.tma_tn || kernel == h.tma_tn_to_half => Some(Layout::Tn),
         _ => None,
@@ -416,6 +416,8 @@ pub fn launch_half<H: HalfElement, O: DeviceElement>(
         }
         maps.push(encode_map_typed(py, H::DTYPE, (m, n, n), (64, 64), swizzle)?);
     }
+    // Split, the forward runs its twin that walks ranges of `k` (and runs no chain).
+    let kernel = super::super::dispatch::split_kernel(kernel, splits);
     launch_with_maps(gpu, stream, kernel, Arith::Bf16, &maps, (m, n, k, splits), bias, chain, y, save_z, None)
 }
 

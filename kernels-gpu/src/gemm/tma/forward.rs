@@ -145,6 +145,16 @@ gemm_tma_entries! {
     /// As [`gemm_tma_tf32_nt`], the maps describing `u16` (bf16) tensors.
     gemm_tma_bf16_nt = <false, true, Bf16, false, false, true, f32>;
 
+    /// [`gemm_tma_bf16_nt`] split-K: each work unit a tile and one of `splits` ranges of
+    /// `k`, its raw FP32 sums stored into its own slice of `y (splits, m, n)` for a second
+    /// kernel to add. No bias, saved `z` or chain (null and 0). A kernel of its own so
+    /// that the unsplit one's producer holds no split state beside the tile parameters it
+    /// prefetches (with both, its 24 registers spilled 12 bytes).
+    ///
+    /// # Safety
+    /// As [`gemm_tma_bf16_nt`], `y` holding `splits m n` floats.
+    gemm_tma_bf16_nt_split = <false, true, Bf16, false, false, false, f32>;
+
     /// [`gemm_tma_bf16_nt`] on bf16 tensors as a bf16 model keeps them: `x` and `W`
     /// read as stored (nothing rounded per call), `y` stored in bf16 (each value rounded
     /// to nearest once, after the FP32 epilogue), `save_z` in FP32.
@@ -192,6 +202,11 @@ gemm_tma_entries! {
     /// # Safety
     /// As [`gemm_tma_bf16_nt`], the maps describing fp16 tensors.
     gemm_tma_f16_nt = <false, true, F16, false, false, true, f32>;
+    /// [`gemm_tma_bf16_nt_split`] in fp16.
+    ///
+    /// # Safety
+    /// As [`gemm_tma_bf16_nt_split`], the maps describing fp16 tensors.
+    gemm_tma_f16_nt_split = <false, true, F16, false, false, false, f32>;
     /// [`gemm_tma_bf16_nt_to_bf16`] in fp16: an fp16 model's forward, `y` in fp16.
     ///
     /// # Safety
