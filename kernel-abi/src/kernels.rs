@@ -177,6 +177,10 @@ kernels! {
     EpilogueSplitTiles = "epilogue_split_tiles";
     EpilogueSplitTilesBf16 = "epilogue_split_tiles_bf16";
     EpilogueSplitTilesF16 = "epilogue_split_tiles_f16";
+    // The same without bias or chain: split ranges added and rounded.
+    SplitSums = "split_sums";
+    SplitSumsBf16 = "split_sums_bf16";
+    SplitSumsF16 = "split_sums_f16";
     SumPartials = "sum_partials";
     RowPartialsFinish = "row_partials_finish";
     RowPartialsFinishBf16 = "row_partials_finish_bf16";

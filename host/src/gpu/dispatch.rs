@@ -159,6 +159,8 @@ pub struct HalfKernels {
     pub rows: [Kernel; 2],
     /// Split-K's partial products summed tile-wise into 16-bit `y`.
     pub split_tiles: Kernel,
+    /// `split_tiles` without bias or chain.
+    pub split_sums: Kernel,
     pub rows_backward: [Kernel; 2],
     /// A leading AvgPool's fold of a 16-bit weight, and its gradient rounded back.
     pub fold: Kernel,
@@ -199,6 +201,7 @@ impl HalfKernels {
         tiles_backward: Kernel::EpilogueTilesBackwardBf16,
         rows: [Kernel::EpilogueRowsBf16, Kernel::EpilogueRowsNarrowBf16],
         split_tiles: Kernel::EpilogueSplitTilesBf16,
+        split_sums: Kernel::SplitSumsBf16,
         rows_backward: [Kernel::EpilogueRowsBackwardBf16, Kernel::EpilogueRowsBackwardNarrowBf16],
         fold: Kernel::FoldRowsMeanBf16,
         fold_halves: Kernel::FoldRowsMeanHalvesBf16,
@@ -233,6 +236,7 @@ impl HalfKernels {
         tiles_backward: Kernel::EpilogueTilesBackwardF16,
         rows: [Kernel::EpilogueRowsF16, Kernel::EpilogueRowsNarrowF16],
         split_tiles: Kernel::EpilogueSplitTilesF16,
+        split_sums: Kernel::SplitSumsF16,
         rows_backward: [Kernel::EpilogueRowsBackwardF16, Kernel::EpilogueRowsBackwardNarrowF16],
         fold: Kernel::FoldRowsMeanF16,
         fold_halves: Kernel::FoldRowsMeanHalvesF16,
@@ -1050,6 +1054,12 @@ pub fn split_tiles_kernel(dtype: Dtype) -> Kernel {
     HalfKernels::of(dtype).map_or(Kernel::EpilogueSplitTiles, |h| h.split_tiles)
 }
 
+/// [`split_tiles_kernel`] without bias, saved `z` or chain: the ranges added and rounded,
+/// several ranges' loads at a time.
+pub fn split_sums_kernel(dtype: Dtype) -> Kernel {
+    HalfKernels::of(dtype).map_or(Kernel::SplitSums, |h| h.split_sums)
+}
+
 /// The row-wise chain backward for `dy` and `dz` of `dtype` over rows of `n` features,
 /// and its blocks' threads.
 pub fn rows_backward_kernel(dtype: Dtype, n: usize) -> (Kernel, usize) {
@@ -1276,8 +1286,10 @@ mod tests {
             let all = [h.tma_nt, h.tma_nt_split, h.tma_nt_to_half, h.tma_nn_to_half, h.tma_tn_to_half, h.tma_tn];
             let all = all.into_iter().chain([h.gemv, h.gemv_to_half, h.gemv_tc, h.gemv_tc_to_half]);
             let all = all.chain(h.mma.into_iter().flatten());
-            let all =
-                all.chain([h.tiles_backward, h.split_tiles, h.fold, h.unfold]).chain(h.rows).chain(h.rows_backward);
+            let all = all
+                .chain([h.tiles_backward, h.split_tiles, h.split_sums, h.fold, h.unfold])
+                .chain(h.rows)
+                .chain(h.rows_backward);
             let all = all.chain([h.transpose_to_half, h.narrow, h.widen, h.outer_sum]);
             for k in all {
                 let other = if tag == "f16" { "bf16" } else { "_f16" };

@@ -129,9 +129,10 @@ pub fn epilogue_row(
     *v = rows[0];
 }
 
-/// Declares the split-K ends of the tile epilogue, one per output type.
+/// Declares the split-K ends of the tile epilogue, one per output type (`CHAIN`: whether
+/// it runs the bias, saved `z` and chain; else they are ignored).
 macro_rules! split_tiles_entries {
-    ($($(#[$doc:meta])* $name:ident: $o:ty;)*) => {$(
+    ($($(#[$doc:meta])* $name:ident: $o:ty, $chain:literal;)*) => {$(
         $(#[$doc])*
         #[unsafe(no_mangle)]
         #[allow(clippy::too_many_arguments)]
@@ -146,7 +147,7 @@ macro_rules! split_tiles_entries {
             ops: *const OpDesc,
             n_ops: u32,
         ) {
-            unsafe { split_tiles(partials, splits, bias, y, save_z, (m as usize, n as usize), ops, n_ops) }
+            unsafe { split_tiles::<$o, $chain>(partials, splits, bias, y, save_z, (m as usize, n as usize), ops, n_ops) }
         }
     )*};
 }
@@ -162,17 +163,37 @@ split_tiles_entries! {
     /// # Safety
     /// `partials` holds `splits m n` floats; bias, `save_z`, `y` and `ops` as in the GEMM
     /// kernels, the ops fusable. Launch: grid `(ceil(n / 128), ceil(m / 16))`, 256 threads.
-    epilogue_split_tiles: f32;
+    epilogue_split_tiles: f32, true;
     /// [`epilogue_split_tiles`] into a bf16 `y` (each value rounded once).
     ///
     /// # Safety
     /// As [`epilogue_split_tiles`]; `y` holds `m n` 16-bit words.
-    epilogue_split_tiles_bf16: Bf16;
+    epilogue_split_tiles_bf16: Bf16, true;
     /// [`epilogue_split_tiles`] into an fp16 `y`.
     ///
     /// # Safety
     /// As [`epilogue_split_tiles_bf16`].
-    epilogue_split_tiles_f16: F16;
+    epilogue_split_tiles_f16: F16, true;
+    /// [`epilogue_split_tiles`] without bias, saved `z` or chain (null and 0): the slices
+    /// added, rounded once into `y`, with `SLICES_IN_FLIGHT` slices' loads issued before
+    /// any is added (still in slice order). One at a time, a few rows' many ranges were a
+    /// latency each (64 ranges of one row of `dX`: 4.4 us, now 2.8); with the chain's
+    /// code beside them the deeper loads took 87 registers instead of 48 and the
+    /// chained split-K ends of 128-256 rows up to 11% longer.
+    ///
+    /// # Safety
+    /// As [`epilogue_split_tiles`].
+    split_sums: f32, false;
+    /// [`split_sums`] into a bf16 `y`.
+    ///
+    /// # Safety
+    /// As [`epilogue_split_tiles_bf16`].
+    split_sums_bf16: Bf16, false;
+    /// [`split_sums`] into an fp16 `y`.
+    ///
+    /// # Safety
+    /// As [`epilogue_split_tiles_f16`].
+    split_sums_f16: F16, false;
 }
 
 /// Columns `c..c+4` of `row` of an `(.., n)` matrix, 0 past `n`: one 16-byte load when
@@ -191,13 +212,18 @@ unsafe fn load_row4(src: *const f32, row: usize, n: usize, c: usize) -> [f32; 4]
     }
 }
 
+/// Slices of split-K's partial sums whose loads [`split_tiles`] issues together.
+const SLICES_IN_FLIGHT: usize = 4;
+// (`split_tiles` unrolls its adds over four.)
+const _: () = assert!(SLICES_IN_FLIGHT == 4);
+
 /// The body of [`epilogue_split_tiles`].
 ///
 /// # Safety
 /// See [`epilogue_split_tiles`].
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn split_tiles<O: Element>(
+unsafe fn split_tiles<O: Element, const CHAIN: bool>(
     partials: *const f32,
     splits: u32,
     bias: Vector,
@@ -216,20 +242,34 @@ unsafe fn split_tiles<O: Element>(
     }
     let two = row + WARPS < m;
     let mut rows = [[0.0f32; 4]; 2];
-    let mut s = 0;
-    while s < splits as usize {
-        // SAFETY: slice `s` of `partials`, rows below `m`, columns below `n`.
-        let (a, b) = unsafe {
-            let slice = partials.add(s * m * n);
-            (load_row4(slice, row, n, c), if two { load_row4(slice, row + WARPS, n, c) } else { [0.0; 4] })
-        };
+    // SAFETY (each call): slice `s` of `partials`, rows below `m`, columns below `n`.
+    let load = |s: usize| unsafe {
+        let slice = partials.add(s * m * n);
+        (load_row4(slice, row, n, c), if two { load_row4(slice, row + WARPS, n, c) } else { [0.0; 4] })
+    };
+    let (mut s, splits) = (0, splits as usize);
+    // Without the chain, `SLICES_IN_FLIGHT` slices' loads at a time ([`split_sums`]).
+    while !CHAIN && s + SLICES_IN_FLIGHT <= splits {
+        let parts: [([f32; 4], [f32; 4]); SLICES_IN_FLIGHT] = core::array::from_fn(|i| load(s + i));
+        unroll!(i in 0..4 => {
+            unroll!(e in 0..4 => {
+                rows[0][e] += parts[i].0[e];
+                rows[1][e] += parts[i].1[e];
+            });
+        });
+        s += SLICES_IN_FLIGHT;
+    }
+    while s < splits {
+        let (a, b) = load(s);
         unroll!(e in 0..4 => {
             rows[0][e] += a[e];
             rows[1][e] += b[e];
         });
         s += 1;
     }
-    epilogue_rows(&mut rows, two, bias, save_z, row, ops, n_ops, n, c);
+    if CHAIN {
+        epilogue_rows(&mut rows, two, bias, save_z, row, ops, n_ops, n, c);
+    }
     // SAFETY: rows below `m`, columns below `n`, inside `y`.
     unsafe {
         store_row4(y, rows[0], row, n, c);

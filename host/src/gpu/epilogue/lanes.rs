@@ -3,7 +3,7 @@
 //! fuse, tile by tile, and `epilogue_split_tiles` (kernels-gpu/src/gemm/staged.rs), that
 //! chain forward on split-K's partial products.
 
-use super::super::dispatch::{split_tiles_kernel, tiles_backward_kernel};
+use super::super::dispatch::{split_sums_kernel, split_tiles_kernel, tiles_backward_kernel};
 use super::super::{DeviceElement, DeviceTensor, Dtype, Gpu, VectorArg, VectorWord, launched};
 use super::{DeviceChain, Widened};
 use crate::error::{Error, Result};
@@ -13,8 +13,8 @@ use kernel_abi::gemm_fma::{MAX_GRAD_SLOTS, MAX_TILE_OPS};
 
 /// `y = chain(sum_s z[s] + bias)` over split-K's partial products `z (splits, rows, n)`
 /// of a chain the GEMM's epilogue can fuse, the sum with the bias into `save_z` if
-/// given: 16 rows of 128 columns per block. Without a chain and a bias, the sum alone
-/// (a split `dX`).
+/// given: 16 rows of 128 columns per block. Without a chain, a bias and `save_z`, the
+/// sum alone (a split `dX`), on `split_sums*`.
 pub fn epilogue_split_tiles<T: DeviceElement>(
     gpu: &Gpu,
     chain: Option<&DeviceChain>,
@@ -39,7 +39,8 @@ pub fn epilogue_split_tiles<T: DeviceElement>(
             bias.map(|b| b.len)
         )));
     }
-    let kernel = split_tiles_kernel(T::DTYPE);
+    let plain = chain.is_none() && bias.is_none() && save_z.is_none();
+    let kernel = if plain { split_sums_kernel(T::DTYPE) } else { split_tiles_kernel(T::DTYPE) };
     let func = gpu.function(kernel)?;
     let cfg = LaunchConfig {
         grid_dim: (n.div_ceil(128) as u32, rows.div_ceil(16) as u32, 1),
