@@ -127,7 +127,7 @@ dot_entries! {
     /// `out[y, r, c] = sum_j u[r, j] a[j, c]` over block row `y`'s rows `j` of `a (rows,
     /// cols)` (`y rows_per_block ..`), for the `rank` weight vectors `u[r, :]` (pitch
     /// `ldu`): `dX = dZ W` of a batch of 2 to `OUTER_MAX_RANK` rows as one pass over `W`,
-    /// its ranges' FP32 sums added by `epilogue_split_tiles`. [`column_dot`] for several
+    /// its ranges' FP32 sums added by `split_sums*`. [`column_dot`] for several
     /// weight vectors at once: a quad of columns per lane (eight vectors' sums of 16
     /// columns would not fit beside the loads in flight), the range's weights in shared
     /// memory, `ROWS_IN_FLIGHT` rows' loads in flight per warp, the warps' sums added in

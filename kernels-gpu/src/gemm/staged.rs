@@ -177,7 +177,7 @@ split_tiles_entries! {
     /// [`epilogue_split_tiles`] without bias, saved `z` or chain (null and 0): the slices
     /// added, rounded once into `y`, with `SLICES_IN_FLIGHT` slices' loads issued before
     /// any is added (still in slice order). One at a time, a few rows' many ranges were a
-    /// latency each (64 ranges of one row of `dX`: 4.4 us, now 2.8); with the chain's
+    /// latency each (64 ranges of one row of `dX`: 4.3 us, now 2.5); with the chain's
     /// code beside them the deeper loads took 87 registers instead of 48 and the
     /// chained split-K ends of 128-256 rows up to 11% longer.
     ///
