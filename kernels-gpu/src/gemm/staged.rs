@@ -5,6 +5,7 @@
 use crate::epilogue::lanes::{F4, LaneGroup, lane_forward_rows, store_row4};
 use crate::prelude::element::{Bf16, Element, F16};
 use crate::prelude::global::load_v4_nc;
+use crate::prelude::warp::shfl_xor;
 use crate::prelude::*;
 use crate::unroll;
 use kernel_abi::epilogue::OpDesc;
@@ -179,7 +180,9 @@ split_tiles_entries! {
     /// any is added (still in slice order). One at a time, a few rows' many ranges were a
     /// latency each (64 ranges of one row of `dX`: 4.3 us, now 2.5); with the chain's
     /// code beside them the deeper loads took 87 registers instead of 48 and the
-    /// chained split-K ends of 128-256 rows up to 11% longer.
+    /// chained split-K ends of 128-256 rows up to 11% longer. One row runs
+    /// its own mapping: the eight warps split the slices (the 64 ranges of one row of
+    /// 1024 columns: 2.5 -> 1.5 us).
     ///
     /// # Safety
     /// As [`epilogue_split_tiles`].
@@ -217,6 +220,52 @@ const SLICES_IN_FLIGHT: usize = 4;
 // (`split_tiles` unrolls its adds over four.)
 const _: () = assert!(SLICES_IN_FLIGHT == 4);
 
+/// Slice groups of [`one_row_sums`]: the lanes of a warp that take the same columns.
+const ROW_SLICE_GROUPS: usize = 8;
+
+/// [`split_sums`] of one row: the rows' mapping would leave seven of the block's eight
+/// warps idle and each lane adding every slice in turn (64 slices of one row of `dX`: 16
+/// rounds of 4 dependent loads). Here a warp takes 16 columns, lane `l` the 4 columns
+/// `4 (l % 4)` on and every 8th slice from `l / 4`, with `SLICES_IN_FLIGHT` slices'
+/// loads issued together; three butterfly shuffles add the 8 groups' sums (in one fixed
+/// order: the same bits every call) and lanes 0..4 store.
+///
+/// # Safety
+/// As [`split_tiles`] with `m` = 1; the grid's `x` covers `n` in `TILE` columns.
+#[inline(always)]
+unsafe fn one_row_sums<O: Element>(partials: *const f32, splits: usize, y: *mut O, n: usize, warp: usize, lane: usize) {
+    const WARP_COLS: usize = TILE / WARPS;
+    const _: () = assert!(WARP_COLS == 4 * (32 / ROW_SLICE_GROUPS));
+    let (group, quad) = (lane / 4, lane % 4);
+    let c = block_idx_x() as usize * TILE + warp * WARP_COLS + quad * 4;
+    let mut sum = [0.0f32; 4];
+    // SAFETY (each call): slice `s` < splits of `partials`, row 0, columns below `n`.
+    let load = |s: usize| unsafe { load_row4(partials.add(s * n), 0, n, c) };
+    let mut s = group;
+    while s + ROW_SLICE_GROUPS * (SLICES_IN_FLIGHT - 1) < splits {
+        let parts: [[f32; 4]; SLICES_IN_FLIGHT] = core::array::from_fn(|i| load(s + i * ROW_SLICE_GROUPS));
+        unroll!(i in 0..4 => {
+            unroll!(e in 0..4 => { sum[e] += parts[i][e]; });
+        });
+        s += ROW_SLICE_GROUPS * SLICES_IN_FLIGHT;
+    }
+    while s < splits {
+        let part = load(s);
+        unroll!(e in 0..4 => { sum[e] += part[e]; });
+        s += ROW_SLICE_GROUPS;
+    }
+    // The groups are lane bits 2..5.
+    unroll!(e in 0..4 => {
+        sum[e] += shfl_xor(sum[e], 4);
+        sum[e] += shfl_xor(sum[e], 8);
+        sum[e] += shfl_xor(sum[e], 16);
+    });
+    if group == 0 {
+        // SAFETY: row 0, columns below `n`, inside `y`.
+        unsafe { store_row4(y, sum, 0, n, c) };
+    }
+}
+
 /// The body of [`epilogue_split_tiles`].
 ///
 /// # Safety
@@ -235,6 +284,11 @@ unsafe fn split_tiles<O: Element, const CHAIN: bool>(
 ) {
     let t = thread_idx_x() as usize;
     let (warp, lane) = (t / 32, t % 32);
+    if !CHAIN && m == 1 {
+        // SAFETY: as this function's.
+        unsafe { one_row_sums(partials, splits as usize, y, n, warp, lane) };
+        return;
+    }
     let c = block_idx_x() as usize * TILE + lane * 4;
     let row = block_idx_y() as usize * 2 * WARPS + warp;
     if row >= m {
