@@ -806,7 +806,8 @@ fn tf32_linear_gradients_match_reference() {
     // 3xTF32 flushes every 2048 of `k`: dW's k = 4100 in three runs, and dX's k = 4100
     // in three, the last tile of the batch ragged. Then batches of 12 (dX's `B` nearly
     // all zero-filled rows; dW on `gemm_wgmma`), and of 4, 1 and 7 (dW as the rows'
-    // outer products, in quads and, at k = 261, one by one).
+    // outer products, in quads and, at k = 261, one by one; dX of one row from a W of
+    // 4100 x 264, above DOT_DX_MAX_WEIGHTS: W's weighted rows still).
     for (m, n, k) in [
         (4100, 1028, 260),
         (1028, 4100, 264),
@@ -814,6 +815,7 @@ fn tf32_linear_gradients_match_reference() {
         (12, 1028, 260),
         (4, 1028, 260),
         (1, 1028, 260),
+        (1, 4100, 264),
         (7, 1030, 261),
     ] {
         let x = random_input(m, k, &mut rng).unwrap();
@@ -1041,7 +1043,9 @@ fn half_model_blocks_match_reference<H: host::gpu::HalfElement>(tol: f64, seed: 
 /// whole units of the warps' split (32 bf16 or 16 FP32 values per unit, 8 units a
 /// round), and shallower than one round (idle warps). `dW` of up to 8 rows: the rows'
 /// outer products (`outer`, `outer_sum_*`), in quads and, at odd widths, one by one;
-/// `dX` of up to 8 rows: `W`'s rows weighted by `dz`'s (`column_dot_*`, `column_dots_*`).
+/// `dX` of up to 8 rows: `W`'s rows weighted by `dz`'s (`column_dot_*`, `column_dots_*`),
+/// of one row from a `W` above `DOT_DX_MAX_WEIGHTS` too (its ranges' sums in one row's
+/// form, the last column block ragged).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn small_batches_match_reference() {
@@ -1051,7 +1055,7 @@ fn small_batches_match_reference() {
     use host::tensor::{Bf16, F16};
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(31);
-    let cases: [(&str, (usize, usize, usize), bool); 17] = [
+    let cases: [(&str, (usize, usize, usize), bool); 18] = [
         ("groupnorm(16),swish,mul,swish", (8, 520, 512), true),
         ("groupnorm(16),swish,mul,swish", (9, 520, 512), true),
         ("bias,mish,groupnorm(32),mul,gelu", (6, 64, 1024), true),
@@ -1060,6 +1064,7 @@ fn small_batches_match_reference() {
         ("sigmoid,gelu_tanh,bias", (32, 96, 1024), true),
         ("bias,mish,groupnorm(64),mul,gelu", (41, 72, 1024), true),
         ("sigmoid,gelu_tanh,bias", (1, 1024, 1024), true),
+        ("swish,bias", (1, 1032, 1096), false),
         ("swish,bias,groupnorm(2)", (3, 1024, 512), false),
         ("swish,bias,groupnorm(2)", (33, 1000, 512), false),
         ("groupnorm(1),leakyrelu(0.01),scale(2)", (64, 256, 1024), false),

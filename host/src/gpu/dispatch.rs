@@ -294,14 +294,22 @@ pub fn split_kernel(kernel: Kernel, splits: usize) -> Kernel {
     }
 }
 
-/// The largest `W` (values) whose `dX` of at most `OUTER_MAX_RANK` rows takes `W`'s rows
-/// weighted by `dZ` (`column_dot*`) rather than a GEMM. Measured on the H200 (2026-11-29,
-/// graph training step of a swish chain): at 1024^2 one row's step 0.0325 -> 0.0294 ms
-/// (bf16) and 0.0326 -> 0.0292 (TF32), eight rows level to 3% faster; at 4096^2,
-/// 1024 x 4096 and 8 x 8192^2 slower by up to 23%: eight rows' `column_dots_bf16` take
-/// 0.082 ms over 8192^2 where the TMA GEMM takes 0.047, and one row's 64 ranges cost the
-/// split sum 0.012 ms where the GEMM's needs 0.0025.
+/// The largest `W` (values) whose `dX` of 2 to `OUTER_MAX_RANK` rows takes `W`'s rows
+/// weighted by `dZ` (`column_dots*`) rather than a GEMM; one row's takes them from any
+/// `W` ([`dot_dx`]). Measured on the H200 (2026-11-29, graph training step of a swish
+/// chain): at 1024^2 one row's step 0.0325 -> 0.0294 ms (bf16) and 0.0326 -> 0.0292
+/// (TF32), eight rows level to 3% faster; at 8 x 8192^2 slower by up to 23%: eight rows'
+/// `column_dots_bf16` take 0.082 ms over 8192^2 where the TMA GEMM takes 0.047.
 pub const DOT_DX_MAX_WEIGHTS: usize = 1 << 20;
+
+/// Whether `dX` of `rows` rows from an `(n, k)` `W` runs as `W`'s rows weighted by `dZ`
+/// ([`Family::Dot`]). One row from any `W`: `column_dot` streams it at the GEMM's rate
+/// or faster (1 x 8192^2: bf16 0.041 against the TMA GEMM's 0.046 ms, TF32 0.076 against
+/// 0.091; H200), and its ranges' sum is one short kernel (`split_sums`' one-row form).
+/// 2 to `OUTER_MAX_RANK` rows from a `W` of at most [`DOT_DX_MAX_WEIGHTS`] values.
+pub fn dot_dx(rows: usize, n: usize, k: usize) -> bool {
+    rows == 1 || ((2..=OUTER_MAX_RANK).contains(&rows) && n * k <= DOT_DX_MAX_WEIGHTS)
+}
 
 /// The dispatch table: the route of `role` in `precision` for a Linear layer of
 /// `(m, n, k)` (batch, out, in features) over tensors stored as `storage` says. `tma`:
@@ -310,9 +318,9 @@ pub const DOT_DX_MAX_WEIGHTS: usize = 1 << 20;
 ///
 /// Before the tables, a batch of at most `OUTER_MAX_RANK` rows (FP32 tensors in FP32,
 /// TF32 or 3xTF32; 16-bit tensors with a 16-bit output): `dW` is the rows' outer
-/// products (`outer`, `outer_sum_*`), and `dX` from a `W` of at most
-/// [`DOT_DX_MAX_WEIGHTS`] values `W`'s rows weighted by `dZ` (`column_dot*` for one row,
-/// `column_dots*` for more), FP32 sums ([`Family::Dot`]).
+/// products (`outer`, `outer_sum_*`), and `dX` where [`dot_dx`] says `W`'s rows weighted
+/// by `dZ` (`column_dot*` for one row, `column_dots*` for more), FP32 sums
+/// ([`Family::Dot`]).
 ///
 /// A bf16 model's tensors (bf16 operands) are read as stored where the shapes give
 /// 16-byte rows (multiples of 8 values: `k` for the forward, `n` and `k` for `dX` and
@@ -358,12 +366,10 @@ pub fn route(precision: Precision, role: Role, dims: (usize, usize, usize), stor
     // `dW` of a few rows: a tile GEMM as deep as the batch fills a whole tile's pipeline
     // for each `128 x 256` of `dW` (TF32 at one row of 8192^2: 0.141 ms where writing
     // the 256 MB takes ~0.06). FP32 sums: as exact as 3xTF32's, exacter than TF32's.
-    // `dX` of as few rows from a small `W`: one pass over `W` ([`DOT_DX_MAX_WEIGHTS`]).
+    // `dX` of one row, or as few as `dW`'s from a small `W`: one pass over `W` ([`dot_dx`]).
     let dot = match role {
         Role::GradWeight if (1..=OUTER_MAX_RANK).contains(&dims.0) => Some(Layout::Tn),
-        Role::GradInput if (1..=OUTER_MAX_RANK).contains(&dims.0) && dims.1 * dims.2 <= DOT_DX_MAX_WEIGHTS => {
-            Some(Layout::Nn)
-        }
+        Role::GradInput if dot_dx(dims.0, dims.1, dims.2) => Some(Layout::Nn),
         _ => None,
     };
     if let Some(layout) = dot {
@@ -1198,12 +1204,16 @@ mod tests {
             assert_eq!(route(p, dx, (1, deep, 8), Storage::F32, true).layout, Layout::Nn);
         }
         assert_eq!(kernel(Bf16, dx, (1, deep, 8)), "gemm_tma_bf16_nt");
-        // ... from a small `W` only: a larger one's `dX` is a GEMM's.
+        // ... of more rows from a small `W` only: a larger one's `dX` is a GEMM's.
         let big = DOT_DX_MAX_WEIGHTS / 1024 + 4;
-        for rows in [1, 8] {
+        for rows in [1, 2, 8] {
             assert_eq!(kernel(Tf32, dx, (rows, 1024, 1024)), if rows == 1 { "column_dot" } else { "column_dots" });
-            assert_eq!(kernel(Tf32, dx, (rows, 1024, big)), "gemm_tma_tf32_tk_t");
+            assert_eq!(
+                kernel(Tf32, dx, (rows, 1024, big)),
+                if rows == 1 { "column_dot" } else { "gemm_tma_tf32_tk_t" }
+            );
         }
+        assert_eq!(kernel(Tf32, dx, (9, 1024, 1024)), "gemm_tma_tf32_tk_t");
         assert_eq!(kernel(Tf32, dw, (deep, 9, 8)), "gemm_mma_tf32_tn_scalar");
         assert_eq!(kernel(Bf16, dw, (deep, 9, 9)), "gemm_tma_bf16_nt");
         assert_eq!(kernel(Bf16, dw, (deep + 4, 8, 8)), "gemm_mma_bf16_tn_vec4");
@@ -1334,8 +1344,7 @@ mod tests {
                             // (FP32 sums whatever the precision: `dW` of a few rows, `dX` of one.)
                             let dw = role == Role::GradWeight && m <= OUTER_MAX_RANK && r.kernel == Kernel::Outer;
                             let dx = role == Role::GradInput
-                                && m <= OUTER_MAX_RANK
-                                && n * k <= DOT_DX_MAX_WEIGHTS
+                                && (m == 1 || (m <= OUTER_MAX_RANK && n * k <= DOT_DX_MAX_WEIGHTS))
                                 && r.kernel == if m == 1 { Kernel::ColumnDot } else { Kernel::ColumnDots };
                             assert!(dw || dx, "{p} {role:?} ({m}, {n}, {k}): {name}");
                         } else if p != Precision::Fp32 {

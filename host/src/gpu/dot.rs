@@ -147,7 +147,7 @@ pub fn outer<T: DeviceElement>(gpu: &Gpu, u: &DeviceTensor<T>, v: &DeviceTensor)
 /// `dX (m, k) = dZ W` of a batch of at most `OUTER_MAX_RANK` rows (`dZ (m, n)`, `W (n,
 /// k)`), in `T`: `W`'s rows weighted by each row of `dZ` and summed, over ranges of
 /// `W`'s rows (`column_dot` for one row, `column_dots` for more), the ranges' FP32 sums
-/// added in order and rounded once (`split_sums*`, through `epilogue_split_tiles`): one
+/// added in a fixed order and rounded once (`split_sums*`, through `epilogue_split_tiles`): one
 /// pass over `W` ([`dispatch::Family::Dot`]).
 pub fn weighted_rows<T: DeviceElement>(
     gpu: &Gpu,
