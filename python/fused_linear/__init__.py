@@ -440,6 +440,14 @@ def _half_block(
 def _check_half_dtypes(x: Tensor, weight: Tensor, rest: List[Tensor], dtype: torch.dtype) -> None:
     """A 16-bit model's tensors: ``x`` and ``weight`` both in ``dtype``, the bias and the
     chain's parameters in ``dtype`` or float32; a ``TypeError`` naming the first that is not."""
+    # The common case first, without building the messages (this runs on every call).
+    if type(x) in _PLAIN and type(weight) in _PLAIN and x.dtype is dtype and weight.dtype is dtype:
+        wide = torch.float32
+        for t in rest:
+            if isinstance(t, Tensor) and t.dtype is not dtype and t.dtype is not wide:
+                break
+        else:
+            return
     block = f"a {_HALF[dtype]} block"
     convert = ".half()" if dtype == torch.float16 else ".to(torch.bfloat16)"
     for name, t in (("x", x), ("weight", weight)):
