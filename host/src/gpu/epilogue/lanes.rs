@@ -132,6 +132,6 @@ pub fn epilogue_tiles_backward<G: DeviceElement>(
     // row_blocks * slots * n, every entry written by the kernel; the chain is fusable
     // (the caller checked) and validated against n.
     launched(kernel, unsafe { launch.launch(cfg) })?;
-    let grads = super::rows::sum_partials(gpu, &partials, row_blocks, slots * n)?;
+    let grads = super::rows::sum_partials(gpu, partials, row_blocks, slots * n)?;
     Ok((dz, grads.reshape(&[slots, n])?))
 }

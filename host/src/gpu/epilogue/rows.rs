@@ -131,16 +131,21 @@ pub fn epilogue_rows_backward<T: DeviceElement>(
     // writes it whole); the chain was validated against n.
     unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launching `{kernel}`"), e))?;
 
-    let grads = sum_partials(gpu, &partials, blocks, slots * n)?.reshape(&[slots, n])?;
+    let grads = sum_partials(gpu, partials, blocks, slots * n)?.reshape(&[slots, n])?;
     Ok((dz, grads))
 }
 
 /// `out[j] = sum_b partials[b, j]` over `blocks` rows of `len`: the second level of the
-/// parameter-gradient reduction.
-pub fn sum_partials(gpu: &Gpu, partials: &DeviceTensor, blocks: usize, len: usize) -> Result<DeviceTensor> {
+/// parameter-gradient reduction. One block's partials are the sums already: returned as
+/// they are, no launch (a backward of up to 16 rows: one launch and ~2 us of a one-row
+/// training step's graph).
+pub fn sum_partials(gpu: &Gpu, partials: DeviceTensor, blocks: usize, len: usize) -> Result<DeviceTensor> {
+    if blocks == 1 && partials.len() == len {
+        return partials.reshape(&[len]);
+    }
     let out = gpu.alloc(&[len])?;
     // SAFETY: `out` holds len floats.
-    unsafe { sum_partials_into(gpu, partials, blocks, len, out.buf.device_address())? };
+    unsafe { sum_partials_into(gpu, &partials, blocks, len, out.buf.device_address())? };
     Ok(out)
 }
 
