@@ -180,6 +180,22 @@ unsafe fn gemv_tc<E: Element, O: Element, H: Half, const TF32: bool>(
 ) {
     let t = thread_idx_x() as usize;
     let col0 = block_idx_x() * SLAB as u32;
+    // The slab's bias and op parameters (a line each) into L1 while `W` streams: read
+    // once, after the products, each had waited on L2 in turn.
+    let prefetch = |v: u64| {
+        let v = Vector(v);
+        if !v.is_null() && (col0 as usize) < n as usize {
+            // SAFETY: a vector of `n` values; col0 < n.
+            unsafe { crate::prelude::global::prefetch_l1(v.skip(col0 as usize).ptr::<u8>()) };
+        }
+    };
+    if t == 0 {
+        prefetch(bias.0);
+    } else if t <= 2 * n_ops as usize {
+        // SAFETY: (t - 1) / 2 < n_ops.
+        let op = unsafe { &*ops.add((t - 1) / 2) };
+        prefetch(if t % 2 == 1 { op.param0 } else { op.param1 });
+    }
     let frags = m.div_ceil(8) as usize;
     let base = dynamic_shared::<f32>();
     // The main loop for the rows' fragment count: with a count known at run time, the
