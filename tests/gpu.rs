@@ -807,7 +807,8 @@ fn tf32_linear_gradients_match_reference() {
     // in three, the last tile of the batch ragged. Then batches of 12 (dX's `B` nearly
     // all zero-filled rows; dW on `gemm_wgmma`), and of 4, 1 and 7 (dW as the rows'
     // outer products, in quads and, at k = 261, one by one; dX of one row from a W of
-    // 4100 x 264, above DOT_DX_MAX_WEIGHTS: W's weighted rows still).
+    // 4100 x 264, above DOT_DX_MAX_WEIGHTS: W's weighted rows still, and of one row of
+    // 261 columns, which the one-row split sums read value by value).
     for (m, n, k) in [
         (4100, 1028, 260),
         (1028, 4100, 264),
@@ -816,6 +817,7 @@ fn tf32_linear_gradients_match_reference() {
         (4, 1028, 260),
         (1, 1028, 260),
         (1, 4100, 264),
+        (1, 1028, 261),
         (7, 1030, 261),
     ] {
         let x = random_input(m, k, &mut rng).unwrap();
