@@ -1344,7 +1344,7 @@ mod tests {
                             // (FP32 sums whatever the precision: `dW` of a few rows, `dX` of one.)
                             let dw = role == Role::GradWeight && m <= OUTER_MAX_RANK && r.kernel == Kernel::Outer;
                             let dx = role == Role::GradInput
-                                && (m == 1 || (m <= OUTER_MAX_RANK && n * k <= DOT_DX_MAX_WEIGHTS))
+                                && dot_dx(m, n, k)
                                 && r.kernel == if m == 1 { Kernel::ColumnDot } else { Kernel::ColumnDots };
                             assert!(dw || dx, "{p} {role:?} ({m}, {n}, {k}): {name}");
                         } else if p != Precision::Fp32 {
