@@ -45,17 +45,16 @@ def main() -> None:
     a = p.parse_args()
     b, i, o = (int(v) for v in a.shape.split(","))
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-    chain = f"groupnorm({o // 32}),swish,mul,swish"
-    print(f"host us per call, {b}x{i}x{o}, chain {chain}, torch {torch.__version__}")
+    ops = f"groupnorm({o // 32}),swish,mul,swish"
+    print(f"host us per call, {b}x{i}x{o}, chain {ops}, torch {torch.__version__}")
     for name in a.dtypes.split(","):
-        measure(name, dtypes[name], (b, i, o), a.calls, a.count)
+        measure(name, dtypes[name], (b, i, o), ops, a.calls, a.count)
 
 
-def measure(name: str, dtype: torch.dtype, shape: tuple, calls: int, count: bool) -> None:
-    """Prints the tables of one dtype (see the module)."""
+def measure(name: str, dtype: torch.dtype, shape: tuple, ops: str, calls: int, count: bool) -> None:
+    """Prints the tables of one dtype for M1's chain `ops` (see the module)."""
     b, i, o = shape
     groups = o // 32
-    ops = f"groupnorm({groups}),swish,mul,swish"
     torch.manual_seed(0)
     block = fl.FusedLinear(i, o, ops, device="cuda", dtype=dtype)
     plain = host_cost.plain_m1(i, o, groups, dtype)
