@@ -146,6 +146,13 @@ kernels! {
     GemvTcF16 = "gemv_tc_f16", bounds(gemv_tc::THREADS, 2);
     GemvTcF16ToF16 = "gemv_tc_f16_to_f16", bounds(gemv_tc::THREADS, 2);
     GemvTcTf32 = "gemv_tc_tf32", bounds(gemv_tc::THREADS, 2);
+    // `dX` of at most eight rows on the same tensor cores (`gemm/dx_tc.rs`): a 16-bit
+    // model's `dZ` and `W` as stored, `dX` in their type or, split over `W`'s rows,
+    // FP32 partial sums.
+    DxTcBf16 = "dx_tc_bf16", bounds(gemv_tc::THREADS, 2);
+    DxTcBf16Parts = "dx_tc_bf16_parts", bounds(gemv_tc::THREADS, 2);
+    DxTcF16 = "dx_tc_f16", bounds(gemv_tc::THREADS, 2);
+    DxTcF16Parts = "dx_tc_f16_parts", bounds(gemv_tc::THREADS, 2);
 
     // The epilogue chain on whole rows and tiles, its backward, the kink scan and
     // refinement (`epilogue/`). The tile-wise backward and the refinements carry the

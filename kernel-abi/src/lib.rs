@@ -222,6 +222,18 @@ pub mod gemv_tc {
         if ring > sums { ring } else { sums }
     }
     const _: () = assert!(smem_bytes(ROWS) <= 227 * 1024 && W_SLOTS == 4);
+
+    /// `dX = dZ W` of at most `DX_ROWS` rows on the same tensor cores (`dx_tc_*`): rows
+    /// of `W` (the sum's index) each warp takes per unit, a slab's 64 bytes of each.
+    pub const DX_UNIT_ROWS: usize = 32;
+    /// Most rows of `dZ`: one `n8` fragment.
+    pub const DX_ROWS: usize = 8;
+    /// Bytes of one unit in a warp's ring: `W`'s `DX_UNIT_ROWS x SLAB` 16-bit values,
+    /// then a 16-byte chunk of `dZ` per lane.
+    pub const DX_STAGE_BYTES: usize = DX_UNIT_ROWS * SLAB * 2 + 32 * CHUNK;
+    /// `dx_tc_*`'s dynamic shared memory: each warp's ring, later its partial sums.
+    pub const DX_SMEM_BYTES: usize = WARPS * STAGES * DX_STAGE_BYTES;
+    const _: () = assert!(DX_SMEM_BYTES >= WARPS * DX_ROWS * RED_PITCH * 4 && 2 * DX_SMEM_BYTES <= 227 * 1024);
 }
 
 /// The persistent, warp-specialised `wgmma` forward: `128 x 256` output tiles, operands

@@ -48,6 +48,7 @@ impl BlockTile {
     }
 }
 
+pub mod dx_tc;
 pub mod fma;
 pub mod gemv;
 pub mod gemv_tc;

@@ -26,6 +26,24 @@ pub unsafe fn ldmatrix_x4(addr: u32) -> [u32; 4] {
     [r0, r1, r2, r3]
 }
 
+/// `ldmatrix .x4 .trans`: as [`ldmatrix_x4`], each matrix transposed on the way: every
+/// lane gets the 16-bit values at rows `2 (lane % 4)` and `2 (lane % 4) + 1` of column
+/// `lane / 4` (low half first) — an `m16n8k16` operand's fragment from a tile stored
+/// with the fragment's `k` across rows.
+///
+/// # Safety
+/// As [`ldmatrix_x4`].
+#[inline(always)]
+pub unsafe fn ldmatrix_x4_trans(addr: u32) -> [u32; 4] {
+    let (mut r0, mut r1, mut r2, mut r3): (u32, u32, u32, u32);
+    unsafe {
+        asm!("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {{{r0}, {r1}, {r2}, {r3}}}, [{a}];",
+             r0 = out(reg32) r0, r1 = out(reg32) r1, r2 = out(reg32) r2, r3 = out(reg32) r3,
+             a = in(reg32) addr, options(nostack, readonly, preserves_flags));
+    }
+    [r0, r1, r2, r3]
+}
+
 /// Four consecutive 32-bit words of shared memory.
 ///
 /// # Safety
