@@ -1047,7 +1047,9 @@ fn half_model_blocks_match_reference<H: host::gpu::HalfElement>(tol: f64, seed: 
 /// outer products (`outer`, `outer_sum_*`), in quads and, at odd widths, one by one;
 /// `dX` of up to 8 rows: `W`'s rows weighted by `dz`'s (`column_dot_*`, `column_dots_*`),
 /// of one row from a `W` above `DOT_DX_MAX_WEIGHTS` too (its ranges' sums in one row's
-/// form, the last column block ragged).
+/// form, the last column block ragged); a 16-bit model's on the tensor cores (`dx_tc_*`:
+/// ranges of `W`'s rows whose last unit is partial, a last slab of 8 columns, and one
+/// range of 264 rows over 66 slabs).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn small_batches_match_reference() {
@@ -1057,7 +1059,7 @@ fn small_batches_match_reference() {
     use host::tensor::{Bf16, F16};
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(31);
-    let cases: [(&str, (usize, usize, usize), bool); 18] = [
+    let cases: [(&str, (usize, usize, usize), bool); 19] = [
         ("groupnorm(16),swish,mul,swish", (8, 520, 512), true),
         ("groupnorm(16),swish,mul,swish", (9, 520, 512), true),
         ("bias,mish,groupnorm(32),mul,gelu", (6, 64, 1024), true),
@@ -1071,6 +1073,8 @@ fn small_batches_match_reference() {
         ("swish,bias,groupnorm(2)", (33, 1000, 512), false),
         ("groupnorm(1),leakyrelu(0.01),scale(2)", (64, 256, 1024), false),
         ("gelu,tanh", (5, 96, 77), false),
+        // A 16-bit dX of 4 rows in one range of W's 264 rows (66 slabs of 32 columns).
+        ("gelu,tanh", (4, 2112, 264), false),
         ("", (16, 1000, 1000), false),
         ("avgpool(4),gelu,scale(2),max", (2, 264, 512), false),
         ("leakyrelu(0.2),hardtanh(-0.5,0.7),avgpool(3),scale(-1.5),max", (7, 32, 96), false),

@@ -72,8 +72,9 @@ pub enum Family {
     Tma,
     /// `dot.rs`'s one-pass kernels at the memory's rate, FP32 sums, FP32 and 16-bit
     /// models: `dW` of at most `OUTER_MAX_RANK` rows as that many outer products
-    /// (`outer*`, launcher [`super::dot::outer_sum`]), `dX` of one row as `W`'s rows
-    /// weighted by `dZ` and summed (`column_dot*`, launcher [`super::dot::weighted_rows`]).
+    /// (`outer*`, launcher [`super::dot::outer_sum`]), `dX` of a few rows as `W`'s rows
+    /// weighted by `dZ` and summed (`column_dot*`, and a 16-bit model's on tensor cores,
+    /// `dx_tc_*`; launcher [`super::dot::weighted_rows`]).
     Dot,
 }
 
@@ -144,6 +145,10 @@ pub struct HalfKernels {
     pub tma_tn: Kernel,
     /// `dW` of a few rows, 16-bit throughout ([`Family::Dot`]).
     pub outer_sum: Kernel,
+    /// `dX` of a few rows on tensor cores ([`dx_tc`]): 16-bit `dX`, or FP32 partial sums
+    /// over ranges of `W`'s rows.
+    pub dx_tc: Kernel,
+    pub dx_tc_parts: Kernel,
     /// `mma.sync` on FP32 operands rounded as loaded: `[layout][vec4, scalar]`, layouts
     /// `Nt`, `Nn`, `Tn`.
     pub mma: [[Kernel; 2]; 3],
@@ -189,6 +194,8 @@ impl HalfKernels {
         tma_tn_to_half: Kernel::GemmTmaBf16TnToBf16,
         tma_tn: Kernel::GemmTmaBf16Tn,
         outer_sum: Kernel::OuterSumBf16,
+        dx_tc: Kernel::DxTcBf16,
+        dx_tc_parts: Kernel::DxTcBf16Parts,
         mma: [
             [Kernel::GemmMmaBf16NtVec4, Kernel::GemmMmaBf16NtScalar],
             [Kernel::GemmMmaBf16NnVec4, Kernel::GemmMmaBf16NnScalar],
@@ -224,6 +231,8 @@ impl HalfKernels {
         tma_tn_to_half: Kernel::GemmTmaF16TnToF16,
         tma_tn: Kernel::GemmTmaF16Tn,
         outer_sum: Kernel::OuterSumF16,
+        dx_tc: Kernel::DxTcF16,
+        dx_tc_parts: Kernel::DxTcF16Parts,
         mma: [
             [Kernel::GemmMmaF16NtVec4, Kernel::GemmMmaF16NtScalar],
             [Kernel::GemmMmaF16NnVec4, Kernel::GemmMmaF16NnScalar],
@@ -311,6 +320,33 @@ pub fn dot_dx(rows: usize, n: usize, k: usize) -> bool {
     rows == 1 || ((2..=OUTER_MAX_RANK).contains(&rows) && n * k <= DOT_DX_MAX_WEIGHTS)
 }
 
+/// The largest `W` (values) whose `dX` of a few rows runs on [`dx_tc`]'s kernel.
+/// Measured on the H200 (2026-11-29, graph training step of a bf16 model, M1's chain):
+/// 2-8 rows 5-14% faster at 1024^2, 1024 x 4096 and 4096^2 (8 x 4096^2: `dx_tc_bf16`
+/// 0.0143 ms where the TMA GEMM took 0.0160 and its ranges' sum 0.0021), one row level
+/// to 5% faster; at 8192^2 level at 2-8 rows and 2% slower at one: it streams `W` at
+/// ~2.5 TB/s, `column_dot` and the TMA GEMM at ~2.9-3.1 there.
+pub const DX_TC_MAX_WEIGHTS: usize = 1 << 25;
+
+/// Whether `dX` of `rows` rows from an `(n, k)` `W` runs on the tensor cores
+/// (`dx_tc_*`, launcher [`super::dot::weighted_rows`]): a 16-bit model's `dZ` and `W`
+/// as stored with a 16-bit `dX`, 16-byte aligned, rows of whole 16-byte chunks (`n` and
+/// `k` multiples of 8), at most `OUTER_MAX_RANK` rows (one `n8` fragment) and
+/// [`DX_TC_MAX_WEIGHTS`] weights: one stream of `W` like the small-batch forward's,
+/// where the FP32 sums of `column_dots*` were compute-bound beyond
+/// [`DOT_DX_MAX_WEIGHTS`].
+pub fn dx_tc((rows, n, k): (usize, usize, usize), storage: Storage) -> bool {
+    HalfKernels::of(storage.operands).is_some()
+        && storage.output == storage.operands
+        && storage.aligned
+        && (1..=OUTER_MAX_RANK).contains(&rows)
+        && n > 0
+        && k > 0
+        && n.is_multiple_of(8)
+        && k.is_multiple_of(8)
+        && n * k <= DX_TC_MAX_WEIGHTS
+}
+
 /// The dispatch table: the route of `role` in `precision` for a Linear layer of
 /// `(m, n, k)` (batch, out, in features) over tensors stored as `storage` says. `tma`:
 /// whether the TMA kernels may run ([`Tuning::tma`](crate::gpu::Tuning::tma)); without
@@ -318,9 +354,9 @@ pub fn dot_dx(rows: usize, n: usize, k: usize) -> bool {
 ///
 /// Before the tables, a batch of at most `OUTER_MAX_RANK` rows (FP32 tensors in FP32,
 /// TF32 or 3xTF32; 16-bit tensors with a 16-bit output): `dW` is the rows' outer
-/// products (`outer`, `outer_sum_*`), and `dX` where [`dot_dx`] says `W`'s rows weighted
-/// by `dZ` (`column_dot*` for one row, `column_dots*` for more), FP32 sums
-/// ([`Family::Dot`]).
+/// products (`outer`, `outer_sum_*`), and `dX` where [`dx_tc`] or [`dot_dx`] says `W`'s
+/// rows weighted by `dZ` (a 16-bit model's on tensor cores, `dx_tc_*`; else `column_dot*`
+/// for one row, `column_dots*` for more), FP32 sums ([`Family::Dot`]).
 ///
 /// A bf16 model's tensors (bf16 operands) are read as stored where the shapes give
 /// 16-byte rows (multiples of 8 values: `k` for the forward, `n` and `k` for `dX` and
@@ -369,13 +405,14 @@ pub fn route(precision: Precision, role: Role, dims: (usize, usize, usize), stor
     // `dX` of one row, or as few as `dW`'s from a small `W`: one pass over `W` ([`dot_dx`]).
     let dot = match role {
         Role::GradWeight if (1..=OUTER_MAX_RANK).contains(&dims.0) => Some(Layout::Tn),
-        Role::GradInput if dot_dx(dims.0, dims.1, dims.2) => Some(Layout::Nn),
+        Role::GradInput if dx_tc(dims, storage) || dot_dx(dims.0, dims.1, dims.2) => Some(Layout::Nn),
         _ => None,
     };
     if let Some(layout) = dot {
         let kernels = |dtype| (dot_kernels(dtype), HalfKernels::of(dtype));
         let pick = |(d, h): (DotKernels, Option<&HalfKernels>)| match layout {
             Layout::Tn => h.map_or(Kernel::Outer, |h| h.outer_sum),
+            _ if dx_tc(dims, storage) => h.map_or(d.column_dots, |h| h.dx_tc),
             _ if dims.0 == 1 => d.column_dot,
             _ => d.column_dots,
         };
@@ -1279,7 +1316,8 @@ mod tests {
         assert_eq!(r(fwd, (3, 16, 8), F16, true).kernel, Kernel::GemmTmaF16NtToF16);
         assert_eq!(r(fwd, (3, 12, 8), F32, true).kernel, Kernel::GemmTmaF16Nt);
         assert_eq!(r(Role::GradInput, (16, 16, 8), F16, true).kernel, Kernel::GemmTmaF16NnToF16);
-        assert_eq!(r(Role::GradInput, (3, 16, 8), F16, true).kernel, Kernel::ColumnDotsF16);
+        assert_eq!(r(Role::GradInput, (3, 16, 8), F16, true).kernel, Kernel::DxTcF16);
+        assert_eq!(r(Role::GradInput, (3, 16, 12), F16, true).kernel, Kernel::ColumnDotsF16);
         assert_eq!(r(Role::GradWeight, (3, 16, 8), F32, true).kernel, Kernel::GemmTmaF16Tn);
         assert_eq!(r(Role::GradWeight, (16, 16, 8), F16, true).kernel, Kernel::GemmTmaF16TnToF16);
         assert_eq!(r(Role::GradWeight, (3, 16, 8), F16, true).kernel, Kernel::OuterSumF16);
@@ -1346,6 +1384,8 @@ mod tests {
                             let dx = role == Role::GradInput
                                 && dot_dx(m, n, k)
                                 && r.kernel == if m == 1 { Kernel::ColumnDot } else { Kernel::ColumnDots };
+                            // (FP32 tensors: `dx_tc_*` takes 16-bit ones only.)
+                            assert!(!r.kernel.name().starts_with("dx_tc"), "{name}");
                             assert!(dw || dx, "{p} {role:?} ({m}, {n}, {k}): {name}");
                         } else if p != Precision::Fp32 {
                             // (The fp16 kernels are named by their element, `f16`.)
@@ -1383,10 +1423,20 @@ mod tests {
             let outer = r(Role::GradWeight, dims, Bf16, aligned);
             assert!(outer.kernel == Kernel::OuterSumBf16 && !outer.widened, "{dims:?}: {outer:?}");
         }
-        // `dX` of one row: `column_dot_bf16`, any shape or alignment.
-        for (dims, aligned) in [((1, 16, 8), true), ((1, 5, 3), false)] {
+        // `dX` of at most eight rows: `dx_tc_bf16` where the rows are whole 16-byte chunks
+        // and aligned, from any `W`; else one row's `column_dot_bf16`, any shape.
+        // `dX` of at most eight rows: `dx_tc_bf16` where the rows are whole 16-byte chunks
+        // and aligned, up to DX_TC_MAX_WEIGHTS; else one row's `column_dot_bf16`, any shape.
+        for dims in [(1, 16, 8), (8, 16, 8), (8, 4096, 4096)] {
+            let dx = r(Role::GradInput, dims, Bf16, true);
+            assert!(dx.kernel == Kernel::DxTcBf16 && dx.family == Family::Dot, "{dims:?}: {dx:?}");
+        }
+        for (dims, aligned) in [((1, 16, 8), false), ((1, 5, 3), true), ((1, 8192, 8192), true)] {
             let dx = r(Role::GradInput, dims, Bf16, aligned);
             assert!(dx.kernel == Kernel::ColumnDotBf16 && dx.family == Family::Dot, "{dims:?}: {dx:?}");
+        }
+        for dims in [(9, 16, 8), (8, 8192, 8192)] {
+            assert_eq!(r(Role::GradInput, dims, Bf16, true).kernel, Kernel::GemmTmaBf16NnToBf16, "{dims:?}");
         }
         // Split-K's FP32 partial products, as stored.
         let split = r(Role::Forward { splits: 2 }, (3, 16, 8), F32, true);

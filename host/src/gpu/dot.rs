@@ -14,6 +14,7 @@ use kernel_abi::dot::{
     COLUMN_DOTS_MAX_RANGE_ROWS, COLUMN_DOTS_SMEM_BYTES, OUTER_BLOCK_COLS, OUTER_MAX_BLOCK_ROWS, OUTER_MAX_RANK,
     OUTER_SMEM_BYTES, ROW_DOT_SMEM_BYTES, THREADS, column_dot_cols,
 };
+use kernel_abi::gemv_tc::{self, DX_UNIT_ROWS};
 use std::sync::Arc;
 
 /// Blocks per SM `column_dot` aims at.
@@ -162,6 +163,13 @@ pub fn weighted_rows<T: DeviceElement>(
             dz.shape, w.shape
         )));
     }
+    let aligned = [w.buf.device_address(), dz.buf.device_address()].iter().all(|a| a.is_multiple_of(16));
+    let storage = dispatch::Storage::half(T::DTYPE, T::DTYPE, aligned);
+    if let Some(half) = HalfKernels::of(T::DTYPE)
+        && dispatch::dx_tc((m, rows, cols), storage)
+    {
+        return weighted_rows_tc(gpu, half, w, dz, (m, rows, cols));
+    }
     let kernels = dispatch::dot_kernels(T::DTYPE);
     let sms = gpu.props.multiprocessors;
     let (ranges, per_range) = match m {
@@ -205,6 +213,68 @@ pub fn weighted_rows<T: DeviceElement>(
     let mut dx = gpu.alloc_as::<T>(&[m, cols])?;
     epilogue_split_tiles(gpu, None, &parts, None, &mut dx, None)?;
     Ok(dx)
+}
+
+/// Fewest rows of `W` one split of [`weighted_rows_tc`] sums: a unit per warp.
+const DX_TC_MIN_SPLIT_ROWS: usize = DX_UNIT_ROWS * gemv_tc::WARPS;
+
+/// [`weighted_rows`] on the tensor cores (`dx_tc_*`; [`dispatch::dx_tc`] says where):
+/// one block per 32 columns of `dX` over all of `W`'s rows, written in `T`; where those
+/// blocks would leave half the SMs idle, over ranges of `W`'s rows instead (at most
+/// two blocks per SM, each range a unit per warp or more), their FP32 sums added in
+/// range order by `split_sums`.
+fn weighted_rows_tc<T: DeviceElement>(
+    gpu: &Gpu,
+    half: &HalfKernels,
+    w: &DeviceTensor<T>,
+    dz: &DeviceTensor<T>,
+    (m, rows, cols): (usize, usize, usize),
+) -> Result<DeviceTensor<T>> {
+    if [m * rows, rows * cols].iter().any(|&d| d > u32::MAX as usize) {
+        return Err(Error::Shape(format!("dX = dZ W with W {:?} exceeds its launch", w.shape)));
+    }
+    let (blocks, sms) = (cols.div_ceil(gemv_tc::SLAB), gpu.props.multiprocessors);
+    let splits =
+        if 2 * blocks >= sms { 1 } else { (2 * sms).div_ceil(blocks).min(rows.div_ceil(DX_TC_MIN_SPLIT_ROWS)) };
+    let per_split = rows.div_ceil(splits.max(1)).next_multiple_of(DX_TC_MIN_SPLIT_ROWS);
+    let splits = rows.div_ceil(per_split);
+    let cfg = LaunchConfig {
+        grid_dim: (blocks as u32, splits as u32, 1),
+        block_dim: (gemv_tc::THREADS as u32, 1, 1),
+        shared_mem_bytes: gemv_tc::DX_SMEM_BYTES as u32,
+    };
+    let args = [m, rows, cols, per_split].map(|a| a as u32);
+    let mut dx = gpu.alloc_as::<T>(&[m, cols])?;
+    if splits == 1 {
+        launch_dx_tc(gpu, half.dx_tc, cfg, (w, dz), args, &mut dx)?;
+    } else {
+        let mut parts = gpu.alloc(&[splits, m, cols])?;
+        launch_dx_tc(gpu, half.dx_tc_parts, cfg, (w, dz), args, &mut parts)?;
+        epilogue_split_tiles(gpu, None, &parts, None, &mut dx, None)?;
+    }
+    Ok(dx)
+}
+
+/// One launch of `dx_tc_*` (`args`: `m, n, k, per_split`) into `out`.
+fn launch_dx_tc<T: DeviceElement, O: DeviceElement>(
+    gpu: &Gpu,
+    kernel: Kernel,
+    cfg: LaunchConfig,
+    (w, dz): (&DeviceTensor<T>, &DeviceTensor<T>),
+    args: [u32; 4],
+    out: &mut DeviceTensor<O>,
+) -> Result<()> {
+    let func = gpu.function(kernel)?;
+    gpu.allow_shared(&func, kernel, cfg.shared_mem_bytes as usize)?;
+    let mut l = gpu.stream().launch_builder(&func);
+    l.arg(&dz.buf).arg(&w.buf).arg(&mut out.buf);
+    for a in &args {
+        l.arg(a);
+    }
+    // SAFETY: (dz, w, out, m, n, k, per_split) as `dx_tc_*` take: `dZ` holds m * n values
+    // and `W` n * k, both 16-byte aligned with n and k multiples of 8 (dispatch::dx_tc);
+    // `out` m * k values of the kernel's output type, or splits * m * k floats.
+    launched(kernel, unsafe { l.launch(cfg) })
 }
 
 /// `out (rows, cols) = sum_{r < rank} u[r, :]^T v[r, :]` on `stream`, summed in FP32 and
