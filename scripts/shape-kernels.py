@@ -4,7 +4,11 @@ from the profiler averaged over ``--iters`` calls, and the `graph` protocol's ti
 (a CUDA graph of one call, replayed back to back). With ``--backward``, a training step
 instead: forward and ``backward`` of every gradient, ``x``'s included.
 
-    python3 scripts/shape-kernels.py [--shapes 64x4096x4096,256x8192x8192] [--configs bf16,tf32] [--backward]
+    python3 scripts/shape-kernels.py [--shapes 64x4096x4096,256x8192x8192] [--configs bf16,tf32] \
+        [--backward] [--compile]
+
+With ``--compile``, ``torch.compile`` of the eager block (default mode, static shapes) as a
+third.
 
 A diagnostic for where a small shape's time goes, not a benchmark (no L2 flush, no compile).
 """
@@ -72,6 +76,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--top", type=int, default=6)
     p.add_argument("--backward", action="store_true", help="time forward + backward, not the forward")
+    p.add_argument("--compile", action="store_true", help="also torch.compile of the eager block")
     a = p.parse_args()
     device = torch.device("cuda")
     for config in a.configs.split(","):
@@ -81,7 +86,10 @@ def main() -> None:
             pair = build_pair(shape, config, device, 0)
             x = make_input(shape, config, device, 0)
             with tf32_allowed(config == "tf32"), torch.set_grad_enabled(a.backward):
-                for name, block in (("ours", pair.ours), ("eager", pair.plain)):
+                blocks = [("ours", pair.ours), ("eager", pair.plain)]
+                if a.compile:
+                    blocks.append(("compile", torch.compile(pair.plain)))
+                for name, block in blocks:
                     call = functools.partial(step, block, x) if a.backward else functools.partial(block, x)
                     ks = kernels(call, a.iters)
                     g = graph_ms(call, a.iters)
