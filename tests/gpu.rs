@@ -1059,7 +1059,7 @@ fn small_batches_match_reference() {
     use host::tensor::{Bf16, F16};
     let gpu = gpu();
     let mut rng = StdRng::seed_from_u64(31);
-    let cases: [(&str, (usize, usize, usize), bool); 19] = [
+    let cases: [(&str, (usize, usize, usize), bool); 20] = [
         ("groupnorm(16),swish,mul,swish", (8, 520, 512), true),
         ("groupnorm(16),swish,mul,swish", (9, 520, 512), true),
         ("bias,mish,groupnorm(32),mul,gelu", (6, 64, 1024), true),
@@ -1075,6 +1075,9 @@ fn small_batches_match_reference() {
         ("gelu,tanh", (5, 96, 77), false),
         // A 16-bit dX of 4 rows in one range of W's 264 rows (66 slabs of 32 columns).
         ("gelu,tanh", (4, 2112, 264), false),
+        // 8.4 M weights: 65 slabs, the last of 8 columns, over 5 ranges of W's rows, the
+        // last of 8.
+        ("swish,bias", (2, 2056, 4104), false),
         ("", (16, 1000, 1000), false),
         ("avgpool(4),gelu,scale(2),max", (2, 264, 512), false),
         ("leakyrelu(0.2),hardtanh(-0.5,0.7),avgpool(3),scale(-1.5),max", (7, 32, 96), false),

@@ -320,20 +320,23 @@ pub fn dot_dx(rows: usize, n: usize, k: usize) -> bool {
     rows == 1 || ((2..=OUTER_MAX_RANK).contains(&rows) && n * k <= DOT_DX_MAX_WEIGHTS)
 }
 
-/// The largest `W` (values) whose `dX` of a few rows runs on [`dx_tc`]'s kernel.
-/// Measured on the H200 (2026-11-29, graph training step of a bf16 model, M1's chain):
+/// The largest `W` (values) whose `dX` of one row runs on [`dx_tc`]'s kernel; 2-8 rows
+/// take it from any `W`. Measured on the H200 (2026-11-29, graph training step of a
+/// bf16 model, M1's chain, against `column_dot*` and the TMA GEMM in the same calls):
 /// 2-8 rows 5-14% faster at 1024^2, 1024 x 4096 and 4096^2 (8 x 4096^2: `dx_tc_bf16`
-/// 0.0143 ms where the TMA GEMM took 0.0160 and its ranges' sum 0.0021), one row level
-/// to 5% faster; at 8192^2 level at 2-8 rows and 2% slower at one: it streams `W` at
-/// ~2.5 TB/s, `column_dot` and the TMA GEMM at ~2.9-3.1 there.
-pub const DX_TC_MAX_WEIGHTS: usize = 1 << 25;
+/// 0.0143 ms where the TMA GEMM took 0.0160 and its ranges' sum 0.0021) and level to 4%
+/// faster at 8192^2 (the step's `dW` streams beside it); one row 0.4-4.9% faster up to
+/// 4096^2, but 1.6-2.4% slower at 8192^2, where `column_dot`'s 256-column blocks stream
+/// `W` at ~3.1 TB/s and these 32-column slabs at ~2.4 (blocks of eight slabs side by
+/// side reached ~2.8 TB/s and made no step faster: not kept).
+pub const DX_TC_ONE_ROW_MAX_WEIGHTS: usize = 1 << 25;
 
 /// Whether `dX` of `rows` rows from an `(n, k)` `W` runs on the tensor cores
 /// (`dx_tc_*`, launcher [`super::dot::weighted_rows`]): a 16-bit model's `dZ` and `W`
 /// as stored with a 16-bit `dX`, 16-byte aligned, rows of whole 16-byte chunks (`n` and
-/// `k` multiples of 8), at most `OUTER_MAX_RANK` rows (one `n8` fragment) and
-/// [`DX_TC_MAX_WEIGHTS`] weights: one stream of `W` like the small-batch forward's,
-/// where the FP32 sums of `column_dots*` were compute-bound beyond
+/// `k` multiples of 8), at most `OUTER_MAX_RANK` rows (one `n8` fragment; one row up to
+/// [`DX_TC_ONE_ROW_MAX_WEIGHTS`] weights): one stream of `W` like the small-batch
+/// forward's, where the FP32 sums of `column_dots*` were compute-bound beyond
 /// [`DOT_DX_MAX_WEIGHTS`].
 pub fn dx_tc((rows, n, k): (usize, usize, usize), storage: Storage) -> bool {
     HalfKernels::of(storage.operands).is_some()
@@ -344,7 +347,7 @@ pub fn dx_tc((rows, n, k): (usize, usize, usize), storage: Storage) -> bool {
         && k > 0
         && n.is_multiple_of(8)
         && k.is_multiple_of(8)
-        && n * k <= DX_TC_MAX_WEIGHTS
+        && (rows > 1 || n * k <= DX_TC_ONE_ROW_MAX_WEIGHTS)
 }
 
 /// The dispatch table: the route of `role` in `precision` for a Linear layer of
@@ -1426,8 +1429,9 @@ mod tests {
         // `dX` of at most eight rows: `dx_tc_bf16` where the rows are whole 16-byte chunks
         // and aligned, from any `W`; else one row's `column_dot_bf16`, any shape.
         // `dX` of at most eight rows: `dx_tc_bf16` where the rows are whole 16-byte chunks
-        // and aligned, up to DX_TC_MAX_WEIGHTS; else one row's `column_dot_bf16`, any shape.
-        for dims in [(1, 16, 8), (8, 16, 8), (8, 4096, 4096)] {
+        // and aligned (one row's up to DX_TC_ONE_ROW_MAX_WEIGHTS); else one row's
+        // `column_dot_bf16`, any shape.
+        for dims in [(1, 16, 8), (8, 16, 8), (1, 4096, 4096), (2, 8192, 8192)] {
             let dx = r(Role::GradInput, dims, Bf16, true);
             assert!(dx.kernel == Kernel::DxTcBf16 && dx.family == Family::Dot, "{dims:?}: {dx:?}");
         }
@@ -1435,9 +1439,7 @@ mod tests {
             let dx = r(Role::GradInput, dims, Bf16, aligned);
             assert!(dx.kernel == Kernel::ColumnDotBf16 && dx.family == Family::Dot, "{dims:?}: {dx:?}");
         }
-        for dims in [(9, 16, 8), (8, 8192, 8192)] {
-            assert_eq!(r(Role::GradInput, dims, Bf16, true).kernel, Kernel::GemmTmaBf16NnToBf16, "{dims:?}");
-        }
+        assert_eq!(r(Role::GradInput, (9, 16, 8), Bf16, true).kernel, Kernel::GemmTmaBf16NnToBf16);
         // Split-K's FP32 partial products, as stored.
         let split = r(Role::Forward { splits: 2 }, (3, 16, 8), F32, true);
         assert!(split.kernel == Kernel::GemmTmaBf16Nt && !split.widened, "{split:?}");
