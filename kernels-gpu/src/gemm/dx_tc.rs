@@ -8,8 +8,9 @@
 //! rows (all of them, or one split of them: FP32 partial sums, added by `split_sums`);
 //! its warps take units of [`DX_UNIT_ROWS`] rows in turn (unit `u` to warp `u % 8`).
 //! In a unit lane `(g, q) = (l / 4, l % 4)` copies the 16-byte chunk `q` of the slab's
-//! rows `g + 8t` (four `cp.async`) into its warp's ring, [`STAGES`] units deep, and `W^T`'s fragments come back out by
-//! `ldmatrix.trans` (a warp barrier between: lanes read each other's copies). The rows
+//! rows `g + 8t` (four `cp.async`) into its warp's ring, [`STAGES`] units deep, and
+//! `W^T`'s fragments come back out by `ldmatrix.trans` (a warp barrier between: lanes
+//! read each other's copies). The rows
 //! in a fragment's `k` are free as long as `A` and `B` agree: `k` slots `2q, 2q + 1`
 //! (and `+ 8`) of step `s` are rows `8q + 4s + (0, 1)` (and `+ 2`), so lane `(g, q)`'s
 //! `B` words are its own 16-byte chunk of `dZ` row `g`, copied as it is.
