@@ -327,8 +327,8 @@ pub fn dot_dx(rows: usize, n: usize, k: usize) -> bool {
 /// 0.0143 ms where the TMA GEMM took 0.0160 and its ranges' sum 0.0021) and level to 4%
 /// faster at 8192^2 (the step's `dW` streams beside it); one row 0.4-4.9% faster up to
 /// 4096^2, but 1.6-2.4% slower at 8192^2, where `column_dot`'s 256-column blocks stream
-/// `W` at ~3.1 TB/s and these 32-column slabs at ~2.4 (blocks of eight slabs side by
-/// side reached ~2.8 TB/s and made no step faster: not kept).
+/// `W` at ~3.3 TB/s and these 32-column slabs at ~2.5 (blocks of eight slabs side by
+/// side reached ~2.9 TB/s and made no step faster: not kept).
 pub const DX_TC_ONE_ROW_MAX_WEIGHTS: usize = 1 << 25;
 
 /// Whether `dX` of `rows` rows from an `(n, k)` `W` runs on the tensor cores
