@@ -553,7 +553,7 @@ impl<H: HalfElement> GpuBlock<H> {
 
 /// Whether every tensor starts on a 16-byte boundary, as the TMA unit reads them (a
 /// caller's view at an odd offset takes the widened path instead).
-fn aligned<H>(tensors: &[&DeviceTensor<H>]) -> bool {
+pub(super) fn aligned<H>(tensors: &[&DeviceTensor<H>]) -> bool {
     tensors.iter().all(|t| t.buf.device_address().is_multiple_of(16))
 }
 

@@ -406,16 +406,17 @@ pub fn route(precision: Precision, role: Role, dims: (usize, usize, usize), stor
     // for each `128 x 256` of `dW` (TF32 at one row of 8192^2: 0.141 ms where writing
     // the 256 MB takes ~0.06). FP32 sums: as exact as 3xTF32's, exacter than TF32's.
     // `dX` of one row, or as few as `dW`'s from a small `W`: one pass over `W` ([`dot_dx`]).
+    let tc = role == Role::GradInput && dx_tc(dims, storage);
     let dot = match role {
         Role::GradWeight if (1..=OUTER_MAX_RANK).contains(&dims.0) => Some(Layout::Tn),
-        Role::GradInput if dx_tc(dims, storage) || dot_dx(dims.0, dims.1, dims.2) => Some(Layout::Nn),
+        Role::GradInput if tc || dot_dx(dims.0, dims.1, dims.2) => Some(Layout::Nn),
         _ => None,
     };
     if let Some(layout) = dot {
         let kernels = |dtype| (dot_kernels(dtype), HalfKernels::of(dtype));
         let pick = |(d, h): (DotKernels, Option<&HalfKernels>)| match layout {
             Layout::Tn => h.map_or(Kernel::Outer, |h| h.outer_sum),
-            _ if dx_tc(dims, storage) => h.map_or(d.column_dots, |h| h.dx_tc),
+            _ if tc => h.map_or(d.column_dots, |h| h.dx_tc),
             _ if dims.0 == 1 => d.column_dot,
             _ => d.column_dots,
         };
@@ -1426,8 +1427,6 @@ mod tests {
             let outer = r(Role::GradWeight, dims, Bf16, aligned);
             assert!(outer.kernel == Kernel::OuterSumBf16 && !outer.widened, "{dims:?}: {outer:?}");
         }
-        // `dX` of at most eight rows: `dx_tc_bf16` where the rows are whole 16-byte chunks
-        // and aligned, from any `W`; else one row's `column_dot_bf16`, any shape.
         // `dX` of at most eight rows: `dx_tc_bf16` where the rows are whole 16-byte chunks
         // and aligned (one row's up to DX_TC_ONE_ROW_MAX_WEIGHTS); else one row's
         // `column_dot_bf16`, any shape.

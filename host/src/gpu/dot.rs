@@ -163,8 +163,7 @@ pub fn weighted_rows<T: DeviceElement>(
             dz.shape, w.shape
         )));
     }
-    let aligned = [w.buf.device_address(), dz.buf.device_address()].iter().all(|a| a.is_multiple_of(16));
-    let storage = dispatch::Storage::half(T::DTYPE, T::DTYPE, aligned);
+    let storage = dispatch::Storage::half(T::DTYPE, T::DTYPE, super::block_half::aligned(&[w, dz]));
     if let Some(half) = HalfKernels::of(T::DTYPE)
         && dispatch::dx_tc((m, rows, cols), storage)
     {
@@ -236,7 +235,7 @@ fn weighted_rows_tc<T: DeviceElement>(
     let (blocks, sms) = (cols.div_ceil(gemv_tc::SLAB), gpu.props.multiprocessors);
     let splits =
         if 2 * blocks >= sms { 1 } else { (2 * sms).div_ceil(blocks).min(rows.div_ceil(DX_TC_MIN_SPLIT_ROWS)) };
-    let per_split = rows.div_ceil(splits.max(1)).next_multiple_of(DX_TC_MIN_SPLIT_ROWS);
+    let per_split = rows.div_ceil(splits).next_multiple_of(DX_TC_MIN_SPLIT_ROWS);
     let splits = rows.div_ceil(per_split);
     let cfg = LaunchConfig {
         grid_dim: (blocks as u32, splits as u32, 1),
