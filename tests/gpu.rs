@@ -1603,13 +1603,13 @@ fn backward_without_input_grad_gives_the_same_parameter_gradients() {
     let mut rng = StdRng::seed_from_u64(91);
     let spec = BlockSpec::new(512, 256, "groupnorm(8),swish".parse().unwrap()).unwrap();
     let (params, x, dy) = random_case(&spec, 128, &mut rng);
-    let small = |b: &GpuBlock, g: &Gpu, slots: &host::gpu::DeviceTensor| b.small_grads(g, slots);
     for precision in [host::Precision::Fp32, host::Precision::Tf32x3, host::Precision::Fp8] {
         let (xd, dyd) = (gpu.upload(&x).unwrap(), gpu.upload(&dy).unwrap());
         let block = GpuBlock::new(&gpu, &spec, &params).unwrap().with_precision(precision);
         let run = |block: &GpuBlock| {
             let (_, saved) = block.forward_train(&gpu, &xd, true).unwrap();
-            let (dx, dw, (db, ops)) = block.backward_parts(&gpu, &xd, saved, &dyd, None, small).unwrap();
+            let (outs, small) = block.small_grads_by_backward(&gpu).unwrap();
+            let (dx, dw, (db, ops)) = block.backward_parts(&gpu, &xd, saved, &dyd, None, outs.as_ref(), small).unwrap();
             let flat: Vec<Tensor<f32>> = std::iter::once(&dw)
                 .chain(std::iter::once(&db))
                 .chain(ops.iter().flatten())
@@ -1634,10 +1634,13 @@ fn backward_without_input_grad_gives_the_same_parameter_gradients() {
     let (x16, dy16) = (x.to_half::<host::tensor::Bf16>(), dy.to_half::<host::tensor::Bf16>());
     let (xd, dyd) = (gpu.upload(&x16).unwrap(), gpu.upload(&dy16).unwrap());
     let block = GpuBlock::new_bf16(&gpu, &spec, &params16).unwrap();
-    let small16 = |b: &GpuBlock<host::tensor::Bf16>, g: &Gpu, slots: &host::gpu::DeviceTensor| b.small_grads(g, slots);
+    // (The sums copied out of the slots here, written by the chain backward above.)
+    let small16 = |b: &GpuBlock<host::tensor::Bf16>, g: &Gpu, slots: Option<&host::gpu::DeviceTensor>| {
+        b.small_grads(g, slots.expect("the slots, without outs"))
+    };
     let run = |block: &GpuBlock<host::tensor::Bf16>| {
         let (_, saved) = block.forward_train(&gpu, &xd, true).unwrap();
-        let (dx, dw, (db, _)) = block.backward_parts(&gpu, &xd, saved, &dyd, None, small16).unwrap();
+        let (dx, dw, (db, _)) = block.backward_parts(&gpu, &xd, saved, &dyd, None, None, small16).unwrap();
         (dx.is_some(), gpu.download(&dw).unwrap().to_f32(), gpu.download(&db).unwrap())
     };
     let (with_dx, dw_full, db_full) = run(&block);

@@ -12,7 +12,7 @@
 use host::block::random_input;
 use host::gpu::block::GpuBlock;
 use host::gpu::cublas::Cublas;
-use host::gpu::{DeviceTensor, Gpu};
+use host::gpu::{DeviceTensor, DeviceVector, Gpu};
 use host::tensor::Bf16;
 use host::{BlockSpec, Params, Preset};
 use rand::SeedableRng;
@@ -94,10 +94,17 @@ fn main() -> host::Result<()> {
             .map(|p| p.iter().map(|t| Ok(gpu.upload(t)?.into())).collect())
             .collect::<host::Result<Vec<_>>>()?;
         let chain = DeviceChain::new(&gpu, &[], &spec.chain.0, &ops)?;
+        // The 16-bit kernel reads the model's own bf16 vectors.
+        let ops16 = params
+            .ops
+            .iter()
+            .map(|p| p.iter().map(|t| Ok(DeviceVector::Bf16(gpu.upload(t)?))).collect())
+            .collect::<host::Result<Vec<_>>>()?;
+        let chain16 = DeviceChain::new(&gpu, &[], &spec.chain.0, &ops16)?;
         let z: DeviceTensor = gpu.upload(&random_input(b, o, &mut rng)?)?;
         let dy32: DeviceTensor = gpu.upload(&random_input(b, o, &mut rng)?)?;
-        let t16 = median(&gpu, || epilogue_tiles_backward(&gpu, &chain, &z, &dy).map(drop))?;
-        let t32 = median(&gpu, || epilogue_tiles_backward(&gpu, &chain, &z, &dy32).map(drop))?;
+        let t16 = median(&gpu, || epilogue_tiles_backward(&gpu, &chain16, &z, &dy, None).map(drop))?;
+        let t32 = median(&gpu, || epilogue_tiles_backward(&gpu, &chain, &z, &dy32, None).map(drop))?;
         println!("M2 chain backward alone (ms): bf16 dy and dz {t16:.3}, FP32 {t32:.3}");
     }
     if std::env::args().any(|a| a == "--gemms") {

@@ -189,6 +189,7 @@ kernels! {
     SplitSumsBf16 = "split_sums_bf16";
     SplitSumsF16 = "split_sums_f16";
     SumPartials = "sum_partials";
+    SumPartialsTo = "sum_partials_to";
     RowPartialsFinish = "row_partials_finish";
     RowPartialsFinishBf16 = "row_partials_finish_bf16";
     RowPartialsFinishF16 = "row_partials_finish_f16";

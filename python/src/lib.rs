@@ -15,6 +15,7 @@ use host::block::{BlockSpec, Params};
 use host::chain::Chain;
 use host::gpu::block::{DeviceParams, GpuBlock, Saved};
 use host::gpu::elementwise::{Convert, Vector, convert_vectors};
+use host::gpu::epilogue::lanes::GradOuts;
 use host::gpu::epilogue::widen_words;
 use host::gpu::{DeviceAllocator, DeviceElement, DeviceTensor, DeviceVector, ElementKind, Gpu, KernelImage};
 use host::reference::{self, BlockGrads, Real};
@@ -520,7 +521,7 @@ struct GpuCall<W> {
     block: GpuBlock<W>,
     x: DeviceTensor<W>,
     /// FP32 copies of a 16-bit model's bias and chain parameters, which `block`
-    /// borrows (a backward's: [`Vectors::Widened`]).
+    /// borrows (a backward's: [`Vectors::Backward`]).
     _widened: Option<DeviceTensor>,
 }
 
@@ -529,11 +530,13 @@ struct GpuCall<W> {
 enum Vectors {
     /// As stored: the forward's kernels widen them on load (no copy, no launch).
     AsStored,
-    /// FP32 copies side by side in one buffer, made by one launch: the backward's
-    /// kernels read FP32 only, and one launch per call costs less than one in each
-    /// chain-backward launch, each with a table of its own (1.5-3.4 us per training
-    /// step at 1-8 rows on the H200, docs/PERFORMANCE.md).
-    Widened,
+    /// As the backward reads them: as stored where its chain backward runs tile-wise on
+    /// vectors of the model's own type; otherwise FP32 copies side by side in one
+    /// buffer, made by one launch (the other chain backwards read FP32 only, and one
+    /// launch per call costs less than one in each chain-backward launch, each with a
+    /// table of its own: 1.5-3.4 us per training step at 1-8 rows on the H200,
+    /// docs/PERFORMANCE.md).
+    Backward,
 }
 
 /// The call's block on its GPU: `x` and the Linear weight borrowed as `W` (float32, or a
@@ -566,9 +569,26 @@ fn gpu_call<W: DeviceElement>(
         }
         .map_err(to_py)
     };
-    let mut params = [&call.bias].into_iter().chain(&call.params).map(borrow_param).collect::<PyResult<Vec<_>>>()?;
+    let borrow_params = || [&call.bias].into_iter().chain(&call.params).map(borrow_param).collect::<PyResult<Vec<_>>>();
+    let build = |params: Vec<DeviceVector>| -> PyResult<GpuBlock<W>> {
+        let mut flat = params.into_iter();
+        let linear_bias =
+            flat.next().ok_or_else(|| PyRuntimeError::new_err("fused_linear: internal error: no bias"))?;
+        let ops = call
+            .block
+            .spec
+            .chain
+            .0
+            .iter()
+            .map(|op| op.param_bases().iter().map(|_| flat.next().unwrap()).collect())
+            .collect();
+        let params = DeviceParams { linear_weight: borrow_w(&call.weight)?, linear_bias, ops };
+        GpuBlock::from_device_in(&gpu, &call.block.spec, params, call.precision).map_err(to_py)
+    };
+    let mut block = build(borrow_params()?)?;
     let mut widened = None;
-    if vectors == Vectors::Widened {
+    if vectors == Vectors::Backward && !block.backward_reads_params_as_stored() {
+        let mut params = borrow_params()?;
         let words = params.iter().map(|v| Ok((v.word()?.0, v.len()))).collect::<host::Result<Vec<_>>>();
         // SAFETY: each word is a vector borrowed above, which the caller holds for the call.
         if let Some((copies, at)) = unsafe { widen_words(&gpu, &words.map_err(to_py)?) }.map_err(to_py)? {
@@ -578,21 +598,10 @@ fn gpu_call<W: DeviceElement>(
                     *v = DeviceVector::F32(unsafe { gpu.borrow_tensor::<f32>(dst, v.shape()) }.map_err(to_py)?);
                 }
             }
+            block = build(params)?;
             widened = Some(copies);
         }
     }
-    let mut flat = params.into_iter();
-    let linear_bias = flat.next().ok_or_else(|| PyRuntimeError::new_err("fused_linear: internal error: no bias"))?;
-    let ops = call
-        .block
-        .spec
-        .chain
-        .0
-        .iter()
-        .map(|op| op.param_bases().iter().map(|_| flat.next().unwrap()).collect())
-        .collect();
-    let params = DeviceParams { linear_weight: borrow_w(&call.weight)?, linear_bias, ops };
-    let mut block = GpuBlock::from_device_in(&gpu, &call.block.spec, params, call.precision).map_err(to_py)?;
     // (A leading AvgPool, sum or mean is folded into the weight: the block quantises the
     // folded one.)
     let folds = host::gpu::dispatch::fold(&call.block.spec).is_some();
@@ -700,7 +709,7 @@ macro_rules! gpu_entry_points {
             fp8_weight: Option<&[Bound<'py, PyAny>]>,
             input_grad: bool,
         ) -> PyResult<Grads<'py>> {
-            let mut g = gpu_call::<$w>(call, index, stream, allocate, fp8_weight, Vectors::Widened)?;
+            let mut g = gpu_call::<$w>(call, index, stream, allocate, fp8_weight, Vectors::Backward)?;
             g.block = g.block.with_input_grad(input_grad);
             // SAFETY: z and dy were checked as the other arguments were (z float32, dy
             // of the block's type).
@@ -709,7 +718,11 @@ macro_rules! gpu_entry_points {
             let z_dev = unsafe { g.gpu.borrow_tensor::<f32>(z.ptr, &z_rows) }.map_err(to_py)?;
             let dy_dev = unsafe { g.gpu.borrow_tensor::<$w>(dy.ptr, &dy.shape) }.map_err(to_py)?;
             let dtypes: Vec<DType> = [&call.bias].into_iter().chain(&call.params).map(|a| a.dtype).collect();
-            let small = |block: &GpuBlock<$w>, gpu: &Gpu, slots: &DeviceTensor| small_grads(block, gpu, slots, &dtypes);
+            let (made, outs) = small_grad_outputs(&g.block, &g.gpu, &dtypes).map_err(to_py)?;
+            let small = |block: &GpuBlock<$w>, gpu: &Gpu, slots: Option<&DeviceTensor>| match slots {
+                Some(slots) => small_grads(block, gpu, slots, &dtypes, made),
+                None => made.ok_or_else(|| host::Error::Shape("the chain backward kept no gradient sums".into())),
+            };
             let mut saved = Saved::kept_by_caller(z_dev);
             if call.stats_rows() > 0 {
                 // SAFETY: the rows after the batch's in `z` (its shape was checked): the
@@ -719,7 +732,7 @@ macro_rules! gpu_entry_points {
                     unsafe { g.gpu.borrow_tensor::<f32>(at, &[BATCH_STATS_ROWS, z.shape[1]]) }.map_err(to_py)?;
                 saved = saved.with_batch_stats(Some(stats));
             }
-            let grads = g.block.backward_parts(&g.gpu, &g.x, saved, &dy_dev, None, small);
+            let grads = g.block.backward_parts(&g.gpu, &g.x, saved, &dy_dev, None, outs.as_ref(), small);
             // A backward that failed half way may leave side-stream buffers held.
             g.gpu.join_side().map_err(to_py)?;
             let (dx, dw, small) = grads.map_err(to_py)?;
@@ -728,9 +741,9 @@ macro_rules! gpu_entry_points {
             let dx = dx.map(|dx| into_torch(py, dx, &call.x.shape)).transpose()?;
             let dw = into_torch(py, dw, &specs[0].shape)?;
             let mut small = small.into_iter().zip(&specs[1..]).map(|(t, s)| match t {
-                SmallGrad::F32(t) => into_torch(py, t, &s.shape),
-                SmallGrad::Bf16(t) => into_torch(py, t, &s.shape),
-                SmallGrad::F16(t) => into_torch(py, t, &s.shape),
+                DeviceVector::F32(t) => into_torch(py, t, &s.shape),
+                DeviceVector::Bf16(t) => into_torch(py, t, &s.shape),
+                DeviceVector::F16(t) => into_torch(py, t, &s.shape),
             });
             let db = small
                 .next()
@@ -755,45 +768,64 @@ fn append_batch_stats(gpu: &Gpu, z: &mut DeviceTensor, batch: usize, stats: &Dev
     gpu.stream().memcpy_dtod(&stats.buf.slice(0..len), &mut z.buf.slice_mut(from..from + len)).map_err(copy)
 }
 
-/// A small gradient (the bias's or a chain parameter's) in its parameter's dtype.
-enum SmallGrad {
-    F32(DeviceTensor),
-    Bf16(DeviceTensor<Bf16>),
-    F16(DeviceTensor<F16>),
+/// A new vector of `len` values of `dtype` (float32 unless bf16 or fp16).
+fn new_vector(gpu: &Gpu, len: usize, dtype: DType) -> host::Result<DeviceVector> {
+    Ok(match dtype {
+        DType::Bf16 => DeviceVector::Bf16(gpu.alloc_as::<Bf16>(&[len])?),
+        DType::F16 => DeviceVector::F16(gpu.alloc_as::<F16>(&[len])?),
+        _ => DeviceVector::F32(gpu.alloc(&[len])?),
+    })
+}
+
+/// The bias's and the chain parameters' gradients, new tensors in their parameters'
+/// dtypes (`dtypes`: the bias's, then the chain's), made before the backward, and the
+/// `GradOuts` over them where its chain backward writes them itself (tile-wise: each
+/// rounded once from its FP32 sums, no launch after). `None` where an AvgPool is folded
+/// (its bias gradient is spread back after).
+fn small_grad_outputs<W: DeviceElement>(
+    block: &GpuBlock<W>,
+    gpu: &Gpu,
+    dtypes: &[DType],
+) -> host::Result<(Option<Vec<DeviceVector>>, Option<GradOuts>)> {
+    let Some(places) = block.small_grad_slots() else { return Ok((None, None)) };
+    if places.len() != dtypes.len() {
+        return Err(host::Error::Shape(format!("{} gradient slots for {} parameters", places.len(), dtypes.len())));
+    }
+    let made = places
+        .iter()
+        .zip(dtypes)
+        .map(|(&(_, len), &dtype)| new_vector(gpu, len, dtype))
+        .collect::<host::Result<Vec<_>>>()?;
+    let outs = if block.writes_small_grads() {
+        let words = made.iter().map(|v| Ok((v.word()?, v.len()))).collect::<host::Result<Vec<_>>>()?;
+        // SAFETY: new vectors of their lengths, returned with the outs for the backward.
+        unsafe { GradOuts::new(words) }
+    } else {
+        None
+    };
+    Ok((Some(made), outs))
 }
 
 /// The bias's and the chain parameters' gradients out of the backward's `slots`, each in
-/// its parameter's dtype (`dtypes`: the bias's, then the chain's): one launch copies or
-/// rounds them all into new tensors. Where an AvgPool is folded (its bias gradient is
-/// spread back by a kernel) through the block's FP32 ones, bf16 ones rounded after.
+/// its parameter's dtype (`dtypes`: the bias's, then the chain's), into `made`
+/// ([`small_grad_outputs`]) or new tensors: one launch copies or rounds them all. Where
+/// an AvgPool is folded (its bias gradient is spread back by a kernel) through the
+/// block's FP32 ones, 16-bit ones rounded after.
 fn small_grads<W: DeviceElement>(
     block: &GpuBlock<W>,
     gpu: &Gpu,
     slots: &DeviceTensor,
     dtypes: &[DType],
-) -> host::Result<Vec<SmallGrad>> {
-    let mut vectors = Vec::new();
-    let mut out = Vec::new();
-    let mut put = |src: u64, len: usize, dtype: DType| -> host::Result<()> {
-        let (dst, grad, mode) = match dtype {
-            DType::Bf16 => {
-                let t = gpu.alloc_as::<Bf16>(&[len])?;
-                (t.buf.device_address(), SmallGrad::Bf16(t), Convert::F32ToBf16)
-            }
-            DType::F16 => {
-                let t = gpu.alloc_as::<F16>(&[len])?;
-                (t.buf.device_address(), SmallGrad::F16(t), Convert::F32ToF16)
-            }
-            _ => {
-                let t = gpu.alloc(&[len])?;
-                (t.buf.device_address(), SmallGrad::F32(t), Convert::F32)
-            }
-        };
-        vectors.push(Vector { src, dst, len, mode });
-        out.push(grad);
-        Ok(())
+    made: Option<Vec<DeviceVector>>,
+) -> host::Result<Vec<DeviceVector>> {
+    let mode = |v: &DeviceVector| match v {
+        DeviceVector::Bf16(_) => Convert::F32ToBf16,
+        DeviceVector::F16(_) => Convert::F32ToF16,
+        DeviceVector::F32(_) => Convert::F32,
     };
-    match block.small_grad_slots() {
+    // The block's FP32 gradients where it spreads them back: alive until after the launch.
+    let mut fp32 = Vec::new();
+    let (sources, out): (Vec<(u64, usize)>, Vec<DeviceVector>) = match block.small_grad_slots() {
         Some(places) => {
             if let Some(&(at, len)) = places.last()
                 && slots.len() < at + len
@@ -803,23 +835,39 @@ fn small_grads<W: DeviceElement>(
                     slots.len()
                 )));
             }
-            for (&(at, len), &dtype) in places.iter().zip(dtypes) {
-                put(slots.buf.device_address() + (at * 4) as u64, len, dtype)?;
-            }
-            // SAFETY: sources inside `slots` (checked), destinations new tensors of their
-            // length; all outlive the launch in stream order.
-            unsafe { convert_vectors(gpu, gpu.stream(), &vectors)? };
+            let out = match made {
+                Some(made) => made,
+                None => places
+                    .iter()
+                    .zip(dtypes)
+                    .map(|(&(_, len), &dtype)| new_vector(gpu, len, dtype))
+                    .collect::<host::Result<Vec<_>>>()?,
+            };
+            (places.iter().map(|&(at, len)| (slots.buf.device_address() + (at * 4) as u64, len)).collect(), out)
         }
         None => {
             let (db, ops) = block.small_grads(gpu, slots)?;
-            let fp32: Vec<DeviceTensor> = std::iter::once(db).chain(ops.into_iter().flatten()).collect();
-            for (t, &dtype) in fp32.iter().zip(dtypes) {
-                put(t.buf.device_address(), t.len(), dtype)?;
-            }
-            // SAFETY: as above; `fp32` is freed in stream order, after the launch.
-            unsafe { convert_vectors(gpu, gpu.stream(), &vectors)? };
+            fp32.extend(std::iter::once(db).chain(ops.into_iter().flatten()));
+            let out = fp32
+                .iter()
+                .zip(dtypes)
+                .map(|(t, &dtype)| new_vector(gpu, t.len(), dtype))
+                .collect::<host::Result<Vec<_>>>()?;
+            (fp32.iter().map(|t| (t.buf.device_address(), t.len())).collect(), out)
         }
+    };
+    if sources.len() != out.len() {
+        return Err(host::Error::Shape(format!("{} gradients for {} parameters", sources.len(), out.len())));
     }
+    let vectors: Vec<Vector> = sources
+        .iter()
+        .zip(&out)
+        .map(|(&(src, len), v)| Vector { src, dst: v.address(), len: len.min(v.len()), mode: mode(v) })
+        .collect();
+    // SAFETY: sources inside `slots` (checked) or the block's FP32 gradients (alive until
+    // the launch in stream order), destinations the returned tensors, at most their length.
+    unsafe { convert_vectors(gpu, gpu.stream(), &vectors)? };
+    drop(fp32);
     Ok(out)
 }
 

@@ -238,8 +238,8 @@ macro_rules! typed {
                 Some(saved) => saved,
                 None => block.forward_train(&gpu, &xd, false).map_err(|e| host_err("forward", e))?.1,
             };
-            let small = |b: &GpuBlock<$w>, g: &Gpu, slots: &DeviceTensor| b.small_grads(g, slots);
-            let grads = block.backward_parts(&gpu, &xd, saved, &dyd, None, small);
+            let (outs, small) = block.small_grads_by_backward(&gpu).map_err(|e| host_err("backward", e))?;
+            let grads = block.backward_parts(&gpu, &xd, saved, &dyd, None, outs.as_ref(), small);
             // A backward that failed half way may leave side-stream buffers held.
             gpu.join_side().map_err(|e| host_err("backward", e))?;
             let (dx, dw, (db, ops)) = grads.map_err(|e| host_err("backward", e))?;

@@ -31,14 +31,14 @@ use super::elementwise::{
     Convert, Vector, add_assign, convert_vectors, fold_rows_mean, fold_rows_mean_halves, unfold_rows_mean_grad,
 };
 use super::epilogue::kinks::{Refined, Scan, refine_near_kinks, scanned_prefix};
-use super::epilogue::lanes::{epilogue_split_tiles, epilogue_tiles_backward, fits as tiles_fit};
+use super::epilogue::lanes::{GradOuts, epilogue_split_tiles, epilogue_tiles_backward, fits as tiles_fit};
 use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
 use super::epilogue::{DeviceChain, partials};
 use super::gemm::fp8::{self, Fp8Matrix, Fp8Weight};
 use super::gemm::gemv::launch_gemv;
 use super::gemm::linear::grad_input_fp8;
 use super::gemm::{forward_gemm, grad_input, grad_weight};
-use super::{DeviceElement, DeviceTensor, DeviceVector, Dtype, Gpu, Phases, VectorArg};
+use super::{DeviceElement, DeviceTensor, DeviceVector, Dtype, Gpu, Phases, VectorArg, VectorWord};
 use crate::block::{BlockSpec, Params};
 use crate::check::{Comparison, compare_f32};
 use crate::error::{Error, Result};
@@ -834,6 +834,61 @@ impl<W: DeviceElement> GpuBlock<W> {
         Some(places)
     }
 
+    /// Whether the chain backward writes the small gradients into their own vectors
+    /// (`GradOuts`): tile-wise, the block's own parameters (no folded AvgPool).
+    pub fn writes_small_grads(&self) -> bool {
+        self.batch_norm.is_none() && self.tile_backward() && self.folded.is_none()
+    }
+
+    /// Whether the backward reads the bias and chain vectors as the block holds them:
+    /// where its chain backward runs tile-wise on vectors of the block's own type.
+    /// Otherwise a 16-bit model's are widened per launch, or better by its caller, once.
+    pub fn backward_reads_params_as_stored(&self) -> bool {
+        self.batch_norm.is_none() && self.tile_backward() && self.chain.params_stored_as(W::DTYPE)
+    }
+
+    /// The small gradients as [`GpuBlock::small_grads`] gives them, in FP32: new vectors
+    /// the chain backward writes into where it can ([`GpuBlock::writes_small_grads`]),
+    /// with the `outs` and `small` that [`GpuBlock::backward_parts`] takes for them.
+    #[allow(clippy::type_complexity)]
+    pub fn small_grads_by_backward(
+        &self,
+        gpu: &Gpu,
+    ) -> Result<(
+        Option<GradOuts>,
+        impl FnOnce(&Self, &Gpu, Option<&DeviceTensor>) -> Result<(DeviceTensor, Vec<Vec<DeviceTensor>>)> + use<W>,
+    )> {
+        let mut made = None;
+        let mut outs = None;
+        if let Some(places) = self.small_grad_slots().filter(|_| self.writes_small_grads()) {
+            let vectors = places.iter().map(|&(_, len)| gpu.alloc(&[len])).collect::<Result<Vec<_>>>()?;
+            // SAFETY: each a new vector of its length, kept (in `made`) by the closure the
+            // caller runs after the backward.
+            outs = unsafe { GradOuts::new(vectors.iter().map(|v| (VectorWord::of_f32(&v.buf), v.len()))) };
+            made = outs.as_ref().map(|_| vectors);
+        }
+        let small = move |block: &Self, gpu: &Gpu, slots: Option<&DeviceTensor>| match (slots, made) {
+            (Some(slots), _) => block.small_grads(gpu, slots),
+            (None, Some(vectors)) => {
+                let mut it = vectors.into_iter();
+                let db = it.next().ok_or_else(|| Error::Shape("no bias gradient".into()))?;
+                let mut ops: Vec<Vec<DeviceTensor>> = (0..block.first_op).map(|_| Vec::new()).collect();
+                for op in block.spec.chain.0.iter().skip(block.first_op) {
+                    ops.push(
+                        op.param_bases()
+                            .iter()
+                            .map(|_| it.next())
+                            .collect::<Option<Vec<_>>>()
+                            .ok_or_else(|| Error::Shape("fewer gradient vectors than chain parameters".into()))?,
+                    );
+                }
+                Ok((db, ops))
+            }
+            (None, None) => Err(Error::Shape("the chain backward kept no gradient sums".into())),
+        };
+        Ok((outs, small))
+    }
+
     /// The bias's and the chain parameters' gradients from the chain backward's sums
     /// `slots` (slot 0: the GEMM's bias; then each op parameter in chain order), spread
     /// back over the unfolded bias where an AvgPool was folded.
@@ -985,8 +1040,8 @@ impl GpuBlock {
         dy: &DeviceTensor,
         phases: Option<&mut Phases>,
     ) -> Result<DeviceGrads> {
-        let small = |block: &Self, gpu: &Gpu, slots: &DeviceTensor| block.small_grads(gpu, slots);
-        let (dx, dw, (db, ops)) = self.backward_parts(gpu, x, saved, dy, phases, small)?;
+        let (outs, small) = self.small_grads_by_backward(gpu)?;
+        let (dx, dw, (db, ops)) = self.backward_parts(gpu, x, saved, dy, phases, outs.as_ref(), small)?;
         Ok(DeviceGrads { x: input_grad(dx)?, params: DeviceParams { linear_weight: dw, linear_bias: db, ops } })
     }
 
@@ -994,6 +1049,9 @@ impl GpuBlock {
     /// none: [`GpuBlock::with_input_grad`]), `dW`, and what `small` makes of the
     /// chain backward's parameter-gradient slots (see [`GpuBlock::small_grad_slots`]):
     /// [`GpuBlock::small_grads`], or a framework's own tensors in its parameters' dtypes.
+    /// Where the chain backward runs tile-wise ([`GpuBlock::writes_small_grads`]) it
+    /// writes them into `outs` itself and `small` gets no slots.
+    #[allow(clippy::too_many_arguments)]
     pub fn backward_parts<S>(
         &self,
         gpu: &Gpu,
@@ -1001,7 +1059,8 @@ impl GpuBlock {
         mut saved: Saved,
         dy: &DeviceTensor,
         mut phases: Option<&mut Phases>,
-        small: impl FnOnce(&Self, &Gpu, &DeviceTensor) -> Result<S>,
+        outs: Option<&GradOuts>,
+        small: impl FnOnce(&Self, &Gpu, Option<&DeviceTensor>) -> Result<S>,
     ) -> Result<(Option<DeviceTensor>, DeviceTensor, S)> {
         let mut mark = |name| phases.as_deref_mut().map_or(Ok(()), |p| p.mark(gpu, name));
         if self.refine_saved(gpu, x, &mut saved)? == Refined::Done {
@@ -1009,21 +1068,23 @@ impl GpuBlock {
         }
         let (w, _) = self.gemm_params()?;
         let (dz, slots) = if let Some(bn) = self.batch_norm {
-            match self.backward_batch_norm(gpu, (&saved.z, saved.batch_stats.as_ref()), dy, bn)? {
+            let (dz, slots) = match self.backward_batch_norm(gpu, (&saved.z, saved.batch_stats.as_ref()), dy, bn)? {
                 Some(done) => done,
                 None => self.backward_batch_norm_rows(gpu, (&saved.z, saved.batch_stats.as_ref()), dy, bn)?,
-            }
+            };
+            (dz, Some(slots))
         } else if self.tile_backward() {
-            epilogue_tiles_backward(gpu, &self.chain, &saved.z, dy)?
+            epilogue_tiles_backward(gpu, &self.chain, &saved.z, dy, outs.filter(|_| self.writes_small_grads()))?
         } else {
-            epilogue_rows_backward(gpu, &self.chain, &saved.z, dy, self.out_width())?
+            let (dz, slots) = epilogue_rows_backward(gpu, &self.chain, &saved.z, dy, self.out_width())?;
+            (dz, Some(slots))
         };
         drop(saved);
         mark("chain backward")?;
         if let Some((dx, dw)) = self.row_dot_grads(gpu, x, &dz)? {
             drop(dz);
             mark("dX and dW")?;
-            let small = small(self, gpu, &slots)?;
+            let small = small(self, gpu, slots.as_ref())?;
             mark("gradient bookkeeping")?;
             return Ok((dx, dw, small));
         }
@@ -1045,7 +1106,7 @@ impl GpuBlock {
             Some(f) => unfold_rows_mean_grad::<f32>(gpu, &dw, self.spec.out_features, f.pool)?,
             None => dw,
         };
-        let small = small(self, gpu, &slots)?;
+        let small = small(self, gpu, slots.as_ref())?;
         mark("gradient bookkeeping")?;
         Ok((dx, dw, small))
     }

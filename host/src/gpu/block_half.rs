@@ -19,7 +19,7 @@ use super::block::{DeviceGrads, DeviceParams, Folded, FoldedWeight, GpuBlock, Ho
 use super::dispatch::{self, Family, Role, Route, Storage};
 use super::dot;
 use super::elementwise::{to_half, unfold_rows_mean_grad, widen, widen_on};
-use super::epilogue::lanes::{epilogue_split_tiles, epilogue_tiles_backward};
+use super::epilogue::lanes::{GradOuts, epilogue_split_tiles, epilogue_tiles_backward};
 use super::epilogue::partials;
 use super::epilogue::rows::{epilogue_rows, epilogue_rows_backward};
 use super::gemm::fp8;
@@ -308,8 +308,8 @@ impl<H: HalfElement> GpuBlock<H> {
         saved: Saved,
         dy: &DeviceTensor<H>,
     ) -> Result<DeviceGrads<H>> {
-        let small = |block: &Self, gpu: &Gpu, slots: &DeviceTensor| block.small_grads(gpu, slots);
-        let (dx, dw, (db, ops)) = self.backward_parts(gpu, x, saved, dy, None, small)?;
+        let (outs, small) = self.small_grads_by_backward(gpu)?;
+        let (dx, dw, (db, ops)) = self.backward_parts(gpu, x, saved, dy, None, outs.as_ref(), small)?;
         Ok(DeviceGrads {
             x: super::block::input_grad(dx)?,
             params: DeviceParams { linear_weight: dw, linear_bias: db, ops },
@@ -318,6 +318,7 @@ impl<H: HalfElement> GpuBlock<H> {
 
     /// [`GpuBlock::backward`] up to the small gradients, as the FP32 block's
     /// `backward_parts` (`phases` is not marked: the 16-bit backward has no phase timing).
+    #[allow(clippy::too_many_arguments)]
     pub fn backward_parts<S>(
         &self,
         gpu: &Gpu,
@@ -325,7 +326,8 @@ impl<H: HalfElement> GpuBlock<H> {
         saved: Saved,
         dy: &DeviceTensor<H>,
         _phases: Option<&mut super::Phases>,
-        small: impl FnOnce(&Self, &Gpu, &DeviceTensor) -> Result<S>,
+        outs: Option<&GradOuts>,
+        small: impl FnOnce(&Self, &Gpu, Option<&DeviceTensor>) -> Result<S>,
     ) -> Result<(Option<DeviceTensor<H>>, DeviceTensor<H>, S)> {
         let (n, k) = (self.gemm_width(), self.spec.in_features);
         let m = match x.shape[..] {
@@ -341,11 +343,12 @@ impl<H: HalfElement> GpuBlock<H> {
             return Err(Error::tensor("dy", format!("expected {m} x {} values, got {:?}", self.out_width(), dy.shape)));
         }
         // dz in the 16-bit type: the row-wise backward reads and writes it; the tile-wise
-        // one too where rows are 8-byte aligned, otherwise the FP32 one on a widened dy,
-        // rounded.
+        // one too where rows are 8-byte aligned and the chain's vectors are stored in the
+        // type, otherwise the FP32 one on a widened dy, rounded.
+        let outs = outs.filter(|_| self.writes_small_grads());
         let (dz, slots) = if let Some(bn) = self.batch_norm {
             // In FP32 through the statistics (`gpu/batch_norm.rs`), `dz` rounded once.
-            match self.backward_batch_norm(gpu, (&saved.z, saved.batch_stats.as_ref()), dy, bn)? {
+            let (dz, slots) = match self.backward_batch_norm(gpu, (&saved.z, saved.batch_stats.as_ref()), dy, bn)? {
                 Some(done) => done,
                 None => {
                     let (dz, slots) = self.backward_batch_norm_rows(
@@ -356,25 +359,27 @@ impl<H: HalfElement> GpuBlock<H> {
                     )?;
                     (to_half(gpu, &dz)?, slots)
                 }
-            }
+            };
+            (dz, Some(slots))
         } else if !self.tile_backward() {
-            epilogue_rows_backward(gpu, &self.chain, &saved.z, dy, self.out_width())?
-        } else if n % 4 == 0 && dy.buf.device_address().is_multiple_of(8) {
-            epilogue_tiles_backward(gpu, &self.chain, &saved.z, dy)?
+            let (dz, slots) = epilogue_rows_backward(gpu, &self.chain, &saved.z, dy, self.out_width())?;
+            (dz, Some(slots))
+        } else if n % 4 == 0 && dy.buf.device_address().is_multiple_of(8) && self.chain.params_stored_as(H::DTYPE) {
+            epilogue_tiles_backward(gpu, &self.chain, &saved.z, dy, outs)?
         } else {
-            let (dz, slots) = epilogue_tiles_backward(gpu, &self.chain, &saved.z, &widen(gpu, dy)?)?;
+            let (dz, slots) = epilogue_tiles_backward(gpu, &self.chain, &saved.z, &widen(gpu, dy)?, outs)?;
             (to_half(gpu, &dz)?, slots)
         };
         drop(saved);
         if self.precision.is_fp8() {
             let (dx, dw) = self.grad_gemms_fp8(gpu, x, &dz)?;
             drop(dz);
-            let small = small(self, gpu, &slots)?;
+            let small = small(self, gpu, slots.as_ref())?;
             return Ok((dx, dw, small));
         }
         if let Some((dx, dw)) = self.row_dot_grads(gpu, x, &dz)? {
             drop(dz);
-            let small = small(self, gpu, &slots)?;
+            let small = small(self, gpu, slots.as_ref())?;
             return Ok((dx, dw, small));
         }
         // The GEMMs' weight: the block's, or a folded AvgPool's rounded to the type (the
@@ -449,7 +454,7 @@ impl<H: HalfElement> GpuBlock<H> {
             (WeightGrad::F32(dw), Some(f)) => unfold_rows_mean_grad::<H>(gpu, &dw, self.spec.out_features, f.pool)?,
             (WeightGrad::F32(dw), None) => to_half(gpu, &dw)?,
         };
-        let small = small(self, gpu, &slots)?;
+        let small = small(self, gpu, slots.as_ref())?;
         Ok((dx, dw, small))
     }
 

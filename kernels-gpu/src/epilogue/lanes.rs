@@ -13,10 +13,10 @@ use crate::prelude::element::{Bf16, Element, F16};
 use crate::prelude::math::{fma, rsqrt};
 use crate::prelude::warp::shfl_xor;
 use crate::prelude::*;
-use crate::prelude::vector::with_reader;
+use crate::prelude::vector::{check_stored, store4_to, with_reader};
 use crate::unroll;
 use kernel_abi::epilogue::*;
-use kernel_abi::gemm_fma::MAX_TILE_OPS;
+use kernel_abi::gemm_fma::{MAX_GRAD_SLOTS, MAX_TILE_OPS};
 
 /// 16 bytes, for vector loads and stores.
 #[derive(Clone, Copy)]
@@ -308,6 +308,10 @@ fn scale_by(g: &mut [[f32; 4]; 2], x: &[[f32; 4]; 2], df: impl Fn(f32) -> f32) {
 /// * `partials`: `(row_blocks, slots, n)`: slot 0 sums `dz` (the Linear bias's
 ///   gradient), then one slot per op parameter in chain order; `sum_partials` adds
 ///   over the row blocks.
+/// * `outs`: where `outs[0]` is a vector (not 0) and the grid has one row block, the
+///   gradients themselves: slot `k`'s `n` sums go to the vector `outs[k]`
+///   (`kernel_abi::vector` words, each rounded into its own type) and `partials` is
+///   not touched. The ops' parameter vectors are FP32 (16-bit kernels: stored as `dy`).
 ///
 /// # Thread mapping
 /// Warp `w` takes the row pairs `2 w, 2 w + 1`, then `+ 16`, .. of the block's rows;
@@ -315,6 +319,8 @@ fn scale_by(g: &mut [[f32; 4]; 2], x: &[[f32; 4]; 2], df: impl Fn(f32) -> f32) {
 /// its own slice of shared memory; at the end the 8 warps' sums are added.
 #[unsafe(no_mangle)]
 #[allow(clippy::too_many_arguments)]
+// `outs` is a by-value kernel parameter (PTX's parameter space), not a C value.
+#[allow(improper_ctypes_definitions)]
 pub unsafe extern "ptx-kernel" fn epilogue_tiles_backward(
     z: *const f32,
     dy: *const f32,
@@ -325,8 +331,9 @@ pub unsafe extern "ptx-kernel" fn epilogue_tiles_backward(
     ops: *const OpDesc,
     n_ops: u32,
     rows_per_block: u32,
+    outs: [u64; MAX_GRAD_SLOTS],
 ) {
-    unsafe { tiles_backward(z, dy, dz, partials, rows, n, ops, n_ops, rows_per_block) }
+    unsafe { tiles_backward(z, dy, dz, partials, rows, n, ops, n_ops, rows_per_block, outs) }
 }
 
 /// [`epilogue_tiles_backward`] for a 16-bit model: `dy` and `dz` in bf16 or fp16 (the
@@ -340,6 +347,7 @@ macro_rules! tiles_backward_of {
         /// otherwise the kernel writes nothing).
         #[unsafe(no_mangle)]
         #[allow(clippy::too_many_arguments)]
+        #[allow(improper_ctypes_definitions)]
         pub unsafe extern "ptx-kernel" fn $name(
             z: *const f32,
             dy: *const $t,
@@ -350,11 +358,12 @@ macro_rules! tiles_backward_of {
             ops: *const OpDesc,
             n_ops: u32,
             rows_per_block: u32,
+            outs: [u64; MAX_GRAD_SLOTS],
         ) {
             if n % 4 != 0 {
                 return;
             }
-            unsafe { tiles_backward(z, dy, dz, partials, rows, n, ops, n_ops, rows_per_block) }
+            unsafe { tiles_backward(z, dy, dz, partials, rows, n, ops, n_ops, rows_per_block, outs) }
         }
     )*};
 }
@@ -373,6 +382,7 @@ unsafe fn tiles_backward<G: Element>(
     ops: *const OpDesc,
     n_ops: u32,
     rows_per_block: u32,
+    outs: [u64; MAX_GRAD_SLOTS],
 ) {
     let half = core::mem::size_of::<G>() == 2;
     let (rows, n, n_ops) = (rows as usize, n as usize, (n_ops as usize).min(MAX_TILE_OPS));
@@ -385,10 +395,11 @@ unsafe fn tiles_backward<G: Element>(
     // uniform load) and their GroupNorm constants, then [warp][slot][lane] gradient
     // sums, then per warp [op][row][lane] saved op inputs (all ops but the last) and
     // [slot][row][z, dy][lane] its ring, 16 bytes per lane (tiles_backward_smem_bytes).
-    // FP32 vectors only (`Fp32Params`: the host widens a 16-bit model's for this kernel;
-    // read as stored they cost a bf16 model's backward a quarter of its time).
+    // Vectors of `G` only, plain loads (`Typed<G>`: read per load as any type they cost
+    // a bf16 model's backward a quarter of its time; the host widens a mixed model's and
+    // runs the FP32 kernel).
     // SAFETY: `ops` holds `n_ops` descriptors.
-    unsafe { Fp32Params::check(ops, n_ops) };
+    unsafe { check_stored::<G>(ops, n_ops) };
     let base = dynamic_shared::<F4>(); // 16-byte aligned
     let descs = base as *mut OpDesc;
     // SAFETY (offset): the groups follow MAX_TILE_OPS descriptors (TILE_OP_BYTES each, both).
@@ -489,7 +500,7 @@ unsafe fn tiles_backward<G: Element>(
                 *saved.add(p * 64 + 32 + lane) = F4(x[1]);
             }
             // SAFETY: p < n_ops.
-            lane_forward_rows_with::<2, Fp32Params>(op_at(p), || unsafe { *groups.add(p) }, &mut x, n, c);
+            lane_forward_rows_with::<2, Typed<G>>(op_at(p), || unsafe { *groups.add(p) }, &mut x, n, c);
         }
         let mut slot_end = slots;
         for i in (0..n_ops).rev() {
@@ -500,7 +511,7 @@ unsafe fn tiles_backward<G: Element>(
             let op = op_at(i);
             slot_end -= param_count(op);
             // SAFETY: slot_end + param_count(op) <= slots.
-            unsafe { lane_backward_rows_with::<Fp32Params>(op, *groups.add(i), &x, &mut g, (n, c, sums, slot_end, lane, both)) };
+            unsafe { lane_backward_rows_with::<Typed<G>>(op, *groups.add(i), &x, &mut g, (n, c, sums, slot_end, lane, both)) };
         }
         // SAFETY: slot 0 < slots; rows below row_end (row 1 only when `both`).
         unsafe {
@@ -514,20 +525,30 @@ unsafe fn tiles_backward<G: Element>(
     }
     cp_async_wait_all();
 
-    // The 8 warps' sums meet; warp 0 writes the block's.
+    // The 8 warps' sums meet; warp 0 writes the block's, into the gradients themselves
+    // where the host gave them (one row block: its sums are the gradients).
     // SAFETY: indices < warps * slots * 32; uniform barrier.
     unsafe {
         sync_threads();
         if warp == 0 {
+            let direct = outs[0] != 0;
             let out = partials.add(block_idx_y() as usize * slots * n);
-            for k in 0..slots {
-                let mut v = [0.0f32; 4];
-                for w in 0..warps {
-                    let s = (*all_sums.add((w * slots + k) * 32 + lane)).0;
-                    unroll!(e in 0..4 => { v[e] += s[e]; });
+            // The slots by constant index (a run-time index into the parameter array
+            // would copy it to local memory).
+            unroll!(k in 0..8 => {
+                if k < slots {
+                    let mut v = [0.0f32; 4];
+                    for w in 0..warps {
+                        let s = (*all_sums.add((w * slots + k) * 32 + lane)).0;
+                        unroll!(e in 0..4 => { v[e] += s[e]; });
+                    }
+                    if direct {
+                        store4_to(Vector(outs[k]), n, c, v);
+                    } else {
+                        store_row4(out, v, k, n, c);
+                    }
                 }
-                store_row4(out, v, k, n, c);
-            }
+            });
         }
     }
 }

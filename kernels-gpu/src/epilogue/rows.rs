@@ -13,8 +13,12 @@ use crate::prelude::element::{Bf16, Element, F16};
 use crate::prelude::global::store_v4;
 use crate::prelude::warp::{shfl_xor, warp_max, warp_sum};
 use crate::prelude::*;
-use crate::prelude::vector::with_reader;
+use crate::prelude::vector::{store1_to, with_reader};
+use crate::unroll;
 use kernel_abi::epilogue::*;
+use kernel_abi::gemm_fma::MAX_GRAD_SLOTS;
+
+const _: () = assert!(MAX_GRAD_SLOTS == 8, "sum_partials_to and the tile-wise backward unroll 8 slots");
 
 /// Warps of a block of `ROW_THREADS`, the largest: the scratch's layout (`2 * WARPS`
 /// words) is sized for it. Every helper below takes its block's threads as `T`
@@ -1288,5 +1292,48 @@ pub unsafe extern "ptx-kernel" fn sum_partials(partials: *const f32, blocks: u32
         }
         // SAFETY: j < len.
         unsafe { *out.add(j) = s };
+    }
+}
+
+/// [`sum_partials`] of the tile-wise backward's `(blocks, slots, n)` partial sums into
+/// the gradients themselves: slot `k`'s `n` sums to the vector `outs[k]` (a
+/// `kernel_abi::vector` word: each gradient rounded once into its own type), so no
+/// launch copies them out of the slots afterwards.
+///
+/// # Safety
+/// `partials` holds `blocks * slots * n` floats, `slots <= MAX_GRAD_SLOTS`, and each of
+/// `outs[..slots]` names a vector of `n` values. Launch: 1-D, any grid covering
+/// `slots * n`.
+#[unsafe(no_mangle)]
+// The array is a by-value kernel parameter (in PTX's parameter space, as the launcher
+// pushes it), not a C value: the FFI-safety lint does not apply.
+#[allow(improper_ctypes_definitions)]
+pub unsafe extern "ptx-kernel" fn sum_partials_to(
+    partials: *const f32,
+    blocks: u32,
+    n: u32,
+    slots: u32,
+    outs: [u64; MAX_GRAD_SLOTS],
+) {
+    let j = (block_idx_x() * block_dim_x() + thread_idx_x()) as usize;
+    let (n, len) = (n as usize, slots as usize * n as usize);
+    // (`n > 0` follows from `j < len`; said here, the division needs no zero check.)
+    if j < len && n > 0 {
+        let mut s = 0.0;
+        for b in 0..blocks as usize {
+            // SAFETY: b < blocks, j < slots * n.
+            s += unsafe { *partials.add(b * len + j) };
+        }
+        let k = j / n;
+        // The slot's word by constant index (a run-time index into the parameter array
+        // would copy it to local memory).
+        let mut word = 0;
+        unroll!(i in 0..8 => {
+            if k == i {
+                word = outs[i];
+            }
+        });
+        // SAFETY: j - k n < n, the vector's length.
+        unsafe { store1_to(Vector(word), j - k * n, s) };
     }
 }

@@ -19,6 +19,9 @@ struct Words2([u32; 2]);
 
 /// An element type of the tensors a kernel reads or writes.
 pub trait Element: Copy {
+    /// How a parameter vector of this type is tagged (`kernel_abi::vector`).
+    const STORED: kernel_abi::vector::Stored;
+
     /// Stores `a` at `at`.
     ///
     /// # Safety
@@ -55,6 +58,7 @@ pub trait Element: Copy {
 }
 
 impl Element for f32 {
+    const STORED: kernel_abi::vector::Stored = kernel_abi::vector::Stored::F32;
     #[inline(always)]
     unsafe fn store1(at: *mut f32, a: f32) {
         unsafe { *at = a };
@@ -112,6 +116,7 @@ pub trait Half: Element {
 macro_rules! half_element {
     ($t:ident) => {
         impl Element for $t {
+            const STORED: kernel_abi::vector::Stored = kernel_abi::vector::Stored::$t;
             #[inline(always)]
             unsafe fn store1(at: *mut $t, a: f32) {
                 unsafe { *at = $t(<$t as Half>::pack2(a.to_bits(), 0) as u16) };

@@ -6,9 +6,10 @@
 //! [`Fp32Params`] (FP32 only, for the kernels whose host widens a 16-bit model's
 //! vectors first).
 
-use super::element::{Bf16, Element, Half};
+use super::element::{Bf16, Element, F16, Half};
 use super::global::load_v2_b32_nc;
 use super::mma::unpack_f16x2;
+use crate::unroll;
 use kernel_abi::vector::{self as abi, Stored};
 
 /// A parameter vector's word: address and storage (`kernel_abi::vector::word`).
@@ -95,6 +96,62 @@ impl Vector {
     }
 }
 
+/// Values `c..c + 4` of `v` set to `values` (rounded to nearest into a 16-bit type),
+/// those from `n` on left alone: one store where they are inside and aligned. For a
+/// kernel's vector outputs (a backward's small gradients), whose types its host picks.
+///
+/// # Safety
+/// `v` holds `n` values, starts at a 2-byte boundary (4 for FP32), and nothing else
+/// reads or writes values `c..c + 4` while the kernel runs.
+#[inline(always)]
+pub unsafe fn store4_to(v: Vector, n: usize, c: usize, values: [f32; 4]) {
+    // SAFETY: as the caller's contract says; each store below `n`.
+    unsafe {
+        match v.stored() {
+            Stored::F32 => store4_as::<f32>(v.ptr::<f32>() as *mut f32, n, c, values),
+            Stored::Bf16 => store4_as::<Bf16>(v.ptr::<Bf16>() as *mut Bf16, n, c, values),
+            Stored::F16 => store4_as::<F16>(v.ptr::<F16>() as *mut F16, n, c, values),
+        }
+    }
+}
+
+/// Value `i` of `v` set to `value` (rounded to nearest into a 16-bit type).
+///
+/// # Safety
+/// `i` is below `v`'s length; `v` starts at a 2-byte boundary (4 for FP32).
+#[inline(always)]
+pub unsafe fn store1_to(v: Vector, i: usize, value: f32) {
+    // SAFETY: as the caller's contract says.
+    unsafe {
+        match v.stored() {
+            Stored::F32 => *(v.ptr::<f32>() as *mut f32).add(i) = value,
+            Stored::Bf16 => Bf16::store1((v.ptr::<Bf16>() as *mut Bf16).add(i), value),
+            Stored::F16 => F16::store1((v.ptr::<F16>() as *mut F16).add(i), value),
+        }
+    }
+}
+
+/// `p[c..c + 4] = values` as `E`, those from `n` on left alone: one store where they are
+/// inside and aligned, else one at a time.
+///
+/// # Safety
+/// `p` holds `n` values.
+#[inline(always)]
+unsafe fn store4_as<E: Element>(p: *mut E, n: usize, c: usize, values: [f32; 4]) {
+    // SAFETY: c + 4 <= n and aligned (checked), else every index written is below n.
+    unsafe {
+        if c + 4 <= n && (p as usize + c * core::mem::size_of::<E>()).is_multiple_of(4 * core::mem::size_of::<E>()) {
+            E::store4(p.add(c), values);
+        } else {
+            unroll!(e in 0..4 => {
+                if c + e < n {
+                    E::store1(p.add(c + e), values[e]);
+                }
+            });
+        }
+    }
+}
+
 /// How a kernel reads its parameter vectors, fixed when it is compiled.
 pub trait ReadParams {
     /// Value `i` of `v`.
@@ -152,13 +209,25 @@ impl ReadParams for Fp32Params {
     }
     #[inline(always)]
     unsafe fn check(ops: *const kernel_abi::epilogue::OpDesc, n_ops: usize) {
-        for o in 0..n_ops {
-            // SAFETY: o < n_ops.
-            let op = unsafe { &*ops.add(o) };
-            if Vector(op.param0).stored() != Stored::F32 || Vector(op.param1).stored() != Stored::F32 {
-                // SAFETY: aborts the kernel.
-                unsafe { core::arch::nvptx::trap() }
-            }
+        unsafe { check_stored::<f32>(ops, n_ops) }
+    }
+}
+
+/// Stops the kernel (a launch error, not a wrong answer) unless every vector of
+/// `ops[..n_ops]` is stored as `E` (or absent): for a kernel that reads them through
+/// [`Typed<E>`] whatever their tags say.
+///
+/// # Safety
+/// `ops` holds `n_ops` descriptors.
+#[inline(always)]
+pub unsafe fn check_stored<E: Element>(ops: *const kernel_abi::epilogue::OpDesc, n_ops: usize) {
+    for o in 0..n_ops {
+        // SAFETY: o < n_ops.
+        let op = unsafe { &*ops.add(o) };
+        let off = |w: u64| w != 0 && Vector(w).stored() != E::STORED;
+        if off(op.param0) || off(op.param1) {
+            // SAFETY: aborts the kernel.
+            unsafe { core::arch::nvptx::trap() }
         }
     }
 }

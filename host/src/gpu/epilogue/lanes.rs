@@ -75,14 +75,49 @@ pub fn fits(chain: &DeviceChain) -> bool {
     chain.grad_slots <= MAX_GRAD_SLOTS && chain.ops.len() <= MAX_TILE_OPS
 }
 
-/// `dz` and the parameter-gradient sums `(grad_slots, n)` (slot 0 the Linear bias, then
-/// each op parameter in chain order), from the saved chain input `z` and `dy`, both `(rows, n)`.
+/// The small gradients' own vectors (the Linear bias's, then each chain parameter's, in
+/// slot order) for the tile-wise backward to write its sums into, each rounded once
+/// into its own type: with one row block its sums are the gradients, with more
+/// `sum_partials_to` adds them there. No launch copies them out of the slots after.
+pub struct GradOuts {
+    words: [u64; MAX_GRAD_SLOTS],
+    count: usize,
+    len: usize,
+}
+
+impl GradOuts {
+    /// The vectors by word and length (`VectorWord::of_f32`, `DeviceVector::word`);
+    /// `None` where they differ in length, are empty, or are more than the kernels take.
+    ///
+    /// # Safety
+    /// Each word names a vector of its length, live and written by nothing else until
+    /// the stream has run the backward that is given these.
+    pub unsafe fn new(vectors: impl IntoIterator<Item = (VectorWord, usize)>) -> Option<GradOuts> {
+        let (mut words, mut count, mut len) = ([0; MAX_GRAD_SLOTS], 0, None);
+        for (word, l) in vectors {
+            if count == MAX_GRAD_SLOTS || len.is_some_and(|len| len != l) || word == VectorWord::NONE {
+                return None;
+            }
+            len = Some(l);
+            words[count] = word.0;
+            count += 1;
+        }
+        len.filter(|&l| l > 0).map(|len| GradOuts { words, count, len })
+    }
+}
+
+/// `dz`, and the parameter-gradient sums `(grad_slots, n)` (slot 0 the Linear bias, then
+/// each op parameter in chain order) from the saved chain input `z` and `dy`, both
+/// `(rows, n)`; `None` for the sums where `outs` took them (one vector per slot, `n`
+/// values each; otherwise `outs` is not used). A 16-bit `dy` takes a chain whose
+/// vectors are all stored in its type ([`DeviceChain::params_stored_as`]).
 pub fn epilogue_tiles_backward<G: DeviceElement>(
     gpu: &Gpu,
     chain: &DeviceChain,
     z: &DeviceTensor,
     dy: &DeviceTensor<G>,
-) -> Result<(DeviceTensor<G>, DeviceTensor)> {
+    outs: Option<&GradOuts>,
+) -> Result<(DeviceTensor<G>, Option<DeviceTensor>)> {
     // 16-bit `dy` and `dz` (a 16-bit model's): 8-byte copies of four values.
     let half = G::DTYPE != Dtype::F32;
     let kernel = tiles_backward_kernel(G::DTYPE);
@@ -98,9 +133,20 @@ pub fn epilogue_tiles_backward<G: DeviceElement>(
     {
         return Err(Error::Shape(format!("tile-wise backward of {rows} x {n} with dy {:?}", dy.shape)));
     }
-    // Its kernel reads FP32 parameters only (`Fp32Params`): a 16-bit model's are widened
-    // here first.
-    let widened = chain.widened(gpu, n, None)?;
+    // The FP32 kernel reads FP32 vectors: a 16-bit model's are widened here first (its
+    // `dy` widened too: the caller's path where the 16-bit one does not fit). A 16-bit
+    // kernel reads its own type's, as stored.
+    let widened = if half {
+        if !chain.params_stored_as(G::DTYPE) {
+            return Err(Error::Unsupported(format!(
+                "the {} tile-wise backward of a chain whose vectors are stored otherwise",
+                G::NAME
+            )));
+        }
+        None
+    } else {
+        chain.widened(gpu, n, None)?
+    };
     let chain = Widened::chain(&widened, chain);
     // One wave of blocks, each with a long run of rows: its sums and its final
     // reduction are paid once per block. TILES_BACKWARD_BLOCKS_PER_SM fit per SM (launch
@@ -114,7 +160,10 @@ pub fn epilogue_tiles_backward<G: DeviceElement>(
     let rows_per_block = rows.div_ceil(row_blocks).next_multiple_of(2);
     let row_blocks = rows.div_ceil(rows_per_block);
     let slots = chain.grad_slots;
-    let mut partials = gpu.alloc(&[row_blocks, slots, n])?;
+    let outs = outs.filter(|o| o.count == slots && o.len == n);
+    // One row block writes the gradients itself; more write partial sums first.
+    let direct = outs.filter(|_| row_blocks == 1);
+    let mut partials = if direct.is_some() { None } else { Some(gpu.alloc(&[row_blocks, slots, n])?) };
     let mut dz = gpu.alloc_as::<G>(&[rows, n])?;
     let func = gpu.function(kernel)?;
     let smem = tiles_backward_smem_bytes(slots, chain.ops.len());
@@ -125,13 +174,26 @@ pub fn epilogue_tiles_backward<G: DeviceElement>(
         shared_mem_bytes: smem as u32,
     };
     let args = [rows, n, chain.ops.len(), rows_per_block].map(|v| v as u32);
+    let words = direct.map_or([0; MAX_GRAD_SLOTS], |o| o.words);
+    let null = 0u64;
     let mut launch = gpu.stream().launch_builder(&func);
-    launch.arg(&z.buf).arg(&dy.buf).arg(&mut dz.buf).arg(&mut partials.buf);
-    launch.arg(&args[0]).arg(&args[1]).arg(&chain.descs).arg(&args[2]).arg(&args[3]);
+    launch.arg(&z.buf).arg(&dy.buf).arg(&mut dz.buf);
+    match partials.as_mut() {
+        Some(p) => launch.arg(&mut p.buf),
+        None => launch.arg(&null),
+    };
+    launch.arg(&args[0]).arg(&args[1]).arg(&chain.descs).arg(&args[2]).arg(&args[3]).arg(&words);
     // SAFETY: matches the kernel's signature; z, dy and dz hold rows * n; partials
-    // row_blocks * slots * n, every entry written by the kernel; the chain is fusable
-    // (the caller checked) and validated against n.
+    // row_blocks * slots * n, every entry written by the kernel, or (one row block) the
+    // words name `slots` vectors of n values (`GradOuts`, checked above) and partials is
+    // not read; the chain is fusable (the caller checked) and validated against n.
     launched(kernel, unsafe { launch.launch(cfg) })?;
+    let Some(partials) = partials else { return Ok((dz, None)) };
+    if let Some(o) = outs {
+        // SAFETY: partials holds row_blocks * slots * n sums; the words as above.
+        unsafe { super::rows::sum_partials_to(gpu, &partials, row_blocks, slots, n, &o.words)? };
+        return Ok((dz, None));
+    }
     let grads = super::rows::sum_partials(gpu, partials, row_blocks, slots * n)?;
-    Ok((dz, grads.reshape(&[slots, n])?))
+    Ok((dz, Some(grads.reshape(&[slots, n])?)))
 }

@@ -6,7 +6,7 @@ pub mod partials;
 pub mod rows;
 
 use super::elementwise::{Convert, Vector, convert_vectors};
-use super::{DeviceTensor, DeviceVector, Gpu, Table, VectorArg, VectorWord};
+use super::{DeviceTensor, DeviceVector, Dtype, Gpu, Table, VectorArg, VectorWord};
 use crate::chain::{Op, Reduce};
 use crate::error::{Error, Result};
 use kernel_abi::epilogue::*;
@@ -173,6 +173,17 @@ pub unsafe fn widen_words(gpu: &Gpu, vectors: &[(u64, usize)]) -> Result<Option<
 }
 
 impl DeviceChain {
+    /// Whether every parameter vector of the chain is stored as `dtype` (a 16-bit
+    /// tile-wise backward reads its own type only).
+    pub fn params_stored_as(&self, dtype: Dtype) -> bool {
+        let stored = match dtype {
+            Dtype::F32 => Stored::F32,
+            Dtype::Bf16 => Stored::Bf16,
+            Dtype::F16 => Stored::F16,
+        };
+        self.ops.iter().flat_map(|op| [op.param0, op.param1]).all(|w| w == 0 || vector::stored(w) == stored)
+    }
+
     /// The row reduction this chain ends in, if it does: the TMA GEMM then stores row
     /// partials for `row_partials_finish` (`dispatch::Plan::RowPartials`), not `y`.
     pub fn reduction(&self) -> Option<u32> {

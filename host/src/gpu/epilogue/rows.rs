@@ -10,6 +10,7 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 use kernel_abi::epilogue::{
     OP_AVG_POOL, OP_MAX_POOL, row_backward_smem_bytes, row_smem_bytes, row_smem_bytes_unpooled,
 };
+use kernel_abi::gemm_fma::MAX_GRAD_SLOTS;
 use kernel_abi::kernels::Kernel;
 
 /// Refuses what the kernel cannot launch: one block per row (`gridDim.x` < 2^31),
@@ -164,6 +165,34 @@ pub unsafe fn sum_partials_into(gpu: &Gpu, partials: &DeviceTensor, blocks: usiz
     // SAFETY: (partials, blocks, len, out) as `sum_partials` takes; sizes checked above,
     // `out`'s by the caller.
     launched(Kernel::SumPartials, unsafe { l.launch(cfg) })
+}
+
+/// [`sum_partials`] of the tile-wise backward's `(blocks, slots, n)` sums into the
+/// vectors of `words` (`kernel_abi::vector` words, `n` values each), each rounded once
+/// into its own type.
+///
+/// # Safety
+/// Each of `words[..slots]` names a vector of `n` values, valid until the stream has
+/// run the launch.
+pub unsafe fn sum_partials_to(
+    gpu: &Gpu,
+    partials: &DeviceTensor,
+    blocks: usize,
+    slots: usize,
+    n: usize,
+    words: &[u64; MAX_GRAD_SLOTS],
+) -> Result<()> {
+    let len = slots * n;
+    if partials.len() < blocks * len || slots > MAX_GRAD_SLOTS || len > u32::MAX as usize {
+        return Err(Error::Shape(format!("{} partial sums for {blocks} x {slots} x {n}", partials.len())));
+    }
+    let (b32, n32, s32) = (blocks as u32, n as u32, slots as u32);
+    let (func, cfg) = gpu.kernel_1d(Kernel::SumPartialsTo, len, 0)?;
+    let mut l = gpu.stream().launch_builder(&func);
+    l.arg(&partials.buf).arg(&b32).arg(&n32).arg(&s32).arg(words);
+    // SAFETY: (partials, blocks, n, slots, outs) as `sum_partials_to` takes; sizes
+    // checked above, the vectors' by the caller.
+    launched(Kernel::SumPartialsTo, unsafe { l.launch(cfg) })
 }
 
 #[cfg(test)]
