@@ -314,13 +314,16 @@ pub fn outer_sum<U: DeviceElement, V: DeviceElement>(
     if [rows, cols, ldu, ldv].iter().any(|&d| d > u32::MAX as usize) {
         return Err(Error::Shape(format!("an outer product of {rows} x {cols} exceeds its 32-bit launch")));
     }
-    // Blocks of OUTER_MAX_BLOCK_ROWS rows (each thread's quads of `v` serve them all):
-    // 2048 blocks for 8192^2, and a small `dW` on a few SMs, which leaves the rest to
-    // `dX` beside it. (Spread over every SM, 342 blocks of 3 rows, TF32's training step
-    // at one row of 1024^2 took 4 us longer in a CUDA graph, the kernel itself 2.5 us
-    // against the tile GEMM's 6.2: H200, 2026-11-29.)
+    // Blocks of up to OUTER_MAX_BLOCK_ROWS rows (each thread's quads of `v` serve them
+    // all), spread over half the SMs where the rows allow: 2048 blocks for 8192^2, and a
+    // small `dW` on half the SMs, which leaves the rest to `dX` beside it. (H200,
+    // 2026-11-29, graph training step at 1-8 rows of 1024^2: 32 blocks of 32 rows,
+    // outer_sum_bf16 4.5 us; 64 of 16, 3.1 us, the bf16 step 4-5% shorter; 128 of 8, 2.5
+    // us, the step 2-4% longer: dX waits for SMs. Over every SM, 342 blocks of 3 rows,
+    // TF32's step at one row took 4 us longer.)
     let col_blocks = cols.div_ceil(OUTER_BLOCK_COLS);
-    let block_rows = rows.min(OUTER_MAX_BLOCK_ROWS);
+    let per_col_block = (gpu.props.multiprocessors / 2 / col_blocks).max(1);
+    let block_rows = rows.div_ceil(per_col_block).clamp(1, OUTER_MAX_BLOCK_ROWS);
     let row_blocks = rows.div_ceil(block_rows);
     if col_blocks > u16::MAX as usize || row_blocks > i32::MAX as usize {
         return Err(Error::Shape(format!("an outer product of {rows} x {cols} exceeds its launch grid")));
