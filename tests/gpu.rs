@@ -1702,16 +1702,29 @@ fn half_params_read_as_stored_equal_fp32_copies() {
                 linear_bias: gpu.upload(&p.linear_bias.to_f32()).unwrap(),
                 ops: p.ops.iter().map(|v| v.iter().map(|t| gpu.upload(&t.to_f32()).unwrap()).collect()).collect(),
             };
+            let copies: Vec<host::gpu::DeviceVector> = std::iter::once(&widened.linear_bias)
+                .chain(widened.ops.iter().flatten())
+                .map(|t| gpu.upload(&gpu.download(t).unwrap()).unwrap().into())
+                .collect();
             let widened = GpuBlock::from_device_in(gpu, spec, widened, precision).unwrap();
+            // The stored block switched to FP32 copies of its vectors (what the PyTorch op's
+            // backward does where its chain backward reads FP32), its fold kept.
+            let switched = GpuBlock::from_device_in(gpu, spec, DeviceParams::upload_half(gpu, &p).unwrap(), precision)
+                .unwrap()
+                .with_vectors(gpu, copies)
+                .unwrap();
             let plan = stored.plan(gpu, x.shape()[0]);
             let path = stored.describe(gpu, &plan);
             let (a, w) =
                 (stored.forward_backward(gpu, &x, &dy).unwrap(), widened.forward_backward(gpu, &x, &dy).unwrap());
+            let s = switched.forward_backward(gpu, &x, &dy).unwrap();
             let same = |u: &[f32], v: &[f32]| u.iter().zip(v).all(|(p, q)| p.to_bits() == q.to_bits());
-            assert!(same(a.y.data(), w.y.data()), "{name}: y differs ({path})");
-            assert!(same(a.x.data(), w.x.data()), "{name}: dX differs ({path})");
-            for (k, (g, h)) in a.params.flat().iter().zip(w.params.flat()).enumerate() {
-                assert!(same(g.data(), h.data()), "{name}: gradient {k} differs ({path})");
+            for (b, which) in [(&w, "FP32 copies"), (&s, "FP32 copies by with_vectors")] {
+                assert!(same(a.y.data(), b.y.data()), "{name}: y differs on {which} ({path})");
+                assert!(same(a.x.data(), b.x.data()), "{name}: dX differs on {which} ({path})");
+                for (k, (g, h)) in a.params.flat().iter().zip(b.params.flat()).enumerate() {
+                    assert!(same(g.data(), h.data()), "{name}: gradient {k} differs on {which} ({path})");
+                }
             }
             println!("{name:<66} bitwise equal: {path}");
         }

@@ -570,35 +570,33 @@ fn gpu_call<W: DeviceElement>(
         .map_err(to_py)
     };
     let borrow_params = || [&call.bias].into_iter().chain(&call.params).map(borrow_param).collect::<PyResult<Vec<_>>>();
-    let build = |params: Vec<DeviceVector>| -> PyResult<GpuBlock<W>> {
-        let mut flat = params.into_iter();
-        let linear_bias =
-            flat.next().ok_or_else(|| PyRuntimeError::new_err("fused_linear: internal error: no bias"))?;
-        let ops = call
-            .block
-            .spec
-            .chain
-            .0
-            .iter()
-            .map(|op| op.param_bases().iter().map(|_| flat.next().unwrap()).collect())
-            .collect();
-        let params = DeviceParams { linear_weight: borrow_w(&call.weight)?, linear_bias, ops };
-        GpuBlock::from_device_in(&gpu, &call.block.spec, params, call.precision).map_err(to_py)
-    };
-    let mut block = build(borrow_params()?)?;
+    let params = borrow_params()?;
+    let words = params.iter().map(|v| Ok((v.word()?.0, v.len()))).collect::<host::Result<Vec<_>>>().map_err(to_py)?;
+    let mut flat = params.into_iter();
+    let linear_bias = flat.next().ok_or_else(|| PyRuntimeError::new_err("fused_linear: internal error: no bias"))?;
+    let ops = call
+        .block
+        .spec
+        .chain
+        .0
+        .iter()
+        .map(|op| op.param_bases().iter().map(|_| flat.next().unwrap()).collect())
+        .collect();
+    let params = DeviceParams { linear_weight: borrow_w(&call.weight)?, linear_bias, ops };
+    let mut block = GpuBlock::from_device_in(&gpu, &call.block.spec, params, call.precision).map_err(to_py)?;
     let mut widened = None;
     if vectors == Vectors::Backward && !block.backward_reads_params_as_stored() {
-        let mut params = borrow_params()?;
-        let words = params.iter().map(|v| Ok((v.word()?.0, v.len()))).collect::<host::Result<Vec<_>>>();
         // SAFETY: each word is a vector borrowed above, which the caller holds for the call.
-        if let Some((copies, at)) = unsafe { widen_words(&gpu, &words.map_err(to_py)?) }.map_err(to_py)? {
+        if let Some((copies, at)) = unsafe { widen_words(&gpu, &words) }.map_err(to_py)? {
+            let mut params = borrow_params()?;
             for (v, dst) in params.iter_mut().zip(at) {
                 if let Some(dst) = dst {
                     // SAFETY: its FP32 copy inside `copies`, which the returned call keeps.
                     *v = DeviceVector::F32(unsafe { gpu.borrow_tensor::<f32>(dst, v.shape()) }.map_err(to_py)?);
                 }
             }
-            block = build(params)?;
+            // The same block over the copies (a folded weight is not made again).
+            block = block.with_vectors(&gpu, params).map_err(to_py)?;
             widened = Some(copies);
         }
     }

@@ -182,6 +182,40 @@ pub(super) struct RowPartials {
     pub(super) tail: DeviceChain,
 }
 
+/// The chains the kernels run over `params` (a fold's ops, on the pooled width, then
+/// the spec's up to a BatchNorm), why the fused kernel cannot run it if it cannot, and
+/// the chain of [`Plan::RowPartials`] in two where it applies.
+fn device_chains<W>(
+    gpu: &Gpu,
+    spec: &BlockSpec,
+    params: &DeviceParams<W, DeviceVector>,
+) -> Result<(DeviceChain, Option<String>, Option<RowPartials>)> {
+    let fold = dispatch::fold(spec);
+    let first_op = fold.as_ref().map_or(0, |f| f.first_op);
+    let batch_norm = spec.chain.batch_norm();
+    let end = batch_norm.map_or(spec.chain.0.len(), |(k, _)| k);
+    let before = fold.map_or(Vec::new(), |f| f.before);
+    let ops = &spec.chain.0[first_op..end];
+    let chain = DeviceChain::new(gpu, &before, ops, &params.ops[first_op..end])?;
+    let not_fusable = before
+        .iter()
+        .map(|op| (op, spec.features_at(first_op)))
+        .chain(ops.iter().enumerate().map(|(i, op)| (op, spec.features_at(first_op + i))))
+        .find_map(|(op, width)| not_fusable(op, width));
+    // (Not after a fold, whose ops are no slice of the spec's, nor before a BatchNorm.)
+    let row_partials = match dispatch::row_partials_at(ops, |i| spec.features_at(first_op + i)) {
+        Some(at) if before.is_empty() && first_op == 0 && batch_norm.is_none() => {
+            let (head, tail) = (&ops[..=at], &ops[at + 1..]);
+            let split = first_op + at + 1;
+            let head = DeviceChain::new(gpu, &[], head, &params.ops[first_op..split])?;
+            let tail = DeviceChain::new(gpu, &[], tail, &params.ops[split..end])?;
+            Some(RowPartials { head, tail })
+        }
+        _ => None,
+    };
+    Ok((chain, not_fusable, row_partials))
+}
+
 /// The Linear layer's gradients: `dX` (`None` where the block computes none) and `dW`.
 pub(super) type LinearGrads<W> = (Option<DeviceTensor<W>>, DeviceTensor<W>);
 
@@ -317,27 +351,7 @@ impl<W: DeviceElement> GpuBlock<W> {
         let fold = dispatch::fold(spec);
         let first_op = fold.as_ref().map_or(0, |f| f.first_op);
         let batch_norm = spec.chain.batch_norm();
-        let end = batch_norm.map_or(spec.chain.0.len(), |(k, _)| k);
-        // The kernels' ops: a fold's (on the pooled width, no parameters), then the chain's.
-        let before = fold.map_or(Vec::new(), |f| f.before);
-        let ops = &spec.chain.0[first_op..end];
-        let chain = DeviceChain::new(gpu, &before, ops, &params.ops[first_op..end])?;
-        let not_fusable = before
-            .iter()
-            .map(|op| (op, spec.features_at(first_op)))
-            .chain(ops.iter().enumerate().map(|(i, op)| (op, spec.features_at(first_op + i))))
-            .find_map(|(op, width)| not_fusable(op, width));
-        // (Not after a fold, whose ops are no slice of the spec's, nor before a BatchNorm.)
-        let row_partials = match dispatch::row_partials_at(ops, |i| spec.features_at(first_op + i)) {
-            Some(at) if before.is_empty() && first_op == 0 && batch_norm.is_none() => {
-                let (head, tail) = (&ops[..=at], &ops[at + 1..]);
-                let split = first_op + at + 1;
-                let head = DeviceChain::new(gpu, &[], head, &params.ops[first_op..split])?;
-                let tail = DeviceChain::new(gpu, &[], tail, &params.ops[split..end])?;
-                Some(RowPartials { head, tail })
-            }
-            _ => None,
-        };
+        let (chain, not_fusable, row_partials) = device_chains(gpu, spec, &params)?;
         let mut block = GpuBlock {
             spec: spec.clone(),
             params,
@@ -354,6 +368,36 @@ impl<W: DeviceElement> GpuBlock<W> {
         .with_precision(precision);
         block.fold(gpu)?;
         Ok(block)
+    }
+
+    /// The same block over other bias and chain vectors of the same shapes (the Linear
+    /// bias's, then each op's, in chain order) and values: FP32 copies of a 16-bit
+    /// model's, for a backward that reads FP32. Its chains are remade; a folded weight
+    /// is not.
+    pub fn with_vectors(mut self, gpu: &Gpu, vectors: Vec<DeviceVector>) -> Result<GpuBlock<W>> {
+        let mut flat = vectors.into_iter();
+        let mut next = |name: &str, shape: &[usize]| -> Result<DeviceVector> {
+            let v = flat.next().ok_or_else(|| Error::Shape(format!("no vector for `{name}`")))?;
+            if v.shape() != shape {
+                return Err(Error::tensor(name, format!("expected shape {shape:?}, got {:?}", v.shape())));
+            }
+            Ok(v)
+        };
+        let specs = self.spec.param_specs();
+        let mut named = specs.iter().skip(1);
+        let mut take = |current: &DeviceVector| {
+            let s = named.next().ok_or_else(|| Error::Shape("more vectors than the block's parameters".into()))?;
+            next(&s.name, current.shape())
+        };
+        let bias = take(&self.params.linear_bias)?;
+        let ops = self.params.ops.iter().map(|op| op.iter().map(&mut take).collect()).collect::<Result<Vec<_>>>()?;
+        if flat.next().is_some() {
+            return Err(Error::Shape("more vectors than the block's parameters".into()));
+        }
+        self.params.linear_bias = bias;
+        self.params.ops = ops;
+        (self.chain, _, self.row_partials) = device_chains(gpu, &self.spec, &self.params)?;
+        Ok(self)
     }
 
     /// The same block with its GEMMs in `precision` (a 16-bit model's are in its type's
