@@ -570,9 +570,7 @@ fn gpu_call<W: DeviceElement>(
         .map_err(to_py)
     };
     let borrow_params = || [&call.bias].into_iter().chain(&call.params).map(borrow_param).collect::<PyResult<Vec<_>>>();
-    let params = borrow_params()?;
-    let words = params.iter().map(|v| Ok((v.word()?.0, v.len()))).collect::<host::Result<Vec<_>>>().map_err(to_py)?;
-    let mut flat = params.into_iter();
+    let mut flat = borrow_params()?.into_iter();
     let linear_bias = flat.next().ok_or_else(|| PyRuntimeError::new_err("fused_linear: internal error: no bias"))?;
     let ops = call
         .block
@@ -586,9 +584,10 @@ fn gpu_call<W: DeviceElement>(
     let mut block = GpuBlock::from_device_in(&gpu, &call.block.spec, params, call.precision).map_err(to_py)?;
     let mut widened = None;
     if vectors == Vectors::Backward && !block.backward_reads_params_as_stored() {
-        // SAFETY: each word is a vector borrowed above, which the caller holds for the call.
-        if let Some((copies, at)) = unsafe { widen_words(&gpu, &words) }.map_err(to_py)? {
-            let mut params = borrow_params()?;
+        let mut params = borrow_params()?;
+        let words = params.iter().map(|v| Ok((v.word()?.0, v.len()))).collect::<host::Result<Vec<_>>>();
+        // SAFETY: each word is a vector borrowed here, which the caller holds for the call.
+        if let Some((copies, at)) = unsafe { widen_words(&gpu, &words.map_err(to_py)?) }.map_err(to_py)? {
             for (v, dst) in params.iter_mut().zip(at) {
                 if let Some(dst) = dst {
                     // SAFETY: its FP32 copy inside `copies`, which the returned call keeps.
@@ -806,9 +805,9 @@ fn small_grad_outputs<W: DeviceElement>(
 
 /// The bias's and the chain parameters' gradients out of the backward's `slots`, each in
 /// its parameter's dtype (`dtypes`: the bias's, then the chain's), into `made`
-/// ([`small_grad_outputs`]) or new tensors: one launch copies or rounds them all. Where
-/// an AvgPool is folded (its bias gradient is spread back by a kernel) through the
-/// block's FP32 ones, 16-bit ones rounded after.
+/// ([`small_grad_outputs`]'s tensors): one launch copies or rounds them all. Where an
+/// AvgPool is folded (its bias gradient is spread back by a kernel; no `made`) through
+/// the block's FP32 ones into new tensors, 16-bit ones rounded after.
 fn small_grads<W: DeviceElement>(
     block: &GpuBlock<W>,
     gpu: &Gpu,
@@ -833,14 +832,8 @@ fn small_grads<W: DeviceElement>(
                     slots.len()
                 )));
             }
-            let out = match made {
-                Some(made) => made,
-                None => places
-                    .iter()
-                    .zip(dtypes)
-                    .map(|(&(_, len), &dtype)| new_vector(gpu, len, dtype))
-                    .collect::<host::Result<Vec<_>>>()?,
-            };
+            let out =
+                made.ok_or_else(|| host::Error::Shape("no gradient tensors made for the block's slots".into()))?;
             (places.iter().map(|&(at, len)| (slots.buf.device_address() + (at * 4) as u64, len)).collect(), out)
         }
         None => {

@@ -71,6 +71,16 @@ impl Dtype {
         }
     }
 
+    /// How a parameter vector of this dtype is tagged for the kernels
+    /// (`kernel_abi::vector`).
+    pub fn stored(self) -> Stored {
+        match self {
+            Dtype::F32 => Stored::F32,
+            Dtype::Bf16 => Stored::Bf16,
+            Dtype::F16 => Stored::F16,
+        }
+    }
+
     /// The element kind an allocator hands out for this dtype.
     pub fn kind(self) -> ElementKind {
         match self {
@@ -182,13 +192,8 @@ impl DeviceVector {
     /// The word the kernels take for it: its address, with how it is stored in the top
     /// byte.
     pub fn word(&self) -> Result<VectorWord> {
-        let stored = match self.dtype() {
-            Dtype::F32 => Stored::F32,
-            Dtype::Bf16 => Stored::Bf16,
-            Dtype::F16 => Stored::F16,
-        };
         let address = self.address();
-        kernel_abi::vector::word(address, stored).map(VectorWord).ok_or_else(|| {
+        kernel_abi::vector::word(address, self.dtype().stored()).map(VectorWord).ok_or_else(|| {
             Error::Shape(format!(
                 "a parameter vector at device address {address:#x}: the kernels take addresses below 2^{}",
                 kernel_abi::vector::STORED_SHIFT

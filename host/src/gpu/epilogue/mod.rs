@@ -176,11 +176,7 @@ impl DeviceChain {
     /// Whether every parameter vector of the chain is stored as `dtype` (a 16-bit
     /// tile-wise backward reads its own type only).
     pub fn params_stored_as(&self, dtype: Dtype) -> bool {
-        let stored = match dtype {
-            Dtype::F32 => Stored::F32,
-            Dtype::Bf16 => Stored::Bf16,
-            Dtype::F16 => Stored::F16,
-        };
+        let stored = dtype.stored();
         self.ops.iter().flat_map(|op| [op.param0, op.param1]).all(|w| w == 0 || vector::stored(w) == stored)
     }
 
